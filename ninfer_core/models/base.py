@@ -1,0 +1,53 @@
+"""The contract between the engine and every model: one batched forward over a paged cache.
+
+A step runs B sequences with T >= 1 new tokens each (T = 1 for decode, T = K+1 for speculative
+verification, T = chunk for prefill with B = 1). Every sequence owns one state slot (GDN conv +
+recurrent state) and a list of KV pages (its row in `block_table`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from ..config import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [B, T] int64
+    positions: torch.Tensor  # [B, T] int64 absolute positions of the new tokens
+    cache_lens: torch.Tensor  # [B] int64 tokens already in the KV cache before this step
+    slots: torch.Tensor  # [B] int64 state-pool slot of each sequence
+    block_table: torch.Tensor  # [B, max_pages] int32 KV page ids (unused entries: any value)
+    mrope_positions: torch.Tensor | None = None  # [3, B, T] (t, h, w) for multimodal input
+    inputs_embeds: torch.Tensor | None = None  # [B, T, hidden] replaces the embedding lookup
+    logits: Literal["last", "all", "none"] = "last"
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [B, 1 or T, vocab] float32
+    hidden_states: torch.Tensor  # [B, T, hidden] last layer output before the final norm (MTP input)
+
+
+class CausalLM(Protocol):
+    config: ModelConfig
+
+    def forward(self, batch: ForwardBatch, cache: "ModelCacheLike") -> ForwardOutput: ...
+
+
+class ModelCacheLike(Protocol):
+    """Implemented by `ninfer_core.cache.ModelCache`."""
+
+    page_size: int
