@@ -1,0 +1,1 @@
+"""ninfer's user interface (installed as the package `ninfer_app`): the Typer CLI."""

@@ -1,0 +1,160 @@
+"""The `ninfer` command line: run a prompt or a conversation, benchmark a model.
+
+Answers stream to stdout, reasoning and statistics to stderr, so `ninfer run ... > answer.txt`
+keeps only the answer. Errors caused by the user's input print one line, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ninfer_core import __version__
+from ninfer_core.errors import NinferError
+
+cli = typer.Typer(no_args_is_help=True, add_completion=False, help="Local inference for Qwen3.5 / Qwen3.6.")
+
+ModelArg = Annotated[
+    Optional[str],
+    typer.Argument(help="HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)."),
+]
+DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda or auto.")]
+DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")]
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
+
+
+def _read_messages(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A JSON list of OpenAI-style messages, or an object with `messages` (and `tools`)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise NinferError(f"{path}: cannot read messages file ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise NinferError(f"{path}: not valid JSON ({e})") from None
+    messages, tools = (data, None) if isinstance(data, list) else (data.get("messages"), data.get("tools"))
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise NinferError(f"{path}: expected a list of messages, each an object with a 'role'")
+    if tools is not None and not isinstance(tools, list):
+        raise NinferError(f"{path}: 'tools' must be a list")
+    return messages, tools
+
+
+@cli.command()
+def run(
+    model: ModelArg = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="User message.")] = None,
+    messages: Annotated[Optional[Path], typer.Option(help="JSON file of OpenAI-style messages (and tools).")] = None,
+    system: Annotated[Optional[str], typer.Option(help="System message (with --prompt).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens (0 = no cap).")] = None,
+    top_p: Annotated[Optional[float], typer.Option()] = None,
+    min_p: Annotated[Optional[float], typer.Option()] = None,
+    presence_penalty: Annotated[Optional[float], typer.Option()] = None,
+    frequency_penalty: Annotated[Optional[float], typer.Option()] = None,
+    repetition_penalty: Annotated[Optional[float], typer.Option()] = None,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    stop_token_id: Annotated[Optional[list[int]], typer.Option(help="Stop token id (repeatable).")] = None,
+    no_thinking: Annotated[bool, typer.Option("--no-thinking", help="Answer without reasoning.")] = False,
+    chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file to use instead.")] = None,
+    max_context: Annotated[Optional[int], typer.Option(help="Context limit in tokens.")] = None,
+    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens.")] = 1024,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
+) -> None:
+    """Answer one prompt (or a conversation from --messages), streaming the answer."""
+    from ninfer_core.engine.sampling import SamplingParams
+    from ninfer_core.llm import LLM, ChatFinished, ChatRequest, EngineOptions
+    from ninfer_core.chat.output_parser import ContentDelta, ReasoningDelta, ToolCallEnd
+
+    try:
+        if (prompt is None) == (messages is None):
+            raise NinferError("give exactly one of --prompt or --messages")
+        tools = None
+        if messages is not None:
+            chat_messages, tools = _read_messages(messages)
+        else:
+            chat_messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+        sampling = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, seed=seed,
+            max_tokens=max_tokens, stop=list(stop or []), stop_token_ids=list(stop_token_id or []),
+        )
+        options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
+                                chat_template=chat_template)
+        llm = LLM.load(model, options)
+        request = ChatRequest(messages=chat_messages, sampling=sampling, tools=tools, enable_thinking=not no_thinking)
+        if json_out:
+            print(json.dumps(llm.chat_result(request).to_json(), ensure_ascii=False))
+            return
+        for event in llm.chat(request):
+            if isinstance(event, ReasoningDelta):
+                typer.secho(event.text, nl=False, err=True, dim=True)
+            elif isinstance(event, ContentDelta):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, ToolCallEnd):
+                print(json.dumps({"tool_call": {"name": event.call.name, "arguments": json.loads(event.call.arguments)}},
+                                 ensure_ascii=False))
+            elif isinstance(event, ChatFinished):
+                r = event.result
+                t = r.timings
+                print()
+                typer.secho(
+                    f"[{llm.name}] prompt {len(r.prompt_token_ids)} tok, prefill {t.prefill_tok_s:.1f} tok/s | "
+                    f"{len(r.token_ids)} tok, decode {t.decode_tok_s:.1f} tok/s | finish: {r.finish_reason}",
+                    err=True, dim=True,
+                )
+    except NinferError as e:
+        _fail(str(e))
+
+
+@cli.command()
+def bench(
+    synthetic: Annotated[str, typer.Option(help="Preset with random weights: qwen3.6-35b-a3b, qwen3.6-27b, "
+                                                "tiny-qwen3.6-moe.")],
+    prompt_tokens: Annotated[int, typer.Option(help="Prefill length.")] = 512,
+    decode_tokens: Annotated[int, typer.Option(help="Decode steps timed.")] = 32,
+    prefill_chunk: Annotated[int, typer.Option()] = 1024,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Time prefill and eager decode of a synthetic model (exact shapes, random weights)."""
+    from ninfer_core.bench import run_synthetic
+
+    try:
+        result = run_synthetic(synthetic, device, dtype, prompt_tokens, decode_tokens, prefill_chunk)
+    except NinferError as e:
+        _fail(str(e))
+    if json_out:
+        print(json.dumps(result.to_json()))
+        return
+    print(
+        f"{result.model} on {result.device} ({result.dtype}): prefill {result.prefill_tok_s:.1f} tok/s "
+        f"({result.prompt_tokens} tok), decode {result.decode_tok_s:.2f} tok/s "
+        f"({result.decode_ms_per_token:.2f} ms/tok, {result.weight_bytes_per_token / 1e9:.2f} GB weights/tok, "
+        f"{result.weight_gb_s:.1f} GB/s)"
+    )
+
+
+@cli.command()
+def version() -> None:
+    """Print the version."""
+    print(__version__)
+
+
+def main() -> None:
+    cli()

@@ -1,0 +1,238 @@
+"""The token-level engine: requests in, tokens and text deltas out, one batched step at a time.
+
+A step runs at most one prefill chunk (the oldest sequence still reading its prompt) and one
+decode forward over every sequence that is generating, so long prompts never stall the others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import CacheManager
+from ..config import GenerationDefaults, ModelConfig
+from ..detokenizer import IncrementalDetokenizer
+from ..errors import ContextLengthError, NinferError
+from ..models.base import CausalLM, ForwardBatch
+from ..stop_strings import StopStringFilter
+from ..tokenizer import Tokenizer
+from .request import GenerationRequest, StepOutput
+from .sampling import Sampler
+from .sequence import Sequence
+
+
+@dataclass
+class EngineStats:
+    """Counters the CLI, the server and the TUI read (all since start)."""
+
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum over decode steps of the batch size
+    max_decode_batch: int = 0
+    running: int = 0
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
+    cache_bytes: int = 0
+    last_prefill_tok_s: float = 0.0
+    last_decode_tok_s: float = 0.0
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        cache: CacheManager,
+        *,
+        max_context: int,
+        prefill_chunk: int = 1024,
+        generation_defaults: GenerationDefaults | None = None,
+    ):
+        if prefill_chunk < 1:
+            raise NinferError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.cache = cache
+        self.max_context = max_context
+        self.prefill_chunk = prefill_chunk
+        self.defaults = generation_defaults or GenerationDefaults()
+        self.device = cache.device
+        self.sampler = Sampler()
+        self.eos_ids = frozenset(self.defaults.eos_token_ids or config.eos_token_ids or tokenizer.eos_token_ids)
+        self.running: list[Sequence] = []
+        self._stats = EngineStats(kv_capacity_tokens=cache.capacity_tokens, cache_bytes=cache.total_bytes)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Admit a request: checks its length and reserves KV for its prompt (raises if it cannot fit)."""
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise NinferError("the prompt is empty")
+        if n >= self.max_context:
+            raise ContextLengthError(
+                f"the prompt has {n} tokens but the context limit is {self.max_context} tokens "
+                f"(at least one must be left for the answer)",
+                prompt_tokens=n,
+                limit=self.max_context,
+            )
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise NinferError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        params = request.sampling.with_defaults(self.defaults)
+        request.sampling = params
+        seq_cache = self.cache.allocate()
+        try:
+            self.cache.reserve(seq_cache, n)
+        except NinferError:
+            self.cache.free(seq_cache)
+            raise
+        room = self.max_context - n
+        seq = Sequence(
+            request=request,
+            cache=seq_cache,
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            stops=StopStringFilter(params.stop),
+            generator=None if params.is_greedy else params.make_generator(self._generator_device()),
+            max_new_tokens=min(params.max_tokens or room, room),
+        )
+        seq.timings.prompt_tokens = n
+        self.running.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request at once and free its cache (a client went away)."""
+        for seq in list(self.running):
+            if seq.request_id == request_id:
+                seq.finish_reason = "abort"
+                self._release(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.running = len(self.running)
+        s.kv_used_tokens = self.cache.capacity_tokens - self.cache.free_tokens
+        return EngineStats(**vars(s))
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        prefilling = next((s for s in self.running if s.in_prefill), None)
+        decoding = [s for s in self.running if not s.in_prefill]
+        if prefilling is not None:
+            outputs += self._prefill_chunk(prefilling)
+        if decoding:
+            outputs += self._decode(decoding)
+        for seq in [s for s in self.running if s.finished]:
+            self._release(seq)
+        return outputs
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[StepOutput]:
+        """Run requests to completion on this engine, yielding outputs as they come."""
+        for request in requests:
+            self.add_request(request)
+        while self.has_unfinished():
+            yield from self.step()
+
+    def _prefill_chunk(self, seq: Sequence) -> list[StepOutput]:
+        start = seq.num_cached
+        end = min(len(seq.prompt_ids), start + self.prefill_chunk)
+        last = end == len(seq.prompt_ids)
+        ids = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)
+        out = self._forward([seq], ids, "last" if last else "none")
+        seq.num_cached = end
+        self._stats.prefill_chunks += 1
+        if not last:
+            return []
+        token = self._sample([seq], out.logits[:, -1])[0]
+        seq.timings.prefill_s = time.perf_counter() - seq.started_at
+        self._stats.prompt_tokens += len(seq.prompt_ids)
+        self._stats.last_prefill_tok_s = seq.timings.prefill_tok_s
+        return [self._append(seq, token)]
+
+    def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
+        for seq in seqs:
+            self.cache.reserve(seq.cache, seq.num_tokens)
+        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], dtype=torch.long, device=self.device)
+        out = self._forward(seqs, ids, "last")
+        for seq in seqs:
+            seq.num_cached += 1
+        tokens = self._sample(seqs, out.logits[:, -1])
+        self._stats.decode_steps += 1
+        self._stats.decode_rows += len(seqs)
+        self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(seqs))
+        return [self._append(seq, tok) for seq, tok in zip(seqs, tokens)]
+
+    def _forward(self, seqs: list[Sequence], ids: torch.Tensor, logits: str):
+        t = ids.shape[1]
+        cache_lens = torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=self.device)
+        positions = cache_lens[:, None] + torch.arange(t, device=self.device)[None, :]
+        batch = ForwardBatch(
+            input_ids=ids,
+            positions=positions,
+            cache_lens=cache_lens,
+            slots=torch.tensor([s.cache.slot for s in seqs], dtype=torch.long, device=self.device),
+            block_table=self.cache.block_table([s.cache for s in seqs]),
+            logits=logits,
+        )
+        with torch.inference_mode():
+            return self.model.forward(batch, self.cache.cache)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        tokens = self.sampler.sample(
+            logits.float(),
+            [s.request.sampling for s in seqs],
+            [s.history() for s in seqs],
+            [s.generator for s in seqs],
+        )
+        return tokens.tolist()
+
+    def _append(self, seq: Sequence, token: int) -> StepOutput:
+        """Record one generated token; decide whether the sequence stops; return its text delta."""
+        seq.output_ids.append(token)
+        params = seq.request.sampling
+        text = ""
+        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            seq.finish_reason, seq.stop_reason = "stop", token
+        else:
+            check = seq.stops.feed(seq.detokenizer.add(token))
+            text = check.text
+            if check.stop is not None:
+                seq.finish_reason, seq.stop_reason = "stop", check.stop
+            elif len(seq.output_ids) >= seq.max_new_tokens:
+                seq.finish_reason = "length"
+        if seq.finished and seq.stops.matched is None:
+            check = seq.stops.feed(seq.detokenizer.flush())
+            text += check.text + ("" if check.stop else seq.stops.flush())
+        self._stats.generated_tokens += 1
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            text_delta=text,
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            timings=seq.timings if seq.finished else None,
+        )
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.timings.prefill_s:
+            seq.timings.completion_tokens = len(seq.output_ids)
+            seq.timings.decode_s = time.perf_counter() - seq.started_at - seq.timings.prefill_s
+            self._stats.last_decode_tok_s = seq.timings.decode_tok_s or self._stats.last_decode_tok_s
+        self._stats.requests_finished += 1
+        self.cache.free(seq.cache)
+        self.running.remove(seq)
+
+    def _generator_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")

@@ -1,0 +1,54 @@
+"""What goes into the engine (a request) and what comes out of one step (an output per request)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"req-{next(_ids)}"
+
+
+@dataclass
+class GenerationRequest:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    request_id: str = field(default_factory=new_request_id)
+
+
+@dataclass
+class Timings:
+    """Wall-clock phases of one request, in seconds (prefill = prompt processing up to the first token)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """(completion - 1) / decode time: the first token comes from prefill (methodology of the reference)."""
+        n = self.completion_tokens - 1
+        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
+
+
+@dataclass
+class StepOutput:
+    """New tokens and text of one request after an engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    timings: Timings | None = None

@@ -1,0 +1,57 @@
+"""One request while it runs: its tokens, its cache share, its detokenizer and stop state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import SequenceCache
+from ..detokenizer import IncrementalDetokenizer
+from ..stop_strings import StopStringFilter
+from .request import GenerationRequest, Timings
+from .sampling import TokenHistory
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    cache: SequenceCache
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringFilter
+    generator: torch.Generator | None
+    max_new_tokens: int  # after capping by the context limit
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose KV / state are in the cache
+    timings: Timings = field(default_factory=Timings)
+    started_at: float = field(default_factory=time.perf_counter)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def history(self) -> TokenHistory:
+        return TokenHistory(prompt_ids=self.prompt_ids, output_ids=self.output_ids)

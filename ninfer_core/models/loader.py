@@ -1,0 +1,120 @@
+"""Find, build and fill a model: an HF checkpoint directory, a GGUF file, or the embedded default.
+
+The module is built directly on the target device in the target dtype (no fp32 CPU detour), then
+every tensor is copied from the memory-mapped checkpoint one at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import QWEN_ARCHS, GenerationDefaults, ModelConfig, load_config
+from ..errors import ModelLoadError, NinferError
+from ..tokenizer import Tokenizer
+from ..weights.checkpoint import open_checkpoint
+from ..weights.gguf_reader import open_gguf
+from ..weights.text_weights import TextWeights
+from .default_model import default_model_path
+from .llama import LlamaForCausalLM
+from .qwen3_5 import Qwen3_5ForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    source: Path
+    config: ModelConfig
+    model: nn.Module
+    tokenizer: Tokenizer
+    generation_defaults: GenerationDefaults
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise NinferError("--device cuda was asked for, but PyTorch sees no CUDA GPU (use --device cpu)")
+    if dev.type not in ("cpu", "cuda"):
+        raise NinferError(f"unsupported device '{device}' (use cpu, cuda or auto)")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on the GPU, fp32 on the CPU (CPU bf16 matmuls are slow and less exact)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise NinferError(f"unsupported dtype '{dtype}' (use auto, {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    return Qwen3_5ForCausalLM if config.arch in QWEN_ARCHS else LlamaForCausalLM
+
+
+@contextmanager
+def _building_on(device: torch.device, dtype: torch.dtype):
+    """Create parameters directly on `device` in `dtype`."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """An (uninitialised-weight) model of the config's class, on device, in dtype, in eval mode."""
+    with _building_on(device, dtype):
+        model = model_class(config)(config)
+    return model.eval()
+
+
+def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """spec: an HF checkpoint directory, a .gguf file, or None for the embedded default model."""
+    started = time.perf_counter()
+    dev = resolve_device(device)
+    path = default_model_path() if spec is None else Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such model directory or file")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path}: a model is a checkpoint directory (with config.json) or a .gguf file")
+        gguf = open_gguf(path)
+        config, tokenizer, defaults = gguf.config, gguf.load_tokenizer(), GenerationDefaults()
+        weights = gguf
+    else:
+        config = load_config(path)
+        tokenizer = Tokenizer.from_model_dir(path)
+        defaults = GenerationDefaults.from_model_dir(path)
+        weights = open_checkpoint(path, config.quantization)
+        if config.arch in QWEN_ARCHS:
+            weights = TextWeights(weights)
+    torch_dtype = resolve_dtype(dtype, dev)
+    model = build_model(config, dev, torch_dtype)
+    model.load_weights(lambda name: weights.get(name, torch_dtype), weights.names())
+    name = path.stem if path.is_file() else path.name
+    return LoadedModel(
+        name=name,
+        source=path,
+        config=config,
+        model=model,
+        tokenizer=tokenizer,
+        generation_defaults=defaults,
+        device=dev,
+        dtype=torch_dtype,
+        load_seconds=time.perf_counter() - started,
+    )
