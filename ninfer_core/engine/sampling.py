@@ -1,0 +1,290 @@
+"""Token sampling: a batch of logits -> one next token id per row, each row with its own params.
+
+This is the torch reference (CPU or GPU); the CUDA sampler kernel is tested against it. Each
+row goes through the order used by HF `generate` and vLLM:
+
+1. repetition penalty over every token seen in prompt + output (HF / vLLM semantics: divide a
+   positive logit by the penalty, multiply a negative one; each distinct token once);
+2. presence / frequency penalties with the OpenAI formula
+   `logit -= frequency * count + presence * (count > 0)` over the *generated* tokens only, as
+   vLLM and SGLang do: Qwen's recommended presence_penalty values are tuned on those servers, and
+   counting the prompt would push the model away from quoting the user's own code and names;
+3. temperature (0 => greedy: argmax of the penalised logits, the lowest id on ties);
+4. top-k, 5. top-p, 6. min-p, 7. one draw from the row's own generator.
+
+Tie rule: every filter is a threshold on a value, and tokens tied at the threshold are all kept,
+so the kept set never depends on token order:
+- top-k keeps tokens whose logit >= the k-th largest logit (ties can keep more than k);
+- top-p keeps a token iff the mass of the tokens strictly more likely than it is < top_p
+  (= the descending prefix that first reaches top_p, plus everything tied with its last token);
+- min-p keeps tokens whose probability >= min_p * the largest probability.
+
+Filtering and drawing run in float64 so that the kept set and the cumulative sums do not depend
+on rounding over a 250k-token vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from ..config import GenerationDefaults
+from ..errors import NinferError
+
+_SEED_RANGE = (-(2**63), 2**64)  # int64 or uint64 (torch wraps negatives modulo 2**64)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise NinferError(f"invalid sampling parameter: {message}")
+
+
+@dataclass
+class SamplingParams:
+    """One request's sampling knobs. None = unset: the model's generation_config fills it
+    (`with_defaults`), and a field still unset is neutral (temperature 1, no filter, no penalty)."""
+
+    temperature: float | None = None  # >= 0; 0 = greedy
+    top_k: int | None = None  # 0, -1 (vLLM's spelling) or None = no cap; any k >= vocab = no cap
+    top_p: float | None = None  # (0, 1]
+    min_p: float | None = None  # [0, 1]
+    presence_penalty: float | None = None  # [-2, 2] (OpenAI range)
+    frequency_penalty: float | None = None  # [-2, 2]
+    repetition_penalty: float | None = None  # > 0; 1 = off, > 1 discourages repeats
+    seed: int | None = None  # fixes this request's draws, whatever else is in the batch
+    max_tokens: int | None = None  # >= 1; None = until the context is full
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        _require(t is None or (_is_number(t) and t >= 0), f"temperature must be a finite number >= 0, got {t!r}")
+        k = self.top_k
+        _require(k is None or (_is_int(k) and k >= -1), f"top_k must be an integer >= 0 (0 or -1 = no cap), got {k!r}")
+        p = self.top_p
+        _require(p is None or (_is_number(p) and 0 < p <= 1), f"top_p must be in (0, 1], got {p!r}")
+        m = self.min_p
+        _require(m is None or (_is_number(m) and 0 <= m <= 1), f"min_p must be in [0, 1], got {m!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _require(v is None or (_is_number(v) and -2 <= v <= 2), f"{name} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        _require(r is None or (_is_number(r) and r > 0), f"repetition_penalty must be a finite number > 0, got {r!r}")
+        s = self.seed
+        _require(s is None or (_is_int(s) and _SEED_RANGE[0] <= s < _SEED_RANGE[1]),
+                 f"seed must be a 64-bit integer, got {s!r}")
+        n = self.max_tokens
+        _require(n is None or (_is_int(n) and n >= 1), f"max_tokens must be an integer >= 1, got {n!r}")
+        _require(isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop),
+                 f"stop must be a list of non-empty strings, got {self.stop!r}")
+        _require(isinstance(self.stop_token_ids, list) and all(_is_int(x) and x >= 0 for x in self.stop_token_ids),
+                 f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        _require(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_defaults(self, defaults: GenerationDefaults) -> SamplingParams:
+        """A copy whose unset fields come from the model's generation_config; user values win."""
+        own = {f.name for f in fields(self)}
+        fill = {
+            f.name: getattr(defaults, f.name)
+            for f in fields(defaults)
+            if f.name in own and getattr(self, f.name) is None and getattr(defaults, f.name) is not None
+        }
+        try:
+            return replace(self, **fill)
+        except NinferError as e:  # the user's own fields were checked when `self` was built
+            raise NinferError(f"{e} (from the model's generation_config.json)") from None
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The request's private RNG: seeded => reproducible; else seeded from OS entropy."""
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed % 2**64)
+        return g
+
+
+@dataclass
+class TokenHistory:
+    """The ids a row has seen: repetition penalty reads both, presence/frequency only `output_ids`."""
+
+    prompt_ids: Sequence[int] | torch.Tensor
+    output_ids: Sequence[int] | torch.Tensor = ()
+
+
+# ---- the transforms, in pipeline order (filters: [B, V] values + one [B] parameter per row) ------
+
+
+def _as_ids(ids: Sequence[int] | torch.Tensor, vocab: int, row: int, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+        raise NinferError(f"sampler: row {row} history holds token ids {int(t.min())}..{int(t.max())} "
+                          f"outside the vocabulary [0, {vocab})")
+    return t
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    histories: Sequence[TokenHistory]) -> torch.Tensor:
+    """Repetition, then presence / frequency penalties, in the logits' dtype (as HF does). Works on
+    the distinct ids each row has seen, not on the vocabulary; rows without penalties untouched."""
+    out = logits
+    vocab = logits.shape[-1]
+    for i, (p, h) in enumerate(zip(params, histories)):
+        rep = 1.0 if p.repetition_penalty is None else p.repetition_penalty
+        presence, frequency = p.presence_penalty or 0.0, p.frequency_penalty or 0.0
+        if rep == 1 and presence == 0 and frequency == 0:
+            continue
+        if out is logits:
+            out = logits.clone()
+        output = _as_ids(h.output_ids, vocab, i, logits.device)
+        if rep != 1:  # seen = prompt + output; positive logits / rep, negative * rep
+            seen = torch.unique(torch.cat([_as_ids(h.prompt_ids, vocab, i, logits.device), output]))
+            v = out[i, seen]
+            out[i, seen] = torch.where(v < 0, v * rep, v / rep)
+        if presence != 0 or frequency != 0:  # OpenAI: logit -= frequency * count + presence
+            ids, counts = torch.unique(output, return_counts=True)
+            out[i, ids] -= frequency * counts.to(out.dtype) + presence
+    return out
+
+
+def top_k_keep(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Mask of tokens whose logit >= the row's k-th largest; k <= 0 or k >= V keeps everything.
+    One partial `topk` of the largest k in the batch, not a full sort."""
+    vocab = logits.shape[-1]
+    active = (k > 0) & (k < vocab)
+    if not bool(active.any()):
+        return torch.ones_like(logits, dtype=torch.bool)
+    k_eff = torch.where(active, k, 1).long()
+    top = torch.topk(logits, int(k_eff.max()), dim=-1).values
+    threshold = top.gather(1, (k_eff - 1).unsqueeze(1))
+    threshold = torch.where(active.unsqueeze(1), threshold, torch.full_like(threshold, -math.inf))
+    return logits >= threshold
+
+
+def top_p_keep(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask of tokens whose probability >= that of the token where the descending cumulative mass
+    first reaches top_p * row total (rows need not be normalised); top_p >= 1 keeps everything.
+    Sorts only as many entries as the widest row has left (after top-k that is ~k, not V)."""
+    active = top_p < 1
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if not bool(active.any()):
+        return keep
+    rows = probs[active]
+    width = int((rows > 0).sum(-1).max())
+    ranked = torch.topk(rows, width, dim=-1).values
+    cdf = ranked.cumsum(-1)
+    target = top_p[active].to(cdf.dtype).unsqueeze(1) * cdf[:, -1:]
+    first = (cdf < target).sum(-1, keepdim=True).clamp(max=width - 1)
+    keep[active] = rows >= ranked.gather(1, first)
+    return keep
+
+
+def min_p_keep(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask of tokens whose probability >= min_p * the row's largest probability."""
+    return probs >= min_p.to(probs.dtype).unsqueeze(1) * probs.amax(-1, keepdim=True)
+
+
+def draw_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: per row the first token whose cumulative mass exceeds u * row total (u in
+    [0, 1), [B]). Never a zero-probability token (its cdf equals its predecessor's), also when
+    rounding puts u * total at the very top. Also the resampling step of speculative decoding."""
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).long().argmax(-1)
+    return torch.minimum(idx, last_positive)
+
+
+# ---- the batched sampler ------------------------------------------------------------------------
+
+
+def _row_values(params: Sequence[SamplingParams], name: str, neutral: float, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    values = [neutral if getattr(p, name) is None else getattr(p, name) for p in params]
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+class Sampler:
+    """Batched sampling with per-row params, token histories and generators (stateless)."""
+
+    def distribution(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                     histories: Sequence[TokenHistory]) -> torch.Tensor:
+        """The exact distribution `sample` draws from, [B, V] float32 (masked tokens exactly 0;
+        greedy rows one-hot at the argmax): the target `p` for speculative rejection sampling."""
+        self._check(logits, params, histories)
+        penalised = apply_penalties(logits, params, histories)
+        greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        if bool(greedy.any()):
+            rows = greedy.nonzero().squeeze(1)
+            probs[rows, penalised[rows].argmax(-1)] = 1.0
+        if not bool(greedy.all()):
+            rows = (~greedy).nonzero().squeeze(1)
+            probs[rows] = self._filtered(penalised[rows], [params[i] for i in rows.tolist()]).to(probs.dtype)
+        return probs
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
+               generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """One token id per row, [B] int64. A stochastic row draws exactly one float64 uniform
+        from its own generator (None = torch's global RNG); greedy rows draw nothing. So a seeded
+        row's tokens depend only on its seed and its logits, never on the rest of the batch."""
+        self._check(logits, params, histories)
+        if len(generators) != logits.shape[0]:
+            raise NinferError(f"sampler: {len(generators)} generators for {logits.shape[0]} rows")
+        penalised = apply_penalties(logits, params, histories)
+        tokens = penalised.argmax(-1)
+        stochastic = [i for i, p in enumerate(params) if not p.is_greedy]
+        if stochastic:
+            probs = self._filtered(penalised[stochastic], [params[i] for i in stochastic])
+            u = torch.stack([self._uniform(generators[i], probs.device) for i in stochastic])
+            tokens[stochastic] = draw_from_probs(probs, u)
+        return tokens
+
+    @staticmethod
+    def _check(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]) -> None:
+        if logits.dim() != 2 or not logits.is_floating_point():
+            raise NinferError(f"sampler: logits must be a float [batch, vocab] tensor, got {tuple(logits.shape)} "
+                              f"{logits.dtype}")
+        if not len(params) == len(histories) == logits.shape[0]:
+            raise NinferError(f"sampler: {logits.shape[0]} logit rows, {len(params)} params, "
+                              f"{len(histories)} histories")
+        bad = ~torch.isfinite(logits.amax(-1))  # amax propagates NaN; +inf, or all -inf, is not finite
+        if bool(bad.any()):
+            raise NinferError(f"sampler: logits rows {bad.nonzero().squeeze(1).tolist()} hold NaN / +inf "
+                              f"or no finite value")
+
+    @staticmethod
+    def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p on non-greedy rows -> normalised float64 probs."""
+        x = logits.double()
+        temperature = _row_values(params, "temperature", 1.0, x.dtype, x.device)
+        x = (x - x.amax(-1, keepdim=True)) / temperature.unsqueeze(1)  # max first: no inf for tiny T
+        top_k = _row_values(params, "top_k", 0, torch.long, x.device)
+        probs = torch.softmax(x.masked_fill(~top_k_keep(x, top_k), -math.inf), dim=-1)
+        top_p = _row_values(params, "top_p", 1.0, x.dtype, x.device)
+        if bool((top_p < 1).any()):
+            probs = probs * top_p_keep(probs, top_p)
+        min_p = _row_values(params, "min_p", 0.0, x.dtype, x.device)
+        if bool((min_p > 0).any()):
+            probs = probs * min_p_keep(probs, min_p)
+        return probs / probs.sum(-1, keepdim=True)
+
+    @staticmethod
+    def _uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+        where = generator.device if generator is not None else device
+        return torch.rand((), dtype=torch.float64, generator=generator, device=where).to(device)
