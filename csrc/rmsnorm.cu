@@ -1,0 +1,135 @@
+// Fused (residual add +) RMSNorm: one pass to add and reduce, one to scale; fp32 math.
+#include <algorithm>
+
+#include "common.cuh"
+
+namespace ninfer {
+namespace {
+
+constexpr int kMaxThreads = 1024;
+constexpr int kRowsPerWarpBlock = 4;  // rows of <= 32 vectors: one warp each, 4 warps a block
+
+// Each thread owns the same vector indices in both passes, so out == x and
+// residual_out == residual are safe (a thread only rereads what it wrote itself).
+template <typename T, typename W, int V, bool kResidual>
+__global__ void rmsnorm_kernel(T* out, T* residual_out, const T* x, const T* residual,
+                               const W* __restrict__ weight, std::int64_t rows, int hidden,
+                               float eps, bool zero_centered) {
+  using TV = Vec<T, V>;
+  using WV = Vec<W, V>;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= rows) return;  // only in warp-per-row blocks, where a whole warp leaves together
+  const int nvec = hidden / V;
+  const std::int64_t base = row * hidden;
+  const TV* xv = reinterpret_cast<const TV*>(x + base);
+  TV* ov = reinterpret_cast<TV*>(out + base);
+  TV* rov = kResidual ? reinterpret_cast<TV*>(residual_out + base) : nullptr;
+  const TV* rv = kResidual ? reinterpret_cast<const TV*>(residual + base) : nullptr;
+  const WV* wv = reinterpret_cast<const WV*>(weight);
+
+  float sumsq = 0.0f;
+  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+    TV a = xv[i];
+    if constexpr (kResidual) {
+      const TV r = rv[i];
+#pragma unroll
+      for (int j = 0; j < V; ++j) a.v[j] = from_float<T>(to_float(a.v[j]) + to_float(r.v[j]));
+      rov[i] = a;
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float f = to_float(a.v[j]);
+      sumsq += f * f;
+    }
+  }
+  const float rstd = rsqrtf(group_sum(sumsq) / static_cast<float>(hidden) + eps);
+
+  const TV* src = kResidual ? rov : xv;
+  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+    const TV a = src[i];
+    const WV w = wv[i];
+    TV o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float n = to_float(a.v[j]) * rstd;
+      o.v[j] = zero_centered ? from_float<T>(n * (to_float(w.v[j]) + 1.0f))
+                             : from_float<T>(to_float(from_float<T>(n)) * to_float(w.v[j]));
+    }
+    ov[i] = o;
+  }
+}
+
+template <typename T, typename W, int V>
+void launch(const RmsNormArgs& a) {
+  const int hidden = static_cast<int>(a.hidden);
+  const int nvec = hidden / V;
+  dim3 block;
+  dim3 grid;
+  if (nvec <= 32) {
+    block = dim3(32, kRowsPerWarpBlock);
+    grid = dim3(static_cast<unsigned>((a.rows + kRowsPerWarpBlock - 1) / kRowsPerWarpBlock));
+  } else {
+    block = dim3(std::min(kMaxThreads, (nvec + 31) / 32 * 32));
+    grid = dim3(static_cast<unsigned>(a.rows));
+  }
+  auto* out = reinterpret_cast<T*>(a.out);
+  const auto* x = reinterpret_cast<const T*>(a.x);
+  const auto* weight = reinterpret_cast<const W*>(a.weight);
+  const cudaStream_t stream = as_stream(a.stream);
+  if (a.residual != 0) {
+    rmsnorm_kernel<T, W, V, true><<<grid, block, 0, stream>>>(
+        out, reinterpret_cast<T*>(a.residual_out), x, reinterpret_cast<const T*>(a.residual),
+        weight, a.rows, hidden, a.eps, a.zero_centered);
+  } else {
+    rmsnorm_kernel<T, W, V, false><<<grid, block, 0, stream>>>(
+        out, nullptr, x, nullptr, weight, a.rows, hidden, a.eps, a.zero_centered);
+  }
+  check_launch("rmsnorm kernel launch");
+}
+
+// 16-byte accesses when every row start is 16-byte aligned, else one element at a time.
+template <typename T, typename W>
+void launch_typed(const RmsNormArgs& a) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool residual_ok =
+      a.residual == 0 || (is_aligned(a.residual, 16) && is_aligned(a.residual_out, 16));
+  if (a.hidden % kVec == 0 && is_aligned(a.x, 16) && is_aligned(a.out, 16) &&
+      is_aligned(a.weight, sizeof(W) * kVec) && residual_ok) {
+    launch<T, W, kVec>(a);
+  } else {
+    launch<T, W, 1>(a);
+  }
+}
+
+template <typename T>
+void launch_weight(const RmsNormArgs& a) {
+  if (a.weight_dtype == a.dtype) {
+    launch_typed<T, T>(a);
+  } else if (a.weight_dtype == DType::F32) {
+    launch_typed<T, float>(a);
+  } else {
+    throw std::invalid_argument("rmsnorm: weight dtype must be the input dtype or float32");
+  }
+}
+
+}  // namespace
+
+void rmsnorm(const RmsNormArgs& a) {
+  if (a.hidden <= 0 || a.hidden > (1 << 30) || a.rows < 0 || a.rows > (1LL << 31) - 1) {
+    throw std::invalid_argument("rmsnorm: rows " + std::to_string(a.rows) + " / hidden " +
+                                std::to_string(a.hidden) + " out of range");
+  }
+  if (a.residual != 0 && a.residual_out == 0) {
+    throw std::invalid_argument("rmsnorm: residual given without residual_out");
+  }
+  if (a.rows == 0) return;
+  DeviceGuard guard(a.device);
+  switch (a.dtype) {
+    case DType::F32: launch_weight<float>(a); break;
+    case DType::F16: launch_weight<__half>(a); break;
+    case DType::BF16: launch_weight<__nv_bfloat16>(a); break;
+    default: throw std::invalid_argument("rmsnorm: unsupported dtype");
+  }
+}
+
+}  // namespace ninfer

@@ -1,0 +1,59 @@
+"""The one place that decides between the CUDA extension and the torch reference.
+
+Rule: the compiled extension ninfer_core._C is importable, every tensor of the call is on a CUDA
+device with a kernel dtype (fp32 / fp16 / bf16), and NINFER_DISABLE_KERNELS is unset (or "0")
+=> kernel; otherwise the torch reference. A missing or broken extension is logged once at debug
+level and never raised: CPU-only installs simply run the references.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "NINFER_DISABLE_KERNELS"
+_KERNEL_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled `ninfer_core._C`, or None when it was not built or cannot load."""
+    try:
+        return importlib.import_module("ninfer_core._C")
+    except ImportError as exc:
+        log.debug("ninfer_core._C unavailable, using torch reference ops: %s", exc)
+        return None
+
+
+def kernels_disabled() -> bool:
+    """True when NINFER_DISABLE_KERNELS asks for the torch references everywhere."""
+    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+
+
+def kernels_available() -> bool:
+    """True when CUDA tensors would run on the extension's kernels."""
+    return not kernels_disabled() and extension() is not None
+
+
+def use_kernel(*tensors: torch.Tensor) -> bool:
+    """Whether a call on these tensors goes to the CUDA extension (see the module docstring)."""
+    if not all(t.device.type == "cuda" and t.dtype in _KERNEL_DTYPES for t in tensors):
+        return False
+    return kernels_available()
+
+
+def kernel_dtype(t: torch.Tensor) -> object:
+    """The extension's DType value for a tensor (only called once `use_kernel` said yes)."""
+    return getattr(extension().DType, _KERNEL_DTYPES[t.dtype])
+
+
+def stream_handle(t: torch.Tensor) -> int:
+    """torch's current stream on t's device, so kernels order with torch ops and graph capture."""
+    return torch.cuda.current_stream(t.device).cuda_stream
