@@ -114,6 +114,8 @@ def config_from_hf_dict(raw: dict, path: Path) -> ModelConfig:
     if len(layer_types) != num_layers:
         raise ModelLoadError(f"{path}: layer_types has {len(layer_types)} entries, num_hidden_layers is {num_layers}")
     eos = _eos_list(text.get("eos_token_id", raw.get("eos_token_id")))
+    # Dense configs may still carry MoE keys (defaults written by save_pretrained): only MoE archs read them.
+    moe = text if arch == "qwen3_5_moe" else {}
     return ModelConfig(
         arch=arch,
         vocab_size=int(_require(text, "vocab_size", path)),
@@ -138,10 +140,10 @@ def config_from_hf_dict(raw: dict, path: Path) -> ModelConfig:
         linear_value_head_dim=int(text.get("linear_value_head_dim", 0)),
         linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
         intermediate_size=int(text.get("intermediate_size", 0)),
-        num_experts=int(text.get("num_experts", 0)),
-        num_experts_per_tok=int(text.get("num_experts_per_tok", 0)),
-        moe_intermediate_size=int(text.get("moe_intermediate_size", 0)),
-        shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0)),
+        num_experts=int(moe.get("num_experts", 0)),
+        num_experts_per_tok=int(moe.get("num_experts_per_tok", 0)),
+        moe_intermediate_size=int(moe.get("moe_intermediate_size", 0)),
+        shared_expert_intermediate_size=int(moe.get("shared_expert_intermediate_size", 0)),
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         max_position_embeddings=int(text.get("max_position_embeddings", 32768)),

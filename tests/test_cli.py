@@ -1,0 +1,139 @@
+"""The real `ninfer` command (`python -m ninfer_app`) in a subprocess: output shapes and errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_model_dir import write_tiny_model_dir
+
+
+def ninfer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ninfer_app", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    directory = tmp_path_factory.mktemp("tiny_qwen_cli")
+    hf_model, _ = write_tiny_model_dir(directory, moe=False, max_positions=2048)
+    return directory, hf_model.eval()
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_run_json_matches_transformers(model_dir):
+    directory, hf = model_dir
+    proc = ninfer("run", str(directory), "--prompt", "Say hi", "--max-tokens", "12", "--temperature", "0",
+                  "--device", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert {"text", "reasoning", "tool_calls", "prompt_token_ids", "token_ids", "finish_reason", "usage",
+            "timings"} <= out.keys()
+    assert out["usage"] == {"prompt_tokens": len(out["prompt_token_ids"]), "completion_tokens": len(out["token_ids"])}
+    assert {"prefill_tok_s", "decode_tok_s"} <= out["timings"].keys()
+    prompt = out["prompt_token_ids"]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    n = len(out["token_ids"])
+    assert out["token_ids"] == ref[:n]
+    assert out["finish_reason"] == ("length" if n == 12 else "stop")
+
+
+def test_run_streams_answer_and_stats(model_dir):
+    proc = ninfer("run", str(model_dir[0]), "--prompt", "hi", "--max-tokens", "6", "--temperature", "0",
+                  "--no-thinking", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "decode" in proc.stderr and "tok/s" in proc.stderr and "finish:" in proc.stderr
+
+
+def test_run_messages_file_with_tools(model_dir, tmp_path):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps({"messages": messages, "tools": tools}))
+    proc = ninfer("run", str(model_dir[0]), "--messages", str(path), "--max-tokens", "3", "--temperature", "0",
+                  "--device", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    from ninfer_core.tokenizer import Tokenizer
+
+    prompt = Tokenizer.from_model_dir(model_dir[0]).decode(out["prompt_token_ids"])
+    assert "<tools>" in prompt and '"get_weather"' in prompt and "Be brief." in prompt
+
+
+def test_default_model_answers_offline():
+    proc = ninfer("run", "--prompt", "What is the capital of France?", "--max-tokens", "24", "--temperature", "0",
+                  "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_missing_model_dir(tmp_path):
+    assert_clean_error(ninfer("run", str(tmp_path / "nope"), "--prompt", "x"), "nope")
+
+
+def test_corrupt_config(model_dir, tmp_path):
+    broken = tmp_path / "m"
+    shutil.copytree(model_dir[0], broken)
+    (broken / "config.json").write_text("{not json")
+    assert_clean_error(ninfer("run", str(broken), "--prompt", "x"), "config.json")
+
+
+def test_unknown_architecture(model_dir, tmp_path):
+    broken = tmp_path / "m"
+    shutil.copytree(model_dir[0], broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (broken / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(ninfer("run", str(broken), "--prompt", "x"), "gpt2")
+
+
+def test_shape_mismatch(model_dir, tmp_path):
+    broken = tmp_path / "m"
+    shutil.copytree(model_dir[0], broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["intermediate_size"] += 8
+    (broken / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(ninfer("run", str(broken), "--prompt", "x", "--device", "cpu"), "mlp", "shape")
+
+
+def test_truncated_shard(model_dir, tmp_path):
+    broken = tmp_path / "m"
+    shutil.copytree(model_dir[0], broken)
+    shard = broken / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:5000])
+    assert_clean_error(ninfer("run", str(broken), "--prompt", "x", "--device", "cpu"), "model.safetensors")
+
+
+def test_prompt_longer_than_context(model_dir):
+    proc = ninfer("run", str(model_dir[0]), "--prompt", "word " * 200, "--max-context", "64", "--device", "cpu")
+    assert_clean_error(proc, "64")
+
+
+def test_bad_sampling_flag(model_dir):
+    assert_clean_error(ninfer("run", str(model_dir[0]), "--prompt", "x", "--top-p", "1.5"), "top_p")
+
+
+def test_bench_synthetic_tiny_json():
+    proc = ninfer("bench", "--synthetic", "tiny-qwen3.6-moe", "--device", "cpu", "--prompt-tokens", "32",
+                  "--decode-tokens", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["model"] == "tiny-qwen3.6-moe" and out["decode_tok_s"] > 0 and out["weight_bytes_per_token"] > 0
