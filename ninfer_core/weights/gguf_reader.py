@@ -1,0 +1,312 @@
+"""GGUF files (llama.cpp's format) -> ModelConfig, canonical HF tensors, tokenizer, chat template.
+
+A GGUF carries everything a model needs in one file: architecture metadata under `{arch}.*`
+keys, the tokenizer as token / merge arrays under `tokenizer.ggml.*`, the chat template, and
+tensors under llama.cpp's names, possibly quantized. We dequantize at load time with
+`gguf.quants.dequantize` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, K-quants, F16, BF16, F32) and hand the
+models the same canonical names a safetensors checkpoint gives (`layers.N.self_attn.q_proj.weight`),
+so a model's `load_weights` cannot tell the two formats apart.
+
+Two llama.cpp conventions are undone here:
+- tensor shapes are stored in ggml order (fastest dimension first); the numpy views the reader
+  returns are already [rows, cols], which is the torch `nn.Linear` layout.
+- for the `llama` architecture the converter permutes the rows of q and k within each head from
+  rotate-half pairs (i, i + d/2) to interleaved pairs (2i, 2i + 1); we permute them back.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+from ..tokenizer import Tokenizer as NinferTokenizer
+
+# GGUF `general.architecture` -> ModelConfig.arch. Only these share llama's decoder layout.
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# Architectures whose llama.cpp converter interleaves the q / k rotary pairs.
+_PERMUTED_QK_ARCHS = ("llama",)
+
+_GLOBAL_TENSORS = {
+    "token_embd": "embed_tokens",
+    "output_norm": "norm",
+    "output": "lm_head",
+}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
+
+# general.file_type (llama_ftype) of unquantized files -> their float type. Quantized files have
+# none of their own; they run in bfloat16 (fp16's range is the risk, not bf16's precision, which
+# is far finer than a 4-8 bit quantization step).
+_FILE_TYPE_DTYPE = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+# llama.cpp token types (llama_token_type).
+_TOKEN_NORMAL = 1
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+
+def gguf_to_canonical_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight`; None for names we do not know."""
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m:
+        part = _BLOCK_TENSORS.get(m.group(2))
+        return f"layers.{m.group(1)}.{part}.{m.group(3)}" if part else None
+    m = _GLOBAL_RE.fullmatch(gguf_name)
+    if m and m.group(1) in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: per head, row 2i+h goes back to row h*d/2 + i."""
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ModelLoadError(f"cannot un-permute {rows} rows over {n_heads} heads (not a multiple of 2 x heads)")
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# Pre-tokenizer split regexes, keyed by `tokenizer.ggml.pre` (llama.cpp's names for them).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_REGEX_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "qwen35": _QWEN35_SPLIT,
+}
+# Pre-types that keep GPT-2's own split (ByteLevel's built-in regex); smollm first isolates digits.
+_GPT2_SPLIT_TYPES = ("default", "gpt2", "gpt-2", "smollm")
+# llama.cpp looks a whole pre-token up in the vocabulary before merging for the llama-3 family.
+_IGNORE_MERGES_TYPES = ("llama-bpe", "llama3")
+
+
+def _pre_tokenizer(pre: str, path: Path) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in _GPT2_SPLIT_TYPES)
+    if pre in _REGEX_SPLITS:
+        split = pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _GPT2_SPLIT_TYPES:
+        return byte_level
+    known = sorted(_GPT2_SPLIT_TYPES + tuple(_REGEX_SPLITS))
+    raise ModelLoadError(f"{path}: tokenizer pre-type '{pre}' is not supported (supported: {', '.join(known)})")
+
+
+class GGUFCheckpoint:
+    """One opened GGUF file. Tensors are memory-mapped and dequantized one at a time in `get`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"{self.path}: GGUF file not found")
+        try:
+            self._reader = GGUFReader(self.path)
+        except (ValueError, OSError, IndexError) as e:
+            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({e})") from None
+        self.gguf_arch = str(self._require("general.architecture"))
+        if self.gguf_arch not in GGUF_ARCHS:
+            raise ModelLoadError(
+                f"{self.path}: GGUF architecture '{self.gguf_arch}' is not supported "
+                f"(supported: {', '.join(GGUF_ARCHS)})"
+            )
+        self._tensors: dict[str, ReaderTensor] = {}
+        unknown = []
+        for t in self._reader.tensors:
+            name = gguf_to_canonical_name(t.name)
+            if name is None:
+                unknown.append(t.name)
+            else:
+                self._tensors[name] = t
+        if "rope_freqs.weight" in unknown:
+            raise ModelLoadError(
+                f"{self.path}: RoPE frequency scaling (tensor 'rope_freqs.weight', Llama 3.x) is not supported yet"
+            )
+        if unknown:
+            raise ModelLoadError(f"{self.path}: unknown tensors for '{self.gguf_arch}': {', '.join(unknown[:8])}")
+
+    # ---- metadata -------------------------------------------------------------------------------
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """A metadata value as Python data (str, int, float, bool or list)."""
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _require(self, key: str) -> Any:
+        value = self.metadata(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path}: missing metadata key '{key}'")
+        return value
+
+    def _arch_key(self, key: str, default: Any = None, required: bool = False) -> Any:
+        full = f"{self.gguf_arch}.{key}"
+        return self._require(full) if required else self.metadata(full, default)
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        hidden = int(self._arch_key("embedding_length", required=True))
+        num_layers = int(self._arch_key("block_count", required=True))
+        num_heads = int(self._arch_key("attention.head_count", required=True))
+        num_kv_heads = self._arch_key("attention.head_count_kv", num_heads)
+        if isinstance(num_kv_heads, list):
+            raise ModelLoadError(f"{self.path}: per-layer KV head counts are not supported")
+        head_dim = int(self._arch_key("attention.key_length", hidden // num_heads))
+        rotary_dims = int(self._arch_key("rope.dimension_count", head_dim))
+        scaling = self._arch_key("rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise ModelLoadError(f"{self.path}: RoPE scaling '{scaling}' is not supported yet")
+        vocab = self._arch_key("vocab_size")
+        if vocab is None:  # older files: the vocabulary size is the token list's length
+            tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise ModelLoadError(f"{self.path}: no '{self.gguf_arch}.vocab_size' and no tokenizer.ggml.tokens")
+            vocab = len(tokens.data)
+        return ModelConfig(
+            arch=GGUF_ARCHS[self.gguf_arch],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            layer_types=["full_attention"] * num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(num_kv_heads),
+            head_dim=head_dim,
+            rms_eps=float(self._arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(self._arch_key("rope.freq_base", 10000.0)),
+            partial_rotary_factor=rotary_dims / head_dim,
+            qk_norm="layers.0.self_attn.q_norm.weight" in self._tensors,
+            attention_bias="layers.0.self_attn.q_proj.bias" in self._tensors,
+            intermediate_size=int(self._arch_key("feed_forward_length", required=True)),
+            tie_word_embeddings="lm_head.weight" not in self._tensors,
+            max_position_embeddings=int(self._arch_key("context_length", 32768)),
+            bos_token_id=self._token_id("bos"),
+            eos_token_ids=self._stop_token_ids(),
+            torch_dtype=_FILE_TYPE_DTYPE.get(self.metadata("general.file_type"), "bfloat16"),
+        )
+
+    # ---- tensors --------------------------------------------------------------------------------
+
+    def names(self) -> set[str]:
+        """Canonical HF names of every tensor in the file (no `lm_head.weight` when tied)."""
+        return set(self._tensors)
+
+    def _tensor(self, name: str) -> ReaderTensor:
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: no tensor '{name}'")
+        return t
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dequantized tensor in HF layout ([out, in] for linears), float32 unless `dtype` is given."""
+        t = self._tensor(name)
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"{self.path}: tensor '{t.name}' has type {t.tensor_type.name}, which cannot be dequantized"
+            ) from None
+        values = np.require(values, dtype=np.float32, requirements=["C", "W"])
+        if values.size != int(np.prod(shape)):
+            raise ModelLoadError(f"{self.path}: tensor '{t.name}' holds {values.size} values, shape says {shape}")
+        w = torch.from_numpy(values.reshape(shape))
+        if self.gguf_arch in _PERMUTED_QK_ARCHS and name.startswith("layers."):
+            if ".self_attn.q_proj." in name:
+                w = unpermute_rotary_rows(w, self.config.num_heads)
+            elif ".self_attn.k_proj." in name:
+                w = unpermute_rotary_rows(w, self.config.num_kv_heads)
+        return w if dtype is None else w.to(dtype)
+
+    # ---- tokenizer ------------------------------------------------------------------------------
+
+    def _token_id(self, kind: str) -> int | None:
+        value = self.metadata(f"tokenizer.ggml.{kind}_token_id")
+        return None if value is None else int(value)
+
+    def _stop_token_ids(self) -> list[int]:
+        """eos plus llama.cpp's end-of-turn / end-of-message ids, which also end a generation."""
+        ids = (self._token_id(kind) for kind in ("eos", "eot", "eom"))
+        return list(dict.fromkeys(i for i in ids if i is not None))
+
+    def build_tokenizer(self) -> Tokenizer:
+        """A `tokenizers.Tokenizer` that splits text as llama.cpp does for this file (byte-level BPE).
+
+        Control tokens become special added tokens (matched whole, dropped by skip_special_tokens),
+        user-defined ones plain added tokens. With `tokenizer.ggml.add_bos_token`, encoding with
+        special tokens prepends BOS, like a Llama `tokenizer.json` post-processor.
+        """
+        kind = self.metadata("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(f"{self.path}: tokenizer model '{kind}' is not supported (only 'gpt2' byte-level BPE)")
+        tokens: list[str] = self._require("tokenizer.ggml.tokens")
+        types: list[int] = self.metadata("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
+        pre = self.metadata("tokenizer.ggml.pre", "default")
+        merges = []
+        for merge in self._require("tokenizer.ggml.merges"):
+            pair = merge.split(" ")
+            if len(pair) != 2:
+                raise ModelLoadError(f"{self.path}: malformed merge {merge!r} in tokenizer.ggml.merges")
+            merges.append((pair[0], pair[1]))
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES_TYPES))
+        backend.pre_tokenizer = _pre_tokenizer(pre, self.path)
+        backend.decoder = decoders.ByteLevel()
+        by_type = {ty: [t for t, tt in zip(tokens, types) if tt == ty] for ty in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)}
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in by_type[_TOKEN_CONTROL]])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in by_type[_TOKEN_USER_DEFINED]])
+        bos = self._token_id("bos")
+        if self.metadata("tokenizer.ggml.add_bos_token", False) and bos is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{tokens[bos]}:0 $A:0", pair=f"{tokens[bos]}:0 $A:0 $B:1", special_tokens=[(tokens[bos], bos)]
+            )
+        return backend
+
+    def load_tokenizer(self) -> NinferTokenizer:
+        """The engine's tokenizer: vocabulary, stop ids, BOS and the chat template from metadata."""
+        return NinferTokenizer(
+            self.build_tokenizer(),
+            eos_token_ids=self._stop_token_ids(),
+            bos_token_id=self._token_id("bos"),
+            chat_template=self.metadata("tokenizer.chat_template"),
+            source=str(self.path),
+        )
+
+
+def open_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Open a GGUF file (metadata parsed now, tensor data read on `get`)."""
+    return GGUFCheckpoint(path)
