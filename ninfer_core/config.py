@@ -103,6 +103,10 @@ def config_from_hf_dict(raw: dict, path: Path) -> ModelConfig:
     head_dim = int(text.get("head_dim") or hidden // num_heads)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        # llama3 / yarn / linear scaling change the frequencies: refuse rather than run wrong numerics.
+        raise ModelLoadError(f"{path}: RoPE scaling type '{rope_type}' is not supported yet")
     is_qwen35 = arch in QWEN_ARCHS
     if is_qwen35:
         layer_types = text.get("layer_types") or [
