@@ -1,0 +1,76 @@
+"""Per-sequence Gated DeltaNet state: one slot per running sequence, for every GDN layer.
+
+conv[layer]      [num_slots, conv_dim, K-1]  last K-1 pre-conv qkv inputs, model dtype
+recurrent[layer] [num_slots, Hv, dk, dv]     delta-rule state, fp32 (fp64 if the model is fp64)
+
+Unlike KV, this state cannot be truncated: speculative rollback snapshots a slot before the
+verify step and restores it (or copies a sibling slot) afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StateSnapshot:
+    """A copy of one slot's state in every GDN layer."""
+
+    conv: dict[int, torch.Tensor]
+    recurrent: dict[int, torch.Tensor]
+
+
+class StatePool:
+    def __init__(
+        self,
+        layers: list[int],
+        num_slots: int,
+        conv_dim: int,
+        conv_kernel: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.layers = list(layers)
+        self.num_slots = num_slots
+        state_dtype = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for a float64 model
+        self.conv = {
+            i: torch.zeros(num_slots, conv_dim, conv_kernel - 1, dtype=dtype, device=device) for i in self.layers
+        }
+        self.recurrent = {
+            i: torch.zeros(num_slots, num_v_heads, head_k_dim, head_v_dim, dtype=state_dtype, device=device)
+            for i in self.layers
+        }
+        conv_bytes = conv_dim * (conv_kernel - 1) * dtype.itemsize
+        recurrent_bytes = num_v_heads * head_k_dim * head_v_dim * state_dtype.itemsize
+        self.bytes_per_slot = len(self.layers) * (conv_bytes + recurrent_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_slot * self.num_slots
+
+    def reset(self, slot: int) -> None:
+        """Zero a slot: the state of a sequence that has seen no tokens."""
+        for i in self.layers:
+            self.conv[i][slot].zero_()
+            self.recurrent[i][slot].zero_()
+
+    def snapshot(self, slot: int) -> StateSnapshot:
+        return StateSnapshot(
+            conv={i: self.conv[i][slot].clone() for i in self.layers},
+            recurrent={i: self.recurrent[i][slot].clone() for i in self.layers},
+        )
+
+    def restore(self, slot: int, snap: StateSnapshot) -> None:
+        for i in self.layers:
+            self.conv[i][slot].copy_(snap.conv[i])
+            self.recurrent[i][slot].copy_(snap.recurrent[i])
+
+    def copy(self, src: int, dst: int) -> None:
+        for i in self.layers:
+            self.conv[i][dst].copy_(self.conv[i][src])
+            self.recurrent[i][dst].copy_(self.recurrent[i][src])

@@ -1,0 +1,129 @@
+"""Causal GQA attention over a paged KV cache.
+
+Used by Qwen3.5 full-attention layers (output gate, zero-centred q/k norm, partial mRoPE) and by
+Llama-family models (optional q/k norm, optional qkv bias); the flags come from ModelConfig.
+
+KV cache layout per layer: k, v [num_pages, page_size, num_kv_heads, head_dim]. The token at
+cache index p of a sequence lives in page `block_table[p // page_size]`, row `p % page_size`.
+A step first appends the new tokens' k/v (`write_kv`), then attends over everything cached
+(`paged_attention`). Both are the functions a CUDA kernel replaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .norm import RMSNorm
+from .rope import apply_rotary
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step indexing shared by every attention layer of one forward."""
+
+    slot_mapping: torch.Tensor  # [B, T] int64 flat row (page * page_size + offset) of each new token
+    block_table: torch.Tensor  # [B, P] int64 page ids, unused entries clamped to a valid page
+    cache_lens: torch.Tensor  # [B] int64 tokens cached before this step
+
+    @classmethod
+    def build(
+        cls, block_table: torch.Tensor, cache_lens: torch.Tensor, num_new_tokens: int, page_size: int, num_pages: int
+    ) -> "AttentionMetadata":
+        table = block_table.long().clamp(0, num_pages - 1)
+        offsets = torch.arange(num_new_tokens, device=cache_lens.device)
+        index = cache_lens[:, None] + offsets  # [B, T] cache index of each new token
+        pages = table.gather(1, index // page_size)
+        return cls(slot_mapping=pages * page_size + index % page_size, block_table=table, cache_lens=cache_lens)
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store k, v [B, T, Hkv, D] at their flat rows `slot_mapping` [B, T] of the paged cache."""
+    rows = slot_mapping.reshape(-1)
+    k_cache.view(-1, *k_cache.shape[2:])[rows] = k.reshape(-1, *k.shape[2:]).to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[rows] = v.reshape(-1, *v.shape[2:]).to(v_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, T, H, D] for cache indices cache_lens + 0..T-1 (their k/v already written).
+
+    Query t of sequence b sees cache indices 0 .. cache_lens[b] + t (causal). Returns [B, T, H, D].
+    """
+    batch, num_new, _, _ = q.shape
+    page_size = k_cache.shape[1]
+    # Gather the sequences' pages into contiguous [B, P * page_size, Hkv, D] views.
+    k = k_cache[block_table].flatten(1, 2)
+    v = v_cache[block_table].flatten(1, 2)
+    key_pos = torch.arange(block_table.shape[1] * page_size, device=q.device)
+    query_pos = cache_lens[:, None] + torch.arange(num_new, device=q.device)  # [B, T]
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, T, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2).to(q.dtype),
+        v.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.output_gate = config.attn_output_gate
+        self.scale = config.head_dim**-0.5
+        q_out = config.num_heads * config.head_dim * (2 if self.output_gate else 1)
+        kv_out = config.num_kv_heads * config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_out, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_out, bias=bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_eps, config.norm_zero_centered)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_eps, config.norm_zero_centered)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]; appends the T new tokens' k/v to the cache."""
+        batch, num_new, _ = x.shape
+        q = self.q_proj(x).view(batch, num_new, self.num_heads, -1)
+        if self.output_gate:  # per head: [query | gate]
+            q, gate = q.split(self.head_dim, dim=-1)
+        k = self.k_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta.block_table, meta.cache_lens, self.scale)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(batch, num_new, -1))

@@ -1,0 +1,193 @@
+"""Gated DeltaNet (linear attention) as in Qwen3.5: short causal conv + gated delta rule.
+
+Per value head the recurrent state S [dk, dv] (fp32) evolves, for each token, as
+    S = exp(g) * S;   u = beta * (v - S^T k);   S = S + k u^T;   o = S^T q
+with q, k l2-normalised (q also scaled by dk^-1/2); value head j reads key head j // (Hv / Hk).
+
+Two equivalent evaluations:
+- `gated_delta_rule_recurrent`: the token loop above (decode, T = 1);
+- `gated_delta_rule_chunked`: the WY / UT-transform form over chunks of 64 tokens (prefill).
+Both start from a given state and return the final state, so a prompt can be processed in any
+split and continued by decode.
+
+Conv state: the last K-1 pre-conv inputs of the qkv channels, [C, K-1] per sequence (K-1 is
+all the next output needs). A new sequence starts from zeros for both states.
+
+The functions here are the hot ops a CUDA kernel replaces; `GatedDeltaNet` only wires them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .norm import GatedRMSNorm
+
+CHUNK_SIZE = 64
+
+
+def causal_conv1d_silu(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU continuing from a state.
+
+    x [B, T, C] new inputs, conv_state [B, C, K-1] previous inputs, weight [C, K].
+    Returns (y [B, T, C] in x's dtype, new conv state [B, C, K-1] in conv_state's dtype).
+    """
+    kernel = weight.shape[-1]
+    window = torch.cat((conv_state.to(x.dtype), x.transpose(1, 2)), dim=-1)  # [B, C, K-1+T]
+    compute = torch.promote_types(x.dtype, torch.float32)
+    y = F.conv1d(window.to(compute), weight.to(compute).unsqueeze(1), groups=weight.shape[0])  # [B, C, T]
+    new_state = window[:, :, window.shape[-1] - (kernel - 1) :].to(conv_state.dtype)
+    return F.silu(y).transpose(1, 2).to(x.dtype), new_state
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-decay g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b), fp32."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _expand_key_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
+    """[B, T, Hk, dk] -> [B, T, Hv, dk]: value head j reads key head j // (Hv / Hk)."""
+    return x.repeat_interleave(num_v_heads // x.shape[2], dim=2)
+
+
+def gated_delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token delta rule.
+
+    q, k [B, T, Hk, dk] (normalised, q scaled), v [B, T, Hv, dv], g, beta [B, T, Hv],
+    state [B, Hv, dk, dv]. Computes in the state's dtype; returns (o [B, T, Hv, dv], final state).
+    """
+    dtype = state.dtype
+    num_v_heads = v.shape[2]
+    q, k = (_expand_key_heads(t, num_v_heads).to(dtype) for t in (q, k))
+    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        u = beta[:, t, :, None] * (v[:, t] - predicted)
+        state = state + k[:, t, :, :, None] * u[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outputs, dim=1), state
+
+
+def gated_delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `gated_delta_rule_recurrent`, evaluated chunk by chunk.
+
+    Inside a chunk with cumulative decay gamma_t = prod_{s<=t} exp(g_s) and entry state S0:
+        (I + A) U = beta V - diag(beta gamma) K S0,   A[t, s] = beta_t (gamma_t / gamma_s) k_t.k_s  (s < t)
+        O = diag(gamma) Q S0 + ((Q K^T) * Gamma * causal) U,    Gamma[t, s] = gamma_t / gamma_s
+        S_end = gamma_C S0 + (K * gamma_C / gamma)^T U
+    With T = (I + A)^-1 this is U = T(beta V) - T(beta gamma K) S0, so everything except the S0
+    terms is computed for all chunks at once and only a short scan over chunks remains.
+    """
+    dtype = state.dtype
+    batch, seq_len, _, _ = q.shape
+    num_v_heads = v.shape[2]
+    q, k = (_expand_key_heads(t, num_v_heads) for t in (q, k))
+    # -> [B, H, T, ...] in the compute dtype, T padded to whole chunks (padding: k = v = beta = 0,
+    # g = 0, which leaves the state untouched).
+    pad = (-seq_len) % chunk_size
+    q, k, v = (F.pad(t.to(dtype).transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t.to(dtype).transpose(1, 2), (0, pad)) for t in (g, beta))
+    num_chunks = (seq_len + pad) // chunk_size
+    q, k, v = (t.reshape(batch, num_v_heads, num_chunks, chunk_size, -1) for t in (q, k, v))
+    g, beta = (t.reshape(batch, num_v_heads, num_chunks, chunk_size) for t in (g, beta))
+
+    log_gamma = g.cumsum(dim=-1)  # [B, H, N, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # Gamma[t, s] = gamma_t / gamma_s on and below the diagonal, 0 above (masked before exp).
+    gamma_ratio = (log_gamma[..., :, None] - log_gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+    k_beta = k * beta[..., None]
+    # solve_triangular with unitriangular=True reads only the strictly lower part of A: it solves (I + A) X = rhs.
+    a_matrix = (k_beta @ k.transpose(-1, -2)) * gamma_ratio
+    u_free = torch.linalg.solve_triangular(a_matrix, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        a_matrix, k_beta * log_gamma.exp()[..., None], upper=False, unitriangular=True
+    )
+    intra = (q @ k.transpose(-1, -2)) * gamma_ratio
+    q_decayed = q * log_gamma.exp()[..., None]
+    k_to_end = k * (log_gamma[..., -1:] - log_gamma).exp()[..., None]
+    chunk_decay = log_gamma[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+
+    outputs = []
+    for n in range(num_chunks):
+        u = u_free[:, :, n] - w[:, :, n] @ state
+        outputs.append(q_decayed[:, :, n] @ state + intra[:, :, n] @ u)
+        state = state * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ u
+    out = torch.cat(outputs, dim=2)[:, :, :seq_len]  # [B, H, T, dv]
+    return out.transpose(1, 2), state
+
+
+class GatedDeltaNet(nn.Module):
+    """One GDN mixer layer; reads and updates its conv / recurrent state pools in place."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        hidden = config.hidden_size
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        # Only a holder for the checkpoint's `conv1d.weight` [C, 1, K]; the math is causal_conv1d_silu.
+        k = config.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, k, groups=self.conv_dim, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """x [B, T, hidden]; conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv]; slots [B]."""
+        batch, num_new, _ = x.shape
+        mixed, conv_state = causal_conv1d_silu(self.in_proj_qkv(x), conv_pool[slots], self.conv1d.weight[:, 0])
+        conv_pool[slots] = conv_state
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        compute = state_pool.dtype
+        q = l2norm(q.reshape(batch, num_new, self.num_k_heads, self.head_k_dim).to(compute)) * self.head_k_dim**-0.5
+        k = l2norm(k.reshape(batch, num_new, self.num_k_heads, self.head_k_dim).to(compute))
+        v = v.reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
+        g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+
+        delta_rule = gated_delta_rule_recurrent if num_new == 1 else gated_delta_rule_chunked
+        out, state = delta_rule(q, k, v, g, beta, state_pool[slots])
+        state_pool[slots] = state
+
+        z = self.in_proj_z(x).reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
+        out = self.norm(out.to(x.dtype), z)
+        return self.out_proj(out.reshape(batch, num_new, self.value_dim))
