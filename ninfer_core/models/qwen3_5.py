@@ -1,121 +1,29 @@
 """Qwen3.5 / Qwen3.6 text model: hybrid Gated DeltaNet + gated attention, MoE or dense FFN.
 
-Layer i is a GDN ("linear_attention") or a gated full-attention layer per `config.layer_types`:
-    h += mixer(input_layernorm(h));  h += ffn(post_attention_layernorm(h))
-then the final norm and lm_head. Parameter names equal the checkpoint's text-model names with
-the "model.language_model." / "model." prefix stripped, so loading is a name-for-name copy.
+Layer i is a GDN ("linear_attention") or a gated full-attention layer per `config.layer_types`
+(see `decoder.py`); positions may be 3-axis (interleaved mRoPE) for multimodal prompts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from ..cache import ModelCache
 from ..config import QWEN_ARCHS, ModelConfig
-from ..errors import ModelLoadError
-from ..layers.attention import Attention, AttentionMetadata
-from ..layers.gdn import GatedDeltaNet
-from ..layers.mlp import MLP
-from ..layers.moe import SparseMoE
-from ..layers.norm import RMSNorm
-from ..layers.rope import RotaryEmbedding
-from .base import ForwardBatch, ForwardOutput
-
-LAYER_TYPES = ("linear_attention", "full_attention")
+from .decoder import DecoderModel
 
 
-@dataclass
-class StepContext:
-    """What every layer of one forward shares: rotary tables, KV indexing, state slots, the cache."""
+class Qwen3_5ForCausalLM(DecoderModel):
+    archs = QWEN_ARCHS
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-    attn: AttentionMetadata
-    slots: torch.Tensor
-    cache: ModelCache
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.is_linear = config.layer_types[layer_idx] == "linear_attention"
-        eps, zc = config.rms_eps, config.norm_zero_centered
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, zc)
-        if self.is_linear:
-            self.linear_attn = GatedDeltaNet(config)
-        else:
-            self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zc)
-        self.mlp = SparseMoE(config) if config.is_moe else MLP(config.hidden_size, config.intermediate_size)
-
-    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        i = self.layer_idx
-        if self.is_linear:
-            h = self.linear_attn(h, step.cache.state.conv[i], step.cache.state.recurrent[i], step.slots)
-        else:
-            h = self.self_attn(h, step.cos, step.sin, step.cache.kv.k[i], step.cache.kv.v[i], step.attn)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Qwen3_5ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        if config.arch not in QWEN_ARCHS:
-            raise ModelLoadError(f"Qwen3_5ForCausalLM cannot run arch '{config.arch}' (expected one of {QWEN_ARCHS})")
-        unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ModelLoadError(f"unsupported layer types {unknown} (supported: {LAYER_TYPES})")
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_eps, config.norm_zero_centered)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
+        super().__init__(config)
         self.mtp_weights: dict[str, torch.Tensor] = {}
-
-    def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:
-        if batch.inputs_embeds is not None:
-            x = batch.inputs_embeds.to(self.embed_tokens.weight.dtype)
-        else:
-            x = self.embed_tokens(batch.input_ids)
-        positions = batch.mrope_positions if batch.mrope_positions is not None else batch.positions
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        attn = AttentionMetadata.build(
-            batch.block_table, batch.cache_lens, batch.num_new_tokens, cache.page_size, cache.kv.num_pages
-        )
-        step = StepContext(cos=cos, sin=sin, attn=attn, slots=batch.slots, cache=cache)
-        for layer in self.layers:
-            x = layer(x, step)
-
-        logits = None
-        if batch.logits != "none":
-            last = x[:, -1:] if batch.logits == "last" else x
-            logits = self.lm_head(self.norm(last)).float()
-        return ForwardOutput(logits=logits, hidden_states=x)
 
     @torch.no_grad()
     def load_weights(self, get: Callable[[str], torch.Tensor], names: set[str]) -> None:
-        """Copy every parameter from the checkpoint tensor of the same canonical name.
-
-        `lm_head.weight` is not read when the embeddings are tied; `mtp.*` tensors are kept in
-        `self.mtp_weights` for speculative decoding; other names (vision tower) are ignored.
-        """
-        for name, param in self.named_parameters():
-            if name not in names:
-                raise ModelLoadError(f"checkpoint is missing tensor '{name}' (expected shape {tuple(param.shape)})")
-            tensor = get(name)
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ModelLoadError(
-                    f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                )
-            param.copy_(tensor)
+        """Name-for-name copy; `mtp.*` tensors are kept in `self.mtp_weights` for speculative
+        decoding; other names the model has no place for (the vision tower) are left to others."""
+        self.copy_parameters(get, names)
         self.mtp_weights = {name: get(name) for name in sorted(names) if name.startswith("mtp.")}
