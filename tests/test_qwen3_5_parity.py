@@ -220,19 +220,36 @@ def test_inputs_embeds_replace_embedding(pair):
     assert_close_rel(got, ref[:, -1:])
 
 
-def test_bf16_runs_close_to_fp32(pair):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def run_prefill_then_decode(model, ids: torch.Tensor, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, Runner]:
+    """Logits [60, V] of a 50-token prefill in chunks of 20, then 10 single-token decode steps."""
+    runner = Runner(model, dtype=dtype, device=device)
+    seq = runner.new_seq()
+    logits = [runner.prefill(seq, ids[:50], chunk=20)]
+    logits += [runner.step([seq], ids[None, i : i + 1], logits="last").logits[0] for i in range(50, 60)]
+    return torch.cat(logits).cpu(), runner
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_on_device_matches_hf(pair, device):
+    hf, ours = pair
+    ids = random_ids(60, seed=13)
+    got, _ = run_prefill_then_decode(copy.deepcopy(ours).to(device), ids, torch.float32, device)
+    assert_close_rel(got, hf_logits(hf, ids[None])[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_runs_close_to_fp32(pair, device):
     """The GPU dtype: bf16 weights, activations and KV, fp32 GDN state, fp32 logits."""
     hf, ours = pair
     ids = random_ids(60, seed=14)
     ref = hf_logits(hf, ids[None])[0]
-    model = copy.deepcopy(ours).to(torch.bfloat16)
-    runner = Runner(model, dtype=torch.bfloat16)
-    seq = runner.new_seq()
-    logits = [runner.prefill(seq, ids[:50], chunk=20)]
-    logits += [runner.step([seq], ids[None, i : i + 1], logits="last").logits[0] for i in range(50, 60)]
+    model = copy.deepcopy(ours).to(device=device, dtype=torch.bfloat16)
+    got, runner = run_prefill_then_decode(model, ids, torch.bfloat16, device)
     assert runner.manager.cache.state.recurrent[0].dtype == torch.float32
     assert runner.manager.cache.kv.k[ours.config.full_attention_layers[0]].dtype == torch.bfloat16
-    got = torch.cat(logits)
     assert got.dtype == torch.float32
     # Per-position error relative to the logit scale. transformers in bf16 shows ~0.006 typical;
     # a few positions are worse where bf16 rounding flips an MoE top-k choice, hence the median.
