@@ -23,6 +23,7 @@ from huggingface_hub import constants, try_to_load_from_cache
 from typer.testing import CliRunner
 
 from fake_hub import FakeHub
+from tiny_model_dir import write_tiny_model_dir
 from ninfer_core.hub import (
     ALIASES,
     Done,
@@ -507,3 +508,17 @@ def test_cli_show_and_list_aliases_without_pulling(tmp_path, monkeypatch):
                                            "--json"]).stdout)
     assert shown["pulled"] is False and shown["fit"]["weight_bytes"] == 34_660_610_688 // 2
     assert shown["fit"]["kv_bytes"] == 10_240 * DEFAULT_CONTEXT
+
+
+def test_run_a_pulled_model_by_name(tmp_path, hub):
+    """`ninfer pull` then `ninfer run REPO`: the engine finds the verified snapshot by name."""
+    source = tmp_path / "src"
+    write_tiny_model_dir(source, moe=True)
+    hub.add_repo("org/tiny-runnable", {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()})
+    assert ninfer_subprocess(["pull", "org/tiny-runnable"], hub, tmp_path).returncode == 0
+    proc = ninfer_subprocess(["run", "org/tiny-runnable", "--prompt", "hi", "--max-tokens", "3", "--device", "cpu",
+                              "--json"], hub, tmp_path, HF_HUB_OFFLINE="1")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["token_ids"]) == 3
+    missing = ninfer_subprocess(["run", "org/other", "--prompt", "hi"], hub, tmp_path, HF_HUB_OFFLINE="1")
+    assert_one_line_error(missing.stderr, "ninfer pull org/other")

@@ -16,6 +16,8 @@ from torch import nn
 
 from ..config import QWEN_ARCHS, GenerationDefaults, ModelConfig, load_config
 from ..errors import ModelLoadError, NinferError
+from ..hub.aliases import resolve_alias
+from ..hub.registry import resolve_local
 from ..tokenizer import Tokenizer
 from ..weights.checkpoint import open_checkpoint
 from ..weights.gguf_reader import open_gguf
@@ -83,13 +85,24 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
     return model.eval()
 
 
+def _locate(spec: str) -> Path:
+    """A path on disk, else the name of a pulled model (`ninfer pull`)."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    pulled = resolve_local(spec)
+    if pulled is None and (resolve_alias(spec) or "/" in spec):
+        raise ModelLoadError(f"{spec}: not downloaded yet: run `ninfer pull {spec}` first")
+    if pulled is None:
+        raise ModelLoadError(f"{spec}: no such model directory or file, and no pulled model of that name (`ninfer ls`)")
+    return pulled
+
+
 def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """spec: an HF checkpoint directory, a .gguf file, or None for the embedded default model."""
     started = time.perf_counter()
     dev = resolve_device(device)
-    path = default_model_path() if spec is None else Path(spec).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such model directory or file")
+    path = default_model_path() if spec is None else _locate(spec)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model is a checkpoint directory (with config.json) or a .gguf file")
