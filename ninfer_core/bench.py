@@ -17,7 +17,7 @@ import torch
 from .cache import CacheManager
 from .config import ModelConfig
 from .models.base import ForwardBatch
-from .models.loader import build_model, resolve_device, resolve_dtype
+from .models.loader import build_model, init_random_, resolve_device, resolve_dtype
 from .models.presets import preset
 
 
@@ -66,11 +66,8 @@ def run_synthetic(
     config = preset(name)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    torch.manual_seed(seed)
     model = build_model(config, dev, torch_dtype)
-    with torch.no_grad():  # small random weights keep 40 bf16 layers finite
-        for p in model.parameters():
-            p.normal_(0, 0.02)
+    init_random_(model, seed)
     cache = CacheManager(config, max_tokens=prompt_tokens + decode_tokens + 1, max_seqs=1, dtype=torch_dtype,
                          device=dev)
     seq = cache.allocate()

@@ -98,8 +98,19 @@ def _locate(spec: str) -> Path:
     return pulled
 
 
-def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """spec: an HF checkpoint directory, a .gguf file, or None for the embedded default model."""
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int = 0) -> None:
+    """Small normal weights (std 0.02): exact shapes without a download, finite through 60+ bf16 layers."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for p in model.parameters():
+        p.normal_(0, 0.02, generator=generator)
+
+
+def load_model(spec: str | None, device: str = "auto", dtype: str = "auto", random_weights: bool = False) -> LoadedModel:
+    """spec: an HF checkpoint directory, a .gguf file, or None for the embedded default model.
+
+    `random_weights`: take config and tokenizer from the directory but no tensors (benchmarks of
+    full-size shapes from a config.json alone)."""
     started = time.perf_counter()
     dev = resolve_device(device)
     path = default_model_path() if spec is None else _locate(spec)
@@ -113,12 +124,15 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> L
         config = load_config(path)
         tokenizer = Tokenizer.from_model_dir(path)
         defaults = GenerationDefaults.from_model_dir(path)
-        weights = open_checkpoint(path, config.quantization)
-        if config.arch in QWEN_ARCHS:
+        weights = None if random_weights else open_checkpoint(path, config.quantization)
+        if weights is not None and config.arch in QWEN_ARCHS:
             weights = TextWeights(weights)
     torch_dtype = resolve_dtype(dtype, dev)
     model = build_model(config, dev, torch_dtype)
-    model.load_weights(lambda name: weights.get(name, torch_dtype), weights.names())
+    if random_weights:
+        init_random_(model)
+    else:
+        model.load_weights(lambda name: weights.get(name, torch_dtype), weights.names())
     name = path.stem if path.is_file() else path.name
     return LoadedModel(
         name=name,
