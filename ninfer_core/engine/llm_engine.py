@@ -7,8 +7,9 @@ decode forward over every sequence that is generating, so long prompts never sta
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from ..tokenizer import Tokenizer
 from .request import GenerationRequest, StepOutput
 from .sampling import Sampler
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from ..models.vision import VisionTower
 
 
 @dataclass
@@ -54,6 +58,7 @@ class LLMEngine:
         max_context: int,
         prefill_chunk: int = 1024,
         generation_defaults: GenerationDefaults | None = None,
+        vision_tower: Callable[[], VisionTower] | None = None,
     ):
         if prefill_chunk < 1:
             raise NinferError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
@@ -64,6 +69,7 @@ class LLMEngine:
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.defaults = generation_defaults or GenerationDefaults()
+        self.vision_tower = vision_tower  # built on first use: only requests with media need it
         self.device = cache.device
         self.sampler = Sampler()
         self.eos_ids = frozenset(self.defaults.eos_token_ids or config.eos_token_ids or tokenizer.eos_token_ids)
@@ -87,6 +93,11 @@ class LLMEngine:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise NinferError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        if request.multimodal is not None:
+            if self.vision_tower is None:
+                raise NinferError("this model has no vision tower: it cannot read images or videos")
+            if (covered := len(request.multimodal.vision_rows)) != n:
+                raise NinferError(f"the media layout covers {covered} tokens but the prompt has {n}")
         params = request.sampling.with_defaults(self.defaults)
         request.sampling = params
         seq_cache = self.cache.allocate()
@@ -149,11 +160,14 @@ class LLMEngine:
         end = min(len(seq.prompt_ids), start + self.prefill_chunk)
         last = end == len(seq.prompt_ids)
         ids = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)
-        out = self._forward([seq], ids, "last" if last else "none")
+        embeds, mrope = self._multimodal_inputs(seq, ids, start, end)
+        out = self._forward([seq], ids, "last" if last else "none", embeds, mrope)
         seq.num_cached = end
         self._stats.prefill_chunks += 1
         if not last:
             return []
+        if seq.request.multimodal is not None:
+            seq.request.multimodal.release()
         token = self._sample([seq], out.logits[:, -1])[0]
         seq.timings.prefill_s = time.perf_counter() - seq.started_at
         self._stats.prompt_tokens += len(seq.prompt_ids)
@@ -173,16 +187,40 @@ class LLMEngine:
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(seqs))
         return [self._append(seq, tok) for seq, tok in zip(seqs, tokens)]
 
-    def _forward(self, seqs: list[Sequence], ids: torch.Tensor, logits: str):
+    def _multimodal_inputs(
+        self, seq: Sequence, ids: torch.Tensor, start: int, end: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Prompt chunk inputs of a request with media: embeddings (vision rows in place of the pads)
+        and 3-axis positions. The tower runs once, on the first chunk."""
+        mm = seq.request.multimodal
+        if mm is None:
+            return None, None
+        assert self.vision_tower is not None  # checked in add_request
+        with torch.inference_mode():
+            mm.encode(self.vision_tower())
+            return mm.chunk_embeddings(self.model.embed_tokens, ids, start), mm.chunk_positions(start, end, self.device)
+
+    def _forward(
+        self,
+        seqs: list[Sequence],
+        ids: torch.Tensor,
+        logits: str,
+        inputs_embeds: torch.Tensor | None = None,
+        mrope_positions: torch.Tensor | None = None,
+    ):
         t = ids.shape[1]
         cache_lens = torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=self.device)
         positions = cache_lens[:, None] + torch.arange(t, device=self.device)[None, :]
+        if any(deltas := [s.rope_delta for s in seqs]):
+            positions = positions + torch.tensor(deltas, dtype=torch.long, device=self.device)[:, None]
         batch = ForwardBatch(
             input_ids=ids,
             positions=positions,
             cache_lens=cache_lens,
             slots=torch.tensor([s.cache.slot for s in seqs], dtype=torch.long, device=self.device),
             block_table=self.cache.block_table([s.cache for s in seqs]),
+            mrope_positions=mrope_positions,
+            inputs_embeds=inputs_embeds,
             logits=logits,
         )
         with torch.inference_mode():

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..models.multimodal import MultimodalPrompt
 
 _ids = itertools.count()
 
@@ -19,6 +23,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     request_id: str = field(default_factory=new_request_id)
+    multimodal: MultimodalPrompt | None = None  # images / videos; their pads are expanded in prompt_token_ids
 
 
 @dataclass

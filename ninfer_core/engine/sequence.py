@@ -42,6 +42,12 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def rope_delta(self) -> int:
+        """Position offset of generated tokens: media in the prompt advance mRoPE positions unevenly."""
+        mm = self.request.multimodal
+        return mm.rope_delta if mm is not None else 0
+
+    @property
     def in_prefill(self) -> bool:
         return self.num_cached < len(self.prompt_ids)
 

@@ -1,0 +1,60 @@
+"""The front door for media: sources -> prepared media, with the per-request limits and the cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from .cache import PreparedMediaCache
+from .config import MediaConfig
+from .image import prepare_image
+from .limits import MediaError, MediaLimits
+from .prepared import PreparedMedia
+from .sources import MediaSource
+from .video import prepare_video
+
+
+class MediaProcessor:
+    def __init__(
+        self,
+        config: MediaConfig | None = None,
+        limits: MediaLimits | None = None,
+        cache: PreparedMediaCache | None = None,
+    ):
+        self.config = config or MediaConfig()
+        self.limits = limits or MediaLimits()
+        self.cache = cache if cache is not None else PreparedMediaCache()
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, limits: MediaLimits | None = None) -> "MediaProcessor":
+        return cls(MediaConfig.from_model_dir(model_dir), limits)
+
+    def prepare(self, source: MediaSource) -> PreparedMedia:
+        settings = self.config.image if source.kind == "image" else self.config.video
+        if source.path is not None:
+            self.limits.check_bytes(source.kind, source.size(), source.name)
+        key = (source.digest(), source.kind, settings)
+        if source.kind == "image":
+            return self.cache.get_or_prepare(
+                key, lambda: prepare_image(source.read(), settings, self.limits, source.name)
+            )
+        video = source.data if source.data is not None else source.path
+        return self.cache.get_or_prepare(key, lambda: prepare_video(video, settings, self.limits, source.name))
+
+    def prepare_all(self, sources: Sequence[MediaSource]) -> list[PreparedMedia]:
+        """Every source of one request, in order; the request's vision tokens are bounded."""
+        if len(sources) > self.limits.max_media_items:
+            raise MediaError(
+                f"the request has {len(sources)} images / videos, over the limit of {self.limits.max_media_items}"
+            )
+        prepared, tokens = [], 0
+        for source in sources:
+            item = self.prepare(source)
+            tokens += item.num_tokens
+            if tokens > self.limits.max_vision_tokens:
+                raise MediaError(
+                    f"{source.name}: the request's images / videos need {tokens}+ vision tokens, over the limit "
+                    f"of {self.limits.max_vision_tokens} (use smaller or fewer images, or shorter videos)"
+                )
+            prepared.append(item)
+        return prepared
