@@ -22,13 +22,17 @@ from .chat.output_parser import (
     ToolCallEnd,
     collect,
 )
-from .chat.reasoning import prompt_opens_reasoning
+from .chat.reasoning import THINK_CLOSE, THINK_OPEN, prompt_opens_reasoning
 from .chat.template import ChatTemplate, load_chat_template
 from .engine.llm_engine import EngineStats, LLMEngine
 from .engine.request import GenerationRequest, StepOutput, Timings
 from .engine.sampling import SamplingParams
 from .errors import NinferError
+from .media.limits import MediaError
+from .media.sources import split_media
 from .models.loader import LoadedModel, load_model
+from .models.multimodal import MultimodalPrompt
+from .models.vision_support import VisionSupport
 
 DEFAULT_MAX_CONTEXT = {"cpu": 8192, "cuda": 32768}
 
@@ -42,6 +46,8 @@ class EngineOptions:
     max_seqs: int = 1
     prefill_chunk: int = 1024
     chat_template: str | Path | None = None
+    vision: bool = False  # load the vision tower at start (else on the first request with media)
+    random_weights: bool = False  # config + tokenizer only, random tensors: full-size benchmarks
 
 
 @dataclass
@@ -53,6 +59,8 @@ class ChatResult:
     token_ids: list[int]
     finish_reason: str
     timings: Timings
+    reasoning_tokens: int = 0  # generated tokens up to the end of the reasoning block
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
 
     def to_json(self) -> dict[str, Any]:
         t = self.timings
@@ -79,6 +87,8 @@ class ChatFinished:
 
 
 ChatEvent = ReasoningDelta | ContentDelta | ToolCallEnd | ChatFinished
+# What ChatAssembler.feed yields: every parser event (tool calls stream as Start / ArgsDelta / End)
+ChatStreamEvent = ParserEvent | ChatFinished
 
 
 @dataclass
@@ -93,6 +103,83 @@ class ChatRequest:
 def tool_call_json(index: int, name: str, arguments: str) -> dict[str, Any]:
     """OpenAI's shape for one tool call."""
     return {"id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request turned into engine input: the prompt, its ids, and how the output starts."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    starts_in_reasoning: bool
+    tools: Sequence[Mapping[str, Any]] | None = None
+    multimodal: MultimodalPrompt | None = None  # images / videos, their pads expanded in the ids
+
+
+class ChatAssembler:
+    """Turns one request's engine outputs into parser events and, at the end, a ChatResult.
+
+    Shared by LLM.chat and the concurrent service (which runs it on the consumer's side), so the
+    CLI, the TUI and the server cannot disagree on reasoning, content or tool calls.
+    """
+
+    def __init__(self, prepared: PreparedChat):
+        self.prepared = prepared
+        self._parser = OutputParser(starts_in_reasoning=prepared.starts_in_reasoning, tools=prepared.tools)
+        self._parsed = ParsedOutput()
+        self._head = ""  # output text while it is unknown whether it opens with <think>
+        self._tail = ""  # the last characters of reasoning, to find a </think> split over deltas
+        self._reasoning_open: bool | None = True if prepared.starts_in_reasoning else None  # None: undecided
+        self.token_ids: list[int] = []
+        self.reasoning_tokens = 0
+        self._undecided = 0
+
+    def feed(self, out: StepOutput) -> list[ChatStreamEvent]:
+        self._count_reasoning(out)
+        self.token_ids += out.new_token_ids
+        events: list[ParserEvent] = self._parser.feed(out.text_delta) if out.text_delta else []
+        if out.finished:
+            events += self._parser.finish()
+        collect(events, self._parsed)
+        return [*events, ChatFinished(self._result(out))] if out.finished else [*events]
+
+    def _count_reasoning(self, out: StepOutput) -> None:
+        """A token is a reasoning token while the output is inside <think> and before `</think>` completed.
+
+        Whether an output without a prompt-opened block starts with `<think>` is known only once
+        its first characters arrive; tokens until then are held as undecided.
+        """
+        n, text = len(out.new_token_ids), out.text_delta
+        if self._reasoning_open is None:
+            self._head += text
+            head = self._head.lstrip("\r\n")
+            if not head or (len(head) < len(THINK_OPEN) and THINK_OPEN.startswith(head)):
+                self._undecided += n
+                return
+            self._reasoning_open = head.startswith(THINK_OPEN)
+            self.reasoning_tokens = self._undecided if self._reasoning_open else 0
+            text = head[len(THINK_OPEN) :]
+        if self._reasoning_open:
+            self.reasoning_tokens += n
+            window = self._tail + text
+            self._reasoning_open = THINK_CLOSE not in window
+            self._tail = window[-(len(THINK_CLOSE) - 1) :]
+
+    def _result(self, last: StepOutput) -> ChatResult:
+        assert last.timings is not None
+        calls = [tool_call_json(i, c.name, c.arguments) for i, c in enumerate(self._parsed.tool_calls)]
+        finish = "tool_calls" if calls and last.finish_reason == "stop" else last.finish_reason
+        return ChatResult(
+            text=self._parsed.content,
+            reasoning=self._parsed.reasoning,
+            tool_calls=calls,
+            prompt_token_ids=self.prepared.prompt_token_ids,
+            token_ids=self.token_ids,
+            finish_reason=finish or "stop",
+            timings=last.timings,
+            reasoning_tokens=self.reasoning_tokens,
+            stop_reason=last.stop_reason,
+        )
 
 
 class LLM:
@@ -112,6 +199,15 @@ class LLM:
             dtype=loaded.dtype,
             device=loaded.device,
         )
+        self.vision = (
+            VisionSupport(loaded.source, loaded.device, loaded.dtype)
+            if loaded.config.has_vision and loaded.source.is_dir()
+            else None
+        )
+        if options.vision:
+            if self.vision is None:
+                raise NinferError(f"{loaded.name} has no vision tower (--vision needs a multimodal checkpoint)")
+            self.vision.tower()
         self.engine = LLMEngine(
             loaded.model,
             loaded.config,
@@ -120,12 +216,13 @@ class LLM:
             max_context=self.max_context,
             prefill_chunk=options.prefill_chunk,
             generation_defaults=loaded.generation_defaults,
+            vision_tower=self.vision.tower if self.vision else None,
         )
 
     @classmethod
     def load(cls, model: str | None = None, options: EngineOptions | None = None) -> LLM:
         options = options or EngineOptions()
-        return cls(load_model(model, options.device, options.dtype), options)
+        return cls(load_model(model, options.device, options.dtype, options.random_weights), options)
 
     @property
     def name(self) -> str:
@@ -134,59 +231,50 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def render_prompt(self, request: ChatRequest) -> str:
+    def render_prompt(self, request: ChatRequest, messages: Sequence[Mapping[str, Any]] | None = None) -> str:
         return self.template.render(
-            request.messages,
+            request.messages if messages is None else messages,
             tools=request.tools,
             add_generation_prompt=True,
             enable_thinking=request.enable_thinking,
             **request.template_kwargs,
         )
 
-    def complete(self, prompt_token_ids: list[int], sampling: SamplingParams) -> Iterator[StepOutput]:
+    def prepare_chat(self, request: ChatRequest) -> PreparedChat:
+        """Template + tokenizer work of one chat request (no engine state: safe from any thread)."""
+        messages, media = split_media(request.messages)
+        prompt = self.render_prompt(request, messages)
+        ids, multimodal = self.tokenizer.encode(prompt), None
+        if media:
+            if self.vision is None:
+                raise MediaError(f"{self.name} has no vision tower: it cannot read images or videos")
+            ids, multimodal = self.vision.prompt(ids, media, self.tokenizer.encode)
+        return PreparedChat(
+            prompt=prompt,
+            prompt_token_ids=ids,
+            starts_in_reasoning=prompt_opens_reasoning(prompt),
+            tools=request.tools,
+            multimodal=multimodal,
+        )
+
+    def complete(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, multimodal: MultimodalPrompt | None = None
+    ) -> Iterator[StepOutput]:
         """Raw token generation for one prompt (no template, no parsing)."""
-        request = GenerationRequest(prompt_token_ids=prompt_token_ids, sampling=sampling)
+        request = GenerationRequest(prompt_token_ids=prompt_token_ids, sampling=sampling, multimodal=multimodal)
         yield from self.engine.generate([request])
 
     def chat(self, request: ChatRequest) -> Iterator[ChatEvent]:
         """Stream reasoning / content deltas and completed tool calls, then a ChatFinished."""
-        prompt = self.render_prompt(request)
-        prompt_ids = self.tokenizer.encode(prompt)
-        parser = OutputParser(starts_in_reasoning=prompt_opens_reasoning(prompt), tools=request.tools)
-        parsed = ParsedOutput()
-        token_ids: list[int] = []
-        last: StepOutput | None = None
-        for out in self.complete(prompt_ids, request.sampling):
-            token_ids += out.new_token_ids
-            events = parser.feed(out.text_delta) if out.text_delta else []
-            if out.finished:
-                events += parser.finish()
-                last = out
-            yield from self._visible(events, parsed)
-        assert last is not None and last.timings is not None
-        calls = [tool_call_json(i, c.name, c.arguments) for i, c in enumerate(parsed.tool_calls)]
-        finish = "tool_calls" if calls and last.finish_reason == "stop" else last.finish_reason
-        yield ChatFinished(
-            ChatResult(
-                text=parsed.content,
-                reasoning=parsed.reasoning,
-                tool_calls=calls,
-                prompt_token_ids=prompt_ids,
-                token_ids=token_ids,
-                finish_reason=finish or "stop",
-                timings=last.timings,
-            )
-        )
+        prepared = self.prepare_chat(request)
+        assembler = ChatAssembler(prepared)
+        for out in self.complete(prepared.prompt_token_ids, request.sampling, prepared.multimodal):
+            for event in assembler.feed(out):
+                if isinstance(event, (ReasoningDelta, ContentDelta, ToolCallEnd, ChatFinished)):
+                    yield event
 
     def chat_result(self, request: ChatRequest) -> ChatResult:
         for event in self.chat(request):
             if isinstance(event, ChatFinished):
                 return event.result
         raise AssertionError("chat() ended without ChatFinished")
-
-    @staticmethod
-    def _visible(events: list[ParserEvent], parsed: ParsedOutput) -> Iterator[ChatEvent]:
-        collect(events, parsed)
-        for event in events:
-            if isinstance(event, (ReasoningDelta, ContentDelta, ToolCallEnd)):
-                yield event

@@ -1,0 +1,309 @@
+"""`ninfer bench serve`: load an HTTP server as ../shared/reference/ninfer-benchmark-methodology.md
+describes and report makespan, rates, TTFT / TPOT / ITL percentiles and speculative acceptance.
+
+Modes, run at each concurrency C:
+- corpus: a fixed request set, shuffled once with seed 20260811 and sent in that order at every C
+  by exactly C workers, each sending its next request after reading its current response;
+  makespan runs from the workers' release to the last complete response.
+- saturation: C copies of one request (distinct seeds) released together. The server's /metrics
+  is sampled every second (--interval); an interval is steady when no prefill chunk ran, C requests were
+  running, none waiting, and every decode step carried exactly C rows. Steady decode tok/s =
+  rows / seconds over the steady intervals (ramp-up, prefill and drain excluded).
+
+Requests stream (with usage), so TTFT and the gaps between chunks are the client's view, HTTP
+included. With --serve, every point starts a fresh `ninfer serve` (the methodology's rule); with
+--url, all points share one running server (say so when publishing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import httpx
+import typer
+
+SHUFFLE_SEED = 20260811
+STOCHASTIC = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.0,
+              "frequency_penalty": 0.0}
+
+
+@dataclass
+class BenchRequest:
+    """One corpus entry: chat `messages` or a raw `prompt` (text or token ids)."""
+
+    id: str
+    max_tokens: int
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    thinking: bool = False
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def body(self, sampling: dict[str, Any], seed: int | None) -> tuple[str, dict[str, Any]]:
+        common = {"model": "bench", "max_tokens": self.max_tokens, "stream": True, "ignore_eos": self.ignore_eos,
+                  "stream_options": {"include_usage": True}, "seed": seed, **sampling}
+        if self.messages is not None:
+            return "/v1/chat/completions", {**common, "messages": self.messages,
+                                            "chat_template_kwargs": {"enable_thinking": self.thinking}}
+        return "/v1/completions", {**common, "prompt": self.prompt}
+
+
+@dataclass
+class Sample:
+    id: str
+    ok: bool
+    error: str = ""
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    gaps_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = self.completion_tokens - 1
+        return (self.e2e_s - self.ttft_s) / n if n > 0 else None
+
+
+def load_corpus(path: Path) -> list[BenchRequest]:
+    """JSON lines of BenchRequest fields."""
+    requests = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        if line.strip():
+            entry = json.loads(line)
+            requests.append(BenchRequest(**{"id": str(entry.pop("id", i)), **entry}))
+    return requests
+
+
+def synthetic_corpus(count: int, prompt_tokens: int, max_tokens: int) -> list[BenchRequest]:
+    """Fixed-token requests: random token-id prompts (ids below 300: in every vocabulary), exactly
+    `max_tokens` answers (eos ignored)."""
+    rng = random.Random(SHUFFLE_SEED)
+    return [BenchRequest(id=f"synthetic-{i}", max_tokens=max_tokens, ignore_eos=True,
+                         prompt=[rng.randrange(10, 300) for _ in range(prompt_tokens)]) for i in range(count)]
+
+
+async def send(client: httpx.AsyncClient, request: BenchRequest, sampling: dict[str, Any], seed: int | None) -> Sample:
+    path, body = request.body(sampling, seed)
+    sample = Sample(request.id, ok=False)
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                sample.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return sample
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    sample.error = chunk["error"].get("message", "error event")
+                    return sample
+                now = time.perf_counter()
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    if choice.get("text") or delta.get("content") or delta.get("reasoning_content") or \
+                            delta.get("tool_calls"):
+                        if sample.ttft_s == 0.0:
+                            sample.ttft_s = now - start
+                        else:
+                            sample.gaps_s.append(now - last)
+                        last = now
+                    sample.finish_reason = choice.get("finish_reason") or sample.finish_reason
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    details = usage.get("completion_tokens_details") or {}
+                    sample.prompt_tokens, sample.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+                    sample.accepted = details.get("accepted_prediction_tokens") or 0
+                    sample.rejected = details.get("rejected_prediction_tokens") or 0
+    except httpx.HTTPError as e:
+        sample.error = f"{type(e).__name__}: {e}"
+        return sample
+    sample.e2e_s, sample.ok = time.perf_counter() - start, True
+    return sample
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    """The unlabelled series of /metrics, by name."""
+    text = client.get("/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_]+) (\S+)$", text, re.M)}
+
+
+class Sampler:
+    """Samples /metrics every `interval` seconds while a point runs; keeps (time, values)."""
+
+    def __init__(self, url: str, headers: dict[str, str], interval: float):
+        self.client = httpx.Client(base_url=url, headers=headers, timeout=10)
+        self.interval = interval
+        self.points: list[tuple[float, dict[str, float]]] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.points.append((time.perf_counter(), await asyncio.to_thread(scrape, self.client)))
+            try:
+                await asyncio.wait_for(stop.wait(), self.interval)
+            except asyncio.TimeoutError:
+                pass
+        self.points.append((time.perf_counter(), await asyncio.to_thread(scrape, self.client)))
+
+    def steady(self, concurrency: int) -> tuple[float, float]:
+        """(decode rows, seconds) over the steady intervals (see the module doc)."""
+        rows = seconds = 0.0
+        for (t0, a), (t1, b) in zip(self.points, self.points[1:], strict=False):
+            steps = b["ninfer_engine_decode_steps_total"] - a["ninfer_engine_decode_steps_total"]
+            d_rows = b["ninfer_engine_decode_rows_total"] - a["ninfer_engine_decode_rows_total"]
+            if (b["ninfer_engine_prefill_chunks_total"] == a["ninfer_engine_prefill_chunks_total"] and steps >= 1
+                    and d_rows == concurrency * steps
+                    and a["ninfer_requests_running"] == b["ninfer_requests_running"] == concurrency
+                    and a["ninfer_requests_waiting"] == b["ninfer_requests_waiting"] == 0):
+                rows, seconds = rows + d_rows, seconds + (t1 - t0)
+        return rows, seconds
+
+
+def percentiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1000
+
+    return {"mean": statistics.fmean(ordered) * 1000, "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+async def run_point(url: str, headers: dict[str, str], mode: str, requests: list[BenchRequest], concurrency: int,
+                    sampling: dict[str, Any], interval: float = 1.0) -> dict[str, Any]:
+    sampler = Sampler(url, headers, interval)
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(3600, connect=30),
+                                 limits=httpx.Limits(max_connections=concurrency + 2)) as client:
+        sampling_task = asyncio.create_task(sampler.run(stop))
+        await asyncio.sleep(0)
+        start = time.perf_counter()
+        if mode == "corpus":
+            queue = list(requests)
+            queue.reverse()
+
+            async def worker() -> list[Sample]:
+                done = []
+                while queue:
+                    request = queue.pop()
+                    done.append(await send(client, request, sampling, request.seed))
+                return done
+
+            samples = [s for batch in await asyncio.gather(*(worker() for _ in range(concurrency))) for s in batch]
+        else:
+            base = requests[0]
+            samples = list(await asyncio.gather(*(send(client, base, sampling, (base.seed or 0) + i)
+                                                  for i in range(concurrency))))
+        makespan = time.perf_counter() - start
+        stop.set()
+        await sampling_task
+    return summarize(mode, concurrency, samples, makespan, sampler)
+
+
+def summarize(mode: str, concurrency: int, samples: list[Sample], makespan: float, sampler: Sampler) -> dict[str, Any]:
+    ok = [s for s in samples if s.ok]
+    first, last = sampler.points[0][1], sampler.points[-1][1]
+    steps = last["ninfer_engine_decode_steps_total"] - first["ninfer_engine_decode_steps_total"]
+    rows = last["ninfer_engine_decode_rows_total"] - first["ninfer_engine_decode_rows_total"]
+    prompt = sum(s.prompt_tokens for s in ok)
+    completion = sum(s.completion_tokens for s in ok)
+    drafted = sum(s.accepted + s.rejected for s in ok)
+    result: dict[str, Any] = {
+        "mode": mode, "concurrency": concurrency, "requests": len(samples), "errors": len(samples) - len(ok),
+        "error_examples": sorted({s.error for s in samples if not s.ok})[:3],
+        "makespan_s": makespan, "requests_per_s": len(samples) / makespan,
+        "prompt_tokens": prompt, "completion_tokens": completion,
+        "corpus_prefill_tok_s": prompt / makespan, "corpus_decode_tok_s": (completion - len(ok)) / makespan,
+        "avg_decode_batch": rows / steps if steps else None,
+        "ttft_ms": percentiles([s.ttft_s for s in ok]),
+        "tpot_ms": percentiles([t for s in ok if (t := s.tpot_s) is not None]),
+        "itl_ms": percentiles([g for s in ok for g in s.gaps_s]),
+        "acceptance": sum(s.accepted for s in ok) / drafted if drafted else None,
+        "finish_reasons": {r: sum(s.finish_reason == r for s in ok) for r in {s.finish_reason for s in ok}},
+    }
+    if mode == "saturation":
+        steady_rows, steady_s = sampler.steady(concurrency)
+        result["steady_decode_tok_s"] = steady_rows / steady_s if steady_s else None
+        result["steady_seconds"] = steady_s
+    return result
+
+
+def start_server(serve_args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer_app", "serve", *shlex.split(serve_args), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    match = re.search(r"listening on (http://\S+) ", proc.stderr.readline())
+    if match is None:
+        proc.kill()
+        raise RuntimeError("ninfer serve did not start")
+    url, deadline = match.group(1), time.monotonic() + 1800
+    while httpx.get(url + "/health").status_code != 200:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"ninfer serve exited or never became ready: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.5)
+    return proc, url
+
+
+def bench_serve(
+    mode: Annotated[str, typer.Option(help="corpus (makespan) or saturation (decode wave).")] = "corpus",
+    concurrency: Annotated[str, typer.Option(help="Comma-separated concurrency points.")] = "1,2,4,8",
+    url: Annotated[Optional[str], typer.Option(help="A running server (all points share it).")] = None,
+    serve: Annotated[Optional[str], typer.Option(help="`ninfer serve` arguments: a fresh server per point.")] = None,
+    corpus: Annotated[Optional[Path], typer.Option(help="JSON lines of requests (see BenchRequest).")] = None,
+    synthetic: Annotated[int, typer.Option(help="Without --corpus: this many random-token requests.")] = 16,
+    prompt_tokens: Annotated[int, typer.Option(help="Synthetic prompt length.")] = 512,
+    max_tokens: Annotated[int, typer.Option(help="Synthetic answer length.")] = 256,
+    greedy: Annotated[bool, typer.Option(help="Temperature 0 instead of the methodology's sampling.")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between server samples (saturation).")] = 1.0,
+    api_key: Annotated[Optional[str], typer.Option(envvar="NINFER_API_KEY")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
+) -> None:
+    """Measure a server: makespan, tok/s, TTFT / TPOT / ITL percentiles, acceptance, per concurrency."""
+    if (url is None) == (serve is None):
+        raise typer.BadParameter("give exactly one of --url or --serve")
+    if mode not in ("corpus", "saturation"):
+        raise typer.BadParameter("--mode must be corpus or saturation")
+    requests = load_corpus(corpus) if corpus else synthetic_corpus(synthetic, prompt_tokens, max_tokens)
+    random.Random(SHUFFLE_SEED).shuffle(requests)
+    sampling = {"temperature": 0.0} if greedy else STOCHASTIC
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    report = []
+    for c in [int(x) for x in concurrency.split(",")]:
+        proc, point_url = start_server(serve) if serve is not None else (None, url)
+        try:
+            result = asyncio.run(run_point(point_url, headers, mode, requests, c, sampling,  # type: ignore[arg-type]
+                                           interval))
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(60)
+        report.append(result)
+        ttft, tpot = result["ttft_ms"] or {}, result["tpot_ms"] or {}
+        typer.echo(f"C={c}: {result['requests']} req ({result['errors']} failed) in {result['makespan_s']:.2f} s, "
+                   f"decode {result['corpus_decode_tok_s']:.1f} tok/s, TTFT p50 {ttft.get('p50', 0):.1f} ms, "
+                   f"TPOT p50 {tpot.get('p50', 0):.2f} ms, avg batch {result['avg_decode_batch'] or 0:.2f}"
+                   + (f", steady {result['steady_decode_tok_s'] or 0:.1f} tok/s" if mode == "saturation" else ""))
+    if out is not None:
+        out.write_text(json.dumps({"mode": mode, "points": report}, indent=2))
+
+
+def register(bench_group: typer.Typer) -> None:
+    """Add `serve` to a `bench` command group."""
+    bench_group.command("serve")(bench_serve)
+

@@ -1,0 +1,99 @@
+"""`ninfer serve`: the OpenAI / Anthropic-compatible server, every flag also an environment variable.
+
+The socket listens at once and /health answers 503 while the model loads, so a supervisor or
+an editor can start the server and poll it. Ctrl-C stops it (requests in flight get an error).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ninfer_core.errors import NinferError
+
+
+def _env(name: str) -> str:
+    return f"NINFER_{name}"
+
+
+def parse_kv_capacity(value: str) -> int | None:
+    """`auto` (max-context x max-concurrency) or a number of tokens."""
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise NinferError(f"--kv-capacity must be 'auto' or a positive number of tokens, got '{value}'")
+    return int(value)
+
+
+def serve(
+    model: Annotated[Optional[str], typer.Argument(
+        help="HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct).",
+        envvar=_env("MODEL"))] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).",
+                                      envvar=_env("HOST"))] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.", envvar=_env("PORT"))] = 8080,
+    api_key: Annotated[Optional[str], typer.Option(help="Require this key (Bearer or x-api-key); unset: accept any.",
+                                                   envvar=_env("API_KEY"))] = None,
+    cors_origin: Annotated[Optional[list[str]], typer.Option(
+        help="Allowed browser origin (repeatable; '*' for any). Default: localhost origins.",
+        envvar=_env("CORS_ORIGIN"))] = None,
+    max_concurrency: Annotated[int, typer.Option(help="Requests decoded together in one batch.",
+                                                 envvar=_env("MAX_CONCURRENCY"))] = 8,
+    max_queue: Annotated[int, typer.Option(help="Requests waiting for admission before 429.",
+                                           envvar=_env("MAX_QUEUE"))] = 64,
+    max_context: Annotated[Optional[int], typer.Option(help="Context limit per request in tokens.",
+                                                       envvar=_env("MAX_CONTEXT"))] = None,
+    kv_capacity: Annotated[str, typer.Option(help="KV cache tokens over all requests: auto or a number.",
+                                             envvar=_env("KV_CAPACITY"))] = "auto",
+    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens.", envvar=_env("PREFILL_CHUNK"))] = 1024,
+    chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file to use instead.",
+                                                          envvar=_env("CHAT_TEMPLATE"))] = None,
+    model_name: Annotated[Optional[str], typer.Option(help="Model id shown to clients (default: the model's name).",
+                                                      envvar=_env("MODEL_NAME"))] = None,
+    max_body_mb: Annotated[int, typer.Option(help="Largest request body in MiB.", envvar=_env("MAX_BODY_MB"))] = 32,
+    device: Annotated[str, typer.Option(help="cpu, cuda or auto.", envvar=_env("DEVICE"))] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.",
+                                       envvar=_env("DTYPE"))] = "auto",
+    log_level: Annotated[str, typer.Option(help="Server log level (debug, info, warning, error).",
+                                           envvar=_env("LOG_LEVEL"))] = "warning",
+) -> None:
+    """Serve a model over HTTP: OpenAI Chat Completions, Completions, Responses and Anthropic Messages."""
+    from ninfer_core.llm import LLM, EngineOptions
+    from ninfer_core.server.app import ServerHandle
+
+    from .cli import _fail
+
+    try:
+        if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise NinferError(f"--log-level must be debug, info, warning or error, got '{log_level}'")
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        options = EngineOptions(device=device, dtype=dtype, max_context=max_context,
+                                kv_capacity=parse_kv_capacity(kv_capacity), max_seqs=max_concurrency,
+                                prefill_chunk=prefill_chunk, chat_template=chat_template)
+        handle = ServerHandle.start(lambda: LLM.load(model, options), host, port, api_key=api_key,
+                                    cors_origins=cors_origin, max_queue=max_queue,
+                                    max_body_bytes=max_body_mb * 1024 * 1024, model_id=model_name)
+    except NinferError as e:
+        _fail(str(e))
+    typer.secho(f"ninfer: listening on {handle.url} (OpenAI base URL {handle.url}/v1); loading the model...",
+                err=True)
+    announced = False
+    try:
+        while not handle.wait(0.2) and handle.slot.error is None:
+            if handle.service is not None and not announced:
+                announced = True
+                typer.secho(f"ninfer: {handle.slot.model_id} ready (context {handle.service.context_limit} tokens, "
+                            f"{handle.service.max_concurrency} concurrent)", err=True)
+    except KeyboardInterrupt:
+        typer.secho("ninfer: stopping", err=True)
+    finally:
+        handle.stop()
+    if handle.slot.error is not None:
+        _fail(handle.slot.error)
+
+
+def register(cli: typer.Typer) -> None:
+    cli.command()(serve)

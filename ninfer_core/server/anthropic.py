@@ -1,0 +1,213 @@
+"""POST /v1/messages (Anthropic Messages API) and /v1/messages/count_tokens.
+
+Content blocks map to chat messages: `text` -> content, `thinking` -> reasoning_content,
+`tool_use` -> an assistant tool call, `tool_result` -> a tool message (before the user's text of
+the same turn). Output: `thinking` (empty signature: nothing to verify locally), `text` and
+`tool_use` blocks; streams send message_start, content_block_start / _delta / _stop,
+message_delta (stop reason, output tokens) and message_stop.
+
+Thinking follows Anthropic's rule, not the model's default: off unless the request enables it
+(`thinking: {"type": "enabled" | "adaptive"}`), so a client reading `content[0].text` gets text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from ..engine.sampling import SamplingParams
+from ..llm import ChatFinished, ChatRequest, ChatResult
+from .blocks import Block, BlockDelta, BlockSequencer, BlockStart, BlockStop
+from .body import read_model
+from .chat_input import chat_request, content_text, sampling_params, select_tools
+from .errors import ApiError
+from .generation import Started, collect, service_of, start, stream_response
+from .ids import new_id
+from .schemas import AnthropicMessage, AnthropicTool, CountTokensRequest, MessagesRequest
+from .sse import sse
+
+router = APIRouter()
+
+
+# -- input ------------------------------------------------------------------------------------
+
+def _text(blocks: list[dict[str, Any]], where: str) -> str:
+    return content_text([b for b in blocks if b.get("type") == "text"], where) or ""
+
+
+def chat_messages(system: str | list[dict[str, Any]] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": system if isinstance(system, str) else _text(system, "system")})
+    for i, message in enumerate(messages):
+        where = f"messages[{i}].content"
+        blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
+        for j, block in enumerate(blocks):
+            if block.get("type") not in ("text", "thinking", "redacted_thinking", "tool_use", "tool_result"):
+                content_text([block], f"{where}[{j}]")  # images and documents: the clear 400
+        if message.role == "assistant":
+            out.append(_assistant(blocks, where))
+            continue
+        for block in blocks:
+            if block.get("type") == "tool_result":
+                result = block.get("content")
+                text = result if isinstance(result, str) or result is None else _text(result, where)
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text or ""})
+        if any(b.get("type") == "text" for b in blocks) or not blocks:
+            out.append({"role": "user", "content": _text(blocks, where)})
+    return out
+
+
+def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": _text(blocks, where)}
+    thinking = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
+    if thinking:
+        message["reasoning_content"] = thinking
+    calls = [{"id": b.get("id"), "type": "function",
+              "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}}
+             for b in blocks if b.get("type") == "tool_use"]
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def chat_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]]:
+    out = []
+    for i, tool in enumerate(tools or ()):
+        kind = (tool.model_extra or {}).get("type")
+        if kind not in (None, "custom"):
+            raise ApiError(400, f"tools[{i}]: server tools ('{kind}') are not supported", param=f"tools[{i}]")
+        function = {"name": tool.name, "parameters": tool.input_schema or {"type": "object", "properties": {}}}
+        if tool.description:
+            function["description"] = tool.description
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def tool_choice(choice: dict[str, Any] | None) -> str | None:
+    kind = (choice or {}).get("type", "auto")
+    if kind == "tool":
+        return choice["name"]  # type: ignore[index]
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if mapped is None:
+        raise ApiError(400, f"tool_choice type must be auto, any, tool or none, got {kind!r}", param="tool_choice")
+    return mapped
+
+
+def thinking_on(thinking: dict[str, Any] | None) -> bool:
+    kind = (thinking or {}).get("type", "disabled")
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise ApiError(400, f"thinking.type must be enabled, adaptive or disabled, got {kind!r}", param="thinking")
+    return kind != "disabled"
+
+
+def build(body: MessagesRequest | CountTokensRequest) -> ChatRequest:
+    if isinstance(body, MessagesRequest):
+        sampling = sampling_params(body, body.max_tokens, body.stop_sequences)
+        choice, kwargs = tool_choice(body.tool_choice), body.chat_template_kwargs
+    else:  # count_tokens: only the prompt matters
+        sampling, choice, kwargs = SamplingParams(), "auto", None
+    return chat_request(chat_messages(body.system, body.messages), sampling,
+                        tools=select_tools(chat_tools(body.tools), choice), template_kwargs=kwargs,
+                        enable_thinking=thinking_on(body.thinking))
+
+
+# -- output -----------------------------------------------------------------------------------
+
+class ToolUseIds:
+    def __init__(self) -> None:
+        self._ids: dict[int, str] = {}
+
+    def __getitem__(self, block: Block) -> str:
+        return self._ids.setdefault(block.index, new_id("toolu_"))
+
+
+def content_block(block: Block, ids: ToolUseIds, *, empty: bool = False) -> dict[str, Any]:
+    """A finished block, or (empty=True) the opening of one in a stream."""
+    if block.kind == "reasoning":
+        return {"type": "thinking", "thinking": "" if empty else block.text, "signature": ""}
+    if block.kind == "text":
+        return {"type": "text", "text": "" if empty else block.text}
+    arguments = {} if empty else json.loads(block.text or "{}")
+    return {"type": "tool_use", "id": ids[block], "name": block.name, "input": arguments}
+
+
+def stop_fields(result: ChatResult) -> dict[str, Any]:
+    if result.finish_reason == "length":
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if result.finish_reason == "tool_calls":
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    if isinstance(result.stop_reason, str):
+        return {"stop_reason": "stop_sequence", "stop_sequence": result.stop_reason}
+    return {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+def _usage(result: ChatResult) -> dict[str, int]:
+    return {"input_tokens": len(result.prompt_token_ids), "output_tokens": len(result.token_ids)}
+
+
+@router.post("/v1/messages", response_model=None)
+async def messages(request: Request) -> Response:
+    body = await read_model(request, MessagesRequest)
+    chat = build(body)
+    started = await start(request, lambda service: service.submit_chat(chat))
+    message_id, model, ids = new_id("msg_"), request.app.state.slot.model_id, ToolUseIds()
+    if body.stream:
+        frames = _stream(started, message_id, model, ids)
+        return stream_response(started, frames, lambda err: sse(err.body(), event="error"))
+    sequencer = BlockSequencer()
+    result: ChatResult | None = None
+    for event in await collect(request, started):
+        sequencer.feed(event)
+        if isinstance(event, ChatFinished):
+            result = event.result
+    assert result is not None
+    return JSONResponse({
+        "id": message_id, "type": "message", "role": "assistant", "model": model,
+        "content": [content_block(b, ids) for b in sequencer.blocks],
+        **stop_fields(result), "usage": _usage(result),
+    })
+
+
+async def _stream(started: Started, message_id: str, model: str, ids: ToolUseIds) -> AsyncIterator[bytes]:
+    def frame(kind: str, **fields: Any) -> bytes:
+        return sse({"type": kind, **fields}, event=kind)
+
+    yield frame("message_start", message={
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": started.prompt_tokens, "output_tokens": 0},
+    })
+    yield frame("ping")
+    sequencer = BlockSequencer()
+    deltas = {"reasoning": ("thinking_delta", "thinking"), "text": ("text_delta", "text"),
+              "tool_call": ("input_json_delta", "partial_json")}
+    async for event in started.events:
+        for block_event in sequencer.feed(event):
+            block = block_event.block
+            if isinstance(block_event, BlockStart):
+                opening = content_block(block, ids, empty=True)
+                yield frame("content_block_start", index=block.index, content_block=opening)
+            elif isinstance(block_event, BlockDelta):
+                kind, key = deltas[block.kind]
+                yield frame("content_block_delta", index=block.index, delta={"type": kind, key: block_event.text})
+            elif isinstance(block_event, BlockStop):
+                yield frame("content_block_stop", index=block.index)
+        if isinstance(event, ChatFinished):
+            yield frame("message_delta", delta=stop_fields(event.result),
+                        usage={"output_tokens": len(event.result.token_ids)})
+            yield frame("message_stop")
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> JSONResponse:
+    body = await read_model(request, CountTokensRequest)
+    chat = build(body)
+    service = service_of(request)
+    prepared = await run_in_threadpool(service.llm.prepare_chat, chat)
+    return JSONResponse({"input_tokens": len(prepared.prompt_token_ids)})

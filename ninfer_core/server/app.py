@@ -1,0 +1,193 @@
+"""The FastAPI app and ServerHandle, which runs it on uvicorn in a background thread.
+
+ServerHandle is the one way to serve, for `ninfer serve` and for the TUI's toggle alike:
+`ServerHandle.start(model, host, port, ...)` returns once the socket listens; `stop()` ends the
+requests in flight (their streams get an error event) and the server. `model` is an LLM (the
+handle runs an EngineService on it and stops it again), an EngineService the caller owns, or a
+loader function run in the background while /health answers 503. While a handle serves an LLM,
+that LLM's engine belongs to the service: chat through `handle.service`, not `llm.chat`.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+from collections.abc import Callable, Sequence
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from ..engine.service import DEFAULT_MAX_QUEUE, EngineService
+from ..errors import NinferError
+from ..llm import LLM
+from . import anthropic, completions, metrics, models, openai_chat, responses
+from .auth import ApiKeyMiddleware
+from .body import DEFAULT_MAX_BODY_BYTES
+from .errors import install_error_handlers
+from .metrics import RequestCounter, ServerMetrics
+from .response_store import DEFAULT_MAX_RESPONSES, ResponseStore
+from .state import ModelSlot
+
+# browsers on this machine only, unless --cors-origin says otherwise
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def create_app(
+    slot: ModelSlot,
+    *,
+    api_key: str | None = None,
+    cors_origins: Sequence[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_stored_responses: int = DEFAULT_MAX_RESPONSES,
+) -> FastAPI:
+    app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.slot = slot
+    app.state.max_body_bytes = max_body_bytes
+    app.state.responses = ResponseStore(max_stored_responses)
+    app.state.metrics = ServerMetrics(slot)
+    for module in (models, openai_chat, completions, responses, anthropic, metrics):
+        app.include_router(module.router)
+    install_error_handlers(app)
+    # the last added is the outermost: count everything, answer preflights before the key check
+    app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    origins = list(cors_origins or [])
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=origins,
+        allow_origin_regex=None if origins else LOCAL_ORIGINS,
+        allow_methods=["*"],
+        allow_headers=["*"],
+        expose_headers=["Retry-After"],
+        max_age=600,
+    )
+    app.add_middleware(RequestCounter, metrics=app.state.metrics)
+    return app
+
+
+ModelSource = LLM | EngineService | Callable[[], LLM]
+
+
+class ServerHandle:
+    def __init__(self, app: FastAPI, server: uvicorn.Server, sock: socket.socket, slot: ModelSlot,
+                 service_factory: Callable[[LLM], EngineService]):
+        self.app = app
+        self.slot = slot
+        self._server = server
+        self._sock = sock
+        self._service_factory = service_factory
+        self._owned: EngineService | None = None  # made here from an LLM: stopped with the server
+        self._borrowed: EngineService | None = None  # the caller's: only our observer is removed
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="ninfer-http",
+                                        daemon=True)
+
+    @classmethod
+    def start(
+        cls,
+        model: ModelSource,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        *,
+        api_key: str | None = None,
+        cors_origins: Sequence[str] | None = None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        max_concurrency: int | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        model_id: str | None = None,
+    ) -> ServerHandle:
+        """Listen on host:port (0 = any free port) and serve `model` (see the module doc).
+
+        Logging is left to the host program (uvicorn's loggers propagate to the root logger), so
+        an embedding UI keeps control of the terminal.
+        """
+        slot = ModelSlot(model_id)
+        app = create_app(slot, api_key=api_key, cors_origins=cors_origins, max_body_bytes=max_body_bytes)
+        sock = _listen(host, port)
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+
+        def make_service(llm: LLM) -> EngineService:
+            return EngineService(llm, max_queue=max_queue, max_concurrency=max_concurrency,
+                                 observers=[app.state.metrics])
+
+        handle = cls(app, uvicorn.Server(config), sock, slot, make_service)
+        if isinstance(model, EngineService):
+            model.observers.append(app.state.metrics)
+            handle._borrowed = model
+            slot.ready(model.start(), model_id)
+        elif isinstance(model, LLM):
+            handle._serve(model, model_id)
+        else:
+            threading.Thread(target=handle._load, args=(model, model_id), name="ninfer-load", daemon=True).start()
+        handle._thread.start()
+        while not handle._server.started and handle._thread.is_alive():
+            handle._thread.join(0.01)
+        if not handle._server.started:
+            handle.stop()
+            raise NinferError(f"the server on {host}:{port} failed to start (see the log above)")
+        return handle
+
+    @property
+    def host(self) -> str:
+        return self._sock.getsockname()[0]
+
+    @property
+    def port(self) -> int:
+        return self._sock.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def service(self) -> EngineService | None:
+        return self.slot.service
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server stops (True) or `timeout` passes (False)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            owned, self._owned = self._owned, None
+        if owned is not None:
+            owned.stop()  # streams in flight end with an error event
+        if self._borrowed is not None and self.app.state.metrics in self._borrowed.observers:
+            self._borrowed.observers.remove(self.app.state.metrics)
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join()
+        self._sock.close()
+
+    def _serve(self, llm: LLM, model_id: str | None) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._owned = self._service_factory(llm).start()
+            self.slot.ready(self._owned, model_id)
+
+    def _load(self, loader: Callable[[], LLM], model_id: str | None) -> None:
+        try:
+            llm = loader()
+        except Exception as e:  # noqa: BLE001 - reported by slot.error, /health and every endpoint
+            self.slot.failed(str(e))
+            return
+        self._serve(llm, model_id)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if re.fullmatch(r"[0-9a-fA-F:]+", host) and ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise NinferError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(128)
+    return sock

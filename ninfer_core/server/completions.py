@@ -1,0 +1,89 @@
+"""POST /v1/completions: the legacy text-completion API (raw prompt, no chat template)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.request import StepOutput
+from ..tokenizer import Tokenizer
+from .body import read_model
+from .chat_input import sampling_params
+from .errors import ApiError
+from .generation import Started, collect, start, stream_response
+from .ids import new_id
+from .schemas import CompletionRequest
+from .sse import DONE, sse
+
+router = APIRouter()
+
+
+def prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Tokenizer) -> tuple[list[int], str]:
+    """The prompt's token ids and its text (for echo); one prompt per request."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise ApiError(400, f"one prompt per request is supported, got {len(prompt)}", param="prompt")
+        prompt = prompt[0]  # type: ignore[assignment]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return tokenizer.encode(prompt, add_special_tokens=True), prompt
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    ids = list(prompt)  # type: ignore[arg-type]
+    return ids, tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(request: Request) -> Response:
+    body = await read_model(request, CompletionRequest)
+    for name, value in (("n", body.n), ("best_of", body.best_of)):
+        if value not in (None, 1):
+            raise ApiError(400, f"{name}={value} is not supported; this server returns one choice", param=name)
+    if body.logprobs is not None:
+        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    if body.suffix:
+        raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+    sampling = sampling_params(body, body.max_tokens, body.stop)
+    tokenizer = request.app.state.slot.require().llm.tokenizer
+    ids, prompt_text = prompt_ids(body.prompt, tokenizer)
+    started = await start(request, lambda service: service.submit(ids, sampling))
+    head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
+            "model": request.app.state.slot.model_id}
+    echo = prompt_text if body.echo else ""
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = _chunks(started, head, echo, include_usage)
+        return stream_response(started, chunks, lambda err: sse({"error": err.error_object()}) + DONE)
+    outputs: list[StepOutput] = await collect(request, started)
+    return JSONResponse({
+        **head,
+        "choices": [{"index": 0, "text": echo + "".join(o.text_delta for o in outputs), "logprobs": None,
+                     "finish_reason": outputs[-1].finish_reason}],
+        "usage": usage(started.prompt_tokens, sum(len(o.new_token_ids) for o in outputs)),
+    })
+
+
+async def _chunks(started: Started, head: dict[str, Any], echo: str, include_usage: bool) -> AsyncIterator[bytes]:
+    def chunk(text: str, finish_reason: str | None) -> bytes:
+        data = {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+        return sse({**data, "usage": None} if include_usage else data)
+
+    if echo:
+        yield chunk(echo, None)
+    generated = 0
+    async for out in started.events:
+        generated += len(out.new_token_ids)
+        if out.text_delta or out.finished:
+            yield chunk(out.text_delta, out.finish_reason if out.finished else None)
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(started.prompt_tokens, generated)})
+    yield DONE

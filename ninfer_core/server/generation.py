@@ -1,0 +1,80 @@
+"""Running one request on the shared engine from a handler: submit, wait for admission, then
+collect (non-streaming) or stream; a client that goes away cancels its request, freeing its KV.
+
+Admission is awaited before any response byte is sent, so queue-full, context-overflow and
+prompt errors still get their own HTTP status; later errors arrive inside the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..engine.service import Admitted, ChatStream, EngineService, TokenStream
+from .errors import ApiError, to_api_error
+from .sse import sse_response
+
+
+@dataclass
+class Started:
+    stream: ChatStream | TokenStream
+    events: AsyncIterator[Any]
+    prompt_tokens: int
+
+
+def service_of(request: Request) -> EngineService:
+    return request.app.state.slot.require()
+
+
+async def start(request: Request, submit: Callable[[EngineService], ChatStream | TokenStream]) -> Started:
+    """Submit (template and tokenizer work off the event loop) and wait until the engine takes it."""
+    service = service_of(request)
+    stream = await run_in_threadpool(submit, service)
+    events = stream.__aiter__()
+    try:
+        first = await events.__anext__()
+    except BaseException:
+        stream.cancel()
+        raise
+    assert isinstance(first, Admitted), first
+    return Started(stream, events, first.prompt_tokens)
+
+
+async def _cancel_on_disconnect(request: Request, stream: ChatStream | TokenStream) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.cancel()
+
+
+async def collect(request: Request, started: Started) -> list[Any]:
+    """Every event of a non-streaming request; cancels it if the client disconnects meanwhile."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, started.stream))
+    try:
+        return [event async for event in started.events]
+    finally:
+        watcher.cancel()
+        started.stream.cancel()
+
+
+def stream_response(
+    started: Started, body: AsyncIterator[bytes], error_frame: Callable[[ApiError], bytes]
+) -> StreamingResponse:
+    """SSE response of `body`; an error mid-stream becomes `error_frame(error)`; a disconnect
+    (the body's task is cancelled) or any end cancels the engine request."""
+
+    async def frames() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in body:
+                yield chunk
+        except Exception as e:  # noqa: BLE001 - every failure becomes an error event
+            yield error_frame(to_api_error(e))
+        finally:
+            started.stream.cancel()
+
+    return sse_response(frames())
