@@ -16,7 +16,11 @@ import typer
 from ninfer_core import __version__
 from ninfer_core.errors import NinferError
 
+from . import bench_serve, models_cli, serve_cli
+from .output import fail
+
 cli = typer.Typer(no_args_is_help=True, add_completion=False, help="Local inference for Qwen3.5 / Qwen3.6.")
+bench_app = typer.Typer(help="Benchmarks: synthetic models (--synthetic) and the HTTP server (serve).")
 
 ModelArg = Annotated[
     Optional[str],
@@ -26,9 +30,27 @@ DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda or auto.")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")]
 
 
-def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(1)
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"ninfer {__version__}")
+        raise typer.Exit()
+
+
+@cli.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Local inference for Qwen3.5 / Qwen3.6 and Llama-family models."""
+
+
+def _user_message(text: str, images: list[Path], videos: list[Path]) -> dict[str, Any]:
+    """Media parts first, then the text (the order Qwen's examples use)."""
+    if not images and not videos:
+        return {"role": "user", "content": text}
+    parts: list[dict[str, Any]] = [{"type": "image", "image": str(p)} for p in images]
+    parts += [{"type": "video", "video": str(p)} for p in videos]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
 
 
 def _read_messages(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -53,6 +75,9 @@ def run(
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="User message.")] = None,
     messages: Annotated[Optional[Path], typer.Option(help="JSON file of OpenAI-style messages (and tools).")] = None,
     system: Annotated[Optional[str], typer.Option(help="System message (with --prompt).")] = None,
+    image: Annotated[Optional[list[Path]], typer.Option(help="Image file for the prompt (repeatable).")] = None,
+    video: Annotated[Optional[list[Path]], typer.Option(help="Video file for the prompt (repeatable).")] = None,
+    vision: Annotated[bool, typer.Option("--vision", help="Load the vision tower at start.")] = False,
     max_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate.")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="0 = greedy.")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens (0 = no cap).")] = None,
@@ -82,10 +107,12 @@ def run(
             raise NinferError("give exactly one of --prompt or --messages")
         tools = None
         if messages is not None:
+            if image or video:
+                raise NinferError("--image / --video go with --prompt; in --messages use image_url / video parts")
             chat_messages, tools = _read_messages(messages)
         else:
             chat_messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}
+                _user_message(prompt, image or [], video or [])
             ]
         sampling = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
@@ -93,7 +120,7 @@ def run(
             max_tokens=max_tokens, stop=list(stop or []), stop_token_ids=list(stop_token_id or []),
         )
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
-                                chat_template=chat_template)
+                                chat_template=chat_template, vision=vision)
         llm = LLM.load(model, options)
         request = ChatRequest(messages=chat_messages, sampling=sampling, tools=tools, enable_thinking=not no_thinking)
         if json_out:
@@ -118,13 +145,14 @@ def run(
                     err=True, dim=True,
                 )
     except NinferError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
-@cli.command()
+@bench_app.callback(invoke_without_command=True)
 def bench(
-    synthetic: Annotated[str, typer.Option(help="Preset with random weights: qwen3.6-35b-a3b, qwen3.6-27b, "
-                                                "tiny-qwen3.6-moe.")],
+    ctx: typer.Context,
+    synthetic: Annotated[Optional[str], typer.Option(help="Preset with random weights: qwen3.6-35b-a3b, "
+                                                          "qwen3.6-27b, tiny-qwen3.6-moe.")] = None,
     prompt_tokens: Annotated[int, typer.Option(help="Prefill length.")] = 512,
     decode_tokens: Annotated[int, typer.Option(help="Decode steps timed.")] = 32,
     prefill_chunk: Annotated[int, typer.Option()] = 1024,
@@ -132,13 +160,17 @@ def bench(
     dtype: DtypeOpt = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """Time prefill and eager decode of a synthetic model (exact shapes, random weights)."""
+    """Time prefill and decode of a synthetic model (exact shapes, random weights)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if synthetic is None:
+        fail("give --synthetic PRESET, or a subcommand (`ninfer bench serve --help`)")
     from ninfer_core.bench import run_synthetic
 
     try:
         result = run_synthetic(synthetic, device, dtype, prompt_tokens, decode_tokens, prefill_chunk)
     except NinferError as e:
-        _fail(str(e))
+        fail(str(e))
     if json_out:
         print(json.dumps(result.to_json()))
         return
@@ -150,10 +182,10 @@ def bench(
     )
 
 
-@cli.command()
-def version() -> None:
-    """Print the version."""
-    print(__version__)
+models_cli.register(cli)
+serve_cli.register(cli)
+bench_serve.register(bench_app)
+cli.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

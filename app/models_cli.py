@@ -28,6 +28,8 @@ from rich.table import Table
 
 from ninfer_core.errors import NinferError
 
+from .output import fail
+
 err = Console(stderr=True, soft_wrap=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -40,11 +42,6 @@ SeqOpt = Annotated[int, typer.Option("--sequences", help="Sequences served at on
 def _stdout() -> Console:
     """Tables on stdout; unclipped when piped (rich would otherwise assume 80 columns)."""
     return Console() if sys.stdout.isatty() else Console(width=250)
-
-
-def _fail(message: str, code: int = 1) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
 
 
 def _size(n: float) -> str:
@@ -152,9 +149,9 @@ def pull_command(
             entry = hub.pull(model, revision, gguf_file=file, on_event=view,
                              options=hub.PullOptions(max_workers=workers))
     except KeyboardInterrupt:
-        _fail(f"interrupted: partial files are kept; run `ninfer pull {model}` again to resume", code=130)
+        fail(f"interrupted: partial files are kept; run `ninfer pull {model}` again to resume", code=130)
     except NinferError as e:
-        _fail(str(e))
+        fail(str(e))
     try:
         err.print(f"memory: {_fit_line(hub.fit_for(entry.key, gpu=hub.local_gpu()))}")
     except NinferError as e:
@@ -177,7 +174,7 @@ def verify_command(
         with view.progress if not json_out else nullcontext():
             report = hub.verify(model, on_event=None if json_out else view)
     except NinferError as e:
-        _fail(str(e))
+        fail(str(e))
     if json_out:
         print(json.dumps({
             "name": report.entry.key, "ok": report.ok,
@@ -186,7 +183,7 @@ def verify_command(
         }))
     if not report.ok:
         bad = ", ".join(f"{c.name} ({c.problem})" for c in report.failed)
-        _fail(f"{report.entry.key}: {len(report.failed)} of {len(report.checks)} files failed: {bad}; "
+        fail(f"{report.entry.key}: {len(report.failed)} of {len(report.checks)} files failed: {bad}; "
               f"run `ninfer pull {report.entry.key}` to repair")
     if not json_out:
         print(f"{report.entry.display_name}: all {len(report.checks)} files match")
@@ -221,7 +218,7 @@ def ls_command(
         entries = [(e, True) for e in registry.entries()]
         entries += [(e, False) for e in registry.entries(partial=True)] if all_ else []
     except NinferError as e:
-        _fail(str(e))
+        fail(str(e))
     if json_out:
         print(json.dumps([dict(_entry_json(e), ready=ready) for e, ready in entries]))
         return
@@ -300,7 +297,7 @@ def show_command(
             if alias is None:
                 raise
     except NinferError as e:
-        _fail(str(e))
+        fail(str(e))
     try:  # a model ninfer cannot parse still shows its files
         cfg = entry_config(entry) if entry else alias.config
         estimate = hub.fit_for(model, quant, context, kv_dtype, sequences, gpu=hub.local_gpu(), registry=registry)
@@ -356,7 +353,7 @@ def rm_command(models: Annotated[list[str], typer.Argument(help="Pulled models t
         try:
             entry, freed = hub.remove_model(model)
         except NinferError as e:
-            _fail(str(e))
+            fail(str(e))
         print(f"removed {entry.display_name} (freed {_size(freed)})")
 
 

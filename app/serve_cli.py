@@ -14,6 +14,8 @@ import typer
 
 from ninfer_core.errors import NinferError
 
+from .output import fail
+
 
 def _env(name: str) -> str:
     return f"NINFER_{name}"
@@ -57,6 +59,11 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.", envvar=_env("DEVICE"))] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.",
                                        envvar=_env("DTYPE"))] = "auto",
+    vision: Annotated[bool, typer.Option("--vision", help="Load the vision tower at start (else on first media).",
+                                         envvar=_env("VISION"))] = False,
+    random_weights: Annotated[bool, typer.Option(
+        "--random-weights", help="Benchmark mode: config and tokenizer from MODEL, random weights.",
+        envvar=_env("RANDOM_WEIGHTS"))] = False,
     log_level: Annotated[str, typer.Option(help="Server log level (debug, info, warning, error).",
                                            envvar=_env("LOG_LEVEL"))] = "warning",
 ) -> None:
@@ -64,20 +71,19 @@ def serve(
     from ninfer_core.llm import LLM, EngineOptions
     from ninfer_core.server.app import ServerHandle
 
-    from .cli import _fail
-
     try:
         if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise NinferError(f"--log-level must be debug, info, warning or error, got '{log_level}'")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context,
                                 kv_capacity=parse_kv_capacity(kv_capacity), max_seqs=max_concurrency,
-                                prefill_chunk=prefill_chunk, chat_template=chat_template)
+                                prefill_chunk=prefill_chunk, chat_template=chat_template, vision=vision,
+                                random_weights=random_weights)
         handle = ServerHandle.start(lambda: LLM.load(model, options), host, port, api_key=api_key,
                                     cors_origins=cors_origin, max_queue=max_queue,
                                     max_body_bytes=max_body_mb * 1024 * 1024, model_id=model_name)
     except NinferError as e:
-        _fail(str(e))
+        fail(str(e))
     typer.secho(f"ninfer: listening on {handle.url} (OpenAI base URL {handle.url}/v1); loading the model...",
                 err=True)
     announced = False
@@ -92,7 +98,7 @@ def serve(
     finally:
         handle.stop()
     if handle.slot.error is not None:
-        _fail(handle.slot.error)
+        fail(handle.slot.error)
 
 
 def register(cli: typer.Typer) -> None:

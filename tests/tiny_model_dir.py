@@ -8,9 +8,11 @@ The real Qwen3.6 vocabulary (248k) would make even a tiny model's embedding 100+
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
+import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tiny_checkpoints import write_tiny_qwen
@@ -54,3 +56,42 @@ def write_tiny_model_dir(directory: Path, *, moe: bool = True, seed: int = 0, ma
         json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None})
     )
     return model, tok
+
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Patch 4 (the tiny tower's), small budgets: images 8x8 .. 48x48 pixels, videos up to 8 x 32 x 32.
+IMAGE_PREPROCESSING = {"patch_size": 4, "size": {"shortest_edge": 64, "longest_edge": 48 * 48}}
+VIDEO_PREPROCESSING = {"patch_size": 4, "size": {"shortest_edge": 64, "longest_edge": 8 * 32 * 32}}
+
+
+@dataclass
+class TinyMultimodal:
+    directory: Path
+    hf: torch.nn.Module
+    ids: dict[str, int]
+
+
+def write_tiny_multimodal_dir(directory: Path, moe: bool) -> TinyMultimodal:
+    """A tiny Qwen3.5 multimodal checkpoint with a small tokenizer that knows the vision tokens."""
+    tok = build_tokenizer()
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    ids = {t: tok.token_to_id(t) for t in VISION_TOKENS + ["<|im_end|>"]}
+    hf = write_tiny_qwen(
+        directory, moe=moe, multimodal=True, mtp=False,
+        text_overrides={
+            "vocab_size": tok.get_vocab_size(), "eos_token_id": ids["<|im_end|>"], "max_position_embeddings": 512
+        },
+    )
+    token_ids = {
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+    }
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **token_ids}))
+    for key, value in token_ids.items():
+        setattr(hf.config, key, value)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
+    (directory / "preprocessor_config.json").write_text(json.dumps(IMAGE_PREPROCESSING))
+    (directory / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSING))
+    return TinyMultimodal(directory, hf.eval(), ids)
