@@ -33,6 +33,8 @@ from typing import Annotated, Any, Optional
 import httpx
 import typer
 
+from .output import fail
+
 SHUFFLE_SEED = 20260811
 STOCHASTIC = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.0,
               "frequency_penalty": 0.0}
@@ -285,10 +287,15 @@ def bench_serve(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     report = []
     for c in [int(x) for x in concurrency.split(",")]:
-        proc, point_url = start_server(serve) if serve is not None else (None, url)
+        try:
+            proc, point_url = start_server(serve) if serve is not None else (None, url)
+        except RuntimeError as e:
+            fail(str(e))
         try:
             result = asyncio.run(run_point(point_url, headers, mode, requests, c, sampling,  # type: ignore[arg-type]
                                            interval))
+        except httpx.HTTPError as e:
+            fail(f"{point_url}: {e} (is the server running?)")
         finally:
             if proc is not None:
                 proc.terminate()

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
-# with the CUDA extension, run every CUDA test, then the synthetic benchmarks, results under $OUT.
-#   scripts/device_run.sh [bench args...]   (wheels for packages missing there travel in .whl/)
+# with the CUDA extension, then run the chosen steps, results under $OUT.
+#   scripts/device_run.sh tests bench serve spec
+# Wheels for packages missing there travel in .whl/; `scripts/make_bench_model.py` writes the
+# weight-less exact-shape model directories (.bench/) that `serve` uses.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -15,11 +17,42 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 start=$SECONDS
 CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
 echo "== install + CUDA build: $((SECONDS - start)) s"
-python3 -c "import ninfer_core.ops.dispatch as d; print('== kernels available:', d.kernels_available())"
-python3 -m pytest -m cuda -q -rs -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
-for spec in "tiny-qwen3.6-moe 512 64" "qwen3.6-35b-a3b 4096 32" "qwen3.6-27b 4096 16"; do
-  set -- $spec
-  python3 -m ninfer_app bench --synthetic "$1" --device cuda --prompt-tokens "$2" --decode-tokens "$3" --json \
-    > "$OUT/bench_$1.json" 2> "$OUT/bench_$1.err"
-  echo "== bench $1: $(cat "$OUT/bench_$1.json") $(tail -2 "$OUT/bench_$1.err")"
+ninfer() { python3 -m ninfer_app "$@"; }
+
+for step in "$@"; do
+  echo "== step $step"
+  case $step in
+  tests)
+    python3 -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors tests/ 2>&1 \
+      | tee "$OUT/pytest_cuda.log" | tail -6 ;;
+  bench)
+    for spec in "tiny-qwen3.6-moe 512 64" "qwen3.6-35b-a3b 4096 32" "qwen3.6-27b 4096 16"; do
+      set -- $spec
+      ninfer bench --synthetic "$1" --device cuda --prompt-tokens "$2" --decode-tokens "$3" --json \
+        > "$OUT/bench_$1.json" 2> "$OUT/bench_$1.err"
+      echo "== bench $1: $(cat "$OUT/bench_$1.json") $(tail -2 "$OUT/bench_$1.err")"
+    done ;;
+  serve)
+    ninfer serve .bench/qwen3.6-35b-a3b --random-weights --device cuda --max-concurrency 8 --port 8123 \
+      > "$OUT/serve.log" 2>&1 &
+    server=$!
+    python3 - <<'PY'
+import time, httpx
+for _ in range(600):
+    try:
+        if httpx.get("http://127.0.0.1:8123/health").status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+PY
+    echo "== server up after $((SECONDS - start)) s"
+    ninfer bench serve --url http://127.0.0.1:8123 --mode corpus --concurrency 1,2,4,8 --synthetic 8 \
+      --prompt-tokens 512 --max-tokens 24 --out "$OUT/serve_corpus.json" 2>&1 | tail -6
+    ninfer bench serve --url http://127.0.0.1:8123 --mode saturation --concurrency 1,2,4,8 \
+      --prompt-tokens 512 --max-tokens 32 --out "$OUT/serve_saturation.json" 2>&1 | tail -6
+    kill $server ;;
+  spec)
+    python3 scripts/bench_spec.py --json "$OUT/spec_verify.json" 2>&1 | tail -15 ;;
+  esac
 done
