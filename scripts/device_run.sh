@@ -36,14 +36,18 @@ for step in "$@"; do
     ninfer serve .bench/qwen3.6-35b-a3b --random-weights --device cuda --max-concurrency 8 --port 8123 \
       > "$OUT/serve.log" 2>&1 &
     server=$!
-    python3 - <<'PY'
-import time, httpx
-for _ in range(600):
+    SERVER_PID=$server python3 - <<'PY' || { tail -20 "$OUT/serve.log"; continue; }
+import os, sys, time, httpx
+while True:  # until ready, or the server process is gone
     try:
         if httpx.get("http://127.0.0.1:8123/health").status_code == 200:
             break
     except httpx.HTTPError:
         pass
+    try:
+        os.kill(int(os.environ["SERVER_PID"]), 0)
+    except ProcessLookupError:
+        sys.exit("server exited")
     time.sleep(0.5)
 PY
     echo "== server up after $((SECONDS - start)) s"

@@ -11,7 +11,6 @@ from .image import prepare_image
 from .limits import MediaError, MediaLimits
 from .prepared import PreparedMedia
 from .sources import MediaSource
-from .video import prepare_video
 
 
 class MediaProcessor:
@@ -38,6 +37,8 @@ class MediaProcessor:
             return self.cache.get_or_prepare(
                 key, lambda: prepare_image(source.read(), settings, self.limits, source.name)
             )
+        from .video import prepare_video  # PyAV loads FFmpeg: only when a video arrives
+
         video = source.data if source.data is not None else source.path
         return self.cache.get_or_prepare(key, lambda: prepare_video(video, settings, self.limits, source.name))
 
