@@ -56,6 +56,11 @@ def serve(
     model_name: Annotated[Optional[str], typer.Option(help="Model id shown to clients (default: the model's name).",
                                                       envvar=_env("MODEL_NAME"))] = None,
     max_body_mb: Annotated[int, typer.Option(help="Largest request body in MiB.", envvar=_env("MAX_BODY_MB"))] = 32,
+    allow_local_media: Annotated[bool, typer.Option(
+        "--allow-local-media", help="Let clients name image / video files on this machine (paths, file:// URLs).",
+        envvar=_env("ALLOW_LOCAL_MEDIA"))] = False,
+    media_timeout: Annotated[float, typer.Option(help="Seconds to download one http(s) image or video.",
+                                                 envvar=_env("MEDIA_TIMEOUT"))] = 30.0,
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.", envvar=_env("DEVICE"))] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.",
                                        envvar=_env("DTYPE"))] = "auto",
@@ -70,6 +75,7 @@ def serve(
     """Serve a model over HTTP: OpenAI Chat Completions, Completions, Responses and Anthropic Messages."""
     from ninfer_core.llm import LLM, EngineOptions
     from ninfer_core.server.app import ServerHandle
+    from ninfer_core.server.media_fetch import MediaFetchLimits
 
     try:
         if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -81,7 +87,9 @@ def serve(
                                 random_weights=random_weights)
         handle = ServerHandle.start(lambda: LLM.load(model, options), host, port, api_key=api_key,
                                     cors_origins=cors_origin, max_queue=max_queue,
-                                    max_body_bytes=max_body_mb * 1024 * 1024, model_id=model_name)
+                                    max_body_bytes=max_body_mb * 1024 * 1024, model_id=model_name,
+                                    allow_local_media=allow_local_media,
+                                    media_fetch=MediaFetchLimits(timeout_s=media_timeout))
     except NinferError as e:
         fail(str(e))
     typer.secho(f"ninfer: listening on {handle.url} (OpenAI base URL {handle.url}/v1); loading the model...",

@@ -244,6 +244,6 @@ def test_anthropic_tool_results_reach_the_prompt(server):
     client.messages.create(model="m", max_tokens=50, tools=tools, messages=messages,
                            extra_body={"chat_template_kwargs": {"preserve_thinking": True}})
     assert "I need the clock." in last_prompt(server)  # ...unless asked to keep it
-    with pytest.raises(anthropic.BadRequestError, match="not supported yet"):
+    with pytest.raises(anthropic.BadRequestError, match="no vision tower"):
         client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])

@@ -6,7 +6,8 @@ Accepted parts (in any user message's content list):
     {"type": "video_url", "video_url": {"url": URL}}   (or "video_url": URL)
     {"type": "video", "video": URL}                    (or "url" / "path")
 URL: `data:<mime>;base64,<payload>`, `file:///abs/path`, or a local path. http(s) URLs are the
-server's business (it fetches them with size and time limits and passes the bytes here).
+server's business: it fetches them with size and time limits and puts the MediaSource itself in
+the part (`{"type": "image", "image": MediaSource(...)}`), which `part_source` passes through.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def _decode_data_url(kind: MediaKind, url: str) -> bytes:
         raise MediaError(f"{kind} data URL: invalid base64 ({e})") from None
 
 
-def part_source(part: Mapping[str, Any]) -> MediaSource | None:
-    """The media a message part refers to, or None for a text (or unknown) part."""
+def part_reference(part: Mapping[str, Any]) -> tuple[MediaKind, Any] | None:
+    """(kind, URL / path / MediaSource) of a media part, or None for a text (or unknown) part."""
     if "type" in part:
         kind = _PART_KINDS.get(str(part["type"]))
     else:  # untyped parts: {"image": ...}
@@ -111,7 +112,16 @@ def part_source(part: Mapping[str, Any]) -> MediaSource | None:
         value = value.get("url")
     if value is None:
         raise MediaError(f"a {kind} part has no URL or path: {dict(part)!r:.120}")
-    return source_from_url(kind, value)
+    return kind, value
+
+
+def part_source(part: Mapping[str, Any]) -> MediaSource | None:
+    """The media a message part refers to, or None for a text (or unknown) part."""
+    reference = part_reference(part)
+    if reference is None:
+        return None
+    kind, value = reference
+    return value if isinstance(value, MediaSource) else source_from_url(kind, value)
 
 
 def split_media(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[MediaSource]]:

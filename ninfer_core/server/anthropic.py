@@ -1,10 +1,11 @@
 """POST /v1/messages (Anthropic Messages API) and /v1/messages/count_tokens.
 
-Content blocks map to chat messages: `text` -> content, `thinking` -> reasoning_content,
-`tool_use` -> an assistant tool call, `tool_result` -> a tool message (before the user's text of
-the same turn). Output: `thinking` (empty signature: nothing to verify locally), `text` and
-`tool_use` blocks; streams send message_start, content_block_start / _delta / _stop,
-message_delta (stop reason, output tokens) and message_stop.
+Content blocks map to chat messages: `text` -> content, `image` -> an image part of it (a base64
+source as a data: URL), `thinking` -> reasoning_content, `tool_use` -> an assistant tool call,
+`tool_result` -> a tool message (before the user's text of the same turn). Output: `thinking`
+(empty signature: nothing to verify locally), `text` and `tool_use` blocks; streams send
+message_start, content_block_start / _delta / _stop, message_delta (stop reason, output tokens)
+and message_stop.
 
 Thinking follows Anthropic's rule, not the model's default: off unless the request enables it
 (`thinking: {"type": "enabled" | "adaptive"}`), so a client reading `content[0].text` gets text.
@@ -24,10 +25,11 @@ from ..engine.sampling import SamplingParams
 from ..llm import ChatFinished, ChatRequest, ChatResult
 from .blocks import Block, BlockDelta, BlockSequencer, BlockStart, BlockStop
 from .body import read_model
-from .chat_input import chat_request, content_text, sampling_params, select_tools
+from .chat_input import chat_content, chat_request, content_text, sampling_params, select_tools
 from .errors import ApiError
 from .generation import Started, collect, service_of, start, stream_response
 from .ids import new_id
+from .media_fetch import resolve_media
 from .schemas import AnthropicMessage, AnthropicTool, CountTokensRequest, MessagesRequest
 from .sse import sse
 
@@ -36,35 +38,54 @@ router = APIRouter()
 
 # -- input ------------------------------------------------------------------------------------
 
-def _text(blocks: list[dict[str, Any]], where: str) -> str:
-    return content_text([b for b in blocks if b.get("type") == "text"], where) or ""
+_NOT_CONTENT = ("thinking", "redacted_thinking", "tool_use", "tool_result")  # carried outside `content`
 
 
 def chat_messages(system: str | list[dict[str, Any]] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if system:
-        out.append({"role": "system", "content": system if isinstance(system, str) else _text(system, "system")})
+        out.append({"role": "system", "content": content_text(system, "system") or ""})
     for i, message in enumerate(messages):
         where = f"messages[{i}].content"
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
-        for j, block in enumerate(blocks):
-            if block.get("type") not in ("text", "thinking", "redacted_thinking", "tool_use", "tool_result"):
-                content_text([block], f"{where}[{j}]")  # images and documents: the clear 400
+        blocks = _image_parts(blocks, where)
         if message.role == "assistant":
             out.append(_assistant(blocks, where))
             continue
-        for block in blocks:
+        for j, block in enumerate(blocks):
             if block.get("type") == "tool_result":
-                result = block.get("content")
-                text = result if isinstance(result, str) or result is None else _text(result, where)
-                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text or ""})
-        if any(b.get("type") == "text" for b in blocks) or not blocks:
-            out.append({"role": "user", "content": _text(blocks, where)})
+                result = chat_content(_image_parts(block.get("content"), f"{where}[{j}].content"),
+                                      f"{where}[{j}].content")
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result or ""})
+        if any(b.get("type") not in _NOT_CONTENT for b in blocks) or not blocks:
+            out.append({"role": "user", "content": chat_content(blocks, where, skip=_NOT_CONTENT) or ""})
     return out
 
 
+def _image_parts(blocks: Any, where: str) -> Any:
+    """Content with its `image` blocks as OpenAI image_url parts (other content as it is)."""
+    if not isinstance(blocks, list):
+        return blocks
+    return [_image_part(b, f"{where}[{j}]") if isinstance(b, dict) and b.get("type") == "image" else b
+            for j, b in enumerate(blocks)]
+
+
+def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """A base64 source becomes a data: URL."""
+    source = block.get("source")
+    source = source if isinstance(source, dict) else {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        media_type = source.get("media_type") or "application/octet-stream"
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{source['data']}"}}
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise ApiError(400, f"{where}: an image source must be {{'type': 'base64', 'media_type': ..., 'data': ...}} or "
+                        f"{{'type': 'url', 'url': ...}}, got type {source.get('type')!r} (file ids are not supported)",
+                   param=f"{where}.source", code="invalid_media")
+
+
 def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": _text(blocks, where)}
+    message: dict[str, Any] = {"role": "assistant", "content": content_text(blocks, where, skip=_NOT_CONTENT) or ""}
     thinking = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
     if thinking:
         message["reasoning_content"] = thinking
@@ -155,6 +176,7 @@ def _usage(result: ChatResult) -> dict[str, int]:
 async def messages(request: Request) -> Response:
     body = await read_model(request, MessagesRequest)
     chat = build(body)
+    await resolve_media(request, chat)
     started = await start(request, lambda service: service.submit_chat(chat))
     message_id, model, ids = new_id("msg_"), request.app.state.slot.model_id, ToolUseIds()
     if body.stream:
@@ -208,6 +230,7 @@ async def _stream(started: Started, message_id: str, model: str, ids: ToolUseIds
 async def count_tokens(request: Request) -> JSONResponse:
     body = await read_model(request, CountTokensRequest)
     chat = build(body)
+    await resolve_media(request, chat)
     service = service_of(request)
     prepared = await run_in_threadpool(service.llm.prepare_chat, chat)
     return JSONResponse({"input_tokens": len(prepared.prompt_token_ids)})

@@ -26,6 +26,7 @@ from . import anthropic, completions, metrics, models, openai_chat, responses
 from .auth import ApiKeyMiddleware
 from .body import DEFAULT_MAX_BODY_BYTES
 from .errors import install_error_handlers
+from .media_fetch import MediaFetchLimits, MediaResolver
 from .metrics import RequestCounter, ServerMetrics
 from .response_store import DEFAULT_MAX_RESPONSES, ResponseStore
 from .state import ModelSlot
@@ -41,11 +42,15 @@ def create_app(
     cors_origins: Sequence[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_stored_responses: int = DEFAULT_MAX_RESPONSES,
+    allow_local_media: bool = False,
+    media_fetch: MediaFetchLimits | None = None,
 ) -> FastAPI:
+    """`allow_local_media`: clients may name files on this machine (else data: and http(s) URLs only)."""
     app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.slot = slot
     app.state.max_body_bytes = max_body_bytes
     app.state.responses = ResponseStore(max_stored_responses)
+    app.state.media = MediaResolver(allow_local_media, media_fetch)
     app.state.metrics = ServerMetrics(slot)
     for module in (models, openai_chat, completions, responses, anthropic, metrics):
         app.include_router(module.router)
@@ -97,6 +102,8 @@ class ServerHandle:
         max_concurrency: int | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         model_id: str | None = None,
+        allow_local_media: bool = False,
+        media_fetch: MediaFetchLimits | None = None,
     ) -> ServerHandle:
         """Listen on host:port (0 = any free port) and serve `model` (see the module doc).
 
@@ -104,7 +111,8 @@ class ServerHandle:
         an embedding UI keeps control of the terminal.
         """
         slot = ModelSlot(model_id)
-        app = create_app(slot, api_key=api_key, cors_origins=cors_origins, max_body_bytes=max_body_bytes)
+        app = create_app(slot, api_key=api_key, cors_origins=cors_origins, max_body_bytes=max_body_bytes,
+                         allow_local_media=allow_local_media, media_fetch=media_fetch)
         sock = _listen(host, port)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5)
 

@@ -1,8 +1,12 @@
-"""From any API's request to one engine ChatRequest: message text, tools, thinking, sampling.
+"""From any API's request to one engine ChatRequest: message content, tools, thinking, sampling.
 
 The OpenAI chat shape is the common form: the Responses and Anthropic endpoints translate their
 input items / content blocks into OpenAI-style messages and then use these same functions, so the
 three APIs cannot drift apart on how a request reaches the template or the sampler.
+
+Media parts (`image_url`, `video_url`, `image`, `video`, Responses' `input_image`) stay in the
+message as `{"type": kind, kind: MediaPart}`; before the request is submitted, media_fetch
+replaces each MediaPart by its MediaSource (fetching http(s) URLs), and LLM.prepare_chat does the rest.
 
 tool_choice: "none" drops the tools from the prompt; "auto" and "required" declare them all; a
 named function declares only that one. Nothing constrains decoding, so "required" / named are
@@ -12,40 +16,108 @@ requests to the model, not guarantees.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..engine.sampling import SamplingParams
 from ..llm import ChatRequest
+from ..media.limits import MediaError
+from ..media.sources import MediaKind, part_reference
 from .errors import ApiError
 from .schemas import SamplingFields
 
 TEXT_PARTS = ("text", "input_text", "output_text")
-MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file", "input_file", "video", "document")
+UNSUPPORTED_PARTS = ("input_audio", "audio", "file", "input_file", "document")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _RESERVED_TEMPLATE_KEYS = ("messages", "tools", "add_generation_prompt", "documents")
 
 
-def content_text(content: Any, where: str) -> str | None:
-    """A message's content as text: a string, or its text parts joined by newlines."""
+@dataclass(frozen=True)
+class MediaPart:
+    """An image or video of a request, not yet read: `where` (e.g. messages[0].content[2]) names it in errors."""
+
+    kind: MediaKind
+    url: str
+    where: str
+
+
+def content_text(content: Any, where: str, skip: Sequence[str] = ()) -> str | None:
+    """Text-only content (system prompts, tool results): a string, or its text parts joined by newlines.
+
+    Parts whose type is in `skip` are left out (the caller reads them)."""
     if content is None or isinstance(content, str):
         return content
+    parts = _content_parts(content, where, skip, media=False)
+    return "\n".join(p["text"] for p in parts)
+
+
+def chat_content(content: Any, where: str, skip: Sequence[str] = ()) -> str | list[dict[str, Any]] | None:
+    """A message's content for the template: text only -> one string (as content_text); with media ->
+    the list of `{"type": "text", "text": ...}` and `{"type": kind, kind: MediaPart}` parts in order."""
+    if content is None or isinstance(content, str):
+        return content
+    parts = _content_parts(content, where, skip, media=True)
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def pending_media(messages: Sequence[Mapping[str, Any]]) -> list[tuple[dict[str, Any], MediaPart]]:
+    """(part, MediaPart) of every media part not yet turned into a MediaSource, in prompt order."""
+    found = []
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            value = part.get(part.get("type")) if isinstance(part, dict) else None
+            if isinstance(value, MediaPart):
+                found.append((part, value))
+    return found
+
+
+def _content_parts(content: Any, where: str, skip: Sequence[str], *, media: bool) -> list[dict[str, Any]]:
     if not isinstance(content, list):
         raise ApiError(400, f"{where} must be a string or a list of content parts", param=where)
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
+        here = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in skip:
+            continue
         if kind in TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in MEDIA_PARTS:
-            raise ApiError(
-                400, f"{where}[{j}]: '{kind}' content is not supported yet; this server takes text only",
-                param=f"{where}[{j}]", code="unsupported_content",
-            )
+            parts.append({"type": "text", "text": part["text"]})
+            continue
+        found = _media_part(part, here) if isinstance(part, Mapping) else None
+        if found is not None and media:
+            parts.append({"type": found.kind, found.kind: found})
+        elif found is not None or kind in UNSUPPORTED_PARTS:
+            place = "here (images and videos go in message content)" if found is not None else "by this server"
+            raise ApiError(400, f"{here}: '{kind}' content is not supported {place}", param=here,
+                           code="unsupported_content")
         else:
             got = repr(part)[:200]
-            raise ApiError(400, f"{where}[{j}]: expected a text part ({{'type': 'text', 'text': ...}}), got {got}",
-                           param=f"{where}[{j}]")
-    return "\n".join(texts)
+            raise ApiError(400, f"{here}: expected a text, image or video part (e.g. {{'type': 'text', 'text': ...}}), "
+                                f"got {got}", param=here)
+    return parts
+
+
+def _media_part(part: Mapping[str, Any], where: str) -> MediaPart | None:
+    if part.get("type") == "input_image":  # Responses API: {"image_url": URL} or {"file_id": ...}
+        if part.get("image_url") is None:
+            raise ApiError(400, f"{where}: input_image needs an image_url (a data: or http(s) URL); file_id is not "
+                                f"supported (this server has no Files API)", param=where, code="unsupported_content")
+        reference: tuple[MediaKind, Any] | None = ("image", part["image_url"])
+    else:
+        try:
+            reference = part_reference(part)
+        except MediaError as e:
+            raise ApiError(400, f"{where}: {e}", param=where, code="invalid_media") from None
+    if reference is None:
+        return None
+    kind, url = reference
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, f"{where}: the {kind} URL must be a non-empty string, got {url!r:.80}", param=where,
+                       code="invalid_media")
+    return MediaPart(kind, url, where)
 
 
 def thinking_enabled(template_kwargs: Mapping[str, Any], reasoning_effort: str | None) -> bool:

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..chat.template import ChatTemplateError
 from ..engine.service import QueueFullError, ServiceStoppedError
 from ..errors import ContextLengthError, NinferError
+from ..media.limits import MediaError
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
@@ -74,6 +75,8 @@ def to_api_error(exc: BaseException) -> ApiError:
         return ApiError(503, str(exc), code="unavailable")
     if isinstance(exc, ChatTemplateError):
         return ApiError(400, str(exc), param="messages", code="invalid_messages")
+    if isinstance(exc, MediaError):
+        return ApiError(400, str(exc), param="messages", code="invalid_media")
     if isinstance(exc, NinferError):
         return ApiError(400, str(exc))
     return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}")

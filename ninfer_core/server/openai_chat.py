@@ -20,10 +20,11 @@ from fastapi.responses import JSONResponse, Response
 from ..chat.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from ..llm import ChatFinished, ChatRequest, ChatResult
 from .body import read_model
-from .chat_input import chat_request, content_text, sampling_params, select_tools
+from .chat_input import chat_content, chat_request, sampling_params, select_tools
 from .errors import ApiError
 from .generation import Started, collect, start, stream_response
 from .ids import new_id
+from .media_fetch import resolve_media
 from .schemas import ChatCompletionRequest
 from .sse import DONE, sse
 
@@ -43,7 +44,7 @@ def build_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     messages = []
     for i, message in enumerate(body.messages):
         m = message.model_dump(exclude_none=True)
-        m["content"] = content_text(message.content, f"messages[{i}].content")
+        m["content"] = chat_content(message.content, f"messages[{i}].content")
         messages.append(m)
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
     choice = body.tool_choice.function.name if hasattr(body.tool_choice, "function") else body.tool_choice
@@ -89,6 +90,7 @@ def message_json(result: ChatResult, ids: ToolCallIds) -> dict[str, Any]:
 async def chat_completions(request: Request) -> Response:
     body = await read_model(request, ChatCompletionRequest)
     chat = build_chat_request(body)
+    await resolve_media(request, chat)
     started = await start(request, lambda service: service.submit_chat(chat))
     completion_id, created = new_id("chatcmpl-"), int(time.time())
     model = request.app.state.slot.model_id

@@ -1,11 +1,12 @@
 """POST /v1/responses (OpenAI Responses API), GET / DELETE /v1/responses/{id}.
 
-Input items become chat messages (a `reasoning` item rides on the next assistant turn, a
-`function_call` joins the assistant turn before it, a `function_call_output` is a tool message);
-output blocks become items: `reasoning` (reasoning_text content), `message` (output_text) and
-`function_call`. Streams send the typed events (`response.created`, `response.output_item.added`,
-`response.output_text.delta`, `response.reasoning_text.delta`, `response.function_call_arguments.delta`,
-..., `response.completed` or `response.incomplete`), each with a `sequence_number`.
+Input items become chat messages (`input_image` parts stay images, a `reasoning` item rides on
+the next assistant turn, a `function_call` joins the assistant turn before it, a
+`function_call_output` is a tool message); output blocks become items: `reasoning`
+(reasoning_text content), `message` (output_text) and `function_call`. Streams send the typed
+events (`response.created`, `response.output_item.added`, `response.output_text.delta`,
+`response.reasoning_text.delta`, `response.function_call_arguments.delta`, ...,
+`response.completed` or `response.incomplete`), each with a `sequence_number`.
 
 `previous_response_id` continues a stored conversation; `instructions` are not carried over
 from it (OpenAI's rule). Responses with `store: false` are not kept.
@@ -25,10 +26,11 @@ from fastapi.responses import JSONResponse, Response
 from ..llm import ChatFinished, ChatRequest, ChatResult
 from .blocks import Block, BlockDelta, BlockEvent, BlockSequencer, BlockStart, BlockStop
 from .body import read_model
-from .chat_input import chat_request, content_text, sampling_params, select_tools
+from .chat_input import chat_content, chat_request, content_text, sampling_params, select_tools
 from .errors import ApiError
 from .generation import Started, collect, start, stream_response
 from .ids import new_id
+from .media_fetch import resolve_media
 from .response_store import ResponseStore, StoredResponse
 from .schemas import ResponsesRequest
 from .sse import sse
@@ -50,7 +52,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(400, f"{where}.role must be user, assistant, system or developer", param=f"{where}.role")
-            message = {"role": role, "content": content_text(item.get("content"), f"{where}.content") or ""}
+            message = {"role": role, "content": chat_content(item.get("content"), f"{where}.content") or ""}
             if role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
@@ -221,6 +223,7 @@ async def create_response(request: Request) -> Response:
     body = await read_model(request, ResponsesRequest)
     store: ResponseStore = request.app.state.responses
     chat, conversation = build(body, store)
+    await resolve_media(request, chat)  # also in `conversation`: a continuation reuses the fetched media
     started = await start(request, lambda service: service.submit_chat(chat))
     builder = ResponseBuilder(body, request.app.state.slot.model_id)
     if body.stream:
