@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.sampling import SamplingParams
 from ..llm import ChatFinished, ChatRequest, ChatResult
-from .blocks import Block, BlockDelta, BlockSequencer, BlockStart, BlockStop
+from .blocks import Block, BlockDelta, BlockSequencer, BlockStart, BlockStop, sequence_all
 from .body import read_model
 from .chat_input import chat_content, chat_request, content_text, sampling_params, select_tools
 from .errors import ApiError
@@ -182,16 +182,10 @@ async def messages(request: Request) -> Response:
     if body.stream:
         frames = _stream(started, message_id, model, ids)
         return stream_response(started, frames, lambda err: sse(err.body(), event="error"))
-    sequencer = BlockSequencer()
-    result: ChatResult | None = None
-    for event in await collect(request, started):
-        sequencer.feed(event)
-        if isinstance(event, ChatFinished):
-            result = event.result
-    assert result is not None
+    blocks, result = sequence_all(await collect(request, started))
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": model,
-        "content": [content_block(b, ids) for b in sequencer.blocks],
+        "content": [content_block(b, ids) for b in blocks],
         **stop_fields(result), "usage": _usage(result),
     })
 

@@ -9,8 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..chat.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from ..llm import ChatStreamEvent
+from ..chat.output_parser import (
+    ContentDelta,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallStart,
+)
+from ..llm import ChatFinished, ChatResult, ChatStreamEvent
 
 Kind = Literal["reasoning", "text", "tool_call"]
 
@@ -86,3 +91,13 @@ class BlockSequencer:
             return []
         block.text += text
         return [BlockDelta(block, text)]
+
+
+def sequence_all(events: list[ChatStreamEvent]) -> tuple[list[Block], ChatResult]:
+    """A whole (non-streamed) answer as blocks, with its final result."""
+    sequencer = BlockSequencer()
+    for event in events:
+        sequencer.feed(event)
+    finished = events[-1]
+    assert isinstance(finished, ChatFinished), "a chat stream ends with ChatFinished"
+    return sequencer.blocks, finished.result

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..llm import ChatFinished, ChatRequest, ChatResult
-from .blocks import Block, BlockDelta, BlockEvent, BlockSequencer, BlockStart, BlockStop
+from .blocks import Block, BlockDelta, BlockEvent, BlockSequencer, BlockStart, BlockStop, sequence_all
 from .body import read_model
 from .chat_input import chat_content, chat_request, content_text, sampling_params, select_tools
 from .errors import ApiError
@@ -238,14 +238,8 @@ async def create_response(request: Request) -> Response:
 
         events = _stream(started, builder, conversation, store, frame)
         return stream_response(started, events, error_frame)
-    sequencer = BlockSequencer()
-    result: ChatResult | None = None
-    for event in await collect(request, started):
-        sequencer.feed(event)
-        if isinstance(event, ChatFinished):
-            result = event.result
-    assert result is not None
-    return JSONResponse(_finish(builder, sequencer.blocks, result, conversation, store))
+    blocks, result = sequence_all(await collect(request, started))
+    return JSONResponse(_finish(builder, blocks, result, conversation, store))
 
 
 async def _stream(started: Started, builder: ResponseBuilder, conversation: list[dict[str, Any]],
