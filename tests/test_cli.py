@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,9 +16,10 @@ import torch
 from tiny_model_dir import write_tiny_model_dir
 
 
-def ninfer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def ninfer(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ninfer_app", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "ninfer_app", *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **env},
     )
 
 
@@ -80,8 +82,9 @@ def test_run_messages_file_with_tools(model_dir, tmp_path):
 
 
 def test_default_model_answers_offline():
+    """No model named, hub access forbidden (HF_HUB_OFFLINE=1, no HF endpoint reachable): the embedded model answers."""
     proc = ninfer("run", "--prompt", "What is the capital of France?", "--max-tokens", "24", "--temperature", "0",
-                  "--device", "cpu")
+                  "--device", "cpu", HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
 
