@@ -25,8 +25,9 @@ from .chat.output_parser import (
 from .chat.reasoning import THINK_CLOSE, THINK_OPEN, prompt_opens_reasoning
 from .chat.template import ChatTemplate, load_chat_template
 from .engine.llm_engine import EngineStats, LLMEngine
-from .engine.request import GenerationRequest, StepOutput, Timings
-from .engine.sampling import SamplingParams
+from .engine.request import GenerationRequest, SpecStats, StepOutput, Timings
+from .engine.sampling import Sampler, SamplingParams
+from .engine.speculative import build_speculator
 from .errors import NinferError
 from .media.limits import MediaError
 from .media.sources import split_media
@@ -48,6 +49,9 @@ class EngineOptions:
     chat_template: str | Path | None = None
     vision: bool = False  # load the vision tower at start (else on the first request with media)
     random_weights: bool = False  # config + tokenizer only, random tensors: full-size benchmarks
+    spec: str | None = None  # speculative decoding: "mtp" | "dflash" | "ngram" (None: off)
+    draft_tokens: int | None = None  # drafts per round (None: 3 for mtp, 15 for dflash, 4 for ngram)
+    draft_model: str | Path | None = None  # DFlash companion checkpoint directory
 
 
 @dataclass
@@ -61,6 +65,7 @@ class ChatResult:
     timings: Timings
     reasoning_tokens: int = 0  # generated tokens up to the end of the reasoning block
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    spec: SpecStats | None = None  # speculative decoding of this request (None: off)
 
     def to_json(self) -> dict[str, Any]:
         t = self.timings
@@ -78,6 +83,7 @@ class ChatResult:
                 "prefill_tok_s": t.prefill_tok_s,
                 "decode_tok_s": t.decode_tok_s,
             },
+            "spec": self.spec.to_json() if self.spec is not None else None,
         }
 
 
@@ -179,6 +185,7 @@ class ChatAssembler:
             timings=last.timings,
             reasoning_tokens=self.reasoning_tokens,
             stop_reason=last.stop_reason,
+            spec=last.spec,
         )
 
 
@@ -208,6 +215,12 @@ class LLM:
             if self.vision is None:
                 raise NinferError(f"{loaded.name} has no vision tower (--vision needs a multimodal checkpoint)")
             self.vision.tower()
+        speculator = None
+        if options.spec is not None:
+            speculator = build_speculator(options.spec, options.draft_tokens, options.draft_model, loaded, cache,
+                                          Sampler(), options.random_weights)
+        elif options.draft_tokens is not None or options.draft_model is not None:
+            raise NinferError("--draft-tokens / --draft-model need --spec mtp|dflash|ngram")
         self.engine = LLMEngine(
             loaded.model,
             loaded.config,
@@ -217,6 +230,7 @@ class LLM:
             prefill_chunk=options.prefill_chunk,
             generation_defaults=loaded.generation_defaults,
             vision_tower=self.vision.tower if self.vision else None,
+            speculator=speculator,
         )
 
     @classmethod

@@ -2,13 +2,15 @@
 
 A step runs at most one prefill chunk (the oldest sequence still reading its prompt) and one
 decode forward over every sequence that is generating, so long prompts never stall the others.
+With a speculator the decode forward is a verify forward: each sequence brings its drafts and may
+gain several tokens per step (`speculative/speculator.py`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,15 +19,16 @@ from ..cache import CacheManager
 from ..config import GenerationDefaults, ModelConfig
 from ..detokenizer import IncrementalDetokenizer
 from ..errors import ContextLengthError, NinferError
-from ..models.base import CausalLM, ForwardBatch
+from ..models.base import CausalLM, ForwardBatch, ForwardOutput
 from ..stop_strings import StopStringFilter
 from ..tokenizer import Tokenizer
-from .request import GenerationRequest, StepOutput
+from .request import GenerationRequest, SpecStats, StepOutput
 from .sampling import Sampler
 from .sequence import Sequence
 
 if TYPE_CHECKING:
     from ..models.vision import VisionTower
+    from .speculative.speculator import Speculator
 
 
 @dataclass
@@ -45,6 +48,7 @@ class EngineStats:
     cache_bytes: int = 0
     last_prefill_tok_s: float = 0.0
     last_decode_tok_s: float = 0.0
+    spec: SpecStats | None = None  # speculative decoding totals (None: no drafter)
 
 
 class LLMEngine:
@@ -59,6 +63,7 @@ class LLMEngine:
         prefill_chunk: int = 1024,
         generation_defaults: GenerationDefaults | None = None,
         vision_tower: Callable[[], VisionTower] | None = None,
+        speculator: Speculator | None = None,
     ):
         if prefill_chunk < 1:
             raise NinferError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
@@ -70,11 +75,13 @@ class LLMEngine:
         self.prefill_chunk = prefill_chunk
         self.defaults = generation_defaults or GenerationDefaults()
         self.vision_tower = vision_tower  # built on first use: only requests with media need it
+        self.speculator = speculator
         self.device = cache.device
         self.sampler = Sampler()
         self.eos_ids = frozenset(self.defaults.eos_token_ids or config.eos_token_ids or tokenizer.eos_token_ids)
         self.running: list[Sequence] = []
-        self._stats = EngineStats(kv_capacity_tokens=cache.capacity_tokens, cache_bytes=cache.total_bytes)
+        drafter_bytes = speculator.drafter.cache_bytes if speculator is not None else 0
+        self._stats = EngineStats(kv_capacity_tokens=cache.capacity_tokens, cache_bytes=cache.total_bytes + drafter_bytes)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -100,6 +107,7 @@ class LLMEngine:
                 raise NinferError(f"the media layout covers {covered} tokens but the prompt has {n}")
         params = request.sampling.with_defaults(self.defaults)
         request.sampling = params
+        draft_limit = self.speculator.limit(request) if self.speculator is not None else 0
         seq_cache = self.cache.allocate()
         try:
             self.cache.reserve(seq_cache, n)
@@ -115,6 +123,9 @@ class LLMEngine:
             generator=None if params.is_greedy else params.make_generator(self._generator_device()),
             max_new_tokens=min(params.max_tokens or room, room),
         )
+        if self.speculator is not None and draft_limit:
+            seq.draft_limit = draft_limit
+            seq.spec = SpecStats(method=self.speculator.drafter.method, draft_tokens=draft_limit)
         seq.timings.prompt_tokens = n
         self.running.append(seq)
 
@@ -132,7 +143,8 @@ class LLMEngine:
         s = self._stats
         s.running = len(self.running)
         s.kv_used_tokens = self.cache.capacity_tokens - self.cache.free_tokens
-        return EngineStats(**vars(s))
+        spec = replace(self.speculator.totals) if self.speculator is not None else None
+        return EngineStats(**{**vars(s), "spec": spec})
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -161,31 +173,44 @@ class LLMEngine:
         last = end == len(seq.prompt_ids)
         ids = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)
         embeds, mrope = self._multimodal_inputs(seq, ids, start, end)
-        out = self._forward([seq], ids, "last" if last else "none", embeds, mrope)
+        capture = self.speculator.capture_layers(seq) if self.speculator is not None else ()
+        batch = self._batch([seq], ids, "last" if last else "none", embeds, mrope, capture_layers=capture)
+        out = self._run(batch)
         seq.num_cached = end
         self._stats.prefill_chunks += 1
-        if not last:
-            return []
-        if seq.request.multimodal is not None:
-            seq.request.multimodal.release()
-        token = self._sample([seq], out.logits[:, -1])[0]
-        seq.timings.prefill_s = time.perf_counter() - seq.started_at
-        self._stats.prompt_tokens += len(seq.prompt_ids)
-        self._stats.last_prefill_tok_s = seq.timings.prefill_tok_s
-        return [self._append(seq, token)]
+        outputs = []
+        if last:
+            if seq.request.multimodal is not None:
+                seq.request.multimodal.release()
+            token = self._sample([seq], out.logits[:, -1])[0]
+            seq.timings.prefill_s = time.perf_counter() - seq.started_at
+            self._stats.prompt_tokens += len(seq.prompt_ids)
+            self._stats.last_prefill_tok_s = seq.timings.prefill_tok_s
+            outputs.append(self._append(seq, [token]))
+        if self.speculator is not None:
+            self.speculator.observe_prefill(seq, batch, out)
+        return outputs
 
     def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
-        for seq in seqs:
-            self.cache.reserve(seq.cache, seq.num_tokens)
-        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], dtype=torch.long, device=self.device)
-        out = self._forward(seqs, ids, "last")
-        for seq in seqs:
-            seq.num_cached += 1
-        tokens = self._sample(seqs, out.logits[:, -1])
         self._stats.decode_steps += 1
         self._stats.decode_rows += len(seqs)
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(seqs))
-        return [self._append(seq, tok) for seq, tok in zip(seqs, tokens)]
+        if self.speculator is not None and any(s.draft_limit for s in seqs):
+            return self.speculator.decode(seqs, self._verify_forward, self._append)
+        for seq in seqs:
+            self.cache.reserve(seq.cache, seq.num_tokens)
+        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], dtype=torch.long, device=self.device)
+        out = self._run(self._batch(seqs, ids, "last"))
+        for seq in seqs:
+            seq.num_cached += 1
+        tokens = self._sample(seqs, out.logits[:, -1])
+        return [self._append(seq, [tok]) for seq, tok in zip(seqs, tokens)]
+
+    def _verify_forward(
+        self, seqs: list[Sequence], ids: torch.Tensor, capture_layers: tuple[int, ...]
+    ) -> tuple[ForwardBatch, ForwardOutput]:
+        batch = self._batch(seqs, ids, "all", verify=True, capture_layers=capture_layers)
+        return batch, self._run(batch)
 
     def _multimodal_inputs(
         self, seq: Sequence, ids: torch.Tensor, start: int, end: int
@@ -200,20 +225,22 @@ class LLMEngine:
             mm.encode(self.vision_tower())
             return mm.chunk_embeddings(self.model.embed_tokens, ids, start), mm.chunk_positions(start, end, self.device)
 
-    def _forward(
+    def _batch(
         self,
         seqs: list[Sequence],
         ids: torch.Tensor,
         logits: str,
         inputs_embeds: torch.Tensor | None = None,
         mrope_positions: torch.Tensor | None = None,
-    ):
+        verify: bool = False,
+        capture_layers: tuple[int, ...] = (),
+    ) -> ForwardBatch:
         t = ids.shape[1]
         cache_lens = torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=self.device)
         positions = cache_lens[:, None] + torch.arange(t, device=self.device)[None, :]
         if any(deltas := [s.rope_delta for s in seqs]):
             positions = positions + torch.tensor(deltas, dtype=torch.long, device=self.device)[:, None]
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=ids,
             positions=positions,
             cache_lens=cache_lens,
@@ -222,7 +249,11 @@ class LLMEngine:
             mrope_positions=mrope_positions,
             inputs_embeds=inputs_embeds,
             logits=logits,
+            verify=verify,
+            capture_layers=capture_layers,
         )
+
+    def _run(self, batch: ForwardBatch) -> ForwardOutput:
         with torch.inference_mode():
             return self.model.forward(batch, self.cache.cache)
 
@@ -235,33 +266,44 @@ class LLMEngine:
         )
         return tokens.tolist()
 
-    def _append(self, seq: Sequence, token: int) -> StepOutput:
-        """Record one generated token; decide whether the sequence stops; return its text delta."""
-        seq.output_ids.append(token)
-        params = seq.request.sampling
+    def _append(self, seq: Sequence, tokens: list[int]) -> StepOutput:
+        """Record generated tokens (one, or a speculative round's run) in order until one stops the
+        sequence (the rest are dropped); return them with their text delta."""
+        taken: list[int] = []
         text = ""
-        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
-            seq.finish_reason, seq.stop_reason = "stop", token
-        else:
-            check = seq.stops.feed(seq.detokenizer.add(token))
-            text = check.text
-            if check.stop is not None:
-                seq.finish_reason, seq.stop_reason = "stop", check.stop
-            elif len(seq.output_ids) >= seq.max_new_tokens:
-                seq.finish_reason = "length"
+        for token in tokens:
+            taken.append(token)
+            text += self._push(seq, token)
+            if seq.finished:
+                break
         if seq.finished and seq.stops.matched is None:
             check = seq.stops.feed(seq.detokenizer.flush())
             text += check.text + ("" if check.stop else seq.stops.flush())
-        self._stats.generated_tokens += 1
         return StepOutput(
             request_id=seq.request_id,
-            new_token_ids=[token],
+            new_token_ids=taken,
             text_delta=text,
             finished=seq.finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             timings=seq.timings if seq.finished else None,
+            spec=seq.spec if seq.finished else None,
         )
+
+    def _push(self, seq: Sequence, token: int) -> str:
+        """One token: stop checks and its text."""
+        seq.output_ids.append(token)
+        self._stats.generated_tokens += 1
+        params = seq.request.sampling
+        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            seq.finish_reason, seq.stop_reason = "stop", token
+            return ""
+        check = seq.stops.feed(seq.detokenizer.add(token))
+        if check.stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", check.stop
+        elif len(seq.output_ids) >= seq.max_new_tokens:
+            seq.finish_reason = "length"
+        return check.text
 
     def _release(self, seq: Sequence) -> None:
         if seq.timings.prefill_s:
@@ -269,6 +311,8 @@ class LLMEngine:
             seq.timings.decode_s = time.perf_counter() - seq.started_at - seq.timings.prefill_s
             self._stats.last_decode_tok_s = seq.timings.decode_tok_s or self._stats.last_decode_tok_s
         self._stats.requests_finished += 1
+        if self.speculator is not None:
+            self.speculator.release(seq)
         self.cache.free(seq.cache)
         self.running.remove(seq)
 

@@ -24,6 +24,7 @@ class GenerationRequest:
     sampling: SamplingParams
     request_id: str = field(default_factory=new_request_id)
     multimodal: MultimodalPrompt | None = None  # images / videos; their pads are expanded in prompt_token_ids
+    draft_tokens: int | None = None  # speculative drafts per round: None = the engine's setting, 0 = off
 
 
 @dataclass
@@ -47,6 +48,43 @@ class Timings:
 
 
 @dataclass
+class SpecStats:
+    """Speculative decoding of one request (or, summed, of the engine): a round is one verify
+    forward the request took part in; it yields the accepted drafts plus one target token."""
+
+    method: str
+    draft_tokens: int  # K: drafts asked per round
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    round_tokens: int = 0  # tokens the rounds emitted (less than accepted + rounds when a stop cut one)
+
+    @property
+    def rejected(self) -> int:
+        return self.drafted - self.accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.round_tokens / self.rounds if self.rounds else 0.0
+
+    def to_json(self) -> dict[str, float | int | str]:
+        return {
+            "method": self.method,
+            "draft_tokens": self.draft_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "rejected": self.rejected,
+            "acceptance_rate": self.acceptance_rate,
+            "rounds": self.rounds,
+            "tokens_per_round": self.tokens_per_round,
+        }
+
+
+@dataclass
 class StepOutput:
     """New tokens and text of one request after an engine step."""
 
@@ -57,3 +95,6 @@ class StepOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     timings: Timings | None = None
+    drafted: int = 0  # speculative drafts verified in this step
+    accepted: int = 0  # of which accepted (new_token_ids holds them plus the target's own token)
+    spec: SpecStats | None = None  # when finished: the request's speculative totals (None: not speculative)

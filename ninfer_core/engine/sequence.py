@@ -10,7 +10,7 @@ import torch
 from ..cache import SequenceCache
 from ..detokenizer import IncrementalDetokenizer
 from ..stop_strings import StopStringFilter
-from .request import GenerationRequest, Timings
+from .request import GenerationRequest, SpecStats, Timings
 from .sampling import TokenHistory
 
 
@@ -28,6 +28,8 @@ class Sequence:
     started_at: float = field(default_factory=time.perf_counter)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    draft_limit: int = 0  # speculative drafts per round (0: plain decode)
+    spec: SpecStats | None = None  # speculative totals, when draft_limit > 0
 
     @property
     def request_id(self) -> str:

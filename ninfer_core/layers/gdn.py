@@ -13,10 +13,17 @@ split and continued by decode.
 Conv state: the last K-1 pre-conv inputs of the qkv channels, [C, K-1] per sequence (K-1 is
 all the next output needs). A new sequence starts from zeros for both states.
 
+Speculative verification (`GatedDeltaNet.verify`) reads the state but leaves the pools as they
+are and returns the per-token inputs (`GDNRecord`); the caller then advances the pooled state
+through the accepted prefix only (`engine/speculative/rollback.py`), so rejected draft tokens
+never touch it.
+
 The functions here are the hot ops a CUDA kernel replaces; `GatedDeltaNet` only wires them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +152,19 @@ def gated_delta_rule_chunked(
     return out.transpose(1, 2), state
 
 
+@dataclass
+class GDNRecord:
+    """One GDN layer's per-token inputs of a verify forward: enough to advance its state through
+    any prefix of the tokens (conv state = the last K-1 of `qkv`, recurrent state = the delta rule
+    over k, v, g, beta)."""
+
+    qkv: torch.Tensor  # [B, T, C] pre-conv inputs, model dtype
+    k: torch.Tensor  # [B, T, Hk, dk] l2-normalised, state dtype
+    v: torch.Tensor  # [B, T, Hv, dv]
+    g: torch.Tensor  # [B, T, Hv] log decay, fp32
+    beta: torch.Tensor  # [B, T, Hv] fp32
+
+
 class GatedDeltaNet(nn.Module):
     """One GDN mixer layer; reads and updates its conv / recurrent state pools in place."""
 
@@ -174,20 +194,37 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
         """x [B, T, hidden]; conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv]; slots [B]."""
-        batch, num_new, _ = x.shape
-        mixed, conv_state = causal_conv1d_silu(self.in_proj_qkv(x), conv_pool[slots], self.conv1d.weight[:, 0])
+        out, conv_state, state, _ = self._mix(x, conv_pool[slots], state_pool[slots], recurrent=x.shape[1] == 1)
         conv_pool[slots] = conv_state
+        state_pool[slots] = state
+        return out
+
+    def verify(
+        self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, GDNRecord]:
+        """`forward`'s outputs (same evaluation), but the pools stay as they are: the returned
+        record lets the caller commit just the accepted prefix of the tokens."""
+        out, _, _, record = self._mix(x, conv_pool[slots], state_pool[slots], recurrent=x.shape[1] == 1)
+        return out, record
+
+    def _mix(
+        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, recurrent: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GDNRecord]:
+        """The layer from given states: (output, new conv state, new recurrent state, record)."""
+        batch, num_new, _ = x.shape
+        qkv = self.in_proj_qkv(x)
+        mixed, conv_state = causal_conv1d_silu(qkv, conv_state, self.conv1d.weight[:, 0])
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        compute = state_pool.dtype
+        compute = state.dtype
         q = l2norm(q.reshape(batch, num_new, self.num_k_heads, self.head_k_dim).to(compute)) * self.head_k_dim**-0.5
         k = l2norm(k.reshape(batch, num_new, self.num_k_heads, self.head_k_dim).to(compute))
         v = v.reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
         g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
 
-        delta_rule = gated_delta_rule_recurrent if num_new == 1 else gated_delta_rule_chunked
-        out, state = delta_rule(q, k, v, g, beta, state_pool[slots])
-        state_pool[slots] = state
+        delta_rule = gated_delta_rule_recurrent if recurrent else gated_delta_rule_chunked
+        out, state = delta_rule(q, k, v, g, beta, state)
 
         z = self.in_proj_z(x).reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
         out = self.norm(out.to(x.dtype), z)
-        return self.out_proj(out.reshape(batch, num_new, self.value_dim))
+        out = self.out_proj(out.reshape(batch, num_new, self.value_dim))
+        return out, conv_state, state, GDNRecord(qkv=qkv, k=k, v=v, g=g, beta=beta)

@@ -8,11 +8,14 @@ recurrent state) and a list of KV pages (its row in `block_table`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
 from ..config import ModelConfig
+
+if TYPE_CHECKING:
+    from ..layers.gdn import GDNRecord
 
 
 @dataclass
@@ -25,6 +28,10 @@ class ForwardBatch:
     mrope_positions: torch.Tensor | None = None  # [3, B, T] (t, h, w) for multimodal input
     inputs_embeds: torch.Tensor | None = None  # [B, T, hidden] replaces the embedding lookup
     logits: Literal["last", "all", "none"] = "last"
+    # Speculative verification: GDN layers leave their state slots untouched and return their
+    # per-token inputs (ForwardOutput.gdn_records), so only the accepted prefix gets committed.
+    verify: bool = False
+    capture_layers: tuple[int, ...] = ()  # layers whose outputs a drafter reads (DFlash)
 
     @property
     def batch_size(self) -> int:
@@ -38,7 +45,9 @@ class ForwardBatch:
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor | None  # [B, 1 or T, vocab] float32
-    hidden_states: torch.Tensor  # [B, T, hidden] last layer output before the final norm (MTP input)
+    hidden_states: torch.Tensor  # [B, T, hidden] last layer output before the final norm
+    captured: torch.Tensor | None = None  # [B, T, len(capture_layers) * hidden], in capture_layers order
+    gdn_records: dict[int, GDNRecord] | None = None  # layer -> record, verify forwards only
 
 
 class CausalLM(Protocol):

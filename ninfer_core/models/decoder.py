@@ -18,7 +18,7 @@ from ..cache import ModelCache
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.gdn import GatedDeltaNet
+from ..layers.gdn import GatedDeltaNet, GDNRecord
 from ..layers.mlp import MLP
 from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
@@ -37,6 +37,7 @@ class StepContext:
     attn: AttentionMetadata
     slots: torch.Tensor
     cache: ModelCache
+    gdn_records: dict[int, GDNRecord] | None = None  # verify forwards: GDN layers record, pools untouched
 
 
 class DecoderLayer(nn.Module):
@@ -57,7 +58,11 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x)
         i = self.layer_idx
         if self.is_linear:
-            h = self.linear_attn(h, step.cache.state.conv[i], step.cache.state.recurrent[i], step.slots)
+            pools = (step.cache.state.conv[i], step.cache.state.recurrent[i], step.slots)
+            if step.gdn_records is None:
+                h = self.linear_attn(h, *pools)
+            else:
+                h, step.gdn_records[i] = self.linear_attn.verify(h, *pools)
         else:
             h = self.self_attn(h, step.cos, step.sin, step.cache.kv.k[i], step.cache.kv.v[i], step.attn)
         x = x + h
@@ -98,14 +103,19 @@ class DecoderModel(nn.Module):
         attn = AttentionMetadata.build(
             batch.block_table, batch.cache_lens, batch.num_new_tokens, cache.page_size, cache.kv.num_pages
         )
-        step = StepContext(cos=cos, sin=sin, attn=attn, slots=batch.slots, cache=cache)
+        step = StepContext(cos=cos, sin=sin, attn=attn, slots=batch.slots, cache=cache,
+                           gdn_records={} if batch.verify else None)
+        captured: dict[int, torch.Tensor] = {}
         for layer in self.layers:
             x = layer(x, step)
+            if layer.layer_idx in batch.capture_layers:
+                captured[layer.layer_idx] = x
         logits = None
         if batch.logits != "none":
             last = x[:, -1:] if batch.logits == "last" else x
             logits = self.lm_head(self.norm(last)).float()
-        return ForwardOutput(logits=logits, hidden_states=x)
+        features = torch.cat([captured[i] for i in batch.capture_layers], dim=-1) if batch.capture_layers else None
+        return ForwardOutput(logits=logits, hidden_states=x, captured=features, gdn_records=step.gdn_records)
 
     @torch.no_grad()
     def copy_parameters(self, get: Callable[[str], torch.Tensor], names: set[str]) -> None:

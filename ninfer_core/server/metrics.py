@@ -3,8 +3,8 @@
 Request counts by route and status come from an ASGI middleware; token counts and latency
 histograms (queue time, time to first token, inter-token latency, request duration) from the
 engine service's observer hooks, i.e. engine-side timing; KV usage, running and waiting
-requests are read from the service when scraped. Speculative-decoding counters exist from the
-start (zero until a drafter runs) so dashboards need not change when it does.
+requests are read from the service when scraped, and so are the speculative-decoding counters
+(drafted / accepted tokens, verify rounds; zero without a drafter, so dashboards need not change).
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS)
         self.duration = Histogram("ninfer_request_duration_seconds", "Submit to last token", registry=r,
                                   buckets=_LATENCY_BUCKETS)
-        self.spec_draft = Counter("ninfer_spec_decode_draft_tokens", "Speculative tokens proposed", registry=r)
-        self.spec_accepted = Counter("ninfer_spec_decode_accepted_tokens", "Speculative tokens accepted", registry=r)
         r.register(_EngineGauges(slot))
 
     # -- ServiceObserver --------------------------------------------------------------------
@@ -91,10 +89,15 @@ class _EngineGauges(Collector):
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         # step counters: a client sampling them each second finds the steady decode intervals
+        spec = e.spec
         for name, doc, value in (
             ("ninfer_engine_decode_steps", "Batched decode steps", e.decode_steps),
             ("ninfer_engine_decode_rows", "Sequences decoded, summed over decode steps", e.decode_rows),
             ("ninfer_engine_prefill_chunks", "Prefill chunks computed", e.prefill_chunks),
+            ("ninfer_spec_decode_draft_tokens", "Speculative tokens proposed", spec.drafted if spec else 0),
+            ("ninfer_spec_decode_accepted_tokens", "Speculative tokens accepted", spec.accepted if spec else 0),
+            ("ninfer_spec_decode_rounds", "Speculative verify rounds, summed over sequences",
+             spec.rounds if spec else 0),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

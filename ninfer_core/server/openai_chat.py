@@ -55,14 +55,16 @@ def build_chat_request(body: ChatCompletionRequest) -> ChatRequest:
 
 def chat_usage(result: ChatResult) -> dict[str, Any]:
     prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+    spec = result.spec
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": 0},
-        # accepted / rejected prediction tokens: the speculative decoder's counters (none yet)
+        # accepted / rejected prediction tokens: the speculative decoder's draft counters
         "completion_tokens_details": {"reasoning_tokens": result.reasoning_tokens,
-                                      "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
+                                      "accepted_prediction_tokens": spec.accepted if spec else 0,
+                                      "rejected_prediction_tokens": spec.rejected if spec else 0},
     }
 
 

@@ -1,0 +1,88 @@
+"""Speculative decoding: drafters (n-gram, MTP, DFlash), lossless verification, exact rollback.
+
+`build_speculator` turns `--spec METHOD --draft-tokens K [--draft-model DIR]` into the
+Speculator the engine runs its decode steps through.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...cache import CacheManager
+from ...errors import NinferError
+from ...models.decoder import DecoderModel
+from ...models.dflash import DFlashConfig, DFlashModel
+from ...models.loader import LoadedModel, init_random_
+from ...models.mtp import MTPHead
+from ...weights.checkpoint import open_checkpoint
+from ..sampling import Sampler
+from .base import Draft, Drafter, Observation
+from .dflash import DFlashDrafter
+from .mtp import MTPDrafter
+from .ngram import NgramDrafter
+from .speculator import Speculator
+
+METHODS = ("mtp", "dflash", "ngram")
+DEFAULT_DRAFT_TOKENS = {"mtp": 3, "dflash": 15, "ngram": 4}
+
+__all__ = ["DEFAULT_DRAFT_TOKENS", "METHODS", "Draft", "Drafter", "Observation", "Speculator", "build_mtp_head",
+           "build_speculator", "load_dflash"]
+
+
+def build_speculator(method: str, draft_tokens: int | None, draft_model: str | Path | None, loaded: LoadedModel,
+                     cache: CacheManager, sampler: Sampler, random_weights: bool = False) -> Speculator:
+    if method not in METHODS:
+        raise NinferError(f"unknown speculative method '{method}' (use one of {', '.join(METHODS)})")
+    if draft_model is not None and method != "dflash":
+        raise NinferError(f"--draft-model is for --spec dflash, not {method}")
+    drafter: Drafter
+    if method == "ngram":
+        drafter = NgramDrafter()
+    elif method == "mtp":
+        drafter = MTPDrafter(_require_decoder(loaded), build_mtp_head(loaded, random_weights), cache, sampler)
+    else:
+        if draft_model is None:
+            raise NinferError("--spec dflash needs --draft-model DIR (a z-lab DFlash checkpoint)")
+        model = load_dflash(draft_model, loaded.device, loaded.dtype)
+        drafter = DFlashDrafter(_require_decoder(loaded), model, cache, sampler)
+    k = min(DEFAULT_DRAFT_TOKENS[method], drafter.max_draft_tokens) if draft_tokens is None else draft_tokens
+    return Speculator(drafter, k, cache, sampler)
+
+
+def _require_decoder(loaded: LoadedModel) -> DecoderModel:
+    if not isinstance(loaded.model, DecoderModel):
+        raise NinferError(f"{loaded.name}: speculative drafts need a decoder model")
+    return loaded.model
+
+
+def build_mtp_head(loaded: LoadedModel, random_weights: bool = False) -> MTPHead:
+    """The checkpoint's MTP block on the model's device and dtype (random for weight-less benchmarks)."""
+    target = _require_decoder(loaded)
+    weights = getattr(target, "mtp_weights", {})
+    if loaded.config.mtp_num_layers < 1 or not (weights or random_weights):
+        raise NinferError(f"{loaded.name} has no MTP weights (mtp.* tensors): use --spec ngram or dflash")
+    if loaded.config.mtp_num_layers > 1:
+        raise NinferError(f"{loaded.name}: {loaded.config.mtp_num_layers} MTP layers; only 1 is supported")
+    head = _materialize(lambda: MTPHead(loaded.config), loaded.device, loaded.dtype)
+    if weights:
+        head.load(weights)
+    else:
+        init_random_(head)
+    return head
+
+
+def load_dflash(directory: str | Path, device: torch.device, dtype: torch.dtype) -> DFlashModel:
+    config = DFlashConfig.from_dir(directory)
+    model = _materialize(lambda: DFlashModel(config), device, dtype)
+    checkpoint = open_checkpoint(directory)
+    model.load(lambda name: checkpoint.get(name, dtype), checkpoint.names())
+    return model
+
+
+def _materialize(build, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Build on the meta device, then allocate on `device` in `dtype` (no full-size CPU copy)."""
+    with torch.device("meta"):
+        module = build()
+    return module.to(dtype).to_empty(device=device).eval()

@@ -1,0 +1,94 @@
+"""The contract between the speculative engine and its drafters (n-gram, MTP, DFlash).
+
+A round: the drafter proposes up to K tokens per sequence (`propose`), the target verifies all of
+them in one forward, the accepted prefix plus one target token is kept, and the drafter is shown
+the target rows that are now part of the sequence (`observe`) so it can condition its next
+proposal on them (hidden states for MTP, layer features for DFlash). Prompt chunks are observed
+the same way as they are prefilled.
+
+Cache indices: a drafter with its own KV cache (MTP, DFlash) keeps entry i at the target's
+cache index i in pages of the same ids as the target's (its pools have as many pages), so the
+target's block table addresses it too. Before `propose`, the engine has reserved pages for
+indices up to `seq.num_cached + k`; an observation may also write (and later ignore) padded rows
+up to the verify width, inside that reservation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ...models.base import ForwardBatch, ForwardOutput
+from ..sampling import Sampler, TokenHistory, draw_from_probs
+from ..sequence import Sequence
+
+
+@dataclass
+class Draft:
+    """Proposed tokens for one sequence and the distribution each was drawn from."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V]; None: deterministic proposal (q one-hot)
+
+
+@dataclass
+class Observation:
+    """Target rows that became part of their sequences: `seqs[i]` owns batch row `rows[i]`, whose
+    first `counts[i]` tokens (cache indices `batch.cache_lens[row] + t`) are kept, and the sequence
+    already holds the token that follows them. Rows past `counts[i]` are padding or rejected."""
+
+    seqs: list[Sequence]
+    rows: list[int]
+    counts: list[int]
+    batch: ForwardBatch
+    out: ForwardOutput
+
+    def next_tokens(self, pad: int = 0) -> torch.Tensor:
+        """[len(seqs), T] the token after each row's position (`pad` past counts[i])."""
+        width = self.batch.num_new_tokens
+        rows = []
+        for seq, row, count in zip(self.seqs, self.rows, self.counts):
+            start = int(self.batch.cache_lens[row])
+            rows.append([seq.token_at(start + t + 1) for t in range(count)] + [pad] * (width - count))
+        return torch.tensor(rows, dtype=torch.long, device=self.batch.input_ids.device)
+
+
+class Drafter(ABC):
+    method: str
+    max_draft_tokens: int  # the largest K this drafter supports
+    capture_layers: tuple[int, ...] = ()  # target layers whose outputs `observe` needs
+    cache_bytes: int = 0  # memory of the drafter's own KV cache
+
+    def observe(self, obs: Observation) -> None:
+        """The target committed these rows (see Observation). Default: nothing to learn."""
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+        """At most counts[i] >= 1 tokens following each sequence's last token."""
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence ended: drop what the drafter keeps for it."""
+
+
+def uniform(generator: torch.Generator, n: int = 1) -> torch.Tensor:
+    """n float64 uniforms from a request's own generator (on the generator's device)."""
+    return torch.rand(n, dtype=torch.float64, generator=generator, device=generator.device)
+
+
+def choose_drafts(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence],
+                  histories: list[TokenHistory]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One draft token per row of a drafter's logits [N, V]: argmax for greedy requests (q one-hot),
+    else a draw from q = the request's own sampling distribution over the drafter's logits."""
+    tokens = logits.argmax(-1).tolist()
+    probs: list[torch.Tensor | None] = [None] * len(seqs)
+    stochastic = [i for i, s in enumerate(seqs) if not s.request.sampling.is_greedy]
+    if stochastic:
+        q = sampler.distribution(logits[stochastic].float(), [seqs[i].request.sampling for i in stochastic],
+                                 [histories[i] for i in stochastic])
+        u = torch.cat([uniform(seqs[i].generator).to(q.device) for i in stochastic])
+        drawn = draw_from_probs(q, u).tolist()
+        for j, i in enumerate(stochastic):
+            tokens[i], probs[i] = drawn[j], q[j]
+    return tokens, probs

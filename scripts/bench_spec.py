@@ -1,0 +1,343 @@
+"""Speculative decoding benchmarks: verify cost, GDN rollback options, real acceptance.
+
+    python3 scripts/bench_spec.py verify     [--preset qwen3.6-35b-a3b] [--max-k 7] [--json OUT]
+    python3 scripts/bench_spec.py rollback   [--preset tiny-qwen3.6-moe --device cpu] [--json OUT]
+    python3 scripts/bench_spec.py acceptance [--model DIR] [--spec ngram] [--json OUT]
+
+verify: on the synthetic model (exact shapes, random weights; the engine's own forward, eager),
+after a `--context`-token prefill, the time of one verify round of K+1 tokens per sequence
+(logits for all rows, GDN state deferred + commit of K+1 tokens) relative to a plain 1-token
+decode step, K = 1..max-k; the MTP drafter's cost for K drafts (catch-up over K+1 rows + K-1
+single-row steps, lm_head each); one DFlash pass (MODEL-FACTS' 35B-A3B drafter shape) over a
+block of K+1. Projected speedup of MTP-K at a per-draft acceptance rate a (accepted / drafted,
+the reference engine's definition: 72% for MTP3 = 3.16 tokens per round):
+
+    tokens per round  E = 1 + K * a
+    speedup           S = E / (verify(K) / decode + draft(K) / decode)
+
+rollback: per round, record + commit (ours) vs snapshot + plain verify + restore + replay
+forward of the kept tokens (option b), for 1 and K+1 kept tokens.
+
+acceptance: a real model (default: the embedded SmolLM2-135M) on a few prompts (code, prose,
+repetition), plain greedy vs speculative greedy: identical output, acceptance, tokens per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ninfer_core.cache import CacheManager, KVPool, ModelCache  # noqa: E402
+from ninfer_core.config import ModelConfig  # noqa: E402
+from ninfer_core.engine.speculative.rollback import commit_gdn  # noqa: E402
+from ninfer_core.layers.attention import AttentionMetadata  # noqa: E402
+from ninfer_core.models.base import ForwardBatch  # noqa: E402
+from ninfer_core.models.decoder import StepContext  # noqa: E402
+from ninfer_core.models.dflash import BlockInputs, DFlashConfig, DFlashModel  # noqa: E402
+from ninfer_core.models.loader import build_model, init_random_, resolve_device, resolve_dtype  # noqa: E402
+from ninfer_core.models.mtp import MTPHead, mtp_layer_config  # noqa: E402
+from ninfer_core.models.presets import preset  # noqa: E402
+
+PROMPTS = {
+    "code": "Write a Python class LinkedList with methods append, prepend, remove and __len__, each with a docstring.",
+    "prose": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "repetition": "List the days of the week, one per line. Then list them again. Then list them a third time.",
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class Synthetic:
+    """A random-weight model of a preset's shape with one prefilled sequence."""
+
+    def __init__(self, name: str, device: str, dtype: str, context: int, max_k: int):
+        self.config: ModelConfig = preset(name)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = build_model(self.config, self.device, self.dtype)
+        init_random_(self.model)
+        self.cache = CacheManager(self.config, max_tokens=context + 2 * max_k + 32, max_seqs=2, dtype=self.dtype,
+                                  device=self.device)
+        self.seq = self.cache.allocate()
+        self.cache.reserve(self.seq, context + 2 * max_k + 16)
+        self.context = context
+        gen = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, self.config.vocab_size, (1, context + 2 * max_k + 16), generator=gen)
+        with torch.inference_mode():
+            for start in range(0, context, 1024):
+                end = min(context, start + 1024)
+                self.forward(self.tokens[:, start:end].to(self.device), start, "none")
+
+    def forward(self, ids: torch.Tensor, start: int, logits: str = "last", verify: bool = False,
+                capture: tuple[int, ...] = ()):
+        t = ids.shape[1]
+        batch = ForwardBatch(
+            input_ids=ids, positions=torch.arange(start, start + t, device=self.device)[None],
+            cache_lens=torch.tensor([start], device=self.device), slots=torch.tensor([self.seq.slot], device=self.device),
+            block_table=self.cache.block_table([self.seq]), logits=logits, verify=verify, capture_layers=capture,
+        )
+        return self.model.forward(batch, self.cache.cache)
+
+    def ids(self, start: int, t: int) -> torch.Tensor:
+        return self.tokens[:, start : start + t].to(self.device)
+
+    def random_module(self, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        with torch.device("meta"):
+            module = build()
+        module = module.to(self.dtype).to_empty(device=self.device).eval()
+        init_random_(module)
+        return module
+
+    @cached_property
+    def mtp(self) -> tuple[MTPHead, ModelCache]:
+        kv = ModelCache.allocate(mtp_layer_config(self.config), self.cache.num_pages, self.cache.page_size, 1,
+                                 self.dtype, self.device)
+        return self.random_module(lambda: MTPHead(self.config)), kv
+
+    @cached_property
+    def dflash(self) -> tuple[DFlashModel, KVPool]:
+        config = DFlashConfig.from_dict(dflash_shape(self.config), Path("<bench>"))
+        kv = KVPool(list(range(config.num_layers)), self.cache.num_pages, self.cache.page_size, config.num_kv_heads,
+                    config.head_dim, self.dtype, self.device)
+        return self.random_module(lambda: DFlashModel(config)), kv
+
+
+DFLASH_35B = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                  intermediate_size=6144, vocab_size=248320, rms_norm_eps=1e-6, rope_theta=1e7,
+                  dflash_config=dict(block_size=16, mask_token_id=248070, target_layer_ids=[1, 10, 19, 28, 37]))
+
+
+def dflash_shape(config: ModelConfig) -> dict:
+    """The z-lab drafter of Qwen3.6-35B-A3B (MODEL-FACTS 5) for that shape, else a small one."""
+    if (config.hidden_size, config.num_layers) == (2048, 40):
+        return DFLASH_35B
+    return dict(DFLASH_35B, hidden_size=config.hidden_size, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=64, intermediate_size=2 * config.hidden_size,
+                vocab_size=config.vocab_size, dflash_config=dict(block_size=16, mask_token_id=config.vocab_size - 1,
+                                                                 target_layer_ids=[0, config.num_layers // 2]))
+
+
+def mtp_draft_cost(s: Synthetic, k: int, repeats: int) -> float:
+    """K drafts: the MTP layer over K+1 catch-up rows, then K-1 single rows (lm_head after each)."""
+    head, kv = s.mtp
+    target, n = s.model, s.context
+    table = s.cache.block_table([s.seq])
+
+    def layer(ids: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        t = ids.shape[1]
+        positions = torch.arange(start, start + t, device=s.device)[None]
+        cos, sin = target.rotary_emb(positions, s.dtype)
+        lens = torch.tensor([start], device=s.device)
+        attn = AttentionMetadata.build(table, lens, t, s.cache.page_size, s.cache.num_pages)
+        return head(target.embed_tokens(ids), hidden, StepContext(cos, sin, attn, lens, kv))
+
+    hidden = torch.randn(1, k + 1, s.config.hidden_size, device=s.device, dtype=s.dtype)
+
+    def draft() -> None:
+        out = layer(s.ids(n - k, k + 1), hidden, n - k - 1)
+        token = target.lm_head(out[:, -1:]).argmax(-1)
+        h = out[:, -1:]
+        for step in range(1, k):
+            h = layer(token, h, n + step - 1)
+            token = target.lm_head(h).argmax(-1)
+
+    with torch.inference_mode():
+        return timed(draft, s.device, repeats)
+
+
+def dflash_draft_cost(s: Synthetic, k: int, repeats: int) -> float:
+    """One DFlash pass over a block of K+1 with `context` cached entries (+ writing K+1 new ones)."""
+    (m, kv), n, dev = s.dflash, s.context, s.device
+    caches = ([kv.k[i] for i in kv.layers], [kv.v[i] for i in kv.layers])
+    table = s.cache.block_table([s.seq])
+    features = torch.randn(1, k + 1, m.fc.in_features, device=dev, dtype=s.dtype)
+    lens = torch.tensor([n - k - 1], device=dev)
+    meta = AttentionMetadata.build(table, lens, k + 1, s.cache.page_size, s.cache.num_pages)
+    where = BlockInputs(positions=torch.arange(n, n + k + 1, device=dev)[None], block_lens=torch.tensor([k + 1], device=dev),
+                        ctx_lens=torch.tensor([n], device=dev), block_table=table)
+
+    def draft() -> None:
+        m.write_context(features, lens[:, None] + torch.arange(k + 1, device=dev), meta.slot_mapping, *caches)
+        hidden = m(s.model.embed_tokens(s.ids(n, k + 1)), where, *caches)
+        m.logits(hidden[:, 1:], s.model.lm_head).argmax(-1)
+
+    with torch.inference_mode():
+        return timed(draft, dev, repeats)
+
+
+def bench_verify(args: argparse.Namespace) -> dict:
+    s = Synthetic(args.preset, args.device, args.dtype, args.context, args.max_k)
+    n = s.context
+    state = s.cache.cache.state
+    slot = [s.seq.slot]
+    with torch.inference_mode():
+        decode = timed(lambda: s.forward(s.ids(n, 1), n, "last").logits.argmax(-1), s.device, args.repeats)
+
+        def verify(k: int) -> None:
+            out = s.forward(s.ids(n, k + 1), n, "all", verify=True)
+            out.logits.argmax(-1).cpu()
+            commit_gdn(state, out.gdn_records, slot, [k + 1])
+
+        rows = []
+        for k in range(1, args.max_k + 1):
+            t = timed(lambda: verify(k), s.device, args.repeats)
+            mtp = mtp_draft_cost(s, k, args.repeats) if k <= 5 else None
+            dfl = dflash_draft_cost(s, k, args.repeats)
+            row = {"k": k, "verify_ms": t * 1e3, "verify_ratio": t / decode,
+                   "mtp_draft_ms": mtp * 1e3 if mtp else None, "dflash_draft_ms": dfl * 1e3}
+            if mtp:
+                cost = (t + mtp) / decode
+                row["mtp_speedup_at_acceptance"] = (1 + k * args.acceptance) / cost
+            rows.append(row)
+    result = {"bench": "verify", "preset": args.preset, **env(s.device, s.dtype), "context": n,
+              "decode_ms": decode * 1e3, "acceptance": args.acceptance,
+              "formula": "speedup = (1 + K*a) / ((verify(K) + mtp_draft(K)) / decode)", "rows": rows}
+    print(f"{args.preset} on {result['device']} ({result['dtype']}), context {n}: decode step {decode * 1e3:.2f} ms")
+    print(f"{'K':>2} {'verify ms':>10} {'x decode':>9} {'MTP draft ms':>13} {'DFlash ms':>10} "
+          f"{'MTP-K speedup @' + format(args.acceptance, '.0%'):>20}")
+    for r in rows:
+        print(f"{r['k']:>2} {r['verify_ms']:>10.2f} {r['verify_ratio']:>9.3f} {fmt(r['mtp_draft_ms']):>13} "
+              f"{fmt(r['dflash_draft_ms']):>10} {fmt(r.get('mtp_speedup_at_acceptance'), 'x'):>20}")
+    return result
+
+
+def bench_rollback(args: argparse.Namespace) -> dict:
+    """Per round of K drafts: ours (record + commit), (a)/(c) per-position states (emulated: the
+    verify forward plus writing K+1 states per GDN layer and copying the kept one back), and (b)
+    snapshot + plain verify forward + restore + replay forward of the kept tokens."""
+    s = Synthetic(args.preset, args.device, args.dtype, args.context, args.max_k)
+    n, k = s.context, args.max_k
+    state, slot = s.cache.cache.state, s.seq.slot
+    scratch = {i: torch.empty((k + 1, *state.recurrent[i].shape[1:]), dtype=state.recurrent[i].dtype,
+                              device=s.device) for i in state.layers}
+    rows = []
+    with torch.inference_mode():
+        for kept in (1, k + 1):
+            def ours() -> None:
+                out = s.forward(s.ids(n, k + 1), n, "all", verify=True)
+                out.logits.argmax(-1).cpu()
+                commit_gdn(state, out.gdn_records, [slot], [kept])
+
+            def per_position() -> None:
+                s.forward(s.ids(n, k + 1), n, "all", verify=True).logits.argmax(-1).cpu()
+                for i in state.layers:
+                    for t in range(k + 1):
+                        scratch[i][t].copy_(state.recurrent[i][slot])
+                    state.recurrent[i][slot].copy_(scratch[i][kept - 1])
+
+            def option_b() -> None:
+                snap = s.cache.snapshot(slot)
+                s.forward(s.ids(n, k + 1), n, "all").logits.argmax(-1).cpu()
+                if kept < k + 1:
+                    s.cache.restore(slot, snap)
+                    s.forward(s.ids(n, kept), n, "none")
+
+            rows.append({"k": k, "kept": kept, "record_commit_ms": timed(ours, s.device, args.repeats) * 1e3,
+                         "per_position_states_ms": timed(per_position, s.device, args.repeats) * 1e3,
+                         "snapshot_replay_ms": timed(option_b, s.device, args.repeats) * 1e3})
+    result = {"bench": "rollback", "preset": args.preset, **env(s.device, s.dtype), "context": n, "rows": rows}
+    print(f"{args.preset} on {result['device']} ({result['dtype']}), context {n}, K = {k}, ms per round")
+    print(f"{'kept':>4} {'record+commit':>14} {'per-position states':>20} {'snapshot+replay':>16}")
+    for r in rows:
+        print(f"{r['kept']:>4} {r['record_commit_ms']:>14.2f} {r['per_position_states_ms']:>20.2f} "
+              f"{r['snapshot_replay_ms']:>16.2f}")
+    return result
+
+
+def bench_acceptance(args: argparse.Namespace) -> dict:
+    from ninfer_core.engine.sampling import SamplingParams
+    from ninfer_core.llm import LLM, ChatRequest, EngineOptions
+
+    options = EngineOptions(device=args.device, dtype=args.dtype, max_context=args.max_context)
+    plain = LLM.load(args.model, options)
+    spec = LLM(plain.loaded, replace(options, spec=args.spec, draft_tokens=args.draft_tokens,
+                                     draft_model=args.draft_model))
+    sampling = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rows = []
+    for name, prompt in PROMPTS.items():
+        request = ChatRequest(messages=[{"role": "user", "content": prompt}], sampling=sampling)
+        base, fast = plain.chat_result(request), spec.chat_result(request)
+        st = fast.spec
+        rows.append({"prompt": name, "tokens": len(fast.token_ids), "identical": base.token_ids == fast.token_ids,
+                     "drafted": st.drafted, "accepted": st.accepted, "acceptance_rate": st.acceptance_rate,
+                     "tokens_per_round": st.tokens_per_round, "plain_tok_s": base.timings.decode_tok_s,
+                     "spec_tok_s": fast.timings.decode_tok_s})
+    result = {"bench": "acceptance", "model": plain.name, "spec": args.spec,
+              "draft_tokens": spec.engine.speculator.draft_tokens, **env(plain.loaded.device, plain.loaded.dtype),
+              "rows": rows}
+    print(f"{plain.name}, --spec {args.spec} --draft-tokens {result['draft_tokens']}, greedy, "
+          f"{args.max_tokens} tokens max, {result['device']}")
+    print(f"{'prompt':<11} {'tokens':>6} {'same':>5} {'drafted':>8} {'accepted':>9} {'rate':>6} {'tok/round':>10} "
+          f"{'plain tok/s':>12} {'spec tok/s':>11}")
+    for r in rows:
+        print(f"{r['prompt']:<11} {r['tokens']:>6} {str(r['identical']):>5} {r['drafted']:>8} {r['accepted']:>9} "
+              f"{r['acceptance_rate']:>6.1%} {r['tokens_per_round']:>10.2f} {r['plain_tok_s']:>12.1f} "
+              f"{r['spec_tok_s']:>11.1f}")
+    return result
+
+
+def env(device: torch.device, dtype: torch.dtype) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"device": name, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__}
+
+
+def fmt(value: float | None, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.2f}{suffix}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    for name in ("verify", "rollback"):
+        p = sub.add_parser(name)
+        p.add_argument("--preset", default="qwen3.6-35b-a3b")
+        p.add_argument("--context", type=int, default=512, help="tokens prefilled before the timed rounds")
+        p.add_argument("--max-k", type=int, default=7 if name == "verify" else 3)
+        p.add_argument("--repeats", type=int, default=20)
+        p.add_argument("--acceptance", type=float, default=0.72, help="per-draft acceptance for the projection")
+    acc = sub.add_parser("acceptance")
+    acc.add_argument("--model", default=None, help="checkpoint dir / .gguf (default: embedded SmolLM2-135M)")
+    acc.add_argument("--spec", default="ngram", choices=["ngram", "mtp", "dflash"])
+    acc.add_argument("--draft-tokens", type=int, default=None)
+    acc.add_argument("--draft-model", default=None)
+    acc.add_argument("--max-tokens", type=int, default=200)
+    acc.add_argument("--max-context", type=int, default=2048)
+    for p in sub.choices.values():
+        p.add_argument("--device", default="auto")
+        p.add_argument("--dtype", default="auto")
+        p.add_argument("--json", type=Path, default=None, help="write the result here")
+    args = parser.parse_args()
+    result = {"verify": bench_verify, "rollback": bench_rollback, "acceptance": bench_acceptance}[args.bench](args)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

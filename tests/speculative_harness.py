@@ -1,0 +1,105 @@
+"""Shared pieces of the speculative-decoding tests: tiny target + drafter checkpoints, a runner,
+and two test drafters.
+
+- `ScriptedDrafter` proposes the true (plain-decode) continuation with some tokens corrupted,
+  so rounds keep every number of accepted tokens 0..K: the rollback is exercised at every length.
+- `Spy` lets a real drafter (MTP, DFlash) compute its own proposal every round, records it for a
+  reference check, and hands the target the scripted proposal instead, so the real drafter sees
+  realistic acceptance patterns (multi-row catch-ups) that random weights would never produce.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ninfer_core.engine.request import GenerationRequest
+from ninfer_core.engine.sampling import SamplingParams
+from ninfer_core.engine.sequence import Sequence
+from ninfer_core.engine.speculative import Draft, Drafter, Observation
+from ninfer_core.llm import LLM, EngineOptions
+from tiny_dflash import write_tiny_dflash
+from tiny_model_dir import write_tiny_model_dir
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], list(range(20, 61))]
+DFLASH_LAYERS = [0, 2]  # tiny target: layers 0-2 GDN, 3 attention
+
+
+def write_target(tmp_path_factory: Any, moe: bool = True) -> tuple[Path, Any]:
+    directory = tmp_path_factory.mktemp("spec_target_moe" if moe else "spec_target_dense")
+    hf_model, _ = write_tiny_model_dir(directory, moe=moe, max_positions=1024)
+    return directory, hf_model.eval()
+
+
+def write_drafter(tmp_path_factory: Any, target_dir: Path, **kwargs: Any) -> tuple[Path, dict[str, torch.Tensor]]:
+    directory = tmp_path_factory.mktemp("spec_dflash")
+    config = load(target_dir).loaded.config
+    tensors = write_tiny_dflash(directory, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                                target_layer_ids=DFLASH_LAYERS, mask_token_id=config.vocab_size - 1, **kwargs)
+    return directory, tensors
+
+
+def load(directory: Path, **options: Any) -> LLM:
+    base = dict(device="cpu", dtype="float32", max_seqs=4, max_context=512)
+    return LLM.load(str(directory), EngineOptions(**{**base, **options}))
+
+
+def greedy(n: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def run(llm: LLM, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for out in llm.engine.generate(requests):
+        tokens[out.request_id] += out.new_token_ids
+    return tokens
+
+
+class ScriptedDrafter(Drafter):
+    """Drafts = script[request id][len(output):][:k] with one token corrupted: in a request's r-th
+    round the token at index r mod (k + 1) (none when that is k), so the accepted counts cycle
+    through 0..k."""
+
+    method = "scripted"
+    max_draft_tokens = 15
+
+    def __init__(self, script: dict[str, list[int]], vocab: int):
+        self.script, self.vocab = script, vocab
+        self.rounds: Counter[str] = Counter()
+
+    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+        drafts = []
+        for seq, k in zip(seqs, counts):
+            done = len(seq.output_ids)
+            tokens = list(self.script[seq.request_id][done : done + k])
+            wrong = self.rounds[seq.request_id] % (k + 1)
+            self.rounds[seq.request_id] += 1
+            if wrong < len(tokens):
+                tokens[wrong] = (tokens[wrong] + 1) % self.vocab
+            drafts.append(Draft(tokens))
+        return drafts
+
+
+class Spy(Drafter):
+    """Runs `inner` (observe + propose) and logs (sequence ids, inner draft) each round; the target
+    verifies `outer`'s drafts instead when one is given."""
+
+    def __init__(self, inner: Drafter, outer: Drafter | None = None):
+        self.inner, self.outer = inner, outer
+        self.method, self.max_draft_tokens = inner.method, inner.max_draft_tokens
+        self.capture_layers = inner.capture_layers
+        self.log: list[tuple[list[int], Draft]] = []
+
+    def observe(self, obs: Observation) -> None:
+        self.inner.observe(obs)
+
+    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+        own = self.inner.propose(seqs, counts)
+        self.log += [(s.prompt_ids + s.output_ids, d) for s, d in zip(seqs, own)]
+        return own if self.outer is None else self.outer.propose(seqs, counts)
+
+    def release(self, seq: Sequence) -> None:
+        self.inner.release(seq)

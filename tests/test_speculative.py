@@ -1,0 +1,163 @@
+"""Speculative decoding in the engine (CPU, fp32, tiny random Qwen3.5 MoE): lossless and visible.
+
+Reference: the same engine without a drafter (plain greedy decode), itself checked against
+transformers in test_engine.py. Every backend must give token-identical greedy output over long
+generations that cross many rejections, at batch 1 and in mixed batches (one request opts out).
+The scripted drafter (true continuation, randomly corrupted) makes every acceptance length
+0..K occur, so the rollback of KV and GDN state is exercised at each length.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from ninfer_core.engine.request import GenerationRequest
+from ninfer_core.engine.sampling import Sampler, SamplingParams
+from ninfer_core.engine.speculative import Speculator
+from ninfer_core.errors import NinferError
+from ninfer_core.llm import ChatRequest
+from ninfer_core.server.openai_chat import chat_usage
+from speculative_harness import PROMPTS, ScriptedDrafter, greedy, load, run, write_drafter, write_target
+
+torch.set_num_threads(1)
+N_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_target(tmp_path_factory)[0]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, target):
+    return write_drafter(tmp_path_factory, target)[0]
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> list[list[int]]:
+    """Plain greedy tokens of each prompt (N_TOKENS each)."""
+    llm = load(target)
+    return [next(iter(run(llm, [GenerationRequest(p, greedy(N_TOKENS))]).values())) for p in PROMPTS]
+
+
+BACKENDS = {
+    "ngram": dict(spec="ngram", draft_tokens=6),
+    "mtp": dict(spec="mtp", draft_tokens=3),
+    "dflash": dict(spec="dflash", draft_tokens=7),
+}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_greedy_identical_to_plain_decode_batched_with_an_opted_out_request(backend, target, drafter_dir, plain):
+    options = dict(BACKENDS[backend], draft_model=drafter_dir if backend == "dflash" else None)
+    llm = load(target, **options)
+    requests = [GenerationRequest(p, greedy(N_TOKENS)) for p in PROMPTS]
+    requests[1].draft_tokens = 0  # this one decodes plainly inside the speculative batches
+    out = run(llm, requests)
+    assert list(out.values()) == plain
+    spec = llm.stats().spec
+    assert spec is not None and spec.rejected > 10, spec  # rejections all along the way
+    if backend == "ngram":
+        assert spec.accepted > 0, spec
+    assert llm.stats().max_decode_batch == 3 and llm.stats().running == 0 and llm.stats().kv_used_tokens == 0
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_greedy_identical_at_batch_one(backend, target, drafter_dir, plain):
+    options = dict(BACKENDS[backend], draft_model=drafter_dir if backend == "dflash" else None)
+    llm = load(target, **options, prefill_chunk=16)  # the 41-token prompt is observed in 3 chunks
+    out = run(llm, [GenerationRequest(PROMPTS[2], greedy(N_TOKENS))])
+    assert list(out.values()) == [plain[2]]
+
+
+def scripted(llm, plain_tokens: dict[str, list[int]], k: int) -> ScriptedDrafter:
+    drafter = ScriptedDrafter(plain_tokens, llm.loaded.config.vocab_size)
+    llm.engine.speculator = Speculator(drafter, k, llm.engine.cache, Sampler())
+    return drafter
+
+
+def test_rollback_at_every_acceptance_length(target, plain):
+    """Mixed K per request (7, 3, 0); accepted counts 0..7 all occur; output equals plain decode."""
+    llm = load(target)
+    requests = [GenerationRequest(p, greedy(N_TOKENS)) for p in PROMPTS]
+    for request, k in zip(requests, (7, 3, 0)):
+        request.draft_tokens = k
+    scripted(llm, {r.request_id: toks for r, toks in zip(requests, plain)}, k=7)
+    accepted: Counter[int] = Counter()
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for out in llm.engine.generate(requests):
+        tokens[out.request_id] += out.new_token_ids
+        if out.drafted == 7:
+            accepted[out.accepted] += 1
+    assert list(tokens.values()) == plain
+    assert set(accepted) == set(range(8)), accepted
+
+
+def test_stops_inside_an_accepted_run(target, plain):
+    """A stop token, stop string or max_tokens met among accepted drafts ends the output exactly as
+    plain decode does: the rest of the round's tokens are dropped."""
+    llm, base = load(target), load(target)
+    decode = base.tokenizer.decode
+    stop_text = decode(plain[0][:41], skip_special_tokens=True)[len(decode(plain[0][:39], skip_special_tokens=True)):]
+    dropped = []
+    for params in (greedy(N_TOKENS, stop_token_ids=[plain[0][40]]), greedy(N_TOKENS, stop=[stop_text]), greedy(37)):
+        expected = list(base.engine.generate([GenerationRequest(PROMPTS[0], params)]))
+        request = GenerationRequest(PROMPTS[0], params)
+        scripted(llm, {request.request_id: plain[0]}, k=6)
+        outs = list(llm.engine.generate([request]))
+        assert sum((o.new_token_ids for o in outs), []) == sum((o.new_token_ids for o in expected), [])
+        assert "".join(o.text_delta for o in outs) == "".join(o.text_delta for o in expected)
+        assert (outs[-1].finish_reason, outs[-1].stop_reason) == (expected[-1].finish_reason, expected[-1].stop_reason)
+        dropped.append(outs[-1].accepted + 1 - len(outs[-1].new_token_ids))
+    assert dropped[0] > 0 and dropped[1] > 0, dropped  # the stops fell inside accepted runs
+    assert dropped[2] == 0  # max_tokens caps K instead: nothing is drafted past the limit
+
+
+def test_seeded_sampling_reproducible_with_drafts(target):
+    llm = load(target, spec="ngram")
+    params = dict(temperature=0.9, top_k=20, seed=5, max_tokens=40, ignore_eos=True)
+    a, b = (GenerationRequest(PROMPTS[0], SamplingParams(**params)) for _ in range(2))
+    c = GenerationRequest(PROMPTS[0], SamplingParams(**{**params, "seed": 6}))
+    out = run(llm, [a, b, c])
+    assert out[a.request_id] == out[b.request_id] != out[c.request_id]
+
+
+def test_metrics_per_request_and_aggregate(target):
+    llm = load(target, spec="ngram", draft_tokens=5)
+    result = llm.chat_result(ChatRequest(messages=[{"role": "user", "content": "hi hi hi hi"}],
+                                         sampling=greedy(60)))
+    spec = result.to_json()["spec"]
+    assert spec["method"] == "ngram" and spec["draft_tokens"] == 5
+    assert spec["drafted"] == spec["accepted"] + spec["rejected"] > 0
+    # the first token comes from prefill; each round emits its accepted drafts plus one
+    assert spec["rounds"] + spec["accepted"] == 59
+    assert spec["tokens_per_round"] == pytest.approx(59 / spec["rounds"])
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["drafted"])
+    totals = llm.stats().spec
+    assert (totals.drafted, totals.accepted, totals.rounds) == (spec["drafted"], spec["accepted"], spec["rounds"])
+    usage = chat_usage(result)["completion_tokens_details"]
+    assert (usage["accepted_prediction_tokens"], usage["rejected_prediction_tokens"]) == (
+        spec["accepted"], spec["rejected"])
+    plain = load(target).chat_result(ChatRequest(messages=[{"role": "user", "content": "hi"}], sampling=greedy(3)))
+    assert plain.to_json()["spec"] is None
+
+
+def test_bad_options_are_refused(target, tmp_path, drafter_dir):
+    with pytest.raises(NinferError, match="unknown speculative method"):
+        load(target, spec="eagle")
+    with pytest.raises(NinferError, match="out of range for mtp"):
+        load(target, spec="mtp", draft_tokens=6)
+    with pytest.raises(NinferError, match="out of range for dflash"):
+        load(target, spec="dflash", draft_model=drafter_dir, draft_tokens=8)  # block 8: at most 7
+    with pytest.raises(NinferError, match="needs --draft-model"):
+        load(target, spec="dflash")
+    with pytest.raises(NinferError, match="need --spec"):
+        load(target, draft_tokens=3)
+    with pytest.raises(NinferError, match="not found"):
+        load(target, spec="dflash", draft_model=tmp_path)
+    llm = load(target, spec="ngram")
+    with pytest.raises(NinferError, match="draft_tokens 16 is out of range"):
+        llm.engine.add_request(GenerationRequest(PROMPTS[0], greedy(4), draft_tokens=16))

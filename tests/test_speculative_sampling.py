@@ -1,0 +1,174 @@
+"""Stochastic speculative sampling keeps the target distribution exactly (chi-square tests).
+
+1. The acceptance rule alone (verify.py) on a 6-token vocabulary: the first emitted token is
+   distributed as p_0, and the token after an accepted draft as p_1, for drafts sampled from q
+   and for deterministic drafts (q one-hot). Deliberately broken rules (accept always; resample
+   from p instead of the residual) must fail the same test.
+2. The whole engine (MTP drafts sampled from the request's own distribution over the MTP
+   logits, n-gram drafts): every generated token's randomized probability integral transform
+   under the exact plain-sampling distribution (transformers logits + our sampler's
+   temperature / top-k / repetition / presence penalties over the actual history) must be
+   uniform; with the acceptance rule broken it is not.
+3. Deterministically: every target row p_t the engine hands the rule equals the plain sampler's
+   distribution (transformers logits) for the prefix prompt + output + drafts[:t].
+Seeds are fixed, so the outcomes are deterministic; thresholds are p > 1e-3 (correct) and
+p < 1e-6 (broken).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer_core.engine.request import GenerationRequest
+from ninfer_core.engine.sampling import Sampler, SamplingParams, TokenHistory
+from ninfer_core.engine.speculative import Draft, speculator
+from ninfer_core.engine.speculative.verify import accept_stochastic
+from speculative_harness import PROMPTS, load, run, write_target
+
+torch.set_num_threads(1)
+V = 6
+TRIALS = 20000
+
+
+def chi2_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled."""
+    n = observed.sum()
+    expected = expected_probs.double() * n
+    small = expected < 5
+    obs = torch.cat([observed[~small].double(), observed[small].double().sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def accept_always(draft: Draft, p: torch.Tensor, generator: torch.Generator) -> list[int]:
+    """Broken: every draft kept, then a token from p_k."""
+    k = len(draft.tokens)
+    return draft.tokens + [int(torch.multinomial(p[k].double(), 1, generator=generator))]
+
+
+def resample_from_p(draft: Draft, p: torch.Tensor, generator: torch.Generator) -> list[int]:
+    """Broken: the right acceptance test, but a rejection resamples from p instead of max(0, p - q)."""
+    out = accept_stochastic(draft, p, generator)
+    n = len(out) - 1
+    if n == len(draft.tokens):
+        return out
+    return out[:n] + [int(torch.multinomial(p[n].double(), 1, generator=generator))]
+
+
+def random_dist(gen: torch.Generator, rows: int) -> torch.Tensor:
+    return torch.softmax(torch.randn(rows, V, generator=gen, dtype=torch.float64) * 1.5, -1).float()
+
+
+def emitted_counts(rule, one_hot: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Counts of the first emitted token, and of the second one after an accepted first draft."""
+    gen = torch.Generator().manual_seed(seed)
+    p, q = random_dist(gen, 3), random_dist(gen, 2)
+    first, second = torch.zeros(V), torch.zeros(V)
+    for _ in range(TRIALS):
+        if one_hot:  # a deterministic proposal (n-gram style): a likely token, then an unlikely one
+            draft = Draft([int(p[0].argmax()), int(p[1].argmin())])
+        else:
+            draft = Draft(torch.multinomial(q.double(), 1, generator=gen)[:, 0].tolist(), q)
+        out = rule(draft, p, gen)
+        first[out[0]] += 1
+        if len(out) > 1:  # the first draft was accepted
+            second[out[1]] += 1
+    return first, second, p
+
+
+@pytest.mark.parametrize("one_hot", [False, True], ids=["sampled-q", "one-hot-q"])
+def test_rejection_sampling_keeps_the_target_distribution(one_hot):
+    first, second, p = emitted_counts(accept_stochastic, one_hot)
+    assert chi2_pvalue(first, p[0]) > 1e-3
+    assert second.sum() > 1500 and chi2_pvalue(second, p[1]) > 1e-3
+
+
+@pytest.mark.parametrize("rule", [accept_always, resample_from_p])
+def test_broken_acceptance_rules_fail_the_test(rule):
+    first, second, p = emitted_counts(rule, one_hot=False)
+    assert min(chi2_pvalue(first, p[0]), chi2_pvalue(second, p[1])) < 1e-6
+
+
+# -- the whole engine ------------------------------------------------------------------------------
+
+# n-gram drafts need repeats, which strong penalties prevent
+PARAMS = {
+    "mtp": dict(temperature=1.3, top_k=6, repetition_penalty=1.3, presence_penalty=0.4, ignore_eos=True),
+    "ngram": dict(temperature=0.6, top_k=3, repetition_penalty=1.02, frequency_penalty=0.05, ignore_eos=True),
+}
+N_TOKENS = 150
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_target(tmp_path_factory)
+
+
+def pit_values(hf_model, requests: list[GenerationRequest], tokens: dict[str, list[int]]) -> torch.Tensor:
+    """Randomized PIT of every generated token under the exact plain-sampling distribution."""
+    sampler, gen = Sampler(), torch.Generator().manual_seed(123)
+    values = []
+    for request in requests:
+        prompt, out = request.prompt_token_ids, tokens[request.request_id]
+        with torch.no_grad():
+            logits = hf_model(input_ids=torch.tensor([prompt + out]), use_cache=False).logits[0].float()
+        rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(out)]
+        histories = [TokenHistory(prompt, out[:j]) for j in range(len(out))]
+        p = sampler.distribution(rows, [request.sampling] * len(out), histories).double()
+        ids = torch.tensor(out)
+        below = p.cumsum(-1).gather(1, ids[:, None])[:, 0] - p.gather(1, ids[:, None])[:, 0]
+        values.append(below + torch.rand(len(out), generator=gen, dtype=torch.float64) * p.gather(1, ids[:, None])[:, 0])
+    return torch.cat(values)
+
+
+def engine_pvalue(directory, hf_model, spec: str) -> tuple[float, object]:
+    llm = load(directory, spec=spec)
+    requests = [GenerationRequest(PROMPTS[i % 3], SamplingParams(seed=i, max_tokens=N_TOKENS, **PARAMS[spec]))
+                for i in range(4)]
+    tokens = run(llm, requests)
+    u = pit_values(hf_model, requests, tokens)
+    bins = torch.histc(u.float(), bins=10, min=0, max=1)
+    return chi2_pvalue(bins, torch.full((10,), 0.1)), llm.stats().spec
+
+
+@pytest.mark.parametrize("spec", ["mtp", "ngram"])
+def test_engine_samples_the_plain_distribution(spec, target):
+    pvalue, stats = engine_pvalue(*target, spec=spec)
+    assert stats.drafted > 300 and stats.accepted > 0 and stats.rejected > 0, stats
+    assert pvalue > 1e-3, (pvalue, stats)
+
+
+def test_engine_with_broken_acceptance_fails(target, monkeypatch):
+    monkeypatch.setattr(speculator, "accept_stochastic", accept_always)
+    pvalue, stats = engine_pvalue(*target, spec="mtp")
+    assert pvalue < 1e-6, (pvalue, stats)
+
+
+def test_verify_rows_are_the_exact_target_distributions(target, monkeypatch):
+    """Each p_t handed to the acceptance rule equals the plain sampler's distribution for the prefix
+    prompt + output + drafts[:t] (transformers logits; penalties count the drafts as generated)."""
+    directory, hf_model = target
+    seen = []
+
+    def spy(draft, p, generator):
+        seen.append((llm.engine.running[0].output_ids[:], draft.tokens, p.clone()))  # output before this round
+        return accept_stochastic(draft, p, generator)
+
+    monkeypatch.setattr(speculator, "accept_stochastic", spy)
+    llm = load(directory, spec="mtp")
+    params = SamplingParams(seed=1, max_tokens=12, **PARAMS["mtp"])
+    request = GenerationRequest(PROMPTS[0], params)
+    run(llm, [request])
+    sampler = Sampler()
+    assert len(seen) >= 3 and all(len(d) == 3 for _, d, _ in seen[:3])
+    for output, drafts, p in seen:
+        for t in range(len(drafts) + 1):
+            ids = request.prompt_token_ids + output + drafts[:t]
+            with torch.no_grad():
+                logits = hf_model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1:].float()
+            expected = sampler.distribution(logits, [params], [TokenHistory(request.prompt_token_ids, output + drafts[:t])])
+            torch.testing.assert_close(p[t : t + 1], expected, atol=2e-5, rtol=0)
