@@ -28,6 +28,10 @@ ModelArg = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda or auto.")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")]
+SpecOpt = Annotated[Optional[str], typer.Option(help="Speculative decoding: mtp, dflash or ngram (default off).")]
+DraftTokensOpt = Annotated[Optional[int], typer.Option(
+    help="Drafts per round (default 3 mtp, 15 dflash, 4 ngram; at most 5, block-1, 15).")]
+DraftModelOpt = Annotated[Optional[Path], typer.Option(help="DFlash drafter checkpoint directory (--spec dflash).")]
 
 
 def _show_version(value: bool) -> None:
@@ -93,6 +97,9 @@ def run(
     chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file to use instead.")] = None,
     max_context: Annotated[Optional[int], typer.Option(help="Context limit in tokens.")] = None,
     prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens.")] = 1024,
+    spec: SpecOpt = None,
+    draft_tokens: DraftTokensOpt = None,
+    draft_model: DraftModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
@@ -120,7 +127,8 @@ def run(
             max_tokens=max_tokens, stop=list(stop or []), stop_token_ids=list(stop_token_id or []),
         )
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
-                                chat_template=chat_template, vision=vision)
+                                chat_template=chat_template, vision=vision, spec=spec, draft_tokens=draft_tokens,
+                                draft_model=draft_model)
         llm = LLM.load(model, options)
         request = ChatRequest(messages=chat_messages, sampling=sampling, tools=tools, enable_thinking=not no_thinking)
         if json_out:
@@ -139,9 +147,14 @@ def run(
                 r = event.result
                 t = r.timings
                 print()
+                spec_line = ""
+                if r.spec is not None:
+                    s = r.spec
+                    spec_line = (f" | spec {s.method} K={s.draft_tokens}: {s.accepted}/{s.drafted} accepted "
+                                 f"({100 * s.acceptance_rate:.1f}%), {s.tokens_per_round:.2f} tok/round")
                 typer.secho(
                     f"[{llm.name}] prompt {len(r.prompt_token_ids)} tok, prefill {t.prefill_tok_s:.1f} tok/s | "
-                    f"{len(r.token_ids)} tok, decode {t.decode_tok_s:.1f} tok/s | finish: {r.finish_reason}",
+                    f"{len(r.token_ids)} tok, decode {t.decode_tok_s:.1f} tok/s{spec_line} | finish: {r.finish_reason}",
                     err=True, dim=True,
                 )
     except NinferError as e:

@@ -66,6 +66,12 @@ def serve(
                                        envvar=_env("DTYPE"))] = "auto",
     vision: Annotated[bool, typer.Option("--vision", help="Load the vision tower at start (else on first media).",
                                          envvar=_env("VISION"))] = False,
+    spec: Annotated[Optional[str], typer.Option(help="Speculative decoding: mtp, dflash or ngram (default off).",
+                                                envvar=_env("SPEC"))] = None,
+    draft_tokens: Annotated[Optional[int], typer.Option(help="Drafts per round (default 3 mtp, 15 dflash, 4 ngram).",
+                                                        envvar=_env("DRAFT_TOKENS"))] = None,
+    draft_model: Annotated[Optional[Path], typer.Option(help="DFlash drafter checkpoint directory.",
+                                                        envvar=_env("DRAFT_MODEL"))] = None,
     random_weights: Annotated[bool, typer.Option(
         "--random-weights", help="Benchmark mode: config and tokenizer from MODEL, random weights.",
         envvar=_env("RANDOM_WEIGHTS"))] = False,
@@ -84,7 +90,8 @@ def serve(
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context,
                                 kv_capacity=parse_kv_capacity(kv_capacity), max_seqs=max_concurrency,
                                 prefill_chunk=prefill_chunk, chat_template=chat_template, vision=vision,
-                                random_weights=random_weights)
+                                random_weights=random_weights, spec=spec, draft_tokens=draft_tokens,
+                                draft_model=draft_model)
         handle = ServerHandle.start(lambda: LLM.load(model, options), host, port, api_key=api_key,
                                     cors_origins=cors_origin, max_queue=max_queue,
                                     max_body_bytes=max_body_mb * 1024 * 1024, model_id=model_name,

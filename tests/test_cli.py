@@ -150,3 +150,17 @@ def test_bench_synthetic_tiny_json():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["model"] == "tiny-qwen3.6-moe" and out["decode_tok_s"] > 0 and out["weight_bytes_per_token"] > 0
+
+
+def test_run_with_ngram_speculation_is_lossless(model_dir):
+    args = ("run", str(model_dir[0]), "--prompt", "Say hi", "--max-tokens", "16", "--temperature", "0",
+            "--device", "cpu", "--json")
+    plain = json.loads(ninfer(*args).stdout)
+    proc = ninfer(*args, "--spec", "ngram", "--draft-tokens", "3")
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads(proc.stdout)
+    assert spec["token_ids"] == plain["token_ids"] and plain["spec"] is None
+    assert spec["spec"]["method"] == "ngram" and spec["spec"]["draft_tokens"] == 3
+    assert spec["spec"]["drafted"] >= spec["spec"]["accepted"] >= 0
+    assert_clean_error(ninfer("run", str(model_dir[0]), "--prompt", "x", "--draft-tokens", "3", "--device", "cpu"),
+                       "--spec")
