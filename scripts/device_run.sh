@@ -57,6 +57,6 @@ PY
       --prompt-tokens 512 --max-tokens 32 --out "$OUT/serve_saturation.json" 2>&1 | tail -6
     kill $server ;;
   spec)
-    python3 scripts/bench_spec.py --json "$OUT/spec_verify.json" 2>&1 | tail -15 ;;
+    python3 scripts/bench_spec.py verify --repeats 8 --json "$OUT/spec_verify.json" 2>&1 | tail -20 ;;
   esac
 done
