@@ -22,7 +22,7 @@ from .chat.output_parser import (
     ToolCallEnd,
     collect,
 )
-from .chat.reasoning import THINK_CLOSE, THINK_OPEN, prompt_opens_reasoning
+from .chat.reasoning import prompt_opens_reasoning
 from .chat.template import ChatTemplate, load_chat_template
 from .engine.llm_engine import EngineStats, LLMEngine
 from .engine.request import GenerationRequest, SpecStats, StepOutput, Timings
@@ -133,43 +133,28 @@ class ChatAssembler:
         self.prepared = prepared
         self._parser = OutputParser(starts_in_reasoning=prepared.starts_in_reasoning, tools=prepared.tools)
         self._parsed = ParsedOutput()
-        self._head = ""  # output text while it is unknown whether it opens with <think>
-        self._tail = ""  # the last characters of reasoning, to find a </think> split over deltas
-        self._reasoning_open: bool | None = True if prepared.starts_in_reasoning else None  # None: undecided
         self.token_ids: list[int] = []
-        self.reasoning_tokens = 0
-        self._undecided = 0
+        self.reasoning_tokens = 0  # generated tokens up to and including the one that closes </think>
+        self._undecided = 0  # tokens fed while it was unknown whether the output opens with <think>
 
     def feed(self, out: StepOutput) -> list[ChatStreamEvent]:
-        self._count_reasoning(out)
+        before = self._parser.phase
         self.token_ids += out.new_token_ids
         events: list[ParserEvent] = self._parser.feed(out.text_delta) if out.text_delta else []
         if out.finished:
             events += self._parser.finish()
+        self._count_reasoning(before, len(out.new_token_ids))
         collect(events, self._parsed)
         return [*events, ChatFinished(self._result(out))] if out.finished else [*events]
 
-    def _count_reasoning(self, out: StepOutput) -> None:
-        """A token is a reasoning token while the output is inside <think> and before `</think>` completed.
-
-        Whether an output without a prompt-opened block starts with `<think>` is known only once
-        its first characters arrive; tokens until then are held as undecided.
-        """
-        n, text = len(out.new_token_ids), out.text_delta
-        if self._reasoning_open is None:
-            self._head += text
-            head = self._head.lstrip("\r\n")
-            if not head or (len(head) < len(THINK_OPEN) and THINK_OPEN.startswith(head)):
-                self._undecided += n
-                return
-            self._reasoning_open = head.startswith(THINK_OPEN)
-            self.reasoning_tokens = self._undecided if self._reasoning_open else 0
-            text = head[len(THINK_OPEN) :]
-        if self._reasoning_open:
+    def _count_reasoning(self, before: str, n: int) -> None:
+        """The parser's phase before each token says whether the token was reasoning."""
+        if before == "reasoning":
             self.reasoning_tokens += n
-            window = self._tail + text
-            self._reasoning_open = THINK_CLOSE not in window
-            self._tail = window[-(len(THINK_CLOSE) - 1) :]
+        elif before == "undecided":
+            self._undecided += n
+            if self._parser.phase == "reasoning":  # the output opened with <think>
+                self.reasoning_tokens += self._undecided
 
     def _result(self, last: StepOutput) -> ChatResult:
         assert last.timings is not None

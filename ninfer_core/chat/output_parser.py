@@ -124,6 +124,13 @@ class OutputParser:
         self._calls = 0
         self._finished = False
 
+    @property
+    def phase(self) -> str:
+        """"reasoning", "answer", or "undecided" while the output may still open with <think>."""
+        if self._mode == "reasoning":
+            return "reasoning"
+        return "undecided" if self._at_start else "answer"
+
     def feed(self, delta: str) -> list[ParserEvent]:
         if self._finished:
             raise RuntimeError("OutputParser.feed after finish")
