@@ -16,10 +16,11 @@ import typer
 from ninfer_core import __version__
 from ninfer_core.errors import NinferError
 
-from . import bench_serve, models_cli, serve_cli
+from . import bench_serve, chat_cli, models_cli, serve_cli
 from .output import fail
+from .tui.settings import default_model
 
-cli = typer.Typer(no_args_is_help=True, add_completion=False, help="Local inference for Qwen3.5 / Qwen3.6.")
+cli = typer.Typer(add_completion=False, help="Local inference for Qwen3.5 / Qwen3.6.")
 bench_app = typer.Typer(help="Benchmarks: synthetic models (--synthetic) and the HTTP server (serve).")
 
 ModelArg = Annotated[
@@ -40,12 +41,15 @@ def _show_version(value: bool) -> None:
         raise typer.Exit()
 
 
-@cli.callback()
+@cli.callback(invoke_without_command=True)
 def _main(
+    ctx: typer.Context,
     version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    """Local inference for Qwen3.5 / Qwen3.6 and Llama-family models."""
+    """Local inference for Qwen3.5 / Qwen3.6 and Llama-family models. Without a command: the chat TUI."""
+    if ctx.invoked_subcommand is None:
+        chat_cli.open_tui()
 
 
 def _user_message(text: str, images: list[Path], videos: list[Path]) -> dict[str, Any]:
@@ -129,7 +133,7 @@ def run(
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
                                 chat_template=chat_template, vision=vision, spec=spec, draft_tokens=draft_tokens,
                                 draft_model=draft_model)
-        llm = LLM.load(model, options)
+        llm = LLM.load(model or default_model(), options)
         request = ChatRequest(messages=chat_messages, sampling=sampling, tools=tools, enable_thinking=not no_thinking)
         if json_out:
             print(json.dumps(llm.chat_result(request).to_json(), ensure_ascii=False))
@@ -198,6 +202,7 @@ def bench(
 models_cli.register(cli)
 serve_cli.register(cli)
 bench_serve.register(bench_app)
+chat_cli.register(cli)
 cli.add_typer(bench_app, name="bench")
 
 

@@ -29,6 +29,7 @@ from rich.table import Table
 from ninfer_core.errors import NinferError
 
 from .output import fail
+from .units import human_bytes
 
 err = Console(stderr=True, soft_wrap=True)
 
@@ -42,15 +43,6 @@ SeqOpt = Annotated[int, typer.Option("--sequences", help="Sequences served at on
 def _stdout() -> Console:
     """Tables on stdout; unclipped when piped (rich would otherwise assume 80 columns)."""
     return Console() if sys.stdout.isatty() else Console(width=250)
-
-
-def _size(n: float) -> str:
-    """Decimal units, as the hub and Ollama show sizes."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def _count(n: int) -> str:
@@ -97,7 +89,7 @@ class _ProgressView:
 
         if isinstance(event, hub.PullStarted):
             err.print(f"pulling {event.repo_id} @ {event.revision} ({event.commit[:12]}): "
-                      f"{len(event.files)} files, {_size(event.total_bytes)}")
+                      f"{len(event.files)} files, {human_bytes(event.total_bytes)}")
             self.sizes = dict(event.files)
             self.total = self.progress.add_task("total", total=event.total_bytes)
         elif isinstance(event, hub.FileStarted):
@@ -123,14 +115,14 @@ class _ProgressView:
 
 
 def _fit_line(estimate) -> str:
-    parts = (f"{_size(estimate.weight_bytes)} weights ({estimate.quantization}) + {_size(estimate.kv_bytes)} KV "
-             f"({estimate.context:,} tokens, {estimate.kv_dtype}) + {_size(estimate.state_bytes)} GDN state + "
-             f"{_size(estimate.reserve_bytes)} runtime = {_size(estimate.total_bytes)}")
+    parts = (f"{human_bytes(estimate.weight_bytes)} weights ({estimate.quantization}) + {human_bytes(estimate.kv_bytes)} KV "
+             f"({estimate.context:,} tokens, {estimate.kv_dtype}) + {human_bytes(estimate.state_bytes)} GDN state + "
+             f"{human_bytes(estimate.reserve_bytes)} runtime = {human_bytes(estimate.total_bytes)}")
     if estimate.gpu is None:
         return f"{parts}; no GPU (CUDA not available)"
     gpu = estimate.gpu
     verdict = "fits" if estimate.fits else "does NOT fit"
-    return (f"{parts}; {gpu.name}: {_size(gpu.free_bytes)} free of {_size(gpu.total_bytes)}: {verdict} "
+    return (f"{parts}; {gpu.name}: {human_bytes(gpu.free_bytes)} free of {human_bytes(gpu.total_bytes)}: {verdict} "
             f"(up to {estimate.max_context:,} tokens of context)")
 
 
@@ -230,7 +222,7 @@ def ls_command(
         table.add_column(column, no_wrap=True)
     for e, ready in entries:
         s = e.summary
-        table.add_row(e.display_name, s.arch if s else "-", _size(e.disk_bytes()), s.quantization if s else "-",
+        table.add_row(e.display_name, s.arch if s else "-", human_bytes(e.disk_bytes()), s.quantization if s else "-",
                       f"{s.context:,}" if s else "-", e.status if ready else "incomplete")
     _stdout().print(table)
 
@@ -254,7 +246,7 @@ def _ls_aliases(json_out: bool) -> None:
         table.add_column(column, no_wrap=True)
     for r in rows:
         table.add_row(r["name"] + ("*" if r["unconfirmed"] else ""), r["repo_id"], _count(r["params"]),
-                      r["quantization"], _size(r["weight_bytes"]), "yes" if r["pulled"] else "")
+                      r["quantization"], human_bytes(r["weight_bytes"]), "yes" if r["pulled"] else "")
     out = _stdout()
     out.print(table)
     for r in rows:
@@ -328,7 +320,7 @@ def show_command(
         out.print(f"  revision  {entry.revision} ({entry.commit})")
         if s:
             out.print(f"  params    {_count(s.params)}, context {s.context:,} tokens, quantization {s.quantization}")
-        out.print(f"  size      {_size(entry.disk_bytes())} on disk")
+        out.print(f"  size      {human_bytes(entry.disk_bytes())} on disk")
         out.print(f"  verified  {entry.status} ({_when(entry.verified_at)})")
     if cfg:
         out.print(f"  arch      {_architecture(cfg)}")
@@ -337,7 +329,7 @@ def show_command(
         for column in ("FILE", "SIZE", "HASH"):
             files.add_column(column, no_wrap=True)
         for r in entry.files.values():
-            files.add_row(r.name, _size(r.size), f"{r.remote.algorithm}:{r.digest}")
+            files.add_row(r.name, human_bytes(r.size), f"{r.remote.algorithm}:{r.digest}")
         out.print(files)
     out.print(f"memory: {_fit_line(estimate) if estimate else unavailable}")
 
@@ -354,7 +346,7 @@ def rm_command(models: Annotated[list[str], typer.Argument(help="Pulled models t
             entry, freed = hub.remove_model(model)
         except NinferError as e:
             fail(str(e))
-        print(f"removed {entry.display_name} (freed {_size(freed)})")
+        print(f"removed {entry.display_name} (freed {human_bytes(freed)})")
 
 
 def register(cli: typer.Typer) -> None:

@@ -15,6 +15,7 @@ import typer
 from ninfer_core.errors import NinferError
 
 from .output import fail
+from .tui.settings import default_model
 
 
 def _env(name: str) -> str:
@@ -92,7 +93,7 @@ def serve(
                                 prefill_chunk=prefill_chunk, chat_template=chat_template, vision=vision,
                                 random_weights=random_weights, spec=spec, draft_tokens=draft_tokens,
                                 draft_model=draft_model)
-        handle = ServerHandle.start(lambda: LLM.load(model, options), host, port, api_key=api_key,
+        handle = ServerHandle.start(lambda: LLM.load(model or default_model(), options), host, port, api_key=api_key,
                                     cors_origins=cors_origin, max_queue=max_queue,
                                     max_body_bytes=max_body_mb * 1024 * 1024, model_id=model_name,
                                     allow_local_media=allow_local_media,

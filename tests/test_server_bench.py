@@ -8,7 +8,7 @@ import json
 import typer
 from typer.testing import CliRunner
 
-from app.bench_serve import register
+from ninfer_app.bench_serve import register
 from ninfer_core.server.app import ServerHandle
 from server_harness import load_tiny_llm, write_model
 
