@@ -160,17 +160,23 @@ def config_from_hf_dict(raw: dict, path: Path) -> ModelConfig:
     )
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
-    """Read `config.json` from an HF checkpoint directory."""
-    path = Path(model_dir) / "config.json"
+def read_json_object(path: Path, hint: str) -> dict:
+    """A JSON object file, or one ModelLoadError naming it (`hint` says what it should be)."""
     if not path.is_file():
-        raise ModelLoadError(f"{path}: not found (is '{model_dir}' a Hugging Face checkpoint directory?)")
+        raise ModelLoadError(f"{path}: not found ({hint})")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")
+    return raw
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read `config.json` from an HF checkpoint directory."""
+    path = Path(model_dir) / "config.json"
+    raw = read_json_object(path, f"is '{model_dir}' a Hugging Face checkpoint directory?")
     return config_from_hf_dict(raw, path)
 
 

@@ -20,7 +20,6 @@ target do not apply).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, read_json_object
 from ..errors import ModelLoadError
 from ..layers.attention import Attention, write_kv
 from ..layers.mlp import MLP
@@ -62,13 +61,7 @@ class DFlashConfig:
     @classmethod
     def from_dir(cls, directory: str | Path) -> DFlashConfig:
         path = Path(directory) / "config.json"
-        if not path.is_file():
-            raise ModelLoadError(f"{path}: not found (--draft-model must be a DFlash checkpoint directory)")
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(raw, path)
+        return cls.from_dict(read_json_object(path, "--draft-model must be a DFlash checkpoint directory"), path)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], path: Path) -> DFlashConfig:
