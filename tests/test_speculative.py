@@ -161,3 +161,14 @@ def test_bad_options_are_refused(target, tmp_path, drafter_dir):
     llm = load(target, spec="ngram")
     with pytest.raises(NinferError, match="draft_tokens 16 is out of range"):
         llm.engine.add_request(GenerationRequest(PROMPTS[0], greedy(4), draft_tokens=16))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_greedy_identical_on_cuda(backend, target, drafter_dir):
+    """The same losslessness on the GPU: speculative greedy = plain greedy, both on CUDA in fp32."""
+    options = dict(BACKENDS[backend], draft_model=drafter_dir if backend == "dflash" else None)
+    plain_cuda = list(run(load(target, device="cuda"), [GenerationRequest(p, greedy(N_TOKENS)) for p in PROMPTS]).values())
+    llm = load(target, device="cuda", **options)
+    assert list(run(llm, [GenerationRequest(p, greedy(N_TOKENS)) for p in PROMPTS]).values()) == plain_cuda
+    assert llm.stats().spec.rejected > 10
