@@ -160,10 +160,13 @@ def config_from_hf_dict(raw: dict, path: Path) -> ModelConfig:
     )
 
 
-def read_json_object(path: Path, hint: str) -> dict:
-    """A JSON object file, or one ModelLoadError naming it (`hint` says what it should be)."""
+def read_json_object(path: Path, missing: str | None = None) -> dict:
+    """A JSON object file, or one ModelLoadError naming it. An absent file is `{}` when optional
+    (`missing` None), else an error whose hint `missing` says what the file should be."""
     if not path.is_file():
-        raise ModelLoadError(f"{path}: not found ({hint})")
+        if missing is None:
+            return {}
+        raise ModelLoadError(f"{path}: not found ({missing})")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -194,13 +197,7 @@ class GenerationDefaults:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "GenerationDefaults":
-        path = Path(model_dir) / "generation_config.json"
-        if not path.is_file():
-            return cls()
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+        raw = read_json_object(Path(model_dir) / "generation_config.json")
         sample = raw.get("do_sample", True)
         return cls(
             temperature=raw.get("temperature") if sample else 0.0,

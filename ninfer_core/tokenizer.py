@@ -15,6 +15,7 @@ from typing import Any
 
 import tokenizers
 
+from .config import read_json_object
 from .errors import ModelLoadError
 
 # One template, or named templates ("default", "tool_use", ...) as tokenizer_config.json may hold.
@@ -59,8 +60,8 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises plain Exception subclasses with terse messages
             raise ModelLoadError(f"{path}: cannot load tokenizer: {exc}") from exc
-        config = _read_json(directory / "tokenizer_config.json")
-        generation = _read_json(directory / "generation_config.json")
+        config = read_json_object(directory / "tokenizer_config.json")
+        generation = read_json_object(directory / "generation_config.json")
 
         def token_id(field: str) -> int | None:
             token = _token_content(config.get(field))
@@ -177,18 +178,6 @@ def _decoder_nodes(backend: tokenizers.Tokenizer) -> list[dict[str, Any]]:
     return nodes
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return data
-
-
 def _token_content(value: Any) -> str | None:
     """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
     if isinstance(value, dict):
@@ -201,7 +190,7 @@ def _find_chat_template(directory: Path, config: dict[str, Any]) -> ChatTemplate
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
-    raw = _read_json(directory / "chat_template.json").get("chat_template") or config.get("chat_template")
+    raw = read_json_object(directory / "chat_template.json").get("chat_template") or config.get("chat_template")
     if raw is None or isinstance(raw, str):
         return raw
     if isinstance(raw, list) and all(isinstance(t, dict) and "name" in t and "template" in t for t in raw):

@@ -9,11 +9,11 @@ that has them.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..config import read_json_object
 from ..errors import ModelLoadError
 
 IMAGE_FILE = "preprocessor_config.json"
@@ -58,23 +58,11 @@ class MediaConfig:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "MediaConfig":
         directory = Path(model_dir)
-        combined = _read(directory / COMBINED_FILE)
-        image = _read(directory / IMAGE_FILE) or combined.get("image_processor") or {}
-        video = _read(directory / VIDEO_FILE) or combined.get("video_processor") or {}
+        combined = read_json_object(directory / COMBINED_FILE)
+        image = read_json_object(directory / IMAGE_FILE) or combined.get("image_processor") or {}
+        video = read_json_object(directory / VIDEO_FILE) or combined.get("video_processor") or {}
         path = str(directory)
         return cls(image=_settings(IMAGE_DEFAULTS, image, path), video=_settings(VIDEO_DEFAULTS, video, path))
-
-
-def _read(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return raw
 
 
 def _settings(defaults: PreprocessConfig, raw: dict[str, Any], where: str) -> PreprocessConfig:
