@@ -351,3 +351,13 @@ def test_missing_tensor_is_named(tiny_llama_gguf):
     path, _, _ = tiny_llama_gguf
     with pytest.raises(ModelLoadError, match="no tensor 'layers.9.mlp.up_proj.weight'"):
         open_gguf(path).get("layers.9.mlp.up_proj.weight")
+
+
+def test_gguf_models_get_llama_cpp_sampling_defaults(smollm_path):
+    """No generation_config in a GGUF: unset sampling fields take llama.cpp's defaults."""
+    from ninfer_core.engine.sampling import SamplingParams
+    from ninfer_core.models.loader import GGUF_SAMPLING_DEFAULTS, load_model
+
+    assert load_model(str(smollm_path), "cpu").generation_defaults == GGUF_SAMPLING_DEFAULTS
+    filled = SamplingParams(top_p=0.5).with_defaults(GGUF_SAMPLING_DEFAULTS)
+    assert (filled.temperature, filled.top_k, filled.top_p, filled.min_p) == (0.8, 40, 0.5, 0.05)

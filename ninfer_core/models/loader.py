@@ -26,6 +26,10 @@ from .default_model import default_model_path
 from .llama import LlamaForCausalLM
 from .qwen3_5 import Qwen3_5ForCausalLM
 
+# GGUF files carry no generation_config: llama.cpp's defaults, so an unflagged run is not a raw
+# temperature-1 draw from the whole vocabulary (which makes small models ramble).
+GGUF_SAMPLING_DEFAULTS = GenerationDefaults(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -118,7 +122,7 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto", rand
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model is a checkpoint directory (with config.json) or a .gguf file")
         gguf = open_gguf(path)
-        config, tokenizer, defaults = gguf.config, gguf.load_tokenizer(), GenerationDefaults()
+        config, tokenizer, defaults = gguf.config, gguf.load_tokenizer(), GGUF_SAMPLING_DEFAULTS
         weights = gguf
     else:
         config = load_config(path)
