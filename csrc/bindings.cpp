@@ -2,6 +2,7 @@
 // device pointers (Tensor.data_ptr()) and the stream as Stream.cuda_stream, so no torch headers.
 #include <pybind11/pybind11.h>
 
+#include "bind.h"
 #include "ops.h"
 
 namespace py = pybind11;
@@ -28,4 +29,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("zero_centered"), py::arg("dtype"), py::arg("weight_dtype"), py::arg("device"),
       py::arg("stream"),
       "Fused (residual add +) RMSNorm; residual=0 for none. See csrc/ops.h.");
+
+  ninfer::bind_quant(m);
+  ninfer::bind_moe(m);
+  ninfer::bind_gdn(m);
+  ninfer::bind_attention(m);
+  ninfer::bind_sampling(m);
 }

@@ -1,0 +1,2 @@
+// STUB: the attention kernel family goes here.
+#include "common.cuh"

@@ -1,0 +1,2 @@
+// STUB: the gdn kernel family goes here.
+#include "common.cuh"

@@ -1,0 +1,2 @@
+// STUB: the moe kernel family goes here.
+#include "common.cuh"

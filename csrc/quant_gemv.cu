@@ -1,0 +1,2 @@
+// STUB: the quant kernel family goes here.
+#include "common.cuh"

@@ -1,0 +1,2 @@
+// STUB: the sampling kernel family goes here.
+#include "common.cuh"
