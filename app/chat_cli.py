@@ -14,6 +14,8 @@ import typer
 
 from ninfer_core.errors import NinferError
 
+from .engine_flags import KvDtypeOpt, WeightsOpt
+
 if TYPE_CHECKING:
     from ninfer_core.llm import EngineOptions
 
@@ -36,6 +38,8 @@ def chat(
     spec: Annotated[Optional[str], typer.Option(help="Speculative decoding: mtp, dflash or ngram.")] = None,
     draft_tokens: Annotated[Optional[int], typer.Option(help="Drafts per round (default: per method).")] = None,
     draft_model: Annotated[Optional[Path], typer.Option(help="DFlash companion checkpoint directory.")] = None,
+    weights: WeightsOpt = "auto",
+    kv_dtype: KvDtypeOpt = "auto",
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")] = "auto",
 ) -> None:
@@ -43,7 +47,7 @@ def chat(
     from ninfer_core.llm import EngineOptions
 
     engine = EngineOptions(device=device, dtype=dtype, max_context=max_context, max_seqs=max_concurrency, spec=spec,
-                           draft_tokens=draft_tokens, draft_model=draft_model)
+                           draft_tokens=draft_tokens, draft_model=draft_model, weights=weights, kv_dtype=kv_dtype)
     open_tui(model, image=[str(p) for p in image or []], endpoint=endpoint, api_key=api_key, engine=engine)
 
 

@@ -17,6 +17,7 @@ from ninfer_core import __version__
 from ninfer_core.errors import NinferError
 
 from . import bench_serve, chat_cli, models_cli, serve_cli
+from .engine_flags import KvCapacityOpt, KvDtypeOpt, WeightsOpt, parse_int_list, parse_kv_capacity
 from .output import fail
 from .tui.settings import default_model
 
@@ -100,7 +101,10 @@ def run(
     no_thinking: Annotated[bool, typer.Option("--no-thinking", help="Answer without reasoning.")] = False,
     chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file to use instead.")] = None,
     max_context: Annotated[Optional[int], typer.Option(help="Context limit in tokens.")] = None,
-    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens.")] = 1024,
+    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill chunk in tokens (default 4096 GPU, 1024 CPU).")] = None,
+    weights: WeightsOpt = "auto",
+    kv_dtype: KvDtypeOpt = "auto",
+    kv_capacity: KvCapacityOpt = "auto",
     spec: SpecOpt = None,
     draft_tokens: DraftTokensOpt = None,
     draft_model: DraftModelOpt = None,
@@ -131,6 +135,7 @@ def run(
             max_tokens=max_tokens, stop=list(stop or []), stop_token_ids=list(stop_token_id or []),
         )
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
+                                weights=weights, kv_dtype=kv_dtype, kv_capacity=parse_kv_capacity(kv_capacity),
                                 chat_template=chat_template, vision=vision, spec=spec, draft_tokens=draft_tokens,
                                 draft_model=draft_model)
         llm = LLM.load(model or default_model(), options)
@@ -168,35 +173,52 @@ def run(
 @bench_app.callback(invoke_without_command=True)
 def bench(
     ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Argument(help="Checkpoint directory or .gguf file (or use --synthetic).")] = None,
     synthetic: Annotated[Optional[str], typer.Option(help="Preset with random weights: qwen3.6-35b-a3b, "
                                                           "qwen3.6-27b, tiny-qwen3.6-moe.")] = None,
-    prompt_tokens: Annotated[int, typer.Option(help="Prefill length.")] = 512,
-    decode_tokens: Annotated[int, typer.Option(help="Decode steps timed.")] = 32,
-    prefill_chunk: Annotated[int, typer.Option()] = 1024,
+    prefill: Annotated[str, typer.Option(help="Prompt lengths timed (comma list, 8k = 8192; '' = none).")] = "512,8k,64k",
+    contexts: Annotated[str, typer.Option(help="Contexts of the batch-1 decode runs.")] = "4k,32k",
+    batches: Annotated[str, typer.Option(help="Batch sizes of the aggregate decode runs (at --batch-context).")] = "1,2,4,8",
+    batch_context: Annotated[int, typer.Option(help="Context of the batch > 1 decode runs.")] = 4096,
+    decode_steps: Annotated[int, typer.Option(help="Decode steps timed per run.")] = 32,
+    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens.")] = 8192,
+    weights: WeightsOpt = "auto",
+    kv_dtype: KvDtypeOpt = "auto",
+    cuda_graphs: Annotated[bool, typer.Option(help="Decode with CUDA graphs (GPU).")] = True,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Time prefill and decode of a synthetic model (exact shapes, random weights)."""
+    """Prefill and decode speed against the bandwidth roofline (a preset with random weights or a checkpoint)."""
     if ctx.invoked_subcommand is not None:
         return
-    if synthetic is None:
-        fail("give --synthetic PRESET, or a subcommand (`ninfer bench serve --help`)")
-    from ninfer_core.bench import run_synthetic
+    if (synthetic is None) == (model is None):
+        fail("give a model directory or --synthetic PRESET (or a subcommand: `ninfer bench serve --help`)")
+    from ninfer_core.bench import BenchSetup, run_bench
 
     try:
-        result = run_synthetic(synthetic, device, dtype, prompt_tokens, decode_tokens, prefill_chunk)
+        setup = BenchSetup(
+            model=synthetic or model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
+            prefill_lengths=parse_int_list(prefill, "--prefill"), decode_contexts=parse_int_list(contexts, "--contexts"),
+            decode_batches=parse_int_list(batches, "--batches"), batch_context=batch_context,
+            decode_steps=decode_steps, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
+        )
+        report = run_bench(setup, progress=lambda msg: typer.secho(msg, err=True, dim=True))
     except NinferError as e:
         fail(str(e))
     if json_out:
-        print(json.dumps(result.to_json()))
+        print(json.dumps(report.to_json()))
         return
-    print(
-        f"{result.model} on {result.device} ({result.dtype}): prefill {result.prefill_tok_s:.1f} tok/s "
-        f"({result.prompt_tokens} tok), decode {result.decode_tok_s:.2f} tok/s "
-        f"({result.decode_ms_per_token:.2f} ms/tok, {result.weight_bytes_per_token / 1e9:.2f} GB weights/tok, "
-        f"{result.weight_gb_s:.1f} GB/s)"
-    )
+    r = report
+    print(f"{r.model} on {r.device}: weights {r.weights} ({r.weight_bytes / 1e9:.2f} GB, "
+          f"{r.weight_bytes_per_token / 1e9:.2f} GB/token), KV {r.kv_dtype}, graphs {'on' if r.cuda_graphs else 'off'}")
+    if r.copy_bandwidth_gb_s == r.copy_bandwidth_gb_s:  # not NaN: a GPU
+        print(f"copy bandwidth {r.copy_bandwidth_gb_s:.0f} GB/s -> batch-1 roofline {r.roofline_tok_s:.0f} tok/s")
+    for p in r.prefill:
+        print(f"prefill {p.tokens:>6} tokens: {p.tok_s:10.1f} tok/s ({p.seconds:.2f} s)")
+    for d in r.decode:
+        print(f"decode  batch {d.batch:>2} @ {d.context:>6}: {d.tok_s:10.1f} tok/s ({d.ms_per_step:.2f} ms/step, "
+              f"{d.gb_s:.0f} GB/s, {100 * d.roofline_fraction:.1f}% of roofline)")
 
 
 models_cli.register(cli)

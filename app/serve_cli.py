@@ -14,21 +14,13 @@ import typer
 
 from ninfer_core.errors import NinferError
 
+from .engine_flags import KV_CAPACITY_HELP, KV_DTYPE_HELP, WEIGHTS_HELP, parse_kv_capacity
 from .output import fail
 from .tui.settings import default_model
 
 
 def _env(name: str) -> str:
     return f"NINFER_{name}"
-
-
-def parse_kv_capacity(value: str) -> int | None:
-    """`auto` (max-context x max-concurrency) or a number of tokens."""
-    if value == "auto":
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise NinferError(f"--kv-capacity must be 'auto' or a positive number of tokens, got '{value}'")
-    return int(value)
 
 
 def serve(
@@ -49,9 +41,11 @@ def serve(
                                            envvar=_env("MAX_QUEUE"))] = 64,
     max_context: Annotated[Optional[int], typer.Option(help="Context limit per request in tokens.",
                                                        envvar=_env("MAX_CONTEXT"))] = None,
-    kv_capacity: Annotated[str, typer.Option(help="KV cache tokens over all requests: auto or a number.",
-                                             envvar=_env("KV_CAPACITY"))] = "auto",
-    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens.", envvar=_env("PREFILL_CHUNK"))] = 1024,
+    kv_capacity: Annotated[str, typer.Option(help=KV_CAPACITY_HELP, envvar=_env("KV_CAPACITY"))] = "auto",
+    kv_dtype: Annotated[str, typer.Option(help=KV_DTYPE_HELP, envvar=_env("KV_DTYPE"))] = "auto",
+    weights: Annotated[str, typer.Option(help=WEIGHTS_HELP, envvar=_env("WEIGHTS"))] = "auto",
+    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill chunk in tokens (default 4096 GPU, 1024 CPU).",
+                                                         envvar=_env("PREFILL_CHUNK"))] = None,
     chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file to use instead.",
                                                           envvar=_env("CHAT_TEMPLATE"))] = None,
     model_name: Annotated[Optional[str], typer.Option(help="Model id shown to clients (default: the model's name).",
@@ -89,7 +83,8 @@ def serve(
             raise NinferError(f"--log-level must be debug, info, warning or error, got '{log_level}'")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context,
-                                kv_capacity=parse_kv_capacity(kv_capacity), max_seqs=max_concurrency,
+                                kv_capacity=parse_kv_capacity(kv_capacity), kv_dtype=kv_dtype, weights=weights,
+                                max_seqs=max_concurrency,
                                 prefill_chunk=prefill_chunk, chat_template=chat_template, vision=vision,
                                 random_weights=random_weights, spec=spec, draft_tokens=draft_tokens,
                                 draft_model=draft_model)

@@ -1,6 +1,54 @@
-// STUB: replaced by the attention kernel family's bindings.
+// Bindings of the attention family: KV write (+ fp8 / int8 quantization) and split-K decode
+// attention over the paged cache. See decode_attention.h for the argument contracts.
 #include "bind.h"
+#include "decode_attention.h"
+
+namespace py = pybind11;
 
 namespace ninfer {
-void bind_attention(pybind11::module_& m) { (void)m; }
+
+void bind_attention(py::module_& m) {
+  py::enum_<KVDType>(m, "KVDType")
+      .value("NATIVE", KVDType::Native)
+      .value("FP8", KVDType::FP8)
+      .value("INT8", KVDType::Int8);
+
+  m.def(
+      "write_kv",
+      [](std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k_scale, std::uintptr_t v_scale,
+         std::uintptr_t k, std::uintptr_t v, std::uintptr_t slot_mapping, std::int64_t tokens,
+         std::int64_t num_slots, int kv_heads, int head_dim, DType dtype, KVDType kv_dtype, int device,
+         std::uintptr_t stream) {
+        write_kv({k_cache, v_cache, k_scale, v_scale, k, v, slot_mapping, tokens, num_slots, kv_heads, head_dim,
+                  dtype, kv_dtype, device, stream});
+      },
+      py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("k"), py::arg("v"),
+      py::arg("slot_mapping"), py::arg("tokens"), py::arg("num_slots"), py::arg("kv_heads"), py::arg("head_dim"),
+      py::arg("dtype"), py::arg("kv_dtype"), py::arg("device"), py::arg("stream"),
+      "Store k, v [tokens, kv_heads, head_dim] at cache rows slot_mapping (quantizing for FP8 / INT8).");
+
+  m.def(
+      "decode_attention",
+      [](std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_cache, std::uintptr_t v_cache,
+         std::uintptr_t k_scale, std::uintptr_t v_scale, std::uintptr_t block_table, std::uintptr_t cache_lens,
+         std::uintptr_t workspace_o, std::uintptr_t workspace_ml, int batch, int num_new, int num_heads,
+         int kv_heads, int head_dim, int page_size, int table_width, int num_pages, int max_splits, float scale,
+         DType dtype, KVDType kv_dtype, int device, std::uintptr_t stream) {
+        decode_attention({out, q, k_cache, v_cache, k_scale, v_scale, block_table, cache_lens, workspace_o,
+                          workspace_ml, batch, num_new, num_heads, kv_heads, head_dim, page_size, table_width,
+                          num_pages, max_splits, scale, dtype, kv_dtype, device, stream});
+      },
+      py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"),
+      py::arg("v_scale"), py::arg("block_table"), py::arg("cache_lens"), py::arg("workspace_o"),
+      py::arg("workspace_ml"), py::arg("batch"), py::arg("num_new"), py::arg("num_heads"), py::arg("kv_heads"),
+      py::arg("head_dim"), py::arg("page_size"), py::arg("table_width"), py::arg("num_pages"),
+      py::arg("max_splits"), py::arg("scale"), py::arg("dtype"), py::arg("kv_dtype"), py::arg("device"),
+      py::arg("stream"), "Split-K causal attention of T <= 16 new tokens over the paged KV cache.");
+
+  m.def("decode_attention_max_splits", &decode_attention_max_splits, py::arg("batch"), py::arg("num_new"),
+        py::arg("num_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("page_size"),
+        py::arg("table_width"), py::arg("num_sms"),
+        "Splits the decode_attention grid and workspace are sized for (fixed by the table width).");
+}
+
 }  // namespace ninfer

@@ -1,6 +1,52 @@
-// STUB: replaced by the moe kernel family's bindings.
+// pybind11 registration of the MoE kernels (csrc/moe.cu): routing and the fused decode step.
 #include "bind.h"
+#include "moe.h"
+
+namespace py = pybind11;
 
 namespace ninfer {
-void bind_moe(pybind11::module_& m) { (void)m; }
+
+void bind_moe(py::module_& m) {
+  py::enum_<ExpertKind>(m, "ExpertKind")
+      .value("DENSE", ExpertKind::Dense)
+      .value("INT8", ExpertKind::Int8)
+      .value("INT4", ExpertKind::Int4);
+
+  m.def(
+      "moe_route",
+      [](std::uintptr_t weights, std::uintptr_t ids, std::uintptr_t logits, std::int64_t tokens,
+         std::int64_t experts, std::int64_t top_k, bool renormalize, DType dtype, int device,
+         std::uintptr_t stream) {
+        moe_route(
+            {weights, ids, logits, tokens, experts, top_k, renormalize, dtype, device, stream});
+      },
+      py::arg("weights"), py::arg("ids"), py::arg("logits"), py::arg("tokens"),
+      py::arg("experts"), py::arg("top_k"), py::arg("renormalize"), py::arg("dtype"),
+      py::arg("device"), py::arg("stream"),
+      "Softmax top-k routing, one warp per token. See csrc/moe.h.");
+
+  m.def(
+      "moe_decode",
+      [](std::uintptr_t out, std::uintptr_t h, std::uintptr_t x, std::uintptr_t weights,
+         std::uintptr_t ids, std::uintptr_t gate_up, std::uintptr_t gate_up_scales,
+         ExpertKind gate_up_kind, int gate_up_group_size, std::uintptr_t down,
+         std::uintptr_t down_scales, ExpertKind down_kind, int down_group_size,
+         std::int64_t tokens, std::int64_t top_k, std::int64_t hidden, std::int64_t inter,
+         std::int64_t experts, DType dtype, DType weights_dtype, int device,
+         std::uintptr_t stream) {
+        moe_decode({out, h, x, weights, ids,
+                    {gate_up, gate_up_scales, gate_up_kind, gate_up_group_size},
+                    {down, down_scales, down_kind, down_group_size}, tokens, top_k, hidden, inter,
+                    experts, dtype, weights_dtype, device, stream});
+      },
+      py::arg("out"), py::arg("h"), py::arg("x"), py::arg("weights"), py::arg("ids"),
+      py::arg("gate_up"), py::arg("gate_up_scales"), py::arg("gate_up_kind"),
+      py::arg("gate_up_group_size"), py::arg("down"), py::arg("down_scales"),
+      py::arg("down_kind"), py::arg("down_group_size"), py::arg("tokens"), py::arg("top_k"),
+      py::arg("hidden"), py::arg("inter"), py::arg("experts"), py::arg("dtype"),
+      py::arg("weights_dtype"), py::arg("device"), py::arg("stream"),
+      "Routed experts of a few tokens: gate_up GEMV + SwiGLU, then down GEMV summed over the "
+      "experts. See csrc/moe.h.");
+}
+
 }  // namespace ninfer

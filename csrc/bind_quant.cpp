@@ -1,6 +1,25 @@
-// STUB: replaced by the quant kernel family's bindings.
+// Bindings of the quant kernel family (int8 / int4 weight-only GEMV, csrc/quant_gemv.cu).
 #include "bind.h"
+#include "quant_gemv.h"
+
+namespace py = pybind11;
 
 namespace ninfer {
-void bind_quant(pybind11::module_& m) { (void)m; }
+
+void bind_quant(py::module_& module) {
+  module.def(
+      "quant_gemv",
+      [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t qweight, std::uintptr_t scales,
+         std::uintptr_t bias, std::int64_t m, std::int64_t n, std::int64_t k, int group_size,
+         bool int4, DType dtype, int device, std::uintptr_t stream) {
+        quant_gemv({out, x, qweight, scales, bias, m, n, k, group_size, int4, dtype, device,
+                    stream});
+      },
+      py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias"),
+      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("group_size"), py::arg("int4"),
+      py::arg("dtype"), py::arg("device"), py::arg("stream"),
+      "out[m, n] = x[m, k] @ W^T (+ bias) for int8 / int4 W, m <= 16; bias=0 for none. "
+      "See csrc/quant_gemv.h.");
+}
+
 }  // namespace ninfer

@@ -1,2 +1,487 @@
-// STUB: the moe kernel family goes here.
+// MoE routing (one warp per token) and the routed experts' decode step as two bandwidth-bound
+// GEMV kernels: gate_up rows of each (token, expert) pair with SwiGLU fused into the epilogue,
+// then the down rows of all of a token's experts with the weighted sum over experts inside the
+// kernel (fixed order: deterministic, no atomics). Expert ids are read on the device, so the step
+// never syncs with the host and is captured by CUDA graphs. Weights stream through 16-byte loads,
+// each selected expert's bytes read once per token; activations are staged as fp32 in shared
+// memory and every product is accumulated in fp32.
+#include <algorithm>
+#include <string>
+
 #include "common.cuh"
+#include "moe.h"
+
+namespace ninfer {
+namespace {
+
+constexpr int kWarps = 8;  // one output row per warp, 8 rows per block
+constexpr int kThreads = 32 * kWarps;
+constexpr int kUnroll = 4;  // 16-byte loads in flight per lane and weight row
+constexpr int kMaxTopK = 64;
+constexpr int kMaxSharedBytes = 48 * 1024;
+
+// ---------------------------------------------------------------- activations in shared memory
+
+// An activation vector is staged as fp32 in chunks of kVec elements, one chunk per 16-byte weight
+// vector. The 4-float quads of chunk c are rotated by c, so the lanes of a warp (consecutive
+// chunks) reading quad q of their chunk hit different banks (int4: 8 quads a chunk, conflict-free).
+template <int kVec>
+__device__ __forceinline__ int swizzle(int p) {
+  constexpr int kQuads = kVec / 4;
+  const int c = p / kVec;
+  return c * kVec + ((p % kVec / 4 + c) % kQuads) * 4 + p % 4;
+}
+
+template <int kVec>
+__device__ __forceinline__ float4 quad(const float* xs, int c, int q) {
+  constexpr int kQuads = kVec / 4;
+  return reinterpret_cast<const float4*>(xs + c * kVec)[(q + c) % kQuads];
+}
+
+template <int kVec, typename T>
+__device__ __forceinline__ void stage(float* dst, const T* __restrict__ src, int n) {
+  for (int p = threadIdx.x; p < n; p += blockDim.x) dst[swizzle<kVec>(p)] = to_float(src[p]);
+}
+
+__device__ __forceinline__ float dot4(float a, float b, float c, float d, float4 x, float acc) {
+  return fmaf(d, x.w, fmaf(c, x.z, fmaf(b, x.y, fmaf(a, x.x, acc))));
+}
+
+// ---------------------------------------------------------------- weight formats
+// Each reads one 16-byte vector (chunk c of a row), gives the chunk's scale, and dots the raw
+// vector with the staged activations of that chunk.
+
+template <typename T>
+struct DenseWeights {
+  static constexpr int kVec = 16 / sizeof(T);
+  const uint4* w;
+  int row_vecs;
+
+  __device__ __forceinline__ uint4 load(std::int64_t row, int c) const {
+    return __ldg(w + row * row_vecs + c);
+  }
+  __device__ __forceinline__ float scale(std::int64_t, int) const { return 1.0f; }
+  __device__ __forceinline__ float dot(const uint4& v, const float* xs, int c) const;
+};
+
+__device__ __forceinline__ float2 pair_to_float2(std::uint32_t w, __nv_bfloat16*) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+__device__ __forceinline__ float2 pair_to_float2(std::uint32_t w, __half*) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+
+template <typename T>
+__device__ __forceinline__ float DenseWeights<T>::dot(const uint4& v, const float* xs,
+                                                      int c) const {
+  const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  float acc = 0.0f;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const float2 a = pair_to_float2(words[2 * q], static_cast<T*>(nullptr));
+    const float2 b = pair_to_float2(words[2 * q + 1], static_cast<T*>(nullptr));
+    acc = dot4(a.x, a.y, b.x, b.y, quad<kVec>(xs, c, q), acc);
+  }
+  return acc;
+}
+
+template <>
+__device__ __forceinline__ float DenseWeights<float>::dot(const uint4& v, const float* xs,
+                                                          int c) const {
+  return dot4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
+              __uint_as_float(v.w), quad<kVec>(xs, c, 0), 0.0f);
+}
+
+struct Int8Weights {
+  static constexpr int kVec = 16;
+  const uint4* q;
+  const float* scales;  // [rows]
+  int row_vecs;
+
+  __device__ __forceinline__ uint4 load(std::int64_t row, int c) const {
+    return __ldg(q + row * row_vecs + c);
+  }
+  __device__ __forceinline__ float scale(std::int64_t row, int) const {
+    return __ldg(scales + row);
+  }
+  // Byte b of word q is element 4q + b. 0x4B0000xx is the float 2^23 + xx exactly; with the sign
+  // bit flipped, xx = value + 128: two instructions per element instead of a slow I2F.
+  __device__ __forceinline__ float dot(const uint4& v, const float* xs, int c) const {
+    const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    float acc = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const std::uint32_t u = words[q] ^ 0x80808080u;
+      float f[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        f[b] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u + b)) - 8388736.0f;
+      }
+      acc = dot4(f[0], f[1], f[2], f[3], quad<kVec>(xs, c, q), acc);
+    }
+    return acc;
+  }
+};
+
+struct Int4Weights {
+  static constexpr int kVec = 32;
+  const uint4* q;
+  const __nv_bfloat16* scales;  // [rows, groups]
+  int row_vecs;
+  int groups;
+  int group_shift;  // log2(group_size / 32): chunk c lies in group c >> group_shift
+
+  __device__ __forceinline__ uint4 load(std::int64_t row, int c) const {
+    return __ldg(q + row * row_vecs + c);
+  }
+  __device__ __forceinline__ float scale(std::int64_t row, int c) const {
+    return __bfloat162float(scales[row * groups + (c >> group_shift)]);
+  }
+  // Nibble m of word w is element 8w + m, stored as value + 8 (same float trick as int8).
+  __device__ __forceinline__ float dot(const uint4& v, const float* xs, int c) const {
+    const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    float acc = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const std::uint32_t u = words[q / 2] >> (16 * (q % 2));
+      float f[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        f[m] = __uint_as_float(0x4B000000u | ((u >> (4 * m)) & 0xFu)) - 8388616.0f;
+      }
+      acc = dot4(f[0], f[1], f[2], f[3], quad<kVec>(xs, c, q), acc);
+    }
+    return acc;
+  }
+};
+
+// ---------------------------------------------------------------- kernels
+
+__device__ __forceinline__ float load_float(const void* p, int i, DType dtype) {
+  switch (dtype) {
+    case DType::F32: return static_cast<const float*>(p)[i];
+    case DType::F16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
+
+// Block (row tile, pair): warp i computes gate row i and up row i of the pair's expert and
+// writes h[pair, i] with the reference's roundings (linear, silu and product each in T).
+template <typename T, typename W>
+__global__ void __launch_bounds__(kThreads)
+    gate_up_kernel(T* __restrict__ h, const T* __restrict__ x, const int* __restrict__ ids, W w,
+                   int top_k, int hidden, int inter, int experts) {
+  extern __shared__ float4 smem[];
+  float* xs = reinterpret_cast<float*>(smem);
+  const int pair = blockIdx.y;
+  stage<W::kVec>(xs, x + static_cast<std::int64_t>(pair / top_k) * hidden, hidden);
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int i = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (i >= inter) return;
+  const int e = ids[pair];
+  float g = 0.0f;
+  float u = 0.0f;
+  if (e >= 0 && e < experts) {  // uniform over the block
+    const std::int64_t gate_row = static_cast<std::int64_t>(e) * 2 * inter + i;
+    const std::int64_t up_row = gate_row + inter;
+    const int nvec = hidden / W::kVec;
+    for (int c0 = lane; c0 < nvec; c0 += 32 * kUnroll) {
+      uint4 wg[kUnroll];
+      uint4 wu[kUnroll];
+      float sg[kUnroll];
+      float su[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int c = c0 + 32 * k;
+        if (c < nvec) {
+          wg[k] = w.load(gate_row, c);
+          wu[k] = w.load(up_row, c);
+          sg[k] = w.scale(gate_row, c);
+          su[k] = w.scale(up_row, c);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int c = c0 + 32 * k;
+        if (c < nvec) {
+          g = fmaf(sg[k], w.dot(wg[k], xs, c), g);
+          u = fmaf(su[k], w.dot(wu[k], xs, c), u);
+        }
+      }
+    }
+    g = warp_sum(g);
+    u = warp_sum(u);
+  }
+  if (lane == 0) {
+    const float gate = round_to<T>(g);
+    const float act = round_to<T>(gate / (1.0f + expf(-gate)));
+    h[static_cast<std::int64_t>(pair) * inter + i] = from_float<T>(act * round_to<T>(u));
+  }
+}
+
+// Block (row tile, token): warp r computes out[token, r] over the token's k experts at once, the
+// k down rows laid end to end as one row of k * inter elements against h[token] (k * inter).
+template <typename T, typename W>
+__global__ void __launch_bounds__(kThreads)
+    down_kernel(T* __restrict__ out, const T* __restrict__ h, const void* __restrict__ weights,
+                DType weights_dtype, const int* __restrict__ ids, W w, int top_k, int hidden,
+                int inter, int experts) {
+  extern __shared__ float4 smem[];
+  const int n = blockIdx.y;
+  const int span = top_k * inter;
+  float* hs = reinterpret_cast<float*>(smem);
+  float* slot_weight = hs + span;
+  int* slot_expert = reinterpret_cast<int*>(slot_weight + top_k);  // -1: contributes nothing
+  stage<W::kVec>(hs, h + static_cast<std::int64_t>(n) * span, span);
+  for (int j = threadIdx.x; j < top_k; j += blockDim.x) {
+    const int e = ids[n * top_k + j];
+    slot_expert[j] = e >= 0 && e < experts ? e : -1;
+    slot_weight[j] = load_float(weights, n * top_k + j, weights_dtype);
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (r >= hidden) return;
+  const int row_vecs = inter / W::kVec;
+  const int nvec = top_k * row_vecs;
+  int j = lane / row_vecs;  // slot and chunk of the flattened vector index t, advanced with t
+  int c = lane % row_vecs;
+  float acc = 0.0f;
+  for (int t0 = lane; t0 < nvec; t0 += 32 * kUnroll) {
+    uint4 v[kUnroll];
+    float s[kUnroll];
+    bool live[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int e = t0 + 32 * k < nvec ? slot_expert[j] : -1;
+      live[k] = e >= 0;
+      if (live[k]) {
+        const std::int64_t row = static_cast<std::int64_t>(e) * hidden + r;
+        v[k] = w.load(row, c);
+        s[k] = slot_weight[j] * w.scale(row, c);
+      }
+      for (c += 32; c >= row_vecs; c -= row_vecs) ++j;
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (live[k]) acc = fmaf(s[k], w.dot(v[k], hs, t0 + 32 * k), acc);
+    }
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) out[static_cast<std::int64_t>(n) * hidden + r] = from_float<T>(acc);
+}
+
+// One warp per token: softmax in fp32 into shared memory, then top_k rounds of a warp argmax
+// (ties to the lower id); each winner is knocked out with -1 (probabilities are >= 0).
+template <typename T>
+__global__ void __launch_bounds__(32)
+    route_kernel(T* __restrict__ weights, int* __restrict__ ids, const T* __restrict__ logits,
+                 int experts, int top_k, bool renormalize) {
+  extern __shared__ float probs[];
+  float* chosen = probs + experts;
+  const int lane = threadIdx.x;
+  const std::int64_t token = blockIdx.x;
+  const T* row = logits + token * experts;
+  float top = -INFINITY;
+  for (int i = lane; i < experts; i += 32) {
+    probs[i] = to_float(row[i]);
+    top = fmaxf(top, probs[i]);
+  }
+  top = warp_max(top);
+  float sum = 0.0f;
+  for (int i = lane; i < experts; i += 32) {
+    probs[i] = expf(probs[i] - top);
+    sum += probs[i];
+  }
+  sum = warp_sum(sum);
+  for (int i = lane; i < experts; i += 32) probs[i] /= sum;
+  __syncwarp();
+  float total = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    float best = -1.0f;
+    int arg = experts;
+    for (int i = lane; i < experts; i += 32) {
+      if (probs[i] > best) {
+        best = probs[i];
+        arg = i;
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+      const int other_arg = __shfl_xor_sync(0xffffffffu, arg, offset);
+      if (other > best || (other == best && other_arg < arg)) {
+        best = other;
+        arg = other_arg;
+      }
+    }
+    if (arg < experts && lane == arg % 32) probs[arg] = -1.0f;
+    if (lane == 0) {
+      chosen[j] = best;
+      ids[token * top_k + j] = arg;
+    }
+    total += best;
+    __syncwarp();
+  }
+  for (int j = lane; j < top_k; j += 32) {
+    weights[token * top_k + j] = from_float<T>(renormalize ? chosen[j] / total : chosen[j]);
+  }
+}
+
+// ---------------------------------------------------------------- launchers
+
+int element_size(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return 4;
+    case DType::F16:
+    case DType::BF16: return 2;
+  }
+  throw std::invalid_argument("moe: unsupported dtype");
+}
+
+// Elements per 16-byte weight vector.
+int vec_elems(ExpertKind kind, DType dtype) {
+  switch (kind) {
+    case ExpertKind::Dense: return 16 / element_size(dtype);
+    case ExpertKind::Int8: return 16;
+    case ExpertKind::Int4: return 32;
+  }
+  throw std::invalid_argument("moe: unknown expert weight kind");
+}
+
+void check_weights(const ExpertWeights& w, std::int64_t cols, DType dtype, const char* name) {
+  const std::string what = std::string("moe_decode: ") + name;
+  if (!is_aligned(w.weight, 16)) throw std::invalid_argument(what + " must be 16-byte aligned");
+  if (cols % vec_elems(w.kind, dtype) != 0) {
+    throw std::invalid_argument(what + ": " + std::to_string(cols) +
+                                " columns are not a multiple of " +
+                                std::to_string(vec_elems(w.kind, dtype)));
+  }
+  if (w.kind != ExpertKind::Dense && w.scales == 0) {
+    throw std::invalid_argument(what + " needs scales");
+  }
+  if (w.kind == ExpertKind::Int4) {
+    const int g = w.group_size;
+    if (g < 32 || (g & (g - 1)) != 0 || cols % g != 0) {
+      throw std::invalid_argument(what + ": int4 group size " + std::to_string(g) +
+                                  " must be a power of two >= 32 dividing " + std::to_string(cols));
+    }
+  }
+}
+
+template <typename T, typename Launch>
+void with_weights(const ExpertWeights& ew, int cols, Launch&& launch) {
+  switch (ew.kind) {
+    case ExpertKind::Dense:
+      launch(DenseWeights<T>{reinterpret_cast<const uint4*>(ew.weight),
+                             cols / DenseWeights<T>::kVec});
+      break;
+    case ExpertKind::Int8:
+      launch(Int8Weights{reinterpret_cast<const uint4*>(ew.weight),
+                         reinterpret_cast<const float*>(ew.scales), cols / Int8Weights::kVec});
+      break;
+    case ExpertKind::Int4: {
+      int shift = 0;
+      while ((32 << shift) < ew.group_size) ++shift;
+      launch(Int4Weights{reinterpret_cast<const uint4*>(ew.weight),
+                         reinterpret_cast<const __nv_bfloat16*>(ew.scales),
+                         cols / Int4Weights::kVec, cols / ew.group_size, shift});
+      break;
+    }
+  }
+}
+
+template <typename T>
+void launch_decode(const MoeDecodeArgs& a) {
+  const int top_k = static_cast<int>(a.top_k);
+  const int hidden = static_cast<int>(a.hidden);
+  const int inter = static_cast<int>(a.inter);
+  const int experts = static_cast<int>(a.experts);
+  const cudaStream_t stream = as_stream(a.stream);
+  auto* h = reinterpret_cast<T*>(a.h);
+  const auto* ids = reinterpret_cast<const int*>(a.ids);
+
+  const dim3 gate_up_grid((inter + kWarps - 1) / kWarps, static_cast<unsigned>(a.tokens * top_k));
+  const std::size_t gate_up_smem = sizeof(float) * hidden;
+  with_weights<T>(a.gate_up, hidden, [&](auto w) {
+    gate_up_kernel<T, decltype(w)><<<gate_up_grid, kThreads, gate_up_smem, stream>>>(
+        h, reinterpret_cast<const T*>(a.x), ids, w, top_k, hidden, inter, experts);
+  });
+  check_launch("moe gate_up kernel launch");
+
+  const dim3 down_grid((hidden + kWarps - 1) / kWarps, static_cast<unsigned>(a.tokens));
+  const std::size_t down_smem = sizeof(float) * top_k * (inter + 2);
+  with_weights<T>(a.down, inter, [&](auto w) {
+    down_kernel<T, decltype(w)><<<down_grid, kThreads, down_smem, stream>>>(
+        reinterpret_cast<T*>(a.out), h, reinterpret_cast<const void*>(a.weights),
+        a.weights_dtype, ids, w, top_k, hidden, inter, experts);
+  });
+  check_launch("moe down kernel launch");
+}
+
+template <typename T>
+void launch_route(const MoeRouteArgs& a) {
+  const std::size_t smem = sizeof(float) * (a.experts + a.top_k);
+  route_kernel<T><<<static_cast<unsigned>(a.tokens), 32, smem, as_stream(a.stream)>>>(
+      reinterpret_cast<T*>(a.weights), reinterpret_cast<int*>(a.ids),
+      reinterpret_cast<const T*>(a.logits), static_cast<int>(a.experts), static_cast<int>(a.top_k),
+      a.renormalize);
+  check_launch("moe route kernel launch");
+}
+
+template <typename Launch>
+void by_dtype(DType dtype, const char* op, Launch&& launch) {
+  switch (dtype) {
+    case DType::F32: launch(float{}); break;
+    case DType::F16: launch(__half{}); break;
+    case DType::BF16: launch(__nv_bfloat16{}); break;
+    default: throw std::invalid_argument(std::string(op) + ": unsupported dtype");
+  }
+}
+
+}  // namespace
+
+void moe_route(const MoeRouteArgs& a) {
+  if (a.experts < 1 || a.top_k < 1 || a.top_k > a.experts ||
+      4 * (a.experts + a.top_k) > kMaxSharedBytes || a.tokens < 0 || a.tokens > (1LL << 31) - 1) {
+    throw std::invalid_argument("moe_route: tokens " + std::to_string(a.tokens) + " / experts " +
+                                std::to_string(a.experts) + " / top_k " + std::to_string(a.top_k) +
+                                " out of range");
+  }
+  if (a.tokens == 0) return;
+  DeviceGuard guard(a.device);
+  by_dtype(a.dtype, "moe_route", [&](auto t) { launch_route<decltype(t)>(a); });
+}
+
+void moe_decode(const MoeDecodeArgs& a) {
+  // Shared memory: x (4 * hidden bytes) in gate_up, h + slot weights / ids (4 * top_k * (inter
+  // + 2)) in down.
+  if (a.top_k < 1 || a.top_k > kMaxTopK || a.experts < 1 || a.hidden < 1 || a.inter < 1 ||
+      a.tokens < 0 || a.tokens * a.top_k > 65535 || 4 * a.hidden > kMaxSharedBytes ||
+      4 * a.top_k * (a.inter + 2) > kMaxSharedBytes) {
+    throw std::invalid_argument("moe_decode: tokens " + std::to_string(a.tokens) + " / top_k " +
+                                std::to_string(a.top_k) + " / hidden " + std::to_string(a.hidden) +
+                                " / inter " + std::to_string(a.inter) + " out of range");
+  }
+  check_weights(a.gate_up, a.hidden, a.dtype, "gate_up");
+  check_weights(a.down, a.inter, a.dtype, "down");
+  if (a.tokens == 0) return;
+  DeviceGuard guard(a.device);
+  by_dtype(a.dtype, "moe_decode", [&](auto t) { launch_decode<decltype(t)>(a); });
+}
+
+}  // namespace ninfer

@@ -1,2 +1,474 @@
-// STUB: the quant kernel family goes here.
+// Weight-only int8 / int4 GEMV for decode (m <= 16 activation rows). Decode is bound by reading
+// the weights, so every weight byte is loaded once, with 16-byte streaming loads, for all m rows.
+//
+// Work split: a warp owns a tile of 16 weight rows and walks K in chunks of 64 bytes per row
+// (16 bytes per lane: lane = 4 * g + t holds rows g and g + 8 of the tile, bytes 16t..16t+15 of
+// the chunk). When there are too few tiles to give every SM ~16 warps, `split` warps of a block
+// share one tile, take interleaved chunks and add their sums through shared memory.
+//
+// fp16 / bf16 activations run on tensor cores (mma.m16n8k16, fp32 accumulation): the tile's
+// weights, dequantized in registers, are the A operand (16 rows), x is B (rows of x are the 8
+// columns; a second MMA takes rows 8..15). The k order inside an MMA is free as long as A and B
+// agree, so each lane feeds exactly the weights it loaded and picks the matching x values
+// itself: no shuffles, no shared memory for operands. Codes become 16-bit floats with the usual
+// magic-number tricks (exact). int8 rows are scaled after the sum, in fp32; an int4 group's scale
+// is multiplied into the weights (rounded to the activation dtype), because the four lanes feeding
+// one MMA hold different groups when group_size < 128.
+// fp32 activations run on CUDA cores with exact fp32 weights; the four lanes of a row then add
+// their sums with shuffles and the same epilogue writes the result.
+#include <array>
+#include <atomic>
+#include <type_traits>
+
 #include "common.cuh"
+#include "quant_gemv.h"
+
+namespace ninfer {
+namespace {
+
+constexpr int kTileRows = 16;    // weight rows per warp: the M of one m16n8k16 MMA
+constexpr int kChunkBytes = 64;  // bytes of each row per warp step: 16 per lane, 4 lanes per row
+constexpr int kUnroll = 2;       // chunks whose loads a warp has in flight together
+constexpr int kWarps = 8;        // warps per block
+constexpr int kWarpsPerSm = 16;  // split K until the grid has about this many warps per SM
+
+// 16 bytes through the read-only path (weights: not kept in L1), zeros when !pred. Predicated
+// rather than branched: the MMAs that follow need the whole warp converged.
+template <bool kWeights>
+__device__ __forceinline__ uint4 load16(const void* ptr, bool pred) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if constexpr (kWeights) {
+    asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+        " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+        : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+        : "l"(ptr), "r"(static_cast<int>(pred)));
+  } else {
+    asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+        " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+        : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+        : "l"(ptr), "r"(static_cast<int>(pred)));
+  }
+  return v;
+}
+
+__device__ __forceinline__ std::uint16_t load2(const void* ptr, bool pred) {
+  std::uint16_t v = 0;
+  asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p ld.global.nc.u16 %0, [%1];\n}"
+      : "+h"(v)
+      : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(std::uint16_t bits) {
+  return __uint_as_float(static_cast<std::uint32_t>(bits) << 16);
+}
+
+// Signed byte i of a word (q + 128 after the xor) as an exact float: 2^23 + u - (2^23 + 128).
+__device__ __forceinline__ float int8_at(std::uint32_t biased, int i) {
+  return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7440u + i)) - 8388736.0f;
+}
+
+// Element e (nibble e) of a word of 8 int4 codes as an exact float: 2^23 + n - (2^23 + 8).
+__device__ __forceinline__ float int4_at(std::uint32_t word, int e) {
+  return __uint_as_float(((word >> (4 * e)) & 0xFu) | 0x4B000000u) - 8388616.0f;
+}
+
+template <typename P>
+__device__ __forceinline__ P as_pair(std::uint32_t u) {
+  return *reinterpret_cast<const P*>(&u);
+}
+
+template <typename P>
+__device__ __forceinline__ std::uint32_t as_u32(P p) {
+  return *reinterpret_cast<const std::uint32_t*>(&p);
+}
+
+// The 16-bit MMA types: code -> pair conversions and the MMA itself.
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__half> {
+  using Pair = __half2;
+  // A nibble n in bits 0-3 of each half under 0x6400 reads as 1024 + n; minus 1032 gives n - 8.
+  static constexpr std::uint32_t kNibbleMagic = 0x64006400u;
+  static constexpr std::uint32_t kNibbleBias = 0x64086408u;
+
+  __device__ static Pair scale(std::uint16_t bf16_bits) {
+    return __float2half2_rn(bf16_bits_to_float(bf16_bits));
+  }
+
+  // Codes e0..e3 of a word as pairs (e0, e1), (e2, e3): byte u under 0x64 is 1024 + u, u = q + 128.
+  __device__ static void int8_pairs(std::uint32_t word, std::uint32_t (&p)[2]) {
+    const std::uint32_t biased = word ^ 0x80808080u;
+    const Pair bias = as_pair<Pair>(0x64806480u);  // 1152 = 1024 + 128
+    p[0] = as_u32(__hsub2(as_pair<Pair>(__byte_perm(biased, 0x64646464u, 0x4140u)), bias));
+    p[1] = as_u32(__hsub2(as_pair<Pair>(__byte_perm(biased, 0x64646464u, 0x4342u)), bias));
+  }
+
+  __device__ static void mma(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                             std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct Mma<__nv_bfloat16> {
+  using Pair = __nv_bfloat162;
+  // Under 0x4300 a nibble in bits 0-3 reads as 128 + n; minus 136 gives n - 8.
+  static constexpr std::uint32_t kNibbleMagic = 0x43004300u;
+  static constexpr std::uint32_t kNibbleBias = 0x43084308u;
+
+  __device__ static Pair scale(std::uint16_t bf16_bits) {
+    return as_pair<Pair>(static_cast<std::uint32_t>(bf16_bits) * 0x10001u);
+  }
+
+  // bf16 has too few mantissa bits for a byte under a magic exponent: go through exact fp32.
+  __device__ static void int8_pairs(std::uint32_t word, std::uint32_t (&p)[2]) {
+    const std::uint32_t biased = word ^ 0x80808080u;
+    p[0] = as_u32(__floats2bfloat162_rn(int8_at(biased, 0), int8_at(biased, 1)));
+    p[1] = as_u32(__floats2bfloat162_rn(int8_at(biased, 2), int8_at(biased, 3)));
+  }
+
+  __device__ static void mma(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                             std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+// A word of 8 int4 codes e0..e7 as (q * scale) pairs (e_i, e_i+4), i = 0..3: q exact from the
+// magic number, then one rounding for the product.
+template <typename T>
+__device__ __forceinline__ void int4_pairs(std::uint32_t word, typename Mma<T>::Pair scale,
+                                           std::uint32_t (&p)[4]) {
+  using Pair = typename Mma<T>::Pair;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const std::uint32_t biased = ((word >> (4 * i)) & 0x000F000Fu) | Mma<T>::kNibbleMagic;
+    const Pair q = __hsub2(as_pair<Pair>(biased), as_pair<Pair>(Mma<T>::kNibbleBias));
+    p[i] = as_u32(__hmul2(q, scale));
+  }
+}
+
+// One chunk on tensor cores. q: this lane's 16 bytes of rows g and g + 8; kx: their first k;
+// x_in: whether this lane's x row of each n8 tile exists (and kx is inside the row).
+template <typename T, bool kInt4, int kTiles>
+__device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (&q)[2],
+                                          const std::uint16_t (&sc)[2], const T* (&xr)[kTiles],
+                                          const bool (&x_in)[kTiles], int kx) {
+  using M = Mma<T>;
+  const std::uint32_t w0[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
+  const std::uint32_t w1[4] = {q[1].x, q[1].y, q[1].z, q[1].w};
+  if constexpr (kInt4) {
+    const typename M::Pair s0 = M::scale(sc[0]), s1 = M::scale(sc[1]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // word j: k = kx + 8j .. kx + 8j + 7, two MMA k-steps
+      std::uint32_t a0[4], a1[4];
+      int4_pairs<T>(w0[j], s0, a0);
+      int4_pairs<T>(w1[j], s1, a1);
+#pragma unroll
+      for (int tile = 0; tile < kTiles; ++tile) {
+        const uint4 xv = load16<false>(xr[tile] + kx + 8 * j, x_in[tile]);
+        // A pairs hold k (i, i + 4) of the word, so B pairs x the same way.
+        M::mma(acc[tile], a0[0], a1[0], a0[1], a1[1], __byte_perm(xv.x, xv.z, 0x5410u),
+               __byte_perm(xv.x, xv.z, 0x7632u));
+        M::mma(acc[tile], a0[2], a1[2], a0[3], a1[3], __byte_perm(xv.y, xv.w, 0x5410u),
+               __byte_perm(xv.y, xv.w, 0x7632u));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // 8 x values: words 2h, 2h + 1, one MMA k-step each
+      uint4 xv[kTiles];
+#pragma unroll
+      for (int tile = 0; tile < kTiles; ++tile) {
+        xv[tile] = load16<false>(xr[tile] + kx + 8 * h, x_in[tile]);
+      }
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        std::uint32_t a0[2], a1[2];
+        M::int8_pairs(w0[2 * h + jj], a0);
+        M::int8_pairs(w1[2 * h + jj], a1);
+#pragma unroll
+        for (int tile = 0; tile < kTiles; ++tile) {
+          M::mma(acc[tile], a0[0], a1[0], a0[1], a1[1], jj ? xv[tile].z : xv[tile].x,
+                 jj ? xv[tile].w : xv[tile].y);
+        }
+      }
+    }
+  }
+}
+
+// One chunk on CUDA cores (fp32 x): exact fp32 weights (int4 scaled here, int8 in the epilogue).
+template <bool kInt4, int kTiles>
+__device__ __forceinline__ void chunk_fp32(float (&sum)[2][8 * kTiles], const uint4 (&q)[2],
+                                           const std::uint16_t (&sc)[2], const float* x, int m,
+                                           std::int64_t k, int kx) {
+  constexpr int kElems = kInt4 ? 32 : 16;
+  float w[2][kElems];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const std::uint32_t words[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+    const float scale = kInt4 ? bf16_bits_to_float(sc[r]) : 1.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < kElems / 4; ++e) {
+        w[r][j * kElems / 4 + e] =
+            kInt4 ? int4_at(words[j], e) * scale : int8_at(words[j] ^ 0x80808080u, e);
+      }
+    }
+  }
+#pragma unroll
+  for (int row = 0; row < 8 * kTiles; ++row) {
+    if (row >= m) break;
+    const float4* xv = reinterpret_cast<const float4*>(x + row * k + kx);
+#pragma unroll
+    for (int v = 0; v < kElems / 4; ++v) {
+      const float4 xs = __ldg(xv + v);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        sum[r][row] = fmaf(w[r][4 * v], xs.x, sum[r][row]);
+        sum[r][row] = fmaf(w[r][4 * v + 1], xs.y, sum[r][row]);
+        sum[r][row] = fmaf(w[r][4 * v + 2], xs.z, sum[r][row]);
+        sum[r][row] = fmaf(w[r][4 * v + 3], xs.w, sum[r][row]);
+      }
+    }
+  }
+}
+
+// Blocks per SM the registers are budgeted for: 24 / 16 warps on tensor cores keep enough weight
+// loads in flight; the fp32 path is not a decode path and gets what its FMAs need.
+template <typename T, int kTiles>
+constexpr int kMinBlocks = std::is_same_v<T, float> ? 1 : (kTiles == 1 ? 3 : 2);
+
+// kTiles: n8 tiles of x rows (1: m <= 8, 2: m <= 16).
+template <typename T, bool kInt4, int kTiles>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
+    quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
+                      const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
+                      const T* __restrict__ bias, int m, int n, int k, int group_size, int split) {
+  constexpr bool kTensorCores = !std::is_same_v<T, float>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int part = warp % split;  // this warp's share of its tile's chunks
+  const std::int64_t tile = static_cast<std::int64_t>(blockIdx.x) * (kWarps / split) + warp / split;
+  const std::int64_t rows[2] = {tile * kTileRows + g, tile * kTileRows + g + 8};
+  const bool live[2] = {rows[0] < n, rows[1] < n};
+  const int row_bytes = kInt4 ? k / 2 : k;
+  const int chunks = (row_bytes + kChunkBytes - 1) / kChunkBytes;
+  const int groups = kInt4 ? k / group_size : 0;
+  // Row g + 8 lies 8 rows past row g: one base pointer per array (fewer registers).
+  const std::int64_t base = live[0] ? rows[0] : 0;
+  const std::uint8_t* wbase = qweight + base * row_bytes;
+  const std::uint16_t* sbase = static_cast<const std::uint16_t*>(scales) + base * groups;
+  // This lane's row of x (its B column) in each n8 tile.
+  const T* xr[kTiles];
+  bool x_live[kTiles];
+#pragma unroll
+  for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
+    const int row = 8 * tile_m + g;
+    x_live[tile_m] = row < m;
+    xr[tile_m] = x + static_cast<std::int64_t>(x_live[tile_m] ? row : 0) * k;
+  }
+
+  // One step = kUnroll chunks; the next step's weights are loaded before this step computes, so
+  // every warp keeps loads in flight while its tensor cores / FMAs work.
+  uint4 q[kUnroll][2];
+  std::uint16_t sc[kUnroll][2] = {};
+  const auto load_step = [&](int c) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int off = (c + u) * kChunkBytes + 16 * t;
+      const bool in = off < row_bytes;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const bool pred = live[r] && in;
+        q[u][r] = load16<true>(wbase + r * 8 * row_bytes + (in ? off : 0), pred);
+        if constexpr (kInt4) {
+          sc[u][r] = load2(sbase + r * 8 * groups + (in ? 2 * off / group_size : 0), pred);
+        }
+      }
+    }
+  };
+
+  float acc[kTiles][4] = {};
+  float sum[2][8 * kTiles] = {};  // fp32 path: per (weight row, x row), this lane's k only
+  const int stride = split * kUnroll;
+  load_step(part * kUnroll);
+  for (int c = part * kUnroll; c < chunks; c += stride) {
+    uint4 cur[kUnroll][2];
+    std::uint16_t cur_sc[kUnroll][2];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) cur[u][r] = q[u][r], cur_sc[u][r] = sc[u][r];
+    }
+    if (c + stride < chunks) load_step(c + stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (c + u >= chunks) break;  // warp-uniform
+      const int off = (c + u) * kChunkBytes + 16 * t;
+      const bool in = off < row_bytes;  // lanes past the row end add zeros (their x is zero)
+      const int kx = in ? (kInt4 ? 2 * off : off) : 0;
+      if constexpr (kTensorCores) {
+        bool x_in[kTiles];
+#pragma unroll
+        for (int tile_m = 0; tile_m < kTiles; ++tile_m) x_in[tile_m] = x_live[tile_m] && in;
+        chunk_mma<T, kInt4, kTiles>(acc, cur[u], cur_sc[u], xr, x_in, kx);
+      } else if (in) {
+        chunk_fp32<kInt4, kTiles>(sum, cur[u], cur_sc[u], x, m, k, kx);
+      }
+    }
+  }
+
+  if constexpr (!kTensorCores) {
+    // Add the four lanes of each row, then keep the entries of this lane's MMA C fragment.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int row = 0; row < 8 * kTiles; ++row) {
+        sum[r][row] += __shfl_xor_sync(0xffffffffu, sum[r][row], 1);
+        sum[r][row] += __shfl_xor_sync(0xffffffffu, sum[r][row], 2);
+      }
+    }
+#pragma unroll
+    for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt) {
+          if (t == tt) acc[tile_m][i] = sum[i >> 1][8 * tile_m + 2 * tt + (i & 1)];
+        }
+      }
+    }
+  }
+
+  if (split > 1) {  // the tile's other warps hand their sums to its first warp
+    __shared__ float partial[kWarps][kTiles * 4][32];
+    if (part > 0) {
+#pragma unroll
+      for (int i = 0; i < kTiles * 4; ++i) partial[warp][i][lane] = acc[i / 4][i % 4];
+    }
+    __syncthreads();
+    if (part > 0) return;
+    for (int other = 1; other < split; ++other) {
+#pragma unroll
+      for (int i = 0; i < kTiles * 4; ++i) acc[i / 4][i % 4] += partial[warp + other][i][lane];
+    }
+  }
+
+  // C fragment entry i of n8 tile tile_m: weight row g (i < 2) or g + 8, x row 8 tile_m + 2t + i % 2.
+#pragma unroll
+  for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const std::int64_t row = rows[i >> 1];
+      const int xrow = 8 * tile_m + 2 * t + (i & 1);
+      if (!live[i >> 1] || xrow >= m) continue;
+      float v = acc[tile_m][i];
+      if constexpr (!kInt4) v *= __ldg(static_cast<const float*>(scales) + row);
+      if (bias != nullptr) v += to_float(bias[row]);
+      out[static_cast<std::int64_t>(xrow) * n + row] = from_float<T>(v);
+    }
+  }
+}
+
+template <typename T, bool kInt4, int kTiles>
+void launch(const QuantGemvArgs& a, int split) {
+  const std::int64_t tiles = (a.n + kTileRows - 1) / kTileRows;
+  const int tiles_per_block = kWarps / split;
+  const auto blocks = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);
+  quant_gemv_kernel<T, kInt4, kTiles><<<blocks, kWarps * 32, 0, as_stream(a.stream)>>>(
+      reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
+      reinterpret_cast<const std::uint8_t*>(a.qweight), reinterpret_cast<const void*>(a.scales),
+      reinterpret_cast<const T*>(a.bias), static_cast<int>(a.m), static_cast<int>(a.n),
+      static_cast<int>(a.k), a.group_size, split);
+  check_launch("quant_gemv kernel launch");
+}
+
+template <typename T>
+void launch_typed(const QuantGemvArgs& a, int split) {
+  const bool wide = a.m > 8;
+  if (a.int4) {
+    wide ? launch<T, true, 2>(a, split) : launch<T, true, 1>(a, split);
+  } else {
+    wide ? launch<T, false, 2>(a, split) : launch<T, false, 1>(a, split);
+  }
+}
+
+// SMs of a device, queried once per process (so graph captures after a warm-up query nothing).
+int sm_count(int device) {
+  static std::array<std::atomic<int>, 256> counts{};
+  if (device < 0 || device >= static_cast<int>(counts.size())) {
+    throw std::invalid_argument("quant_gemv: bad device " + std::to_string(device));
+  }
+  int sms = counts[device].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+               "cudaDeviceGetAttribute");
+    counts[device].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
+// Warps per tile (1, 2, 4 or 8): K is split until the grid has ~kWarpsPerSm warps per SM, as
+// long as every warp keeps at least kUnroll chunks (small n with large k: N = 1 .. 256 rows).
+int choose_split(const QuantGemvArgs& a) {
+  const int sms = sm_count(a.device);
+  const std::int64_t tiles = (a.n + kTileRows - 1) / kTileRows;
+  const std::int64_t chunks = ((a.int4 ? a.k / 2 : a.k) + kChunkBytes - 1) / kChunkBytes;
+  int split = 1;
+  while (split < kWarps && tiles * split < static_cast<std::int64_t>(kWarpsPerSm) * sms &&
+         2LL * split * kUnroll <= chunks) {
+    split *= 2;
+  }
+  return split;
+}
+
+}  // namespace
+
+void quant_gemv(const QuantGemvArgs& a) {
+  const auto fail = [](const std::string& why) {
+    throw std::invalid_argument("quant_gemv: " + why);
+  };
+  if (a.m < 1 || a.m > kQuantGemvMaxRows) {
+    fail("rows m=" + std::to_string(a.m) + " must be in 1.." + std::to_string(kQuantGemvMaxRows));
+  }
+  if (a.n < 1 || a.n > (1LL << 31) - 1 || a.k < 1 || a.k > (1LL << 30)) {
+    fail("n=" + std::to_string(a.n) + " / k=" + std::to_string(a.k) + " out of range");
+  }
+  if (a.int4) {
+    if (a.group_size != 32 && a.group_size != 64 && a.group_size != 128) {
+      fail("int4 group_size must be 32, 64 or 128, got " + std::to_string(a.group_size));
+    }
+    if (a.k % a.group_size != 0) {
+      fail("k=" + std::to_string(a.k) + " is not a multiple of group_size " +
+           std::to_string(a.group_size));
+    }
+  } else if (a.k % 16 != 0) {
+    fail("int8 needs k % 16 == 0 (16-byte row loads), got k=" + std::to_string(a.k));
+  }
+  const std::size_t elem = a.dtype == DType::F32 ? 4 : 2;
+  if (!is_aligned(a.x, 16) || !is_aligned(a.qweight, 16) || !is_aligned(a.out, elem) ||
+      !is_aligned(a.bias, elem) || !is_aligned(a.scales, a.int4 ? 2 : 4)) {
+    fail("x and qweight must be 16-byte aligned, out / bias / scales aligned to their elements");
+  }
+  if (a.out == 0 || a.x == 0 || a.qweight == 0 || a.scales == 0) fail("null pointer");
+  DeviceGuard guard(a.device);
+  const int split = choose_split(a);
+  switch (a.dtype) {
+    case DType::F32: launch_typed<float>(a, split); break;
+    case DType::F16: launch_typed<__half>(a, split); break;
+    case DType::BF16: launch_typed<__nv_bfloat16>(a, split); break;
+    default: fail("unsupported dtype");
+  }
+}
+
+}  // namespace ninfer

@@ -1,2 +1,624 @@
-// STUB: the sampling kernel family goes here.
+// Sampler: temperature, top-k, top-p, min-p and one inverse-CDF draw per row, one block per row,
+// without sorting the vocabulary (contract in sampling.h).
+//
+// Every filter is monotone in the logit, so a row keeps {logit >= L} (min-p tested per token on
+// the same weights) and the work is finding L, the kept mass and then the token:
+// 1. one pass: the max (and argmax) of the row, and each thread's own max;
+// 2. a lower bound tau <= L: the k-th largest of the 1024 thread maxima (top-k, k <= 1024), else
+//    one pass of a histogram of x = (logit - max) / T over (-32, 0] in bins of 1/8 (counts for
+//    top-k, mass for top-p);
+// 3. one pass gathers {logit >= tau} into shared memory; when they fit (the usual case: top-k 20,
+//    or top-p on a peaked row) the rest is bitonic sorts and scans of at most 4096 candidates;
+// 4. otherwise the full-vocabulary path: radix select on the logit's order key (11 + 11 + 10
+//    bits, 2048-bin shared histograms of counts for top-k, of mass for top-p; tokens below tau
+//    skip the atomics; it stops once the selected bin holds the answer alone), one pass for the
+//    kept mass, and a tiled block scan in id order that stops at the drawn token.
+// Order and ties come from the logit's bits, as in the float64 reference (equal logits tie,
+// distinct ones never do). A token's mass is exp(x) in fp32 rounded to 64-bit fixed point (the
+// max token = 2^(62 - ceil(log2 vocab))), so every sum is exact and independent of thread
+// order: the kept set matches the float64 reference except where top_p * mass or min_p lies
+// within fp32 rounding (~1e-7 relative) of a boundary, and tokens below ~2^-45 of the max token
+// (together < 1e-8 of a 248k row) carry no mass, so they are never drawn.
+#include "sampling.h"
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
 #include "common.cuh"
+
+namespace ninfer {
+namespace {
+
+using u64 = unsigned long long;  // the type CUDA's 64-bit atomics and shuffles take
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kCapacity = 4096;               // candidate slots: 32 KiB of shared memory
+constexpr int kSlots = kCapacity / kThreads;  // candidate slots per thread
+constexpr int kBins = 2048;                   // radix digit of 11 bits
+constexpr int kGridBins = 256;
+constexpr float kGridPerUnit = 8.0f;  // grid bins per unit of x: they cover x in (-32, 0]
+constexpr unsigned kFull = 0xffffffffu;
+constexpr unsigned kNone = 0xffffffffu;
+
+struct Shared {
+  u64 buf[kCapacity];  // thread maxima, candidates, or histograms (one use at a time)
+  u64 scratch[kWarps];
+  u64 sel_above;
+  unsigned sel_bin;
+  unsigned sel_count;
+  int count;
+};
+
+struct Params {
+  std::int64_t* tokens;
+  float* probs;
+  float* threshold;
+  const float* logits;
+  const float* temperature;
+  const int* top_k;
+  const float* top_p;
+  const float* min_p;
+  const double* uniform;
+  int vocab;
+  int capacity;
+  float scale;  // fixed-point mass of weight 1
+};
+
+// Unsigned key with the float order; -0 is +0, so the two tie as in the reference.
+__device__ __forceinline__ unsigned order_key(float v) {
+  const unsigned b = v == 0.0f ? 0u : __float_as_uint(v);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(unsigned key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// key above, id below inverted: the larger pack is the larger key, then the lower id.
+__device__ __forceinline__ u64 pack(unsigned key, unsigned high_low) {
+  return static_cast<u64>(key) << 32 | (kFull - high_low);
+}
+
+struct Row {
+  const float* __restrict__ x;
+  int vocab;
+  float max;
+  float temperature;
+  float scale;
+  __device__ __forceinline__ float z(float v) const { return (v - max) / temperature; }
+  __device__ __forceinline__ float weight(float v) const { return expf(z(v)); }
+  __device__ __forceinline__ u64 quantize(float w) const { return __float2ull_rn(w * scale); }
+};
+
+struct Sum {
+  __device__ u64 operator()(u64 a, u64 b) const { return a + b; }
+};
+struct Min {
+  __device__ u64 operator()(u64 a, u64 b) const { return a < b ? a : b; }
+};
+struct Max {
+  __device__ u64 operator()(u64 a, u64 b) const { return a > b ? a : b; }
+};
+
+// Every thread gets the result. Starts with a barrier, so scratch may be reused back to back.
+template <typename Op>
+__device__ u64 block_reduce(u64 v, Op op, u64* scratch) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(kFull, v, offset));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = scratch[0];
+  for (int w = 1; w < kWarps; ++w) v = op(v, scratch[w]);
+  return v;
+}
+
+// Sum of v over the threads before this one (thread order); *total gets the block's sum.
+__device__ u64 block_exclusive_scan(u64 v, u64* scratch, u64* total) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  u64 inclusive = v;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const u64 n = __shfl_up_sync(kFull, inclusive, offset);
+    if (lane >= offset) inclusive += n;
+  }
+  __syncthreads();
+  if (lane == 31) scratch[warp] = inclusive;
+  __syncthreads();
+  u64 before = 0;
+  u64 all = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    const u64 part = scratch[w];
+    before += w < warp ? part : 0;
+    all += part;
+  }
+  *total = all;
+  return before + inclusive - v;
+}
+
+// Descending bitonic sort of a[0, n), n a power of two <= kCapacity.
+__device__ void sort_desc(u64* a, int n) {
+  for (int size = 2; size <= n; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      __syncthreads();
+      for (int t = threadIdx.x; t < n / 2; t += kThreads) {
+        const int i = 2 * t - (t & (stride - 1));
+        const int j = i + stride;
+        const u64 ai = a[i];
+        const u64 aj = a[j];
+        if ((ai < aj) == ((i & size) == 0)) {
+          a[i] = aj;
+          a[j] = ai;
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+template <int VEC, typename F>
+__device__ __forceinline__ void for_each(const float* __restrict__ x, int vocab, F&& f) {
+  if constexpr (VEC == 4) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    for (int i = threadIdx.x; i < vocab / 4; i += kThreads) {
+      const float4 v = __ldg(x4 + i);
+      f(4 * i, v.x);
+      f(4 * i + 1, v.y);
+      f(4 * i + 2, v.z);
+      f(4 * i + 3, v.w);
+    }
+  } else {
+    for (int i = threadIdx.x; i < vocab; i += kThreads) f(i, __ldg(x + i));
+  }
+}
+
+template <int VEC, typename F>
+__device__ void write_row(float* out, const float* __restrict__ x, int vocab, F&& prob) {
+  if constexpr (VEC == 4) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    for (int i = threadIdx.x; i < vocab / 4; i += kThreads) {
+      const float4 v = __ldg(x4 + i);
+      reinterpret_cast<float4*>(out)[i] = make_float4(prob(4 * i, v.x), prob(4 * i + 1, v.y),
+                                                      prob(4 * i + 2, v.z), prob(4 * i + 3, v.w));
+    }
+  } else {
+    for (int i = threadIdx.x; i < vocab; i += kThreads) out[i] = prob(i, __ldg(x + i));
+  }
+}
+
+// u in [0, 1) -> the mass position the draw looks for: the first kept token whose running mass
+// exceeds it. Clamped below the total, so a zero-mass token is never chosen.
+__device__ __forceinline__ u64 draw_target(double u, u64 total) {
+  const u64 t = static_cast<u64>(fmin(fmax(u, 0.0), 1.0) * static_cast<double>(total));
+  return t < total ? t : total - 1;
+}
+
+// Lower bound on a row's threshold from one pass: a histogram of x over (-32, 0] in bins of 1/8
+// (count, mass, smallest key; the tail below only adds to the row mass). All tokens in the top
+// bins that hold >= k tokens (or >= top_p of the row mass) are >= the returned key, and any
+// token below it has them all strictly above it, so it is not kept. 0 = no bound.
+template <int VEC>
+__device__ unsigned grid_bound(const Row& r, int k, float top_p, Shared& s, u64* row_mass) {
+  u64* mass = s.buf;
+  unsigned* count = reinterpret_cast<unsigned*>(s.buf + kGridBins);
+  unsigned* lowest = count + kGridBins;
+  for (int b = threadIdx.x; b < kGridBins; b += kThreads) {
+    mass[b] = 0;
+    count[b] = 0;
+    lowest[b] = kNone;
+  }
+  __syncthreads();
+  u64 total = 0;
+  for_each<VEC>(r.x, r.vocab, [&](int, float v) {
+    const float z = r.z(v);
+    const u64 q = r.quantize(expf(z));
+    total += q;
+    if (z > -kGridBins / kGridPerUnit) {
+      const int b = min(kGridBins - 1, static_cast<int>(-z * kGridPerUnit));
+      atomicAdd(count + b, 1u);
+      atomicAdd(mass + b, q);
+      atomicMin(lowest + b, order_key(v));
+    }
+  });
+  *row_mass = block_reduce(total, Sum{}, s.scratch);
+  const int t = threadIdx.x;
+  const bool mine = t < kGridBins;
+  const u64 v = mine ? (k > 0 ? count[t] : mass[t]) : 0;
+  u64 all;
+  const u64 upto = block_exclusive_scan(v, s.scratch, &all) + v;
+  const bool reached =
+      mine && (k > 0 ? upto >= static_cast<u64>(k)
+                     : static_cast<double>(upto) >=
+                           static_cast<double>(top_p) * static_cast<double>(*row_mass));
+  const u64 first = block_reduce(reached ? static_cast<u64>(t) : ~0ull, Min{}, s.scratch);
+  const u64 bound = block_reduce(mine && t <= static_cast<int>(first) ? lowest[t] : kNone,
+                                 Min{}, s.scratch);
+  __syncthreads();  // s.buf is reused next
+  return first == ~0ull ? 0u : static_cast<unsigned>(bound);
+}
+
+// Radix select over the whole row on the order key, counting only keys >= floor (a lower bound
+// on the answer: the tokens below it need no atomics).
+//   kMass = false: the k-th largest key (rank = k).
+//   kMass = true:  the top-p threshold among the keys >= k_floor (the top-k survivors): the
+//                  smallest key whose strictly-greater mass is < top_p * their total mass.
+// Returns t with kept = {key >= t}.
+template <int VEC, bool kMass>
+__device__ unsigned radix_select(const Row& r, Shared& s, unsigned floor, unsigned k_floor,
+                                 int rank, float top_p) {
+  u64* mass = s.buf;
+  unsigned* count = reinterpret_cast<unsigned*>(s.buf + kBins);
+  unsigned prefix = 0;
+  unsigned mask = 0;
+  u64 above = 0;  // kMass: mass of the keys above the prefix's range
+  double target = 0.0;
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
+    const unsigned bins = pass == 2 ? kBins / 2 : kBins;
+    for (int b = threadIdx.x; b < kBins; b += kThreads) {
+      count[b] = 0;
+      if constexpr (kMass) mass[b] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) s.sel_bin = kNone;
+    u64 total = 0;
+    for_each<VEC>(r.x, r.vocab, [&](int, float v) {
+      const unsigned key = order_key(v);
+      const bool counted = key >= floor && (key & mask) == prefix;
+      const unsigned bin = (key >> shift) & (bins - 1);
+      if constexpr (kMass) {
+        const bool summed = pass == 0 && key >= k_floor;
+        if (counted || summed) {
+          const u64 q = r.quantize(r.weight(v));
+          if (summed) total += q;
+          if (counted) {
+            atomicAdd(count + bin, 1u);
+            atomicAdd(mass + bin, q);
+          }
+        }
+      } else if (counted) {
+        atomicAdd(count + bin, 1u);
+      }
+    });
+    if (kMass && pass == 0) {
+      target = static_cast<double>(top_p) *
+               static_cast<double>(block_reduce(total, Sum{}, s.scratch));
+    } else {
+      __syncthreads();
+    }
+    // Thread t owns bins hi = bins-1-2t and hi-1: thread order is descending key order.
+    const int hi = static_cast<int>(bins) - 1 - 2 * static_cast<int>(threadIdx.x);
+    const bool owns = hi > 0;
+    const unsigned c_hi = owns ? count[hi] : 0u;
+    const unsigned c_lo = owns ? count[hi - 1] : 0u;
+    u64 v_hi = c_hi;
+    u64 v_lo = c_lo;
+    if constexpr (kMass) {
+      v_hi = owns ? mass[hi] : 0;
+      v_lo = owns ? mass[hi - 1] : 0;
+    }
+    u64 all;
+    const u64 before = block_exclusive_scan(v_hi + v_lo, s.scratch, &all);
+    if constexpr (kMass) {  // the lowest non-empty bin whose greater mass is still < target
+      const u64 a_hi = above + before;
+      const u64 a_lo = a_hi + v_hi;
+      if (c_lo > 0 && static_cast<double>(a_lo) < target) {
+        atomicMin(&s.sel_bin, static_cast<unsigned>(hi - 1));
+      } else if (c_hi > 0 && static_cast<double>(a_hi) < target) {
+        atomicMin(&s.sel_bin, static_cast<unsigned>(hi));
+      }
+      __syncthreads();
+      const int b = static_cast<int>(s.sel_bin);
+      if (owns && (b == hi || b == hi - 1)) {
+        s.sel_above = b == hi ? a_hi : a_lo;
+        s.sel_count = b == hi ? c_hi : c_lo;
+      }
+    } else {  // the bin holding the rank-th largest
+      const u64 want = static_cast<u64>(rank);
+      if (owns && before < want && want <= before + c_hi) {
+        s.sel_bin = hi;
+        s.sel_above = before;
+        s.sel_count = c_hi;
+      } else if (owns && before + c_hi < want && want <= before + c_hi + c_lo) {
+        s.sel_bin = hi - 1;
+        s.sel_above = before + c_hi;
+        s.sel_count = c_lo;
+      }
+    }
+    __syncthreads();
+    prefix |= s.sel_bin << shift;
+    mask |= (bins - 1) << shift;
+    const unsigned n = s.sel_count;
+    bool done;
+    if constexpr (kMass) {
+      above = s.sel_above;
+      done = n == 1;
+    } else {
+      rank -= static_cast<int>(s.sel_above);
+      done = n == static_cast<unsigned>(rank);
+    }
+    if (done) return max(prefix, floor);  // the whole bin (>= floor) is kept
+  }
+  return prefix;
+}
+
+struct Kept {
+  unsigned threshold;  // kept = key >= threshold && weight >= min_p
+  u64 mass;
+  unsigned lowest;  // smallest kept key
+};
+
+// Kept mass and smallest kept key over the whole row.
+template <int VEC>
+__device__ Kept kept_mass(const Row& r, Shared& s, unsigned threshold, float min_p) {
+  u64 mass = 0;
+  u64 lowest = kNone;
+  for_each<VEC>(r.x, r.vocab, [&](int, float v) {
+    const unsigned key = order_key(v);
+    if (key < threshold) return;
+    const float w = r.weight(v);
+    if (w >= min_p) {
+      mass += r.quantize(w);
+      lowest = lowest < key ? lowest : key;
+    }
+  });
+  const u64 total = block_reduce(mass, Sum{}, s.scratch);
+  return {threshold, total, static_cast<unsigned>(block_reduce(lowest, Min{}, s.scratch))};
+}
+
+// Inverse CDF over the kept tokens in id order, one tile of kThreads * VEC tokens at a time.
+template <int VEC>
+__device__ void scan_draw(const Row& r, Shared& s, const Kept& kept, float min_p, double u,
+                          std::int64_t* token) {
+  const u64 target = draw_target(u, kept.mass);
+  u64 run = 0;
+  for (int tile = 0; tile < r.vocab; tile += kThreads * VEC) {
+    const int first = tile + static_cast<int>(threadIdx.x) * VEC;
+    float v[VEC] = {};
+    if (first < r.vocab) {
+      if constexpr (VEC == 4) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(r.x + first));
+        v[0] = f.x;
+        v[1] = f.y;
+        v[2] = f.z;
+        v[3] = f.w;
+      } else {
+        v[0] = __ldg(r.x + first);
+      }
+    }
+    u64 q[VEC];
+    u64 local = 0;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      q[j] = 0;
+      if (first < r.vocab && order_key(v[j]) >= kept.threshold) {
+        const float w = r.weight(v[j]);
+        if (w >= min_p) q[j] = r.quantize(w);
+      }
+      local += q[j];
+    }
+    u64 tile_mass;
+    u64 at = run + block_exclusive_scan(local, s.scratch, &tile_mass);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      if (q[j] > 0 && at <= target && target < at + q[j]) *token = first + j;
+      at += q[j];
+    }
+    run += tile_mass;
+    if (run > target) return;
+  }
+}
+
+// The candidates s.buf[0, n) (pack(key, id) of every token >= a lower bound of the threshold)
+// hold every kept token and every token more likely than one: sort them by key, apply the
+// filters, and when `token` is set re-sort the kept ones by id and draw.
+__device__ Kept candidate_path(const Row& r, Shared& s, int n, int k, float top_p, float min_p,
+                               u64 row_mass, double u, std::int64_t* token) {
+  int width = 1;
+  while (width < n) width <<= 1;
+  for (int i = n + threadIdx.x; i < width; i += kThreads) s.buf[i] = 0;
+  sort_desc(s.buf, width);
+  const unsigned top_k_key = k > 0 ? static_cast<unsigned>(s.buf[k - 1] >> 32) : 0u;
+  const int base = static_cast<int>(threadIdx.x) * kSlots;
+  unsigned key[kSlots];
+  unsigned id[kSlots];
+  u64 q[kSlots];
+  u64 local = 0;
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) {
+    const int i = base + j;
+    const u64 e = i < n ? s.buf[i] : 0;
+    key[j] = static_cast<unsigned>(e >> 32);
+    id[j] = kFull - static_cast<unsigned>(e);
+    q[j] = i < n && key[j] >= top_k_key ? r.quantize(r.weight(key_value(key[j]))) : 0;
+    local += q[j];
+  }
+  unsigned threshold = top_k_key;
+  if (top_p < 1.0f) {  // a tie group's first slot carries the mass strictly above the group
+    u64 survivors;
+    u64 run = block_exclusive_scan(local, s.scratch, &survivors);
+    const double target =
+        static_cast<double>(top_p) * static_cast<double>(k > 0 ? survivors : row_mass);
+    u64 pick = kNone;
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      const int i = base + j;
+      const bool starts = i == 0 || static_cast<unsigned>(s.buf[i - 1] >> 32) != key[j];
+      if (i < n && key[j] >= top_k_key && starts && static_cast<double>(run) < target) {
+        pick = pick < key[j] ? pick : key[j];
+      }
+      run += q[j];
+    }
+    threshold = max(threshold, static_cast<unsigned>(block_reduce(pick, Min{}, s.scratch)));
+  }
+  bool kept[kSlots];
+  u64 mass = 0;
+  u64 lowest = kNone;
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) {
+    kept[j] = base + j < n && key[j] >= threshold && r.weight(key_value(key[j])) >= min_p;
+    if (kept[j]) {
+      mass += q[j];
+      lowest = lowest < key[j] ? lowest : key[j];
+    }
+  }
+  const Kept result{threshold, block_reduce(mass, Sum{}, s.scratch),
+                    static_cast<unsigned>(block_reduce(lowest, Min{}, s.scratch))};
+  if (token == nullptr) return result;
+  // Every read of s.buf above happened before the reductions' barriers.
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) {
+    if (base + j < n) s.buf[base + j] = kept[j] ? static_cast<u64>(kFull - id[j]) << 32 | key[j] : 0;
+  }
+  sort_desc(s.buf, width);  // the kept tokens first, in ascending id
+  local = 0;
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) {
+    const u64 e = base + j < n ? s.buf[base + j] : 0;
+    id[j] = kFull - static_cast<unsigned>(e >> 32);
+    q[j] = e > 0 ? r.quantize(r.weight(key_value(static_cast<unsigned>(e)))) : 0;
+    local += q[j];
+  }
+  const u64 target = draw_target(u, result.mass);
+  u64 all;
+  u64 at = block_exclusive_scan(local, s.scratch, &all);
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) {
+    if (q[j] > 0 && at <= target && target < at + q[j]) *token = id[j];
+    at += q[j];
+  }
+  return result;
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(kThreads) sampling_kernel(const Params p) {
+  __shared__ Shared s;
+  const int row = blockIdx.x;
+  const std::int64_t offset = static_cast<std::int64_t>(row) * p.vocab;
+  const float* x = p.logits + offset;
+
+  u64 best = 0;  // this thread's max as pack(key, id)
+  for_each<VEC>(x, p.vocab, [&](int i, float v) {
+    const u64 e = pack(order_key(v), static_cast<unsigned>(i));
+    best = best > e ? best : e;
+  });
+  const u64 top = block_reduce(best, Max{}, s.scratch);
+  const float top_value = key_value(static_cast<unsigned>(top >> 32));
+  const float temperature = p.temperature[row];
+  if (!(temperature > 0.0f)) {  // greedy: the max, lowest id on ties
+    const int argmax = static_cast<int>(kFull - static_cast<unsigned>(top));
+    if (threadIdx.x == 0 && p.tokens != nullptr) p.tokens[row] = argmax;
+    if (threadIdx.x == 0 && p.threshold != nullptr) p.threshold[row] = top_value;
+    if (p.probs != nullptr) {
+      write_row<VEC>(p.probs + offset, x, p.vocab,
+                     [&](int i, float) { return i == argmax ? 1.0f : 0.0f; });
+    }
+    return;
+  }
+
+  const Row r{x, p.vocab, top_value, temperature, p.scale};
+  const int k = p.top_k[row] > 0 && p.top_k[row] < p.vocab ? p.top_k[row] : 0;
+  const float top_p = p.top_p[row];
+  const float min_p = p.min_p[row];
+  unsigned tau = 0;
+  u64 row_mass = 0;  // set by grid_bound; the candidate path needs it for top-p without top-k
+  if (k > 0 && k <= kThreads) {
+    s.buf[threadIdx.x] = best >> 32 << 32;  // 0 for a thread without tokens
+    sort_desc(s.buf, kThreads);
+    tau = static_cast<unsigned>(s.buf[k - 1] >> 32);
+    __syncthreads();
+  } else if (k > 0 || top_p < 1.0f) {
+    tau = grid_bound<VEC>(r, k, top_p, s, &row_mass);
+  }
+
+  int n = kCapacity + 1;
+  if (p.capacity > 0 && (tau > 0 || p.vocab <= p.capacity)) {
+    if (threadIdx.x == 0) s.count = 0;
+    __syncthreads();
+    for_each<VEC>(x, p.vocab, [&](int i, float v) {
+      const unsigned key = order_key(v);
+      if (key < tau) return;
+      const int slot = atomicAdd(&s.count, 1);
+      if (slot < p.capacity) s.buf[slot] = pack(key, static_cast<unsigned>(i));
+    });
+    __syncthreads();
+    n = s.count;
+  }
+
+  std::int64_t* token = p.tokens != nullptr ? p.tokens + row : nullptr;
+  const double u = token != nullptr ? p.uniform[row] : 0.0;
+  Kept kept;
+  if (n <= p.capacity) {
+    kept = candidate_path(r, s, n, k, top_p, min_p, row_mass, u, token);
+  } else {
+    unsigned threshold = k > 0 ? radix_select<VEC, false>(r, s, tau, 0, k, 0.0f) : 0u;
+    if (top_p < 1.0f) {
+      threshold = max(threshold, radix_select<VEC, true>(r, s, max(tau, threshold), threshold,
+                                                         0, top_p));
+    }
+    kept = kept_mass<VEC>(r, s, threshold, min_p);
+    if (token != nullptr) scan_draw<VEC>(r, s, kept, min_p, u, token);
+  }
+  if (threadIdx.x == 0 && p.threshold != nullptr) p.threshold[row] = key_value(kept.lowest);
+  if (p.probs != nullptr) {
+    const float norm = static_cast<float>(static_cast<double>(p.scale) /
+                                          static_cast<double>(kept.mass));
+    write_row<VEC>(p.probs + offset, x, p.vocab, [&](int, float v) {
+      if (order_key(v) < kept.threshold) return 0.0f;
+      const float w = r.weight(v);
+      return w >= min_p ? w * norm : 0.0f;
+    });
+  }
+}
+
+template <int VEC>
+void launch(const SamplingArgs& a, float scale) {
+  const Params p{reinterpret_cast<std::int64_t*>(a.tokens),
+                 reinterpret_cast<float*>(a.probs),
+                 reinterpret_cast<float*>(a.threshold),
+                 reinterpret_cast<const float*>(a.logits),
+                 reinterpret_cast<const float*>(a.temperature),
+                 reinterpret_cast<const int*>(a.top_k),
+                 reinterpret_cast<const float*>(a.top_p),
+                 reinterpret_cast<const float*>(a.min_p),
+                 reinterpret_cast<const double*>(a.uniform),
+                 static_cast<int>(a.vocab),
+                 a.max_candidates,
+                 scale};
+  sampling_kernel<VEC>
+      <<<static_cast<unsigned>(a.rows), kThreads, 0, as_stream(a.stream)>>>(p);
+  check_launch("sampling kernel launch");
+}
+
+}  // namespace
+
+void sample_rows(const SamplingArgs& a) {
+  if (a.vocab <= 0 || a.vocab >= (1LL << 31) || a.rows < 0 || a.rows >= (1LL << 31)) {
+    throw std::invalid_argument("sampling: rows " + std::to_string(a.rows) + " / vocab " +
+                                std::to_string(a.vocab) + " out of range");
+  }
+  if (a.max_candidates < 0 || a.max_candidates > kCapacity) {
+    throw std::invalid_argument("sampling: max_candidates must be in [0, " +
+                                std::to_string(kCapacity) + "]");
+  }
+  if (a.logits == 0 || a.temperature == 0 || a.top_k == 0 || a.top_p == 0 || a.min_p == 0 ||
+      (a.tokens != 0 && a.uniform == 0)) {
+    throw std::invalid_argument("sampling: missing input pointer");
+  }
+  if (a.rows == 0) return;
+  DeviceGuard guard(a.device);
+  int bits = 0;
+  while ((1LL << bits) < a.vocab) ++bits;
+  const float scale = std::ldexp(1.0f, 62 - bits);  // vocab * scale <= 2^62: sums never overflow
+  if (a.vocab % 4 == 0 && is_aligned(a.logits, 16) && (a.probs == 0 || is_aligned(a.probs, 16))) {
+    launch<4>(a, scale);
+  } else {
+    launch<1>(a, scale);
+  }
+}
+
+}  // namespace ninfer

@@ -1,57 +1,100 @@
-"""`ninfer bench --synthetic`: prefill and decode speed of a model built with random weights.
+"""`ninfer bench`: prefill and decode speed of a model, set against the memory-bandwidth roofline.
 
-It drives the model forward directly (no tokenizer, no sampling beyond argmax) so the numbers
-are the model's own. Bytes per decoded token are counted from the parameters a token touches,
-so the result can be set against the memory-bandwidth roofline.
+The model is a preset with random weights (exact shapes of the released models, no download) or
+a real checkpoint. It is driven through the engine's own forward, recipe, KV dtype and decode
+CUDA graphs, without tokenizer or sampling beyond argmax, so the numbers are the model's own:
+- prefill tok/s for each prompt length (one sequence, chunks of `prefill_chunk`);
+- decode tok/s at each context length (batch 1) and aggregate decode tok/s at each batch size.
+  The KV pages of the context are reserved but not prefilled: decode cost depends on the length,
+  not the content, so a 32K-context decode is measured without a 32K prefill first.
+
+Roofline: a decode step must read every weight it touches once (the embedding row, the hit experts
+only: E * (1 - (1 - k/E)^B) of them for B tokens), each row's KV (its context x bytes per token) and
+its GDN state (read and written). Bandwidth is measured on the spot with a device-to-device copy.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import platform
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
+from torch import nn
 
 from .cache import CacheManager
 from .config import ModelConfig
+from .engine.cuda_graph import DecodeGraphs
+from .errors import NinferError
+from .layers.moe import Experts
 from .models.base import ForwardBatch
-from .models.loader import build_model, init_random_, resolve_device, resolve_dtype
-from .models.presets import preset
+from .models.loader import load_model, resolve_device, resolve_dtype, build_model, init_random_
+from .models.presets import PRESETS, preset
+from .models.quantize import QuantRecipe, apply_recipe_, resolve_recipe
+
+PREFILL_LENGTHS = (512, 8192, 65536)
+DECODE_CONTEXTS = (4096, 32768)
+DECODE_BATCHES = (1, 2, 4, 8)
 
 
 @dataclass
-class BenchResult:
+class BenchSetup:
+    model: str  # a preset name or a checkpoint path
+    device: str = "auto"
+    dtype: str = "auto"
+    weights: str = "auto"
+    kv_dtype: str = "auto"
+    prefill_lengths: tuple[int, ...] = PREFILL_LENGTHS
+    decode_contexts: tuple[int, ...] = DECODE_CONTEXTS
+    decode_batches: tuple[int, ...] = DECODE_BATCHES
+    batch_context: int = 4096  # context of the batch > 1 runs
+    decode_steps: int = 32
+    prefill_chunk: int = 8192
+    cuda_graphs: bool = True
+    seed: int = 0
+
+
+@dataclass
+class PrefillRun:
+    tokens: int
+    seconds: float
+    tok_s: float
+
+
+@dataclass
+class DecodeRun:
+    batch: int
+    context: int
+    ms_per_step: float
+    tok_s: float  # aggregate over the batch
+    bytes_per_step: int
+    gb_s: float
+    roofline_fraction: float  # of the measured copy bandwidth
+
+
+@dataclass
+class BenchReport:
     model: str
     device: str
     dtype: str
-    prompt_tokens: int
-    decode_tokens: int
-    prefill_tok_s: float
-    decode_tok_s: float
-    decode_ms_per_token: float
-    weight_bytes_per_token: int
-    weight_gb_s: float
-    date: str
-    torch: str
-    python: str
+    weights: str
+    kv_dtype: str
+    cuda_graphs: bool
+    weight_bytes: int  # resident
+    weight_bytes_per_token: int  # read by one batch-1 decode step (without KV / state)
+    copy_bandwidth_gb_s: float
+    roofline_tok_s: float  # batch 1, weights + state only, at the measured bandwidth
+    prefill: list[PrefillRun] = field(default_factory=list)
+    decode: list[DecodeRun] = field(default_factory=list)
+    date: str = ""
+    torch: str = ""
+    python: str = ""
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def active_param_count(config: ModelConfig, model: torch.nn.Module) -> int:
-    """Parameters one decoded token reads: all but the embedding table and the unused experts."""
-    total = 0
-    for name, p in model.named_parameters():
-        if name.startswith("embed_tokens") and not config.tie_word_embeddings:
-            total += p.shape[-1]  # one row
-        elif ".experts." in name:
-            total += p.numel() * config.num_experts_per_tok // config.num_experts
-        else:
-            total += p.numel()
-    return total
 
 
 def _sync(device: torch.device) -> None:
@@ -59,65 +102,208 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_synthetic(
-    name: str, device: str = "auto", dtype: str = "auto", prompt_tokens: int = 512, decode_tokens: int = 32,
-    prefill_chunk: int = 1024, seed: int = 0,
-) -> BenchResult:
-    config = preset(name)
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    model = build_model(config, dev, torch_dtype)
-    init_random_(model, seed)
-    cache = CacheManager(config, max_tokens=prompt_tokens + decode_tokens + 1, max_seqs=1, dtype=torch_dtype,
-                         device=dev)
-    seq = cache.allocate()
-    cache.reserve(seq, prompt_tokens + decode_tokens + 1)
-    table = cache.block_table([seq])
-    slots = torch.tensor([seq.slot], device=dev)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    prompt = torch.randint(0, config.vocab_size, (1, prompt_tokens), generator=gen).to(dev)
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (read + write), the practical bandwidth ceiling."""
+    if device.type != "cuda":
+        return float("nan")
+    n = 1 << 30
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    dst.copy_(src)
+    _sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    _sync(device)
+    return 2 * n * 10 / (start.elapsed_time(end) / 1e3)
 
-    def forward(ids: torch.Tensor, start: int, logits: str):
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def decode_weight_bytes(model: nn.Module, config: ModelConfig, batch: int) -> int:
+    """Weight bytes one decode step of `batch` tokens reads (see the module docstring)."""
+    hit = 1.0
+    if config.is_moe:
+        hit = 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch
+    expert_tensors = {id(t) for m in model.modules() if isinstance(m, Experts) for t in (*m.parameters(), *m.buffers())}
+    embed = model.embed_tokens.weight
+    total = 0.0
+    seen: set[int] = set()
+    for t in (*model.parameters(), *model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        if t is embed and not (config.tie_word_embeddings and type(model.lm_head) is nn.Linear):
+            total += batch * _tensor_bytes(t[0])
+        elif id(t) in expert_tensors:
+            total += hit * _tensor_bytes(t)
+        else:
+            total += _tensor_bytes(t)
+    return int(total)
+
+
+def _resident_bytes(model: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += _tensor_bytes(t)
+    return total
+
+
+def _build(setup: BenchSetup) -> tuple[nn.Module, ModelConfig, torch.device, torch.dtype, QuantRecipe]:
+    dev = resolve_device(setup.device)
+    if setup.model in PRESETS:
+        config = preset(setup.model)
+        dtype = resolve_dtype(setup.dtype, dev)
+        recipe = resolve_recipe(setup.weights, dev, dtype)
+        model = build_model(config, dev, dtype)
+        init_random_(model, setup.seed)
+        apply_recipe_(model, recipe)
+        return model, config, dev, dtype, recipe
+    loaded = load_model(setup.model, setup.device, setup.dtype, weights=setup.weights)
+    return loaded.model, loaded.config, loaded.device, loaded.dtype, loaded.recipe
+
+
+class _Harness:
+    """One cache sized for the largest run; sequences set up at a given context without prefill."""
+
+    def __init__(self, model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 setup: BenchSetup):
+        self.model, self.config, self.device, self.setup = model, config, device, setup
+        max_batch = max(setup.decode_batches, default=1)
+        longest = max((*setup.prefill_lengths, *setup.decode_contexts, setup.batch_context), default=1)
+        self.max_context = longest + setup.decode_steps + 2
+        tokens = max(self.max_context, max_batch * (setup.batch_context + setup.decode_steps + 2))
+        self.manager = CacheManager(config, max_tokens=tokens, max_seqs=max_batch, dtype=dtype, device=device,
+                                    kv_dtype=None if setup.kv_dtype == "auto" else setup.kv_dtype,
+                                    scratch=device.type == "cuda")
+        self.graphs = None
+        if setup.cuda_graphs and device.type == "cuda":
+            self.graphs = DecodeGraphs(model, self.manager, max_batch, self.max_context)
+        self.generator = torch.Generator(device="cpu").manual_seed(setup.seed)
+
+    def sequences(self, batch: int, context: int):
+        seqs = [self.manager.allocate() for _ in range(batch)]
+        for s in seqs:
+            self.manager.reserve(s, context + self.setup.decode_steps + 2)
+        return seqs
+
+    def release(self, seqs) -> None:
+        for s in seqs:
+            self.manager.free(s)
+
+    def batch(self, seqs, ids: torch.Tensor, cache_lens: torch.Tensor, logits: str) -> ForwardBatch:
         t = ids.shape[1]
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=ids,
-            positions=torch.arange(start, start + t, device=dev)[None],
-            cache_lens=torch.tensor([start], device=dev),
-            slots=slots,
-            block_table=table,
+            positions=cache_lens[:, None] + torch.arange(t, device=self.device)[None],
+            cache_lens=cache_lens,
+            slots=torch.tensor([s.slot for s in seqs], device=self.device),
+            block_table=self.manager.block_table(seqs),
             logits=logits,
         )
-        return model.forward(batch, cache.cache)
 
-    with torch.inference_mode():
-        forward(prompt[:, :8], 0, "last")  # warm-up (allocator, kernels), then start over
-        cache.cache.state.reset(seq.slot)
-        _sync(dev)
-        t0 = time.perf_counter()
-        for start in range(0, prompt_tokens, prefill_chunk):
-            chunk = prompt[:, start : start + prefill_chunk]
-            out = forward(chunk, start, "last" if start + chunk.shape[1] == prompt_tokens else "none")
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        _sync(dev)
-        t1 = time.perf_counter()
-        for i in range(decode_tokens):
-            token = forward(token, prompt_tokens + i, "last").logits[:, -1].argmax(-1, keepdim=True)
-        _sync(dev)
-        t2 = time.perf_counter()
-    decode_s = (t2 - t1) / decode_tokens
-    bytes_per_token = active_param_count(config, model) * torch.finfo(torch_dtype).bits // 8
-    return BenchResult(
-        model=name,
+    def random_ids(self, rows: int, cols: int) -> torch.Tensor:
+        return torch.randint(0, self.config.vocab_size, (rows, cols), generator=self.generator).to(self.device)
+
+    @torch.inference_mode()
+    def prefill(self, length: int) -> PrefillRun:
+        seqs = self.sequences(1, length)
+        ids = self.random_ids(1, length)
+        chunk = self.setup.prefill_chunk
+
+        def run() -> torch.Tensor:
+            out = None
+            for start in range(0, length, chunk):
+                piece = ids[:, start : start + chunk]
+                last = start + piece.shape[1] == length
+                lens = torch.tensor([start], device=self.device)
+                out = self.model.forward(self.batch(seqs, piece, lens, "last" if last else "none"), self.manager.cache)
+            return out.logits[:, -1].argmax(-1)
+
+        warm = min(length, 64)
+        self.model.forward(self.batch(seqs, ids[:, :warm], torch.tensor([0], device=self.device), "last"),
+                           self.manager.cache)
+        self.manager.cache.state.reset(seqs[0].slot)
+        seconds = _timed(run, self.device)
+        self.release(seqs)
+        return PrefillRun(tokens=length, seconds=seconds, tok_s=length / seconds)
+
+    @torch.inference_mode()
+    def decode(self, batch: int, context: int, bandwidth: float) -> DecodeRun:
+        seqs = self.sequences(batch, context)
+        tokens = self.random_ids(batch, 1)
+        lens = torch.full((batch,), context, dtype=torch.long, device=self.device)
+
+        def step(i: int) -> torch.Tensor:
+            fb = self.batch(seqs, tokens, lens + i, "last")
+            logits = self.graphs.logits(fb) if self.graphs is not None and self.graphs.supports(fb) else None
+            if logits is None:
+                logits = self.model.forward(fb, self.manager.cache).logits[:, -1]
+            return logits.argmax(-1, keepdim=True)
+
+        tokens = step(0)  # warm-up (captures the bucket's graph)
+        steps = self.setup.decode_steps
+
+        def run() -> None:
+            nonlocal tokens
+            for i in range(1, steps + 1):
+                tokens = step(i)
+
+        seconds = _timed(run, self.device) / steps
+        self.release(seqs)
+        kv = self.manager.cache.kv.bytes_per_token * (context + steps // 2)
+        state = 2 * self.manager.cache.state.bytes_per_slot
+        moved = decode_weight_bytes(self.model, self.config, batch) + batch * (kv + state)
+        return DecodeRun(batch=batch, context=context, ms_per_step=seconds * 1e3, tok_s=batch / seconds,
+                         bytes_per_step=moved, gb_s=moved / seconds / 1e9,
+                         roofline_fraction=moved / seconds / bandwidth if math.isfinite(bandwidth) else float("nan"))
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def run_bench(setup: BenchSetup, progress: Callable[[str], None] = lambda _: None) -> BenchReport:
+    if not setup.prefill_lengths and not setup.decode_contexts and not setup.decode_batches:
+        raise NinferError("nothing to measure: give at least one prefill length, decode context or batch")
+    model, config, dev, dtype, recipe = _build(setup)
+    harness = _Harness(model, config, dev, dtype, setup)
+    bandwidth = copy_bandwidth(dev)
+    weights_per_token = decode_weight_bytes(model, config, 1)
+    state = 2 * harness.manager.cache.state.bytes_per_slot
+    report = BenchReport(
+        model=setup.model,
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-        dtype=str(torch_dtype).removeprefix("torch."),
-        prompt_tokens=prompt_tokens,
-        decode_tokens=decode_tokens,
-        prefill_tok_s=prompt_tokens / (t1 - t0),
-        decode_tok_s=1.0 / decode_s,
-        decode_ms_per_token=decode_s * 1e3,
-        weight_bytes_per_token=bytes_per_token,
-        weight_gb_s=bytes_per_token / decode_s / 1e9,
+        dtype=str(dtype).removeprefix("torch."),
+        weights=recipe.key,
+        kv_dtype=harness.manager.cache.kv.dtype_name,
+        cuda_graphs=harness.graphs is not None,
+        weight_bytes=_resident_bytes(model),
+        weight_bytes_per_token=weights_per_token,
+        copy_bandwidth_gb_s=bandwidth / 1e9,
+        roofline_tok_s=bandwidth / (weights_per_token + state) if math.isfinite(bandwidth) else float("nan"),
         date=datetime.date.today().isoformat(),
         torch=torch.__version__,
         python=platform.python_version(),
     )
+    for length in setup.prefill_lengths:
+        progress(f"prefill {length} tokens")
+        report.prefill.append(harness.prefill(length))
+    for context in setup.decode_contexts:
+        progress(f"decode at {context} context")
+        report.decode.append(harness.decode(1, context, bandwidth))
+    for b in setup.decode_batches:
+        if b > 1:
+            progress(f"decode batch {b} at {setup.batch_context} context")
+            report.decode.append(harness.decode(b, setup.batch_context, bandwidth))
+    return report

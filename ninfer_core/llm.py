@@ -7,12 +7,14 @@ reasoning, content and tool calls as it streams.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .cache import CacheManager
+from .cache.sizing import plan_cache
 from .chat.output_parser import (
     ContentDelta,
     OutputParser,
@@ -24,6 +26,7 @@ from .chat.output_parser import (
 )
 from .chat.reasoning import prompt_opens_reasoning
 from .chat.template import ChatTemplate, load_chat_template
+from .engine.cuda_graph import DecodeGraphs
 from .engine.llm_engine import EngineStats, LLMEngine
 from .engine.request import GenerationRequest, SpecStats, StepOutput, Timings
 from .engine.sampling import Sampler, SamplingParams
@@ -34,8 +37,12 @@ from .media.sources import split_media
 from .models.loader import LoadedModel, load_model
 from .models.multimodal import MultimodalPrompt
 from .models.vision_support import VisionSupport
+from .ops.dispatch import kernels_available
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = {"cpu": 8192, "cuda": 32768}
+DEFAULT_PREFILL_CHUNK = {"cpu": 1024, "cuda": 4096}
 
 
 @dataclass
@@ -43,9 +50,12 @@ class EngineOptions:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_context: int | None = None  # tokens per sequence (prompt + answer); None: model limit, capped
-    kv_capacity: int | None = None  # KV tokens over all sequences; None: max_context * max_seqs
+    kv_capacity: int | None = None  # KV tokens over all sequences; None: auto (cache/sizing.py)
+    kv_dtype: str = "auto"  # auto (model dtype) | bf16 | fp16 | fp8 | int8
+    weights: str = "auto"  # auto | bf16 | int8 | int4 (models/quantize.py)
+    cuda_graphs: bool = True  # decode by CUDA graph replay on the GPU
     max_seqs: int = 1
-    prefill_chunk: int = 1024
+    prefill_chunk: int | None = None  # tokens per prefill forward; None: 4096 on the GPU, 1024 on the CPU
     chat_template: str | Path | None = None
     vision: bool = False  # load the vision tower at start (else on the first request with media)
     random_weights: bool = False  # config + tokenizer only, random tensors: full-size benchmarks
@@ -180,17 +190,20 @@ class LLM:
         self.options = options
         self.tokenizer = loaded.tokenizer
         self.template: ChatTemplate = load_chat_template(loaded.tokenizer, options.chat_template)
+        device = loaded.device
         model_limit = loaded.config.max_position_embeddings
-        self.max_context = options.max_context or min(model_limit, DEFAULT_MAX_CONTEXT[loaded.device.type])
-        if self.max_context > model_limit:
-            raise NinferError(f"--max-context {self.max_context} exceeds the model's limit of {model_limit} tokens")
-        cache = CacheManager(
-            loaded.config,
-            max_tokens=options.kv_capacity or self.max_context * options.max_seqs,
-            max_seqs=options.max_seqs,
-            dtype=loaded.dtype,
-            device=loaded.device,
-        )
+        if options.max_context is not None and options.max_context > model_limit:
+            raise NinferError(f"--max-context {options.max_context} exceeds the model's limit of {model_limit} tokens")
+        graphs = options.cuda_graphs and device.type == "cuda" and kernels_available()
+        plan = plan_cache(loaded.config, device, loaded.dtype, kv_dtype=options.kv_dtype,
+                          max_seqs=options.max_seqs, max_context=options.max_context,
+                          default_context=DEFAULT_MAX_CONTEXT[device.type], kv_capacity=options.kv_capacity)
+        self.max_context = plan.max_context
+        cache = CacheManager(loaded.config, max_tokens=plan.kv_tokens, max_seqs=options.max_seqs, dtype=loaded.dtype,
+                             device=device, kv_dtype=plan.kv_dtype, scratch=graphs)
+        log.info("KV cache: %d tokens (%s, %.2f GiB) + %d GDN state slots (%.2f GiB); context limit %d tokens",
+                 cache.capacity_tokens, cache.cache.kv.dtype_name, cache.kv_bytes / 2**30, options.max_seqs,
+                 cache.state_bytes / 2**30, self.max_context)
         self.vision = (
             VisionSupport(loaded.source, loaded.device, loaded.dtype)
             if loaded.config.has_vision and loaded.source.is_dir()
@@ -212,16 +225,18 @@ class LLM:
             loaded.tokenizer,
             cache,
             max_context=self.max_context,
-            prefill_chunk=options.prefill_chunk,
+            prefill_chunk=options.prefill_chunk or DEFAULT_PREFILL_CHUNK[device.type],
             generation_defaults=loaded.generation_defaults,
             vision_tower=self.vision.tower if self.vision else None,
             speculator=speculator,
+            graphs=DecodeGraphs(loaded.model, cache, options.max_seqs, self.max_context) if graphs else None,
+            weights=loaded.recipe.key,
         )
 
     @classmethod
     def load(cls, model: str | None = None, options: EngineOptions | None = None) -> LLM:
         options = options or EngineOptions()
-        return cls(load_model(model, options.device, options.dtype, options.random_weights), options)
+        return cls(load_model(model, options.device, options.dtype, options.random_weights, options.weights), options)
 
     @property
     def name(self) -> str:

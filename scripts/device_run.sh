@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests bench serve spec
+#   scripts/device_run.sh tests kernels bench serve spec
 # Wheels for packages missing there travel in .whl/; `scripts/make_bench_model.py` writes the
 # weight-less exact-shape model directories (.bench/) that `serve` uses.
 set -uo pipefail
@@ -25,13 +25,24 @@ for step in "$@"; do
   tests)
     python3 -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors tests/ 2>&1 \
       | tee "$OUT/pytest_cuda.log" | tail -6 ;;
-  bench)
-    for spec in "tiny-qwen3.6-moe 512 64" "qwen3.6-35b-a3b 4096 32" "qwen3.6-27b 4096 16"; do
-      set -- $spec
-      ninfer bench --synthetic "$1" --device cuda --prompt-tokens "$2" --decode-tokens "$3" --json \
-        > "$OUT/bench_$1.json" 2> "$OUT/bench_$1.err"
-      echo "== bench $1: $(cat "$OUT/bench_$1.json") $(tail -2 "$OUT/bench_$1.err")"
+  kernels)
+    for k in quant moe gdn attention sampling; do
+      timeout 300 python3 scripts/bench_$k.py "$OUT/kernel_$k.json" 2>&1 | tail -25
     done ;;
+  bench)
+    # name | extra flags: the default recipe (int4 + graphs) and the eager bf16 baseline, one run each
+    while IFS='|' read -r name preset flags; do
+      timeout 420 python3 -m ninfer_app bench --synthetic "$preset" --device cuda --json $flags \
+        > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.err"
+      echo "== bench $name: rc $? $(tail -c 600 "$OUT/bench_$name.json") $(tail -3 "$OUT/bench_$name.err")"
+    done <<'LIST'
+35b_int4|qwen3.6-35b-a3b|
+35b_int8|qwen3.6-35b-a3b|--weights int8 --prefill 8k --contexts 4k --batches 1
+35b_bf16_eager|qwen3.6-35b-a3b|--weights bf16 --no-cuda-graphs --prefill 8k --contexts 4k --batches 1
+35b_int4_fp8kv|qwen3.6-35b-a3b|--kv-dtype fp8 --prefill '' --contexts 4k,32k --batches 1
+27b_int4|qwen3.6-27b|--prefill 512,8k --batches 1,8
+LIST
+    ;;
   serve)
     ninfer serve .bench/qwen3.6-35b-a3b --random-weights --device cuda --max-concurrency 8 --port 8123 \
       > "$OUT/serve.log" 2>&1 &

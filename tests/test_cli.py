@@ -145,11 +145,17 @@ def test_bad_sampling_flag(model_dir):
 
 
 def test_bench_synthetic_tiny_json():
-    proc = ninfer("bench", "--synthetic", "tiny-qwen3.6-moe", "--device", "cpu", "--prompt-tokens", "32",
-                  "--decode-tokens", "4", "--json")
+    proc = ninfer("bench", "--synthetic", "tiny-qwen3.6-moe", "--device", "cpu", "--prefill", "32,48",
+                  "--contexts", "64", "--batches", "1,3", "--batch-context", "40", "--decode-steps", "3", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["model"] == "tiny-qwen3.6-moe" and out["decode_tok_s"] > 0 and out["weight_bytes_per_token"] > 0
+    assert out["model"] == "tiny-qwen3.6-moe" and out["weights"] == "bf16" and out["cuda_graphs"] is False
+    assert [p["tokens"] for p in out["prefill"]] == [32, 48] and all(p["tok_s"] > 0 for p in out["prefill"])
+    assert [(d["batch"], d["context"]) for d in out["decode"]] == [(1, 64), (3, 40)]
+    one, three = out["decode"]
+    assert one["tok_s"] > 0 and three["bytes_per_step"] > one["bytes_per_step"] > out["weight_bytes_per_token"]
+    assert_clean_error(ninfer("bench", "--synthetic", "tiny-qwen3.6-moe", "--prefill", "12x"), "--prefill")
+    assert_clean_error(ninfer("bench"), "--synthetic")
 
 
 def test_run_with_ngram_speculation_is_lossless(model_dir):

@@ -41,15 +41,19 @@ def build_tokenizer() -> tokenizers.Tokenizer:
     return tok
 
 
-def write_tiny_model_dir(directory: Path, *, moe: bool = True, seed: int = 0, max_positions: int = 512):
-    """Write weights + tokenizer files; return (transformers reference model, tokenizers.Tokenizer)."""
+def write_tiny_model_dir(
+    directory: Path, *, moe: bool = True, seed: int = 0, max_positions: int = 512, overrides: dict | None = None
+):
+    """Write weights + tokenizer files; return (transformers reference model, tokenizers.Tokenizer).
+    `overrides`: more text-config fields (e.g. wider layers that int4 groups divide)."""
     directory.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
     vocab = tok.get_vocab_size(with_added_tokens=True)
     im_end = tok.token_to_id("<|im_end|>")
     model = write_tiny_qwen(
         directory, moe=moe, multimodal=False, seed=seed,
-        text_overrides={"vocab_size": vocab, "eos_token_id": im_end, "max_position_embeddings": max_positions},
+        text_overrides={"vocab_size": vocab, "eos_token_id": im_end, "max_position_embeddings": max_positions,
+                        **(overrides or {})},
     )
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(

@@ -1,12 +1,79 @@
 """Paged key/value storage for the full-attention layers.
 
-Per attention layer: k and v [num_pages, page_size, num_kv_heads, head_dim] in the model dtype.
-Pages are handed out by `CacheManager`; a sequence's pages are listed in its block-table row.
+Per attention layer: k and v [num_pages, page_size, num_kv_heads, head_dim]; a sequence's pages
+are listed in its block-table row (pages are handed out by `CacheManager`). The element type is
+the KV dtype: the model's float dtype, or "fp8" (float8_e4m3fn) / "int8", which halve the bytes a
+decode step reads at long context. Those two keep one fp32 scale per (token, kv head) in k_scale /
+v_scale [num_pages, page_size, num_kv_heads]: value = stored * scale, scale = absmax / 448 (fp8)
+or absmax / 127 (int8) over the head's head_dim values, 1 for an all-zero vector
+(`ops.attention.quantize_kv`). A per-token scale is set once when the token is written, so pages
+never need rescaling and truncation stays pure bookkeeping.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from ..config import ModelConfig
+from ..errors import NinferError
+
+QUANTIZED = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+FLOAT_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SCALE_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """One attention layer's pages: what `ops.attention` reads and writes."""
+
+    k: torch.Tensor  # [num_pages, page_size, kv_heads, head_dim]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # [num_pages, page_size, kv_heads] fp32; fp8 / int8 only
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[1]
+
+
+def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype | str:
+    """A float dtype, "fp8" or "int8" from a name ("auto" / None: the model dtype)."""
+    if kv_dtype is None or kv_dtype == "auto":
+        return model_dtype
+    if isinstance(kv_dtype, torch.dtype):
+        if not kv_dtype.is_floating_point or kv_dtype.itemsize < 2:
+            raise NinferError(f"KV dtype {kv_dtype} is not a float dtype (use 'fp8' or 'int8' for 1-byte caches)")
+        return kv_dtype
+    if kv_dtype in QUANTIZED:
+        return kv_dtype
+    if kv_dtype in FLOAT_NAMES:
+        return FLOAT_NAMES[kv_dtype]
+    raise NinferError(f"unknown KV dtype '{kv_dtype}' (choose from: auto, {', '.join([*FLOAT_NAMES, *QUANTIZED])})")
+
+
+def kv_dtype_name(kv_dtype: torch.dtype | str) -> str:
+    if isinstance(kv_dtype, str):
+        return kv_dtype
+    return next((name for name, dt in FLOAT_NAMES.items() if dt == kv_dtype), str(kv_dtype).removeprefix("torch."))
+
+
+def _token_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype | str) -> int:
+    """k + v of one token in one layer, scales included."""
+    if isinstance(kv_dtype, str):
+        return 2 * num_kv_heads * (head_dim * QUANTIZED[kv_dtype].itemsize + SCALE_DTYPE.itemsize)
+    return 2 * num_kv_heads * head_dim * kv_dtype.itemsize
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> int:
+    """KV bytes of one token over every attention layer (before allocating a pool)."""
+    kind = resolve_kv_dtype(kv_dtype, model_dtype)
+    return len(config.full_attention_layers) * _token_bytes(config.num_kv_heads, config.head_dim, kind)
 
 
 class KVPool:
@@ -19,14 +86,27 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_dtype: str | torch.dtype | None = None,
     ):
+        """`dtype` is the model's; `kv_dtype` (None: the model's) what the pages store."""
+        kind = resolve_kv_dtype(kv_dtype, dtype)
         self.layers = list(layers)
         self.num_pages = num_pages
         self.page_size = page_size
+        self.dtype_name = kv_dtype_name(kind)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in self.layers}
-        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in self.layers}
-        self.bytes_per_token = 2 * len(self.layers) * num_kv_heads * head_dim * dtype.itemsize
+        storage = QUANTIZED[kind] if isinstance(kind, str) else kind
+        self.k = {i: torch.zeros(shape, dtype=storage, device=device) for i in self.layers}
+        self.v = {i: torch.zeros(shape, dtype=storage, device=device) for i in self.layers}
+        self.k_scale: dict[int, torch.Tensor] = {}
+        self.v_scale: dict[int, torch.Tensor] = {}
+        if isinstance(kind, str):
+            self.k_scale = {i: torch.ones(shape[:3], dtype=SCALE_DTYPE, device=device) for i in self.layers}
+            self.v_scale = {i: torch.ones(shape[:3], dtype=SCALE_DTYPE, device=device) for i in self.layers}
+        self.bytes_per_token = len(self.layers) * _token_bytes(num_kv_heads, head_dim, kind)
+
+    def layer(self, i: int) -> KVLayer:
+        return KVLayer(self.k[i], self.v[i], self.k_scale.get(i), self.v_scale.get(i))
 
     @property
     def nbytes(self) -> int:

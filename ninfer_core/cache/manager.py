@@ -15,7 +15,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ContextLengthError, NinferError
 from .kv_pool import KVPool
-from .state_pool import StatePool, StateSnapshot
+from .state_pool import StatePool, StateSnapshot, gdn_conv_dim
 
 DEFAULT_PAGE_SIZE = 16
 
@@ -40,17 +40,17 @@ class ModelCache:
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_dtype: str | torch.dtype | None = None,
     ) -> "ModelCache":
+        """`kv_dtype`: what the KV pages store (None: the model dtype; "fp8", "int8": see kv_pool)."""
         kv = KVPool(
-            config.full_attention_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, dtype, device
-        )
-        conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
-            config.linear_num_value_heads * config.linear_value_head_dim
+            config.full_attention_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, dtype, device,
+            kv_dtype,
         )
         state = StatePool(
             config.linear_attention_layers,
             num_slots,
-            conv_dim,
+            gdn_conv_dim(config),
             config.linear_conv_kernel_dim,
             config.linear_num_value_heads,
             config.linear_key_head_dim,
@@ -80,7 +80,11 @@ class CacheManager:
         page_size: int = DEFAULT_PAGE_SIZE,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        kv_dtype: str | torch.dtype | None = None,
+        scratch: bool = False,
     ):
+        """`scratch`: one more state slot and KV page that no sequence ever gets, for the spare rows
+        of a CUDA-graph batch bucket (`engine/cuda_graph.py`)."""
         if max_tokens < 1 or max_seqs < 1 or page_size < 1:
             raise NinferError(
                 f"cache needs max_tokens, max_seqs and page_size >= 1 (got {max_tokens}, {max_seqs}, {page_size})"
@@ -89,7 +93,12 @@ class CacheManager:
         self.num_pages = math.ceil(max_tokens / page_size)
         self.max_seqs = max_seqs
         self.device = torch.device(device)
-        self.cache = ModelCache.allocate(config, self.num_pages, page_size, max_seqs, dtype, device)
+        extra = int(scratch)
+        self.cache = ModelCache.allocate(
+            config, self.num_pages + extra, page_size, max_seqs + extra, dtype, device, kv_dtype
+        )
+        self.scratch_slot = max_seqs if scratch else None
+        self.scratch_page = self.num_pages if scratch else None
         self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._live_slots: set[int] = set()

@@ -20,6 +20,7 @@ from ..config import GenerationDefaults, ModelConfig
 from ..detokenizer import IncrementalDetokenizer
 from ..errors import ContextLengthError, NinferError
 from ..models.base import CausalLM, ForwardBatch, ForwardOutput
+from ..models.quantize import weight_bytes
 from ..stop_strings import StopStringFilter
 from ..tokenizer import Tokenizer
 from .request import GenerationRequest, SpecStats, StepOutput
@@ -27,6 +28,7 @@ from .sampling import Sampler
 from .sequence import Sequence
 
 if TYPE_CHECKING:
+    from .cuda_graph import DecodeGraphs
     from ..models.vision import VisionTower
     from .speculative.speculator import Speculator
 
@@ -45,7 +47,12 @@ class EngineStats:
     running: int = 0
     kv_capacity_tokens: int = 0
     kv_used_tokens: int = 0
-    cache_bytes: int = 0
+    kv_dtype: str = ""
+    kv_bytes: int = 0
+    cache_bytes: int = 0  # KV + GDN state (+ the drafter's cache)
+    weights: str = ""  # the quantization recipe (models/quantize.py)
+    weight_bytes: int = 0
+    cuda_graphs: bool = False
     last_prefill_tok_s: float = 0.0
     last_decode_tok_s: float = 0.0
     spec: SpecStats | None = None  # speculative decoding totals (None: no drafter)
@@ -64,6 +71,8 @@ class LLMEngine:
         generation_defaults: GenerationDefaults | None = None,
         vision_tower: Callable[[], VisionTower] | None = None,
         speculator: Speculator | None = None,
+        graphs: DecodeGraphs | None = None,
+        weights: str = "",
     ):
         if prefill_chunk < 1:
             raise NinferError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
@@ -76,12 +85,17 @@ class LLMEngine:
         self.defaults = generation_defaults or GenerationDefaults()
         self.vision_tower = vision_tower  # built on first use: only requests with media need it
         self.speculator = speculator
+        self.graphs = graphs  # decode-step CUDA graphs (None: eager)
         self.device = cache.device
         self.sampler = Sampler()
         self.eos_ids = frozenset(self.defaults.eos_token_ids or config.eos_token_ids or tokenizer.eos_token_ids)
         self.running: list[Sequence] = []
         drafter_bytes = speculator.drafter.cache_bytes if speculator is not None else 0
-        self._stats = EngineStats(kv_capacity_tokens=cache.capacity_tokens, cache_bytes=cache.total_bytes + drafter_bytes)
+        self._stats = EngineStats(
+            kv_capacity_tokens=cache.capacity_tokens, kv_dtype=cache.cache.kv.dtype_name, kv_bytes=cache.kv_bytes,
+            cache_bytes=cache.total_bytes + drafter_bytes, weights=weights, weight_bytes=weight_bytes(model),
+            cuda_graphs=graphs is not None,
+        )
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -143,6 +157,7 @@ class LLMEngine:
         s = self._stats
         s.running = len(self.running)
         s.kv_used_tokens = self.cache.capacity_tokens - self.cache.free_tokens
+        s.cuda_graphs = self.graphs is not None and self.graphs.enabled
         spec = replace(self.speculator.totals) if self.speculator is not None else None
         return EngineStats(**{**vars(s), "spec": spec})
 
@@ -200,10 +215,13 @@ class LLMEngine:
         for seq in seqs:
             self.cache.reserve(seq.cache, seq.num_tokens)
         ids = torch.tensor([[s.output_ids[-1]] for s in seqs], dtype=torch.long, device=self.device)
-        out = self._run(self._batch(seqs, ids, "last"))
+        batch = self._batch(seqs, ids, "last")
+        logits = self.graphs.logits(batch) if self.graphs is not None and self.graphs.supports(batch) else None
+        if logits is None:
+            logits = self._run(batch).logits[:, -1]
         for seq in seqs:
             seq.num_cached += 1
-        tokens = self._sample(seqs, out.logits[:, -1])
+        tokens = self._sample(seqs, logits)
         return [self._append(seq, [tok]) for seq, tok in zip(seqs, tokens)]
 
     def _verify_forward(

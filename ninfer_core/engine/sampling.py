@@ -1,7 +1,7 @@
 """Token sampling: a batch of logits -> one next token id per row, each row with its own params.
 
-This is the torch reference (CPU or GPU); the CUDA sampler kernel is tested against it. Each
-row goes through the order used by HF `generate` and vLLM:
+Each row goes through the order used by HF `generate` and vLLM (steps 1-2 here in torch, 3-7 in
+ops/sampling.py: the CUDA kernel for fp32 CUDA logits, else the float64 torch reference):
 
 1. repetition penalty over every token seen in prompt + output (HF / vLLM semantics: divide a
    positive logit by the penalty, multiply a negative one; each distinct token once);
@@ -19,8 +19,9 @@ so the kept set never depends on token order:
   (= the descending prefix that first reaches top_p, plus everything tied with its last token);
 - min-p keeps tokens whose probability >= min_p * the largest probability.
 
-Filtering and drawing run in float64 so that the kept set and the cumulative sums do not depend
-on rounding over a 250k-token vocabulary.
+The reference filters and draws in float64 so that the kept set and the cumulative sums do not
+depend on rounding over a 250k-token vocabulary; the kernel keeps the same set up to fp32
+near-ties at a top-p / min-p boundary, with exact fixed-point sums (ops/sampling.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,20 @@ import torch
 
 from ..config import GenerationDefaults
 from ..errors import NinferError
+from ..ops import sampling as sampling_ops
+from ..ops.sampling import draw_from_probs, min_p_keep, top_k_keep, top_p_keep
+
+__all__ = [  # the filters and the draw live in ops/sampling.py; re-exported for engine callers
+    "Sampler",
+    "SamplingParams",
+    "TokenHistory",
+    "apply_penalties",
+    "draw_from_probs",
+    "min_p_keep",
+    "row_params",
+    "top_k_keep",
+    "top_p_keep",
+]
 
 _SEED_RANGE = (-(2**63), 2**64)  # int64 or uint64 (torch wraps negatives modulo 2**64)
 
@@ -128,7 +143,7 @@ class TokenHistory:
     output_ids: Sequence[int] | torch.Tensor = ()
 
 
-# ---- the transforms, in pipeline order (filters: [B, V] values + one [B] parameter per row) ------
+# ---- penalties (the filters and the draw: ops/sampling.py) -----------------------------------------
 
 
 def _as_ids(ids: Sequence[int] | torch.Tensor, vocab: int, row: int, device: torch.device) -> torch.Tensor:
@@ -163,64 +178,23 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
-def top_k_keep(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Mask of tokens whose logit >= the row's k-th largest; k <= 0 or k >= V keeps everything.
-    One partial `topk` of the largest k in the batch, not a full sort."""
-    vocab = logits.shape[-1]
-    active = (k > 0) & (k < vocab)
-    if not bool(active.any()):
-        return torch.ones_like(logits, dtype=torch.bool)
-    k_eff = torch.where(active, k, 1).long()
-    top = torch.topk(logits, int(k_eff.max()), dim=-1).values
-    threshold = top.gather(1, (k_eff - 1).unsqueeze(1))
-    threshold = torch.where(active.unsqueeze(1), threshold, torch.full_like(threshold, -math.inf))
-    return logits >= threshold
-
-
-def top_p_keep(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask of tokens whose probability >= that of the token where the descending cumulative mass
-    first reaches top_p * row total (rows need not be normalised); top_p >= 1 keeps everything.
-    Sorts only as many entries as the widest row has left (after top-k that is ~k, not V)."""
-    active = top_p < 1
-    keep = torch.ones_like(probs, dtype=torch.bool)
-    if not bool(active.any()):
-        return keep
-    rows = probs[active]
-    width = int((rows > 0).sum(-1).max())
-    ranked = torch.topk(rows, width, dim=-1).values
-    cdf = ranked.cumsum(-1)
-    target = top_p[active].to(cdf.dtype).unsqueeze(1) * cdf[:, -1:]
-    first = (cdf < target).sum(-1, keepdim=True).clamp(max=width - 1)
-    keep[active] = rows >= ranked.gather(1, first)
-    return keep
-
-
-def min_p_keep(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask of tokens whose probability >= min_p * the row's largest probability."""
-    return probs >= min_p.to(probs.dtype).unsqueeze(1) * probs.amax(-1, keepdim=True)
-
-
-def draw_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF: per row the first token whose cumulative mass exceeds u * row total (u in
-    [0, 1), [B]). Never a zero-probability token (its cdf equals its predecessor's), also when
-    rounding puts u * total at the very top. Also the resampling step of speculative decoding."""
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-    last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).long().argmax(-1)
-    return torch.minimum(idx, last_positive)
-
-
 # ---- the batched sampler ------------------------------------------------------------------------
 
 
-def _row_values(params: Sequence[SamplingParams], name: str, neutral: float, dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
-    values = [neutral if getattr(p, name) is None else getattr(p, name) for p in params]
-    return torch.tensor(values, dtype=dtype, device=device)
+def row_params(params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (temperature, top_k, top_p, min_p) as CPU tensors (float64 / int64 / float64 /
+    float64), unset fields neutral: temperature 1, no top-k, top-p 1, min-p 0."""
+    def column(name: str, neutral: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([neutral if getattr(p, name) is None else getattr(p, name) for p in params], dtype=dtype)
+
+    return (column("temperature", 1.0, torch.float64), column("top_k", 0, torch.long),
+            column("top_p", 1.0, torch.float64), column("min_p", 0.0, torch.float64))
 
 
 class Sampler:
-    """Batched sampling with per-row params, token histories and generators (stateless)."""
+    """Batched sampling with per-row params, token histories and generators (stateless). Penalties
+    run here in torch; filtering and the draw run in ops/sampling.py (the CUDA kernel for fp32
+    CUDA logits, the float64 reference otherwise)."""
 
     def distribution(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                      histories: Sequence[TokenHistory]) -> torch.Tensor:
@@ -228,15 +202,7 @@ class Sampler:
         greedy rows one-hot at the argmax): the target `p` for speculative rejection sampling."""
         self._check(logits, params, histories)
         penalised = apply_penalties(logits, params, histories)
-        greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        if bool(greedy.any()):
-            rows = greedy.nonzero().squeeze(1)
-            probs[rows, penalised[rows].argmax(-1)] = 1.0
-        if not bool(greedy.all()):
-            rows = (~greedy).nonzero().squeeze(1)
-            probs[rows] = self._filtered(penalised[rows], [params[i] for i in rows.tolist()]).to(probs.dtype)
-        return probs
+        return sampling_ops.filtered_probs(penalised, *row_params(params))
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -247,13 +213,11 @@ class Sampler:
         if len(generators) != logits.shape[0]:
             raise NinferError(f"sampler: {len(generators)} generators for {logits.shape[0]} rows")
         penalised = apply_penalties(logits, params, histories)
-        tokens = penalised.argmax(-1)
+        u = torch.zeros(logits.shape[0], dtype=torch.float64, device=logits.device)
         stochastic = [i for i, p in enumerate(params) if not p.is_greedy]
         if stochastic:
-            probs = self._filtered(penalised[stochastic], [params[i] for i in stochastic])
-            u = torch.stack([self._uniform(generators[i], probs.device) for i in stochastic])
-            tokens[stochastic] = draw_from_probs(probs, u)
-        return tokens
+            u[stochastic] = torch.stack([self._uniform(generators[i], logits.device) for i in stochastic])
+        return sampling_ops.sample(penalised, *row_params(params), u)
 
     @staticmethod
     def _check(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]) -> None:
@@ -267,22 +231,6 @@ class Sampler:
         if bool(bad.any()):
             raise NinferError(f"sampler: logits rows {bad.nonzero().squeeze(1).tolist()} hold NaN / +inf "
                               f"or no finite value")
-
-    @staticmethod
-    def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p on non-greedy rows -> normalised float64 probs."""
-        x = logits.double()
-        temperature = _row_values(params, "temperature", 1.0, x.dtype, x.device)
-        x = (x - x.amax(-1, keepdim=True)) / temperature.unsqueeze(1)  # max first: no inf for tiny T
-        top_k = _row_values(params, "top_k", 0, torch.long, x.device)
-        probs = torch.softmax(x.masked_fill(~top_k_keep(x, top_k), -math.inf), dim=-1)
-        top_p = _row_values(params, "top_p", 1.0, x.dtype, x.device)
-        if bool((top_p < 1).any()):
-            probs = probs * top_p_keep(probs, top_p)
-        min_p = _row_values(params, "min_p", 0.0, x.dtype, x.device)
-        if bool((min_p > 0).any()):
-            probs = probs * min_p_keep(probs, min_p)
-        return probs / probs.sum(-1, keepdim=True)
 
     @staticmethod
     def _uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

@@ -3,10 +3,11 @@
 Used by Qwen3.5 full-attention layers (output gate, zero-centred q/k norm, partial mRoPE) and by
 Llama-family models (optional q/k norm, optional qkv bias); the flags come from ModelConfig.
 
-KV cache layout per layer: k, v [num_pages, page_size, num_kv_heads, head_dim]. The token at
-cache index p of a sequence lives in page `block_table[p // page_size]`, row `p % page_size`.
-A step first appends the new tokens' k/v (`write_kv`), then attends over everything cached
-(`paged_attention`). Both are the functions a CUDA kernel replaces.
+KV cache layout per layer (`KVLayer`): k, v [num_pages, page_size, num_kv_heads, head_dim] in the
+KV dtype (+ per-token scales for fp8 / int8). The token at cache index p of a sequence lives in
+page `block_table[p // page_size]`, row `p % page_size`. A step first appends the new tokens'
+k/v (`ops.attention.write_kv`), then attends over everything cached: `decode_attention` for up
+to 16 new tokens per sequence (decode, speculative verify), `prefill_attention` for prompt chunks.
 """
 
 from __future__ import annotations
@@ -14,10 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..cache.kv_pool import KVLayer
 from ..config import ModelConfig
+from ..ops.attention import (
+    DECODE_MAX_TOKENS,
+    decode_attention,
+    prefill_attention,
+    write_kv,
+)
 from .norm import RMSNorm
 from .rope import apply_rotary
 
@@ -27,58 +34,22 @@ class AttentionMetadata:
     """Per-step indexing shared by every attention layer of one forward."""
 
     slot_mapping: torch.Tensor  # [B, T] int64 flat row (page * page_size + offset) of each new token
-    block_table: torch.Tensor  # [B, P] int64 page ids, unused entries clamped to a valid page
+    block_table: torch.Tensor  # [B, P] int32 page ids, unused entries clamped to a valid page
     cache_lens: torch.Tensor  # [B] int64 tokens cached before this step
 
     @classmethod
     def build(
         cls, block_table: torch.Tensor, cache_lens: torch.Tensor, num_new_tokens: int, page_size: int, num_pages: int
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         table = block_table.long().clamp(0, num_pages - 1)
         offsets = torch.arange(num_new_tokens, device=cache_lens.device)
         index = cache_lens[:, None] + offsets  # [B, T] cache index of each new token
         pages = table.gather(1, index // page_size)
-        return cls(slot_mapping=pages * page_size + index % page_size, block_table=table, cache_lens=cache_lens)
-
-
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store k, v [B, T, Hkv, D] at their flat rows `slot_mapping` [B, T] of the paged cache."""
-    rows = slot_mapping.reshape(-1)
-    k_cache.view(-1, *k_cache.shape[2:])[rows] = k.reshape(-1, *k.shape[2:]).to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[rows] = v.reshape(-1, *v.shape[2:]).to(v_cache.dtype)
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """q [B, T, H, D] for cache indices cache_lens + 0..T-1 (their k/v already written).
-
-    Query t of sequence b sees cache indices 0 .. cache_lens[b] + t (causal). Returns [B, T, H, D].
-    """
-    batch, num_new, _, _ = q.shape
-    page_size = k_cache.shape[1]
-    # Gather the sequences' pages into contiguous [B, P * page_size, Hkv, D] views.
-    k = k_cache[block_table].flatten(1, 2)
-    v = v_cache[block_table].flatten(1, 2)
-    key_pos = torch.arange(block_table.shape[1] * page_size, device=q.device)
-    query_pos = cache_lens[:, None] + torch.arange(num_new, device=q.device)  # [B, T]
-    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, T, L]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2).to(q.dtype),
-        v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2)
+        return cls(
+            slot_mapping=pages * page_size + index % page_size,
+            block_table=table.to(torch.int32),  # what the decode kernel reads; converted once per step
+            cache_lens=cache_lens,
+        )
 
 
 class Attention(nn.Module):
@@ -107,8 +78,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: KVLayer,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; appends the T new tokens' k/v to the cache."""
@@ -122,8 +92,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta.block_table, meta.cache_lens, self.scale)
+        write_kv(kv, k, v, meta.slot_mapping)
+        attend = decode_attention if num_new <= DECODE_MAX_TOKENS else prefill_attention
+        out = attend(q, kv, meta.block_table, meta.cache_lens, self.scale)
         if self.output_gate:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(batch, num_new, -1))

@@ -18,11 +18,14 @@ are and returns the per-token inputs (`GDNRecord`); the caller then advances the
 through the accepted prefix only (`engine/speculative/rollback.py`), so rejected draft tokens
 never touch it.
 
-The functions here are the hot ops a CUDA kernel replaces; `GatedDeltaNet` only wires them.
+The functions here are the torch references of the hot ops; `GatedDeltaNet` runs them through
+`ops.gdn`, which picks the fused CUDA decode step (T = 1) and flash-linear-attention's chunked
+kernel (prefill) where they apply. Verification keeps these references.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops import gdn as gdn_ops
 from .norm import GatedRMSNorm
 
 CHUNK_SIZE = 64
@@ -49,6 +53,28 @@ def causal_conv1d_silu(
     y = F.conv1d(window.to(compute), weight.to(compute).unsqueeze(1), groups=weight.shape[0])  # [B, C, T]
     new_state = window[:, :, window.shape[-1] - (kernel - 1) :].to(conv_state.dtype)
     return F.silu(y).transpose(1, 2).to(x.dtype), new_state
+
+
+def conv_qkv_heads(
+    qkv: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    compute: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv, then per-head q, k (l2-normalised in `compute`, q scaled by dk^-1/2) and v.
+
+    qkv [B, T, C] -> q, k [B, T, Hk, dk], v [B, T, Hv, dv] (qkv's dtype), new conv state.
+    """
+    batch, num_new, _ = qkv.shape
+    key_dim = num_k_heads * head_k_dim
+    mixed, conv_state = causal_conv1d_silu(qkv, conv_state, weight)
+    q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+    q = l2norm(q.reshape(batch, num_new, num_k_heads, head_k_dim).to(compute)) * head_k_dim**-0.5
+    k = l2norm(k.reshape(batch, num_new, num_k_heads, head_k_dim).to(compute))
+    return q, k, v.reshape(batch, num_new, -1, head_v_dim), conv_state
 
 
 def gdn_gates(
@@ -194,7 +220,15 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
         """x [B, T, hidden]; conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv]; slots [B]."""
-        out, conv_state, state, _ = self._mix(x, conv_pool[slots], state_pool[slots], recurrent=x.shape[1] == 1)
+        if x.shape[1] == 1:
+            out = gdn_ops.gdn_decode_step(
+                self.in_proj_qkv(x)[:, 0], self.in_proj_a(x)[:, 0], self.in_proj_b(x)[:, 0],
+                self.in_proj_z(x)[:, 0], conv_pool, state_pool, slots, self.conv1d.weight[:, 0],
+                self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
+                self.num_k_heads, self.head_k_dim, self.head_v_dim,
+            )
+            return self.out_proj(out)[:, None]
+        out, conv_state, state, _ = self._mix(x, conv_pool[slots], state_pool[slots], gdn_ops.gated_delta_rule_prefill)
         conv_pool[slots] = conv_state
         state_pool[slots] = state
         return out
@@ -202,26 +236,22 @@ class GatedDeltaNet(nn.Module):
     def verify(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
     ) -> tuple[torch.Tensor, GDNRecord]:
-        """`forward`'s outputs (same evaluation), but the pools stay as they are: the returned
-        record lets the caller commit just the accepted prefix of the tokens."""
-        out, _, _, record = self._mix(x, conv_pool[slots], state_pool[slots], recurrent=x.shape[1] == 1)
+        """`forward`'s outputs (the reference evaluation), but the pools stay as they are: the
+        returned record lets the caller commit just the accepted prefix of the tokens."""
+        delta_rule = gated_delta_rule_recurrent if x.shape[1] == 1 else gated_delta_rule_chunked
+        out, _, _, record = self._mix(x, conv_pool[slots], state_pool[slots], delta_rule)
         return out, record
 
     def _mix(
-        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, recurrent: bool
+        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, delta_rule: Callable[..., tuple]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GDNRecord]:
         """The layer from given states: (output, new conv state, new recurrent state, record)."""
         batch, num_new, _ = x.shape
         qkv = self.in_proj_qkv(x)
-        mixed, conv_state = causal_conv1d_silu(qkv, conv_state, self.conv1d.weight[:, 0])
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        compute = state.dtype
-        q = l2norm(q.reshape(batch, num_new, self.num_k_heads, self.head_k_dim).to(compute)) * self.head_k_dim**-0.5
-        k = l2norm(k.reshape(batch, num_new, self.num_k_heads, self.head_k_dim).to(compute))
-        v = v.reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
+        q, k, v, conv_state = conv_qkv_heads(
+            qkv, conv_state, self.conv1d.weight[:, 0], self.num_k_heads, self.head_k_dim, self.head_v_dim, state.dtype
+        )
         g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
-
-        delta_rule = gated_delta_rule_recurrent if recurrent else gated_delta_rule_chunked
         out, state = delta_rule(q, k, v, g, beta, state)
 
         z = self.in_proj_z(x).reshape(batch, num_new, self.num_v_heads, self.head_v_dim)

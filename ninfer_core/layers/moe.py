@@ -2,62 +2,69 @@
 
 Expert weights stay in the checkpoint's fused layout and are indexed in place (never gathered
 into per-token copies): `gate_up_proj` [E, 2I, H] with rows 0..I-1 the gate projection, and
-`down_proj` [E, H, I].
+`down_proj` [E, H, I]. Routing and the experts run through ops/moe.py (decode kernels, grouped
+GEMM for prefill, the reference loop on CPU).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops.moe import ExpertTensor, moe_experts, moe_route
+from ..ops.quant import QuantizedWeight, quantize
 from .mlp import MLP
 
-
-def route(
-    logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k]).
-
-    Softmax over all experts in fp32, keep the top k, optionally rescale them to sum to 1.
-    """
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), ids
-
-
-def fused_experts(
-    x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-) -> torch.Tensor:
-    """x [N, H]; each token sums its k experts' SwiGLU outputs times the routing weights.
-
-    Reference loop over the experts that were hit (a grouped-GEMM kernel replaces it).
-    """
-    inter = down_proj.shape[-1]
-    out = torch.zeros_like(x)
-    for expert in torch.unique(ids).tolist():
-        token, slot = torch.where(ids == expert)
-        gate_up = F.linear(x[token], gate_up_proj[expert])
-        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(hidden, down_proj[expert]) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
-    return out
+_PARTS = ("gate_up", "down")
 
 
 class Experts(nn.Module):
-    """Holds the fused expert tensors under the checkpoint's names."""
+    """The fused expert tensors under the checkpoint's names (`gate_up_proj`, `down_proj`), or,
+    after `quantize_`, their int8 / int4 form as buffers (`{part}_qweight`, `{part}_scales`),
+    so that `state_dict()` is the quantized artifact. `gate_up` / `down` give either form."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.kind: str | None = None
+        self.group_size: int | None = None
+
+    @torch.no_grad()
+    def quantize_(self, kind: str, group_size: int = 128) -> None:
+        """Replace both tensors by their quantized form (on the meta device: shapes only);
+        group_size applies to int4 only."""
+        if self.kind is not None:
+            raise ValueError(f"experts are already quantized ({self.kind})")
+        quantized = {
+            part: quantize(getattr(self, f"{part}_proj"), kind, group_size) for part in _PARTS
+        }
+        for part, qw in quantized.items():
+            delattr(self, f"{part}_proj")
+            self.register_buffer(f"{part}_qweight", qw.qweight)
+            self.register_buffer(f"{part}_scales", qw.scales)
+        self.kind, self.group_size = qw.kind, qw.group_size
+
+    @property
+    def gate_up(self) -> ExpertTensor:
+        return self._tensor("gate_up")
+
+    @property
+    def down(self) -> ExpertTensor:
+        return self._tensor("down")
+
+    def _tensor(self, part: str) -> ExpertTensor:
+        if self.kind is None:
+            return getattr(self, f"{part}_proj")
+        return QuantizedWeight(
+            self.kind,
+            getattr(self, f"{part}_qweight"),
+            getattr(self, f"{part}_scales"),
+            self.group_size,
+        )
 
 
 class SparseMoE(nn.Module):
@@ -76,8 +83,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
+        out = moe_experts(x, self.experts.gate_up, self.experts.down, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)

@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
             else:
                 h, step.gdn_records[i] = self.linear_attn.verify(h, *pools)
         else:
-            h = self.self_attn(h, step.cos, step.sin, step.cache.kv.k[i], step.cache.kv.v[i], step.attn)
+            h = self.self_attn(h, step.cos, step.sin, step.cache.kv.layer(i), step.attn)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -90,7 +90,8 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
 
     def _tie(self) -> None:
-        if self.config.tie_word_embeddings:
+        """lm_head shares the embedding table (unless a recipe gave lm_head its own quantized copy)."""
+        if self.config.tie_word_embeddings and type(self.lm_head) is nn.Linear:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:

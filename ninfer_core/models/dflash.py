@@ -28,12 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.kv_pool import KVLayer
 from ..config import ModelConfig, read_json_object
 from ..errors import ModelLoadError
-from ..layers.attention import Attention, write_kv
+from ..layers.attention import Attention
 from ..layers.mlp import MLP
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding, apply_rotary
+from ..ops.attention import write_kv
 
 
 @dataclass
@@ -195,7 +197,7 @@ class DFlashModel(nn.Module):
         cos, sin = self.rotary_emb(positions, context.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             k, v = layer.project_context(context, cos, sin)
-            write_kv(k_cache, v_cache, k, v, slot_mapping)
+            write_kv(KVLayer(k_cache, v_cache), k, v, slot_mapping)
 
     def forward(self, embeds: torch.Tensor, where: BlockInputs, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor]) -> torch.Tensor:

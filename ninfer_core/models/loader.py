@@ -10,6 +10,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -21,9 +22,11 @@ from ..hub.registry import resolve_local
 from ..tokenizer import Tokenizer
 from ..weights.checkpoint import open_checkpoint
 from ..weights.gguf_reader import open_gguf
+from ..weights import quant_cache
 from ..weights.text_weights import TextWeights
 from .default_model import default_model_path
 from .llama import LlamaForCausalLM
+from .quantize import QuantRecipe, apply_recipe_, fill_quantized_, resolve_recipe
 from .qwen3_5 import Qwen3_5ForCausalLM
 
 # GGUF files carry no generation_config: llama.cpp's defaults, so an unflagged run is not a raw
@@ -44,6 +47,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float
+    recipe: QuantRecipe = QuantRecipe("bf16")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -82,11 +86,18 @@ def _building_on(device: torch.device, dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """An (uninitialised-weight) model of the config's class, on device, in dtype, in eval mode."""
-    with _building_on(device, dtype):
+def build_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, recipe: QuantRecipe = QuantRecipe("bf16")
+) -> nn.Module:
+    """An (uninitialised-weight) model of the config's class, on device, in dtype, in eval mode,
+    its modules swapped for the recipe's quantized ones (built on meta first: no full-precision copy)."""
+    if not recipe.quantized:
+        with _building_on(device, dtype):
+            return model_class(config)(config).eval()
+    with _building_on(torch.device("meta"), dtype):
         model = model_class(config)(config)
-    return model.eval()
+        apply_recipe_(model, recipe)
+    return model.to_empty(device=device).eval()
 
 
 def _locate(spec: str) -> Path:
@@ -110,35 +121,65 @@ def init_random_(model: nn.Module, seed: int = 0) -> None:
         p.normal_(0, 0.02, generator=generator)
 
 
-def load_model(spec: str | None, device: str = "auto", dtype: str = "auto", random_weights: bool = False) -> LoadedModel:
+class WeightSource(Protocol):
+    """A checkpoint directory, a GGUF file: tensors by canonical name, converted to a dtype."""
+
+    def names(self) -> set[str]: ...
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+
+def _fill(model: nn.Module, tensors: WeightSource, dtype: torch.dtype, device: torch.device) -> None:
+    """Quantize into the quantized modules' buffers, then copy every plain parameter."""
+    def get(name: str) -> torch.Tensor:
+        return tensors.get(name, dtype)
+
+    consumed = fill_quantized_(model, get, device)
+    model.load_weights(get, tensors.names() - consumed)
+
+
+def load_model(
+    spec: str | None, device: str = "auto", dtype: str = "auto", random_weights: bool = False, weights: str = "auto"
+) -> LoadedModel:
     """spec: an HF checkpoint directory, a .gguf file, or None for the embedded default model.
 
     `random_weights`: take config and tokenizer from the directory but no tensors (benchmarks of
-    full-size shapes from a config.json alone)."""
+    full-size shapes from a config.json alone). `weights`: the quantization recipe
+    (`models/quantize.py`); a quantized HF checkpoint is cached on disk after its first load
+    (`weights/quant_cache.py`) and later starts read that artifact directly."""
     started = time.perf_counter()
     dev = resolve_device(device)
     path = default_model_path() if spec is None else _locate(spec)
+    tensors: WeightSource | None = None
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model is a checkpoint directory (with config.json) or a .gguf file")
         gguf = open_gguf(path)
         config, tokenizer, defaults = gguf.config, gguf.load_tokenizer(), GGUF_SAMPLING_DEFAULTS
-        weights = gguf
+        tensors = gguf
     else:
         config = load_config(path)
         tokenizer = Tokenizer.from_model_dir(path)
         defaults = GenerationDefaults.from_model_dir(path)
-        weights = None if random_weights else open_checkpoint(path, config.quantization)
-        if weights is not None and config.arch in QWEN_ARCHS:
-            weights = TextWeights(weights)
+        if not random_weights:
+            tensors = open_checkpoint(path, config.quantization)
+            if config.arch in QWEN_ARCHS:
+                tensors = TextWeights(tensors)
     torch_dtype = resolve_dtype(dtype, dev)
-    model = build_model(config, dev, torch_dtype)
-    if random_weights:
+    recipe = resolve_recipe(weights, dev, torch_dtype)
+    if tensors is None:
+        model = build_model(config, dev, torch_dtype)
         init_random_(model)
+        apply_recipe_(model, recipe)
     else:
-        model.load_weights(lambda name: weights.get(name, torch_dtype), weights.names())
+        model = build_model(config, dev, torch_dtype, recipe)
+        artifact = quant_cache.artifact_path(path, recipe.key, torch_dtype) if recipe.quantized and path.is_dir() else None
+        if artifact is None or not quant_cache.load(model, artifact):
+            _fill(model, tensors, torch_dtype, dev)
+            if artifact is not None:
+                quant_cache.save(model, artifact)
     name = path.stem if path.is_file() else path.name
     return LoadedModel(
+        recipe=recipe,
         name=name,
         source=path,
         config=config,

@@ -82,6 +82,8 @@ class _EngineGauges(Collector):
             ("ninfer_kv_cache_usage_ratio", "Fraction of KV cache tokens in use", stats.kv_usage),
             ("ninfer_kv_cache_used_tokens", "KV cache tokens in use", e.kv_used_tokens),
             ("ninfer_kv_cache_capacity_tokens", "KV cache capacity in tokens", e.kv_capacity_tokens),
+            ("ninfer_kv_cache_bytes", "KV cache size in bytes", e.kv_bytes),
+            ("ninfer_weight_bytes", "Resident model weight bytes (after quantization)", e.weight_bytes),
             ("ninfer_kv_cache_reserved_tokens", "KV tokens promised to running requests", stats.kv_reserved_tokens),
             ("ninfer_requests_running", "Requests in the engine", e.running),
             ("ninfer_requests_waiting", "Requests in the admission queue", stats.waiting),

@@ -1,0 +1,50 @@
+// Host entry point of the fused Gated DeltaNet decode step (gdn_decode.cu). Plain C++ like ops.h:
+// tensors travel as raw device pointers, the stream as torch's Stream.cuda_stream.
+#pragma once
+
+#include <cstdint>
+
+#include "ops.h"
+
+namespace ninfer {
+
+// One new token for each of `batch` sequences, one GDN layer (see ninfer_core/ops/gdn.py):
+//   conv + SiLU over [conv state | qkv] (conv state shifted in place), q / k l2-normalised (q also
+//   scaled by q_scale), g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), the delta rule on
+//   the fp32 state (updated in place), out = gated RMSNorm(o, z) per value head.
+// Shapes (C = 2 Hk dk + Hv dv, all contiguous): qkv [B, C], a / b [B, Hv], z / out [B, Hv dv],
+// conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv] fp32 (16-byte aligned), slots [B] int64
+// (distinct), conv_weight [C, K], A_log / dt_bias [Hv], norm_weight [dv], scratch B (C + Hv) words
+// of 4 bytes (fp32 activations, then per-head counters; no initial contents needed). Everything but
+// state_pool, slots and scratch has `dtype`. dk, dv multiples of 32 up to 256, Hv a multiple
+// of Hk, 2 <= K <= 8.
+struct GdnDecodeArgs {
+  std::uintptr_t out;
+  std::uintptr_t scratch;
+  std::uintptr_t qkv;
+  std::uintptr_t a;
+  std::uintptr_t b;
+  std::uintptr_t z;
+  std::uintptr_t conv_pool;
+  std::uintptr_t state_pool;
+  std::uintptr_t slots;
+  std::uintptr_t conv_weight;
+  std::uintptr_t A_log;
+  std::uintptr_t dt_bias;
+  std::uintptr_t norm_weight;
+  std::int64_t batch;
+  int num_k_heads;
+  int num_v_heads;
+  int head_k_dim;
+  int head_v_dim;
+  int conv_kernel;
+  float q_scale;  // head_k_dim^-1/2, rounded to fp32 as torch rounds the Python scalar
+  float eps;      // of the gated RMSNorm
+  DType dtype;
+  int device;
+  std::uintptr_t stream;
+};
+
+void gdn_decode_step(const GdnDecodeArgs& args);
+
+}  // namespace ninfer

@@ -1,0 +1,72 @@
+// MoE routing and the fused expert decode step (csrc/moe.cu). Plain C++, raw device pointers.
+#pragma once
+
+#include <cstdint>
+
+#include "ops.h"
+
+namespace ninfer {
+
+// Softmax over all experts in fp32, top-k (descending; ties to the lower id), optional
+// renormalisation of the k weights, weights rounded to the logits' dtype.
+//   logits [tokens, experts] (dtype), weights [tokens, top_k] (dtype), ids [tokens, top_k] int32.
+struct MoeRouteArgs {
+  std::uintptr_t weights;
+  std::uintptr_t ids;
+  std::uintptr_t logits;
+  std::int64_t tokens;
+  std::int64_t experts;
+  std::int64_t top_k;
+  bool renormalize;
+  DType dtype;
+  int device;
+  std::uintptr_t stream;
+};
+
+void moe_route(const MoeRouteArgs& args);
+
+// How a fused expert tensor [E, N, K] is stored (the formats of ninfer_core/ops/quant.py).
+enum class ExpertKind : int {
+  Dense = 0,  // weight: [E, N, K] in the activation dtype; scales: 0
+  Int8 = 1,   // weight: int8 [E, N, K]; scales: fp32 [E, N]; w = q * scale
+  Int4 = 2,   // weight: uint8 [E, N, K / 2], element 2j in the low nibble of byte j, stored q + 8;
+              // scales: bf16 [E, N, K / group_size]; w = (nibble - 8) * scale[k / group_size]
+};
+
+struct ExpertWeights {
+  std::uintptr_t weight;
+  std::uintptr_t scales;
+  ExpertKind kind;
+  int group_size;  // Int4 only: a multiple of 32 dividing K
+};
+
+// One decode step of the routed experts, for a few tokens (the whole step is two kernels):
+//   h[n, j]  = round(round(silu(round(g))) * round(u)),  [g | u] = gate_up[ids[n, j]] @ x[n]
+//   out[n]   = round(sum_j weights[n, j] * down[ids[n, j]] @ h[n, j])   (fp32 sum, no atomics)
+// x, out [tokens, hidden] and the scratch h [tokens, top_k, inter] in dtype; weights (in
+// weights_dtype) and ids (int32) [tokens, top_k] are read on the device (no host sync, so the
+// step is graph-capturable). gate_up is
+// [E, 2 * inter, hidden] (gate rows first), down [E, hidden, inter]. An id outside [0, experts)
+// contributes nothing.
+struct MoeDecodeArgs {
+  std::uintptr_t out;
+  std::uintptr_t h;
+  std::uintptr_t x;
+  std::uintptr_t weights;
+  std::uintptr_t ids;
+  ExpertWeights gate_up;
+  ExpertWeights down;
+  std::int64_t tokens;
+  std::int64_t top_k;
+  std::int64_t hidden;
+  std::int64_t inter;
+  std::int64_t experts;
+  DType dtype;
+  DType weights_dtype;
+  int device;
+  std::uintptr_t stream;
+};
+
+void moe_decode(const MoeDecodeArgs& args);
+
+}  // namespace ninfer

@@ -1,0 +1,39 @@
+// Weight-only int8 / int4 GEMV for decode: out[m, n] = x[m, k] @ W^T (+ bias) for m <= 16 rows.
+// Plain C++ (no CUDA or torch types): tensors travel as raw device pointers.
+#pragma once
+
+#include <cstdint>
+
+#include "ops.h"
+
+namespace ninfer {
+
+inline constexpr int kQuantGemvMaxRows = 16;
+
+// Weight formats (ninfer_core/ops/quant.py):
+//   int8: qweight int8 [n, k], scales fp32 [n]; w = q * scale.
+//   int4: qweight uint8 [n, k / 2], element 2j in the low nibble of byte j and 2j + 1 in the
+//         high nibble, each stored as q + 8; scales bf16 [n, k / group_size]; w = q * scale.
+// Accumulation is fp32. int8 is exact up to summation order; the int4 path rounds q * scale to
+// the activation dtype for fp16 / bf16 (the weights dequantize(qw, x.dtype) gives), and is exact
+// for fp32. Limits (std::invalid_argument otherwise): 1 <= m <= 16; int8: k % 16 == 0;
+// int4: group_size in {32, 64, 128}, k % group_size == 0; x and qweight 16-byte aligned.
+struct QuantGemvArgs {
+  std::uintptr_t out;      // [m, n] in dtype
+  std::uintptr_t x;        // [m, k] in dtype, contiguous
+  std::uintptr_t qweight;  // contiguous
+  std::uintptr_t scales;   // contiguous
+  std::uintptr_t bias;     // [n] in dtype; 0 for none
+  std::int64_t m;
+  std::int64_t n;
+  std::int64_t k;
+  int group_size;  // int4 only
+  bool int4;
+  DType dtype;
+  int device;
+  std::uintptr_t stream;  // cudaStream_t as an integer (torch's Stream.cuda_stream)
+};
+
+void quant_gemv(const QuantGemvArgs& args);
+
+}  // namespace ninfer

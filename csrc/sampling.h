@@ -1,0 +1,46 @@
+// Host entry point of the sampler kernel (csrc/sampling.cu). Plain C++, raw device pointers.
+#pragma once
+
+#include <cstdint>
+
+namespace ninfer {
+
+// One block per row of fp32 logits [rows, vocab] (already penalised), each row with its own
+// params; the rules are ninfer_core/engine/sampling.py's:
+//   temperature 0 => greedy: argmax, the lowest id on ties (nothing else is read);
+//   else x = (logit - max) / temperature, then three threshold filters whose ties are all kept:
+//   top-k (0 < k < vocab): logit >= the k-th largest logit;
+//   top-p (< 1): the mass of the top-k survivors strictly more likely than the token is
+//                < top_p * their total mass;
+//   min-p (> 0): exp(x) >= min_p (i.e. probability >= min_p * the largest probability);
+//   then one inverse-CDF draw in token-id order: the first kept token whose cumulative mass
+//   exceeds uniform * the kept mass.
+// Filters run in fp32 (exp of fp32 x), their sums in 64-bit fixed point (exact and
+// order-independent, so a row's result never depends on thread timing).
+// Outputs (each optional, 0 = not written):
+//   tokens [rows] int64: the drawn token (argmax for greedy rows);
+//   probs [rows, vocab] fp32: the filtered, normalised distribution (one-hot for greedy rows);
+//   threshold [rows] fp32: the smallest kept logit (debug: kept = logits >= threshold).
+// Inputs: temperature, top_p, min_p [rows] fp32; top_k [rows] int32; uniform [rows] fp64 in
+// [0, 1) (read only when tokens != 0). max_candidates (0..4096) bounds the shared-memory
+// candidate set of a row; 0 forces the full-vocabulary path (tests).
+struct SamplingArgs {
+  std::uintptr_t tokens;
+  std::uintptr_t probs;
+  std::uintptr_t threshold;
+  std::uintptr_t logits;
+  std::uintptr_t temperature;
+  std::uintptr_t top_k;
+  std::uintptr_t top_p;
+  std::uintptr_t min_p;
+  std::uintptr_t uniform;
+  std::int64_t rows;
+  std::int64_t vocab;
+  int max_candidates;
+  int device;
+  std::uintptr_t stream;  // cudaStream_t as an integer (torch's Stream.cuda_stream)
+};
+
+void sample_rows(const SamplingArgs& args);
+
+}  // namespace ninfer

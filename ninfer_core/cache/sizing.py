@@ -1,0 +1,65 @@
+"""How big the cache is: `--kv-capacity auto|N`, `--kv-dtype`, and the context limit that follows.
+
+On the GPU, `auto` gives the KV pages the memory left once the weights are resident, minus the
+GDN state slots and a workspace reserve (activations of a prefill chunk, logits, CUDA graphs,
+allocator slack), capped at what max_seqs full-length sequences could ever use. The context limit
+then defaults to the model's limit if the cache can hold it. On the CPU, memory is shared with
+everything else, so `auto` is simply max_context x max_seqs, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import NinferError
+from .kv_pool import kv_bytes_per_token, resolve_kv_dtype
+from .state_pool import state_bytes_per_slot
+
+WORKSPACE_MIN_BYTES = 2 << 30
+WORKSPACE_FRACTION = 0.05  # of the GPU's total memory
+MIN_KV_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    kv_dtype: torch.dtype | str  # a float dtype, "fp8" or "int8"
+    kv_tokens: int
+    max_context: int
+
+
+def plan_cache(
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    kv_dtype: str,
+    max_seqs: int,
+    max_context: int | None,
+    default_context: int,
+    kv_capacity: int | None,
+) -> CachePlan:
+    kv = resolve_kv_dtype(kv_dtype, dtype)
+    limit = config.max_position_embeddings
+    if kv_capacity is not None or device.type != "cuda":
+        context = max_context or min(limit, default_context)
+        return CachePlan(kv, kv_capacity or context * max_seqs, context)
+    free, total = torch.cuda.mem_get_info(device)
+    workspace = max(WORKSPACE_MIN_BYTES, int(WORKSPACE_FRACTION * total))
+    state = (max_seqs + 1) * state_bytes_per_slot(config, dtype)  # + the CUDA-graph scratch slot
+    per_token = kv_bytes_per_token(config, kv, dtype)
+    budget = free - workspace - state
+    if per_token == 0:  # no attention layers: KV costs nothing, any capacity fits
+        tokens = max_seqs * (max_context or limit)
+    else:
+        tokens = min(budget // per_token, max_seqs * (max_context or limit))
+    if tokens < MIN_KV_TOKENS:
+        raise NinferError(
+            f"not enough GPU memory left for the KV cache: {free / 2**30:.1f} GiB free after the weights, "
+            f"{(workspace + state) / 2**30:.1f} GiB needed for workspace and {max_seqs} state slots "
+            f"(try --max-seqs 1 / --max-concurrency 1, --weights int4, --kv-dtype fp8 or a smaller --kv-capacity)"
+        )
+    context = max_context or min(limit, tokens)
+    return CachePlan(kv, int(tokens), context)

@@ -1,0 +1,255 @@
+"""Attention over the paged KV cache: the KV write, decode attention and prefill attention.
+
+Cache layout (cache/kv_pool.py): k, v [num_pages, page_size, Hkv, D]; the token at cache index
+i of sequence b lives in page block_table[b, i // page_size], row i % page_size. fp8 / int8
+caches keep one fp32 scale per (token, kv head): stored = x / scale, scale = absmax(x) / qmax
+(448 for e4m3, 127 for int8; 1 when x is all zeros), so a token is quantized once, on write.
+
+Query t of sequence b (cache index cache_lens[b] + t, its own k/v already written) sees cache
+indices 0 .. cache_lens[b] + t. `attention_ref` is the reference of both attention ops: masked
+SDPA over the whole gathered (dequantized) block table.
+
+  write_kv           CUDA kernel: one warp per (token, kv head), quantizing with the warp's absmax
+  decode_attention   T <= 16 (decode, speculative verify): split-K CUDA kernel
+                     (csrc/decode_attention.cu), reading 8-bit pages directly
+  prefill_attention  longer chunks: per sequence, contiguous K/V + SDPA with a lower-right
+                     causal bias (fused flash / memory-efficient backends on the GPU)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from ..cache.kv_pool import KVLayer
+from . import dispatch
+
+DECODE_MAX_TOKENS = 16  # new tokens per sequence the decode kernel takes (speculative K + 1 <= 16)
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+_HEAD_DIMS = (64, 128, 256)  # what the kernels are compiled for
+_KV_KINDS = {torch.float8_e4m3fn: "FP8", torch.int8: "INT8"}
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (x / scale stored as `dtype`, scale [...] fp32), one scale per vector."""
+    qmax = QMAX[dtype]
+    xf = x.float()
+    scale = xf.abs().amax(-1) / qmax
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    y = (xf / scale[..., None]).clamp(-qmax, qmax)
+    return (y.round() if dtype == torch.int8 else y).to(dtype), scale
+
+
+def dequantize_kv(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """round_dtype(stored * scale): what the decode kernel computes too, bit for bit."""
+    return (values.float() * scale[..., None]).to(dtype)
+
+
+def write_kv_ref(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Torch reference of `write_kv`."""
+    rows = slot_mapping.reshape(-1)
+    for cache, scales, x in ((kv.k, kv.k_scale, k), (kv.v, kv.v_scale, v)):
+        flat = cache.view(-1, *cache.shape[2:])
+        x = x.reshape(-1, *x.shape[2:])
+        if scales is None:
+            flat[rows] = x.to(cache.dtype)
+        else:
+            values, scale = quantize_kv(x, cache.dtype)
+            flat.view(torch.uint8)[rows] = values.view(torch.uint8)  # index_put has no 8-bit float kernels
+            scales.view(-1, scales.shape[-1])[rows] = scale
+
+
+def write_kv(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v [B, T, Hkv, D] at the flat cache rows (page * page_size + row) `slot_mapping` [B, T]."""
+    if not (_kernel_fits(k, kv) and v.dtype == k.dtype and slot_mapping.device == k.device):
+        return write_kv_ref(kv, k, v, slot_mapping)
+    kv_heads, dim = k.shape[-2:]
+    k = k.reshape(-1, kv_heads, dim).contiguous()
+    v = v.reshape(-1, kv_heads, dim).contiguous()
+    slots = slot_mapping.reshape(-1).to(torch.int64).contiguous()
+    dispatch.extension().write_kv(
+        k_cache=kv.k.data_ptr(),
+        v_cache=kv.v.data_ptr(),
+        k_scale=0 if kv.k_scale is None else kv.k_scale.data_ptr(),
+        v_scale=0 if kv.v_scale is None else kv.v_scale.data_ptr(),
+        k=k.data_ptr(),
+        v=v.data_ptr(),
+        slot_mapping=slots.data_ptr(),
+        tokens=k.shape[0],
+        num_slots=kv.k.shape[0] * kv.k.shape[1],
+        kv_heads=kv_heads,
+        head_dim=dim,
+        dtype=dispatch.kernel_dtype(k),
+        kv_dtype=_kv_kind(kv, k.dtype),
+        device=k.device.index,
+        stream=dispatch.stream_handle(k),
+    )
+
+
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The pages `pages` (any index shape) of one cache, as `dtype`."""
+    if scale is None:
+        return cache[pages].to(dtype)
+    values = cache.view(torch.uint8)[pages].view(cache.dtype)  # indexing has no 8-bit float kernels everywhere
+    return dequantize_kv(values, scale[pages], dtype)
+
+
+def attention_ref(
+    q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Torch reference of `decode_attention` and `prefill_attention`: q [B, T, H, D] -> [B, T, H, D]."""
+    num_new = q.shape[1]
+    table = block_table.long()
+    # The sequences' pages as contiguous [B, P * page_size, Hkv, D].
+    k = _gather(kv.k, kv.k_scale, table, q.dtype).flatten(1, 2)
+    v = _gather(kv.v, kv.v_scale, table, q.dtype).flatten(1, 2)
+    key_pos = torch.arange(k.shape[1], device=q.device)
+    query_pos = cache_lens[:, None] + torch.arange(num_new, device=q.device)  # [B, T]
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, T, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv: KVLayer,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of T <= 16 new tokens per sequence over the paged cache (see the module doc).
+
+    q [B, T, H, D]; block_table [B, P] int32 / int64; cache_lens [B] int64 (tokens cached before
+    the step). `out` (contiguous, q's shape and dtype) receives the result. Capture-safe: the
+    split workspace is sized by the table width P, not by the lengths.
+    """
+    batch, num_new, heads, dim = q.shape
+    kv_heads, page_size = kv.k.shape[2], kv.page_size
+    if not (
+        num_new <= DECODE_MAX_TOKENS
+        and _kernel_fits(q, kv)
+        and heads % kv_heads == 0
+        and page_size & (page_size - 1) == 0
+        and block_table.device == q.device
+        and cache_lens.device == q.device
+    ):
+        return _into(out, attention_ref(q, kv, block_table, cache_lens, scale))
+    ext = dispatch.extension()
+    q = q.contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    lens = cache_lens.to(torch.int64).contiguous()
+    splits = ext.decode_attention_max_splits(
+        batch=batch, num_new=num_new, num_heads=heads, kv_heads=kv_heads, head_dim=dim, page_size=page_size,
+        table_width=table.shape[1], num_sms=_num_sms(q.device),
+    )
+    partials = batch * kv_heads * splits * num_new * (heads // kv_heads)
+    workspace = torch.empty(partials * (dim + 2), dtype=torch.float32, device=q.device)  # O, then (max, sum)
+    out = torch.empty_like(q) if out is None else _checked_out(out, q)
+    ext.decode_attention(
+        out=out.data_ptr(),
+        q=q.data_ptr(),
+        k_cache=kv.k.data_ptr(),
+        v_cache=kv.v.data_ptr(),
+        k_scale=0 if kv.k_scale is None else kv.k_scale.data_ptr(),
+        v_scale=0 if kv.v_scale is None else kv.v_scale.data_ptr(),
+        block_table=table.data_ptr(),
+        cache_lens=lens.data_ptr(),
+        workspace_o=workspace.data_ptr(),
+        workspace_ml=workspace[partials * dim :].data_ptr(),
+        batch=batch,
+        num_new=num_new,
+        num_heads=heads,
+        kv_heads=kv_heads,
+        head_dim=dim,
+        page_size=page_size,
+        table_width=table.shape[1],
+        num_pages=kv.k.shape[0],
+        max_splits=splits,
+        scale=float(scale),
+        dtype=dispatch.kernel_dtype(q),
+        kv_dtype=_kv_kind(kv, q.dtype),
+        device=q.device.index,
+        stream=dispatch.stream_handle(q),
+    )
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of a longer chunk (T > 16): same contract as `decode_attention`.
+
+    Each sequence's L = cache_lens[b] + T cached tokens are gathered into contiguous K/V
+    (dequantized to q's dtype) and go through SDPA with `causal_lower_right(T, L)` (query t sees
+    keys 0 .. L - T + t). Why not the reference's boolean [T, L] mask: an explicit mask rules out
+    SDPA's flash and memory-efficient backends, so the math backend would materialise [H, T, L]
+    scores (gigabytes for a 4K-token chunk at 32K context); the bias names the same mask as a
+    shape, which the fused kernels apply themselves. One call per sequence, since the bias has
+    one (T, L). Reads cache_lens on the host: not for CUDA graphs (decode steps are T <= 16).
+    """
+    num_new = q.shape[1]
+    page_size = kv.page_size
+    out = torch.empty_like(q)
+    for b, cached in enumerate(cache_lens.tolist()):
+        length = cached + num_new
+        pages = block_table[b, : -(-length // page_size)].long()
+        k = _gather(kv.k, kv.k_scale, pages, q.dtype).flatten(0, 1)[:length]
+        v = _gather(kv.v, kv.v_scale, pages, q.dtype).flatten(0, 1)[:length]
+        o = F.scaled_dot_product_attention(
+            q[b].transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=causal_lower_right(num_new, length),
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[b] = o[0].transpose(0, 1)
+    return out
+
+
+def _kv_kind(kv: KVLayer, dtype: torch.dtype) -> object | None:
+    """The extension's KVDType for reading this cache as `dtype` (None: no kernel for it)."""
+    if kv.quantized:
+        name = _KV_KINDS.get(kv.k.dtype)
+    else:
+        name = "NATIVE" if kv.k.dtype == dtype else None
+    return None if name is None else getattr(dispatch.extension().KVDType, name)
+
+
+def _kernel_fits(x: torch.Tensor, kv: KVLayer) -> bool:
+    """Whether the kernels take activations `x` (q or k) with this cache."""
+    if not (dispatch.use_kernel(x) and x.dtype in (torch.float16, torch.bfloat16) and x.shape[-1] in _HEAD_DIMS):
+        return False
+    tensors = [kv.k, kv.v] + ([kv.k_scale, kv.v_scale] if kv.quantized else [])
+    if not all(t.device == x.device and t.is_contiguous() for t in tensors):
+        return False
+    return kv.k.dtype == kv.v.dtype and kv.k.shape[-1] == x.shape[-1] and _kv_kind(kv, x.dtype) is not None
+
+
+@functools.cache
+def _num_sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _checked_out(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
+        raise ValueError(
+            f"decode_attention: out is {tuple(out.shape)} {out.dtype} on {out.device}, needs a contiguous "
+            f"{tuple(q.shape)} {q.dtype} on {q.device}"
+        )
+    return out
+
+
+def _into(dst: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if dst is None else dst.copy_(value)

@@ -1,0 +1,359 @@
+"""Mixture-of-experts ops: softmax top-k routing and the routed experts' SwiGLU FFN.
+
+Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate rows first) and
+`down` [E, H, I], as bf16/fp16/fp32 tensors or as int8/int4 `QuantizedWeight`s (ops/quant.py).
+
+`moe_experts` takes one of three paths:
+  decode    CUDA, N <= 16 tokens (64 with int8 / int4 experts): our two GEMV kernels
+            (csrc/moe.cu). Expert ids stay on the device, so a decode step never syncs with
+            the host and is captured by CUDA graphs.
+  grouped   CUDA, larger N (prefill): the (token, slot) pairs sorted by expert and one grouped
+            GEMM per projection (`moe_experts_grouped`).
+  reference CPU, or NINFER_DISABLE_KERNELS=1: the loop over hit experts (`moe_experts_ref`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import dispatch
+from .quant import QuantizedWeight, dequantize
+
+log = logging.getLogger(__name__)
+
+ExpertTensor = torch.Tensor | QuantizedWeight
+
+# Token counts up to which the decode kernels run: they read each (token, expert) pair's weights
+# once, the grouped path each hit expert once. bf16 experts turn to the grouped GEMM early; int8 /
+# int4 pairs are 2-4x fewer bytes and the grouped path would first dequantize, so the kernels
+# stay ahead up to the engine's largest decode graph bucket (and keep those graphs sync-free).
+DECODE_MAX_TOKENS = 16
+QUANTIZED_DECODE_MAX_TOKENS = 64
+ROUTE_MAX_TOKENS = 64  # decode batches: one routing kernel instead of torch's four ops
+_MAX_TOP_K = 64  # csrc/moe.cu's limits
+_MAX_SHARED_BYTES = 48 * 1024
+_DEQUANT_CHUNK_BYTES = 256 << 20  # grouped path: experts dequantized per chunk of this size
+_grouped_mm_works: bool | None = None  # torch._grouped_mm, tried at first use
+
+
+# ---------------------------------------------------------------- routing
+
+
+def moe_route_ref(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `moe_route` (any device)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids.to(torch.int32)
+
+
+def moe_route(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k] int32).
+
+    Softmax over all experts in fp32, the top k in descending order, optionally rescaled to sum
+    to 1, rounded to the logits' dtype. Decode-sized batches run one warp per token; prefill
+    keeps the reference, whose launch cost is noise there.
+    """
+    tokens, experts = logits.shape
+    if not (
+        dispatch.use_kernel(logits)
+        and tokens <= ROUTE_MAX_TOKENS
+        and 1 <= top_k <= experts
+        and 4 * (experts + top_k) <= _MAX_SHARED_BYTES
+    ):
+        return moe_route_ref(logits, top_k, renormalize)
+    logits = logits.contiguous()
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    dispatch.extension().moe_route(
+        weights=weights.data_ptr(),
+        ids=ids.data_ptr(),
+        logits=logits.data_ptr(),
+        tokens=tokens,
+        experts=experts,
+        top_k=top_k,
+        renormalize=renormalize,
+        dtype=dispatch.kernel_dtype(logits),
+        device=logits.device.index,
+        stream=dispatch.stream_handle(logits),
+    )
+    return weights, ids
+
+
+# ---------------------------------------------------------------- experts
+
+
+def moe_experts_ref(
+    x: torch.Tensor,
+    gate_up: ExpertTensor,
+    down: ExpertTensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """Torch reference of `moe_experts` (any device): a loop over the experts that were hit,
+    each dequantized to x's dtype; every step rounds to x's dtype like transformers' loop."""
+    _check(x, gate_up, down, weights, ids)
+    inter = down.shape[2]
+    out = torch.zeros_like(x)
+    for expert in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == expert)
+        gu = F.linear(x[token], _dense(gate_up, expert, expert + 1, x.dtype)[0])
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        y = F.linear(h, _dense(down, expert, expert + 1, x.dtype)[0]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def moe_experts(
+    x: torch.Tensor,
+    gate_up: ExpertTensor,
+    down: ExpertTensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """x [N, H] -> [N, H]: out[n] = sum_j weights[n, j] * down[e] @ (silu(g) * u) with
+    [g | u] = gate_up[e] @ x[n], e = ids[n, j]. See the module docstring for the paths."""
+    _check(x, gate_up, down, weights, ids)
+    if x.device.type != "cuda" or dispatch.kernels_disabled():
+        return moe_experts_ref(x, gate_up, down, weights, ids)
+    plan = _decode_plan(x, gate_up, down, weights, ids)
+    if plan is not None:
+        return _decode(x, plan, weights, ids, gate_up.shape[0])
+    return moe_experts_grouped(x, gate_up, down, weights, ids)
+
+
+def moe_experts_grouped(
+    x: torch.Tensor,
+    gate_up: ExpertTensor,
+    down: ExpertTensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """The prefill path (any device): the N * k (token, slot) pairs sorted by expert, so that
+    each expert's rows are one contiguous block, then one grouped GEMM per projection.
+
+    The grouped GEMM is `torch._grouped_mm` (PyTorch's CUTLASS grouped GEMM; bf16, sm90+):
+    prefill is compute-bound, where a tuned tensor-core GEMM over jagged groups, maintained
+    upstream for every new GPU, beats anything we would write and keep up ourselves; our own
+    kernels cover the bandwidth-bound decode GEMVs instead. bf16 experts take one call per
+    projection with the group ends on the device: no host sync at all (CUDA-graph safe).
+    Quantized experts are dequantized to bf16 a chunk of experts at a time (bounded scratch), and
+    without `_grouped_mm` (fp16 / fp32, older GPUs, CPU) each hit expert is one F.linear; both read
+    the group bounds to the host once per call (one sync per layer, none per expert). Each
+    token's k expert outputs are weighted and summed by one bmm (fp32 accumulation, no atomics).
+    """
+    _check(x, gate_up, down, weights, ids)
+    tokens, top_k = ids.shape
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    experts = torch.arange(gate_up.shape[0], dtype=sorted_ids.dtype, device=ids.device)
+    ends = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
+    bounds = functools.cache(lambda: [0, *ends.tolist()])
+    gu = _expert_matmul(x[order // top_k], gate_up, ends, bounds)
+    inter = gu.shape[1] // 2
+    y = _expert_matmul(F.silu(gu[:, :inter]) * gu[:, inter:], down, ends, bounds)
+    pairs = torch.empty_like(y).index_copy_(0, order, y)  # back in (token, slot) order
+    pairs = pairs.view(tokens, top_k, -1)
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), pairs).squeeze(1)
+
+
+# ---------------------------------------------------------------- decode kernels
+
+_KernelWeights = tuple[torch.Tensor, torch.Tensor | None, str, int]  # weight, scales, kind, group
+
+
+def _decode_plan(
+    x: torch.Tensor,
+    gate_up: ExpertTensor,
+    down: ExpertTensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> tuple[_KernelWeights, _KernelWeights] | None:
+    """The kernels' view of both expert tensors; None when csrc/moe.cu does not cover the call."""
+    tokens, top_k = ids.shape
+    hidden, inter = x.shape[1], down.shape[2]
+    quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
+    fits = (
+        tokens <= (QUANTIZED_DECODE_MAX_TOKENS if quantized else DECODE_MAX_TOKENS)
+        and 1 <= top_k <= _MAX_TOP_K
+        and 4 * hidden <= _MAX_SHARED_BYTES
+        and 8 * top_k + 4 * top_k * inter <= _MAX_SHARED_BYTES
+        and ids.device == x.device
+        and dispatch.use_kernel(x, weights)
+    )
+    if not fits:
+        return None
+    gu, dn = _kernel_weights(gate_up, x, hidden), _kernel_weights(down, x, inter)
+    return None if gu is None or dn is None else (gu, dn)
+
+
+def _kernel_weights(w: ExpertTensor, x: torch.Tensor, cols: int) -> _KernelWeights | None:
+    if isinstance(w, QuantizedWeight):
+        q, scales, group = w.qweight, w.scales, w.group_size
+        if w.kind == "int8" and q.dtype == torch.int8 and scales.dtype == torch.float32:
+            plan, vec = (q, scales, "INT8", 0), 16
+        elif w.kind == "int4" and q.dtype == torch.uint8 and scales.dtype == torch.bfloat16:
+            if group < 32 or group & (group - 1) or cols % group:
+                return None
+            plan, vec = (q, scales, "INT4", group), 32
+        else:
+            return None
+        ok = q.device == x.device and scales.is_contiguous() and dispatch.use_kernel(scales)
+    else:
+        q, plan, vec = w, (w, None, "DENSE", 0), 16 // w.element_size()
+        ok = w.dtype == x.dtype and dispatch.use_kernel(w)
+    ok = ok and q.is_contiguous() and q.data_ptr() % 16 == 0 and cols % vec == 0
+    return plan if ok else None
+
+
+def _decode(
+    x: torch.Tensor,
+    plan: tuple[_KernelWeights, _KernelWeights],
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: int,
+) -> torch.Tensor:
+    (gu, gu_scales, gu_kind, gu_group), (dn, dn_scales, dn_kind, dn_group) = plan
+    tokens, top_k = ids.shape
+    inter = gu.shape[1] // 2
+    ext = dispatch.extension()
+    x, weights = x.contiguous(), weights.contiguous()
+    ids = ids.to(torch.int32).contiguous()
+    out = torch.empty_like(x)
+    h = torch.empty(tokens, top_k, inter, dtype=x.dtype, device=x.device)  # kernel 1 -> kernel 2
+    ext.moe_decode(
+        out=out.data_ptr(),
+        h=h.data_ptr(),
+        x=x.data_ptr(),
+        weights=weights.data_ptr(),
+        ids=ids.data_ptr(),
+        gate_up=gu.data_ptr(),
+        gate_up_scales=0 if gu_scales is None else gu_scales.data_ptr(),
+        gate_up_kind=getattr(ext.ExpertKind, gu_kind),
+        gate_up_group_size=gu_group,
+        down=dn.data_ptr(),
+        down_scales=0 if dn_scales is None else dn_scales.data_ptr(),
+        down_kind=getattr(ext.ExpertKind, dn_kind),
+        down_group_size=dn_group,
+        tokens=tokens,
+        top_k=top_k,
+        hidden=x.shape[1],
+        inter=inter,
+        experts=experts,
+        dtype=dispatch.kernel_dtype(x),
+        weights_dtype=dispatch.kernel_dtype(weights),
+        device=x.device.index,
+        stream=dispatch.stream_handle(x),
+    )
+    return out
+
+
+# ---------------------------------------------------------------- grouped GEMM
+
+
+def _expert_matmul(
+    a: torch.Tensor, w: ExpertTensor, ends: torch.Tensor, bounds: Callable[[], list[int]]
+) -> torch.Tensor:
+    """a [M, K], rows grouped by expert (group e ends at row ends[e]) -> [M, N], each row times
+    its expert's w[e].T. `bounds()` is the host copy of [0, *ends], fetched only when needed."""
+    grouped = _grouped_usable(a, w)
+    if grouped and isinstance(w, torch.Tensor):
+        out = _grouped_mm(a, w.transpose(1, 2), ends)
+        if out is not None:
+            return out
+        grouped = False
+    experts, rows, cols = w.shape
+    chunk = max(1, _DEQUANT_CHUNK_BYTES // (2 * rows * cols)) if grouped else 1
+    b = bounds()
+    out = a.new_empty(a.shape[0], rows)
+    for e0 in range(0, experts, chunk):
+        e1 = min(e0 + chunk, experts)
+        if b[e0] == b[e1]:
+            continue
+        dense = _dense(w, e0, e1, a.dtype)
+        part = (
+            _grouped_mm(a[b[e0] : b[e1]], dense.transpose(1, 2), ends[e0:e1] - b[e0])
+            if grouped
+            else None
+        )
+        if part is None:
+            part = torch.cat([F.linear(a[b[e] : b[e + 1]], dense[e - e0]) for e in range(e0, e1)])
+        out[b[e0] : b[e1]] = part
+    return out
+
+
+def _grouped_usable(a: torch.Tensor, w: ExpertTensor) -> bool:
+    """bf16 on CUDA with 16-byte-aligned rows: what torch._grouped_mm takes."""
+    _, rows, cols = w.shape
+    dense_ok = isinstance(w, QuantizedWeight) or (w.dtype == torch.bfloat16 and w.is_contiguous())
+    return (
+        hasattr(torch, "_grouped_mm")
+        and _grouped_mm_works is not False
+        and a.device.type == "cuda"
+        and a.dtype == torch.bfloat16
+        and dense_ok
+        and rows % 8 == 0
+        and cols % 8 == 0
+    )
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor | None:
+    """torch._grouped_mm, or None when this torch / GPU lacks it (found out once at first use)."""
+    global _grouped_mm_works
+    if _grouped_mm_works is False:
+        return None
+    try:
+        out = torch._grouped_mm(a, b, offs=offs)
+    except RuntimeError as exc:
+        if _grouped_mm_works:
+            raise
+        log.info("torch._grouped_mm unavailable (%s); MoE prefill loops over the experts", exc)
+        _grouped_mm_works = False
+        return None
+    _grouped_mm_works = True
+    return out
+
+
+# ---------------------------------------------------------------- expert tensors
+
+
+def _dense(w: ExpertTensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Experts start..stop-1 of w as a [stop - start, N, K] tensor in dtype."""
+    if isinstance(w, QuantizedWeight):
+        part = QuantizedWeight(w.kind, w.qweight[start:stop], w.scales[start:stop], w.group_size)
+        return dequantize(part, dtype)
+    return w[start:stop].to(dtype)
+
+
+def _check(
+    x: torch.Tensor,
+    gate_up: ExpertTensor,
+    down: ExpertTensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> None:
+    experts, two_inter, hidden = gate_up.shape
+    if (
+        x.dim() != 2
+        or x.shape[1] != hidden
+        or two_inter % 2
+        or tuple(down.shape) != (experts, hidden, two_inter // 2)
+    ):
+        raise ValueError(
+            f"moe_experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)} and down "
+            f"{tuple(down.shape)} do not fit [N, H], [E, 2I, H], [E, H, I]"
+        )
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
+        raise ValueError(
+            f"moe_experts: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both "
+            f"be [N, k] with N = {x.shape[0]}"
+        )

@@ -1,0 +1,211 @@
+"""Sampling filters and the draw: per-row temperature, top-k, top-p, min-p, one inverse-CDF draw.
+
+Rows are already penalised logits [B, V]; each row has its own parameters, given as [B] tensors:
+temperature (0 = greedy: argmax, the lowest id on ties), top_k (<= 0 or >= V = off), top_p
+(>= 1 = off), min_p (<= 0 = off) and, for a draw, one uniform u in [0, 1) per row (ignored on
+greedy rows). Tie rule (engine/sampling.py): every filter is a threshold on a value and keeps all
+tokens tied at it:
+- top-k keeps tokens whose logit >= the k-th largest logit;
+- top-p keeps a token iff the mass of the top-k survivors strictly more likely than it is
+  < top_p * their total mass;
+- min-p keeps tokens whose probability >= min_p * the largest probability.
+The draw is the first kept token, in id order, whose cumulative mass exceeds u * the kept mass.
+
+The references filter and draw in float64. The CUDA kernel (csrc/sampling.cu, fp32 logits on a
+CUDA device) never sorts the vocabulary; it keeps the same set except when top_p * mass or min_p
+lies within fp32 rounding (~1e-7 relative) of a token's boundary, and its masses are fixed-point
+sums of fp32 exps (see the kernel's header). It takes fp32 top_p / min_p / temperature, so a
+parameter that only differs from its neutral value below fp32 resolution acts as neutral.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+
+# Shared-memory candidates per row in the kernel (its maximum); 0 sends every row through the
+# full-vocabulary path, which the tests use to check that path on small inputs.
+CANDIDATES = 4096
+
+
+# ---- references (float64) -----------------------------------------------------------------------
+
+
+def top_k_keep(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Mask of tokens whose logit >= the row's k-th largest; k <= 0 or k >= V keeps everything.
+    One partial `topk` of the largest k in the batch, not a full sort."""
+    vocab = logits.shape[-1]
+    active = (k > 0) & (k < vocab)
+    if not bool(active.any()):
+        return torch.ones_like(logits, dtype=torch.bool)
+    k_eff = torch.where(active, k, 1).long()
+    top = torch.topk(logits, int(k_eff.max()), dim=-1).values
+    threshold = top.gather(1, (k_eff - 1).unsqueeze(1))
+    threshold = torch.where(active.unsqueeze(1), threshold, torch.full_like(threshold, -torch.inf))
+    return logits >= threshold
+
+
+def top_p_keep(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask of tokens whose probability >= that of the token where the descending cumulative mass
+    first reaches top_p * row total (rows need not be normalised); top_p >= 1 keeps everything.
+    Sorts only as many entries as the widest row has left (after top-k that is ~k, not V)."""
+    active = top_p < 1
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if not bool(active.any()):
+        return keep
+    rows = probs[active]
+    width = int((rows > 0).sum(-1).max())
+    ranked = torch.topk(rows, width, dim=-1).values
+    cdf = ranked.cumsum(-1)
+    target = top_p[active].to(cdf.dtype).unsqueeze(1) * cdf[:, -1:]
+    first = (cdf < target).sum(-1, keepdim=True).clamp(max=width - 1)
+    keep[active] = rows >= ranked.gather(1, first)
+    return keep
+
+
+def min_p_keep(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask of tokens whose probability >= min_p * the row's largest probability."""
+    return probs >= min_p.to(probs.dtype).unsqueeze(1) * probs.amax(-1, keepdim=True)
+
+
+def draw_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: per row the first token whose cumulative mass exceeds u * row total (u in
+    [0, 1), [B]). Never a zero-probability token (its cdf equals its predecessor's), also when
+    rounding puts u * total at the very top. Also the resampling step of speculative decoding."""
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).long().argmax(-1)
+    return torch.minimum(idx, last_positive)
+
+
+def filter_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on stochastic rows (temperature > 0) -> normalised
+    float64 probabilities [B, V]."""
+    x = logits.double()
+    dev = x.device
+    x = (x - x.amax(-1, keepdim=True)) / temperature.to(dev, x.dtype).unsqueeze(1)  # max first: no inf for tiny T
+    probs = torch.softmax(x.masked_fill(~top_k_keep(x, top_k.to(dev, torch.long)), -torch.inf), dim=-1)
+    top_p = top_p.to(dev, x.dtype)
+    if bool((top_p < 1).any()):
+        probs = probs * top_p_keep(probs, top_p)
+    min_p = min_p.to(dev, x.dtype)
+    if bool((min_p > 0).any()):
+        probs = probs * min_p_keep(probs, min_p)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def filtered_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Reference of `filtered_probs`: float32 [B, V], greedy rows one-hot at the argmax."""
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    greedy = (temperature == 0).cpu()
+    if bool(greedy.any()):
+        rows = greedy.nonzero().squeeze(1).to(logits.device)
+        probs[rows, logits[rows].argmax(-1)] = 1.0
+    if not bool(greedy.all()):
+        keep = (~greedy).nonzero().squeeze(1)
+        rows = keep.to(logits.device)
+        p = filter_ref(logits[rows], temperature.cpu()[keep], top_k.cpu()[keep], top_p.cpu()[keep],
+                       min_p.cpu()[keep])
+        probs[rows] = p.to(probs.dtype)
+    return probs
+
+
+def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Reference of `sample`: [B] int64 token ids."""
+    tokens = logits.argmax(-1)
+    stochastic = (temperature > 0).cpu().nonzero().squeeze(1)
+    if stochastic.numel():
+        rows = stochastic.to(logits.device)
+        probs = filter_ref(logits[rows], temperature.cpu()[stochastic], top_k.cpu()[stochastic],
+                           top_p.cpu()[stochastic], min_p.cpu()[stochastic])
+        tokens[rows] = draw_from_probs(probs, u.to(logits.device)[rows])
+    return tokens
+
+
+# ---- kernel wrappers ----------------------------------------------------------------------------
+
+
+def use_kernel(logits: torch.Tensor) -> bool:
+    """Whether `sample` / `filtered_probs` on these logits run the CUDA kernel."""
+    return (logits.dtype == torch.float32 and logits.dim() == 2 and 0 < logits.shape[1] < 2**31
+            and dispatch.use_kernel(logits))
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           min_p: torch.Tensor, u: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One token id per row, [B] int64 (into `out` when given). No host sync on the kernel path."""
+    if not use_kernel(logits):
+        return _into(out, sample_ref(logits, temperature, top_k, top_p, min_p, u))
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device) if out is None else out
+    _launch(logits, temperature, top_k, top_p, min_p, tokens=out, u=u)
+    return out
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, min_p: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The distribution `sample` draws from, [B, V] float32: filtered tokens exactly 0, greedy rows
+    one-hot at the argmax (the target `p` of speculative rejection sampling)."""
+    if not use_kernel(logits):
+        return _into(out, filtered_probs_ref(logits, temperature, top_k, top_p, min_p))
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) if out is None else out
+    _launch(logits, temperature, top_k, top_p, min_p, probs=out)
+    return out
+
+
+def kept_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Kernel only (debug / tests): the smallest kept logit per row, [B] float32; the kernel keeps
+    exactly the tokens with logit >= it (greedy rows: the max)."""
+    if not use_kernel(logits):
+        raise RuntimeError("sampling: kept_threshold needs fp32 CUDA logits and the CUDA extension")
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device) if out is None else out
+    _launch(logits, temperature, top_k, top_p, min_p, threshold=out)
+    return out
+
+
+def _launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+            min_p: torch.Tensor, *, tokens: torch.Tensor | None = None, probs: torch.Tensor | None = None,
+            threshold: torch.Tensor | None = None, u: torch.Tensor | None = None) -> None:
+    rows, vocab = logits.shape
+    dev = logits.device
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p), ("u", u)):
+        if t is not None and t.shape != (rows,):
+            raise ValueError(f"sampling: {name} has shape {tuple(t.shape)}, expected ({rows},)")
+    outputs = (("tokens", tokens, (rows,), torch.long), ("probs", probs, (rows, vocab), torch.float32),
+               ("threshold", threshold, (rows,), torch.float32))
+    for name, t, shape, dtype in outputs:
+        if t is not None and (t.shape != shape or t.dtype != dtype or t.device != dev or not t.is_contiguous()):
+            raise ValueError(f"sampling: {name} must be a contiguous {dtype} {shape} tensor on {dev}")
+    logits = logits.contiguous()
+    # A positive temperature below fp32's smallest normal stays positive (0 would mean greedy).
+    temperature = temperature.double()
+    temperature = torch.where(temperature > 0, temperature.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    temperature = temperature.to(dev, torch.float32).contiguous()
+    top_k = top_k.clamp(-1, vocab).to(dev, torch.int32).contiguous()
+    top_p = top_p.to(dev, torch.float32).contiguous()
+    min_p = min_p.to(dev, torch.float32).contiguous()
+    u = None if u is None else u.to(dev, torch.float64).contiguous()
+    dispatch.extension().sample_rows(
+        tokens=0 if tokens is None else tokens.data_ptr(),
+        probs=0 if probs is None else probs.data_ptr(),
+        threshold=0 if threshold is None else threshold.data_ptr(),
+        logits=logits.data_ptr(),
+        temperature=temperature.data_ptr(),
+        top_k=top_k.data_ptr(),
+        top_p=top_p.data_ptr(),
+        min_p=min_p.data_ptr(),
+        uniform=0 if u is None else u.data_ptr(),
+        rows=rows,
+        vocab=vocab,
+        max_candidates=CANDIDATES,
+        device=dev.index,
+        stream=dispatch.stream_handle(logits),
+    )
+
+
+def _into(dst: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if dst is None else dst.copy_(value)

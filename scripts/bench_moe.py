@@ -1,0 +1,165 @@
+"""MoE op timings on a GPU at Qwen3.6-35B-A3B's routed-expert shape (E=256, top-8, H=2048, I=512).
+
+decode   routing + the two expert kernels for N = 1 and 8 tokens, bf16 and int4 experts. Each
+         timed pass is a CUDA graph of 32 calls over 32 different routings, so the selected
+         experts come from HBM rather than L2; reported per call with the weight bytes a call must
+         read (every (token, expert) pair's gate_up + down, scales included) and the bandwidth
+         that makes, next to a plain device copy's. `eager_us` is one un-graphed call, and
+         `reference_us` the old loop over hit experts (a host sync per layer) for comparison.
+prefill  the grouped path (sorted pairs + torch._grouped_mm) at N = 8192 tokens.
+
+    python3 scripts/bench_moe.py OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ninfer_core.ops import dispatch, moe  # noqa: E402
+from ninfer_core.ops.quant import QuantizedWeight, quantize  # noqa: E402
+
+EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
+ROUTINGS = 32
+
+
+def cuda_ms(fn: Callable[[], object], repeats: int = 10) -> float:
+    """Median milliseconds of fn on the current stream, after two warm-up calls."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_gb_s() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / cuda_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def experts(fmt: str) -> tuple[moe.ExpertTensor, moe.ExpertTensor]:
+    gate_up = (
+        torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda") / math.sqrt(HIDDEN)
+    ).bfloat16()
+    down = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda") / math.sqrt(INTER)).bfloat16()
+    if fmt == "bf16":
+        return gate_up, down
+    return quantize(gate_up, fmt, 128), quantize(down, fmt, 128)
+
+
+def nbytes(w: moe.ExpertTensor) -> int:
+    return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+
+
+def graphed(step: Callable[[int], object]) -> Callable[[], None]:
+    """One CUDA graph of step(0..ROUTINGS-1), captured after a warm-up on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for r in range(ROUTINGS):
+            step(r)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(ROUTINGS):
+            step(r)
+    return graph.replay
+
+
+def decode_case(fmt: str, tokens: int, gate_up, down) -> dict:
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    logits = torch.randn(ROUTINGS, tokens, EXPERTS, device="cuda").bfloat16()
+    routes = [moe.moe_route_ref(logits[r], TOP_K, True) for r in range(ROUTINGS)]
+    expert_bytes = (nbytes(gate_up) + nbytes(down)) / EXPERTS
+    pair_bytes = tokens * TOP_K * expert_bytes
+    unique = statistics.mean(len(torch.unique(ids)) for _, ids in routes)
+
+    experts_us = (
+        cuda_ms(graphed(lambda r: moe.moe_experts(x, gate_up, down, *routes[r]))) * 1e3 / ROUTINGS
+    )
+    route_us = cuda_ms(graphed(lambda r: moe.moe_route(logits[r], TOP_K, True))) * 1e3 / ROUTINGS
+    return {
+        "format": fmt,
+        "tokens": tokens,
+        "kernel": moe._decode_plan(x, gate_up, down, *routes[0]) is not None,
+        "experts_us": experts_us,
+        "route_us": route_us,
+        "eager_us": cuda_ms(lambda: moe.moe_experts(x, gate_up, down, *routes[0])) * 1e3,
+        "reference_us": cuda_ms(lambda: moe.moe_experts_ref(x, gate_up, down, *routes[0]), 3) * 1e3,
+        "weight_bytes": pair_bytes,
+        "gb_s": pair_bytes / experts_us / 1e3,
+        "unique_expert_bytes": unique * expert_bytes,
+    }
+
+
+def prefill_case(fmt: str, tokens: int, gate_up, down) -> dict:
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    weights, ids = moe.moe_route_ref(
+        torch.randn(tokens, EXPERTS, device="cuda").bfloat16(), TOP_K, True
+    )
+    ms = cuda_ms(lambda: moe.moe_experts(x, gate_up, down, weights, ids), 5)
+    flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+    return {
+        "format": fmt,
+        "tokens": tokens,
+        "ms": ms,
+        "tflop_s": flops / ms / 1e9,
+        "grouped_mm": moe._grouped_mm_works,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out", type=Path, help="JSON results")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "kernels": dispatch.kernels_available(),
+        "copy_gb_s": copy_gb_s(),
+        "decode": [],
+        "prefill": [],
+    }
+    with torch.inference_mode():
+        for fmt in ("bf16", "int4"):
+            gate_up, down = experts(fmt)
+            for tokens in (1, 8):
+                result["decode"].append(case := decode_case(fmt, tokens, gate_up, down))
+                print(
+                    f"decode {fmt} N={tokens}: {case['experts_us']:.1f} us "
+                    f"({case['weight_bytes'] / 1e6:.1f} MB, {case['gb_s']:.0f} GB/s), "
+                    f"route {case['route_us']:.1f} us, eager {case['eager_us']:.1f} us, "
+                    f"reference {case['reference_us']:.0f} us",
+                    flush=True,
+                )
+            result["prefill"].append(case := prefill_case(fmt, 8192, gate_up, down))
+            print(
+                f"prefill {fmt} N=8192: {case['ms']:.2f} ms ({case['tflop_s']:.0f} TFLOP/s)",
+                flush=True,
+            )
+            del gate_up, down
+            torch.cuda.empty_cache()
+    print(f"copy bandwidth {result['copy_gb_s']:.0f} GB/s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Decode GEMV timings on a GPU: csrc/quant_gemv.cu (int8, int4 group 128) against bf16 F.linear
+of the same shape, for 1 and 8 activation rows.
+
+Every call is replayed from a CUDA graph (no launch overhead, like the engine's decode graphs) and
+the calls cycle through enough copies of the weight to keep it out of L2, so GB/s is the DRAM
+traffic of the weight (codes + scales; bf16: 2 bytes a weight). `copy_gbps` (a device-to-device
+copy: read + write) is the practical ceiling to compare with.
+
+    python3 scripts/bench_quant.py [--json OUT.json] [--iters 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ninfer_core.ops import dispatch, quant  # noqa: E402
+
+# (name, N, K): Qwen3.6-35B-A3B attention / shared expert / lm_head, Qwen3.6-27B MLP, tiny heads.
+SHAPES = [
+    ("o_proj", 2048, 4096),
+    ("qkv", 8192, 2048),
+    ("shared_up", 512, 2048),
+    ("shared_down", 2048, 512),
+    ("lm_head", 248320, 2048),
+    ("mlp_up_27b", 17408, 5120),
+    ("mlp_down_27b", 5120, 17408),
+    ("n1", 1, 2048),
+    ("n32", 32, 2048),
+    ("n256", 256, 2048),
+]
+ROWS = (1, 8)
+KINDS = ("int8", "int4")
+
+
+def seconds_per_call(call: Callable[[int], object], copies: int, iters: int) -> float:
+    """Mean time of call(i) over a graph of `copies` calls (one per weight copy), replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (and first-use work) outside the capture
+        for i in range(copies):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            call(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (iters * copies)
+
+
+def copy_gbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / seconds_per_call(lambda i: dst.copy_(src), 1, 20) / 1e9
+
+
+def copies_for(nbytes: int) -> int:
+    """Enough copies to overflow L2 four times (at least 2, at most 64)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, min(64, math.ceil(4 * l2 / nbytes)))
+
+
+def bench_shape(name: str, n: int, k: int, iters: int) -> list[dict]:
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    dense_copies = copies_for(w.nbytes)
+    dense = [w] + [w.clone() for _ in range(dense_copies - 1)]
+    results = []
+    for kind in KINDS:
+        qw = quant.quantize(w, kind, 128)
+        nbytes = qw.nbytes
+        copies = copies_for(nbytes)
+        weights = [qw] + [
+            quant.QuantizedWeight(kind, qw.qweight.clone(), qw.scales.clone(), qw.group_size)
+            for _ in range(copies - 1)
+        ]
+        for rows in ROWS:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            assert quant._kernel_ok(x, qw, None), "the kernel does not cover this call"
+            t = seconds_per_call(lambda i, x=x, ws=weights: quant.quant_linear(x, ws[i]), copies, iters)
+            t_dense = seconds_per_call(lambda i, x=x: F.linear(x, dense[i]), dense_copies, iters)
+            results.append({
+                "name": name, "n": n, "k": k, "rows": rows, "kind": kind,
+                "group_size": qw.group_size, "weight_bytes": nbytes,
+                "us": t * 1e6, "gbps": nbytes / t / 1e9,
+                "bf16_us": t_dense * 1e6, "bf16_gbps": w.nbytes / t_dense / 1e9,
+                "speedup_vs_bf16": t_dense / t,
+            })
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="JSON results")
+    parser.add_argument("--iters", type=int, default=30, help="graph replays per measurement")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or dispatch.extension() is None:
+        raise SystemExit("needs a CUDA GPU and the built extension ninfer_core._C")
+    device = torch.cuda.get_device_name(0)
+    ceiling = copy_gbps()
+    print(f"{device}: device copy {ceiling:.0f} GB/s")
+    print(f"{'shape':<14}{'N x K':>14}{'M':>3} {'kind':<5}{'us':>9}{'GB/s':>8}"
+          f"{'bf16 us':>9}{'GB/s':>8}{'x bf16':>8}")
+    results = []
+    for name, n, k in SHAPES:
+        for r in bench_shape(name, n, k, args.iters):
+            results.append(r)
+            print(f"{name:<14}{f'{n}x{k}':>14}{r['rows']:>3} {r['kind']:<5}{r['us']:>9.2f}"
+                  f"{r['gbps']:>8.0f}{r['bf16_us']:>9.2f}{r['bf16_gbps']:>8.0f}"
+                  f"{r['speedup_vs_bf16']:>8.2f}")
+    if args.out:
+        args.out.write_text(json.dumps(
+            {"device": device, "copy_gbps": ceiling, "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

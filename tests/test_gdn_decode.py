@@ -1,0 +1,421 @@
+"""ops.gdn: the fused Gated DeltaNet decode step and the fla prefill path.
+
+CPU tests: the decode reference is the layer's former T = 1 path bit for bit and agrees with a
+float64 re-derivation written head by head; bad shapes raise; CPU never touches the extension or
+fla. `cuda` tests: the kernel against the torch reference (and float64) over several shapes,
+batches and dtypes, with non-contiguous slots, untouched slots left alone, outputs poisoned with
+NaN, 20 steps replayed from a CUDA graph; fla's chunked kernel against `gated_delta_rule_chunked`
+(skipped where fla is not importable). They need ninfer_core._C built (scripts/gpu_check.sh).
+
+The conv inputs are multiples of 1/16 (weights of 1/32) in a small range: every conv sum is exact
+in fp32 whatever its order, so kernel and reference round the same conv outputs to the model dtype
+and differences stay at fp32 rounding instead of an occasional bf16 step in v.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ninfer_core.layers.gdn import (
+    GatedDeltaNet,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+    l2norm,
+)
+from ninfer_core.ops import dispatch
+from ninfer_core.ops import gdn as gdn_ops
+
+torch.set_num_threads(1)  # small tensors: thread start-up dominates and cores are shared
+
+EPS = 1e-6
+SHAPE_35B = (16, 32, 128, 128, 4)  # (Hk, Hv, dk, dv, K)
+SHAPE_27B = (16, 48, 128, 128, 4)
+SMALL_ODD = (2, 6, 32, 32, 4)
+# Output tolerance, kernel vs reference: o rounds to the dtype before three more roundings in the
+# norm, so an fp32-level difference in o can end a few ulps apart. fp32 rounds nothing.
+OUT_TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+def _grid(gen: torch.Generator, shape: tuple[int, ...], step: float, limit: float) -> torch.Tensor:
+    """Random nonzero multiples of `step` in [-limit, limit] (exactly representable in bf16)."""
+    units = (torch.randn(shape, generator=gen) * (limit / 2 / step)).round().clamp(-limit / step, limit / step)
+    return torch.where(units == 0, 1.0, units) * step
+
+
+def step_inputs(shape, batch: int, dtype: torch.dtype, device, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One token's projections for `batch` sequences: qkv, a, b, z."""
+    hk, hv, dk, dv, _ = shape
+    return {
+        "qkv": _grid(gen, (batch, 2 * hk * dk + hv * dv), 1 / 16, 4).to(dtype).to(device),
+        "a": torch.randn(batch, hv, generator=gen).to(dtype).to(device),
+        "b": torch.randn(batch, hv, generator=gen).to(dtype).to(device),
+        "z": torch.randn(batch, hv * dv, generator=gen).to(dtype).to(device),
+    }
+
+
+def make_case(shape, batch: int, dtype: torch.dtype, device="cpu", seed: int = 0) -> dict:
+    """gdn_decode_step's keyword arguments: pools of 2B + 3 slots, B distinct unordered slots taken
+    as a stride-2 view (non-contiguous), random weights, fp32 state."""
+    hk, hv, dk, dv, taps = shape
+    channels = 2 * hk * dk + hv * dv
+    num_slots = 2 * batch + 3
+    gen = torch.Generator().manual_seed(seed)
+
+    def param(x: torch.Tensor) -> torch.Tensor:
+        return x.to(dtype).to(device)
+
+    return {
+        **step_inputs(shape, batch, dtype, device, gen),
+        "conv_pool": param(_grid(gen, (num_slots, channels, taps - 1), 1 / 16, 4)),
+        "state_pool": (torch.randn(num_slots, hv, dk, dv, generator=gen) * 0.5).to(device),
+        "slots": torch.randperm(num_slots, generator=gen).to(device)[: 2 * batch : 2],
+        "conv_weight": param(_grid(gen, (channels, taps), 1 / 32, 1)),
+        "A_log": param(torch.randn(hv, generator=gen) * 0.5),
+        "dt_bias": param(torch.randn(hv, generator=gen) * 0.5),
+        "norm_weight": param(1 + 0.2 * torch.randn(dv, generator=gen)),
+        "eps": EPS,
+        "num_k_heads": hk,
+        "head_k_dim": dk,
+        "head_v_dim": dv,
+    }
+
+
+def with_pool_copies(case: dict) -> dict:
+    return {**case, "conv_pool": case["conv_pool"].clone(), "state_pool": case["state_pool"].clone()}
+
+
+def decode_f64(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [B, Hv*dv], new conv pool, new state pool) in float64, one value head at a time.
+
+    Rounds only where the op defines it: the SiLU output (fp32) goes to the model dtype."""
+    dtype = case["qkv"].dtype
+    hk, dk, dv = case["num_k_heads"], case["head_k_dim"], case["head_v_dim"]
+    names = ("qkv", "a", "b", "z", "conv_weight", "A_log", "dt_bias", "norm_weight")
+    qkv, a, b, z, conv_w, A_log, dt_bias, norm_w = (case[n].detach().double().cpu() for n in names)
+    slots = case["slots"].cpu()
+    conv_pool, state_pool = case["conv_pool"].double().cpu(), case["state_pool"].double().cpu()
+    batch, hv = a.shape
+    window = torch.cat((conv_pool[slots], qkv[:, :, None]), dim=-1)  # [B, C, K]
+    mixed = F.silu((window * conv_w).sum(-1).float()).to(dtype).double()
+    q, k = (mixed[:, i * hk * dk : (i + 1) * hk * dk].reshape(batch, hk, dk) for i in (0, 1))
+    q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() / dk**0.5
+    k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    v = mixed[:, 2 * hk * dk :].reshape(batch, hv, dv)
+    decay = torch.exp(-A_log.exp() * torch.log1p((a + dt_bias).exp()))
+    beta = 1 / (1 + (-b).exp())
+    state = state_pool[slots]
+    out = torch.empty(batch, hv, dv, dtype=torch.float64)
+    for h in range(hv):
+        kh = h // (hv // hk)
+        s = state[:, h] * decay[:, h, None, None]
+        u = beta[:, h, None] * (v[:, h] - torch.einsum("bkv,bk->bv", s, k[:, kh]))
+        s = s + k[:, kh, :, None] * u[:, None, :]
+        state[:, h] = s
+        o = torch.einsum("bkv,bk->bv", s, q[:, kh])
+        gate = z.reshape(batch, hv, dv)[:, h]
+        out[:, h] = o / (o.pow(2).mean(-1, keepdim=True) + case["eps"]).sqrt() * norm_w * gate * torch.sigmoid(gate)
+    conv_pool[slots] = window[:, :, 1:]
+    state_pool[slots] = state
+    return out.reshape(batch, -1), conv_pool, state_pool
+
+
+def assert_rel(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """max |actual - expected| <= tol * max |expected|."""
+    err = (actual.double().cpu() - expected.double().cpu()).abs().max().item()
+    scale = expected.double().abs().max().item()
+    assert err <= tol * scale, f"max abs error {err:.3g} > {tol} * scale {scale:.3g}"
+
+
+def _config(shape, hidden: int = 48) -> SimpleNamespace:
+    hk, hv, dk, dv, taps = shape
+    return SimpleNamespace(
+        linear_num_key_heads=hk,
+        linear_num_value_heads=hv,
+        linear_key_head_dim=dk,
+        linear_value_head_dim=dv,
+        linear_conv_kernel_dim=taps,
+        hidden_size=hidden,
+        rms_eps=EPS,
+    )
+
+
+# ---------------------------------------------------------------- CPU: the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_is_the_layer_t1_path(dtype):
+    """forward(T=1) now goes through ops.gdn.gdn_decode_step: bit for bit the former path."""
+    torch.manual_seed(0)
+    shape = (2, 4, 16, 8, 4)
+    layer = GatedDeltaNet(_config(shape)).to(dtype)
+    with torch.no_grad():
+        for p in (layer.A_log, layer.dt_bias, layer.norm.weight):
+            p.normal_(0.5, 0.5)
+    case = make_case(shape, 3, dtype)
+    conv_pool, state_pool, slots = case["conv_pool"], case["state_pool"], case["slots"]
+    x = torch.randn(3, 1, 48).to(dtype)
+    with torch.no_grad():
+        want, want_conv, want_state, _ = layer._mix(x, conv_pool[slots], state_pool[slots], gated_delta_rule_recurrent)
+        before_conv, before_state = conv_pool.clone(), state_pool.clone()
+        got = layer(x, conv_pool, state_pool, slots)
+    assert torch.equal(got, want)
+    assert torch.equal(conv_pool[slots], want_conv) and torch.equal(state_pool[slots], want_state)
+    untouched = torch.ones(conv_pool.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(conv_pool[untouched], before_conv[untouched])
+    assert torch.equal(state_pool[untouched], before_state[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [SMALL_ODD, (1, 3, 16, 8, 3), (2, 2, 32, 64, 2)], ids=str)
+def test_reference_matches_float64(shape, dtype):
+    case = make_case(shape, 3, dtype, seed=sum(shape))
+    want_out, want_conv, want_state = decode_f64(case)
+    out = gdn_ops.gdn_decode_step_ref(**case)
+    assert out.dtype == dtype and out.shape == want_out.shape
+    assert torch.equal(case["conv_pool"].double(), want_conv)
+    assert_rel(case["state_pool"], want_state, 1e-5)
+    if dtype == torch.float32:
+        assert_rel(out, want_out, 1e-5)
+    else:
+        torch.testing.assert_close(out.double(), want_out, rtol=2e-2, atol=2e-2)
+
+
+def test_op_on_cpu_is_the_reference(monkeypatch):
+    """CPU tensors run the reference even with an extension around (a stand-in that fails if called)."""
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "extension", lambda: pytest.fail("extension used for CPU tensors"))
+    case = make_case(SMALL_ODD, 2, torch.bfloat16)
+    ref = with_pool_copies(case)
+    out = torch.full((2, 6 * 32), float("nan"), dtype=torch.bfloat16)
+    assert gdn_ops.gdn_decode_step(**case, out=out) is out
+    assert torch.equal(out, gdn_ops.gdn_decode_step_ref(**ref))
+    assert torch.equal(case["state_pool"], ref["state_pool"]) and torch.equal(case["conv_pool"], ref["conv_pool"])
+
+
+def test_bad_shapes_raise():
+    case = make_case(SMALL_ODD, 2, torch.float32)
+    with pytest.raises(ValueError, match="qkv width"):
+        gdn_ops.gdn_decode_step(**{**case, "head_k_dim": 16})
+    with pytest.raises(ValueError, match="not a multiple"):
+        gdn_ops.gdn_decode_step(**{**case, "num_k_heads": 4})
+    with pytest.raises(ValueError, match="z has shape"):
+        gdn_ops.gdn_decode_step(**{**case, "z": case["z"][:, :-1]})
+    with pytest.raises(ValueError, match="state_pool has shape"):
+        gdn_ops.gdn_decode_step(**{**case, "state_pool": case["state_pool"][:-1]})
+    with pytest.raises(ValueError, match="slots has shape"):
+        gdn_ops.gdn_decode_step(**{**case, "slots": case["slots"][:1]})
+    with pytest.raises(ValueError, match="out must be"):
+        gdn_ops.gdn_decode_step(**case, out=torch.empty(2, 6 * 32, dtype=torch.float16))
+
+
+def test_prefill_on_cpu_is_the_reference(monkeypatch):
+    monkeypatch.setattr(gdn_ops, "_fla_chunk", lambda: pytest.fail("fla looked up for CPU tensors"))
+    q, k, v, g, beta, state = _prefill_inputs((2, 4, 16, 8), 70, torch.float32, "cpu")
+    got = gdn_ops.gated_delta_rule_prefill(q, k, v, g, beta, state)
+    want = gated_delta_rule_chunked(q, k, v, g, beta, state)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+
+
+# ---------------------------------------------------------------- GPU: the CUDA kernel
+
+GPU_SHAPES = [
+    SHAPE_35B,
+    SHAPE_27B,
+    SMALL_ODD,
+    (1, 3, 64, 96, 3),  # dk != dv, 3 column blocks, odd K
+    (2, 4, 256, 256, 4),  # largest heads: 16 rows per lane, 8 column blocks
+    (3, 3, 160, 32, 2),  # rows per lane not a power of two, one column block, K = 2
+    (1, 2, 32, 224, 8),  # widest conv (8 taps), 7 column blocks
+]
+
+
+@pytest.fixture
+def cuda_kernels(monkeypatch):
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    assert dispatch.extension() is not None, (
+        "CUDA is available but ninfer_core._C is not built: run scripts/gpu_check.sh"
+    )
+
+
+def _kernel_args(case: dict) -> tuple:
+    names = ("qkv", "a", "b", "z", "conv_pool", "state_pool", "slots", "conv_weight", "A_log", "dt_bias", "norm_weight")
+    return (*(case[n] for n in names), case["head_k_dim"], case["head_v_dim"])
+
+
+def _check_step(case: dict, before: dict, out: torch.Tensor, ref_case: dict, ref_out: torch.Tensor) -> None:
+    """Kernel step (case's pools, out) against the reference step (ref_case's pools, ref_out) and
+    float64 from the pools before the step; slots outside case["slots"] keep their contents."""
+    dtype = out.dtype
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref_out, rtol=OUT_TOL[dtype], atol=OUT_TOL[dtype])
+    assert torch.equal(case["conv_pool"], ref_case["conv_pool"])  # exact copies of bf16 inputs
+    torch.testing.assert_close(
+        case["state_pool"], ref_case["state_pool"], rtol=1e-5, atol=1e-5 * ref_case["state_pool"].abs().max().item()
+    )
+    untouched = torch.ones(case["state_pool"].shape[0], dtype=torch.bool, device=out.device)
+    untouched[case["slots"]] = False
+    assert torch.equal(case["state_pool"][untouched], before["state_pool"][untouched])
+    assert torch.equal(case["conv_pool"][untouched], before["conv_pool"][untouched])
+    # float64: the reference rounds SiLU outputs on the GPU, float64 on the CPU; a rare one-ulp
+    # difference there moves a state column by ~1e-3 of the scale, hence the looser bounds.
+    want_out, _, want_state = decode_f64(before)
+    assert_rel(case["state_pool"], want_state, 1e-5 if dtype == torch.float32 else 2e-3)
+    torch.testing.assert_close(out.double().cpu(), want_out, rtol=2 * OUT_TOL[dtype], atol=2 * OUT_TOL[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_kernel_matches_reference(cuda_kernels, shape, batch):
+    _run_kernel_case(shape, batch, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [SHAPE_35B, SMALL_ODD], ids=str)
+def test_kernel_other_dtypes(cuda_kernels, shape, dtype):
+    _run_kernel_case(shape, 3, dtype)
+
+
+@pytest.mark.cuda
+def test_kernel_batch_64(cuda_kernels):
+    _run_kernel_case(SHAPE_35B, 64, torch.bfloat16)
+
+
+def _run_kernel_case(shape, batch: int, dtype: torch.dtype) -> None:
+    case = make_case(shape, batch, dtype, "cuda", seed=batch + sum(shape))
+    assert not case["slots"].is_contiguous() or batch == 1
+    assert gdn_ops._kernel_applies(*_kernel_args(case))
+    before, ref_case = with_pool_copies(case), with_pool_copies(case)
+    out = torch.full_like(case["z"], float("nan"))
+    assert gdn_ops.gdn_decode_step(**case, out=out) is out
+    ref_out = gdn_ops.gdn_decode_step_ref(**ref_case)
+    _check_step(case, before, out, ref_case, ref_out)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [SHAPE_35B, SMALL_ODD], ids=str)
+def test_kernel_steps_in_cuda_graph(cuda_kernels, shape):
+    """Captured once, replayed for 20 tokens with fresh inputs: each step and the pools after it
+    stay close to the reference stepping its own copy of the pools."""
+    batch, dtype = 3, torch.bfloat16
+    case = make_case(shape, batch, dtype, "cuda", seed=5)
+    ref_case = with_pool_copies(case)
+    out = torch.empty_like(case["z"])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside capture: the first of the steps
+        gdn_ops.gdn_decode_step(**case, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.testing.assert_close(out, gdn_ops.gdn_decode_step_ref(**ref_case), rtol=OUT_TOL[dtype], atol=OUT_TOL[dtype])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gdn_ops.gdn_decode_step(**case, out=out)
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(20):
+        fresh = step_inputs(shape, batch, dtype, "cuda", gen)
+        for name, value in fresh.items():
+            case[name].copy_(value)
+            ref_case[name] = value
+        before = with_pool_copies(case)
+        out.fill_(float("nan"))
+        graph.replay()
+        ref_out = gdn_ops.gdn_decode_step_ref(**ref_case)
+        torch.cuda.synchronize()
+        _check_step(case, before, out, ref_case, ref_out)
+        ref_case = with_pool_copies(case)  # next step from the same pools: per-step errors only
+
+
+@pytest.mark.cuda
+def test_kernel_state_drift_over_20_steps(cuda_kernels):
+    """Kernel and reference each advance their own pools for 20 tokens: the states stay close."""
+    batch, dtype = 8, torch.bfloat16
+    case = make_case(SHAPE_35B, batch, dtype, "cuda", seed=7)
+    ref_case = with_pool_copies(case)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(20):
+        fresh = step_inputs(SHAPE_35B, batch, dtype, "cuda", gen)
+        out = gdn_ops.gdn_decode_step(**{**case, **fresh})
+        ref_out = gdn_ops.gdn_decode_step_ref(**{**ref_case, **fresh})
+        torch.testing.assert_close(out, ref_out, rtol=OUT_TOL[dtype], atol=OUT_TOL[dtype])
+    assert torch.equal(case["conv_pool"], ref_case["conv_pool"])
+    assert_rel(case["state_pool"], ref_case["state_pool"], 1e-4)
+
+
+@pytest.mark.cuda
+def test_unsupported_shapes_fall_back(cuda_kernels):
+    """No kernel for dk = 48 or float64: the op runs the reference instead of failing."""
+    for shape, dtype in (((2, 4, 48, 32, 4), torch.bfloat16), (SMALL_ODD, torch.float64)):
+        case = make_case(shape, 3, dtype, "cuda")
+        if dtype == torch.float64:
+            case["state_pool"] = case["state_pool"].double()
+        assert not gdn_ops._kernel_applies(*_kernel_args(case))
+        ref_case = with_pool_copies(case)
+        assert torch.equal(gdn_ops.gdn_decode_step(**case), gdn_ops.gdn_decode_step_ref(**ref_case))
+        assert torch.equal(case["state_pool"], ref_case["state_pool"])
+
+
+# ---------------------------------------------------------------- GPU: fla prefill
+
+
+def _prefill_inputs(shape, seq_len: int, dtype: torch.dtype, device, batch: int = 2) -> tuple:
+    """q, k (normalised, q scaled; fp32 holding `dtype` values), v in `dtype`, g, beta, state (fp32)."""
+    hk, hv, dk, dv = shape
+    gen = torch.Generator().manual_seed(seq_len + dk)
+    q = (l2norm(torch.randn(batch, seq_len, hk, dk, generator=gen)) * dk**-0.5).to(dtype).float()
+    k = l2norm(torch.randn(batch, seq_len, hk, dk, generator=gen)).to(dtype).float()
+    v = torch.randn(batch, seq_len, hv, dv, generator=gen).to(dtype)
+    g = -F.softplus(torch.randn(batch, seq_len, hv, generator=gen))
+    beta = torch.sigmoid(torch.randn(batch, seq_len, hv, generator=gen))
+    state = torch.randn(batch, hv, dk, dv, generator=gen) * 0.5
+    return tuple(t.to(device) for t in (q, k, v, g, beta, state))
+
+
+def assert_rms_rel(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """||actual - expected|| <= tol * ||expected|| (fla's own tests bound this ratio, 0.005 for fp16)."""
+    err = (actual.double() - expected.double()).norm().item()
+    scale = expected.double().norm().item()
+    assert err <= tol * scale, f"error norm {err:.3g} > {tol} * norm {scale:.3g}"
+
+
+@pytest.fixture
+def fla_available(monkeypatch):
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    if gdn_ops._fla_chunk() is None:
+        pytest.skip("flash-linear-attention (fla >= 0.6 + triton) is not importable")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seq_len", [1, 63, 200])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 6, 32, 32), (16, 32, 128, 128)], ids=str)
+def test_fla_matches_chunked_reference(fla_available, shape, dtype, seq_len):
+    """fla (intermediates in the model dtype) vs the fp32 reference on the same rounded inputs,
+    from a nonzero fp32 state, value heads grouped over key heads."""
+    q, k, v, g, beta, state = _prefill_inputs(shape, seq_len, dtype, "cuda")
+    want_out, want_state = gated_delta_rule_chunked(q, k, v.float(), g, beta, state)
+    out, final = gdn_ops.gated_delta_rule_fla(q, k, v, g, beta, state)
+    assert out.dtype == dtype and out.shape == want_out.shape
+    assert final.dtype == torch.float32 and final.shape == state.shape
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    assert_rms_rel(out, want_out, tol)
+    assert_rms_rel(final, want_state, tol)
+    assert_rel(out, want_out, 5 * tol)
+    assert_rel(final, want_state, 5 * tol)
+
+
+@pytest.mark.cuda
+def test_prefill_selection_on_cuda(fla_available):
+    """The layer's prefill: fla for bf16 / fp16 models, the exact reference for fp32 ones."""
+    fp32 = _prefill_inputs((2, 6, 32, 32), 100, torch.float32, "cuda")
+    got = gdn_ops.gated_delta_rule_prefill(*fp32)
+    assert all(torch.equal(x, y) for x, y in zip(got, gated_delta_rule_chunked(*fp32), strict=True))
+    bf16 = _prefill_inputs((2, 6, 32, 32), 100, torch.bfloat16, "cuda")
+    got = gdn_ops.gated_delta_rule_prefill(*bf16)
+    assert got[0].dtype == torch.bfloat16
+    assert all(torch.equal(x, y) for x, y in zip(got, gdn_ops.gated_delta_rule_fla(*bf16), strict=True))

@@ -1,0 +1,464 @@
+"""ninfer_core.ops.moe: routing and the routed experts (decode kernels, grouped path, reference).
+
+CPU tests check the torch references (and the grouped path's loop, which CPU runs) against
+independent float64 formulations, and the Experts module's quantized state. `cuda` tests check
+the kernels and the grouped GEMM path against the references and float64 on fresh random inputs,
+with every allocation of the op poisoned (NaN / -1) so each output element must be written, and
+replay them inside CUDA graphs; they need ninfer_core._C built (scripts/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ninfer_core.layers.moe import Experts
+from ninfer_core.ops import dispatch, moe
+from ninfer_core.ops.quant import QuantizedWeight, quantize
+
+FORMATS = ["bf16", "int8", "int4"]
+
+
+# ---------------------------------------------------------------- problems and float64 math
+
+
+def _experts(
+    num_experts, hidden, inter, fmt, *, device="cpu", dtype=torch.bfloat16, group=128, seed=0
+):
+    """(gate_up, down) with unit-scale outputs: bf16 / fp16 / fp32 tensors or quantized."""
+    g = torch.Generator(device).manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g, device=device) / math.sqrt(
+        hidden
+    )
+    down = torch.randn(num_experts, hidden, inter, generator=g, device=device) / math.sqrt(inter)
+    gate_up, down = gate_up.to(dtype), down.to(dtype)
+    if fmt in ("int8", "int4"):
+        gate_up, down = quantize(gate_up, fmt, group), quantize(down, fmt, group)
+    return gate_up, down
+
+
+@functools.cache
+def _cached_experts(num_experts, hidden, inter, fmt, group):
+    """The 35B-shaped expert sets are 0.4-1.5 GB: built once per format on the GPU."""
+    return _experts(num_experts, hidden, inter, fmt, device="cuda", group=group)
+
+
+def _routing(tokens, num_experts, top_k, *, device="cpu", dtype=torch.bfloat16, seed=0):
+    """Distinct experts per token (repeated across tokens), positive weights."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g) + 0.05
+    return weights.to(dtype).to(device), ids.to(torch.int32).to(device)
+
+
+def _inputs(tokens, hidden, *, device="cpu", dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device).manual_seed(seed + 1000)
+    return torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+
+
+def _expert64(w, e: int) -> torch.Tensor:
+    """Expert e in float64, decoded from the documented format (not through quant.dequantize)."""
+    if isinstance(w, torch.Tensor):
+        return w[e].double()
+    if w.kind == "int8":
+        return w.qweight[e].double() * w.scales[e].double()[:, None]
+    b = w.qweight[e].long()
+    codes = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2) - 8
+    return codes.double() * w.scales[e].double().repeat_interleave(w.group_size, dim=-1)
+
+
+def _expected(x, gate_up, down, weights, ids, rows=None) -> torch.Tensor:
+    """float64, token by token: out[n] = sum_j w[n, j] * down_e @ (silu(g) * u) with
+    [g | u] = gate_up_e @ x[n]; only `rows` of x when given."""
+    rows = range(x.shape[0]) if rows is None else rows
+    inter = down.shape[-1]
+    out = torch.zeros(len(rows), x.shape[1], dtype=torch.float64, device=x.device)
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, n in enumerate(rows):
+        for j, e in enumerate(ids[n].tolist()):
+            if e not in cache:
+                cache[e] = _expert64(gate_up, e), _expert64(down, e)
+            gu, dn = cache[e]
+            v = gu @ x[n].double()
+            out[i] += weights[n, j].double() * (dn @ (F.silu(v[:inter]) * v[inter:]))
+    return out
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """Relative to the output's scale: the norm of the error, and its largest element."""
+    err = actual.double() - expected.double()
+    scale = expected.double().abs().max().item()
+    rel = (err.norm() / expected.double().norm()).item()
+    worst = err.abs().max().item() / scale
+    assert rel < tol and worst < 4 * tol, (
+        f"relative error {rel:.2e}, worst element {worst:.2e} (tol {tol})"
+    )
+
+
+# bf16 rounds g, u, silu, h and the output (the reference also every product / partial sum).
+TOL = {torch.bfloat16: 1e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+
+
+def _route_rtol(dtype: torch.dtype) -> float:
+    """One ulp of a 16-bit dtype (fp32 sums in another order may round the other way); fp32
+    itself differs from torch / float64 by a few ulps of exp and the sums."""
+    return 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
+
+
+@contextlib.contextmanager
+def _poisoned_allocations():
+    """torch.empty / empty_like hand out NaN (floats) or -1 (ints): unwritten outputs show."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    torch.empty = lambda *a, **kw: poison(real_empty(*a, **kw))
+    torch.empty_like = lambda *a, **kw: poison(real_empty_like(*a, **kw))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_empty_like
+
+
+def _distinct_logits(tokens, num_experts, dtype, device, seed=0) -> torch.Tensor:
+    """No two logits of a row equal (each (i - E/2) / 32 is exact in bf16): no top-k ties."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [
+        (torch.randperm(num_experts, generator=g) - num_experts // 2) / 32 for _ in range(tokens)
+    ]
+    return torch.stack(rows).to(dtype).to(device)
+
+
+def _route64(logits, top_k, renormalize):
+    probs = torch.softmax(logits.double(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+# ---------------------------------------------------------------- CPU: references
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("shape", [(1, 8, 2), (7, 64, 8), (5, 256, 8), (3, 300, 1)], ids=str)
+def test_route_reference_matches_float64(dtype, renormalize, shape):
+    tokens, num_experts, top_k = shape
+    logits = _distinct_logits(tokens, num_experts, dtype, "cpu", seed=tokens)
+    weights, ids = moe.moe_route(logits, top_k, renormalize)  # CPU: the reference
+    want_w, want_ids = _route64(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == dtype
+    assert torch.equal(ids.long(), want_ids)
+    rtol = _route_rtol(dtype)
+    torch.testing.assert_close(weights.double(), want_w, rtol=rtol, atol=rtol * 1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp32", "int8", "int4"])
+def test_experts_reference_matches_float64(fmt):
+    dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+    gate_up, down = _experts(8, 64, 32, "bf16" if fmt == "fp32" else fmt, dtype=dtype, group=32)
+    weights, ids = _routing(11, 8, 3, dtype=dtype)
+    ids[3] = ids[0]  # the same experts for two tokens
+    x = _inputs(11, 64, dtype=dtype)
+    out = moe.moe_experts_ref(x, gate_up, down, weights, ids)
+    assert out.dtype == dtype and out.shape == x.shape
+    _assert_close(out, _expected(x, gate_up, down, weights, ids), 1e-5 if fmt == "fp32" else 2e-2)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp32", "int8", "int4"])
+def test_grouped_path_matches_float64_and_reference(fmt):
+    """On CPU the grouped path runs its per-expert loop: sorting, bounds and un-sorting."""
+    dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+    gate_up, down = _experts(
+        16, 64, 32, "bf16" if fmt == "fp32" else fmt, dtype=dtype, group=32, seed=1
+    )
+    weights, ids = _routing(40, 12, 4, dtype=dtype, seed=1)  # experts 12..15 are never hit
+    ids[5] = ids[2]
+    x = _inputs(40, 64, dtype=dtype, seed=1)
+    out = moe.moe_experts_grouped(x, gate_up, down, weights, ids)
+    assert out.dtype == dtype and out.shape == x.shape
+    tol = 1e-5 if fmt == "fp32" else 2e-2
+    _assert_close(out, _expected(x, gate_up, down, weights, ids), tol)
+    _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), tol)
+
+
+class _FakeExtension:
+    def __getattr__(self, name):
+        raise AssertionError(f"kernel {name} called")
+
+
+def test_cpu_tensors_never_reach_the_extension(monkeypatch):
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "extension", lambda: _FakeExtension())
+    logits = _distinct_logits(2, 8, torch.bfloat16, "cpu")
+    weights, ids = moe.moe_route(logits, 2, True)
+    gate_up, down = _experts(8, 64, 32, "int4", group=32)
+    x = _inputs(2, 64)
+    assert torch.equal(
+        moe.moe_experts(x, gate_up, down, weights, ids),
+        moe.moe_experts_ref(x, gate_up, down, weights, ids),
+    )
+
+
+def test_bad_shapes_raise():
+    gate_up, down = _experts(4, 64, 32, "bf16")
+    weights, ids = _routing(3, 4, 2)
+    x = _inputs(3, 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        moe.moe_experts(x[:, :32], gate_up, down, weights, ids)
+    with pytest.raises(ValueError, match="do not fit"):
+        moe.moe_experts(x, gate_up, down[:, :, :16], weights, ids)
+    with pytest.raises(ValueError, match="must both be"):
+        moe.moe_experts(x, gate_up, down, weights[:, :1], ids)
+
+
+@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 128), ("int8", 0)])
+def test_experts_quantize_state_dict_round_trip(kind, group):
+    torch.manual_seed(0)
+    source = Experts(6, 256, 128)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.normal_(0, 0.05)
+    dense_gate_up = source.gate_up.detach().clone()
+    assert source.kind is None and isinstance(source.gate_up, torch.Tensor)
+    source.quantize_(kind, group)
+    assert list(source.parameters()) == []
+    state = source.state_dict()
+    assert set(state) == {"gate_up_qweight", "gate_up_scales", "down_qweight", "down_scales"}
+    assert isinstance(source.gate_up, QuantizedWeight) and source.gate_up.kind == kind
+    assert source.gate_up.shape == dense_gate_up.shape and source.down.shape == (6, 256, 128)
+    assert torch.equal(source.gate_up.qweight, quantize(dense_gate_up, kind, group).qweight)
+    with pytest.raises(ValueError, match="already quantized"):
+        source.quantize_(kind, group)
+
+    with torch.device("meta"):  # what the loader does: shapes first, then the artifact
+        target = Experts(6, 256, 128)
+    target.quantize_(kind, group)
+    assert target.gate_up_qweight.is_meta and target.group_size == source.group_size
+    target.to_empty(device="cpu")
+    target.load_state_dict(state)
+    for name, t in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], t)
+    weights, ids = _routing(5, 6, 2)
+    x = _inputs(5, 256)
+    assert torch.equal(
+        moe.moe_experts(x, target.gate_up, target.down, weights, ids),
+        moe.moe_experts(x, source.gate_up, source.down, weights, ids),
+    )
+
+
+# ---------------------------------------------------------------- GPU: kernels and grouped path
+
+
+@pytest.fixture
+def cuda_kernels(monkeypatch):
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    assert dispatch.extension() is not None, (
+        "CUDA is available but ninfer_core._C is not built: run scripts/gpu_check.sh"
+    )
+
+
+def _route_uses_kernel(logits, top_k):
+    return (
+        dispatch.use_kernel(logits)
+        and logits.shape[0] <= moe.ROUTE_MAX_TOKENS
+        and top_k <= logits.shape[1]
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize(
+    "shape", [(1, 8, 2), (5, 64, 8), (16, 256, 8), (64, 256, 8), (3, 300, 1), (2, 512, 10)], ids=str
+)
+def test_route_kernel_matches_reference(cuda_kernels, dtype, renormalize, shape):
+    tokens, num_experts, top_k = shape
+    logits = _distinct_logits(tokens, num_experts, dtype, "cuda", seed=tokens + num_experts)
+    assert _route_uses_kernel(logits, top_k)
+    with _poisoned_allocations():
+        weights, ids = moe.moe_route(logits, top_k, renormalize)
+    ref_w, ref_ids = moe.moe_route_ref(logits, top_k, renormalize)
+    want_w, want_ids = _route64(logits.cpu(), top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == dtype
+    assert torch.equal(ids, ref_ids) and torch.equal(ids.long().cpu(), want_ids)
+    rtol = _route_rtol(dtype)
+    torch.testing.assert_close(weights, ref_w, rtol=rtol, atol=rtol * 1e-3)
+    torch.testing.assert_close(weights.double().cpu(), want_w, rtol=rtol, atol=rtol * 1e-3)
+
+
+@pytest.mark.cuda
+def test_route_kernel_with_ties(cuda_kernels):
+    """bf16 logits of 256 experts repeat: any tie order is valid, the chosen values are not."""
+    g = torch.Generator("cuda").manual_seed(3)
+    logits = torch.randn(16, 256, generator=g, device="cuda").to(torch.bfloat16)
+    weights, ids = moe.moe_route(logits, 8, True)
+    ref_w, ref_ids = moe.moe_route_ref(logits, 8, True)
+    probs = torch.softmax(logits.double(), dim=-1)
+    assert torch.equal(probs.gather(1, ids.long()), probs.gather(1, ref_ids.long()))
+    assert all(len(set(row)) == 8 for row in ids.tolist())
+    torch.testing.assert_close(weights, ref_w, rtol=0.008, atol=1e-5)
+
+
+def _decode_check(
+    tokens, num_experts, top_k, hidden, inter, fmt, *, dtype=torch.bfloat16, group=128, ids=None
+):
+    if dtype == torch.bfloat16:
+        gate_up, down = _cached_experts(num_experts, hidden, inter, fmt, group)
+    else:
+        gate_up, down = _experts(
+            num_experts, hidden, inter, fmt, device="cuda", dtype=dtype, group=group
+        )
+    weights, routed = _routing(tokens, num_experts, top_k, device="cuda", dtype=dtype, seed=tokens)
+    ids = routed if ids is None else ids
+    x = _inputs(tokens, hidden, device="cuda", dtype=dtype, seed=tokens)
+    assert moe._decode_plan(x, gate_up, down, weights, ids) is not None, (
+        "the decode kernels do not cover this"
+    )
+    with _poisoned_allocations():
+        out = moe.moe_experts(x, gate_up, down, weights, ids)
+    assert out.dtype == dtype and out.shape == x.shape and not out.isnan().any()
+    _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), TOL[dtype])
+    _assert_close(out, _expected(x, gate_up, down, weights, ids), TOL[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dims", [(64, 32), (2048, 512)], ids=lambda d: f"H{d[0]}xI{d[1]}")
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("num_experts", [8, 256])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 16])
+def test_decode_kernels_match_reference(cuda_kernels, tokens, num_experts, top_k, dims, fmt):
+    hidden, inter = dims
+    _decode_check(tokens, num_experts, top_k, hidden, inter, fmt, group=min(128, inter))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [33, 64])
+def test_decode_kernels_quantized_up_to_64_tokens(cuda_kernels, tokens, fmt):
+    _decode_check(tokens, 256, 8, 2048, 512, fmt)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernels_all_tokens_on_the_same_experts(cuda_kernels, fmt):
+    ids = torch.tensor([[5, 0, 255, 17, 3, 128, 64, 200]] * 16, dtype=torch.int32, device="cuda")
+    _decode_check(16, 256, 8, 2048, 512, fmt, ids=ids)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("group", [32, 64])
+def test_decode_kernels_other_dtypes_and_groups(cuda_kernels, dtype, fmt, group):
+    """fp16 / fp32 activations (dense experts in that dtype), int4 groups of 32 and 64, H != 2^n."""
+    _decode_check(3, 16, 4, 384, 128, fmt, dtype=dtype, group=group)
+
+
+@pytest.mark.cuda
+def test_decode_kernels_unsupported_shapes_fall_back(cuda_kernels):
+    """H not a multiple of 8 (bf16 vectors): no kernel, the grouped path answers correctly."""
+    gate_up, down = _experts(8, 60, 32, "bf16", device="cuda")
+    weights, ids = _routing(3, 8, 2, device="cuda")
+    x = _inputs(3, 60, device="cuda")
+    assert moe._decode_plan(x, gate_up, down, weights, ids) is None
+    out = moe.moe_experts(x, gate_up, down, weights, ids)
+    _assert_close(out, _expected(x, gate_up, down, weights, ids), TOL[torch.bfloat16])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_decode_step_replays_in_cuda_graph(cuda_kernels, fmt):
+    """Routing + experts read ids on the device: capture once, replay with new inputs."""
+    gate_up, down = _cached_experts(256, 2048, 512, fmt, 128)
+    g = torch.Generator("cuda").manual_seed(7)
+    x = torch.randn(4, 2048, generator=g, device="cuda").bfloat16()
+    logits = torch.randn(4, 256, generator=g, device="cuda").bfloat16()
+
+    def step():
+        weights, ids = moe.moe_route(logits, 8, True)
+        return moe.moe_experts(x, gate_up, down, weights, ids)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside capture
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (1, 2):
+        x.copy_(_inputs(4, 2048, device="cuda", seed=seed))
+        logits.copy_(_distinct_logits(4, 256, torch.bfloat16, "cuda", seed=seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        weights, ids = moe.moe_route_ref(logits, 8, True)
+        _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), TOL[torch.bfloat16])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grouped_path_matches_reference(cuda_kernels, fmt):
+    """N = 300 (prefill): sorted pairs + torch._grouped_mm on sm90+; float64 on a few tokens."""
+    gate_up, down = _cached_experts(256, 2048, 512, fmt, 128)
+    weights, ids = _routing(300, 256, 8, device="cuda", seed=300)
+    x = _inputs(300, 2048, device="cuda", seed=300)
+    assert moe._decode_plan(x, gate_up, down, weights, ids) is None
+    with _poisoned_allocations():
+        out = moe.moe_experts(x, gate_up, down, weights, ids)
+    assert not out.isnan().any()
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert moe._grouped_mm_works, "torch._grouped_mm should run on sm90+"
+    _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), TOL[torch.bfloat16])
+    rows = [0, 1, 2, 150, 299]
+    _assert_close(
+        out[rows], _expected(x, gate_up, down, weights, ids, rows=rows), TOL[torch.bfloat16]
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_grouped_path_loop_fallback(cuda_kernels, monkeypatch, fmt):
+    """Without torch._grouped_mm: one F.linear per hit expert, same results."""
+    monkeypatch.setattr(moe, "_grouped_mm_works", False)
+    gate_up, down = _experts(64, 256, 128, fmt, device="cuda", group=64)
+    weights, ids = _routing(100, 64, 4, device="cuda", seed=5)
+    x = _inputs(100, 256, device="cuda", seed=5)
+    out = moe.moe_experts_grouped(x, gate_up, down, weights, ids)
+    _assert_close(out, _expected(x, gate_up, down, weights, ids), TOL[torch.bfloat16])
+
+
+@pytest.mark.cuda
+def test_grouped_path_bf16_replays_in_cuda_graph(cuda_kernels):
+    """bf16 experts past the decode kernels' 16 tokens (decode graph buckets up to 64): the
+    grouped path keeps the expert bounds on the device, so it captures too."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm needs sm90+ here; the loop fallback syncs")
+    gate_up, down = _cached_experts(256, 2048, 512, "bf16", 128)
+    weights, ids = _routing(32, 256, 8, device="cuda", seed=32)
+    x = _inputs(32, 2048, device="cuda", seed=32)
+    assert moe._decode_plan(x, gate_up, down, weights, ids) is None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe.moe_experts(x, gate_up, down, weights, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.moe_experts(x, gate_up, down, weights, ids)
+    new_weights, new_ids = _routing(32, 256, 8, device="cuda", seed=33)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    x.copy_(_inputs(32, 2048, device="cuda", seed=33))
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), TOL[torch.bfloat16])

@@ -1,0 +1,430 @@
+"""ninfer_core.ops.quant: int8 / int4 weight formats, QuantLinear and the quant_gemv kernel.
+
+CPU tests check quantize / dequantize / the references against independent float64 numpy code
+(the byte and nibble layout included). `cuda` tests run csrc/quant_gemv.cu against the torch
+reference and float64 math on fresh random inputs with NaN-poisoned outputs, inside a CUDA graph,
+and check which rows take the dequantize + F.linear path; they need ninfer_core._C built
+(scripts/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ninfer_core.ops import dispatch, quant
+from ninfer_core.ops.quant import (
+    QuantizedWeight,
+    QuantLinear,
+    dequantize,
+    quant_linear,
+    quant_linear_ref,
+    quantize,
+)
+
+torch.set_num_threads(2)
+
+
+def _randn(*shape, seed: int, spread: float = 1.0, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """Normal values times a log-normal factor per row (rows of different magnitudes, no zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(*shape, generator=g, dtype=torch.float64)
+    t = t * torch.exp(spread * torch.randn(*shape[:-1], 1, generator=g, dtype=torch.float64))
+    return t.to(dtype).to(device)
+
+
+def _codes64(qw: QuantizedWeight) -> np.ndarray:
+    """Signed codes [..., N, K] decoded in numpy: int8 as is; int4 byte j = 2j (low) | 2j+1 (high)."""
+    raw = qw.qweight.cpu().numpy()
+    if qw.kind == "int8":
+        return raw.astype(np.float64)
+    codes = np.empty((*raw.shape[:-1], raw.shape[-1] * 2), dtype=np.float64)
+    codes[..., 0::2] = raw & 0xF
+    codes[..., 1::2] = raw >> 4
+    return codes - 8
+
+
+def _weights64(qw: QuantizedWeight) -> torch.Tensor:
+    """The exact float64 weights the format stands for, decoded independently of `dequantize`."""
+    codes = _codes64(qw)
+    scales = qw.scales.cpu().double().numpy()
+    if qw.kind == "int8":
+        return torch.from_numpy(codes * scales[..., None])
+    return torch.from_numpy(codes * np.repeat(scales, qw.group_size, axis=-1))
+
+
+def _expected(x: torch.Tensor, w64: torch.Tensor, bias: torch.Tensor | None):
+    """float64 x @ W^T (+ bias), and each output's magnitude sqrt(sum_k (w_k x_k)^2): the scale
+    of its summation and weight-rounding errors, whatever the magnitude of its row."""
+    xd, wd = x.double(), w64.to(x.device)
+    exact = xd @ wd.T + (0 if bias is None else bias.double())
+    return exact, (xd.square() @ wd.square().T).sqrt()
+
+
+def _assert_close(actual: torch.Tensor, expected, rtol: float, atol: float) -> None:
+    """|actual - exact| <= rtol |exact| + atol * magnitude, element by element."""
+    exact, mag = expected
+    assert actual.shape == exact.shape and torch.isfinite(actual).all()
+    err = (actual.double() - exact).abs()
+    bad = err > rtol * exact.abs() + atol * mag
+    worst = (err / (rtol * exact.abs() + atol * mag)).max().item()
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} outputs off (worst {worst:.2f}x tolerance)"
+
+
+# Output rounding to the dtype (an ulp, relative: twice the worst rounding error) and a margin for
+# fp32 summation order.
+OUT_RTOL = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+OUT_ATOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+# Weights rounded to the dtype (int4 kernel on fp16 / bf16, the dequantized prefill path): up to
+# 2^-12 / 2^-9 relative per weight, ~1/sqrt(3) of that times the magnitude in rms.
+ROUNDED_W_ATOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+
+
+# ---------------------------------------------------------------- CPU: formats
+
+
+def test_int8_format_and_round_trip():
+    w = _randn(37, 80, seed=0)
+    w[5] = 0  # a zero row gets scale 1 and codes 0
+    qw = quantize(w, "int8")
+    assert qw.qweight.dtype == torch.int8 and qw.qweight.shape == (37, 80)
+    assert qw.scales.dtype == torch.float32 and qw.scales.shape == (37,)
+    assert qw.group_size == 0
+    w64 = w.double().numpy()
+    amax = np.abs(w64).max(-1)
+    scales = qw.scales.double().numpy()
+    np.testing.assert_allclose(np.delete(scales, 5), np.delete(amax / 127, 5), rtol=1e-7)
+    assert scales[5] == 1.0 and not qw.qweight[5].any()
+    assert qw.qweight.abs().max() <= 127
+    err = np.abs(_weights64(qw).numpy() - w64)
+    assert (err <= scales[:, None] / 2 * (1 + 1e-6)).all()
+    torch.testing.assert_close(dequantize(qw, torch.float64), _weights64(qw), rtol=2**-24, atol=0)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_format_and_round_trip(group_size):
+    w = _randn(19, 256, seed=group_size)
+    w[3, group_size : 2 * group_size] = 0  # a zero group
+    qw = quantize(w, "int4", group_size)
+    assert qw.qweight.dtype == torch.uint8 and qw.qweight.shape == (19, 128)
+    assert qw.scales.dtype == torch.bfloat16 and qw.scales.shape == (19, 256 // group_size)
+    assert qw.shape == (19, 256) and qw.in_features == 256 and qw.out_features == 19
+    assert qw.nbytes == 19 * 128 + 19 * (256 // group_size) * 2
+    groups = w.double().numpy().reshape(19, -1, group_size)
+    want = np.abs(groups).max(-1) / 7
+    scales = qw.scales.double().numpy()
+    assert scales[3, 1] == 1.0 and (_codes64(qw)[3, group_size : 2 * group_size] == 0).all()
+    want[3, 1] = 1.0
+    np.testing.assert_allclose(scales, want, rtol=2**-8)  # the bf16 rounding of absmax / 7
+    # Every weight is within half a step (|w / scale| <= 7 * (1 + 2^-8) < 7.5: no clamping loss).
+    err = np.abs(_weights64(qw).numpy() - w.double().numpy())
+    assert (err <= np.repeat(scales, group_size, axis=-1) / 2 * (1 + 1e-6)).all()
+    assert torch.equal(dequantize(qw, torch.float64), _weights64(qw))
+
+
+def test_int4_nibble_layout_exact():
+    """Codes chosen so that the scale is exactly 0.25: each byte must read (q[2j]+8) | (q[2j+1]+8) << 4."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(-7, 8, (6, 96), generator=g)
+    q[:, ::32] = 7  # every group of 32 reaches absmax 7 * 0.25
+    qw = quantize(q.float() * 0.25, "int4", 32)
+    assert (qw.scales.float() == 0.25).all()
+    n = (q + 8).numpy()
+    want = (n[:, 0::2] | (n[:, 1::2] << 4)).astype(np.uint8)
+    np.testing.assert_array_equal(qw.qweight.numpy(), want)
+
+
+def test_int4_codes_match_float64_rounding():
+    """Random weights: codes equal round(w / scale) computed in float64 (ties, where fp32 and
+    float64 division may round apart, are skipped)."""
+    w = _randn(64, 512, seed=3)
+    qw = quantize(w, "int4", 64)
+    ratio = w.double().numpy() / np.repeat(qw.scales.double().numpy(), 64, axis=-1)
+    want = np.clip(np.rint(ratio), -8, 7)
+    near_tie = np.abs(np.abs(ratio - np.floor(ratio)) - 0.5) < 1e-5
+    assert near_tie.sum() < 10
+    np.testing.assert_array_equal(_codes64(qw)[~near_tie], want[~near_tie])
+
+
+@pytest.mark.parametrize("kind, group_size", [("int8", 0), ("int4", 64)])
+def test_expert_stacks(kind, group_size):
+    """[E, N, K] quantizes expert by expert; dequantize keeps the leading dims."""
+    w = _randn(3, 40, 128, seed=11)
+    qw = quantize(w, kind, group_size)
+    for e in range(3):
+        one = quantize(w[e], kind, group_size)
+        assert torch.equal(qw.qweight[e], one.qweight) and torch.equal(qw.scales[e], one.scales)
+    assert qw.shape == (3, 40, 128) and qw.out_features == 40 and qw.in_features == 128
+    dq = dequantize(qw, torch.float32)
+    assert dq.shape == (3, 40, 128)
+    torch.testing.assert_close(dq.double(), _weights64(qw), rtol=2**-24, atol=0)
+    with pytest.raises(ValueError, match="2-D weight"):
+        quant_linear(torch.randn(2, 128), qw)
+
+
+def test_bad_formats_raise():
+    w = torch.randn(8, 100)
+    with pytest.raises(ValueError, match="in_features 100 is not a multiple of group_size 32"):
+        quantize(w, "int4", 32)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        quantize(torch.randn(8, 96), "int4", 48)
+    with pytest.raises(ValueError, match="unknown quantization kind"):
+        quantize(w, "int3")
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        QuantLinear.empty(100, 8, "int4", 64, bias=False, device="cpu", dtype=torch.float32)
+    qw = quantize(torch.randn(8, 64), "int4", 32)
+    with pytest.raises(ValueError, match="scales have shape"):
+        QuantizedWeight("int4", qw.qweight, qw.scales[:, :1], 32)
+    with pytest.raises(ValueError, match="codes / scales"):
+        QuantizedWeight("int4", qw.qweight, qw.scales.float(), 32)
+    with pytest.raises(ValueError, match="does not end in in_features"):
+        quant_linear(torch.randn(2, 32), qw)
+
+
+# ---------------------------------------------------------------- CPU: the linear
+
+
+@pytest.mark.parametrize("kind, group_size", [("int8", 0), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_reference_matches_float64(kind, group_size, dtype, rows):
+    qw = quantize(_randn(48, 256, seed=1), kind, group_size)
+    x = _randn(rows, 256, seed=2, dtype=dtype)
+    bias = _randn(48, seed=4, dtype=dtype)
+    out = quant_linear_ref(x, qw, bias)
+    assert out.dtype == dtype and out.shape == (rows, 48)
+    _assert_close(out, _expected(x, _weights64(qw), bias), OUT_RTOL[dtype], OUT_ATOL[dtype])
+    assert torch.equal(quant_linear(x, qw, bias), out)  # CPU, <= 16 rows: the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_use_dequantized_linear(dtype):
+    """Past 16 rows (prefill): F.linear over the weights dequantized to x's dtype."""
+    qw = quantize(_randn(48, 256, seed=5), "int4", 64)
+    x = _randn(2, 9, 256, seed=6, dtype=dtype)
+    bias = _randn(48, seed=7, dtype=dtype)
+    out = quant_linear(x, qw, bias)
+    assert out.shape == (2, 9, 48)
+    assert torch.equal(out, F.linear(x, dequantize(qw, dtype), bias))
+    # Weights rounded to the dtype once, then the dtype's own matmul.
+    expected = _expected(x.reshape(18, 256), _weights64(qw), bias)
+    _assert_close(out.reshape(18, 48), expected, OUT_RTOL[dtype], ROUNDED_W_ATOL[dtype])
+
+
+@pytest.mark.parametrize("kind, group_size", [("int8", 0), ("int4", 64)])
+def test_from_linear_vs_float64_product(kind, group_size):
+    """Against the unquantized float64 product, within the bound quantization allows:
+    sum_k |x_k| * scale(n, k) / 2 per output."""
+    linear = nn.Linear(192, 40, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(_randn(40, 192, seed=8))
+    ql = QuantLinear.from_linear(linear, kind, group_size)
+    assert (ql.kind, ql.group_size, ql.in_features, ql.out_features) == (kind, group_size, 192, 40)
+    x = _randn(3, 192, seed=9)
+    out = ql(x).double()
+    exact = x.double() @ linear.weight.double().T + linear.bias.double()
+    scales = ql.scales.double()
+    step = scales[:, None].expand(40, 192) if kind == "int8" else scales.repeat_interleave(group_size, -1)
+    bound = x.double().abs() @ (step / 2).T
+    assert ((out - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+    assert ((out - exact).abs() > 0).any()  # it is quantized
+
+
+def test_state_dict_round_trip():
+    """A model holding QuantLinears saves the quantized artifact and loads it into `empty` ones."""
+    model = nn.Sequential(
+        QuantLinear.from_linear(nn.Linear(128, 64), "int4", 32),
+        QuantLinear.from_linear(nn.Linear(64, 16, bias=False), "int8"),
+    )
+    state = model.state_dict()
+    assert set(state) == {"0.qweight", "0.scales", "0.bias", "1.qweight", "1.scales"}
+    assert state["0.qweight"].dtype == torch.uint8 and state["1.qweight"].dtype == torch.int8
+    fresh = nn.Sequential(
+        QuantLinear.empty(128, 64, "int4", 32, bias=True, device="cpu", dtype=torch.float32),
+        QuantLinear.empty(64, 16, "int8", 0, bias=False, device="cpu", dtype=torch.float32),
+    )
+    fresh.load_state_dict(state, strict=True)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, state[key]) and value.dtype == state[key].dtype
+    x = _randn(4, 128, seed=10)
+    assert torch.equal(fresh(x), model(x))
+
+
+def test_meta_from_linear_then_fill():
+    """The loader's flow: quantize a meta Linear (shapes only), materialise, fill in place."""
+    with torch.device("meta"):
+        ql = QuantLinear.from_linear(nn.Linear(256, 96), "int4", 128)
+    assert ql.qweight.is_meta and ql.qweight.shape == (96, 128) and ql.scales.shape == (96, 2)
+    ql = ql.to_empty(device="cpu")
+    w = _randn(96, 256, seed=12)
+    qw = quantize(w, "int4", 128)
+    ql.qweight.copy_(qw.qweight)
+    ql.scales.copy_(qw.scales)
+    with torch.no_grad():
+        ql.bias.zero_()
+    x = _randn(2, 256, seed=13)
+    assert torch.equal(ql(x), quant_linear_ref(x, qw))
+
+
+class _FakeExtension:
+    """Stands in for ninfer_core._C; any kernel call is a test failure."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"kernel {name} called")
+
+
+def test_cpu_tensors_take_the_reference_even_with_the_extension(monkeypatch):
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "extension", lambda: _FakeExtension())
+    qw = quantize(_randn(32, 64, seed=14), "int8")
+    x = _randn(2, 64, seed=15, dtype=torch.bfloat16)
+    assert not quant._kernel_ok(x, qw, None)
+    assert torch.equal(quant_linear(x, qw), quant_linear_ref(x, qw))
+
+
+# ---------------------------------------------------------------- GPU: the CUDA kernel
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+ROWS = [1, 2, 3, 8, 16]
+# (N, K, int4 group): one row; 64-wide K (half a chunk per int4 row); odd N; rows of 5 / 2.5
+# chunks; K split across 8 warps; N large enough for one warp per tile; the 27B MLP shapes.
+SHAPES = [
+    (1, 4096, 128),
+    (33, 64, 32),
+    (17, 1024, 64),
+    (1000, 320, 32),
+    (256, 2048, 128),
+    (36000, 512, 64),
+    (17408, 5120, 128),
+    (5120, 17408, 128),
+]
+
+
+@pytest.fixture
+def cuda_kernels(monkeypatch):
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert dispatch.extension() is not None, (
+        "CUDA is available but ninfer_core._C is not built: run scripts/gpu_check.sh"
+    )
+
+
+@functools.cache
+def _cuda_weight(kind: str, n: int, k: int, group_size: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A quantized weight on the GPU and its exact float64 values (cached: shapes repeat)."""
+    qw = quantize(_randn(n, k, seed=n + k, spread=0.5, device="cuda"), kind, group_size)
+    return qw, _weights64(qw).cuda()
+
+
+def _cuda_x(*shape, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    return _randn(*shape, seed=seed, spread=0.25, device="cuda", dtype=dtype)
+
+
+def _poisoned(rows: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((rows, n), float("nan"), dtype=dtype, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+def test_kernel_matches_reference(cuda_kernels, shape, kind, dtype, rows):
+    n, k, group_size = shape
+    qw, w64 = _cuda_weight(kind, n, k, group_size if kind == "int4" else 0)
+    x = _cuda_x(rows, k, seed=rows * 7 + n, dtype=dtype)
+    bias = _cuda_x(n, seed=k, dtype=dtype) if rows % 2 else None  # odd row counts add a bias
+    assert quant._kernel_ok(x, qw, bias)
+    out = _poisoned(rows, n, dtype)
+    quant._gemv(out, x, qw, bias)
+    assert not out.isnan().any(), "the kernel left outputs unwritten"
+    exact = _expected(x, w64, bias)
+    _assert_close(quant_linear_ref(x, qw, bias), exact, OUT_RTOL[dtype], OUT_ATOL[dtype])
+    if kind == "int4" and dtype != torch.float32:
+        # Exactly the weights of dequantize(qw, dtype) with fp32 sums, up to output rounding.
+        rounded = _expected(x, dequantize(qw, dtype).double(), bias)
+        _assert_close(out, rounded, OUT_RTOL[dtype], OUT_ATOL[dtype])
+        _assert_close(out, exact, OUT_RTOL[dtype], ROUNDED_W_ATOL[dtype])
+    else:
+        _assert_close(out, exact, OUT_RTOL[dtype], OUT_ATOL[dtype])
+    assert torch.equal(quant_linear(x, qw, bias), out)  # the public op runs the same kernel
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind, group_size", [("int8", 0), ("int4", 128)])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_kernel_replays_in_cuda_graph(cuda_kernels, kind, group_size, rows):
+    """The kernel runs on torch's current stream, so graph capture records it."""
+    dtype = torch.bfloat16
+    qw, w64 = _cuda_weight(kind, 2048, 4096, group_size)
+    bias = _cuda_x(2048, seed=1, dtype=dtype)
+    x = _cuda_x(rows, 4096, seed=2, dtype=dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside capture
+        quant_linear(x, qw, bias)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = quant_linear(x, qw, bias)
+    tol = OUT_ATOL[dtype] if kind == "int8" else ROUNDED_W_ATOL[dtype]
+    for seed in (3, 4):
+        x.copy_(_cuda_x(rows, 4096, seed=seed, dtype=dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, _expected(x, w64, bias), OUT_RTOL[dtype], tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_17_rows_take_the_dequantized_linear(cuda_kernels, monkeypatch, dtype):
+    def no_kernel(*args):
+        raise AssertionError("the GEMV kernel ran for more than 16 rows")
+
+    monkeypatch.setattr(quant, "_gemv", no_kernel)
+    qw, _ = _cuda_weight("int4", 256, 2048, 128)
+    bias = _cuda_x(256, seed=5, dtype=dtype)
+    for shape in ((17, 2048), (1, 17, 2048)):
+        x = _cuda_x(*shape, seed=6, dtype=dtype)
+        out = quant_linear(x, qw, bias)
+        assert out.shape == (*shape[:-1], 256)
+        assert torch.equal(out, F.linear(x, dequantize(qw, dtype), bias))
+
+
+@pytest.mark.cuda
+def test_leading_dims_and_unsupported_calls(cuda_kernels, monkeypatch):
+    """[B, T, K] inputs run the kernel; what it does not cover falls back to the reference."""
+    dtype = torch.bfloat16
+    qw, w64 = _cuda_weight("int8", 512, 2048, 0)
+    x = _cuda_x(2, 3, 2048, seed=7, dtype=dtype)
+    out = quant_linear(x, qw)
+    assert out.shape == (2, 3, 512)
+    _assert_close(out.view(6, 512), _expected(x.view(6, 2048), w64, None), OUT_RTOL[dtype], OUT_ATOL[dtype])
+
+    def no_kernel(*args):
+        raise AssertionError("the GEMV kernel ran on a call it does not cover")
+
+    monkeypatch.setattr(quant, "_gemv", no_kernel)
+    odd = quantize(_randn(64, 40, seed=8, device="cuda"), "int8")  # K % 16 != 0
+    x = _cuda_x(2, 40, seed=9, dtype=dtype)
+    assert torch.equal(quant_linear(x, odd), quant_linear_ref(x, odd))
+    buf = _cuda_x(2 * 2048 + 1, seed=10, dtype=dtype)
+    shifted = buf[1:].view(2, 2048)  # not 16-byte aligned
+    assert torch.equal(quant_linear(shifted, qw), quant_linear_ref(shifted, qw))
+    fp32_bias = _cuda_x(512, seed=11, dtype=torch.float32)  # bias dtype != x dtype
+    x = shifted.contiguous()
+    assert torch.equal(quant_linear(x, qw, fp32_bias), quant_linear_ref(x, qw, fp32_bias))
+
+
+@pytest.mark.cuda
+def test_kernel_rejects_what_it_cannot_run(cuda_kernels):
+    qw, _ = _cuda_weight("int4", 256, 2048, 128)
+    x = _cuda_x(17, 2048, seed=12, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows m=17"):
+        quant._gemv(_poisoned(17, 256, torch.bfloat16), x, qw, None)
