@@ -640,7 +640,7 @@ __global__ void __launch_bounds__(32 * kWriteWarps) write_kv_kernel(const WriteP
         amax = fmaxf(amax, fabsf(f[e]));
       }
       amax = warp_max(amax);
-      float scale = amax / kQMax;
+      float scale = amax * (1.0f / kQMax);  // = ops/attention.py quantize_kv, bit for bit
       if (scale == 0.0f) scale = 1.0f;
       Vec<C, kEpl> out;
 #pragma unroll

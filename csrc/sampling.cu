@@ -6,7 +6,7 @@
 // 1. one pass: the max (and argmax) of the row, and each thread's own max;
 // 2. a lower bound tau <= L: the k-th largest of the 1024 thread maxima (top-k, k <= 1024), else
 //    one pass of a histogram of x = (logit - max) / T over (-32, 0] in bins of 1/8 (counts for
-//    top-k, mass for top-p);
+//    top-k, mass for top-p) whose top bins holding k tokens / top_p of the mass bound L;
 // 3. one pass gathers {logit >= tau} into shared memory; when they fit (the usual case: top-k 20,
 //    or top-p on a peaked row) the rest is bitonic sorts and scans of at most 4096 candidates;
 // 4. otherwise the full-vocabulary path: radix select on the logit's order key (11 + 11 + 10
@@ -78,8 +78,8 @@ __device__ __forceinline__ float key_value(unsigned key) {
 }
 
 // key above, id below inverted: the larger pack is the larger key, then the lower id.
-__device__ __forceinline__ u64 pack(unsigned key, unsigned high_low) {
-  return static_cast<u64>(key) << 32 | (kFull - high_low);
+__device__ __forceinline__ u64 pack(unsigned key, unsigned id) {
+  return static_cast<u64>(key) << 32 | (kFull - id);
 }
 
 struct Row {
@@ -197,48 +197,44 @@ __device__ __forceinline__ u64 draw_target(double u, u64 total) {
   return t < total ? t : total - 1;
 }
 
-// Lower bound on a row's threshold from one pass: a histogram of x over (-32, 0] in bins of 1/8
-// (count, mass, smallest key; the tail below only adds to the row mass). All tokens in the top
-// bins that hold >= k tokens (or >= top_p of the row mass) are >= the returned key, and any
+// Lower bound on a row's threshold from one pass: a histogram of x over (-32, 0] in bins of 1/8,
+// of counts for top-k, of mass for top-p (the tail below only adds to the row mass). Every token
+// in the top bins that hold >= k tokens (>= top_p of the row mass) is >= the returned key, and a
 // token below it has them all strictly above it, so it is not kept. 0 = no bound.
 template <int VEC>
 __device__ unsigned grid_bound(const Row& r, int k, float top_p, Shared& s, u64* row_mass) {
-  u64* mass = s.buf;
-  unsigned* count = reinterpret_cast<unsigned*>(s.buf + kGridBins);
-  unsigned* lowest = count + kGridBins;
-  for (int b = threadIdx.x; b < kGridBins; b += kThreads) {
-    mass[b] = 0;
-    count[b] = 0;
-    lowest[b] = kNone;
-  }
+  u64* bins = s.buf;
+  for (int b = threadIdx.x; b < kGridBins; b += kThreads) bins[b] = 0;
   __syncthreads();
   u64 total = 0;
   for_each<VEC>(r.x, r.vocab, [&](int, float v) {
     const float z = r.z(v);
-    const u64 q = r.quantize(expf(z));
-    total += q;
+    u64 add = 1;
+    if (k == 0) {
+      add = r.quantize(expf(z));
+      total += add;
+    }
     if (z > -kGridBins / kGridPerUnit) {
-      const int b = min(kGridBins - 1, static_cast<int>(-z * kGridPerUnit));
-      atomicAdd(count + b, 1u);
-      atomicAdd(mass + b, q);
-      atomicMin(lowest + b, order_key(v));
+      atomicAdd(bins + min(kGridBins - 1, static_cast<int>(-z * kGridPerUnit)), add);
     }
   });
   *row_mass = block_reduce(total, Sum{}, s.scratch);
   const int t = threadIdx.x;
-  const bool mine = t < kGridBins;
-  const u64 v = mine ? (k > 0 ? count[t] : mass[t]) : 0;
+  const u64 v = t < kGridBins ? bins[t] : 0;
   u64 all;
   const u64 upto = block_exclusive_scan(v, s.scratch, &all) + v;
   const bool reached =
-      mine && (k > 0 ? upto >= static_cast<u64>(k)
-                     : static_cast<double>(upto) >=
-                           static_cast<double>(top_p) * static_cast<double>(*row_mass));
+      t < kGridBins && (k > 0 ? upto >= static_cast<u64>(k)
+                              : static_cast<double>(upto) >=
+                                    static_cast<double>(top_p) * static_cast<double>(*row_mass));
   const u64 first = block_reduce(reached ? static_cast<u64>(t) : ~0ull, Min{}, s.scratch);
-  const u64 bound = block_reduce(mine && t <= static_cast<int>(first) ? lowest[t] : kNone,
-                                 Min{}, s.scratch);
-  __syncthreads();  // s.buf is reused next
-  return first == ~0ull ? 0u : static_cast<unsigned>(bound);
+  if (first == ~0ull) return 0;
+  // Bins 0..first hold z > edge; z is monotone in the logit, so a logit whose z is <= edge is
+  // below all of them.
+  const float edge = -static_cast<float>(first + 1) / kGridPerUnit;
+  float low = r.max + r.temperature * edge;
+  while (r.z(low) > edge) low = nextafterf(low, -INFINITY);
+  return order_key(low);
 }
 
 // Radix select over the whole row on the order key, counting only keys >= floor (a lower bound

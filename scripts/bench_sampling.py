@@ -44,6 +44,17 @@ def time_ms(fn: Callable[[], object], iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def measure(logits: torch.Tensor, params: tuple[torch.Tensor, ...], iters: int, ref_iters: int) -> dict:
+    u = torch.rand(logits.shape[0], dtype=torch.float64, device="cuda")
+    kernel_ms = time_ms(lambda: ops.sample(logits, *params, u), iters)
+    ref_ms = time_ms(lambda: ops.sample_ref(logits, *params, u), ref_iters)
+    agree = (ops.sample(logits, *params, u) == ops.sample_ref(logits, *params, u)).float().mean()
+    kept = (ops.filtered_probs(logits, *params) > 0).sum(-1).float().mean()
+    return {"kernel_ms": round(kernel_ms, 4), "reference_ms": round(ref_ms, 3),
+            "speedup": round(ref_ms / kernel_ms, 1), "mean_kept_tokens": round(float(kept), 1),
+            "tokens_agree": float(agree)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON results path")
@@ -62,14 +73,8 @@ def main() -> None:
                           torch.full((batch,), k, device="cuda"),
                           torch.full((batch,), p, dtype=torch.float64, device="cuda"),
                           torch.zeros(batch, dtype=torch.float64, device="cuda"))
-                u = torch.rand(batch, dtype=torch.float64, device="cuda")
-                kernel_ms = time_ms(lambda: ops.sample(logits, *params, u), args.iters)
-                ref_ms = time_ms(lambda: ops.sample_ref(logits, *params, u), args.ref_iters)
-                agree = float((ops.sample(logits, *params, u) == ops.sample_ref(logits, *params, u)).float().mean())
-                kept = float((ops.filtered_probs(logits, *params) > 0).sum(-1).float().mean())
-                row = {"logits": kind, "batch": batch, "config": name, "kernel_ms": round(kernel_ms, 4),
-                       "reference_ms": round(ref_ms, 3), "speedup": round(ref_ms / kernel_ms, 1),
-                       "mean_kept_tokens": round(kept, 1), "tokens_agree": agree}
+                row = {"logits": kind, "batch": batch, "config": name,
+                       **measure(logits, params, args.iters, args.ref_iters)}
                 print(json.dumps(row), flush=True)
                 results.append(row)
     with open(args.out, "w") as f:

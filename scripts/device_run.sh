@@ -23,11 +23,12 @@ for step in "$@"; do
   echo "== step $step"
   case $step in
   tests)
-    python3 -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors tests/ 2>&1 \
-      | tee "$OUT/pytest_cuda.log" | tail -6 ;;
+    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors \
+      ${TESTS:-tests/} 2>&1 | tee "$OUT/pytest_cuda.log" | grep -vE "^(SKIPPED|PASSED)" | tail -60 ;;
   kernels)
     for k in quant moe gdn attention sampling; do
-      timeout 300 python3 scripts/bench_$k.py "$OUT/kernel_$k.json" 2>&1 | tail -25
+      timeout 300 python3 scripts/bench_$k.py "$OUT/kernel_$k.json" > "$OUT/kernel_$k.log" 2>&1
+      echo "== kernel bench $k: rc $?"; tail -30 "$OUT/kernel_$k.log"
     done ;;
   bench)
     # name | extra flags: the default recipe (int4 + graphs) and the eager bf16 baseline, one run each

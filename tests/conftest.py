@@ -16,3 +16,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _import_transformers_gdn_without_fla() -> None:
+    """transformers binds flash-linear-attention's GDN kernels when it imports its Qwen3.5 modules
+    on a machine where `fla` is installed (our GPU box): its CPU reference would then call Triton
+    on CPU tensors. Import those modules once with `fla` hidden so the reference stays pure torch;
+    our own fla path (ops/gdn.py) imports fla later, unhindered."""
+    import sys
+
+    hidden = {name: sys.modules.pop(name) for name in list(sys.modules) if name == "fla" or name.startswith("fla.")}
+    sys.modules["fla"] = None  # `import fla` raises ImportError
+    try:
+        import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
+        import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+
+
+_import_transformers_gdn_without_fla()

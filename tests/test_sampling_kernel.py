@@ -19,7 +19,12 @@ import math
 import pytest
 import torch
 
-from ninfer_core.engine.sampling import Sampler, SamplingParams, TokenHistory, row_params
+from ninfer_core.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    TokenHistory,
+    row_params,
+)
 from ninfer_core.ops import dispatch
 from ninfer_core.ops import sampling as ops
 from ninfer_core.ops.sampling import top_k_keep

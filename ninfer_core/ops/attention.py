@@ -37,7 +37,9 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     """x [..., D] -> (x / scale stored as `dtype`, scale [...] fp32), one scale per vector."""
     qmax = QMAX[dtype]
     xf = x.float()
-    scale = xf.abs().amax(-1) / qmax
+    # times the fp32 reciprocal, as the kernel computes it (torch's GPU division by a Python scalar
+    # multiplies by the reciprocal too; spelled out so every device agrees bit for bit)
+    scale = xf.abs().amax(-1) * (1.0 / qmax)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     y = (xf / scale[..., None]).clamp(-qmax, qmax)
     return (y.round() if dtype == torch.int8 else y).to(dtype), scale
