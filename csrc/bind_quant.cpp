@@ -20,6 +20,15 @@ void bind_quant(py::module_& module) {
       py::arg("dtype"), py::arg("device"), py::arg("stream"),
       "out[m, n] = x[m, k] @ W^T (+ bias) for int8 / int4 W, m <= 16; bias=0 for none. "
       "See csrc/quant_gemv.h.");
+  module.def(
+      "dequant",
+      [](std::uintptr_t out, std::uintptr_t qweight, std::uintptr_t scales, std::int64_t rows,
+         std::int64_t k, int group_size, bool int4, DType dtype, int device, std::uintptr_t stream) {
+        dequant({out, qweight, scales, rows, k, group_size, int4, dtype, device, stream});
+      },
+      py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("rows"), py::arg("k"),
+      py::arg("group_size"), py::arg("int4"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
+      "Dense weight from int8 / int4 codes (one pass). See csrc/quant_gemv.h.");
 }
 
 }  // namespace ninfer

@@ -36,4 +36,21 @@ struct QuantGemvArgs {
 
 void quant_gemv(const QuantGemvArgs& args);
 
+// The dense weight [rows, k] in dtype from int8 / int4 codes (formats above): w = q * scale in
+// fp32, rounded once (csrc/dequant.cu). Needs k % 8 == 0, out 16-byte and qweight 8-byte aligned.
+struct DequantArgs {
+  std::uintptr_t out;
+  std::uintptr_t qweight;
+  std::uintptr_t scales;
+  std::int64_t rows;  // all leading dims flattened
+  std::int64_t k;
+  int group_size;  // int4 only
+  bool int4;
+  DType dtype;
+  int device;
+  std::uintptr_t stream;
+};
+
+void dequant(const DequantArgs& args);
+
 }  // namespace ninfer

@@ -226,7 +226,7 @@ class _Harness:
                 out = self.model.forward(self.batch(seqs, piece, lens, "last" if last else "none"), self.manager.cache)
             return out.logits[:, -1].argmax(-1)
 
-        warm = min(length, 64)
+        warm = min(length, chunk)  # a full chunk: autotuned kernels (fla, grouped GEMM) settle first
         self.model.forward(self.batch(seqs, ids[:, :warm], torch.tensor([0], device=self.device), "last"),
                            self.manager.cache)
         self.manager.cache.state.reset(seqs[0].slot)

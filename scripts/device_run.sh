@@ -68,6 +68,8 @@ PY
     ninfer bench serve --url http://127.0.0.1:8123 --mode saturation --concurrency 1,2,4,8 \
       --prompt-tokens 512 --max-tokens 32 --out "$OUT/serve_saturation.json" 2>&1 | tail -6
     kill $server ;;
+  profile)
+    timeout 300 python3 scripts/profile_decode.py qwen3.6-35b-a3b --json "$OUT/profile_35b.json" 2>&1 | tail -45 ;;
   spec)
     python3 scripts/bench_spec.py verify --repeats 8 --json "$OUT/spec_verify.json" 2>&1 | tail -20 ;;
   esac

@@ -22,6 +22,7 @@ from ninfer_core.ops.quant import (
     QuantizedWeight,
     QuantLinear,
     dequantize,
+    dequantize_ref,
     quant_linear,
     quant_linear_ref,
     quantize,
@@ -103,7 +104,7 @@ def test_int8_format_and_round_trip():
     assert qw.qweight.abs().max() <= 127
     err = np.abs(_weights64(qw).numpy() - w64)
     assert (err <= scales[:, None] / 2 * (1 + 1e-6)).all()
-    torch.testing.assert_close(dequantize(qw, torch.float64), _weights64(qw), rtol=2**-24, atol=0)
+    torch.testing.assert_close(dequantize_ref(qw, torch.float64), _weights64(qw), rtol=2**-24, atol=0)
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -124,7 +125,7 @@ def test_int4_format_and_round_trip(group_size):
     # Every weight is within half a step (|w / scale| <= 7 * (1 + 2^-8) < 7.5: no clamping loss).
     err = np.abs(_weights64(qw).numpy() - w.double().numpy())
     assert (err <= np.repeat(scales, group_size, axis=-1) / 2 * (1 + 1e-6)).all()
-    assert torch.equal(dequantize(qw, torch.float64), _weights64(qw))
+    assert torch.equal(dequantize_ref(qw, torch.float64), _weights64(qw))
 
 
 def test_int4_nibble_layout_exact():
@@ -160,7 +161,7 @@ def test_expert_stacks(kind, group_size):
         one = quantize(w[e], kind, group_size)
         assert torch.equal(qw.qweight[e], one.qweight) and torch.equal(qw.scales[e], one.scales)
     assert qw.shape == (3, 40, 128) and qw.out_features == 40 and qw.in_features == 128
-    dq = dequantize(qw, torch.float32)
+    dq = dequantize_ref(qw, torch.float32)
     assert dq.shape == (3, 40, 128)
     torch.testing.assert_close(dq.double(), _weights64(qw), rtol=2**-24, atol=0)
     with pytest.raises(ValueError, match="2-D weight"):
@@ -210,7 +211,7 @@ def test_many_rows_use_dequantized_linear(dtype):
     bias = _randn(48, seed=7, dtype=dtype)
     out = quant_linear(x, qw, bias)
     assert out.shape == (2, 9, 48)
-    assert torch.equal(out, F.linear(x, dequantize(qw, dtype), bias))
+    assert torch.equal(out, F.linear(x, dequantize_ref(qw, dtype), bias))
     # Weights rounded to the dtype once, then the dtype's own matmul.
     expected = _expected(x.reshape(18, 256), _weights64(qw), bias)
     _assert_close(out.reshape(18, 48), expected, OUT_RTOL[dtype], ROUNDED_W_ATOL[dtype])
@@ -346,8 +347,8 @@ def test_kernel_matches_reference(cuda_kernels, shape, kind, dtype, rows):
     exact = _expected(x, w64, bias)
     _assert_close(quant_linear_ref(x, qw, bias), exact, OUT_RTOL[dtype], OUT_ATOL[dtype])
     if kind == "int4" and dtype != torch.float32:
-        # Exactly the weights of dequantize(qw, dtype) with fp32 sums, up to output rounding.
-        rounded = _expected(x, dequantize(qw, dtype).double(), bias)
+        # Exactly the weights of dequantize_ref(qw, dtype) with fp32 sums, up to output rounding.
+        rounded = _expected(x, dequantize_ref(qw, dtype).double(), bias)
         _assert_close(out, rounded, OUT_RTOL[dtype], OUT_ATOL[dtype])
         _assert_close(out, exact, OUT_RTOL[dtype], ROUNDED_W_ATOL[dtype])
     else:
@@ -394,7 +395,7 @@ def test_17_rows_take_the_dequantized_linear(cuda_kernels, monkeypatch, dtype):
         x = _cuda_x(*shape, seed=6, dtype=dtype)
         out = quant_linear(x, qw, bias)
         assert out.shape == (*shape[:-1], 256)
-        assert torch.equal(out, F.linear(x, dequantize(qw, dtype), bias))
+        assert torch.equal(out, F.linear(x, dequantize_ref(qw, dtype), bias))
 
 
 @pytest.mark.cuda
@@ -428,3 +429,24 @@ def test_kernel_rejects_what_it_cannot_run(cuda_kernels):
     x = _cuda_x(17, 2048, seed=12, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows m=17"):
         quant._gemv(_poisoned(17, 256, torch.bfloat16), x, qw, None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequant_kernel_equals_reference(kind, group, dtype):
+    """csrc/dequant.cu: bit-identical to dequantize_ref, every element written (NaN-filled pool)."""
+    if not dispatch.kernels_available():
+        pytest.skip("ninfer_core._C not built")
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(3, 40, 256, generator=g).cuda()
+    qw = quantize(w, kind, group or 128)
+    junk = torch.full((3 * 40 * 256,), float("nan"), dtype=dtype, device="cuda")
+    del junk  # the caching allocator hands this NaN-filled block to the kernel's output
+    out = dequantize(qw, dtype)
+    assert torch.equal(out, dequantize_ref(qw, dtype))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dequantize(qw, dtype)
+    graph.replay()
+    assert torch.equal(captured, out)

@@ -22,7 +22,7 @@ from ninfer_core.errors import NinferError
 from ninfer_core.layers.moe import Experts
 from ninfer_core.models.base import ForwardBatch
 from ninfer_core.models.loader import LoadedModel, load_model
-from ninfer_core.ops.quant import QuantLinear, dequantize, quantize
+from ninfer_core.ops.quant import QuantLinear, dequantize_ref, quantize
 from ninfer_core.weights import quant_cache
 from tiny_model_dir import write_tiny_model_dir
 
@@ -62,10 +62,10 @@ def dequantized_reference(directory: Path, quantized: LoadedModel) -> LoadedMode
         for name, module in ref.model.named_modules():
             q = modules.get(name)
             if isinstance(q, QuantLinear):
-                module.weight = nn.Parameter(dequantize(q.quantized, torch.float32))  # unties a tied lm_head
+                module.weight = nn.Parameter(dequantize_ref(q.quantized, torch.float32))  # unties a tied lm_head
             elif isinstance(q, Experts) and q.kind is not None:
-                module.gate_up_proj.copy_(dequantize(q.gate_up, torch.float32))
-                module.down_proj.copy_(dequantize(q.down, torch.float32))
+                module.gate_up_proj.copy_(dequantize_ref(q.gate_up, torch.float32))
+                module.down_proj.copy_(dequantize_ref(q.down, torch.float32))
     return ref
 
 
@@ -74,10 +74,10 @@ def test_recipes_assign_formats(model_dir):
     layer = int4.layers[0]
     assert isinstance(int4.lm_head, QuantLinear) and int4.lm_head.kind == "int8"
     assert layer.mlp.experts.kind == "int4" and layer.mlp.experts.group_size == 32
-    assert isinstance(layer.mlp.shared_expert.up_proj, QuantLinear) and layer.mlp.shared_expert.up_proj.kind == "int8"
-    assert type(layer.mlp.gate) is nn.Linear  # the router stays exact
-    assert type(layer.linear_attn.in_proj_a) is nn.Linear  # 4 outputs: not worth quantizing
-    assert isinstance(layer.linear_attn.in_proj_qkv, QuantLinear)
+    shared_gate_up = layer.mlp.shared_expert.gate_up_proj.linear
+    assert isinstance(shared_gate_up, QuantLinear) and shared_gate_up.kind == "int8"
+    assert type(layer.mlp.gates.linear) is nn.Linear  # router + shared-expert gate stay exact
+    assert isinstance(layer.linear_attn.in_proj.linear, QuantLinear)  # qkv, z, b, a: one int8 GEMM
     int8 = load(model_dir, "int8").model
     assert int8.layers[0].mlp.experts.kind == "int8"
     assert not any(isinstance(m, QuantLinear) for m in load(model_dir, "bf16").model.modules())
@@ -104,7 +104,7 @@ def test_artifact_is_written_then_loaded_without_quantizing(model_dir, monkeypat
     artifacts = sorted((model_dir / quant_cache.ARTIFACT_DIR).glob("int4-*.safetensors"))
     assert [a.name.endswith(".mtp.safetensors") for a in artifacts] == [True, False]  # MTP weights beside
     artifacts = artifacts[1:]
-    assert artifacts[0].name.startswith("int4-v1-float32-")
+    assert artifacts[0].name.startswith("int4-v2-float32-")
 
     def refuse(*args, **kwargs):
         raise AssertionError("quantize() called although the artifact exists")

@@ -31,6 +31,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rmsnorm(x, self.weight, self.eps, zero_centered=self.zero_centered)
 
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one kernel."""
+        return ops.add_rmsnorm(x, residual, self.weight, self.eps, zero_centered=self.zero_centered)
+
 
 class GatedRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

@@ -54,8 +54,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zc)
         self.mlp = SparseMoE(config) if config.is_moe else MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, step: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(delta, residual) -> (delta, residual): the stream is residual + delta, kept apart so
+        that every residual add runs inside the next RMSNorm kernel (two launches fewer per layer).
+        The first layer gets the embeddings as `x` and no residual."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_norm(x, residual)
         i = self.layer_idx
         if self.is_linear:
             pools = (step.cache.state.conv[i], step.cache.state.recurrent[i], step.slots)
@@ -65,8 +73,8 @@ class DecoderLayer(nn.Module):
                 h, step.gdn_records[i] = self.linear_attn.verify(h, *pools)
         else:
             h = self.self_attn(h, step.cos, step.sin, step.cache.kv.layer(i), step.attn)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -107,14 +115,16 @@ class DecoderModel(nn.Module):
         step = StepContext(cos=cos, sin=sin, attn=attn, slots=batch.slots, cache=cache,
                            gdn_records={} if batch.verify else None)
         captured: dict[int, torch.Tensor] = {}
+        residual = None
         for layer in self.layers:
-            x = layer(x, step)
+            x, residual = layer(x, residual, step)
             if layer.layer_idx in batch.capture_layers:
-                captured[layer.layer_idx] = x
+                captured[layer.layer_idx] = x + residual
+        normed, x = self.norm.add_norm(x, residual)  # x: the last layer's output, before the norm
         logits = None
         if batch.logits != "none":
-            last = x[:, -1:] if batch.logits == "last" else x
-            logits = self.lm_head(self.norm(last)).float()
+            last = normed[:, -1:] if batch.logits == "last" else normed
+            logits = self.lm_head(last).float()
         features = torch.cat([captured[i] for i in batch.capture_layers], dim=-1) if batch.capture_layers else None
         return ForwardOutput(logits=logits, hidden_states=x, captured=features, gdn_records=step.gdn_records)
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import ModelLoadError
+from ..layers.linear import load_parameters
 from ..layers.norm import RMSNorm
 from .decoder import DecoderLayer, StepContext
 
@@ -54,17 +54,10 @@ class MTPHead(nn.Module):
         """embeds = embed(t_{i+1}), hidden = normed h_i, both [B, T, H] -> normed h'_i [B, T, H].
         `step` indexes the MTP's own KV cache (layer 0 of `step.cache.kv`)."""
         x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
-        return self.norm(self.layers[0](self.fc(x), step))
+        delta, residual = self.layers[0](self.fc(x), None, step)
+        return self.norm.add_norm(delta, residual)[0]
 
-    @torch.no_grad()
     def load(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy every parameter from `weights` (canonical `mtp.*` names, fused experts)."""
-        for name, param in self.named_parameters():
-            tensor = weights.get(PREFIX + name)
-            if tensor is None:
-                raise ModelLoadError(f"checkpoint is missing MTP tensor '{PREFIX + name}' "
-                                     f"(expected shape {tuple(param.shape)})")
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ModelLoadError(f"MTP tensor '{PREFIX + name}' has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(param.shape)}")
-            param.copy_(tensor)
+        """Copy every parameter from `weights` (canonical `mtp.*` names, fused experts; merged
+        projections from their parts)."""
+        load_parameters(self, weights.__getitem__, set(weights), prefix=PREFIX)

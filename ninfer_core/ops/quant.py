@@ -115,7 +115,26 @@ def quantize(w: torch.Tensor, kind: str, group_size: int = 128) -> QuantizedWeig
 
 
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The [..., N, K] weight in dtype: q * scale in fp32, rounded once to dtype."""
+    """The [..., N, K] weight in dtype: one pass of csrc/dequant.cu on CUDA (the prefill GEMMs
+    dequantize a layer's weights per call), `dequantize_ref` elsewhere; identical values."""
+    out_dtype_ok = dtype in (torch.float32, torch.float16, torch.bfloat16)
+    k = qw.in_features
+    if not (out_dtype_ok and qw.device.type == "cuda" and dispatch.kernels_available() and k % 8 == 0
+            and qw.qweight.is_contiguous() and qw.scales.is_contiguous() and qw.qweight.data_ptr() % 8 == 0):
+        return dequantize_ref(qw, dtype)
+    out = torch.empty(qw.shape, dtype=dtype, device=qw.device)
+    dispatch.extension().dequant(
+        out=out.data_ptr(), qweight=qw.qweight.data_ptr(), scales=qw.scales.data_ptr(),
+        rows=out.numel() // k, k=k, group_size=qw.group_size, int4=qw.kind == "int4",
+        dtype=getattr(dispatch.extension().DType, {torch.float32: "F32", torch.float16: "F16",
+                                                   torch.bfloat16: "BF16"}[dtype]),
+        device=qw.device.index, stream=torch.cuda.current_stream(qw.device).cuda_stream,
+    )
+    return out
+
+
+def dequantize_ref(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Torch reference of `dequantize`: q * scale in fp32, rounded once to dtype."""
     if qw.kind == "int8":
         return qw.qweight.float().mul_(qw.scales[..., None]).to(dtype)
     codes = torch.stack((qw.qweight & 15, qw.qweight >> 4), dim=-1).flatten(-2)

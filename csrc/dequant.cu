@@ -1,0 +1,77 @@
+// int8 / int4 weights -> a dense 16-bit (or fp32) copy, for the compute-bound prefill GEMMs
+// (MoE grouped GEMM, QuantLinear with many rows). One pass: read the codes once, write the
+// values once; the torch reference (ops/quant.py dequantize) makes several fp32 passes.
+#include "common.cuh"
+#include "quant_gemv.h"
+
+namespace ninfer {
+namespace {
+
+// Each thread turns 8 codes into 8 values: w = (q [- 8]) * scale, computed in fp32 and rounded
+// once to T (= dequantize(qw, dtype) bit for bit).
+template <typename T, bool kInt4>
+__global__ void dequant_kernel(T* __restrict__ out, const std::uint8_t* __restrict__ qweight,
+                               const void* __restrict__ scales, std::int64_t rows, std::int64_t k,
+                               int group_size) {
+  const std::int64_t total = rows * k / 8;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t first = i * 8;  // element index of the first of the 8 values
+    const std::int64_t row = first / k;
+    const std::int64_t col = first - row * k;
+    float q[8];
+    float scale;
+    if constexpr (kInt4) {
+      const std::uint32_t packed = reinterpret_cast<const std::uint32_t*>(qweight)[i];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[e] = static_cast<float>((packed >> (4 * e)) & 15u) - 8.0f;
+      const auto* s = static_cast<const __nv_bfloat16*>(scales);
+      scale = __bfloat162float(s[row * (k / group_size) + col / group_size]);
+    } else {
+      const uint2 packed = reinterpret_cast<const uint2*>(qweight)[i];
+      const std::int8_t* c = reinterpret_cast<const std::int8_t*>(&packed);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[e] = static_cast<float>(c[e]);
+      scale = static_cast<const float*>(scales)[row];
+    }
+    Vec<T, 8> v;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v.v[e] = from_float<T>(q[e] * scale);
+    *reinterpret_cast<Vec<T, 8>*>(out + first) = v;
+  }
+}
+
+template <typename T>
+void launch(const DequantArgs& a, cudaStream_t stream) {
+  const std::int64_t work = a.rows * a.k / 8;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<std::int64_t>((work + threads - 1) / threads, 65535 * 8));
+  auto* out = reinterpret_cast<T*>(a.out);
+  const auto* q = reinterpret_cast<const std::uint8_t*>(a.qweight);
+  const auto* s = reinterpret_cast<const void*>(a.scales);
+  if (a.int4) {
+    dequant_kernel<T, true><<<blocks, threads, 0, stream>>>(out, q, s, a.rows, a.k, a.group_size);
+  } else {
+    dequant_kernel<T, false><<<blocks, threads, 0, stream>>>(out, q, s, a.rows, a.k, a.group_size);
+  }
+  check_launch("dequant kernel launch");
+}
+
+}  // namespace
+
+void dequant(const DequantArgs& a) {
+  if (a.rows < 1 || a.k < 8 || a.k % 8 != 0) throw std::invalid_argument("dequant: needs rows >= 1, k % 8 == 0");
+  if (a.int4 && (a.group_size < 8 || a.k % a.group_size != 0)) {
+    throw std::invalid_argument("dequant: int4 needs k % group_size == 0");
+  }
+  if (!is_aligned(a.out, 16) || !is_aligned(a.qweight, 8)) throw std::invalid_argument("dequant: misaligned pointers");
+  DeviceGuard guard(a.device);
+  const cudaStream_t stream = as_stream(a.stream);
+  switch (a.dtype) {
+    case DType::F32: launch<float>(a, stream); break;
+    case DType::F16: launch<__half>(a, stream); break;
+    case DType::BF16: launch<__nv_bfloat16>(a, stream); break;
+  }
+}
+
+}  // namespace ninfer

@@ -1,0 +1,59 @@
+"""Where a decode step's time goes: the kernels of one step of a synthetic model, by CUDA time.
+
+Runs eager decode steps (the same kernels a CUDA graph replays) under torch.profiler and prints
+each kernel's calls per step and its share of the GPU time, next to the graph-replay step time.
+    python3 scripts/profile_decode.py qwen3.6-35b-a3b [--context 4096] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ninfer_core.bench import BenchSetup, _build, _Harness  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("preset")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--weights", default="auto")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    setup = BenchSetup(model=args.preset, device="cuda", weights=args.weights, prefill_lengths=(),
+                       decode_contexts=(args.context,), decode_batches=(1,), decode_steps=args.steps)
+    model, config, dev, dtype, _ = _build(setup)
+    harness = _Harness(model, config, dev, dtype, setup)
+    graph_ms = harness.decode(1, args.context, float("nan")).ms_per_step
+    harness.graphs = None  # eager: the profiler sees every kernel
+    harness.decode(1, args.context, float("nan"))  # warm-up
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eager_ms = harness.decode(1, args.context, float("nan")).ms_per_step
+    kernels: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name].append(event.device_time)
+    steps = args.steps
+    rows = sorted(((sum(t) / steps, len(t) / steps, name) for name, t in kernels.items()), reverse=True)
+    gpu_us = sum(r[0] for r in rows)
+    launches = sum(r[1] for r in rows)
+    print(f"{args.preset}: graph step {graph_ms:.3f} ms, eager step {eager_ms:.3f} ms, "
+          f"GPU busy {gpu_us / 1e3:.3f} ms in {launches:.0f} kernels per step")
+    for us, calls, name in rows[:40]:
+        print(f"{us:9.1f} us {calls:6.1f}x  {100 * us / gpu_us:5.1f}%  {name[:110]}")
+    if args.json:
+        args.json.write_text(json.dumps({"graph_ms": graph_ms, "eager_ms": eager_ms, "gpu_busy_ms": gpu_us / 1e3,
+                                         "kernels_per_step": launches,
+                                         "kernels": [dict(us=u, calls=c, name=n) for u, c, n in rows]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
