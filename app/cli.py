@@ -176,7 +176,7 @@ def bench(
     model: Annotated[Optional[str], typer.Argument(help="Checkpoint directory or .gguf file (or use --synthetic).")] = None,
     synthetic: Annotated[Optional[str], typer.Option(help="Preset with random weights: qwen3.6-35b-a3b, "
                                                           "qwen3.6-27b, tiny-qwen3.6-moe.")] = None,
-    prefill: Annotated[str, typer.Option(help="Prompt lengths timed (comma list, 8k = 8192; '' = none).")] = "512,8k,64k",
+    prefill: Annotated[str, typer.Option(help="Prompt lengths timed (comma list, 8k = 8192; none to skip).")] = "512,8k,64k",
     contexts: Annotated[str, typer.Option(help="Contexts of the batch-1 decode runs.")] = "4k,32k",
     batches: Annotated[str, typer.Option(help="Batch sizes of the aggregate decode runs (at --batch-context).")] = "1,2,4,8",
     batch_context: Annotated[int, typer.Option(help="Context of the batch > 1 decode runs.")] = 4096,

@@ -28,7 +28,9 @@ def parse_kv_capacity(value: str) -> int | None:
 
 
 def parse_int_list(value: str, flag: str) -> tuple[int, ...]:
-    """`512,8k,64K` -> (512, 8192, 65536); empty -> ()."""
+    """`512,8k,64K` -> (512, 8192, 65536); empty or `none` -> ()."""
+    if value.strip().lower() == "none":
+        return ()
     out = []
     for part in filter(None, (p.strip() for p in value.split(","))):
         scale = 1024 if part[-1] in "kK" else 1

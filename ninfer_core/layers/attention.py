@@ -25,6 +25,7 @@ from ..ops.attention import (
     prefill_attention,
     write_kv,
 )
+from .linear import MergedLinear
 from .norm import RMSNorm
 from .rope import apply_rotary
 
@@ -62,10 +63,9 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         q_out = config.num_heads * config.head_dim * (2 if self.output_gate else 1)
         kv_out = config.num_kv_heads * config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_out, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_out, bias=bias)
+        # The checkpoint's q/k/v_proj (all with a bias or none) as one GEMM, output [q | k | v].
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out},
+                                     bias=config.attention_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_eps, config.norm_zero_centered)
@@ -83,11 +83,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; appends the T new tokens' k/v to the cache."""
         batch, num_new, _ = x.shape
-        q = self.q_proj(x).view(batch, num_new, self.num_heads, -1)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(batch, num_new, self.num_heads, -1)
         if self.output_gate:  # per head: [query | gate]
             q, gate = q.split(self.head_dim, dim=-1)
-        k = self.k_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        k = k.view(batch, num_new, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import gdn as gdn_ops
+from .linear import MergedLinear
 from .norm import GatedRMSNorm
 
 CHUNK_SIZE = 64
@@ -204,10 +205,9 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         hidden = config.hidden_size
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        # The checkpoint's in_proj_qkv / _z / _b / _a all read x: one GEMM, output [qkv | z | b | a].
+        self.in_proj = MergedLinear(hidden, {"in_proj_qkv": self.conv_dim, "in_proj_z": self.value_dim,
+                                             "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads})
         # Only a holder for the checkpoint's `conv1d.weight` [C, 1, K]; the math is causal_conv1d_silu.
         k = config.linear_conv_kernel_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, k, groups=self.conv_dim, bias=False)
@@ -221,9 +221,9 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, hidden]; conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv]; slots [B]."""
         if x.shape[1] == 1:
+            qkv, z, b, a = self.in_proj(x[:, 0])
             out = gdn_ops.gdn_decode_step(
-                self.in_proj_qkv(x)[:, 0], self.in_proj_a(x)[:, 0], self.in_proj_b(x)[:, 0],
-                self.in_proj_z(x)[:, 0], conv_pool, state_pool, slots, self.conv1d.weight[:, 0],
+                qkv, a, b, z, conv_pool, state_pool, slots, self.conv1d.weight[:, 0],
                 self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
                 self.num_k_heads, self.head_k_dim, self.head_v_dim,
             )
@@ -247,14 +247,14 @@ class GatedDeltaNet(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GDNRecord]:
         """The layer from given states: (output, new conv state, new recurrent state, record)."""
         batch, num_new, _ = x.shape
-        qkv = self.in_proj_qkv(x)
+        qkv, z, b, a = self.in_proj(x)
         q, k, v, conv_state = conv_qkv_heads(
             qkv, conv_state, self.conv1d.weight[:, 0], self.num_k_heads, self.head_k_dim, self.head_v_dim, state.dtype
         )
-        g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         out, state = delta_rule(q, k, v, g, beta, state)
 
-        z = self.in_proj_z(x).reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
+        z = z.reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
         out = self.norm(out.to(x.dtype), z)
         out = self.out_proj(out.reshape(batch, num_new, self.value_dim))
         return out, conv_state, state, GDNRecord(qkv=qkv, k=k, v=v, g=g, beta=beta)

@@ -1,4 +1,6 @@
-"""Dense SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` (Qwen3.5 dense, shared expert, Llama)."""
+"""Dense SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` (Qwen3.5 dense, shared expert, Llama).
+
+gate_proj and up_proj (checkpoint names) run as one GEMM (`gate_up_proj`, output [gate | up])."""
 
 from __future__ import annotations
 
@@ -6,13 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import MergedLinear
+
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate) * up)

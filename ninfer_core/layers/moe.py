@@ -14,6 +14,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.moe import ExpertTensor, moe_experts, moe_route
 from ..ops.quant import QuantizedWeight, quantize
+from .linear import MergedLinear
 from .mlp import MLP
 
 _PARTS = ("gate_up", "down")
@@ -72,19 +73,20 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        shared = config.shared_expert_intermediate_size
+        # The router (checkpoint `gate`) and the shared expert's scalar gate as one GEMM: [router | shared gate].
+        # Both stay in the model dtype under every quantization recipe (routing is sensitive to them).
+        parts = {"gate": config.num_experts} | ({"shared_expert_gate": 1} if shared else {})
+        self.gates = MergedLinear(config.hidden_size, parts)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
-        if config.shared_expert_intermediate_size:
-            self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        else:
-            self.shared_expert = None
+        self.shared_expert = MLP(config.hidden_size, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
+        router_logits, *shared_gate = self.gates(x)  # shared_gate: [] without a shared expert
+        weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
         out = moe_experts(x, self.experts.gate_up, self.experts.down, weights, ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(shared_gate[0]) * self.shared_expert(x)
         return out.reshape(shape)

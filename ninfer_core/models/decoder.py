@@ -3,7 +3,9 @@
 A layer is `h += mixer(input_layernorm(h)); h += ffn(post_attention_layernorm(h))`; the mixer is
 gated DeltaNet or (gated) attention per `config.layer_types`, the FFN a sparse MoE or a dense
 SwiGLU MLP. Llama-family models are the all-attention, dense, plain-RMSNorm case of the same
-shell. Parameter names equal the canonical checkpoint names, so loading is a name-for-name copy.
+shell. Parameter names equal the canonical checkpoint names, so loading is a name-for-name copy, except
+merged projections (q|k|v, GDN in_proj, gate|up, router|shared gate), which load from their parts
+(`layers/linear.py`): one GEMM instead of several per decode step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.gdn import GatedDeltaNet, GDNRecord
+from ..layers.linear import load_parameters
 from ..layers.mlp import MLP
 from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
@@ -133,10 +136,4 @@ class DecoderModel(nn.Module):
         """Copy every parameter from the tensor of the same canonical name (tie re-made first:
         `to_empty()` after a meta-device build unties lm_head from the embeddings)."""
         self._tie()
-        for name, param in self.named_parameters():
-            if name not in names:
-                raise ModelLoadError(f"checkpoint is missing tensor '{name}' (expected shape {tuple(param.shape)})")
-            tensor = get(name)
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ModelLoadError(f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            param.copy_(tensor)
+        load_parameters(self, get, names)

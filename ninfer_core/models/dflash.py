@@ -32,6 +32,7 @@ from ..cache.kv_pool import KVLayer
 from ..config import ModelConfig, read_json_object
 from ..errors import ModelLoadError
 from ..layers.attention import Attention
+from ..layers.linear import load_parameters
 from ..layers.mlp import MLP
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding, apply_rotary
@@ -145,13 +146,14 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps, zero_centered=False)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def project_context(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """c [B, T, H] -> this layer's keys (normed, RoPE'd) and values [B, T, Hkv, D]."""
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [B, T, H] -> raw queries [B, T, Hq*D] (one merged q/k/v GEMM; callers that need them
+        norm and rotate), this layer's keys (normed, RoPE'd) and values [B, T, Hkv, D]."""
         attn = self.self_attn
-        shape = (*context.shape[:2], attn.num_kv_heads, attn.head_dim)
-        k = apply_rotary(attn.k_norm(attn.k_proj(context).view(shape)), cos, sin)
-        return k, attn.v_proj(context).view(shape)
+        q, k, v = attn.qkv_proj(h)
+        shape = (*h.shape[:2], attn.num_kv_heads, attn.head_dim)
+        return q, apply_rotary(attn.k_norm(k.view(shape)), cos, sin), v.view(shape)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -159,8 +161,8 @@ class DFlashLayer(nn.Module):
         attn = self.self_attn
         h = self.input_layernorm(x)
         batch, width, _ = h.shape
-        q = apply_rotary(attn.q_norm(attn.q_proj(h).view(batch, width, attn.num_heads, attn.head_dim)), cos, sin)
-        k, v = self.project_context(h, cos, sin)
+        q, k, v = self.project(h, cos, sin)
+        q = apply_rotary(attn.q_norm(q.view(batch, width, attn.num_heads, attn.head_dim)), cos, sin)
         out = block_attention(q, k, v, k_cache, v_cache, block_table, mask, attn.scale)
         x = x + attn.o_proj(out.reshape(batch, width, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -196,7 +198,7 @@ class DFlashModel(nn.Module):
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         cos, sin = self.rotary_emb(positions, context.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            k, v = layer.project_context(context, cos, sin)
+            _, k, v = layer.project(context, cos, sin)
             write_kv(KVLayer(k_cache, v_cache), k, v, slot_mapping)
 
     def forward(self, embeds: torch.Tensor, where: BlockInputs, k_caches: list[torch.Tensor],
@@ -233,18 +235,13 @@ class DFlashModel(nn.Module):
                 mask = mask & (key_pos[:, None, :] - query_pos < window)
         return mask
 
-    @torch.no_grad()
     def load(self, get, names: set[str]) -> None:
-        """Name-for-name copy from the drafter checkpoint; refuses missing / misshapen tensors."""
-        for name, param in self.named_parameters():
-            if name not in names:
-                raise ModelLoadError(f"DFlash checkpoint is missing tensor '{name}' "
-                                     f"(expected shape {tuple(param.shape)})")
-            tensor = get(name)
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ModelLoadError(f"DFlash tensor '{name}' has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(param.shape)}")
-            param.copy_(tensor)
+        """Name-for-name copy from the drafter checkpoint (merged projections from their parts);
+        refuses missing / misshapen tensors."""
+        try:
+            load_parameters(self, get, names)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"DFlash {e}") from None
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

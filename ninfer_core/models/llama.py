@@ -16,6 +16,7 @@ import torch
 from ..cache import ModelCache
 from ..config import LLAMA_ARCHS, ModelConfig
 from ..errors import ModelLoadError
+from ..layers.linear import merged_sources, source_names
 from .base import ForwardBatch, ForwardOutput
 from .decoder import DecoderModel
 
@@ -38,10 +39,12 @@ class LlamaForCausalLM(DecoderModel):
 
     @torch.no_grad()
     def load_weights(self, get: Callable[[str], torch.Tensor], names: set[str]) -> None:
-        """Name-for-name copy. A tensor the model has no place for is an error (the config does
-        not describe the checkpoint: say, q_norm weights without qk_norm), except a stored
-        `lm_head.weight` when the embeddings are tied and stale rotary tables."""
-        params = {name for name, _ in self.named_parameters()}
+        """Name-for-name copy (merged projections from their parts). A tensor the model has no
+        place for is an error (the config does not describe the checkpoint: say, q_norm weights
+        without qk_norm), except a stored `lm_head.weight` when the embeddings are tied and stale
+        rotary tables."""
+        sources = merged_sources(self)  # merged projections take their parts' names
+        params = {src for name, _ in self.named_parameters() for src in source_names(sources, name)}
         tied_head = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         unexpected = sorted(n for n in names - params - tied_head if not n.endswith(_IGNORED_SUFFIXES))
         if unexpected:

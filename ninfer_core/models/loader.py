@@ -133,8 +133,9 @@ def _fill(model: nn.Module, tensors: WeightSource, dtype: torch.dtype, device: t
     def get(name: str) -> torch.Tensor:
         return tensors.get(name, dtype)
 
-    consumed = fill_quantized_(model, get, device)
-    model.load_weights(get, tensors.names() - consumed)
+    names = tensors.names()
+    consumed = fill_quantized_(model, get, names, device)
+    model.load_weights(get, names - consumed)
 
 
 def load_model(

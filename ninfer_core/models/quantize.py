@@ -12,8 +12,10 @@ sensitive, so they keep int8):
   int8  every large Linear and the experts int8 per output channel;
   int4  routed experts and dense-MLP projections int4 (group 128, or 64 / 32 where 128 does not
         divide the input width; bf16 scales), the rest int8.
-Small projections (router, GDN a/b, shared-expert gate: < 64 outputs or the router) stay in the
-model dtype: their bytes do not matter and routing is sensitive to them.
+Small projections (< 64 outputs) and the router with the shared-expert gate (one merged Linear)
+stay in the model dtype: their bytes do not matter and routing is sensitive to them. GDN a/b are
+rows of the merged GDN input projection (`layers/linear.py`) and share its int8 format (scales are
+per output row, so they keep their own range).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import NinferError
+from ..layers.linear import checkpoint_parts, merged_sources, source_names
 from ..layers.moe import Experts, SparseMoE
 from ..ops import dispatch
 from ..ops.quant import QuantLinear, quantize
@@ -50,7 +53,7 @@ class QuantRecipe:
     @property
     def key(self) -> str:
         """Names the recipe in the on-disk artifact (a change of format gets a new key)."""
-        return self.mode if not self.quantized else f"{self.mode}-v1"
+        return self.mode if not self.quantized else f"{self.mode}-v2"  # v2: merged projections
 
     def linear_format(self, name: str, linear: nn.Linear, router: bool) -> tuple[str, int] | None:
         """(kind, int4 group or 0) for one Linear, None to keep it in the model dtype."""
@@ -87,7 +90,7 @@ def apply_recipe_(model: nn.Module, recipe: QuantRecipe) -> None:
     """Swap Linear / expert modules for quantized ones (works on meta tensors: shapes only)."""
     if not recipe.quantized:
         return
-    routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoE)}
+    routers = {id(m.gates.linear) for m in model.modules() if isinstance(m, SparseMoE)}
     for name, module in list(model.named_modules()):
         if isinstance(module, Experts) and (fmt := recipe.experts_format(module)) is not None:
             module.quantize_(*fmt)
@@ -100,9 +103,13 @@ def apply_recipe_(model: nn.Module, recipe: QuantRecipe) -> None:
 
 
 @torch.no_grad()
-def fill_quantized_(model: nn.Module, get: Callable[[str], torch.Tensor], device: torch.device) -> set[str]:
-    """Quantize the checkpoint tensors of every quantized module into its buffers; returns the
-    checkpoint names consumed (the caller copies the rest as plain parameters)."""
+def fill_quantized_(
+    model: nn.Module, get: Callable[[str], torch.Tensor], names: set[str], device: torch.device
+) -> set[str]:
+    """Quantize the checkpoint tensors of every quantized module into its buffers (a merged
+    projection's parts concatenated first); returns the checkpoint names consumed (the caller
+    copies the rest as plain parameters)."""
+    sources = merged_sources(model)
     consumed: set[str] = set()
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
@@ -110,8 +117,10 @@ def fill_quantized_(model: nn.Module, get: Callable[[str], torch.Tensor], device
             source = prefix + "weight"
             if name == "lm_head" and getattr(model.config, "tie_word_embeddings", False):
                 source = "embed_tokens.weight"
-            _store(module, "", quantize(get(source).to(device), module.kind, module.group_size))
-            consumed.add(prefix + "weight")
+            parts = checkpoint_parts(get, names, sources, source, (module.out_features, module.in_features))
+            weight = torch.cat([t.to(device) for t in parts]) if len(parts) > 1 else parts[0].to(device)
+            _store(module, "", quantize(weight, module.kind, module.group_size))
+            consumed.update(source_names(sources, prefix + "weight"))
         elif isinstance(module, Experts) and module.kind is not None:
             for part in ("gate_up_proj", "down_proj"):
                 _store(module, f"{part.removesuffix('_proj')}_", quantize(get(prefix + part).to(device), module.kind,
