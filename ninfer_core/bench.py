@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .cache import CacheManager
+from .cache.manager import DEFAULT_PAGE_SIZE
 from .config import ModelConfig
 from .engine.cuda_graph import DecodeGraphs
 from .errors import NinferError
@@ -178,7 +179,8 @@ class _Harness:
         max_batch = max(setup.decode_batches, default=1)
         longest = max((*setup.prefill_lengths, *setup.decode_contexts, setup.batch_context), default=1)
         self.max_context = longest + setup.decode_steps + 2
-        tokens = max(self.max_context, max_batch * (setup.batch_context + setup.decode_steps + 2))
+        per_seq = math.ceil((setup.batch_context + setup.decode_steps + 2) / DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE
+        tokens = max(self.max_context, max_batch * per_seq)
         self.manager = CacheManager(config, max_tokens=tokens, max_seqs=max_batch, dtype=dtype, device=device,
                                     kv_dtype=None if setup.kv_dtype == "auto" else setup.kv_dtype,
                                     scratch=device.type == "cuda")

@@ -46,6 +46,7 @@ from ninfer_core.models.base import ForwardBatch  # noqa: E402
 from ninfer_core.models.decoder import StepContext  # noqa: E402
 from ninfer_core.models.dflash import BlockInputs, DFlashConfig, DFlashModel  # noqa: E402
 from ninfer_core.models.loader import build_model, init_random_, resolve_device, resolve_dtype  # noqa: E402
+from ninfer_core.models.quantize import apply_recipe_, resolve_recipe  # noqa: E402
 from ninfer_core.models.mtp import MTPHead, mtp_layer_config  # noqa: E402
 from ninfer_core.models.presets import preset  # noqa: E402
 
@@ -77,12 +78,14 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
 class Synthetic:
     """A random-weight model of a preset's shape with one prefilled sequence."""
 
-    def __init__(self, name: str, device: str, dtype: str, context: int, max_k: int):
+    def __init__(self, name: str, device: str, dtype: str, context: int, max_k: int, weights: str = "bf16"):
         self.config: ModelConfig = preset(name)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = build_model(self.config, self.device, self.dtype)
         init_random_(self.model)
+        self.recipe = resolve_recipe(weights, self.device, self.dtype)
+        apply_recipe_(self.model, self.recipe)
         self.cache = CacheManager(self.config, max_tokens=context + 2 * max_k + 32, max_seqs=2, dtype=self.dtype,
                                   device=self.device)
         self.seq = self.cache.allocate()
@@ -193,7 +196,7 @@ def dflash_draft_cost(s: Synthetic, k: int, repeats: int) -> float:
 
 
 def bench_verify(args: argparse.Namespace) -> dict:
-    s = Synthetic(args.preset, args.device, args.dtype, args.context, args.max_k)
+    s = Synthetic(args.preset, args.device, args.dtype, args.context, args.max_k, args.weights)
     n = s.context
     state = s.cache.cache.state
     slot = [s.seq.slot]
@@ -216,7 +219,7 @@ def bench_verify(args: argparse.Namespace) -> dict:
                 cost = (t + mtp) / decode
                 row["mtp_speedup_at_acceptance"] = (1 + k * args.acceptance) / cost
             rows.append(row)
-    result = {"bench": "verify", "preset": args.preset, **env(s.device, s.dtype), "context": n,
+    result = {"bench": "verify", "preset": args.preset, "weights": s.recipe.key, **env(s.device, s.dtype), "context": n,
               "decode_ms": decode * 1e3, "acceptance": args.acceptance,
               "formula": "speedup = (1 + K*a) / ((verify(K) + mtp_draft(K)) / decode)", "rows": rows}
     print(f"{args.preset} on {result['device']} ({result['dtype']}), context {n}: decode step {decode * 1e3:.2f} ms")
@@ -232,7 +235,7 @@ def bench_rollback(args: argparse.Namespace) -> dict:
     """Per round of K drafts: ours (record + commit), (a)/(c) per-position states (emulated: the
     verify forward plus writing K+1 states per GDN layer and copying the kept one back), and (b)
     snapshot + plain verify forward + restore + replay forward of the kept tokens."""
-    s = Synthetic(args.preset, args.device, args.dtype, args.context, args.max_k)
+    s = Synthetic(args.preset, args.device, args.dtype, args.context, args.max_k, args.weights)
     n, k = s.context, args.max_k
     state, slot = s.cache.cache.state, s.seq.slot
     scratch = {i: torch.empty((k + 1, *state.recurrent[i].shape[1:]), dtype=state.recurrent[i].dtype,
@@ -331,6 +334,7 @@ def main() -> None:
     acc.add_argument("--max-context", type=int, default=2048)
     for p in sub.choices.values():
         p.add_argument("--device", default="auto")
+        p.add_argument("--weights", default="bf16", help="recipe: bf16, int8, int4 (models/quantize.py)")
         p.add_argument("--dtype", default="auto")
         p.add_argument("--json", type=Path, default=None, help="write the result here")
     args = parser.parse_args()

@@ -49,7 +49,11 @@ LIST
     ;;
   profile)
     timeout 300 python3 scripts/profile_decode.py qwen3.6-35b-a3b --json "$OUT/profile_35b.json" 2>&1 | tail -45 ;;
+  start)
+    timeout 300 python3 scripts/bench_start.py qwen3.6-35b-a3b /tmp/ninfer-start --json "$OUT/start_35b.json" 2>&1 | tail -4 ;;
   spec)
-    python3 scripts/bench_spec.py verify --repeats 8 --json "$OUT/spec_verify.json" 2>&1 | tail -20 ;;
+    for w in bf16 int4; do
+      timeout 200 python3 scripts/bench_spec.py verify --repeats 8 --weights $w --json "$OUT/spec_verify_$w.json" 2>&1 | tail -12
+    done ;;
   esac
 done
