@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import math
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,7 @@ from .layers.moe import Experts
 from .models.base import ForwardBatch
 from .models.loader import load_model, resolve_device, resolve_dtype, build_model, init_random_
 from .models.presets import PRESETS, preset
-from .models.quantize import QuantRecipe, apply_recipe_, resolve_recipe
+from .models.quantize import QuantRecipe, apply_recipe_, resolve_recipe, weight_bytes
 
 PREFILL_LENGTHS = (512, 8192, 65536)
 DECODE_CONTEXTS = (4096, 32768)
@@ -144,16 +145,6 @@ def decode_weight_bytes(model: nn.Module, config: ModelConfig, batch: int) -> in
         else:
             total += _tensor_bytes(t)
     return int(total)
-
-
-def _resident_bytes(model: nn.Module) -> int:
-    seen: set[int] = set()
-    total = 0
-    for t in (*model.parameters(), *model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += _tensor_bytes(t)
-    return total
 
 
 def _build(setup: BenchSetup) -> tuple[nn.Module, ModelConfig, torch.device, torch.dtype, QuantRecipe]:
@@ -267,6 +258,22 @@ class _Harness:
                          roofline_fraction=moved / seconds / bandwidth if math.isfinite(bandwidth) else float("nan"))
 
 
+def cuda_median_ms(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) -> float:
+    """Median milliseconds of fn between two CUDA events on the current stream (kernel benches)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
     _sync(device)
     start = time.perf_counter()
@@ -290,7 +297,7 @@ def run_bench(setup: BenchSetup, progress: Callable[[str], None] = lambda _: Non
         weights=recipe.key,
         kv_dtype=harness.manager.cache.kv.dtype_name,
         cuda_graphs=harness.graphs is not None,
-        weight_bytes=_resident_bytes(model),
+        weight_bytes=weight_bytes(model),
         weight_bytes_per_token=weights_per_token,
         copy_bandwidth_gb_s=bandwidth / 1e9,
         roofline_tok_s=bandwidth / (weights_per_token + state) if math.isfinite(bandwidth) else float("nan"),

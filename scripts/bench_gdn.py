@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ninfer_core.bench import cuda_median_ms  # noqa: E402
 from ninfer_core.layers.gdn import gated_delta_rule_chunked, l2norm  # noqa: E402
 from ninfer_core.ops import gdn as gdn_ops  # noqa: E402
 
@@ -32,20 +32,6 @@ LAYERS = 30  # GDN layers of the 35B
 DTYPE = torch.bfloat16
 
 
-def events_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn between two CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def graph_of(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -120,12 +106,12 @@ def bench_decode(batch: int) -> dict:
     names = ("qkv", "a", "b", "z", "conv_pool", "state_pool", "slots", "conv_weight", "A_log", "dt_bias", "norm_weight")
     if gdn_ops._kernel_applies(*(first[n] for n in names), DK, DV):
         graph = graph_of(kernel_step)
-        result["kernel_graph_us"] = events_ms(graph.replay, repeats=50) * per_call
-        result["kernel_eager_us"] = events_ms(kernel_step, repeats=20) * per_call
+        result["kernel_graph_us"] = cuda_median_ms(graph.replay, repeats=50) * per_call
+        result["kernel_eager_us"] = cuda_median_ms(kernel_step, repeats=20) * per_call
         result["kernel_gbps"] = result["bytes_per_call"] / (result["kernel_graph_us"] * 1e3)
     else:
         result["kernel"] = "not applicable (ninfer_core._C not built, or NINFER_DISABLE_KERNELS set)"
-    result["reference_eager_us"] = events_ms(reference_step, repeats=10) * per_call
+    result["reference_eager_us"] = cuda_median_ms(reference_step, repeats=10) * per_call
     return result
 
 
@@ -142,13 +128,13 @@ def bench_prefill(seq_len: int) -> dict:
     beta = torch.sigmoid(randn(1, seq_len, HV))
     state = randn(1, HV, DK, DV) * 0.1
     result: dict = {"seq_len": seq_len}
-    ref_ms = events_ms(lambda: gated_delta_rule_chunked(q, k, v, g, beta, state), repeats=5, warmup=1)
+    ref_ms = cuda_median_ms(lambda: gated_delta_rule_chunked(q, k, v, g, beta, state), repeats=5, warmup=1)
     result["reference_ms"] = ref_ms
     result["reference_tok_s"] = seq_len / ref_ms * 1e3
     if gdn_ops._fla_chunk() is None:
         result["fla"] = "not importable"
         return result
-    fla_ms = events_ms(lambda: gdn_ops.gated_delta_rule_fla(q, k, v, g, beta, state), repeats=10, warmup=2)
+    fla_ms = cuda_median_ms(lambda: gdn_ops.gated_delta_rule_fla(q, k, v, g, beta, state), repeats=10, warmup=2)
     result["fla_ms"] = fla_ms
     result["fla_tok_s"] = seq_len / fla_ms * 1e3
     result["fla_speedup"] = ref_ms / fla_ms

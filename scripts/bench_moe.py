@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ninfer_core.bench import cuda_median_ms  # noqa: E402
 from ninfer_core.ops import dispatch, moe  # noqa: E402
 from ninfer_core.ops.quant import QuantizedWeight, quantize  # noqa: E402
 
@@ -31,25 +32,12 @@ EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
 ROUTINGS = 32
 
 
-def cuda_ms(fn: Callable[[], object], repeats: int = 10) -> float:
-    """Median milliseconds of fn on the current stream, after two warm-up calls."""
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def copy_gb_s() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / cuda_ms(lambda: dst.copy_(src)) / 1e6
+    return 2 * src.numel() / cuda_median_ms(lambda: dst.copy_(src)) / 1e6
 
 
 def experts(fmt: str) -> tuple[moe.ExpertTensor, moe.ExpertTensor]:
@@ -90,17 +78,17 @@ def decode_case(fmt: str, tokens: int, gate_up, down) -> dict:
     unique = statistics.mean(len(torch.unique(ids)) for _, ids in routes)
 
     experts_us = (
-        cuda_ms(graphed(lambda r: moe.moe_experts(x, gate_up, down, *routes[r]))) * 1e3 / ROUTINGS
+        cuda_median_ms(graphed(lambda r: moe.moe_experts(x, gate_up, down, *routes[r]))) * 1e3 / ROUTINGS
     )
-    route_us = cuda_ms(graphed(lambda r: moe.moe_route(logits[r], TOP_K, True))) * 1e3 / ROUTINGS
+    route_us = cuda_median_ms(graphed(lambda r: moe.moe_route(logits[r], TOP_K, True))) * 1e3 / ROUTINGS
     return {
         "format": fmt,
         "tokens": tokens,
         "kernel": moe._decode_plan(x, gate_up, down, *routes[0]) is not None,
         "experts_us": experts_us,
         "route_us": route_us,
-        "eager_us": cuda_ms(lambda: moe.moe_experts(x, gate_up, down, *routes[0])) * 1e3,
-        "reference_us": cuda_ms(lambda: moe.moe_experts_ref(x, gate_up, down, *routes[0]), 3) * 1e3,
+        "eager_us": cuda_median_ms(lambda: moe.moe_experts(x, gate_up, down, *routes[0])) * 1e3,
+        "reference_us": cuda_median_ms(lambda: moe.moe_experts_ref(x, gate_up, down, *routes[0]), 3) * 1e3,
         "weight_bytes": pair_bytes,
         "gb_s": pair_bytes / experts_us / 1e3,
         "unique_expert_bytes": unique * expert_bytes,
@@ -112,7 +100,7 @@ def prefill_case(fmt: str, tokens: int, gate_up, down) -> dict:
     weights, ids = moe.moe_route_ref(
         torch.randn(tokens, EXPERTS, device="cuda").bfloat16(), TOP_K, True
     )
-    ms = cuda_ms(lambda: moe.moe_experts(x, gate_up, down, weights, ids), 5)
+    ms = cuda_median_ms(lambda: moe.moe_experts(x, gate_up, down, weights, ids), 5)
     flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
     return {
         "format": fmt,

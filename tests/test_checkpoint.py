@@ -13,7 +13,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_checkpoints import (
-    FP8_BLOCK,
     canonical_reference,
     dequantize_reference,
     write_tiny_qwen,

@@ -185,3 +185,30 @@ def test_real_model_quantized_agreement(smollm_path):
         top1 = (reference.argmax(-1) == ours.argmax(-1)).double().mean().item()
         print(f"SmolLM2 {weights}: KL {kl:.4f} nats, top-1 agreement {top1:.3f} over {len(ids)} tokens")
         assert top1 >= min_top1 and kl <= max_kl, (weights, top1, kl)
+
+
+def test_fp8_checkpoint_is_quantized_from_exact_values(tmp_path):
+    """An FP8 release's weights reach the quantizer in fp32 (e4m3 x scale, exact), not rounded to
+    the bf16 model dtype first: the codes equal quantize() of the exact reference values."""
+    from ninfer_core.config import load_config
+    from ninfer_core.models.loader import _fill, build_model
+    from ninfer_core.models.quantize import QuantRecipe
+    from ninfer_core.weights.checkpoint import open_checkpoint
+    from ninfer_core.weights.text_weights import TextWeights
+    from tiny_checkpoints import canonical_reference, write_tiny_qwen
+
+    hf = write_tiny_qwen(tmp_path, moe=True, multimodal=False, experts="per_expert", fp8=True,
+                         dtype=torch.bfloat16, text_overrides=WIDE)
+    reference = canonical_reference(hf)
+    config = load_config(tmp_path)
+    model = build_model(config, torch.device("cpu"), torch.bfloat16, QuantRecipe("int4"))
+    _fill(model, TextWeights(open_checkpoint(tmp_path, config.quantization)), torch.bfloat16, torch.device("cpu"),
+          fp8_source=True)
+    experts = model.layers[0].mlp.experts
+    exact = quantize(reference["layers.0.mlp.experts.gate_up_proj"].float(), "int4", experts.group_size)
+    assert torch.equal(experts.gate_up_qweight, exact.qweight) and torch.equal(experts.gate_up_scales, exact.scales)
+    o_proj = model.layers[3].self_attn.o_proj
+    exact = quantize(reference["layers.3.self_attn.o_proj.weight"].float(), "int8")
+    assert torch.equal(o_proj.qweight, exact.qweight) and torch.equal(o_proj.scales, exact.scales)
+    detour = quantize(reference["layers.3.self_attn.o_proj.weight"].to(torch.bfloat16), "int8")
+    assert not torch.equal(detour.scales, exact.scales)  # what rounding to bf16 first would have cost

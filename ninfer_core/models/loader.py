@@ -128,13 +128,21 @@ class WeightSource(Protocol):
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
 
-def _fill(model: nn.Module, tensors: WeightSource, dtype: torch.dtype, device: torch.device) -> None:
-    """Quantize into the quantized modules' buffers, then copy every plain parameter."""
+def _fill(
+    model: nn.Module, tensors: WeightSource, dtype: torch.dtype, device: torch.device, fp8_source: bool
+) -> None:
+    """Quantize into the quantized modules' buffers, then copy every plain parameter.
+
+    An FP8 checkpoint's weights reach the quantizer in fp32 (e4m3 x block scale is exact there):
+    rounding them to the model dtype first would quantize twice."""
     def get(name: str) -> torch.Tensor:
         return tensors.get(name, dtype)
 
+    def get_exact(name: str) -> torch.Tensor:
+        return tensors.get(name, torch.float32)
+
     names = tensors.names()
-    consumed = fill_quantized_(model, get, names, device)
+    consumed = fill_quantized_(model, get_exact if fp8_source else get, names, device)
     model.load_weights(get, names - consumed)
 
 
@@ -175,7 +183,7 @@ def load_model(
         model = build_model(config, dev, torch_dtype, recipe)
         artifact = quant_cache.artifact_path(path, recipe.key, torch_dtype) if recipe.quantized and path.is_dir() else None
         if artifact is None or not quant_cache.load(model, artifact):
-            _fill(model, tensors, torch_dtype, dev)
+            _fill(model, tensors, torch_dtype, dev, fp8_source=bool(config.quantization))
             if artifact is not None:
                 quant_cache.save(model, artifact)
     name = path.stem if path.is_file() else path.name
