@@ -35,4 +35,5 @@ PYBIND11_MODULE(_C, m) {
   ninfer::bind_gdn(m);
   ninfer::bind_attention(m);
   ninfer::bind_sampling(m);
+  ninfer::bind_activation(m);
 }

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..cache.kv_pool import KVLayer
 from ..config import ModelConfig
+from ..ops.activation import sigmoid_mul
 from ..ops.attention import (
     DECODE_MAX_TOKENS,
     decode_attention,
@@ -97,5 +98,5 @@ class Attention(nn.Module):
         attend = decode_attention if num_new <= DECODE_MAX_TOKENS else prefill_attention
         out = attend(q, kv, meta.block_table, meta.cache_lens, self.scale)
         if self.output_gate:
-            out = out * torch.sigmoid(gate)
+            out = sigmoid_mul(out, gate)
         return self.o_proj(out.reshape(batch, num_new, -1))

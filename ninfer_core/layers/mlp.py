@@ -5,9 +5,9 @@ gate_proj and up_proj (checkpoint names) run as one GEMM (`gate_up_proj`, output
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..ops.activation import silu_mul
 from .linear import MergedLinear
 
 
@@ -18,5 +18,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj.linear(x)))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops.activation import sigmoid_mul
 from ..ops.moe import ExpertTensor, moe_experts, moe_route
 from ..ops.quant import QuantizedWeight, quantize
 from .linear import MergedLinear
@@ -88,5 +89,5 @@ class SparseMoE(nn.Module):
         weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
         out = moe_experts(x, self.experts.gate_up, self.experts.down, weights, ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(shared_gate[0]) * self.shared_expert(x)
+            out = sigmoid_mul(self.shared_expert(x), shared_gate[0], add=out)
         return out.reshape(shape)

@@ -1,0 +1,88 @@
+// Fused elementwise epilogues (csrc/activation.h); torch references in ninfer_core/ops/activation.py.
+#include "activation.h"
+#include "common.cuh"
+
+namespace ninfer {
+namespace {
+
+template <typename T>
+__device__ __forceinline__ T rounded(float v) {
+  return from_float<T>(v);
+}
+
+template <typename T>
+__global__ void silu_mul_kernel(T* __restrict__ out, const T* __restrict__ x, std::int64_t rows, std::int64_t cols) {
+  const std::int64_t total = rows * cols;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / cols, c = i - r * cols;
+    const float g = to_float(x[r * 2 * cols + c]);
+    const float silu = to_float(rounded<T>(g / (1.0f + expf(-g))));
+    out[i] = rounded<T>(silu * to_float(x[r * 2 * cols + cols + c]));
+  }
+}
+
+template <typename T>
+__global__ void sigmoid_mul_kernel(T* out, const T* x, const T* __restrict__ gate, const T* add, std::int64_t rows,
+                                   std::int64_t cols, std::int64_t gate_stride, int gate_cols) {
+  const std::int64_t total = rows * cols;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / cols, c = i - r * cols;
+    const float g = to_float(gate[r * gate_stride + (gate_cols == 1 ? 0 : c)]);
+    const float s = to_float(rounded<T>(1.0f / (1.0f + expf(-g))));
+    float v = to_float(rounded<T>(to_float(x[i]) * s));
+    if (add != nullptr) v = to_float(add[i]) + v;
+    out[i] = rounded<T>(v);
+  }
+}
+
+int blocks_for(std::int64_t total) {
+  return static_cast<int>(std::min<std::int64_t>((total + 255) / 256, 4096));
+}
+
+}  // namespace
+
+void silu_mul(const SiluMulArgs& a) {
+  if (a.rows < 1 || a.cols < 1) throw std::invalid_argument("silu_mul: empty input");
+  DeviceGuard guard(a.device);
+  const cudaStream_t stream = as_stream(a.stream);
+  const int blocks = blocks_for(a.rows * a.cols);
+  switch (a.dtype) {
+    case DType::F32:
+      silu_mul_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<float*>(a.out), reinterpret_cast<const float*>(a.x),
+                                                  a.rows, a.cols);
+      break;
+    case DType::F16:
+      silu_mul_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<__half*>(a.out),
+                                                  reinterpret_cast<const __half*>(a.x), a.rows, a.cols);
+      break;
+    case DType::BF16:
+      silu_mul_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<__nv_bfloat16*>(a.out),
+                                                  reinterpret_cast<const __nv_bfloat16*>(a.x), a.rows, a.cols);
+      break;
+  }
+  check_launch("silu_mul kernel launch");
+}
+
+template <typename T>
+void launch_sigmoid_mul(const SigmoidMulArgs& a, cudaStream_t stream) {
+  sigmoid_mul_kernel<<<blocks_for(a.rows * a.cols), 256, 0, stream>>>(
+      reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.gate),
+      reinterpret_cast<const T*>(a.add), a.rows, a.cols, a.gate_stride, a.gate_cols);
+}
+
+void sigmoid_mul(const SigmoidMulArgs& a) {
+  if (a.rows < 1 || a.cols < 1) throw std::invalid_argument("sigmoid_mul: empty input");
+  if (a.gate_cols != 1 && a.gate_cols != a.cols) throw std::invalid_argument("sigmoid_mul: gate_cols must be 1 or cols");
+  DeviceGuard guard(a.device);
+  const cudaStream_t stream = as_stream(a.stream);
+  switch (a.dtype) {
+    case DType::F32: launch_sigmoid_mul<float>(a, stream); break;
+    case DType::F16: launch_sigmoid_mul<__half>(a, stream); break;
+    case DType::BF16: launch_sigmoid_mul<__nv_bfloat16>(a, stream); break;
+  }
+  check_launch("sigmoid_mul kernel launch");
+}
+
+}  // namespace ninfer

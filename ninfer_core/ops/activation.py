@@ -1,0 +1,71 @@
+"""Fused elementwise epilogues of a decode layer: SwiGLU's `silu(gate) * up` and the sigmoid gates
+(attention output gate, MoE shared-expert gate + residual add). Each is 2-3 torch kernels of a
+few µs on tiny tensors; a decode step is bound by kernel count, so one launch each (csrc/activation.cu).
+
+The references below are the torch expressions the model used before, with their rounding: every
+intermediate is rounded to the input dtype, and the kernels round at the same points.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import dispatch
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def sigmoid_mul_ref(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x * sigmoid(gate) (+ add); gate has x's shape or x's with a last dim of 1."""
+    y = x * torch.sigmoid(gate) if add is None else add + torch.sigmoid(gate) * x
+    return y
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    cols = x.shape[-1] // 2
+    if not (dispatch.use_kernel(x) and x.is_contiguous() and x.shape[-1] == 2 * cols and x.numel() > 0):
+        return silu_mul_ref(x)
+    out = x.new_empty(*x.shape[:-1], cols)
+    dispatch.extension().silu_mul(out=out.data_ptr(), x=x.data_ptr(), rows=x.numel() // x.shape[-1], cols=cols,
+                                  dtype=dispatch.kernel_dtype(x), device=x.device.index,
+                                  stream=dispatch.stream_handle(x))
+    return out
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    cols = x.shape[-1]
+    tensors = (x, gate) if add is None else (x, gate, add)
+    gate_rows = _rows(gate, 1 if gate.shape[-1] == 1 else cols)
+    fits = (
+        dispatch.use_kernel(*tensors)
+        and len({t.dtype for t in tensors}) == 1
+        and x.is_contiguous()
+        and (add is None or (add.is_contiguous() and add.shape == x.shape))
+        and gate.shape[:-1] == x.shape[:-1]
+        and gate.shape[-1] in (1, cols)
+        and gate_rows is not None
+        and x.numel() > 0
+    )
+    if not fits:
+        return sigmoid_mul_ref(x, gate, add)
+    out = torch.empty_like(x)
+    dispatch.extension().sigmoid_mul(
+        out=out.data_ptr(), x=x.data_ptr(), gate=gate_rows.data_ptr(), add=0 if add is None else add.data_ptr(),
+        rows=x.numel() // cols, cols=cols, gate_stride=gate_rows.stride(0), gate_cols=gate.shape[-1],
+        dtype=dispatch.kernel_dtype(x), device=x.device.index, stream=dispatch.stream_handle(x),
+    )
+    return out
+
+
+def _rows(gate: torch.Tensor, cols: int) -> torch.Tensor | None:
+    """gate as [rows, cols] with unit column stride and one row stride, without a copy (None: no such view)."""
+    try:
+        rows = gate.view(-1, cols)
+    except RuntimeError:
+        return None
+    return rows if rows.stride(1) == 1 or cols == 1 else None
