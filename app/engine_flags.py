@@ -8,6 +8,8 @@ import typer
 
 from ninfer_core.errors import NinferError
 
+from .units import human_bytes
+
 WEIGHTS_HELP = ("Weights: auto (int4 experts/MLP + int8 rest on a GPU with kernels, else the model dtype), bf16, "
                 "int8, int4. Quantized checkpoints are cached on disk after the first load.")
 KV_DTYPE_HELP = "KV cache: auto (the model dtype), bf16, fp16, fp8 (e4m3) or int8."
@@ -39,3 +41,10 @@ def parse_int_list(value: str, flag: str) -> tuple[int, ...]:
             raise NinferError(f"{flag}: expected positive numbers separated by commas (8k = 8192), got '{value}'")
         out.append(int(digits) * scale)
     return tuple(out)
+
+
+def describe_engine(stats) -> str:
+    """One line of what the engine holds: weights recipe and size, KV format and capacity, graphs."""
+    return (f"weights {stats.weights or 'model dtype'} ({human_bytes(stats.weight_bytes)}), "
+            f"KV {stats.kv_dtype} {stats.kv_capacity_tokens:,} tokens ({human_bytes(stats.kv_bytes)}), "
+            f"CUDA graphs {'on' if stats.cuda_graphs else 'off'}")

@@ -14,7 +14,7 @@ import typer
 
 from ninfer_core.errors import NinferError
 
-from .engine_flags import KV_CAPACITY_HELP, KV_DTYPE_HELP, WEIGHTS_HELP, parse_kv_capacity
+from .engine_flags import KV_CAPACITY_HELP, KV_DTYPE_HELP, WEIGHTS_HELP, describe_engine, parse_kv_capacity
 from .output import fail
 from .tui.settings import default_model
 
@@ -103,7 +103,8 @@ def serve(
             if handle.service is not None and not announced:
                 announced = True
                 typer.secho(f"ninfer: {handle.slot.model_id} ready (context {handle.service.context_limit} tokens, "
-                            f"{handle.service.max_concurrency} concurrent)", err=True)
+                            f"{handle.service.max_concurrency} concurrent; "
+                            f"{describe_engine(handle.service.stats().engine)})", err=True)
     except KeyboardInterrupt:
         typer.secho("ninfer: stopping", err=True)
     finally:

@@ -463,7 +463,7 @@ def test_error_inside_a_stream_is_an_error_event(model):
 
 def test_ninfer_serve_command(model):
     env = {**os.environ, "NINFER_PORT": "0", "NINFER_DEVICE": "cpu", "NINFER_MAX_CONTEXT": "128",
-           "NINFER_API_KEY": "k"}
+           "NINFER_API_KEY": "k", "NINFER_WEIGHTS": "bf16"}
     proc = subprocess.Popen([sys.executable, "-m", "ninfer_app", "serve", str(model[0])], env=env,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -474,6 +474,9 @@ def test_ninfer_serve_command(model):
         assert client.models.list().data[0].max_model_len == 128  # NINFER_MAX_CONTEXT reached the engine
         r = client.chat.completions.create(model="m", messages=HI, max_tokens=2, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 2
+        ready = proc.stderr.readline()  # the startup report: capacity, formats
+        assert "ready (context 128 tokens" in ready and "weights bf16" in ready and "KV fp32 1,024 tokens" in ready, ready
+        assert "CUDA graphs off" in ready
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
