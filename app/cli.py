@@ -173,7 +173,7 @@ def run(
 @bench_app.callback(invoke_without_command=True)
 def bench(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(help="Checkpoint directory or .gguf file (or use --synthetic).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Checkpoint directory or .gguf file (or use --synthetic).")] = None,
     synthetic: Annotated[Optional[str], typer.Option(help="Preset with random weights: qwen3.6-35b-a3b, "
                                                           "qwen3.6-27b, tiny-qwen3.6-moe.")] = None,
     prefill: Annotated[str, typer.Option(help="Prompt lengths timed (comma list, 8k = 8192; none to skip).")] = "512,8k,64k",
@@ -193,7 +193,7 @@ def bench(
     if ctx.invoked_subcommand is not None:
         return
     if (synthetic is None) == (model is None):
-        fail("give a model directory or --synthetic PRESET (or a subcommand: `ninfer bench serve --help`)")
+        fail("give --model DIR or --synthetic PRESET (or a subcommand: `ninfer bench serve --help`)")
     from ninfer_core.bench import BenchSetup, run_bench
 
     try:

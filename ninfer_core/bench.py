@@ -294,7 +294,7 @@ def run_bench(setup: BenchSetup, progress: Callable[[str], None] = lambda _: Non
         model=setup.model,
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         dtype=str(dtype).removeprefix("torch."),
-        weights=recipe.key,
+        weights=recipe.label(dtype),
         kv_dtype=harness.manager.cache.kv.dtype_name,
         cuda_graphs=harness.graphs is not None,
         weight_bytes=weight_bytes(model),

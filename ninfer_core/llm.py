@@ -230,7 +230,7 @@ class LLM:
             vision_tower=self.vision.tower if self.vision else None,
             speculator=speculator,
             graphs=DecodeGraphs(loaded.model, cache, options.max_seqs, self.max_context) if graphs else None,
-            weights=loaded.recipe.key,
+            weights=loaded.recipe.label(loaded.dtype),
         )
 
     @classmethod

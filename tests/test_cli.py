@@ -149,7 +149,7 @@ def test_bench_synthetic_tiny_json():
                   "--contexts", "64", "--batches", "1,3", "--batch-context", "40", "--decode-steps", "3", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["model"] == "tiny-qwen3.6-moe" and out["weights"] == "bf16" and out["cuda_graphs"] is False
+    assert out["model"] == "tiny-qwen3.6-moe" and out["weights"] == "float32" and out["cuda_graphs"] is False
     assert [p["tokens"] for p in out["prefill"]] == [32, 48] and all(p["tok_s"] > 0 for p in out["prefill"])
     assert [(d["batch"], d["context"]) for d in out["decode"]] == [(1, 64), (3, 40)]
     one, three = out["decode"]
@@ -170,3 +170,13 @@ def test_run_with_ngram_speculation_is_lossless(model_dir):
     assert spec["spec"]["drafted"] >= spec["spec"]["accepted"] >= 0
     assert_clean_error(ninfer("run", str(model_dir[0]), "--prompt", "x", "--draft-tokens", "3", "--device", "cpu"),
                        "--spec")
+
+
+def test_bench_checkpoint_with_recipe(model_dir):
+    """`ninfer bench DIR`: a real checkpoint through the loader, the recipe and KV format applied."""
+    proc = ninfer("bench", "--model", str(model_dir[0]), "--device", "cpu", "--weights", "int8", "--kv-dtype", "int8",
+                  "--prefill", "16", "--contexts", "32", "--batches", "1", "--decode-steps", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["weights"] == "int8-v2" and out["kv_dtype"] == "int8" and out["prefill"][0]["tokens"] == 16
+    assert out["decode"][0]["tok_s"] > 0

@@ -475,7 +475,7 @@ def test_ninfer_serve_command(model):
         r = client.chat.completions.create(model="m", messages=HI, max_tokens=2, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 2
         ready = proc.stderr.readline()  # the startup report: capacity, formats
-        assert "ready (context 128 tokens" in ready and "weights bf16" in ready and "KV fp32 1,024 tokens" in ready, ready
+        assert "ready (context 128 tokens" in ready and "weights float32" in ready and "KV fp32 1,024 tokens" in ready, ready
         assert "CUDA graphs off" in ready
     finally:
         proc.send_signal(signal.SIGINT)

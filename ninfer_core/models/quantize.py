@@ -55,6 +55,10 @@ class QuantRecipe:
         """Names the recipe in the on-disk artifact (a change of format gets a new key)."""
         return self.mode if not self.quantized else f"{self.mode}-v2"  # v2: merged projections
 
+    def label(self, dtype: torch.dtype) -> str:
+        """What the weights are, for reports: the recipe key, or the model dtype when unquantized."""
+        return self.key if self.quantized else str(dtype).removeprefix("torch.")
+
     def linear_format(self, name: str, linear: nn.Linear, router: bool) -> tuple[str, int] | None:
         """(kind, int4 group or 0) for one Linear, None to keep it in the model dtype."""
         if not self.quantized or router or linear.out_features < MIN_QUANT_OUT_FEATURES:
