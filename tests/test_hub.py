@@ -374,7 +374,8 @@ def test_fit_estimate_matches_a_hand_computation():
     params = 2 * v * h + h + 40 * (2 * h + moe) + 10 * attention + 30 * gdn
     assert count_params(cfg) == params == 34_660_610_688
     assert kv_bytes_per_token(cfg, "bf16") == 10 * 2 * 2 * 256 * 2 == 20_480
-    assert kv_bytes_per_token(cfg, "fp8") == 10_240
+    assert kv_bytes_per_token(cfg, "fp8") == 10 * 2 * 2 * (256 + 4) == 10_400  # + an fp32 scale per token-head
+    assert kv_bytes_per_token(cfg, "int8") == 10_400
     state = 30 * (conv * 3 * 2 + 32 * 128 * 128 * 4)
     assert gdn_state_bytes(cfg) == state
 
@@ -507,7 +508,7 @@ def test_cli_show_and_list_aliases_without_pulling(tmp_path, monkeypatch):
     shown = json.loads(runner.invoke(app, ["show", "qwen3.6-35b-a3b", "--quant", "int4", "--kv-dtype", "fp8",
                                            "--json"]).stdout)
     assert shown["pulled"] is False and shown["fit"]["weight_bytes"] == 34_660_610_688 // 2
-    assert shown["fit"]["kv_bytes"] == 10_240 * DEFAULT_CONTEXT
+    assert shown["fit"]["kv_bytes"] == 10_400 * DEFAULT_CONTEXT  # fp8 pages + their per-token-head scales
 
 
 def test_run_a_pulled_model_by_name(tmp_path, hub):

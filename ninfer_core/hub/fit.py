@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from ..cache import kv_pool
+from ..cache.state_pool import gdn_conv_dim, state_bytes_per_slot
 from ..config import ModelConfig
 from .errors import HubError
 
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
-KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-CONV_STATE_BYTES = 2  # conv state is kept in the activation dtype (bf16)
-RECURRENT_STATE_BYTES = 4  # delta-rule state is kept in fp32
+KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}  # the --kv-dtype choices (fp8/int8 add scales)
 RUNTIME_RESERVE_BYTES = 1 << 30
 DEFAULT_CONTEXT = 32768  # the engine's default max_context on CUDA (ninfer_core.llm.DEFAULT_MAX_CONTEXT)
 
@@ -35,11 +37,6 @@ def _attention_params(cfg: ModelConfig) -> int:
     if cfg.qk_norm:
         n += 2 * d
     return n
-
-
-def gdn_conv_dim(cfg: ModelConfig) -> int:
-    keys = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-    return 2 * keys + cfg.linear_num_value_heads * cfg.linear_value_head_dim  # q, k, v
 
 
 def _gdn_params(cfg: ModelConfig) -> int:
@@ -77,17 +74,14 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> int:
-    width = _lookup(KV_BYTES, kv_dtype, "KV dtype")
-    return len(cfg.full_attention_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * width
+    """The engine's own count (cache/kv_pool.py), per-token scales of fp8 / int8 included."""
+    _lookup(KV_BYTES, kv_dtype, "KV dtype")
+    return kv_pool.kv_bytes_per_token(cfg, kv_dtype, torch.bfloat16)
 
 
 def gdn_state_bytes(cfg: ModelConfig) -> int:
-    """GDN state of one sequence: conv window and recurrent state in every linear-attention layer."""
-    per_layer = (
-        gdn_conv_dim(cfg) * (cfg.linear_conv_kernel_dim - 1) * CONV_STATE_BYTES
-        + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * RECURRENT_STATE_BYTES
-    )
-    return len(cfg.linear_attention_layers) * per_layer
+    """GDN state of one sequence (bf16 conv window, fp32 recurrent state): the engine's count."""
+    return state_bytes_per_slot(cfg, torch.bfloat16)
 
 
 def _lookup(table: dict, key: str, what: str):
