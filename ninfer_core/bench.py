@@ -31,6 +31,7 @@ from .cache.manager import DEFAULT_PAGE_SIZE
 from .config import ModelConfig
 from .engine.cuda_graph import DecodeGraphs
 from .errors import NinferError
+from .hub.fit import count_params
 from .layers.moe import Experts
 from .models.base import ForwardBatch
 from .models.loader import load_model, resolve_device, resolve_dtype, build_model, init_random_
@@ -152,7 +153,7 @@ def _build(setup: BenchSetup) -> tuple[nn.Module, ModelConfig, torch.device, tor
     if setup.model in PRESETS:
         config = preset(setup.model)
         dtype = resolve_dtype(setup.dtype, dev)
-        recipe = resolve_recipe(setup.weights, dev, dtype)
+        recipe = resolve_recipe(setup.weights, dev, dtype, count_params(config))
         model = build_model(config, dev, dtype)
         init_random_(model, setup.seed)
         apply_recipe_(model, recipe)

@@ -212,3 +212,19 @@ def test_fp8_checkpoint_is_quantized_from_exact_values(tmp_path):
     assert torch.equal(o_proj.qweight, exact.qweight) and torch.equal(o_proj.scales, exact.scales)
     detour = quantize(reference["layers.3.self_attn.o_proj.weight"].to(torch.bfloat16), "int8")
     assert not torch.equal(detour.scales, exact.scales)  # what rounding to bf16 first would have cost
+
+
+def test_auto_recipe_rule(monkeypatch):
+    """auto quantizes only big half-precision models on a GPU with our kernels."""
+    from ninfer_core.models import quantize as q
+    from ninfer_core.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "kernels_available", lambda: True)
+    cuda, cpu, big, small = torch.device("cuda"), torch.device("cpu"), 35 * 10**9, 135 * 10**6
+    assert q.resolve_recipe("auto", cuda, torch.bfloat16, big).mode == "int4"
+    assert q.resolve_recipe("auto", cuda, torch.bfloat16, small).mode == "bf16"  # small models stay exact
+    assert q.resolve_recipe("auto", cuda, torch.float32, big).mode == "bf16"  # fp32 asked for exactness
+    assert q.resolve_recipe("auto", cpu, torch.bfloat16, big).mode == "bf16"
+    assert q.resolve_recipe("int8", cpu, torch.float32, small).mode == "int8"  # explicit always wins
+    monkeypatch.setattr(dispatch, "kernels_available", lambda: False)
+    assert q.resolve_recipe("auto", cuda, torch.bfloat16, big).mode == "bf16"  # no kernels: no int4 GEMV

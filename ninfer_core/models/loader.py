@@ -18,6 +18,7 @@ from torch import nn
 from ..config import QWEN_ARCHS, GenerationDefaults, ModelConfig, load_config
 from ..errors import ModelLoadError, NinferError
 from ..hub.aliases import resolve_alias
+from ..hub.fit import count_params
 from ..hub.registry import resolve_local
 from ..tokenizer import Tokenizer
 from ..weights.checkpoint import open_checkpoint
@@ -174,7 +175,7 @@ def load_model(
             if config.arch in QWEN_ARCHS:
                 tensors = TextWeights(tensors)
     torch_dtype = resolve_dtype(dtype, dev)
-    recipe = resolve_recipe(weights, dev, torch_dtype)
+    recipe = resolve_recipe(weights, dev, torch_dtype, count_params(config))
     if tensors is None:
         model = build_model(config, dev, torch_dtype)
         init_random_(model)
