@@ -34,9 +34,9 @@ from .errors import NinferError
 from .hub.fit import count_params
 from .layers.moe import Experts
 from .models.base import ForwardBatch
-from .models.loader import load_model, resolve_device, resolve_dtype, build_model, init_random_
+from .models.loader import load_model, random_model, resolve_device, resolve_dtype
 from .models.presets import PRESETS, preset
-from .models.quantize import QuantRecipe, apply_recipe_, resolve_recipe, weight_bytes
+from .models.quantize import QuantRecipe, resolve_recipe, unique_tensors, weight_bytes
 
 PREFILL_LENGTHS = (512, 8192, 65536)
 DECODE_CONTEXTS = (4096, 32768)
@@ -134,11 +134,7 @@ def decode_weight_bytes(model: nn.Module, config: ModelConfig, batch: int) -> in
     expert_tensors = {id(t) for m in model.modules() if isinstance(m, Experts) for t in (*m.parameters(), *m.buffers())}
     embed = model.embed_tokens.weight
     total = 0.0
-    seen: set[int] = set()
-    for t in (*model.parameters(), *model.buffers()):
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
+    for t in unique_tensors(model):
         if t is embed and not (config.tie_word_embeddings and type(model.lm_head) is nn.Linear):
             total += batch * _tensor_bytes(t[0])
         elif id(t) in expert_tensors:
@@ -154,10 +150,7 @@ def _build(setup: BenchSetup) -> tuple[nn.Module, ModelConfig, torch.device, tor
         config = preset(setup.model)
         dtype = resolve_dtype(setup.dtype, dev)
         recipe = resolve_recipe(setup.weights, dev, dtype, count_params(config))
-        model = build_model(config, dev, dtype)
-        init_random_(model, setup.seed)
-        apply_recipe_(model, recipe)
-        return model, config, dev, dtype, recipe
+        return random_model(config, dev, dtype, recipe, setup.seed), config, dev, dtype, recipe
     loaded = load_model(setup.model, setup.device, setup.dtype, weights=setup.weights)
     return loaded.model, loaded.config, loaded.device, loaded.dtype, loaded.recipe
 

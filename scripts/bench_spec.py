@@ -45,9 +45,9 @@ from ninfer_core.layers.attention import AttentionMetadata  # noqa: E402
 from ninfer_core.models.base import ForwardBatch  # noqa: E402
 from ninfer_core.models.decoder import StepContext  # noqa: E402
 from ninfer_core.models.dflash import BlockInputs, DFlashConfig, DFlashModel  # noqa: E402
-from ninfer_core.models.loader import build_model, init_random_, resolve_device, resolve_dtype  # noqa: E402
+from ninfer_core.models.loader import init_random_, random_model, resolve_device, resolve_dtype  # noqa: E402
 from ninfer_core.hub.fit import count_params  # noqa: E402
-from ninfer_core.models.quantize import apply_recipe_, resolve_recipe  # noqa: E402
+from ninfer_core.models.quantize import resolve_recipe  # noqa: E402
 from ninfer_core.models.mtp import MTPHead, mtp_layer_config  # noqa: E402
 from ninfer_core.models.presets import preset  # noqa: E402
 
@@ -83,10 +83,8 @@ class Synthetic:
         self.config: ModelConfig = preset(name)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = build_model(self.config, self.device, self.dtype)
-        init_random_(self.model)
         self.recipe = resolve_recipe(weights, self.device, self.dtype, count_params(self.config))
-        apply_recipe_(self.model, self.recipe)
+        self.model = random_model(self.config, self.device, self.dtype, self.recipe)
         self.cache = CacheManager(self.config, max_tokens=context + 2 * max_k + 32, max_seqs=2, dtype=self.dtype,
                                   device=self.device)
         self.seq = self.cache.allocate()

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ninfer_core.models.loader import build_model, init_random_  # noqa: E402
+from ninfer_core.models.loader import random_model  # noqa: E402
 from ninfer_core.models.presets import preset  # noqa: E402
-from ninfer_core.models.quantize import QuantRecipe, apply_recipe_  # noqa: E402
+from ninfer_core.models.quantize import QuantRecipe  # noqa: E402
 from ninfer_core.weights import quant_cache  # noqa: E402
 
 CHILD = """
@@ -60,9 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     path = args.dir / f"{args.preset}-{args.weights}.safetensors"
-    model = build_model(preset(args.preset), torch.device("cuda"), torch.bfloat16)
-    init_random_(model)
-    apply_recipe_(model, QuantRecipe(args.weights))
+    model = random_model(preset(args.preset), torch.device("cuda"), torch.bfloat16, QuantRecipe(args.weights))
     t = time.perf_counter()
     quant_cache.save(model, path)
     save_s = time.perf_counter() - t

@@ -228,3 +228,12 @@ def test_auto_recipe_rule(monkeypatch):
     assert q.resolve_recipe("int8", cpu, torch.float32, small).mode == "int8"  # explicit always wins
     monkeypatch.setattr(dispatch, "kernels_available", lambda: False)
     assert q.resolve_recipe("auto", cuda, torch.bfloat16, big).mode == "bf16"  # no kernels: no int4 GEMV
+
+
+def test_random_weights_take_the_recipe(model_dir):
+    """`--random-weights`: checkpoint shapes, no tensors read, quantized by the recipe, reproducible."""
+    a = load_model(str(model_dir), "cpu", "float32", random_weights=True, weights="int8")
+    b = load_model(str(model_dir), "cpu", "float32", random_weights=True, weights="int8")
+    assert isinstance(a.model.lm_head, QuantLinear) and a.recipe.mode == "int8"
+    logits = prefill_logits(a)
+    assert torch.isfinite(logits).all() and torch.equal(logits, prefill_logits(b))

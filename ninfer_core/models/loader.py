@@ -114,6 +114,17 @@ def _locate(spec: str) -> Path:
     return pulled
 
 
+def random_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, recipe: QuantRecipe, seed: int = 0
+) -> nn.Module:
+    """The model with random weights (`init_random_`), then quantized by the recipe: full-size
+    shapes without a checkpoint (benchmarks, `--random-weights`)."""
+    model = build_model(config, device, dtype)
+    init_random_(model, seed)
+    apply_recipe_(model, recipe)
+    return model
+
+
 @torch.no_grad()
 def init_random_(model: nn.Module, seed: int = 0) -> None:
     """Small normal weights (std 0.02): exact shapes without a download, finite through 60+ bf16 layers."""
@@ -177,9 +188,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, dev)
     recipe = resolve_recipe(weights, dev, torch_dtype, count_params(config))
     if tensors is None:
-        model = build_model(config, dev, torch_dtype)
-        init_random_(model)
-        apply_recipe_(model, recipe)
+        model = random_model(config, dev, torch_dtype, recipe)
     else:
         model = build_model(config, dev, torch_dtype, recipe)
         artifact = quant_cache.artifact_path(path, recipe.key, torch_dtype) if recipe.quantized and path.is_dir() else None

@@ -20,7 +20,7 @@ per output row, so they keep their own range).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +34,8 @@ from ..ops.quant import QuantLinear, quantize
 
 WEIGHT_MODES = ("auto", "bf16", "int8", "int4")
 MIN_QUANT_OUT_FEATURES = 64
-GROUP_SIZES = (128, 64, 32)
-AUTO_MIN_PARAMS = 2_000_000_000  # int4 groups, preferred first; a shape none divides gets int8
+GROUP_SIZES = (128, 64, 32)  # int4 groups, preferred first; a shape none divides gets int8
+AUTO_MIN_PARAMS = 2_000_000_000  # `auto` quantizes models from this size on
 
 
 def int4_group(*in_features: int) -> int | None:
@@ -141,12 +141,14 @@ def _store(module: nn.Module, prefix: str, qw) -> None:
     getattr(module, f"{prefix}scales").copy_(qw.scales)
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer (quantized weights included), counted once."""
+def unique_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Every parameter and buffer (quantized weights included) once, tied ones counted once."""
     seen: set[int] = set()
-    total = 0
     for t in (*model.parameters(), *model.buffers()):
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+            yield t
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in unique_tensors(model))
