@@ -1,4 +1,4 @@
-// ninfer_core._C.gdn_decode_step: the fused Gated DeltaNet decode step (gdn_decode.cu).
+// ninfer_core._C.gdn_steps: fused Gated DeltaNet steps (decode, verify, commit; gdn_decode.cu).
 #include "bind.h"
 #include "gdn_decode.h"
 
@@ -8,24 +8,27 @@ namespace ninfer {
 
 void bind_gdn(py::module_& m) {
   m.def(
-      "gdn_decode_step",
+      "gdn_steps",
       [](std::uintptr_t out, std::uintptr_t scratch, std::uintptr_t qkv, std::uintptr_t a,
          std::uintptr_t b, std::uintptr_t z, std::uintptr_t conv_pool, std::uintptr_t state_pool,
-         std::uintptr_t slots, std::uintptr_t conv_weight, std::uintptr_t A_log,
-         std::uintptr_t dt_bias, std::uintptr_t norm_weight, std::int64_t batch, int num_k_heads,
-         int num_v_heads, int head_k_dim, int head_v_dim, int conv_kernel, float q_scale,
-         float eps, DType dtype, int device, std::uintptr_t stream) {
-        gdn_decode_step({out, scratch, qkv, a, b, z, conv_pool, state_pool, slots, conv_weight,
-                         A_log, dt_bias, norm_weight, batch, num_k_heads, num_v_heads, head_k_dim,
-                         head_v_dim, conv_kernel, q_scale, eps, dtype, device, stream});
+         std::uintptr_t slots, std::uintptr_t counts, std::uintptr_t conv_weight,
+         std::uintptr_t A_log, std::uintptr_t dt_bias, std::uintptr_t norm_weight,
+         std::int64_t batch, int num_tokens, bool write_state, int num_k_heads, int num_v_heads,
+         int head_k_dim, int head_v_dim, int conv_kernel, float q_scale, float eps, DType dtype,
+         int device, std::uintptr_t stream) {
+        gdn_steps({out, scratch, qkv, a, b, z, conv_pool, state_pool, slots, counts, conv_weight,
+                   A_log, dt_bias, norm_weight, batch, num_tokens, write_state, num_k_heads,
+                   num_v_heads, head_k_dim, head_v_dim, conv_kernel, q_scale, eps, dtype, device,
+                   stream});
       },
       py::arg("out"), py::arg("scratch"), py::arg("qkv"), py::arg("a"), py::arg("b"), py::arg("z"),
-      py::arg("conv_pool"), py::arg("state_pool"), py::arg("slots"), py::arg("conv_weight"),
-      py::arg("A_log"), py::arg("dt_bias"), py::arg("norm_weight"), py::arg("batch"),
-      py::arg("num_k_heads"), py::arg("num_v_heads"), py::arg("head_k_dim"),
-      py::arg("head_v_dim"), py::arg("conv_kernel"), py::arg("q_scale"), py::arg("eps"),
-      py::arg("dtype"), py::arg("device"), py::arg("stream"),
-      "Fused GDN decode step (conv, delta rule, gated RMSNorm); see csrc/gdn_decode.h.");
+      py::arg("conv_pool"), py::arg("state_pool"), py::arg("slots"), py::arg("counts"),
+      py::arg("conv_weight"), py::arg("A_log"), py::arg("dt_bias"), py::arg("norm_weight"),
+      py::arg("batch"), py::arg("num_tokens"), py::arg("write_state"), py::arg("num_k_heads"),
+      py::arg("num_v_heads"), py::arg("head_k_dim"), py::arg("head_v_dim"),
+      py::arg("conv_kernel"), py::arg("q_scale"), py::arg("eps"), py::arg("dtype"),
+      py::arg("device"), py::arg("stream"),
+      "Fused GDN steps (conv, delta rule, gated RMSNorm over T tokens); see csrc/gdn_decode.h.");
 }
 
 }  // namespace ninfer

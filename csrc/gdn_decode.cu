@@ -1,10 +1,13 @@
-// Fused Gated DeltaNet decode step (one token per sequence), two kernels on the caller's stream:
-//   1. conv: depthwise causal conv + SiLU of every qkv channel from the conv state (shifted in
-//      place), q / k l2-normalised per key head; the activations go to an fp32 scratch [B, C].
-//   2. recurrence: each element of the fp32 state is read once and written once (decay, delta-rule
-//      write, read-out), by blocks of 32 value columns of one (sequence, value head), so batch 1
-//      already has B * Hv * dv / 32 blocks (128 for the 35B); the last block of a head to finish
-//      applies the head's gated RMSNorm.
+// Fused Gated DeltaNet steps over T <= 16 new tokens per sequence, two kernels on the caller's
+// stream (decode: T = 1; speculative verify: T = K + 1, pools untouched; commit: the pools advance
+// through the first counts[b] tokens, no output):
+//   1. conv: depthwise causal conv + SiLU of every qkv channel over [conv state | T inputs], q / k
+//      l2-normalised per key head and token; the activations go to an fp32 scratch [B, T, C]; the
+//      conv state becomes the last K-1 inputs up to token counts[b] (when written).
+//   2. recurrence: the fp32 state is read once and written at most once (decay, delta-rule write,
+//      read-out per token, all in registers), by blocks of 32 value columns of one (sequence, value
+//      head), so batch 1 already has B * Hv * dv / 32 blocks (128 for the 35B); the last block of a
+//      head to finish applies the head's gated RMSNorm to its T outputs.
 // Two kernels because one key head's q / k feed Hv / Hk value heads: its conv state may only be
 // shifted after every reader has read it, and the second launch orders that for free.
 // The fp32 formulas mirror the torch reference (ops/gdn.py) op for op, rounding where it rounds.
@@ -20,6 +23,7 @@ namespace {
 
 constexpr int kMaxTaps = 8;
 constexpr int kMaxHeadDim = 256;
+constexpr int kMaxTokens = 16;  // speculative verify: K + 1 <= 16
 // Kernel 2 tiles the state in column strips: a warp owns kStripCols columns (2 lanes x float4,
 // one 32-byte sector per row) and walks all dk rows with 16 lanes, kMaxRows float4 per lane in
 // registers, so its column sums are warp shuffles only. A block is kWarps strips.
@@ -47,13 +51,22 @@ __device__ __forceinline__ void sum_rows(F4& x) {
   }
 }
 
+// Tokens of row b the state advances through: counts[b] (clamped to [0, T]), or all T.
+__device__ __forceinline__ int advance_count(const std::int64_t* counts, int b, int num_tokens) {
+  if (counts == nullptr) return num_tokens;
+  return static_cast<int>(min(max(counts[b], std::int64_t{0}), static_cast<std::int64_t>(num_tokens)));
+}
+
 // grid (2 Hk + Hv segments, B), block max(dk, dv): a q head, a k head or a v head per block.
+// Computes the activations of tokens 0..L-1, L = T with outputs, else counts[b].
 template <typename T>
 __global__ void __launch_bounds__(kMaxHeadDim)
     gdn_conv_kernel(float* __restrict__ act, unsigned* __restrict__ done, T* __restrict__ conv_pool,
                     const T* __restrict__ qkv, const T* __restrict__ weight,
-                    const std::int64_t* __restrict__ slots, int num_k_heads, int num_v_heads,
-                    int head_k_dim, int head_v_dim, int channels, int taps, float q_scale) {
+                    const std::int64_t* __restrict__ slots, const std::int64_t* __restrict__ counts,
+                    int num_tokens, bool has_out, bool write_state, int num_k_heads,
+                    int num_v_heads, int head_k_dim, int head_v_dim, int channels, int taps,
+                    float q_scale) {
   const int seg = blockIdx.x;
   const int b = blockIdx.y;
   const bool is_key = seg < 2 * num_k_heads;  // block-uniform, so group_sum below is safe
@@ -63,40 +76,55 @@ __global__ void __launch_bounds__(kMaxHeadDim)
   const int c = base + static_cast<int>(threadIdx.x);
   const bool active = static_cast<int>(threadIdx.x) < width;
   if (!is_key && threadIdx.x == 0) done[b * num_v_heads + seg - 2 * num_k_heads] = 0;  // for kernel 2
-  float y = 0.0f;
-  if (active) {
-    T* state = conv_pool + (slots[b] * channels + c) * (taps - 1);
-    const T* w = weight + static_cast<std::int64_t>(c) * taps;
-    T prev[kMaxTaps];  // the K-1 previous inputs, oldest first
+  const int advance = advance_count(counts, b, num_tokens);
+  const int steps = has_out ? num_tokens : advance;  // block-uniform
+  T* state = conv_pool + (slots[b] * channels + (active ? c : 0)) * (taps - 1);
+  const T* w = weight + static_cast<std::int64_t>(active ? c : 0) * taps;
+  const T* x = qkv + static_cast<std::int64_t>(b) * num_tokens * channels + (active ? c : 0);
+  T old[kMaxTaps];    // the conv state as it was: the K-1 previous inputs, oldest first
+  T window[kMaxTaps];  // the K-1 inputs before the current token
 #pragma unroll
-    for (int t = 0; t < kMaxTaps - 1; ++t) {
-      if (t < taps - 1) prev[t] = state[t];
-    }
-    const T x = qkv[static_cast<std::int64_t>(b) * channels + c];
+  for (int t = 0; t < kMaxTaps - 1; ++t) {
+    if (active && t < taps - 1) window[t] = old[t] = state[t];
+  }
+  for (int t = 0; t < steps; ++t) {
+    const T xt = active ? x[static_cast<std::int64_t>(t) * channels] : from_float<T>(0.0f);
     float acc = 0.0f;
 #pragma unroll
-    for (int t = 0; t < kMaxTaps - 1; ++t) {
-      if (t < taps - 1) acc += to_float(w[t]) * to_float(prev[t]);
+    for (int j = 0; j < kMaxTaps - 1; ++j) {
+      if (j < taps - 1) acc += to_float(w[j]) * to_float(window[j]);
     }
-    acc += to_float(w[taps - 1]) * to_float(x);
+    acc += to_float(w[taps - 1]) * to_float(xt);
 #pragma unroll
-    for (int t = 0; t < kMaxTaps - 1; ++t) {
-      if (t < taps - 1) state[t] = t + 1 < taps - 1 ? prev[t + 1] : x;
+    for (int j = 0; j < kMaxTaps - 1; ++j) {
+      if (j < taps - 1) window[j] = j + 1 < taps - 1 ? window[j + 1] : xt;
     }
-    y = round_to<T>(silu(acc));  // the reference returns the conv output in the model dtype
+    float y = active ? round_to<T>(silu(acc)) : 0.0f;  // the reference returns the conv output in the model dtype
+    if (is_key) {
+      __syncthreads();  // group_sum's shared partials are reused token after token
+      y = y * rsqrtf(group_sum(y * y) + 1e-6f);
+      if (seg < num_k_heads) y = y * q_scale;
+    }
+    if (active) act[(static_cast<std::int64_t>(b) * num_tokens + t) * channels + c] = y;
   }
-  if (is_key) {
-    y = y * rsqrtf(group_sum(y * y) + 1e-6f);
-    if (seg < num_k_heads) y = y * q_scale;
+  if (active && write_state) {
+    // The last K-1 entries of [old state | x_0 .. x_{advance-1}].
+#pragma unroll
+    for (int j = 0; j < kMaxTaps - 1; ++j) {
+      if (j < taps - 1) {
+        const int i = advance + j;  // index into the concatenation
+        state[j] = i < taps - 1 ? old[i] : x[static_cast<std::int64_t>(i - (taps - 1)) * channels];
+      }
+    }
   }
-  if (active) act[static_cast<std::int64_t>(b) * channels + c] = y;
 }
 
 // grid B * Hv * (dv / 32), block 4 warps: each block owns 32 columns of one (sequence, value
-// head) state, each warp one 8-column strip over all dk rows. The block writes its o columns
-// (rounded to the model dtype) into `out`; the head's last block to finish normalises them in
-// place. Products and sums of the state update are rounded separately (no fma), as torch's
-// elementwise ops round them.
+// head) state, each warp one 8-column strip over all dk rows, kept in registers across the tokens.
+// Per token the block writes its o columns (rounded to the model dtype) into `out` (if any); the
+// state is stored after token counts[b] - 1 (if written); the head's last block to finish
+// normalises the head's T outputs in place. Products and sums of the state update are rounded
+// separately (no fma), as torch's elementwise ops round them.
 template <typename T, int kMaxRows>
 __global__ void __launch_bounds__(kWarps * 32)
     gdn_recurrent_kernel(T* out, float* __restrict__ state_pool, const float* __restrict__ act,
@@ -104,6 +132,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                          const T* __restrict__ b_in, const T* __restrict__ z,
                          const T* __restrict__ A_log, const T* __restrict__ dt_bias,
                          const T* __restrict__ norm_weight, const std::int64_t* __restrict__ slots,
+                         const std::int64_t* __restrict__ counts, int num_tokens, bool write_state,
                          int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim,
                          float eps) {
   __shared__ float q_s[kMaxHeadDim];
@@ -114,17 +143,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int b = bh / num_v_heads;
   const int h = bh % num_v_heads;
   const int key_dim = num_k_heads * head_k_dim;
-  const int channels = 2 * key_dim + num_v_heads * head_v_dim;
-  const float* row = act + static_cast<std::int64_t>(b) * channels;
+  const int value_dim = num_v_heads * head_v_dim;
+  const int channels = 2 * key_dim + value_dim;
   const int key_head = h / (num_v_heads / num_k_heads);
-  for (int i = threadIdx.x; i < head_k_dim; i += blockDim.x) {
-    q_s[i] = row[key_head * head_k_dim + i];
-    k_s[i] = row[key_dim + key_head * head_k_dim + i];
-  }
-  const float g = -expf(to_float(A_log[h])) * softplus(to_float(a[bh]) + to_float(dt_bias[h]));
-  const float decay = expf(g);
-  const float beta = 1.0f / (1.0f + expf(-to_float(b_in[bh])));
-  __syncthreads();
+  const int advance = advance_count(counts, b, num_tokens);
+  const int steps = out != nullptr ? num_tokens : advance;
+  const float A = expf(to_float(A_log[h]));
 
   const int lane = threadIdx.x & 31;
   const int row_lane = lane >> 1;
@@ -136,44 +160,67 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int r = 0; r < kMaxRows; ++r) {
     if (r < rows) s[r] = *reinterpret_cast<const F4*>(state + (row_lane + r * kRowLanes) * head_v_dim);
   }
-  F4 pred = {};
+  for (int t = 0; t < steps; ++t) {
+    const std::int64_t bt = static_cast<std::int64_t>(b) * num_tokens + t;
+    const float* row = act + bt * channels;
+    __syncthreads();  // the previous token's q / k are read
+    for (int i = threadIdx.x; i < head_k_dim; i += blockDim.x) {
+      q_s[i] = row[key_head * head_k_dim + i];
+      k_s[i] = row[key_dim + key_head * head_k_dim + i];
+    }
+    const std::int64_t bth = bt * num_v_heads + h;
+    const float g = -A * softplus(to_float(a[bth]) + to_float(dt_bias[h]));
+    const float decay = expf(g);
+    const float beta = 1.0f / (1.0f + expf(-to_float(b_in[bth])));
+    __syncthreads();
+
+    F4 pred = {};
 #pragma unroll
-  for (int r = 0; r < kMaxRows; ++r) {
-    if (r < rows) {
-      const float kr = k_s[row_lane + r * kRowLanes];
+    for (int r = 0; r < kMaxRows; ++r) {
+      if (r < rows) {
+        const float kr = k_s[row_lane + r * kRowLanes];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        s[r].v[c] = __fmul_rn(s[r].v[c], decay);
-        pred.v[c] += s[r].v[c] * kr;
+        for (int c = 0; c < 4; ++c) {
+          s[r].v[c] = __fmul_rn(s[r].v[c], decay);
+          pred.v[c] += s[r].v[c] * kr;
+        }
+      }
+    }
+    sum_rows(pred);
+    const F4 v = *reinterpret_cast<const F4*>(row + 2 * key_dim + h * head_v_dim + col);
+    F4 u;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) u.v[c] = beta * (v.v[c] - pred.v[c]);
+    F4 o = {};
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r) {
+      if (r < rows) {
+        const float kr = k_s[row_lane + r * kRowLanes];
+        const float qr = q_s[row_lane + r * kRowLanes];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          s[r].v[c] = __fadd_rn(s[r].v[c], __fmul_rn(kr, u.v[c]));
+          o.v[c] += s[r].v[c] * qr;
+        }
+      }
+    }
+    if (write_state && t == advance - 1) {
+#pragma unroll
+      for (int r = 0; r < kMaxRows; ++r) {
+        if (r < rows) *reinterpret_cast<F4*>(state + (row_lane + r * kRowLanes) * head_v_dim) = s[r];
+      }
+    }
+    if (out != nullptr) {
+      sum_rows(o);
+      if (row_lane == 0) {
+        T* out_row = out + bt * value_dim + h * head_v_dim;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out_row[col + c] = from_float<T>(o.v[c]);  // o.to(model dtype)
       }
     }
   }
-  sum_rows(pred);
-  const F4 v = *reinterpret_cast<const F4*>(row + 2 * key_dim + h * head_v_dim + col);
-  F4 u;
-#pragma unroll
-  for (int c = 0; c < 4; ++c) u.v[c] = beta * (v.v[c] - pred.v[c]);
-  F4 o = {};
-#pragma unroll
-  for (int r = 0; r < kMaxRows; ++r) {
-    if (r < rows) {
-      const float kr = k_s[row_lane + r * kRowLanes];
-      const float qr = q_s[row_lane + r * kRowLanes];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        s[r].v[c] = __fadd_rn(s[r].v[c], __fmul_rn(kr, u.v[c]));
-        o.v[c] += s[r].v[c] * qr;
-      }
-      *reinterpret_cast<F4*>(state + (row_lane + r * kRowLanes) * head_v_dim) = s[r];
-    }
-  }
-  sum_rows(o);
-  T* out_head = out + static_cast<std::int64_t>(bh) * head_v_dim;
-  if (row_lane == 0) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) out_head[col + c] = from_float<T>(o.v[c]);  // o.to(model dtype)
-    __threadfence();
-  }
+  if (out == nullptr) return;
+  if (row_lane == 0) __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(done + bh, 1u) == static_cast<unsigned>(splits - 1);
   __syncthreads();
@@ -182,39 +229,46 @@ __global__ void __launch_bounds__(kWarps * 32)
   // The head's last block: gated RMSNorm round(round(w * round(o * rstd)) * silu(z)) in place.
   __threadfence();
   constexpr int kPerThread = kMaxHeadDim / (kWarps * 32);
-  float x[kPerThread];
-  float sumsq = 0.0f;
+  for (int t = 0; t < num_tokens; ++t) {
+    const std::int64_t offset = (static_cast<std::int64_t>(b) * num_tokens + t) * value_dim + h * head_v_dim;
+    T* out_head = out + offset;
+    float x[kPerThread];
+    float sumsq = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int j = threadIdx.x + i * kWarps * 32;
-    x[i] = j < head_v_dim ? to_float(__ldcg(out_head + j)) : 0.0f;  // L2: other blocks wrote it
-    sumsq += x[i] * x[i];
-  }
-  const float rstd = rsqrtf(group_sum(sumsq) / static_cast<float>(head_v_dim) + eps);
+    for (int i = 0; i < kPerThread; ++i) {
+      const int j = threadIdx.x + i * kWarps * 32;
+      x[i] = j < head_v_dim ? to_float(__ldcg(out_head + j)) : 0.0f;  // L2: other blocks wrote it
+      sumsq += x[i] * x[i];
+    }
+    __syncthreads();  // group_sum's shared partials are reused token after token
+    const float rstd = rsqrtf(group_sum(sumsq) / static_cast<float>(head_v_dim) + eps);
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int j = threadIdx.x + i * kWarps * 32;
-    if (j < head_v_dim) {
-      const float scaled = round_to<T>(to_float(norm_weight[j]) * round_to<T>(x[i] * rstd));
-      out_head[j] = from_float<T>(scaled * silu(to_float(z[static_cast<std::int64_t>(bh) * head_v_dim + j])));
+    for (int i = 0; i < kPerThread; ++i) {
+      const int j = threadIdx.x + i * kWarps * 32;
+      if (j < head_v_dim) {
+        const float scaled = round_to<T>(to_float(norm_weight[j]) * round_to<T>(x[i] * rstd));
+        out_head[j] = from_float<T>(scaled * silu(to_float(z[offset + j])));
+      }
     }
   }
 }
 
 template <typename T>
-void launch(const GdnDecodeArgs& a) {
+void launch(const GdnStepsArgs& a) {
   const cudaStream_t stream = as_stream(a.stream);
   const int key_dim = a.num_k_heads * a.head_k_dim;
   const int channels = 2 * key_dim + a.num_v_heads * a.head_v_dim;
   const auto* slots = reinterpret_cast<const std::int64_t*>(a.slots);
+  const auto* counts = reinterpret_cast<const std::int64_t*>(a.counts);
   auto* act = reinterpret_cast<float*>(a.scratch);
-  auto* done = reinterpret_cast<unsigned*>(act + a.batch * channels);
+  auto* done = reinterpret_cast<unsigned*>(act + a.batch * a.num_tokens * channels);
 
   const dim3 conv_grid(2 * a.num_k_heads + a.num_v_heads, static_cast<unsigned>(a.batch));
   gdn_conv_kernel<T><<<conv_grid, std::max(a.head_k_dim, a.head_v_dim), 0, stream>>>(
       act, done, reinterpret_cast<T*>(a.conv_pool), reinterpret_cast<const T*>(a.qkv),
-      reinterpret_cast<const T*>(a.conv_weight), slots, a.num_k_heads, a.num_v_heads,
-      a.head_k_dim, a.head_v_dim, channels, a.conv_kernel, a.q_scale);
+      reinterpret_cast<const T*>(a.conv_weight), slots, counts, a.num_tokens, a.out != 0,
+      a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim, channels,
+      a.conv_kernel, a.q_scale);
   check_launch("gdn conv kernel launch");
 
   const dim3 grid(static_cast<unsigned>(a.batch * a.num_v_heads * (a.head_v_dim / kBlockCols)));
@@ -224,7 +278,8 @@ void launch(const GdnDecodeArgs& a) {
       reinterpret_cast<const T*>(a.a), reinterpret_cast<const T*>(a.b),
       reinterpret_cast<const T*>(a.z), reinterpret_cast<const T*>(a.A_log),
       reinterpret_cast<const T*>(a.dt_bias), reinterpret_cast<const T*>(a.norm_weight), slots,
-      a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim, a.eps);
+      counts, a.num_tokens, a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim,
+      a.head_v_dim, a.eps);
   check_launch("gdn recurrent kernel launch");
 }
 
@@ -232,26 +287,31 @@ bool head_dim_ok(int d) { return d >= 32 && d <= kMaxHeadDim && d % 32 == 0; }
 
 }  // namespace
 
-void gdn_decode_step(const GdnDecodeArgs& a) {
+void gdn_steps(const GdnStepsArgs& a) {
   if (!head_dim_ok(a.head_k_dim) || !head_dim_ok(a.head_v_dim)) {
-    throw std::invalid_argument("gdn_decode_step: head dims " + std::to_string(a.head_k_dim) + " / " +
+    throw std::invalid_argument("gdn_steps: head dims " + std::to_string(a.head_k_dim) + " / " +
                                 std::to_string(a.head_v_dim) + " must be multiples of 32 in [32, 256]");
   }
   if (a.num_k_heads <= 0 || a.num_v_heads <= 0 || a.num_v_heads % a.num_k_heads != 0) {
-    throw std::invalid_argument("gdn_decode_step: value heads " + std::to_string(a.num_v_heads) +
+    throw std::invalid_argument("gdn_steps: value heads " + std::to_string(a.num_v_heads) +
                                 " must be a positive multiple of key heads " +
                                 std::to_string(a.num_k_heads));
   }
   if (a.conv_kernel < 2 || a.conv_kernel > kMaxTaps) {
-    throw std::invalid_argument("gdn_decode_step: conv kernel " + std::to_string(a.conv_kernel) +
+    throw std::invalid_argument("gdn_steps: conv kernel " + std::to_string(a.conv_kernel) +
                                 " out of range [2, 8]");
   }
   if (a.batch < 0 || a.batch > 65535 ||
       a.batch * a.num_v_heads * (a.head_v_dim / kBlockCols) > std::numeric_limits<int>::max()) {
-    throw std::invalid_argument("gdn_decode_step: batch " + std::to_string(a.batch) + " out of range");
+    throw std::invalid_argument("gdn_steps: batch " + std::to_string(a.batch) + " out of range");
   }
+  if (a.num_tokens < 1 || a.num_tokens > kMaxTokens) {
+    throw std::invalid_argument("gdn_steps: " + std::to_string(a.num_tokens) + " tokens out of range [1, " +
+                                std::to_string(kMaxTokens) + "]");
+  }
+  if (a.out == 0 && !a.write_state) throw std::invalid_argument("gdn_steps: nothing to do (no out, no state write)");
   if (!is_aligned(a.state_pool, 16)) {
-    throw std::invalid_argument("gdn_decode_step: state_pool must be 16-byte aligned");
+    throw std::invalid_argument("gdn_steps: state_pool must be 16-byte aligned");
   }
   if (a.batch == 0) return;
   DeviceGuard guard(a.device);
@@ -259,7 +319,7 @@ void gdn_decode_step(const GdnDecodeArgs& a) {
     case DType::F32: launch<float>(a); break;
     case DType::F16: launch<__half>(a); break;
     case DType::BF16: launch<__nv_bfloat16>(a); break;
-    default: throw std::invalid_argument("gdn_decode_step: unsupported dtype");
+    default: throw std::invalid_argument("gdn_steps: unsupported dtype");
   }
 }
 

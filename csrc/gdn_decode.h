@@ -1,4 +1,4 @@
-// Host entry point of the fused Gated DeltaNet decode step (gdn_decode.cu). Plain C++ like ops.h:
+// Host entry point of the fused Gated DeltaNet steps (gdn_decode.cu). Plain C++ like ops.h:
 // tensors travel as raw device pointers, the stream as torch's Stream.cuda_stream.
 #pragma once
 
@@ -8,17 +8,21 @@
 
 namespace ninfer {
 
-// One new token for each of `batch` sequences, one GDN layer (see ninfer_core/ops/gdn.py):
-//   conv + SiLU over [conv state | qkv] (conv state shifted in place), q / k l2-normalised (q also
-//   scaled by q_scale), g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), the delta rule on
-//   the fp32 state (updated in place), out = gated RMSNorm(o, z) per value head.
-// Shapes (C = 2 Hk dk + Hv dv, all contiguous): qkv [B, C], a / b [B, Hv], z / out [B, Hv dv],
-// conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv] fp32 (16-byte aligned), slots [B] int64
-// (distinct), conv_weight [C, K], A_log / dt_bias [Hv], norm_weight [dv], scratch B (C + Hv) words
-// of 4 bytes (fp32 activations, then per-head counters; no initial contents needed). Everything but
-// state_pool, slots and scratch has `dtype`. dk, dv multiples of 32 up to 256, Hv a multiple
-// of Hk, 2 <= K <= 8.
-struct GdnDecodeArgs {
+// T new tokens for each of `batch` sequences, one GDN layer (see ninfer_core/ops/gdn.py):
+//   conv + SiLU over [conv state | qkv tokens], q / k l2-normalised (q also scaled by q_scale),
+//   g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), the delta rule on the fp32 state
+//   token by token, out = gated RMSNorm(o, z) per value head and token.
+// Row b's pools advance through its first counts[b] tokens (all T when counts is 0) if write_state,
+// and stay untouched otherwise; out (0: not computed) gets every token's output from the state
+// advanced through all T tokens. Decode: T = 1, write_state; speculative verify: T = K + 1, no
+// write; commit of the accepted tokens: counts, write_state, no out.
+// Shapes (C = 2 Hk dk + Hv dv, all contiguous): qkv [B, T, C], a / b [B, T, Hv], z / out
+// [B, T, Hv dv], conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv] fp32 (16-byte aligned), slots
+// [B] int64 (distinct), counts [B] int64 or 0, conv_weight [C, K], A_log / dt_bias [Hv],
+// norm_weight [dv], scratch B (T C + Hv) words of 4 bytes (fp32 activations, then per-head
+// counters; no initial contents needed). Everything but state_pool, slots, counts and scratch has
+// `dtype`. dk, dv multiples of 32 up to 256, Hv a multiple of Hk, 2 <= K <= 8, 1 <= T <= 16.
+struct GdnStepsArgs {
   std::uintptr_t out;
   std::uintptr_t scratch;
   std::uintptr_t qkv;
@@ -28,11 +32,14 @@ struct GdnDecodeArgs {
   std::uintptr_t conv_pool;
   std::uintptr_t state_pool;
   std::uintptr_t slots;
+  std::uintptr_t counts;
   std::uintptr_t conv_weight;
   std::uintptr_t A_log;
   std::uintptr_t dt_bias;
   std::uintptr_t norm_weight;
   std::int64_t batch;
+  int num_tokens;
+  bool write_state;
   int num_k_heads;
   int num_v_heads;
   int head_k_dim;
@@ -45,6 +52,6 @@ struct GdnDecodeArgs {
   std::uintptr_t stream;
 };
 
-void gdn_decode_step(const GdnDecodeArgs& args);
+void gdn_steps(const GdnStepsArgs& args);
 
 }  // namespace ninfer

@@ -229,10 +229,10 @@ class _Harness:
 
         def step(i: int) -> torch.Tensor:
             fb = self.batch(seqs, tokens, lens + i, "last")
-            logits = self.graphs.logits(fb) if self.graphs is not None and self.graphs.supports(fb) else None
-            if logits is None:
-                logits = self.model.forward(fb, self.manager.cache).logits[:, -1]
-            return logits.argmax(-1, keepdim=True)
+            out = self.graphs.forward(fb) if self.graphs is not None and self.graphs.supports(fb) else None
+            if out is None:
+                out = self.model.forward(fb, self.manager.cache)
+            return out.logits[:, -1].argmax(-1, keepdim=True)
 
         tokens = step(0)  # warm-up (captures the bucket's graph)
         steps = self.setup.decode_steps

@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer_core.cache import CacheManager, KVPool, ModelCache  # noqa: E402
 from ninfer_core.config import ModelConfig  # noqa: E402
+from ninfer_core.engine.cuda_graph import DecodeGraphs  # noqa: E402
 from ninfer_core.engine.speculative.rollback import commit_gdn  # noqa: E402
 from ninfer_core.layers.attention import AttentionMetadata  # noqa: E402
 from ninfer_core.models.base import ForwardBatch  # noqa: E402
@@ -86,7 +87,9 @@ class Synthetic:
         self.recipe = resolve_recipe(weights, self.device, self.dtype, count_params(self.config))
         self.model = random_model(self.config, self.device, self.dtype, self.recipe)
         self.cache = CacheManager(self.config, max_tokens=context + 2 * max_k + 32, max_seqs=2, dtype=self.dtype,
-                                  device=self.device)
+                                  device=self.device, scratch=self.device.type == "cuda")
+        self.graphs = (DecodeGraphs(self.model, self.cache, 1, context + 2 * max_k + 32)
+                       if self.device.type == "cuda" else None)
         self.seq = self.cache.allocate()
         self.cache.reserve(self.seq, context + 2 * max_k + 16)
         self.context = context
@@ -99,13 +102,39 @@ class Synthetic:
 
     def forward(self, ids: torch.Tensor, start: int, logits: str = "last", verify: bool = False,
                 capture: tuple[int, ...] = ()):
+        return self.model.forward(self.batch(ids, start, logits, verify, capture), self.cache.cache)
+
+    def batch(self, ids: torch.Tensor, start: int, logits: str = "last", verify: bool = False,
+              capture: tuple[int, ...] = ()) -> ForwardBatch:
         t = ids.shape[1]
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=ids, positions=torch.arange(start, start + t, device=self.device)[None],
             cache_lens=torch.tensor([start], device=self.device), slots=torch.tensor([self.seq.slot], device=self.device),
             block_table=self.cache.block_table([self.seq]), logits=logits, verify=verify, capture_layers=capture,
         )
-        return self.model.forward(batch, self.cache.cache)
+
+    def verify_round(self, k: int, kept: int, graph: bool) -> None:
+        """One verify of K+1 tokens after the context (logits to the host, as the engine's
+        acceptance needs them), then the commit of `kept` tokens: graph replays or eager."""
+        n = self.context
+        batch = self.batch(self.ids(n, k + 1), n, "all", verify=True)
+        counts = torch.tensor([kept], device=self.device)
+        if graph:
+            assert self.graphs is not None and self.graphs.supports(batch)
+            out = self.graphs.forward(batch)
+            assert out is not None
+            out.logits.argmax(-1).cpu()
+            self.graphs.commit(batch, counts)
+        else:
+            out = self.model.forward(batch, self.cache.cache)
+            out.logits.argmax(-1).cpu()
+            commit_gdn(self.model, self.cache.cache.state, out.gdn_records, batch.slots, counts)
+
+    def decode_step(self, graph: bool) -> None:
+        batch = self.batch(self.ids(self.context, 1), self.context)
+        out = self.graphs.forward(batch) if graph and self.graphs is not None else self.model.forward(batch, self.cache.cache)
+        assert out is not None
+        out.logits.argmax(-1).cpu()
 
     def ids(self, start: int, t: int) -> torch.Tensor:
         return self.tokens[:, start : start + t].to(self.device)
@@ -197,36 +226,40 @@ def dflash_draft_cost(s: Synthetic, k: int, repeats: int) -> float:
 def bench_verify(args: argparse.Namespace) -> dict:
     s = Synthetic(args.preset, args.device, args.dtype, args.context, args.max_k, args.weights)
     n = s.context
-    state = s.cache.cache.state
-    slot = [s.seq.slot]
+    modes = (False, True) if s.graphs is not None else (False,)
     with torch.inference_mode():
-        decode = timed(lambda: s.forward(s.ids(n, 1), n, "last").logits.argmax(-1), s.device, args.repeats)
-
-        def verify(k: int) -> None:
-            out = s.forward(s.ids(n, k + 1), n, "all", verify=True)
-            out.logits.argmax(-1).cpu()
-            commit_gdn(state, out.gdn_records, slot, [k + 1])
-
+        decode = {g: timed(lambda: s.decode_step(g), s.device, args.repeats) for g in modes}
         rows = []
         for k in range(1, args.max_k + 1):
-            t = timed(lambda: verify(k), s.device, args.repeats)
+            row: dict = {"k": k}
+            for g in modes:
+                t = timed(lambda: s.verify_round(k, k + 1, g), s.device, args.repeats)
+                name = "graph" if g else "eager"
+                row[f"verify_{name}_ms"], row[f"verify_{name}_ratio"] = t * 1e3, t / decode[g]
             mtp = mtp_draft_cost(s, k, args.repeats) if k <= 5 else None
-            dfl = dflash_draft_cost(s, k, args.repeats)
-            row = {"k": k, "verify_ms": t * 1e3, "verify_ratio": t / decode,
-                   "mtp_draft_ms": mtp * 1e3 if mtp else None, "dflash_draft_ms": dfl * 1e3}
+            row["mtp_draft_ms"] = mtp * 1e3 if mtp else None
+            row["dflash_draft_ms"] = dflash_draft_cost(s, k, args.repeats) * 1e3
+            best = modes[-1]
+            ratio = row[f"verify_{'graph' if best else 'eager'}_ratio"]
+            tokens = 1 + k * args.acceptance
+            row["speedup_verify_only"] = tokens / ratio  # a drafter that costs nothing
             if mtp:
-                cost = (t + mtp) / decode
-                row["mtp_speedup_at_acceptance"] = (1 + k * args.acceptance) / cost
+                row["mtp_speedup_at_acceptance"] = tokens / (ratio + mtp / decode[best])
             rows.append(row)
     result = {"bench": "verify", "preset": args.preset, "weights": s.recipe.key, **env(s.device, s.dtype), "context": n,
-              "decode_ms": decode * 1e3, "acceptance": args.acceptance,
-              "formula": "speedup = (1 + K*a) / ((verify(K) + mtp_draft(K)) / decode)", "rows": rows}
-    print(f"{args.preset} on {result['device']} ({result['dtype']}), context {n}: decode step {decode * 1e3:.2f} ms")
-    print(f"{'K':>2} {'verify ms':>10} {'x decode':>9} {'MTP draft ms':>13} {'DFlash ms':>10} "
-          f"{'MTP-K speedup @' + format(args.acceptance, '.0%'):>20}")
+              "decode_eager_ms": decode[False] * 1e3, "decode_graph_ms": decode[True] * 1e3 if True in decode else None,
+              "acceptance": args.acceptance,
+              "formula": "speedup = (1 + K*a) / (verify(K) / decode + mtp_draft(K) / decode), graphs where available",
+              "rows": rows}
+    print(f"{args.preset} on {result['device']} ({result['dtype']}, {s.recipe.key}), context {n}: decode step "
+          + ", ".join(f"{'graph' if g else 'eager'} {decode[g] * 1e3:.2f} ms" for g in modes))
+    print(f"{'K':>2} {'eager ms':>9} {'x eager':>8} {'graph ms':>9} {'x graph':>8} {'MTP draft ms':>13} "
+          f"{'DFlash ms':>10} {'S verify-only':>14} {'S MTP @' + format(args.acceptance, '.0%'):>10}")
     for r in rows:
-        print(f"{r['k']:>2} {r['verify_ms']:>10.2f} {r['verify_ratio']:>9.3f} {fmt(r['mtp_draft_ms']):>13} "
-              f"{fmt(r['dflash_draft_ms']):>10} {fmt(r.get('mtp_speedup_at_acceptance'), 'x'):>20}")
+        print(f"{r['k']:>2} {r['verify_eager_ms']:>9.2f} {r['verify_eager_ratio']:>8.3f} "
+              f"{fmt(r.get('verify_graph_ms')):>9} {fmt(r.get('verify_graph_ratio')):>8} {fmt(r['mtp_draft_ms']):>13} "
+              f"{fmt(r['dflash_draft_ms']):>10} {fmt(r['speedup_verify_only'], 'x'):>14} "
+              f"{fmt(r.get('mtp_speedup_at_acceptance'), 'x'):>10}")
     return result
 
 
@@ -243,9 +276,7 @@ def bench_rollback(args: argparse.Namespace) -> dict:
     with torch.inference_mode():
         for kept in (1, k + 1):
             def ours() -> None:
-                out = s.forward(s.ids(n, k + 1), n, "all", verify=True)
-                out.logits.argmax(-1).cpu()
-                commit_gdn(state, out.gdn_records, [slot], [kept])
+                s.verify_round(k, kept, graph=False)
 
             def per_position() -> None:
                 s.forward(s.ids(n, k + 1), n, "all", verify=True).logits.argmax(-1).cpu()

@@ -1,8 +1,11 @@
-"""ops.gdn: the fused Gated DeltaNet decode step and the fla prefill path.
+"""ops.gdn: the fused Gated DeltaNet steps (decode, verify, commit) and the fla prefill path.
 
 CPU tests: the decode reference is the layer's former T = 1 path bit for bit and agrees with a
-float64 re-derivation written head by head; bad shapes raise; CPU never touches the extension or
-fla. `cuda` tests: the kernel against the torch reference (and float64) over several shapes,
+float64 re-derivation written token by token and head by head, as do the verify / commit
+references (commit = that many decode steps, bitwise); bad shapes raise; CPU never touches the
+extension or fla. `cuda` verify / commit tests: kernels against references and float64 with
+per-row counts 0..T, the kernel's commit equal to its own decode steps bit for bit, a captured
+verify + commit replayed. `cuda` tests: the kernel against the torch reference (and float64) over several shapes,
 batches and dtypes, with non-contiguous slots, untouched slots left alone, outputs poisoned with
 NaN, 20 steps replayed from a CUDA graph; fla's chunked kernel against `gated_delta_rule_chunked`
 (skipped where fla is not importable). They need ninfer_core._C built (scripts/gpu_check.sh).
@@ -14,6 +17,7 @@ and differences stay at fp32 rounding instead of an occasional bf16 step in v.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -46,20 +50,23 @@ def _grid(gen: torch.Generator, shape: tuple[int, ...], step: float, limit: floa
     return torch.where(units == 0, 1.0, units) * step
 
 
-def step_inputs(shape, batch: int, dtype: torch.dtype, device, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """One token's projections for `batch` sequences: qkv, a, b, z."""
+def step_inputs(shape, batch: int, dtype: torch.dtype, device, gen: torch.Generator,
+                tokens: int | None = None) -> dict[str, torch.Tensor]:
+    """The projections qkv, a, b, z of one token ([B, ...]) or of `tokens` tokens ([B, T, ...])."""
     hk, hv, dk, dv, _ = shape
+    lead = (batch,) if tokens is None else (batch, tokens)
     return {
-        "qkv": _grid(gen, (batch, 2 * hk * dk + hv * dv), 1 / 16, 4).to(dtype).to(device),
-        "a": torch.randn(batch, hv, generator=gen).to(dtype).to(device),
-        "b": torch.randn(batch, hv, generator=gen).to(dtype).to(device),
-        "z": torch.randn(batch, hv * dv, generator=gen).to(dtype).to(device),
+        "qkv": _grid(gen, (*lead, 2 * hk * dk + hv * dv), 1 / 16, 4).to(dtype).to(device),
+        "a": torch.randn(*lead, hv, generator=gen).to(dtype).to(device),
+        "b": torch.randn(*lead, hv, generator=gen).to(dtype).to(device),
+        "z": torch.randn(*lead, hv * dv, generator=gen).to(dtype).to(device),
     }
 
 
-def make_case(shape, batch: int, dtype: torch.dtype, device="cpu", seed: int = 0) -> dict:
-    """gdn_decode_step's keyword arguments: pools of 2B + 3 slots, B distinct unordered slots taken
-    as a stride-2 view (non-contiguous), random weights, fp32 state."""
+def make_case(shape, batch: int, dtype: torch.dtype, device="cpu", seed: int = 0, tokens: int | None = None) -> dict:
+    """The ops' arguments (qkv, a, b, z, pools, slots, w): pools of 2B + 3 slots, B distinct
+    unordered slots taken as a stride-2 view (non-contiguous), random weights, fp32 state; one
+    token ([B, ...], gdn_decode_step) or `tokens` ([B, T, ...], gdn_verify / gdn_commit)."""
     hk, hv, dk, dv, taps = shape
     channels = 2 * hk * dk + hv * dv
     num_slots = 2 * batch + 3
@@ -69,18 +76,17 @@ def make_case(shape, batch: int, dtype: torch.dtype, device="cpu", seed: int = 0
         return x.to(dtype).to(device)
 
     return {
-        **step_inputs(shape, batch, dtype, device, gen),
+        **step_inputs(shape, batch, dtype, device, gen, tokens),
         "conv_pool": param(_grid(gen, (num_slots, channels, taps - 1), 1 / 16, 4)),
         "state_pool": (torch.randn(num_slots, hv, dk, dv, generator=gen) * 0.5).to(device),
         "slots": torch.randperm(num_slots, generator=gen).to(device)[: 2 * batch : 2],
-        "conv_weight": param(_grid(gen, (channels, taps), 1 / 32, 1)),
-        "A_log": param(torch.randn(hv, generator=gen) * 0.5),
-        "dt_bias": param(torch.randn(hv, generator=gen) * 0.5),
-        "norm_weight": param(1 + 0.2 * torch.randn(dv, generator=gen)),
-        "eps": EPS,
-        "num_k_heads": hk,
-        "head_k_dim": dk,
-        "head_v_dim": dv,
+        "w": gdn_ops.GDNWeights(
+            conv_weight=param(_grid(gen, (channels, taps), 1 / 32, 1)),
+            A_log=param(torch.randn(hv, generator=gen) * 0.5),
+            dt_bias=param(torch.randn(hv, generator=gen) * 0.5),
+            norm_weight=param(1 + 0.2 * torch.randn(dv, generator=gen)),
+            eps=EPS, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv,
+        ),
     }
 
 
@@ -88,39 +94,60 @@ def with_pool_copies(case: dict) -> dict:
     return {**case, "conv_pool": case["conv_pool"].clone(), "state_pool": case["state_pool"].clone()}
 
 
-def decode_f64(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [B, Hv*dv], new conv pool, new state pool) in float64, one value head at a time.
+def without_z(case: dict) -> dict:
+    """gdn_commit's arguments: the case without z (counts added by the caller)."""
+    return {k: v for k, v in case.items() if k != "z"}
+
+
+def steps_f64(case: dict, counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, new conv pool, new state pool) in float64, token by token and one value head at a
+    time: out has every token's output (from the state advanced through all tokens); row b's
+    pools advance through counts[b] tokens (all by default). One-token cases ([B, C]) give out
+    [B, Hv*dv], multi-token ones [B, T, Hv*dv].
 
     Rounds only where the op defines it: the SiLU output (fp32) goes to the model dtype."""
+    one = case["qkv"].dim() == 2
     dtype = case["qkv"].dtype
-    hk, dk, dv = case["num_k_heads"], case["head_k_dim"], case["head_v_dim"]
-    names = ("qkv", "a", "b", "z", "conv_weight", "A_log", "dt_bias", "norm_weight")
-    qkv, a, b, z, conv_w, A_log, dt_bias, norm_w = (case[n].detach().double().cpu() for n in names)
+    w = case["w"]
+    hk, dk, dv = w.num_k_heads, w.head_k_dim, w.head_v_dim
+    qkv, a, b, z = (case[n].detach().double().cpu() for n in ("qkv", "a", "b", "z"))
+    if one:
+        qkv, a, b, z = (t[:, None] for t in (qkv, a, b, z))
+    conv_w, A_log, dt_bias, norm_w = (t.detach().double().cpu() for t in (w.conv_weight, w.A_log, w.dt_bias,
+                                                                          w.norm_weight))
     slots = case["slots"].cpu()
     conv_pool, state_pool = case["conv_pool"].double().cpu(), case["state_pool"].double().cpu()
-    batch, hv = a.shape
-    window = torch.cat((conv_pool[slots], qkv[:, :, None]), dim=-1)  # [B, C, K]
-    mixed = F.silu((window * conv_w).sum(-1).float()).to(dtype).double()
-    q, k = (mixed[:, i * hk * dk : (i + 1) * hk * dk].reshape(batch, hk, dk) for i in (0, 1))
-    q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() / dk**0.5
-    k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
-    v = mixed[:, 2 * hk * dk :].reshape(batch, hv, dv)
-    decay = torch.exp(-A_log.exp() * torch.log1p((a + dt_bias).exp()))
-    beta = 1 / (1 + (-b).exp())
-    state = state_pool[slots]
-    out = torch.empty(batch, hv, dv, dtype=torch.float64)
-    for h in range(hv):
-        kh = h // (hv // hk)
-        s = state[:, h] * decay[:, h, None, None]
-        u = beta[:, h, None] * (v[:, h] - torch.einsum("bkv,bk->bv", s, k[:, kh]))
-        s = s + k[:, kh, :, None] * u[:, None, :]
-        state[:, h] = s
-        o = torch.einsum("bkv,bk->bv", s, q[:, kh])
-        gate = z.reshape(batch, hv, dv)[:, h]
-        out[:, h] = o / (o.pow(2).mean(-1, keepdim=True) + case["eps"]).sqrt() * norm_w * gate * torch.sigmoid(gate)
-    conv_pool[slots] = window[:, :, 1:]
-    state_pool[slots] = state
-    return out.reshape(batch, -1), conv_pool, state_pool
+    batch, tokens, hv = a.shape
+    counts = [tokens] * batch if counts is None else counts
+    conv, state = conv_pool[slots], state_pool[slots]
+    new_conv, new_state = conv.clone(), state.clone()
+    out = torch.empty(batch, tokens, hv, dv, dtype=torch.float64)
+    for t in range(tokens):
+        window = torch.cat((conv, qkv[:, t, :, None]), dim=-1)  # [B, C, K]
+        conv = window[:, :, 1:]
+        mixed = F.silu((window * conv_w).sum(-1).float()).to(dtype).double()
+        q, k = (mixed[:, i * hk * dk : (i + 1) * hk * dk].reshape(batch, hk, dk) for i in (0, 1))
+        q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() / dk**0.5
+        k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+        v = mixed[:, 2 * hk * dk :].reshape(batch, hv, dv)
+        decay = torch.exp(-A_log.exp() * torch.log1p((a[:, t] + dt_bias).exp()))
+        beta = 1 / (1 + (-b[:, t]).exp())
+        for h in range(hv):
+            kh = h // (hv // hk)
+            s = state[:, h] * decay[:, h, None, None]
+            u = beta[:, h, None] * (v[:, h] - torch.einsum("bkv,bk->bv", s, k[:, kh]))
+            s = s + k[:, kh, :, None] * u[:, None, :]
+            state[:, h] = s
+            o = torch.einsum("bkv,bk->bv", s, q[:, kh])
+            gate = z[:, t].reshape(batch, hv, dv)[:, h]
+            out[:, t, h] = (o / (o.pow(2).mean(-1, keepdim=True) + w.eps).sqrt() * norm_w * gate
+                            * torch.sigmoid(gate))
+        for r in range(batch):
+            if counts[r] == t + 1:
+                new_conv[r], new_state[r] = conv[r], state[r]
+    conv_pool[slots], state_pool[slots] = new_conv, new_state
+    out = out.reshape(batch, tokens, -1)
+    return (out[:, 0] if one else out), conv_pool, state_pool
 
 
 def assert_rel(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
@@ -159,7 +186,7 @@ def test_reference_is_the_layer_t1_path(dtype):
     conv_pool, state_pool, slots = case["conv_pool"], case["state_pool"], case["slots"]
     x = torch.randn(3, 1, 48).to(dtype)
     with torch.no_grad():
-        want, want_conv, want_state, _ = layer._mix(x, conv_pool[slots], state_pool[slots], gated_delta_rule_recurrent)
+        want, want_conv, want_state = layer._mix(x, conv_pool[slots], state_pool[slots], gated_delta_rule_recurrent)
         before_conv, before_state = conv_pool.clone(), state_pool.clone()
         got = layer(x, conv_pool, state_pool, slots)
     assert torch.equal(got, want)
@@ -174,7 +201,7 @@ def test_reference_is_the_layer_t1_path(dtype):
 @pytest.mark.parametrize("shape", [SMALL_ODD, (1, 3, 16, 8, 3), (2, 2, 32, 64, 2)], ids=str)
 def test_reference_matches_float64(shape, dtype):
     case = make_case(shape, 3, dtype, seed=sum(shape))
-    want_out, want_conv, want_state = decode_f64(case)
+    want_out, want_conv, want_state = steps_f64(case)
     out = gdn_ops.gdn_decode_step_ref(**case)
     assert out.dtype == dtype and out.shape == want_out.shape
     assert torch.equal(case["conv_pool"].double(), want_conv)
@@ -200,9 +227,9 @@ def test_op_on_cpu_is_the_reference(monkeypatch):
 def test_bad_shapes_raise():
     case = make_case(SMALL_ODD, 2, torch.float32)
     with pytest.raises(ValueError, match="qkv width"):
-        gdn_ops.gdn_decode_step(**{**case, "head_k_dim": 16})
+        gdn_ops.gdn_decode_step(**{**case, "w": replace(case["w"], head_k_dim=16)})
     with pytest.raises(ValueError, match="not a multiple"):
-        gdn_ops.gdn_decode_step(**{**case, "num_k_heads": 4})
+        gdn_ops.gdn_decode_step(**{**case, "w": replace(case["w"], num_k_heads=4)})
     with pytest.raises(ValueError, match="z has shape"):
         gdn_ops.gdn_decode_step(**{**case, "z": case["z"][:, :-1]})
     with pytest.raises(ValueError, match="state_pool has shape"):
@@ -219,6 +246,48 @@ def test_prefill_on_cpu_is_the_reference(monkeypatch):
     got = gdn_ops.gated_delta_rule_prefill(q, k, v, g, beta, state)
     want = gated_delta_rule_chunked(q, k, v, g, beta, state)
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+
+
+# ---------------------------------------------------------------- CPU: verify / commit references
+
+COUNTS = [0, 1, 3, 5]  # tokens kept per row after a 5-token verify: none, some, all
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [SMALL_ODD, (1, 3, 16, 8, 3)], ids=str)
+def test_verify_and_commit_references_match_float64(shape, dtype):
+    case = make_case(shape, 4, dtype, seed=11, tokens=5)
+    before = with_pool_copies(case)
+    out = gdn_ops.gdn_verify_ref(**case)
+    assert torch.equal(case["conv_pool"], before["conv_pool"]) and torch.equal(case["state_pool"], before["state_pool"])
+    want_out, want_conv, want_state = steps_f64(before, COUNTS)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=tol)
+    gdn_ops.gdn_commit_ref(**without_z(case), counts=torch.tensor(COUNTS))
+    assert torch.equal(case["conv_pool"].double(), want_conv)
+    assert_rel(case["state_pool"], want_state, 1e-5)
+
+
+def test_commit_reference_is_decode_steps_bitwise():
+    """Committing n tokens = n decode steps of the reference, bit for bit; other slots untouched."""
+    case = make_case(SMALL_ODD, 4, torch.float32, seed=12, tokens=5)
+    decoded = with_pool_copies(case)
+    for t in range(5):
+        rows = [r for r, n in enumerate(COUNTS) if n > t]
+        one = {n: decoded[n][rows, t] for n in ("qkv", "a", "b", "z")}
+        gdn_ops.gdn_decode_step_ref(**{**decoded, **one, "slots": decoded["slots"][rows]})
+    gdn_ops.gdn_commit_ref(**without_z(case), counts=torch.tensor(COUNTS))
+    assert torch.equal(case["conv_pool"], decoded["conv_pool"]) and torch.equal(case["state_pool"], decoded["state_pool"])
+
+
+def test_verify_and_commit_check_shapes():
+    case = make_case(SMALL_ODD, 2, torch.float32, tokens=3)
+    with pytest.raises(ValueError, match="z has shape"):
+        gdn_ops.gdn_verify(**{**case, "z": case["z"][:, :2]})
+    with pytest.raises(ValueError, match="counts has shape"):
+        gdn_ops.gdn_commit(**without_z(case), counts=torch.tensor([1]))
+    with pytest.raises(ValueError, match="token axis"):
+        gdn_ops.gdn_verify(**{**case, "qkv": case["qkv"][:, 0]})
 
 
 # ---------------------------------------------------------------- GPU: the CUDA kernel
@@ -243,8 +312,9 @@ def cuda_kernels(monkeypatch):
 
 
 def _kernel_args(case: dict) -> tuple:
-    names = ("qkv", "a", "b", "z", "conv_pool", "state_pool", "slots", "conv_weight", "A_log", "dt_bias", "norm_weight")
-    return (*(case[n] for n in names), case["head_k_dim"], case["head_v_dim"])
+    """_kernel_applies' arguments for a one-token case."""
+    qkv, a, b, z = (case[n][:, None] for n in ("qkv", "a", "b", "z"))
+    return qkv, a, b, z, case["conv_pool"], case["state_pool"], case["slots"], None, case["w"]
 
 
 def _check_step(case: dict, before: dict, out: torch.Tensor, ref_case: dict, ref_out: torch.Tensor) -> None:
@@ -263,7 +333,7 @@ def _check_step(case: dict, before: dict, out: torch.Tensor, ref_case: dict, ref
     assert torch.equal(case["conv_pool"][untouched], before["conv_pool"][untouched])
     # float64: the reference rounds SiLU outputs on the GPU, float64 on the CPU; a rare one-ulp
     # difference there moves a state column by ~1e-3 of the scale, hence the looser bounds.
-    want_out, _, want_state = decode_f64(before)
+    want_out, _, want_state = steps_f64(before)
     assert_rel(case["state_pool"], want_state, 1e-5 if dtype == torch.float32 else 2e-3)
     torch.testing.assert_close(out.double().cpu(), want_out, rtol=2 * OUT_TOL[dtype], atol=2 * OUT_TOL[dtype])
 
@@ -358,6 +428,84 @@ def test_unsupported_shapes_fall_back(cuda_kernels):
         ref_case = with_pool_copies(case)
         assert torch.equal(gdn_ops.gdn_decode_step(**case), gdn_ops.gdn_decode_step_ref(**ref_case))
         assert torch.equal(case["state_pool"], ref_case["state_pool"])
+
+
+# ---------------------------------------------------------------- GPU: verify / commit kernels
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [2, 4, 16])
+@pytest.mark.parametrize("shape", [SHAPE_35B, SMALL_ODD, (1, 3, 64, 96, 3), (2, 4, 256, 256, 4)], ids=str)
+def test_verify_and_commit_kernels(cuda_kernels, shape, tokens):
+    """Verify: every token's output against the reference and float64, pools untouched (bitwise).
+    Commit with per-row counts (0, 1, some, all): pools against the reference and float64."""
+    batch, dtype = 4, torch.bfloat16
+    case = make_case(shape, batch, dtype, "cuda", seed=tokens + sum(shape), tokens=tokens)
+    before, ref_case = with_pool_copies(case), with_pool_copies(case)
+    out = gdn_ops.gdn_verify(**case)
+    assert torch.equal(case["conv_pool"], before["conv_pool"]) and torch.equal(case["state_pool"], before["state_pool"])
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, gdn_ops.gdn_verify_ref(**ref_case), rtol=OUT_TOL[dtype], atol=OUT_TOL[dtype])
+    counts = [0, 1, tokens // 2 + 1, tokens]
+    want_out, want_conv, want_state = steps_f64(before, counts)
+    torch.testing.assert_close(out.double().cpu(), want_out, rtol=2 * OUT_TOL[dtype], atol=2 * OUT_TOL[dtype])
+    device_counts = torch.tensor(counts, device="cuda")
+    gdn_ops.gdn_commit(**without_z(case), counts=device_counts)
+    gdn_ops.gdn_commit_ref(**without_z(ref_case), counts=device_counts)
+    assert torch.equal(case["conv_pool"], ref_case["conv_pool"])
+    assert torch.equal(case["conv_pool"].double().cpu(), want_conv)
+    assert_rel(case["state_pool"], ref_case["state_pool"], 1e-5)
+    assert_rel(case["state_pool"], want_state, 2e-3)
+    untouched = torch.ones(case["state_pool"].shape[0], dtype=torch.bool, device="cuda")
+    untouched[case["slots"][1:]] = False  # row 0 keeps 0 tokens: its slot is untouched too
+    assert torch.equal(case["state_pool"][untouched], before["state_pool"][untouched])
+    assert torch.equal(case["conv_pool"][untouched], before["conv_pool"][untouched])
+
+
+@pytest.mark.cuda
+def test_kernel_commit_is_kernel_decode_bitwise(cuda_kernels):
+    """The kernel's verify outputs and committed states equal its own decode steps bit for bit:
+    the same per-token math, so speculation changes no GDN rounding."""
+    tokens, dtype = 4, torch.bfloat16
+    case = make_case(SHAPE_35B, 3, dtype, "cuda", seed=21, tokens=tokens)
+    decoded = with_pool_copies(case)
+    out = gdn_ops.gdn_verify(**case)
+    for t in range(tokens):
+        one = {n: decoded[n][:, t].contiguous() for n in ("qkv", "a", "b", "z")}
+        assert torch.equal(gdn_ops.gdn_decode_step(**{**decoded, **one}), out[:, t])
+    gdn_ops.gdn_commit(**without_z(case), counts=torch.full((3,), tokens, device="cuda"))
+    assert torch.equal(case["conv_pool"], decoded["conv_pool"]) and torch.equal(case["state_pool"], decoded["state_pool"])
+
+
+@pytest.mark.cuda
+def test_verify_and_commit_replay_in_cuda_graph(cuda_kernels):
+    """Verify + commit captured once, replayed with new inputs and counts: each round matches the
+    reference round from the same pools."""
+    from ninfer_core.engine.cuda_graph import capture
+
+    batch, tokens, dtype = 2, 4, torch.bfloat16
+    case = make_case(SHAPE_35B, batch, dtype, "cuda", seed=31, tokens=tokens)
+    counts = torch.zeros(batch, dtype=torch.long, device="cuda")
+
+    def round_trip() -> torch.Tensor:
+        out = gdn_ops.gdn_verify(**case)
+        gdn_ops.gdn_commit(**without_z(case), counts=counts)
+        return out
+
+    graph, out = capture(round_trip)
+    gen = torch.Generator().manual_seed(32)
+    for kept in ([1, 4], [3, 0], [2, 2]):
+        fresh = step_inputs(SHAPE_35B, batch, dtype, "cuda", gen, tokens)
+        for name, value in fresh.items():
+            case[name].copy_(value)
+        counts.copy_(torch.tensor(kept))
+        ref_case = with_pool_copies(case)
+        graph.replay()
+        ref_out = gdn_ops.gdn_verify_ref(**ref_case)
+        gdn_ops.gdn_commit_ref(**without_z(ref_case), counts=counts)
+        torch.testing.assert_close(out, ref_out, rtol=OUT_TOL[dtype], atol=OUT_TOL[dtype])
+        assert torch.equal(case["conv_pool"], ref_case["conv_pool"])
+        assert_rel(case["state_pool"], ref_case["state_pool"], 1e-5)
 
 
 # ---------------------------------------------------------------- GPU: fla prefill

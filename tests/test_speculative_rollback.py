@@ -1,7 +1,7 @@
 """Exact rollback of rejected draft tokens: GDN state (record + commit) and attention KV.
 
-Layer level: a verify forward leaves the state pools untouched and gives bit for bit the plain
-forward's outputs; committing n tokens gives the state of n plain decode steps (fp32 rounding apart:
+Layer level: a verify forward leaves the state pools untouched and gives the plain forward's
+outputs (its token loop vs the chunked form: fp32 rounding apart); committing n tokens gives the state of n plain decode steps (fp32 rounding apart:
 a T-row projection rounds differently from T one-row ones) and does not depend, bit for bit, on
 the rejected tokens. Model level (dense tiny Qwen3.5, fp32): after verifying [t, d1, d2, d3],
 keeping [t, d1] leaves a cache (GDN slots, KV of the kept positions) and a continuation that are
@@ -48,14 +48,15 @@ def test_gdn_verify_leaves_pools_and_commit_equals_plain_decode():
     with torch.no_grad():
         out, record = layer.verify(x, conv, state, slots)
         assert torch.equal(conv, conv0) and torch.equal(state, state0)  # nothing written
-        assert torch.equal(out, layer(x, conv.clone(), state.clone(), slots))  # the plain forward's outputs
+        # the plain forward's outputs (its T > 1 path is the chunked form: equal up to fp32 rounding)
+        torch.testing.assert_close(out, layer(x, conv.clone(), state.clone(), slots), atol=1e-5, rtol=1e-5)
         for n in (1, 3, 5):
             conv_c, state_c = conv0.clone(), state0.clone()
-            commit_gdn(_pool(conv_c, state_c), {0: record}, slots.tolist(), [n, n])
+            layer.commit(record, conv_c, state_c, slots, torch.tensor([n, n]))
             conv_d, state_d = conv0.clone(), state0.clone()
             for t in range(n):  # plain decode, one token per step
                 layer(x[:, t : t + 1], conv_d, state_d, slots)
-            torch.testing.assert_close(conv_c, conv_d, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(conv_c, conv_d, atol=1e-6, rtol=1e-6)  # projections: T rows vs 1
             torch.testing.assert_close(state_c, state_d, atol=1e-5, rtol=1e-5)
             assert torch.equal(conv_c[1], conv0[1]) and torch.equal(state_c[1], state0[1])  # other slots untouched
 
@@ -71,16 +72,9 @@ def test_gdn_commit_ignores_rejected_tokens_bitwise():
         for inputs in (x, y):
             _, record = layer.verify(inputs, conv, state, torch.tensor(slots))
             conv_c, state_c = conv.clone(), state.clone()
-            commit_gdn(_pool(conv_c, state_c), {0: record}, slots, [3, 2])  # rows keep different counts
+            layer.commit(record, conv_c, state_c, torch.tensor(slots), torch.tensor([3, 2]))  # different counts
             results.append((conv_c, state_c))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-
-
-class _pool:
-    """The two tensors of a one-layer StatePool."""
-
-    def __init__(self, conv: torch.Tensor, state: torch.Tensor):
-        self.conv, self.recurrent = {0: conv}, {0: state}
 
 
 def test_model_rollback_is_bitwise_independent_of_the_rejected_tail():
@@ -103,7 +97,7 @@ def test_model_rollback_is_bitwise_independent_of_the_rejected_tail():
         )
         with torch.no_grad():
             out = model(batch, manager.cache)
-        commit_gdn(manager.cache.state, out.gdn_records, [seq.cache.slot], [2])
+        commit_gdn(model, manager.cache.state, out.gdn_records, batch.slots, torch.tensor([2]))
         manager.truncate(seq.cache, n + 2)
         seq.length = n + 2
     a, b = (s.cache.slot for s in seqs)

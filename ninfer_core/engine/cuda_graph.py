@@ -1,132 +1,199 @@
-"""CUDA graphs of the decode forward, one per batch-size bucket.
+"""CUDA graphs of the decode forward (per batch bucket) and the verify forward (per bucket and width).
 
-A decode step of the 35B launches ~1,000 kernels; replaying them as one graph removes the
-CPU launch cost that otherwise dominates batch-1 decode. Each bucket (1, 2, 4, 8, ... up to
+A decode step of the 35B launches ~800 kernels; replaying them as one graph removes the CPU
+launch cost that otherwise dominates batch-1 decode. Each bucket (1, 2, 4, 8, ... up to
 max_seqs) is captured on first use over static input buffers; a batch of B rows replays the
 smallest bucket >= B, the spare rows pointed at a scratch state slot and a scratch KV page that
 no sequence owns (their results are discarded). The block table has a fixed width (the pages of
 `max_context`), so one graph serves every context length.
 
-Everything inside the forward must be capture-safe (no host sync, no allocation outside the
-graph pool): the CUDA kernels are. If capture still fails (say a torch fallback synchronises),
-graphs are switched off with a warning and the engine runs eagerly.
+Speculative verification (T = K+1 tokens per row, logits for every row, GDN pools untouched)
+gets graphs keyed by (bucket, T, captured layers), each with a second graph that commits the
+accepted prefix (`gdn_commit` per GDN layer over the verify's recorded projections, the kept
+counts in a static buffer): a round is two replays. Widths are exact, not padded: a padded
+column would write KV past the pages its sequence reserved.
+
+Everything inside a forward must be capture-safe (no host sync, no allocation outside the graph
+pool): the CUDA kernels are; the MoE experts are only up to `graph_max_tokens` rows (beyond,
+their grouped GEMM reads group sizes on the host), so larger shapes run eagerly. If capture
+still fails (say a torch fallback synchronises), graphs are switched off with a warning and the
+engine runs eagerly.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
 from ..cache import CacheManager
-from ..models.base import CausalLM, ForwardBatch
+from ..layers.moe import Experts
+from ..models.base import CausalLM, ForwardBatch, ForwardOutput
+from ..ops.gdn import MAX_STEP_TOKENS
+from .speculative.rollback import commit_gdn
 
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+Result = TypeVar("Result")
+
+
+def capture(fn: Callable[[], Result], pool: tuple[int, int] | None = None) -> tuple[torch.cuda.CUDAGraph, Result]:
+    """Run fn once on a side stream (lazy initialisation, autotuning stay out of the graph), then
+    capture it; returns the graph and what the captured call returned (its static outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        result = fn()
+    return graph, result
+
+
+def graph_row_limit(model: CausalLM) -> int | None:
+    """The most tokens one captured forward may carry (None: no limit)."""
+    limits = [m.graph_max_tokens for m in model.modules() if isinstance(m, Experts)]  # type: ignore[attr-defined]
+    return min(limits, default=None)
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket, vocab] fp32, written by each replay
+    ids: torch.Tensor  # [bucket, T] static inputs of this graph's width
+    positions: torch.Tensor
+    out: ForwardOutput  # static outputs, rewritten by each replay
+    commit: torch.cuda.CUDAGraph | None = None  # verify graphs: gdn_commit of every GDN layer
 
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, manager: CacheManager, max_batch: int, max_context: int):
         if manager.scratch_slot is None or manager.scratch_page is None:
             raise ValueError("decode graphs need a cache built with scratch=True (a slot and a page for spare rows)")
-        scratch_slot, scratch_page = manager.scratch_slot, manager.scratch_page
         self.model = model
         self.cache = manager.cache  # the tensors the forward reads and writes
         self.buckets = tuple(b for b in BUCKETS if b < max_batch) + (max_batch,)
+        self.max_rows = graph_row_limit(model)
         self.max_pages = max_pages = math.ceil(max_context / manager.page_size)
-        device = next(model.parameters()).device
+        device = next(model.parameters()).device  # type: ignore[attr-defined]
         n = self.buckets[-1]
-        self.ids = torch.zeros(n, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, 1, dtype=torch.long, device=device)
         self.cache_lens = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
-        self.block_table = torch.full((n, max_pages), scratch_page, dtype=torch.int32, device=device)
-        self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
+        self.slots = torch.full((n,), manager.scratch_slot, dtype=torch.long, device=device)
+        self.counts = torch.zeros(n, dtype=torch.long, device=device)  # commit: tokens kept per row
+        self.block_table = torch.full((n, max_pages), manager.scratch_page, dtype=torch.int32, device=device)
+        self.scratch_slot, self.scratch_page = manager.scratch_slot, manager.scratch_page
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
         self.enabled = True
 
     def supports(self, batch: ForwardBatch) -> bool:
+        width = batch.num_new_tokens
+        decode = width == 1 and batch.logits == "last" and not batch.verify and not batch.capture_layers
+        verify = batch.verify and batch.logits == "all" and width <= MAX_STEP_TOKENS
+        bucket = self._bucket(batch.batch_size)
         return (
             self.enabled
-            and batch.num_new_tokens == 1
-            and batch.batch_size <= self.buckets[-1]
+            and (decode or verify)
+            and bucket is not None
+            and (self.max_rows is None or bucket * width <= self.max_rows)
             and batch.block_table.shape[1] <= self.max_pages
             and batch.inputs_embeds is None
             and batch.mrope_positions is None
-            and batch.logits == "last"
-            and not batch.verify
-            and not batch.capture_layers
         )
 
-    def logits(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """[B, vocab] fp32 logits of one decode step by graph replay; None when graphs are off."""
+    def forward(self, batch: ForwardBatch) -> ForwardOutput | None:
+        """The forward of a supported batch by graph replay (outputs: views of the static buffers,
+        valid until the next replay of the same graph); None when graphs are off."""
         b = batch.batch_size
-        bucket = next(x for x in self.buckets if x >= b)
-        graph = self.graphs.get(bucket) or self._capture(bucket)
+        graph = self._graph(batch)
         if graph is None:
             return None
-        self._load_inputs(batch, bucket)
+        self._load_inputs(batch, graph)
         graph.graph.replay()
-        return graph.logits[:b]
+        out = graph.out
+        return replace(
+            out,
+            logits=None if out.logits is None else out.logits[:b],
+            hidden_states=out.hidden_states[:b],
+            captured=None if out.captured is None else out.captured[:b],
+            gdn_records=None,  # the commit goes through `commit`
+        )
 
-    def _load_inputs(self, batch: ForwardBatch, bucket: int) -> None:
+    def commit(self, batch: ForwardBatch, counts: torch.Tensor) -> None:
+        """After `forward(batch)` of a verify batch: advance each row's GDN slot through its first
+        counts[b] tokens (int64 [B] on the device) by replaying the width's commit graph."""
+        graph = self.graphs[self._key(batch)]
+        assert graph.commit is not None
         b = batch.batch_size
-        self.ids[:b].copy_(batch.input_ids)
-        self.positions[:b].copy_(batch.positions)
+        self.slots[:b].copy_(batch.slots)
+        self.counts[:b].copy_(counts)
+        self.counts[b:].zero_()
+        graph.commit.replay()
+
+    def _bucket(self, rows: int) -> int | None:
+        return next((x for x in self.buckets if x >= rows), None)
+
+    def _key(self, batch: ForwardBatch) -> tuple[int, int, tuple[int, ...]]:
+        bucket = self._bucket(batch.batch_size)
+        assert bucket is not None
+        return bucket, batch.num_new_tokens if batch.verify else 0, tuple(batch.capture_layers)
+
+    def _graph(self, batch: ForwardBatch) -> _Graph | None:
+        key = self._key(batch)
+        graph = self.graphs.get(key)
+        if graph is None and self.enabled:
+            graph = self._capture(*key)
+        return graph
+
+    def _load_inputs(self, batch: ForwardBatch, graph: _Graph) -> None:
+        b = batch.batch_size
+        graph.ids[:b].copy_(batch.input_ids)
+        graph.positions[:b].copy_(batch.positions)
         self.cache_lens[:b].copy_(batch.cache_lens)
         self.slots[:b].copy_(batch.slots)
         width = batch.block_table.shape[1]
         self.block_table[:b, :width].copy_(batch.block_table)
-        self._park_rows(b, bucket)
+        self._park_rows(graph, b)
 
-    def _park_rows(self, start: int, end: int) -> None:
-        """Rows start..end-1 compute position 0 on the scratch slot / page: identical inputs (so
-        concurrent writes agree), outputs discarded."""
-        self.ids[start:end].zero_()
-        self.positions[start:end].zero_()
+    def _park_rows(self, graph: _Graph, start: int) -> None:
+        """Rows start.. compute positions 0..T-1 on the scratch slot / page: identical inputs (so
+        concurrent writes agree), outputs discarded, nothing committed."""
+        end = graph.ids.shape[0]
+        graph.ids[start:].zero_()
+        graph.positions[start:].copy_(torch.arange(graph.ids.shape[1], device=graph.ids.device).expand(end - start, -1))
         self.cache_lens[start:end].zero_()
         self.slots[start:end].fill_(self.scratch_slot)
+        self.counts[start:end].zero_()
         self.block_table[start:end].fill_(self.scratch_page)
 
-    def _static_batch(self, bucket: int) -> ForwardBatch:
-        return ForwardBatch(
-            input_ids=self.ids[:bucket],
-            positions=self.positions[:bucket],
-            cache_lens=self.cache_lens[:bucket],
-            slots=self.slots[:bucket],
-            block_table=self.block_table[:bucket],
-            logits="last",
-        )
-
-    def _capture(self, bucket: int) -> _Graph | None:
+    def _capture(self, bucket: int, verify_width: int, capture_layers: tuple[int, ...]) -> _Graph | None:
         """Warm up and capture with every row on the scratch slot / page (the warm-up really runs,
         and must not advance a live sequence)."""
-        self._park_rows(0, bucket)
-        batch = self._static_batch(bucket)
+        width = max(verify_width, 1)
+        device = self.slots.device
+        graph = _Graph(torch.cuda.CUDAGraph(), torch.zeros(bucket, width, dtype=torch.long, device=device),
+                       torch.zeros(bucket, width, dtype=torch.long, device=device), out=None)  # type: ignore[arg-type]
+        self._park_rows(graph, 0)
+        batch = ForwardBatch(
+            input_ids=graph.ids, positions=graph.positions, cache_lens=self.cache_lens[:bucket],
+            slots=self.slots[:bucket], block_table=self.block_table[:bucket],
+            logits="all" if verify_width else "last", verify=bool(verify_width), capture_layers=capture_layers,
+        )
         try:
             with torch.inference_mode():
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning)
-                    self.model.forward(batch, self.cache)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    out = self.model.forward(batch, self.cache)
+                graph.graph, graph.out = capture(lambda: self.model.forward(batch, self.cache), self.pool)
+                if verify_width:
+                    records = graph.out.gdn_records or {}
+                    graph.commit, _ = capture(lambda: commit_gdn(self.model, self.cache.state, records, batch.slots,
+                                                                 self.counts[:bucket]), self.pool)
         except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
             log.warning("CUDA graph capture failed (%s); decoding without graphs", exc)
             self.enabled = False
             return None
-        captured = _Graph(graph=graph, logits=out.logits[:, -1])
-        self.graphs[bucket] = captured
-        return captured
+        self.graphs[(bucket, verify_width, capture_layers)] = graph
+        return graph

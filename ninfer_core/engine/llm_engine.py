@@ -26,11 +26,12 @@ from ..tokenizer import Tokenizer
 from .request import GenerationRequest, SpecStats, StepOutput
 from .sampling import Sampler
 from .sequence import Sequence
+from .speculative.rollback import commit_gdn
+from .speculative.speculator import Speculator, Verified
 
 if TYPE_CHECKING:
     from .cuda_graph import DecodeGraphs
     from ..models.vision import VisionTower
-    from .speculative.speculator import Speculator
 
 
 @dataclass
@@ -216,19 +217,28 @@ class LLMEngine:
             self.cache.reserve(seq.cache, seq.num_tokens)
         ids = torch.tensor([[s.output_ids[-1]] for s in seqs], dtype=torch.long, device=self.device)
         batch = self._batch(seqs, ids, "last")
-        logits = self.graphs.logits(batch) if self.graphs is not None and self.graphs.supports(batch) else None
-        if logits is None:
-            logits = self._run(batch).logits[:, -1]
+        logits = self._forward(batch).logits
+        assert logits is not None
         for seq in seqs:
             seq.num_cached += 1
-        tokens = self._sample(seqs, logits)
+        tokens = self._sample(seqs, logits[:, -1])
         return [self._append(seq, [tok]) for seq, tok in zip(seqs, tokens)]
 
-    def _verify_forward(
-        self, seqs: list[Sequence], ids: torch.Tensor, capture_layers: tuple[int, ...]
-    ) -> tuple[ForwardBatch, ForwardOutput]:
+    def _verify_forward(self, seqs: list[Sequence], ids: torch.Tensor, capture_layers: tuple[int, ...]) -> Verified:
         batch = self._batch(seqs, ids, "all", verify=True, capture_layers=capture_layers)
-        return batch, self._run(batch)
+        out = self._forward(batch)
+        if out.gdn_records is None:  # a graph replay: its commit graph keeps the accepted tokens
+            assert self.graphs is not None
+            graphs = self.graphs
+            return Verified(batch, out, lambda counts: graphs.commit(batch, counts))
+        records = out.gdn_records
+        return Verified(batch, out, lambda counts: commit_gdn(self.model, self.cache.cache.state, records,
+                                                              batch.slots, counts))
+
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """A decode or verify forward: by CUDA graph replay where one fits, else eagerly."""
+        out = self.graphs.forward(batch) if self.graphs is not None and self.graphs.supports(batch) else None
+        return out if out is not None else self._run(batch)
 
     def _multimodal_inputs(
         self, seq: Sequence, ids: torch.Tensor, start: int, end: int

@@ -14,13 +14,13 @@ Conv state: the last K-1 pre-conv inputs of the qkv channels, [C, K-1] per seque
 all the next output needs). A new sequence starts from zeros for both states.
 
 Speculative verification (`GatedDeltaNet.verify`) reads the state but leaves the pools as they
-are and returns the per-token inputs (`GDNRecord`); the caller then advances the pooled state
-through the accepted prefix only (`engine/speculative/rollback.py`), so rejected draft tokens
-never touch it.
+are and returns the per-token projections (`GDNRecord`); `GatedDeltaNet.commit` then advances
+the pooled state through the accepted prefix only (`engine/speculative/rollback.py`), so
+rejected draft tokens never touch it.
 
 The functions here are the torch references of the hot ops; `GatedDeltaNet` runs them through
-`ops.gdn`, which picks the fused CUDA decode step (T = 1) and flash-linear-attention's chunked
-kernel (prefill) where they apply. Verification keeps these references.
+`ops.gdn`, which picks the fused CUDA steps (decode, verify, commit) and flash-linear-attention's
+chunked kernel (prefill) where they apply.
 """
 
 from __future__ import annotations
@@ -181,15 +181,12 @@ def gated_delta_rule_chunked(
 
 @dataclass
 class GDNRecord:
-    """One GDN layer's per-token inputs of a verify forward: enough to advance its state through
-    any prefix of the tokens (conv state = the last K-1 of `qkv`, recurrent state = the delta rule
-    over k, v, g, beta)."""
+    """One GDN layer's input projections of a verify forward: enough to advance its state through
+    any prefix of the tokens (`GatedDeltaNet.commit`)."""
 
-    qkv: torch.Tensor  # [B, T, C] pre-conv inputs, model dtype
-    k: torch.Tensor  # [B, T, Hk, dk] l2-normalised, state dtype
-    v: torch.Tensor  # [B, T, Hv, dv]
-    g: torch.Tensor  # [B, T, Hv] log decay, fp32
-    beta: torch.Tensor  # [B, T, Hv] fp32
+    qkv: torch.Tensor  # [B, T, C] pre-conv
+    a: torch.Tensor  # [B, T, Hv]
+    b: torch.Tensor  # [B, T, Hv]
 
 
 class GatedDeltaNet(nn.Module):
@@ -216,19 +213,20 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
+    @property
+    def weights(self) -> gdn_ops.GDNWeights:
+        return gdn_ops.GDNWeights(self.conv1d.weight[:, 0], self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
+                                  self.num_k_heads, self.head_k_dim, self.head_v_dim)
+
     def forward(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
         """x [B, T, hidden]; conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv]; slots [B]."""
         if x.shape[1] == 1:
             qkv, z, b, a = self.in_proj(x[:, 0])
-            out = gdn_ops.gdn_decode_step(
-                qkv, a, b, z, conv_pool, state_pool, slots, self.conv1d.weight[:, 0],
-                self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
-                self.num_k_heads, self.head_k_dim, self.head_v_dim,
-            )
+            out = gdn_ops.gdn_decode_step(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
             return self.out_proj(out)[:, None]
-        out, conv_state, state, _ = self._mix(x, conv_pool[slots], state_pool[slots], gdn_ops.gated_delta_rule_prefill)
+        out, conv_state, state = self._mix(x, conv_pool[slots], state_pool[slots], gdn_ops.gated_delta_rule_prefill)
         conv_pool[slots] = conv_state
         state_pool[slots] = state
         return out
@@ -236,16 +234,23 @@ class GatedDeltaNet(nn.Module):
     def verify(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
     ) -> tuple[torch.Tensor, GDNRecord]:
-        """`forward`'s outputs (the reference evaluation), but the pools stay as they are: the
-        returned record lets the caller commit just the accepted prefix of the tokens."""
-        delta_rule = gated_delta_rule_recurrent if x.shape[1] == 1 else gated_delta_rule_chunked
-        out, _, _, record = self._mix(x, conv_pool[slots], state_pool[slots], delta_rule)
-        return out, record
+        """`forward`'s outputs for T <= 16 tokens, but the pools stay as they are: the returned
+        record lets `commit` keep just the accepted prefix of the tokens."""
+        qkv, z, b, a = self.in_proj(x)
+        out = gdn_ops.gdn_verify(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
+        return self.out_proj(out), GDNRecord(qkv=qkv, a=a, b=b)
+
+    def commit(
+        self, record: GDNRecord, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> None:
+        """Advance slots[b] through the first counts[b] tokens of a verify's record (device tensor)."""
+        gdn_ops.gdn_commit(record.qkv, record.a, record.b, conv_pool, state_pool, slots, counts, self.weights)
 
     def _mix(
         self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, delta_rule: Callable[..., tuple]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GDNRecord]:
-        """The layer from given states: (output, new conv state, new recurrent state, record)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer from given states: (output, new conv state, new recurrent state)."""
         batch, num_new, _ = x.shape
         qkv, z, b, a = self.in_proj(x)
         q, k, v, conv_state = conv_qkv_heads(
@@ -257,4 +262,4 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
         out = self.norm(out.to(x.dtype), z)
         out = self.out_proj(out.reshape(batch, num_new, self.value_dim))
-        return out, conv_state, state, GDNRecord(qkv=qkv, k=k, v=v, g=g, beta=beta)
+        return out, conv_state, state

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.activation import sigmoid_mul
-from ..ops.moe import ExpertTensor, moe_experts, moe_route
+from ..ops.moe import ExpertTensor, moe_experts, moe_route, sync_free_tokens
 from ..ops.quant import QuantizedWeight, quantize
 from .linear import MergedLinear
 from .mlp import MLP
@@ -57,6 +57,11 @@ class Experts(nn.Module):
     @property
     def down(self) -> ExpertTensor:
         return self._tensor("down")
+
+    @property
+    def graph_max_tokens(self) -> int:
+        """Tokens per forward up to which the experts run without a host sync (CUDA graphs)."""
+        return sync_free_tokens(self.gate_up)
 
     def _tensor(self, part: str) -> ExpertTensor:
         if self.kind is None:

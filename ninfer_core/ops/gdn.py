@@ -1,14 +1,22 @@
-"""Gated DeltaNet hot ops: the fused decode step and the chunked prefill.
+"""Gated DeltaNet hot ops: the fused steps (decode, speculative verify / commit), chunked prefill.
 
-`gdn_decode_step` (one new token per sequence) is the whole layer between the input projections
-and out_proj: conv + SiLU, q / k l2-norm, gates, one delta-rule step on the fp32 state, gated
-RMSNorm. Its reference `gdn_decode_step_ref` composes the functions of layers/gdn.py and
-layers/norm.py exactly as `GatedDeltaNet` does for T = 1. The CUDA kernel (csrc/gdn_decode.cu)
-fuses it into two launches that read and write every state element once; the state is the
+The fused steps are the whole layer between the input projections and out_proj for T <= 16 new
+tokens per sequence: conv + SiLU, q / k l2-norm, gates, the delta rule on the fp32 state token
+by token, gated RMSNorm. Three uses, one kernel pair (csrc/gdn_decode.cu) and one reference
+(`gdn_steps_ref`, composing the functions of layers/gdn.py and layers/norm.py exactly as
+`GatedDeltaNet` does), selected in `_steps`:
+  gdn_decode_step   T = 1: output, pools advanced;
+  gdn_verify        T = K + 1: every token's output, pools untouched;
+  gdn_commit        pools advanced through the first counts[b] tokens (a device tensor, so the
+                    commit replays in a CUDA graph), no output.
+Verify + commit is the speculative rollback (engine/speculative/rollback.py): the state is read
+by the verify and read + written once by the commit; per-token math is the decode step's, so a
+committed state equals the state of that many decode steps bit for bit, given the same inputs.
+The kernel reads and writes every state element at most once per launch; the state is the
 decode traffic (35B: 30 layers x 32 heads x 64 KB, read and written, per token and sequence).
-It applies when the call is on CUDA, every tensor but the state and the slots has the model dtype
-(fp32 / fp16 / bf16), the state is fp32, both pools are contiguous, dk and dv are multiples of 32
-up to 256 and the conv has 2..8 taps; anything else runs the reference.
+It applies when the call is on CUDA, every tensor but the state, slots and counts has the model
+dtype (fp32 / fp16 / bf16), the state is fp32, both pools are contiguous, dk and dv are
+multiples of 32 up to 256 and the conv has 2..8 taps; anything else runs the reference.
 
 `gated_delta_rule_prefill` is `gated_delta_rule_chunked`'s contract on flash-linear-attention's
 Triton kernel (`fla.ops.gated_delta_rule.chunk_gated_delta_rule`, package flash-linear-attention
@@ -22,8 +30,7 @@ A chunked kernel of our own (intra-chunk triangular solve, inter-chunk state sca
 tiling per GPU) is a large project for prefill alone, while decode, a plain memory-bound
 recurrence, is where owning the kernel pays (fused norm, CUDA graphs). Only bf16 / fp16 models
 take it: q, k go in at the model dtype (as transformers feeds them) and fla's fp32 matmuls would
-run in TF32 (~1e-3), so fp32 models (the parity tests) keep the exact reference. Speculative
-verification always keeps the reference (layers/gdn.py).
+run in TF32 (~1e-3), so fp32 models (the parity tests) keep the exact reference.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -41,102 +49,199 @@ from . import dispatch
 log = logging.getLogger(__name__)
 
 _MAX_HEAD_DIM = 256
+MAX_STEP_TOKENS = 16  # tokens per sequence the fused steps take (speculative K + 1 <= 16)
 _MAX_CONV_KERNEL = 8
 _FLA_DTYPES = (torch.bfloat16, torch.float16)
 _FLA_MIN_VERSION = (0, 6)  # native grouped value heads (Hv > Hk) in the chunked kernels
 
 
-def gdn_decode_step_ref(
+@dataclass(frozen=True)
+class GDNWeights:
+    """One GDN layer's parameters the fused steps read, and its head layout."""
+
+    conv_weight: torch.Tensor  # [C, K]
+    A_log: torch.Tensor  # [Hv]
+    dt_bias: torch.Tensor  # [Hv]
+    norm_weight: torch.Tensor  # [dv]
+    eps: float
+    num_k_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+
+def gdn_steps_ref(
     qkv: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    z: torch.Tensor,
+    z: torch.Tensor | None,
     conv_pool: torch.Tensor,
     state_pool: torch.Tensor,
     slots: torch.Tensor,
-    conv_weight: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    num_k_heads: int,
-    head_k_dim: int,
-    head_v_dim: int,
-) -> torch.Tensor:
-    """Torch reference of `gdn_decode_step` (any device, any float dtype)."""
-    batch = qkv.shape[0]
-    q, k, v, conv_state = gdn_layer.conv_qkv_heads(
-        qkv[:, None], conv_pool[slots], conv_weight, num_k_heads, head_k_dim, head_v_dim, state_pool.dtype
-    )
-    g, beta = gdn_layer.gdn_gates(a[:, None], b[:, None], A_log, dt_bias)
-    out, state = gdn_layer.gated_delta_rule_recurrent(q, k, v, g, beta, state_pool[slots])
+    counts: torch.Tensor | None,
+    write_state: bool,
+    w: GDNWeights,
+) -> torch.Tensor | None:
+    """Torch reference of the fused steps (any device, any float dtype); `_steps` has the contract.
+    Composes the functions of layers/gdn.py and layers/norm.py exactly as `GatedDeltaNet` does.
+    Partial advances (counts) go token by token, each row keeping its state once its count is
+    reached: no host sync (CUDA graphs capture it too), and bit for bit that many decode steps."""
+    batch, num_tokens, _ = qkv.shape
+
+    def advance(
+        conv_state: torch.Tensor, state: torch.Tensor, t: slice
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, conv_state = gdn_layer.conv_qkv_heads(
+            qkv[:, t], conv_state, w.conv_weight, w.num_k_heads, w.head_k_dim, w.head_v_dim, state_pool.dtype
+        )
+        g, beta = gdn_layer.gdn_gates(a[:, t], b[:, t], w.A_log, w.dt_bias)
+        o, state = gdn_layer.gated_delta_rule_recurrent(q, k, v, g, beta, state)
+        return o, conv_state, state
+
+    conv_state, state = conv_pool[slots], state_pool[slots]
+    out = None
+    if z is not None:
+        o, final_conv, final_state = advance(conv_state, state, slice(None))
+        out = gated_rms_norm(o.to(qkv.dtype), z.reshape(batch, num_tokens, -1, w.head_v_dim), w.norm_weight, w.eps)
+        out = out.reshape(batch, num_tokens, -1)
+    if not write_state:
+        return out
+    if counts is None and out is not None:
+        conv_state, state = final_conv, final_state
+    else:
+        n = torch.full((batch,), num_tokens, device=slots.device) if counts is None else counts
+        for t in range(num_tokens):
+            _, next_conv, next_state = advance(conv_state, state, slice(t, t + 1))
+            keep = (n > t).view(-1, 1, 1)
+            conv_state = torch.where(keep, next_conv, conv_state)
+            state = torch.where(keep[..., None], next_state, state)
     conv_pool[slots] = conv_state
     state_pool[slots] = state
-    out = gated_rms_norm(out.to(qkv.dtype), z.reshape(batch, 1, -1, head_v_dim), norm_weight, eps)
-    return out.reshape(batch, -1)
+    return out
+
+
+def gdn_decode_step_ref(
+    qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, conv_pool: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, w: GDNWeights,
+) -> torch.Tensor:
+    """Torch reference of `gdn_decode_step`."""
+    out = gdn_steps_ref(qkv[:, None], a[:, None], b[:, None], z[:, None], conv_pool, state_pool, slots, None, True, w)
+    assert out is not None
+    return out[:, 0]
 
 
 def gdn_decode_step(
-    qkv: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    z: torch.Tensor,
-    conv_pool: torch.Tensor,
-    state_pool: torch.Tensor,
-    slots: torch.Tensor,
-    conv_weight: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    num_k_heads: int,
-    head_k_dim: int,
-    head_v_dim: int,
-    *,
-    out: torch.Tensor | None = None,
+    qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, conv_pool: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, w: GDNWeights, *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One GDN layer's step for one new token of each of B sequences, before out_proj.
 
     qkv [B, C] pre-conv projections, a / b [B, Hv] (in_proj_a / in_proj_b), z [B, Hv*dv] (the
     norm's gate); conv_pool [S, C, K-1] and state_pool [S, Hv, dk, dv] advance in place at the
-    (distinct) `slots` [B]; conv_weight [C, K], A_log / dt_bias [Hv], norm_weight [dv].
-    Returns gated_rms_norm(o, z) as [B, Hv*dv] in qkv's dtype (into `out` when given).
+    (distinct) `slots` [B]. Returns gated_rms_norm(o, z) as [B, Hv*dv] in qkv's dtype (into `out`).
     """
-    args = (qkv, a, b, z, conv_pool, state_pool, slots, conv_weight, A_log, dt_bias, norm_weight)
-    _check(*args, num_k_heads, head_k_dim, head_v_dim, out)
-    if not _kernel_applies(*args, head_k_dim, head_v_dim):
-        value = gdn_decode_step_ref(*args, eps, num_k_heads, head_k_dim, head_v_dim)
-        return value if out is None else out.copy_(value)
-    qkv, a, b, z, conv_weight, A_log, dt_bias, norm_weight = (
-        t.contiguous() for t in (qkv, a, b, z, conv_weight, A_log, dt_bias, norm_weight)
-    )
+    if out is not None:
+        _check_out(out, z, "gdn_decode_step")
+    value = _steps("gdn_decode_step", qkv[:, None], a[:, None], b[:, None], z[:, None], conv_pool, state_pool,
+                   slots, None, True, w, None if out is None else out[:, None])
+    assert value is not None
+    return value[:, 0] if out is None else out
+
+
+def gdn_verify_ref(
+    qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, conv_pool: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, w: GDNWeights,
+) -> torch.Tensor:
+    """Torch reference of `gdn_verify`."""
+    out = gdn_steps_ref(qkv, a, b, z, conv_pool, state_pool, slots, None, False, w)
+    assert out is not None
+    return out
+
+
+def gdn_verify(
+    qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, conv_pool: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, w: GDNWeights,
+) -> torch.Tensor:
+    """Speculative verification: qkv [B, T, C], a / b [B, T, Hv], z [B, T, Hv*dv] of T <= 16 tokens
+    -> gated_rms_norm(o, z) [B, T, Hv*dv], token t seeing the state advanced through tokens
+    0..t; the pools stay as they are (`gdn_commit` keeps the accepted prefix later)."""
+    out = _steps("gdn_verify", qkv, a, b, z, conv_pool, state_pool, slots, None, False, w, None)
+    assert out is not None
+    return out
+
+
+def gdn_commit_ref(
+    qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor,
+    slots: torch.Tensor, counts: torch.Tensor, w: GDNWeights,
+) -> None:
+    """Torch reference of `gdn_commit`."""
+    gdn_steps_ref(qkv, a, b, None, conv_pool, state_pool, slots, counts, True, w)
+
+
+def gdn_commit(
+    qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor,
+    slots: torch.Tensor, counts: torch.Tensor, w: GDNWeights,
+) -> None:
+    """After a verify: advance row b's pools through its first counts[b] tokens (a device int64
+    tensor [B], read on the device: no host sync, so a CUDA graph can replay it)."""
+    _steps("gdn_commit", qkv, a, b, None, conv_pool, state_pool, slots, counts, True, w, None)
+
+
+def _steps(
+    name: str,
+    qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    z: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor | None,
+    write_state: bool,
+    w: GDNWeights,
+    out: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The one dispatch place of the fused steps: the kernel where it applies, else the reference.
+    Rows advance through counts[b] tokens (all T when None) if write_state; with z the outputs of
+    all T tokens are returned (into `out` [B, T, Hv*dv] when given)."""
+    _check(name, qkv, a, b, z, conv_pool, state_pool, slots, counts, w)
+    if not _kernel_applies(qkv, a, b, z, conv_pool, state_pool, slots, counts, w):
+        value = gdn_steps_ref(qkv, a, b, z, conv_pool, state_pool, slots, counts, write_state, w)
+        return value if out is None or value is None else out.copy_(value)
+    qkv, a, b = (t.contiguous() for t in (qkv, a, b))
+    params = [t.contiguous() for t in (w.conv_weight, w.A_log, w.dt_bias, w.norm_weight)]
     slots = slots.long().contiguous()
-    batch, channels = qkv.shape
-    num_v_heads = a.shape[1]
-    out = torch.empty_like(z) if out is None else out
-    scratch = torch.empty(batch * (channels + num_v_heads), dtype=torch.float32, device=qkv.device)
-    dispatch.extension().gdn_decode_step(
-        out=out.data_ptr(),
+    counts = None if counts is None else counts.long().contiguous()
+    batch, num_tokens, channels = qkv.shape
+    num_v_heads = a.shape[2]
+    if z is not None:
+        z = z.contiguous()
+        out = torch.empty_like(z) if out is None else out
+    scratch = torch.empty(batch * (num_tokens * channels + num_v_heads), dtype=torch.float32, device=qkv.device)
+    dispatch.extension().gdn_steps(
+        out=0 if out is None else out.data_ptr(),
         scratch=scratch.data_ptr(),
         qkv=qkv.data_ptr(),
         a=a.data_ptr(),
         b=b.data_ptr(),
-        z=z.data_ptr(),
+        z=0 if z is None else z.data_ptr(),
         conv_pool=conv_pool.data_ptr(),
         state_pool=state_pool.data_ptr(),
         slots=slots.data_ptr(),
-        conv_weight=conv_weight.data_ptr(),
-        A_log=A_log.data_ptr(),
-        dt_bias=dt_bias.data_ptr(),
-        norm_weight=norm_weight.data_ptr(),
+        counts=0 if counts is None else counts.data_ptr(),
+        conv_weight=params[0].data_ptr(),
+        A_log=params[1].data_ptr(),
+        dt_bias=params[2].data_ptr(),
+        norm_weight=params[3].data_ptr(),
         batch=batch,
-        num_k_heads=num_k_heads,
+        num_tokens=num_tokens,
+        write_state=write_state,
+        num_k_heads=w.num_k_heads,
         num_v_heads=num_v_heads,
-        head_k_dim=head_k_dim,
-        head_v_dim=head_v_dim,
-        conv_kernel=conv_weight.shape[1],
-        q_scale=head_k_dim**-0.5,
-        eps=float(eps),
+        head_k_dim=w.head_k_dim,
+        head_v_dim=w.head_v_dim,
+        conv_kernel=w.conv_weight.shape[1],
+        q_scale=w.head_k_dim**-0.5,
+        eps=float(w.eps),
         dtype=dispatch.kernel_dtype(qkv),
         device=qkv.device.index,
         stream=dispatch.stream_handle(qkv),
@@ -173,28 +278,27 @@ def _kernel_applies(
     qkv: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    z: torch.Tensor,
+    z: torch.Tensor | None,
     conv_pool: torch.Tensor,
     state_pool: torch.Tensor,
     slots: torch.Tensor,
-    conv_weight: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    norm_weight: torch.Tensor,
-    head_k_dim: int,
-    head_v_dim: int,
+    counts: torch.Tensor | None,
+    w: GDNWeights,
 ) -> bool:
-    model_dtype = (qkv, a, b, z, conv_pool, conv_weight, A_log, dt_bias, norm_weight)
+    model_dtype = [t for t in (qkv, a, b, z, conv_pool, w.conv_weight, w.A_log, w.dt_bias, w.norm_weight)
+                   if t is not None]
     return (
         dispatch.use_kernel(*model_dtype, state_pool)
         and all(t.dtype == qkv.dtype and t.device == qkv.device for t in model_dtype)
         and state_pool.dtype == torch.float32
         and state_pool.device == slots.device == qkv.device
+        and (counts is None or counts.device == qkv.device)
         and state_pool.is_contiguous()
         and state_pool.data_ptr() % 16 == 0
         and conv_pool.is_contiguous()
-        and all(d % 32 == 0 and 32 <= d <= _MAX_HEAD_DIM for d in (head_k_dim, head_v_dim))
-        and 2 <= conv_weight.shape[1] <= _MAX_CONV_KERNEL
+        and all(d % 32 == 0 and 32 <= d <= _MAX_HEAD_DIM for d in (w.head_k_dim, w.head_v_dim))
+        and 2 <= w.conv_weight.shape[1] <= _MAX_CONV_KERNEL
+        and qkv.shape[1] <= MAX_STEP_TOKENS
         and qkv.shape[0] <= 65535
     )
 
@@ -228,50 +332,50 @@ def _fla_chunk() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     return chunk_gated_delta_rule
 
 
+def _check_out(out: torch.Tensor, like: torch.Tensor, name: str) -> None:
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)} "
+                         f"on {like.device}")
+
+
 def _check(
+    name: str,
     qkv: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    z: torch.Tensor,
+    z: torch.Tensor | None,
     conv_pool: torch.Tensor,
     state_pool: torch.Tensor,
     slots: torch.Tensor,
-    conv_weight: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    norm_weight: torch.Tensor,
-    num_k_heads: int,
-    head_k_dim: int,
-    head_v_dim: int,
-    out: torch.Tensor | None,
+    counts: torch.Tensor | None,
+    w: GDNWeights,
 ) -> None:
     """Shapes must agree on every path: a kernel given wrong ones would write out of bounds."""
-    if qkv.dim() != 2 or a.dim() != 2 or conv_pool.dim() != 3 or conv_weight.dim() != 2:
-        raise ValueError("gdn_decode_step: qkv, a need 2 dims ([B, C], [B, Hv]), conv_pool 3, conv_weight 2")
-    (batch, channels), num_v_heads, num_slots = qkv.shape, a.shape[1], conv_pool.shape[0]
-    if num_k_heads <= 0 or num_v_heads % num_k_heads:
-        raise ValueError(f"gdn_decode_step: {num_v_heads} value heads are not a multiple of {num_k_heads} key heads")
-    if channels != 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim:
-        raise ValueError(
-            f"gdn_decode_step: qkv width {channels} != 2 * {num_k_heads} * {head_k_dim} + {num_v_heads} * {head_v_dim}"
-        )
-    taps = conv_weight.shape[1]
+    if qkv.dim() != 3 or a.dim() != 3 or conv_pool.dim() != 3 or w.conv_weight.dim() != 2:
+        raise ValueError(f"{name}: qkv, a need a token axis ([B, T, C], [B, T, Hv]), conv_pool 3 dims, "
+                         "conv_weight 2")
+    (batch, num_tokens, channels), num_v_heads, num_slots = qkv.shape, a.shape[2], conv_pool.shape[0]
+    hk, dk, dv = w.num_k_heads, w.head_k_dim, w.head_v_dim
+    if hk <= 0 or num_v_heads % hk:
+        raise ValueError(f"{name}: {num_v_heads} value heads are not a multiple of {hk} key heads")
+    if channels != 2 * hk * dk + num_v_heads * dv:
+        raise ValueError(f"{name}: qkv width {channels} != 2 * {hk} * {dk} + {num_v_heads} * {dv}")
+    taps = w.conv_weight.shape[1]
     expected = {
-        "a": (a, (batch, num_v_heads)),
-        "b": (b, (batch, num_v_heads)),
-        "z": (z, (batch, num_v_heads * head_v_dim)),
+        "a": (a, (batch, num_tokens, num_v_heads)),
+        "b": (b, (batch, num_tokens, num_v_heads)),
         "conv_pool": (conv_pool, (num_slots, channels, taps - 1)),
-        "state_pool": (state_pool, (num_slots, num_v_heads, head_k_dim, head_v_dim)),
+        "state_pool": (state_pool, (num_slots, num_v_heads, dk, dv)),
         "slots": (slots, (batch,)),
-        "conv_weight": (conv_weight, (channels, taps)),
-        "A_log": (A_log, (num_v_heads,)),
-        "dt_bias": (dt_bias, (num_v_heads,)),
-        "norm_weight": (norm_weight, (head_v_dim,)),
+        "conv_weight": (w.conv_weight, (channels, taps)),
+        "A_log": (w.A_log, (num_v_heads,)),
+        "dt_bias": (w.dt_bias, (num_v_heads,)),
+        "norm_weight": (w.norm_weight, (dv,)),
     }
-    if out is not None:
-        expected["out"] = (out, (batch, num_v_heads * head_v_dim))
-        if out.dtype != qkv.dtype or out.device != qkv.device or not out.is_contiguous():
-            raise ValueError(f"gdn_decode_step: out must be a contiguous {qkv.dtype} tensor on {qkv.device}")
-    for name, (t, shape) in expected.items():
+    if z is not None:
+        expected["z"] = (z, (batch, num_tokens, num_v_heads * dv))
+    if counts is not None:
+        expected["counts"] = (counts, (batch,))
+    for key, (t, shape) in expected.items():
         if tuple(t.shape) != shape:
-            raise ValueError(f"gdn_decode_step: {name} has shape {tuple(t.shape)}, expected {shape}")
+            raise ValueError(f"{name}: {key} has shape {tuple(t.shape)}, expected {shape}")

@@ -132,6 +132,12 @@ def moe_experts(
     return moe_experts_grouped(x, gate_up, down, weights, ids)
 
 
+def sync_free_tokens(gate_up: ExpertTensor) -> int:
+    """The most tokens `moe_experts` takes on the decode kernels: no host sync, so CUDA graphs can
+    capture calls up to this size (the grouped path reads group sizes on the host)."""
+    return QUANTIZED_DECODE_MAX_TOKENS if isinstance(gate_up, QuantizedWeight) else DECODE_MAX_TOKENS
+
+
 def moe_experts_grouped(
     x: torch.Tensor,
     gate_up: ExpertTensor,

@@ -4,12 +4,12 @@ Attention KV needs nothing but bookkeeping: entries past the accepted tokens are
 causal mask (cache_lens) and overwritten later; their pages go back with `CacheManager.truncate`.
 
 Gated DeltaNet state cannot be truncated. The verify forward leaves every GDN state slot as it
-was and returns, per layer, the per-token inputs (`GDNRecord`: pre-conv qkv, normalised k, v,
-decay g, beta). `commit_gdn` then advances each slot through its accepted tokens only: conv
-state = the last K-1 pre-conv inputs, recurrent state = the delta-rule recurrence
-(`gated_delta_rule_recurrent`, the decode form) over the accepted (k, v, g, beta), all GDN layers
-in one batched call. This is the original C++ NInfer's scheme ("record and replay"), chosen over
-the alternatives:
+was and returns, per layer, the token's input projections (`GDNRecord`: pre-conv qkv, a, b).
+`commit_gdn` then advances each slot through its accepted tokens only: the fused GDN steps
+(`ops.gdn.gdn_commit`) re-run conv, gates and the delta rule over the first counts[b] tokens
+(a device tensor: no host sync, so the commit of a verify replays from a CUDA graph, one launch
+pair per GDN layer). This is the original C++ NInfer's scheme ("record and replay"), chosen
+over the alternatives:
 
 (a) per-position state slots (vLLM): the verify writes T = K+1 full states per layer (35B-A3B:
     2 MB x 30 layers each) and the sequence moves to the accepted slot; K+1 slots per sequence.
@@ -18,15 +18,16 @@ the alternatives:
     rejection (measured: `scripts/bench_spec.py rollback`).
 (c) record per-step states during the verify: like (a) into scratch, then copy one of them.
 Record-and-replay writes no per-position states and needs no snapshot: the slot is read by the
-verify, then read and written once by the commit; the replay is j+1 delta-rule steps (no
+verify, then read and written once by the commit; the replay is counts[b] delta-rule steps (no
 projections, no other layers). On a full acceptance it costs the same as on a rejection.
 
 Exactness: a rejected token's inputs are never read, so the committed state and everything that
 follows are bit-for-bit the same whatever the rejected drafts were (tested on the dense model;
 with MoE, the kept tokens' expert GEMMs share a batch with the rejected ones, which can change
-their rounding). Against plain token-by-token decoding the state is equal up to fp32 rounding
-only: a T-row projection rounds differently from T one-row ones (GEMM blocking depends on the
-row count), which no rollback scheme avoids; greedy outputs are token-identical in the tests.
+their rounding). The commit runs the decode step's per-token math, so given the same projections
+it is the state of counts[b] decode steps bit for bit; against plain token-by-token decoding the
+projections themselves differ at fp32 rounding (a T-row GEMM blocks differently from T one-row
+ones), which no rollback scheme avoids; greedy outputs are token-identical in the tests.
 
 Measured per round (`scripts/bench_spec.py rollback`, tiny-qwen3.6-moe preset, 1 CPU thread,
 context 512), kept 1 token / all K+1:
@@ -41,37 +42,17 @@ same bench on the GPU gives the numbers for that case.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from ...cache import StatePool
-from ...layers.gdn import GDNRecord, gated_delta_rule_recurrent
+from ...layers.gdn import GDNRecord
+from ...models.decoder import DecoderModel
 
 
 @torch.inference_mode()
-def commit_gdn(pool: StatePool, records: dict[int, GDNRecord], slots: list[int], counts: list[int]) -> None:
-    """Advance slot slots[b] through the first counts[b] >= 1 tokens of batch row b, in every GDN
-    layer. Rows keeping the same count and all layers go through one recurrence (few launches)."""
-    if not records:
-        return
-    layers = list(records)
-    by_count: dict[int, list[int]] = defaultdict(list)
-    for row, n in enumerate(counts):
-        by_count[n].append(row)
-    device = pool.conv[layers[0]].device
-    for n, rows in by_count.items():
-        index = torch.tensor(rows, device=device)
-        slot = torch.tensor([slots[r] for r in rows], device=device)
-        # [L, rows, n, ...]: every layer's kept inputs, stacked
-        qkv, k, v, g, beta = (torch.stack([getattr(records[i], f)[index, :n] for i in layers])
-                              for f in ("qkv", "k", "v", "g", "beta"))
-        conv = torch.stack([pool.conv[i][slot] for i in layers])  # [L, rows, C, K-1]
-        window = torch.cat((conv, qkv.transpose(-1, -2).to(conv.dtype)), dim=-1)[..., n:]  # the last K-1 inputs
-        state = torch.stack([pool.recurrent[i][slot] for i in layers]).flatten(0, 1)
-        k = k.flatten(0, 1)
-        _, state = gated_delta_rule_recurrent(k, k, v.flatten(0, 1), g.flatten(0, 1), beta.flatten(0, 1), state)
-        state = state.unflatten(0, (len(layers), len(rows)))
-        for j, i in enumerate(layers):
-            pool.conv[i][slot] = window[j]
-            pool.recurrent[i][slot] = state[j]
+def commit_gdn(model: DecoderModel, pool: StatePool, records: dict[int, GDNRecord], slots: torch.Tensor,
+               counts: torch.Tensor) -> None:
+    """Advance slot slots[b] through the first counts[b] >= 0 tokens of verify row b, in every GDN
+    layer (slots, counts: int64 tensors [B] on the model's device)."""
+    for i, record in records.items():
+        model.layers[i].linear_attn.commit(record, pool.conv[i], pool.recurrent[i], slots, counts)

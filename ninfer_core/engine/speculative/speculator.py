@@ -3,10 +3,12 @@
 1. K per sequence: its limit, capped so the answer cannot run past max_tokens; then the largest
    K <= that for which every sequence's KV pages fit (uniform: padded rows write KV too).
 2. The drafter proposes; the verify batch is [B, 1 + longest draft] = [last token, drafts, pad].
-3. One target forward (logits for all rows, GDN state deferred, drafter layers captured).
+3. One target forward (logits for all rows, GDN state deferred, drafter layers captured; a CUDA
+   graph replay where the engine has one for the shape).
 4. Per sequence the target distributions p_0..p_k (exact sampler distributions, penalties with
    the drafts counted as generated) decide the kept tokens (verify.py).
-5. The GDN slots advance through the kept tokens only (rollback.py); the engine appends them
+5. The GDN slots advance through the kept tokens only (rollback.py, through `Verified.commit`:
+   the commit graph of the verify's shape, or eagerly); the engine appends them
    (stop checks may cut the run short); the drafter observes the kept rows; surplus KV pages go.
 Sequences asking no drafts ride along as rows of width 1 (+ padding).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -25,11 +28,20 @@ from ..request import GenerationRequest, SpecStats, StepOutput
 from ..sampling import Sampler, TokenHistory
 from ..sequence import Sequence
 from .base import Draft, Drafter, Observation
-from .rollback import commit_gdn
 from .verify import accept_greedy, accept_stochastic
 
-# run(seqs, ids [B, T], capture_layers) -> the verify forward (logits "all", GDN deferred)
-VerifyForward = Callable[[list[Sequence], torch.Tensor, tuple[int, ...]], tuple[ForwardBatch, ForwardOutput]]
+
+@dataclass
+class Verified:
+    """A verify forward (logits "all", GDN pools untouched) and how to keep its accepted prefix."""
+
+    batch: ForwardBatch
+    out: ForwardOutput
+    commit: Callable[[torch.Tensor], None]  # counts [B] int64 on the device: GDN slots advance that far
+
+
+# run(seqs, ids [B, T], capture_layers) -> the verify forward
+VerifyForward = Callable[[list[Sequence], torch.Tensor, tuple[int, ...]], Verified]
 Append = Callable[[Sequence, list[int]], StepOutput]
 
 
@@ -72,10 +84,10 @@ class Speculator:
         width = 1 + max(len(d.tokens) for d in drafts)
         ids = torch.tensor([[s.output_ids[-1], *d.tokens] + [s.output_ids[-1]] * (width - 1 - len(d.tokens))
                             for s, d in zip(seqs, drafts)], dtype=torch.long, device=self.cache.device)
-        batch, out = run(seqs, ids, self.drafter.capture_layers)
+        verified = run(seqs, ids, self.drafter.capture_layers)
+        batch, out = verified.batch, verified.out
         kept = self._accept(seqs, drafts, out.logits)
-        commit_gdn(self.cache.cache.state, out.gdn_records or {}, [s.cache.slot for s in seqs],
-                   [len(k) for k in kept])
+        verified.commit(torch.tensor([len(k) for k in kept], dtype=torch.long, device=self.cache.device))
         outputs = []
         for seq, draft, tokens in zip(seqs, drafts, kept):
             seq.num_cached += len(tokens)
