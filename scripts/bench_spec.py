@@ -2,6 +2,7 @@
 
     python3 scripts/bench_spec.py verify     [--preset qwen3.6-35b-a3b] [--max-k 7] [--json OUT]
     python3 scripts/bench_spec.py rollback   [--preset tiny-qwen3.6-moe --device cpu] [--json OUT]
+    python3 scripts/bench_spec.py profile    [--max-k 3] [--json OUT]
     python3 scripts/bench_spec.py acceptance [--model DIR] [--spec ngram] [--json OUT]
 
 verify: on the synthetic model (exact shapes, random weights; the engine's own forward, eager),
@@ -14,6 +15,8 @@ the reference engine's definition: 72% for MTP3 = 3.16 tokens per round):
 
     tokens per round  E = 1 + K * a
     speedup           S = E / (verify(K) / decode + draft(K) / decode)
+
+profile: the kernels of one eager decode step and one eager verify round of K+1 by GPU time.
 
 rollback: per round, record + commit (ours) vs snapshot + plain verify + restore + replay
 forward of the kept tokens (option b), for 1 and K+1 kept tokens.
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_decode's kernel table
 from ninfer_core.cache import CacheManager, KVPool, ModelCache  # noqa: E402
 from ninfer_core.config import ModelConfig  # noqa: E402
 from ninfer_core.engine.cuda_graph import DecodeGraphs  # noqa: E402
@@ -263,6 +267,32 @@ def bench_verify(args: argparse.Namespace) -> dict:
     return result
 
 
+def bench_profile(args: argparse.Namespace) -> dict:
+    """Kernels of one eager decode step and one eager verify round of K+1 (what the graphs replay)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from profile_decode import kernel_rows, print_rows
+
+    s = Synthetic(args.preset, args.device, args.dtype, args.context, args.max_k, args.weights)
+    result: dict = {"bench": "profile", "preset": args.preset, "weights": s.recipe.key, **env(s.device, s.dtype),
+                    "k": args.max_k}
+    runs = {"decode": lambda: s.decode_step(False), "verify": lambda: s.verify_round(args.max_k, args.max_k + 1, False)}
+    with torch.inference_mode():
+        for name, fn in runs.items():
+            fn()
+            sync(s.device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.repeats):
+                    fn()
+                sync(s.device)
+            rows = kernel_rows(prof, args.repeats)
+            busy = sum(r[0] for r in rows)
+            print(f"== {name} (K = {args.max_k}): GPU busy {busy / 1e3:.3f} ms in {sum(r[1] for r in rows):.0f} kernels")
+            print_rows(rows, 25)
+            result[name] = {"gpu_busy_ms": busy / 1e3, "kernels": [dict(us=u, calls=c, name=n) for u, c, n in rows]}
+    return result
+
+
 def bench_rollback(args: argparse.Namespace) -> dict:
     """Per round of K drafts: ours (record + commit), (a)/(c) per-position states (emulated: the
     verify forward plus writing K+1 states per GDN layer and copying the kept one back), and (b)
@@ -348,7 +378,7 @@ def fmt(value: float | None, suffix: str = "") -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="bench", required=True)
-    for name in ("verify", "rollback"):
+    for name in ("verify", "rollback", "profile"):
         p = sub.add_parser(name)
         p.add_argument("--preset", default="qwen3.6-35b-a3b")
         p.add_argument("--context", type=int, default=512, help="tokens prefilled before the timed rounds")
@@ -368,7 +398,9 @@ def main() -> None:
         p.add_argument("--dtype", default="auto")
         p.add_argument("--json", type=Path, default=None, help="write the result here")
     args = parser.parse_args()
-    result = {"verify": bench_verify, "rollback": bench_rollback, "acceptance": bench_acceptance}[args.bench](args)
+    benches = {"verify": bench_verify, "rollback": bench_rollback, "profile": bench_profile,
+               "acceptance": bench_acceptance}
+    result = benches[args.bench](args)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
 

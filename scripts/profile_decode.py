@@ -37,23 +37,31 @@ def main() -> None:
     harness.decode(1, args.context, float("nan"))  # warm-up
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eager_ms = harness.decode(1, args.context, float("nan")).ms_per_step
-    kernels: dict[str, list[float]] = defaultdict(list)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name].append(event.device_time)
-    steps = args.steps
-    rows = sorted(((sum(t) / steps, len(t) / steps, name) for name, t in kernels.items()), reverse=True)
+    rows = kernel_rows(prof, args.steps)
     gpu_us = sum(r[0] for r in rows)
     launches = sum(r[1] for r in rows)
     print(f"{args.preset}: graph step {graph_ms:.3f} ms, eager step {eager_ms:.3f} ms, "
           f"GPU busy {gpu_us / 1e3:.3f} ms in {launches:.0f} kernels per step")
-    for us, calls, name in rows[:40]:
-        print(f"{us:9.1f} us {calls:6.1f}x  {100 * us / gpu_us:5.1f}%  {name[:110]}")
+    print_rows(rows)
     if args.json:
         args.json.write_text(json.dumps({"graph_ms": graph_ms, "eager_ms": eager_ms, "gpu_busy_ms": gpu_us / 1e3,
                                          "kernels_per_step": launches,
                                          "kernels": [dict(us=u, calls=c, name=n) for u, c, n in rows]}, indent=1))
 
+
+def kernel_rows(prof: profile, steps: int) -> list[tuple[float, float, str]]:
+    """(GPU us per step, calls per step, kernel name), largest first."""
+    kernels: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name].append(event.device_time)
+    return sorted(((sum(t) / steps, len(t) / steps, name) for name, t in kernels.items()), reverse=True)
+
+
+def print_rows(rows: list[tuple[float, float, str]], top: int = 40) -> None:
+    gpu_us = sum(r[0] for r in rows)
+    for us, calls, name in rows[:top]:
+        print(f"{us:9.1f} us {calls:6.1f}x  {100 * us / gpu_us:5.1f}%  {name[:110]}")
 
 if __name__ == "__main__":
     main()
