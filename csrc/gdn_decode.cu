@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kMaxHeadDim)
     gdn_conv_kernel(float* __restrict__ act, unsigned* __restrict__ done, T* __restrict__ conv_pool,
                     const T* __restrict__ qkv, const T* __restrict__ weight,
                     const std::int64_t* __restrict__ slots, const std::int64_t* __restrict__ counts,
-                    int num_tokens, bool has_out, bool write_state, int num_k_heads,
+                    std::int64_t qkv_stride, int num_tokens, bool has_out, bool write_state, int num_k_heads,
                     int num_v_heads, int head_k_dim, int head_v_dim, int channels, int taps,
                     float q_scale) {
   const int seg = blockIdx.x;
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kMaxHeadDim)
   const int steps = has_out ? num_tokens : advance;  // block-uniform
   T* state = conv_pool + (slots[b] * channels + (active ? c : 0)) * (taps - 1);
   const T* w = weight + static_cast<std::int64_t>(active ? c : 0) * taps;
-  const T* x = qkv + static_cast<std::int64_t>(b) * num_tokens * channels + (active ? c : 0);
+  const T* x = qkv + static_cast<std::int64_t>(b) * num_tokens * qkv_stride + (active ? c : 0);
   T old[kMaxTaps];    // the conv state as it was: the K-1 previous inputs, oldest first
   T window[kMaxTaps];  // the K-1 inputs before the current token
 #pragma unroll
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kMaxHeadDim)
     if (active && t < taps - 1) window[t] = old[t] = state[t];
   }
   for (int t = 0; t < steps; ++t) {
-    const T xt = active ? x[static_cast<std::int64_t>(t) * channels] : from_float<T>(0.0f);
+    const T xt = active ? x[t * qkv_stride] : from_float<T>(0.0f);
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < kMaxTaps - 1; ++j) {
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kMaxHeadDim)
     for (int j = 0; j < kMaxTaps - 1; ++j) {
       if (j < taps - 1) {
         const int i = advance + j;  // index into the concatenation
-        state[j] = i < taps - 1 ? old[i] : x[static_cast<std::int64_t>(i - (taps - 1)) * channels];
+        state[j] = i < taps - 1 ? old[i] : x[(i - (taps - 1)) * qkv_stride];
       }
     }
   }
@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(kWarps * 32)
                          const T* __restrict__ b_in, const T* __restrict__ z,
                          const T* __restrict__ A_log, const T* __restrict__ dt_bias,
                          const T* __restrict__ norm_weight, const std::int64_t* __restrict__ slots,
-                         const std::int64_t* __restrict__ counts, int num_tokens, bool write_state,
+                         const std::int64_t* __restrict__ counts, std::int64_t ab_stride,
+                         std::int64_t z_stride, int num_tokens, bool write_state,
                          int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim,
                          float eps) {
   __shared__ float q_s[kMaxHeadDim];
@@ -168,10 +169,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       q_s[i] = row[key_head * head_k_dim + i];
       k_s[i] = row[key_dim + key_head * head_k_dim + i];
     }
-    const std::int64_t bth = bt * num_v_heads + h;
-    const float g = -A * softplus(to_float(a[bth]) + to_float(dt_bias[h]));
+    const float g = -A * softplus(to_float(a[bt * ab_stride + h]) + to_float(dt_bias[h]));
     const float decay = expf(g);
-    const float beta = 1.0f / (1.0f + expf(-to_float(b_in[bth])));
+    const float beta = 1.0f / (1.0f + expf(-to_float(b_in[bt * ab_stride + h])));
     __syncthreads();
 
     F4 pred = {};
@@ -230,8 +230,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   __threadfence();
   constexpr int kPerThread = kMaxHeadDim / (kWarps * 32);
   for (int t = 0; t < num_tokens; ++t) {
-    const std::int64_t offset = (static_cast<std::int64_t>(b) * num_tokens + t) * value_dim + h * head_v_dim;
-    T* out_head = out + offset;
+    const std::int64_t bt = static_cast<std::int64_t>(b) * num_tokens + t;
+    T* out_head = out + bt * value_dim + h * head_v_dim;
+    const T* z_head = z + bt * z_stride + h * head_v_dim;
     float x[kPerThread];
     float sumsq = 0.0f;
 #pragma unroll
@@ -247,7 +248,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int j = threadIdx.x + i * kWarps * 32;
       if (j < head_v_dim) {
         const float scaled = round_to<T>(to_float(norm_weight[j]) * round_to<T>(x[i] * rstd));
-        out_head[j] = from_float<T>(scaled * silu(to_float(z[offset + j])));
+        out_head[j] = from_float<T>(scaled * silu(to_float(z_head[j])));
       }
     }
   }
@@ -266,7 +267,7 @@ void launch(const GdnStepsArgs& a) {
   const dim3 conv_grid(2 * a.num_k_heads + a.num_v_heads, static_cast<unsigned>(a.batch));
   gdn_conv_kernel<T><<<conv_grid, std::max(a.head_k_dim, a.head_v_dim), 0, stream>>>(
       act, done, reinterpret_cast<T*>(a.conv_pool), reinterpret_cast<const T*>(a.qkv),
-      reinterpret_cast<const T*>(a.conv_weight), slots, counts, a.num_tokens, a.out != 0,
+      reinterpret_cast<const T*>(a.conv_weight), slots, counts, a.qkv_stride, a.num_tokens, a.out != 0,
       a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim, channels,
       a.conv_kernel, a.q_scale);
   check_launch("gdn conv kernel launch");
@@ -278,7 +279,7 @@ void launch(const GdnStepsArgs& a) {
       reinterpret_cast<const T*>(a.a), reinterpret_cast<const T*>(a.b),
       reinterpret_cast<const T*>(a.z), reinterpret_cast<const T*>(a.A_log),
       reinterpret_cast<const T*>(a.dt_bias), reinterpret_cast<const T*>(a.norm_weight), slots,
-      counts, a.num_tokens, a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim,
+      counts, a.ab_stride, a.z_stride, a.num_tokens, a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim,
       a.head_v_dim, a.eps);
   check_launch("gdn recurrent kernel launch");
 }

@@ -16,12 +16,13 @@ namespace ninfer {
 // and stay untouched otherwise; out (0: not computed) gets every token's output from the state
 // advanced through all T tokens. Decode: T = 1, write_state; speculative verify: T = K + 1, no
 // write; commit of the accepted tokens: counts, write_state, no out.
-// Shapes (C = 2 Hk dk + Hv dv, all contiguous): qkv [B, T, C], a / b [B, T, Hv], z / out
-// [B, T, Hv dv], conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv] fp32 (16-byte aligned), slots
+// Shapes (C = 2 Hk dk + Hv dv): qkv [B, T, C], a / b [B, T, Hv], z / out [B, T, Hv dv] with
+// their last axis contiguous and qkv / a and b / z rows (tokens) qkv_stride / ab_stride / z_stride
+// elements apart (slices of one merged projection need no copy; out is contiguous), conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv] fp32 (16-byte aligned), slots
 // [B] int64 (distinct), counts [B] int64 or 0, conv_weight [C, K], A_log / dt_bias [Hv],
 // norm_weight [dv], scratch B (T C + Hv) words of 4 bytes (fp32 activations, then per-head
 // counters; no initial contents needed). Everything but state_pool, slots, counts and scratch has
-// `dtype`. dk, dv multiples of 32 up to 256, Hv a multiple of Hk, 2 <= K <= 8, 1 <= T <= 16.
+// `dtype`; everything else is contiguous. dk, dv multiples of 32 up to 256, Hv a multiple of Hk, 2 <= K <= 8, 1 <= T <= 16.
 struct GdnStepsArgs {
   std::uintptr_t out;
   std::uintptr_t scratch;
@@ -37,6 +38,9 @@ struct GdnStepsArgs {
   std::uintptr_t A_log;
   std::uintptr_t dt_bias;
   std::uintptr_t norm_weight;
+  std::int64_t qkv_stride;
+  std::int64_t ab_stride;
+  std::int64_t z_stride;
   std::int64_t batch;
   int num_tokens;
   bool write_state;

@@ -478,6 +478,28 @@ def test_kernel_commit_is_kernel_decode_bitwise(cuda_kernels):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [None, 1, 4])
+def test_kernel_reads_merged_projection_slices_in_place(cuda_kernels, tokens):
+    """qkv | z | b | a as column slices of one [B, T, W] tensor (what MergedLinear returns): no
+    copy, the same results bit for bit as contiguous inputs."""
+    case = make_case(SHAPE_35B, 3, torch.bfloat16, "cuda", seed=41, tokens=tokens)
+    names = ("qkv", "z", "b", "a")
+    merged = torch.cat([case[n] for n in names], dim=-1)
+    sliced = dict(zip(names, merged.split([case[n].shape[-1] for n in names], dim=-1)))
+    assert not sliced["qkv"].is_contiguous()
+    plain, strided = with_pool_copies(case), {**with_pool_copies(case), **sliced}
+    if tokens is None:
+        assert torch.equal(gdn_ops.gdn_decode_step(**strided), gdn_ops.gdn_decode_step(**plain))
+    else:
+        assert torch.equal(gdn_ops.gdn_verify(**strided), gdn_ops.gdn_verify(**plain))
+        counts = torch.tensor([1, tokens, 0], device="cuda")
+        gdn_ops.gdn_commit(**without_z(strided), counts=counts)
+        gdn_ops.gdn_commit(**without_z(plain), counts=counts)
+    assert torch.equal(strided["state_pool"], plain["state_pool"])
+    assert torch.equal(strided["conv_pool"], plain["conv_pool"])
+
+
+@pytest.mark.cuda
 def test_verify_and_commit_replay_in_cuda_graph(cuda_kernels):
     """Verify + commit captured once, replayed with new inputs and counts: each round matches the
     reference round from the same pools."""

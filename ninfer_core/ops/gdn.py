@@ -207,15 +207,21 @@ def _steps(
     if not _kernel_applies(qkv, a, b, z, conv_pool, state_pool, slots, counts, w):
         value = gdn_steps_ref(qkv, a, b, z, conv_pool, state_pool, slots, counts, write_state, w)
         return value if out is None or value is None else out.copy_(value)
-    qkv, a, b = (t.contiguous() for t in (qkv, a, b))
+    qkv, qkv_stride = _rows(qkv)
+    a, ab_stride = _rows(a)
+    b, b_stride = _rows(b)
+    if b_stride != ab_stride:
+        a, b = a.contiguous(), b.contiguous()
+        ab_stride = a.shape[-1]
     params = [t.contiguous() for t in (w.conv_weight, w.A_log, w.dt_bias, w.norm_weight)]
     slots = slots.long().contiguous()
     counts = None if counts is None else counts.long().contiguous()
     batch, num_tokens, channels = qkv.shape
     num_v_heads = a.shape[2]
+    z_stride = 0
     if z is not None:
-        z = z.contiguous()
-        out = torch.empty_like(z) if out is None else out
+        z, z_stride = _rows(z)
+        out = torch.empty(z.shape, dtype=z.dtype, device=z.device) if out is None else out
     scratch = torch.empty(batch * (num_tokens * channels + num_v_heads), dtype=torch.float32, device=qkv.device)
     dispatch.extension().gdn_steps(
         out=0 if out is None else out.data_ptr(),
@@ -232,6 +238,9 @@ def _steps(
         A_log=params[1].data_ptr(),
         dt_bias=params[2].data_ptr(),
         norm_weight=params[3].data_ptr(),
+        qkv_stride=qkv_stride,
+        ab_stride=ab_stride,
+        z_stride=z_stride,
         batch=batch,
         num_tokens=num_tokens,
         write_state=write_state,
@@ -272,6 +281,19 @@ def gated_delta_rule_fla(
         raise RuntimeError("flash-linear-attention (fla >= 0.6 with triton) is not importable")
     q, k = q.to(v.dtype), k.to(v.dtype)
     return chunk(q, k, v, g.float(), beta.float(), scale=1.0, initial_state=state.float(), output_final_state=True)
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[B, T, X] with a contiguous last axis and tokens a fixed stride apart (b * T + t): the
+    tensor as is and that stride, else a contiguous copy. Slices of a merged projection's output
+    qualify, so the kernel reads them in place."""
+    batch, tokens = t.shape[:2]
+    if t.stride(-1) == 1:
+        if tokens == 1:
+            return t, t.stride(0)
+        if batch == 1 or t.stride(0) == tokens * t.stride(1):
+            return t, t.stride(1)
+    return t.contiguous(), t.shape[-1]
 
 
 def _kernel_applies(
