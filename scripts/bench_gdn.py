@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer_core.bench import cuda_median_ms  # noqa: E402
+from ninfer_core.engine.cuda_graph import capture  # noqa: E402
 from ninfer_core.layers.gdn import gated_delta_rule_chunked, l2norm  # noqa: E402
 from ninfer_core.ops import gdn as gdn_ops  # noqa: E402
 
@@ -32,18 +32,6 @@ LAYERS = 30  # GDN layers of the 35B
 DTYPE = torch.bfloat16
 
 
-
-
-def graph_of(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def decode_layers(batch: int) -> list[dict]:
@@ -59,14 +47,13 @@ def decode_layers(batch: int) -> list[dict]:
         "b": randn(batch, HV).to(DTYPE),
         "z": randn(batch, HV * DV).to(DTYPE),
         "slots": torch.arange(batch, device="cuda"),
-        "conv_weight": randn(CHANNELS, TAPS, scale=0.3).to(DTYPE),
-        "A_log": torch.empty(HV, device="cuda").uniform_(1, 16, generator=gen).log().to(DTYPE),
-        "dt_bias": torch.ones(HV, device="cuda", dtype=DTYPE),
-        "norm_weight": torch.ones(DV, device="cuda", dtype=DTYPE),
-        "eps": 1e-6,
-        "num_k_heads": HK,
-        "head_k_dim": DK,
-        "head_v_dim": DV,
+        "w": gdn_ops.GDNWeights(
+            conv_weight=randn(CHANNELS, TAPS, scale=0.3).to(DTYPE),
+            A_log=torch.empty(HV, device="cuda").uniform_(1, 16, generator=gen).log().to(DTYPE),
+            dt_bias=torch.ones(HV, device="cuda", dtype=DTYPE),
+            norm_weight=torch.ones(DV, device="cuda", dtype=DTYPE),
+            eps=1e-6, num_k_heads=HK, head_k_dim=DK, head_v_dim=DV,
+        ),
     }
     return [
         {
@@ -103,9 +90,9 @@ def bench_decode(batch: int) -> dict:
     per_call = 1e3 / LAYERS  # ms for LAYERS calls -> us per call
     result: dict = {"batch": batch, "bytes_per_call": decode_bytes(batch)}
     first = layers[0]
-    names = ("qkv", "a", "b", "z", "conv_pool", "state_pool", "slots", "conv_weight", "A_log", "dt_bias", "norm_weight")
-    if gdn_ops._kernel_applies(*(first[n] for n in names), DK, DV):
-        graph = graph_of(kernel_step)
+    tokens = [first[n][:, None] for n in ("qkv", "a", "b", "z")]
+    if gdn_ops._kernel_applies(*tokens, first["conv_pool"], first["state_pool"], first["slots"], None, first["w"]):
+        graph, _ = capture(kernel_step)
         result["kernel_graph_us"] = cuda_median_ms(graph.replay, repeats=50) * per_call
         result["kernel_eager_us"] = cuda_median_ms(kernel_step, repeats=20) * per_call
         result["kernel_gbps"] = result["bytes_per_call"] / (result["kernel_graph_us"] * 1e3)

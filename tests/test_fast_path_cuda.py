@@ -11,6 +11,7 @@ import torch
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.llm import LLM, EngineOptions
+from ninfer_core.models.base import ForwardBatch
 from tiny_model_dir import write_tiny_model_dir
 
 pytestmark = pytest.mark.cuda
@@ -70,9 +71,7 @@ def test_graph_bucket_padding_and_growth(model_dir):
     assert graphs.stats().cuda_graphs and {key[0] for key in graphs.engine.graphs.graphs} >= {2, 4}
 
 
-def _forward_batch(cache, seqs, ids: torch.Tensor, start: list[int], **kw) -> "ForwardBatch":
-    from ninfer_core.models.base import ForwardBatch
-
+def _forward_batch(cache, seqs, ids: torch.Tensor, start: list[int], **kw) -> ForwardBatch:
     lens = torch.tensor(start, device="cuda")
     return ForwardBatch(input_ids=ids, positions=lens[:, None] + torch.arange(ids.shape[1], device="cuda"),
                         cache_lens=lens, slots=torch.tensor([s.slot for s in seqs], device="cuda"),
@@ -149,8 +148,6 @@ def test_graph_verify_fp32_matches_plain_greedy(model_dir, batch):
 def test_quantized_engine_against_bf16(model_dir, capsys):
     """Teacher-forced logits of the int8 / int4 engines against the bf16 engine (KL, top-1), reported."""
     def logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-        from ninfer_core.models.base import ForwardBatch
-
         cache = llm.engine.cache
         seq = cache.allocate()
         cache.reserve(seq, len(ids))
