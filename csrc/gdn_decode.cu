@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int t = 0; t < steps; ++t) {
     const std::int64_t bt = static_cast<std::int64_t>(b) * num_tokens + t;
     const float* row = act + bt * channels;
-    __syncthreads();  // the previous token's q / k are read
+    if (t > 0) __syncthreads();  // the previous token's q / k are read
     for (int i = threadIdx.x; i < head_k_dim; i += blockDim.x) {
       q_s[i] = row[key_head * head_k_dim + i];
       k_s[i] = row[key_dim + key_head * head_k_dim + i];
@@ -192,6 +192,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int c = 0; c < 4; ++c) u.v[c] = beta * (v.v[c] - pred.v[c]);
     F4 o = {};
+    const bool store = write_state && t == advance - 1;  // block-uniform
 #pragma unroll
     for (int r = 0; r < kMaxRows; ++r) {
       if (r < rows) {
@@ -202,12 +203,8 @@ __global__ void __launch_bounds__(kWarps * 32)
           s[r].v[c] = __fadd_rn(s[r].v[c], __fmul_rn(kr, u.v[c]));
           o.v[c] += s[r].v[c] * qr;
         }
-      }
-    }
-    if (write_state && t == advance - 1) {
-#pragma unroll
-      for (int r = 0; r < kMaxRows; ++r) {
-        if (r < rows) *reinterpret_cast<F4*>(state + (row_lane + r * kRowLanes) * head_v_dim) = s[r];
+        // stored as soon as the row is final: the writes overlap the remaining rows' math
+        if (store) *reinterpret_cast<F4*>(state + (row_lane + r * kRowLanes) * head_v_dim) = s[r];
       }
     }
     if (out != nullptr) {
