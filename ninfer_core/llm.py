@@ -213,10 +213,11 @@ class LLM:
             if self.vision is None:
                 raise NinferError(f"{loaded.name} has no vision tower (--vision needs a multimodal checkpoint)")
             self.vision.tower()
+        decode_graphs = DecodeGraphs(loaded.model, cache, options.max_seqs, self.max_context) if graphs else None
         speculator = None
         if options.spec is not None:
             speculator = build_speculator(options.spec, options.draft_tokens, options.draft_model, loaded, cache,
-                                          Sampler(), options.random_weights)
+                                          Sampler(), options.random_weights, decode_graphs)
         elif options.draft_tokens is not None or options.draft_model is not None:
             raise NinferError("--draft-tokens / --draft-model need --spec mtp|dflash|ngram")
         self.engine = LLMEngine(
@@ -229,7 +230,7 @@ class LLM:
             generation_defaults=loaded.generation_defaults,
             vision_tower=self.vision.tower if self.vision else None,
             speculator=speculator,
-            graphs=DecodeGraphs(loaded.model, cache, options.max_seqs, self.max_context) if graphs else None,
+            graphs=decode_graphs,
             weights=loaded.recipe.label(loaded.dtype),
         )
 

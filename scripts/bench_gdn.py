@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer_core.bench import cuda_median_ms  # noqa: E402
-from ninfer_core.engine.cuda_graph import capture  # noqa: E402
+from ninfer_core.engine.graph_capture import capture  # noqa: E402
 from ninfer_core.layers.gdn import gated_delta_rule_chunked, l2norm  # noqa: E402
 from ninfer_core.ops import gdn as gdn_ops  # noqa: E402
 

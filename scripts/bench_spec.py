@@ -42,18 +42,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_decode's kernel table
-from ninfer_core.cache import CacheManager, KVPool, ModelCache  # noqa: E402
+from ninfer_core.cache import CacheManager, KVPool  # noqa: E402
 from ninfer_core.config import ModelConfig  # noqa: E402
 from ninfer_core.engine.cuda_graph import DecodeGraphs  # noqa: E402
+from ninfer_core.engine.sampling import Sampler  # noqa: E402
+from ninfer_core.engine.speculative.mtp import MTPDrafter, _Last  # noqa: E402
 from ninfer_core.engine.speculative.rollback import commit_gdn  # noqa: E402
 from ninfer_core.layers.attention import AttentionMetadata  # noqa: E402
 from ninfer_core.models.base import ForwardBatch  # noqa: E402
-from ninfer_core.models.decoder import StepContext  # noqa: E402
 from ninfer_core.models.dflash import BlockInputs, DFlashConfig, DFlashModel  # noqa: E402
 from ninfer_core.models.loader import init_random_, random_model, resolve_device, resolve_dtype  # noqa: E402
 from ninfer_core.hub.fit import count_params  # noqa: E402
 from ninfer_core.models.quantize import resolve_recipe  # noqa: E402
-from ninfer_core.models.mtp import MTPHead, mtp_layer_config  # noqa: E402
+from ninfer_core.models.mtp import MTPHead  # noqa: E402
 from ninfer_core.models.presets import preset  # noqa: E402
 
 PROMPTS = {
@@ -151,10 +152,10 @@ class Synthetic:
         return module
 
     @cached_property
-    def mtp(self) -> tuple[MTPHead, ModelCache]:
-        kv = ModelCache.allocate(mtp_layer_config(self.config), self.cache.num_pages, self.cache.page_size, 1,
-                                 self.dtype, self.device)
-        return self.random_module(lambda: MTPHead(self.config)), kv
+    def mtp(self) -> MTPDrafter:
+        """The engine's MTP drafter over a random MTP head (its chain graphs on the GPU)."""
+        head = self.random_module(lambda: MTPHead(self.config))
+        return MTPDrafter(self.model, head, self.cache, Sampler(), self.graphs)  # type: ignore[arg-type]
 
     @cached_property
     def dflash(self) -> tuple[DFlashModel, KVPool]:
@@ -179,32 +180,36 @@ def dflash_shape(config: ModelConfig) -> dict:
                                                                  target_layer_ids=[0, config.num_layers // 2]))
 
 
-def mtp_draft_cost(s: Synthetic, k: int, repeats: int) -> float:
-    """K drafts: the MTP layer over K+1 catch-up rows, then K-1 single rows (lm_head after each)."""
-    head, kv = s.mtp
-    target, n = s.model, s.context
+def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool) -> float:
+    """K drafts as the engine's MTP drafter makes them: the layer over the verify's K+1 rows
+    (catch-up) and lm_head on the last, then the chain of K-1 single-row steps: eagerly (a host
+    sync per draft, as the engine's eager path takes each token) or by replaying the drafter's
+    chain graph."""
+    drafter, target, n, dev = s.mtp, s.model, s.context, s.device
     table = s.cache.block_table([s.seq])
 
     def layer(ids: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        t = ids.shape[1]
-        positions = torch.arange(start, start + t, device=s.device)[None]
-        cos, sin = target.rotary_emb(positions, s.dtype)
-        lens = torch.tensor([start], device=s.device)
-        attn = AttentionMetadata.build(table, lens, t, s.cache.page_size, s.cache.num_pages)
-        return head(target.embed_tokens(ids), hidden, StepContext(cos, sin, attn, lens, kv))
+        positions = torch.arange(start, start + ids.shape[1], device=dev)[None]
+        return drafter.run_layer(ids, hidden, positions, torch.tensor([start], device=dev), table)
 
-    hidden = torch.randn(1, k + 1, s.config.hidden_size, device=s.device, dtype=s.dtype)
+    hidden = torch.randn(1, k + 1, s.config.hidden_size, device=dev, dtype=s.dtype)
 
     def draft() -> None:
-        out = layer(s.ids(n - k, k + 1), hidden, n - k - 1)
-        token = target.lm_head(out[:, -1:]).argmax(-1)
-        h = out[:, -1:]
+        h = layer(s.ids(n - k, k + 1), hidden, n - k - 1)[:, -1]
+        logits = target.lm_head(h).float()
+        if graph:
+            assert drafter.chains is not None
+            assert drafter.chains.run([_Last(n - 1, h[0], logits[0])], [0], table, k) is not None
+            return
+        token = logits.argmax(-1, keepdim=True)
+        token.tolist()
         for step in range(1, k):
-            h = layer(token, h, n + step - 1)
-            token = target.lm_head(h).argmax(-1)
+            h = layer(token, h[:, None], n + step - 1)[:, 0]
+            token = target.lm_head(h).float().argmax(-1, keepdim=True)
+            token.tolist()
 
     with torch.inference_mode():
-        return timed(draft, s.device, repeats)
+        return timed(draft, dev, repeats)
 
 
 def dflash_draft_cost(s: Synthetic, k: int, repeats: int) -> float:
@@ -240,28 +245,31 @@ def bench_verify(args: argparse.Namespace) -> dict:
                 t = timed(lambda: s.verify_round(k, k + 1, g), s.device, args.repeats)
                 name = "graph" if g else "eager"
                 row[f"verify_{name}_ms"], row[f"verify_{name}_ratio"] = t * 1e3, t / decode[g]
-            mtp = mtp_draft_cost(s, k, args.repeats) if k <= 5 else None
-            row["mtp_draft_ms"] = mtp * 1e3 if mtp else None
-            row["dflash_draft_ms"] = dflash_draft_cost(s, k, args.repeats) * 1e3
             best = modes[-1]
+            mtp = {g: mtp_draft_cost(s, k, args.repeats, g) for g in modes} if k <= 5 else {}
+            for g, t in mtp.items():
+                row[f"mtp_draft_{'graph' if g else 'eager'}_ms"] = t * 1e3
+            row["dflash_draft_ms"] = dflash_draft_cost(s, k, args.repeats) * 1e3
             ratio = row[f"verify_{'graph' if best else 'eager'}_ratio"]
             tokens = 1 + k * args.acceptance
             row["speedup_verify_only"] = tokens / ratio  # a drafter that costs nothing
             if mtp:
-                row["mtp_speedup_at_acceptance"] = tokens / (ratio + mtp / decode[best])
+                row["mtp_speedup_at_acceptance"] = tokens / (ratio + mtp[best] / decode[best])
             rows.append(row)
     result = {"bench": "verify", "preset": args.preset, "weights": s.recipe.key, **env(s.device, s.dtype), "context": n,
               "decode_eager_ms": decode[False] * 1e3, "decode_graph_ms": decode[True] * 1e3 if True in decode else None,
               "acceptance": args.acceptance,
-              "formula": "speedup = (1 + K*a) / (verify(K) / decode + mtp_draft(K) / decode), graphs where available",
+              "formula": "speedup = (1 + K*a) / (verify(K) / decode + mtp_draft(K) / decode), graphs where available "
+                         "(verify, decode and the MTP chain)",
               "rows": rows}
     print(f"{args.preset} on {result['device']} ({result['dtype']}, {s.recipe.key}), context {n}: decode step "
           + ", ".join(f"{'graph' if g else 'eager'} {decode[g] * 1e3:.2f} ms" for g in modes))
-    print(f"{'K':>2} {'eager ms':>9} {'x eager':>8} {'graph ms':>9} {'x graph':>8} {'MTP draft ms':>13} "
-          f"{'DFlash ms':>10} {'S verify-only':>14} {'S MTP @' + format(args.acceptance, '.0%'):>10}")
+    print(f"{'K':>2} {'eager ms':>9} {'x eager':>8} {'graph ms':>9} {'x graph':>8} {'MTP eager':>10} "
+          f"{'MTP graph':>10} {'DFlash ms':>10} {'S verify-only':>14} {'S MTP @' + format(args.acceptance, '.0%'):>10}")
     for r in rows:
         print(f"{r['k']:>2} {r['verify_eager_ms']:>9.2f} {r['verify_eager_ratio']:>8.3f} "
-              f"{fmt(r.get('verify_graph_ms')):>9} {fmt(r.get('verify_graph_ratio')):>8} {fmt(r['mtp_draft_ms']):>13} "
+              f"{fmt(r.get('verify_graph_ms')):>9} {fmt(r.get('verify_graph_ratio')):>8} "
+              f"{fmt(r.get('mtp_draft_eager_ms')):>10} {fmt(r.get('mtp_draft_graph_ms')):>10} "
               f"{fmt(r['dflash_draft_ms']):>10} {fmt(r['speedup_verify_only'], 'x'):>14} "
               f"{fmt(r.get('mtp_speedup_at_acceptance'), 'x'):>10}")
     return result

@@ -503,7 +503,7 @@ def test_kernel_reads_merged_projection_slices_in_place(cuda_kernels, tokens):
 def test_verify_and_commit_replay_in_cuda_graph(cuda_kernels):
     """Verify + commit captured once, replayed with new inputs and counts: each round matches the
     reference round from the same pools."""
-    from ninfer_core.engine.cuda_graph import capture
+    from ninfer_core.engine.graph_capture import capture
 
     batch, tokens, dtype = 2, 4, torch.bfloat16
     case = make_case(SHAPE_35B, batch, dtype, "cuda", seed=31, tokens=tokens)

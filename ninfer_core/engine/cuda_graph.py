@@ -24,42 +24,19 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 import torch
 
 from ..cache import CacheManager
-from ..layers.moe import Experts
 from ..models.base import CausalLM, ForwardBatch, ForwardOutput
 from ..ops.gdn import MAX_STEP_TOKENS
+from .graph_capture import capture, graph_row_limit
 from .speculative.rollback import commit_gdn
 
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-Result = TypeVar("Result")
-
-
-def capture(fn: Callable[[], Result], pool: tuple[int, int] | None = None) -> tuple[torch.cuda.CUDAGraph, Result]:
-    """Run fn once on a side stream (lazy initialisation, autotuning stay out of the graph), then
-    capture it; returns the graph and what the captured call returned (its static outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        result = fn()
-    return graph, result
-
-
-def graph_row_limit(model: CausalLM) -> int | None:
-    """The most tokens one captured forward may carry (None: no limit)."""
-    limits = [m.graph_max_tokens for m in model.modules() if isinstance(m, Experts)]  # type: ignore[attr-defined]
-    return min(limits, default=None)
 
 
 @dataclass
@@ -95,12 +72,10 @@ class DecodeGraphs:
         width = batch.num_new_tokens
         decode = width == 1 and batch.logits == "last" and not batch.verify and not batch.capture_layers
         verify = batch.verify and batch.logits == "all" and width <= MAX_STEP_TOKENS
-        bucket = self._bucket(batch.batch_size)
         return (
             self.enabled
             and (decode or verify)
-            and bucket is not None
-            and (self.max_rows is None or bucket * width <= self.max_rows)
+            and self.bucket(batch.batch_size, width) is not None
             and batch.block_table.shape[1] <= self.max_pages
             and batch.inputs_embeds is None
             and batch.mrope_positions is None
@@ -135,11 +110,15 @@ class DecodeGraphs:
         self.counts[b:].zero_()
         graph.commit.replay()
 
-    def _bucket(self, rows: int) -> int | None:
-        return next((x for x in self.buckets if x >= rows), None)
+    def bucket(self, rows: int, width: int = 1) -> int | None:
+        """The graph batch size for `rows` rows of `width` tokens; None when none fits."""
+        bucket = next((x for x in self.buckets if x >= rows), None)
+        if bucket is None or (self.max_rows is not None and bucket * width > self.max_rows):
+            return None
+        return bucket
 
     def _key(self, batch: ForwardBatch) -> tuple[int, int, tuple[int, ...]]:
-        bucket = self._bucket(batch.batch_size)
+        bucket = self.bucket(batch.batch_size, batch.num_new_tokens)
         assert bucket is not None
         return bucket, batch.num_new_tokens if batch.verify else 0, tuple(batch.capture_layers)
 

@@ -7,6 +7,7 @@ Speculator the engine runs its decode steps through.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 from .speculator import Speculator
 
+if TYPE_CHECKING:
+    from ..cuda_graph import DecodeGraphs
+
 METHODS = ("mtp", "dflash", "ngram")
 DEFAULT_DRAFT_TOKENS = {"mtp": 3, "dflash": 15, "ngram": 4}
 
@@ -32,7 +36,9 @@ __all__ = ["DEFAULT_DRAFT_TOKENS", "METHODS", "Draft", "Drafter", "Observation",
 
 
 def build_speculator(method: str, draft_tokens: int | None, draft_model: str | Path | None, loaded: LoadedModel,
-                     cache: CacheManager, sampler: Sampler, random_weights: bool = False) -> Speculator:
+                     cache: CacheManager, sampler: Sampler, random_weights: bool = False,
+                     graphs: DecodeGraphs | None = None) -> Speculator:
+    """`graphs`: the engine's decode graphs (buckets, pool, scratch page) when drafts may use them."""
     if method not in METHODS:
         raise NinferError(f"unknown speculative method '{method}' (use one of {', '.join(METHODS)})")
     if draft_model is not None and method != "dflash":
@@ -41,7 +47,7 @@ def build_speculator(method: str, draft_tokens: int | None, draft_model: str | P
     if method == "ngram":
         drafter = NgramDrafter()
     elif method == "mtp":
-        drafter = MTPDrafter(_require_decoder(loaded), build_mtp_head(loaded, random_weights), cache, sampler)
+        drafter = MTPDrafter(_require_decoder(loaded), build_mtp_head(loaded, random_weights), cache, sampler, graphs)
     else:
         if draft_model is None:
             raise NinferError("--spec dflash needs --draft-model DIR (a z-lab DFlash checkpoint)")

@@ -7,11 +7,20 @@ the logits and normed output of its last entry c, which predict the first draft 
 the sequence's last one). Drafts 2..K feed the layer its own output: step s writes entry c + s
 from (draft s, output of entry c + s - 1). The next observation rewrites those entries with the
 target's hidden states, so speculative entries never outlive their round.
+
+On the GPU, a batch of greedy requests drafts by replaying a CUDA graph of the whole chain
+(`MTPChainGraphs`: argmax, then K-1 layer steps each followed by lm_head and argmax, all on the
+device): one launch and one host sync per round instead of K Python-level steps. Greedy drafts
+are the raw argmax of the MTP logits on both paths (the target's acceptance applies penalties);
+sampled requests draft eagerly from their sampling distribution.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +31,13 @@ from ...models.decoder import DecoderModel, StepContext
 from ...models.mtp import MTPHead, mtp_layer_config
 from ..sampling import Sampler, TokenHistory
 from ..sequence import Sequence
+from ..graph_capture import capture
 from .base import Draft, Drafter, Observation, choose_drafts
+
+if TYPE_CHECKING:
+    from ..cuda_graph import DecodeGraphs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,14 +53,17 @@ class MTPDrafter(Drafter):
     method = "mtp"
     max_draft_tokens = 5
 
-    def __init__(self, target: DecoderModel, head: MTPHead, cache: CacheManager, sampler: Sampler):
+    def __init__(self, target: DecoderModel, head: MTPHead, cache: CacheManager, sampler: Sampler,
+                 graphs: DecodeGraphs | None = None):
         config: ModelConfig = target.config
         self.target, self.head, self.cache, self.sampler = target, head, cache, sampler
         dtype = target.embed_tokens.weight.dtype
-        self.kv = ModelCache.allocate(mtp_layer_config(config), cache.num_pages, cache.page_size, 1, dtype,
-                                      cache.device)
+        # the target's pages + its scratch page (graph rows with no sequence write there)
+        pages = cache.num_pages + (cache.scratch_page is not None)
+        self.kv = ModelCache.allocate(mtp_layer_config(config), pages, cache.page_size, 1, dtype, cache.device)
         self.cache_bytes = self.kv.kv.nbytes
         self._last: dict[str, _Last] = {}
+        self.chains = MTPChainGraphs(self.run_layer, target.lm_head, graphs) if graphs is not None else None
 
     @torch.inference_mode()
     def observe(self, obs: Observation) -> None:
@@ -65,6 +83,11 @@ class MTPDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
         lasts = [self._last[s.request_id] for s in seqs]
+        if self.chains is not None and all(s.request.sampling.is_greedy for s in seqs):
+            table = self.cache.block_table([s.cache for s in seqs])
+            chained = self.chains.run(lasts, [s.rope_delta for s in seqs], table, max(counts))
+            if chained is not None:
+                return [Draft(tokens[:k]) for tokens, k in zip(chained, counts)]
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
@@ -101,3 +124,82 @@ class MTPDrafter(Drafter):
         attn = AttentionMetadata.build(block_table, cache_lens, ids.shape[1], self.kv.page_size, self.kv.kv.num_pages)
         step = StepContext(cos=cos, sin=sin, attn=attn, slots=cache_lens, cache=self.kv)
         return self.head(embeds, hidden, step)
+
+
+@dataclass
+class _Chain:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [bucket, V] fp32: each row's newest MTP logits
+    hidden: torch.Tensor  # [bucket, H]: its normed output
+    index: torch.Tensor  # [bucket] int64: its MTP cache index
+    deltas: torch.Tensor  # [bucket] int64: rope position deltas
+    table: torch.Tensor  # [bucket, max_pages] int32
+    tokens: torch.Tensor | None = None  # [bucket, K] the drafts (static output)
+
+
+class MTPChainGraphs:
+    """Greedy K-token MTP draft chains as CUDA graphs per (batch bucket, K), on the target's
+    decode-graph buckets, pool and scratch page. Rows are run to K even when they asked fewer
+    drafts (the extra entries lie inside the pages the engine reserved for this round)."""
+
+    def __init__(self, run_layer: Callable[..., torch.Tensor], lm_head: torch.nn.Module, graphs: DecodeGraphs):
+        self.run_layer, self.lm_head, self.graphs = run_layer, lm_head, graphs
+        self.chains: dict[tuple[int, int], _Chain] = {}
+        self.enabled = True
+
+    def run(self, lasts: list[_Last], deltas: list[int], table: torch.Tensor, k: int) -> list[list[int]] | None:
+        """K drafts per row (a sequence's newest entry, rope delta, block table row), or None when
+        no graph serves the batch."""
+        b = len(lasts)
+        bucket = self.graphs.bucket(b)
+        if not self.enabled or bucket is None or table.shape[1] > self.graphs.max_pages:
+            return None
+        chain = self.chains.get((bucket, k)) or self._capture(bucket, k, lasts[0])
+        if chain is None:
+            return None
+        chain.logits[:b].copy_(torch.stack([last.logits for last in lasts]))
+        chain.hidden[:b].copy_(torch.stack([last.hidden for last in lasts]))
+        chain.index[:b].copy_(torch.tensor([last.index for last in lasts]))
+        chain.deltas[:b].copy_(torch.tensor(deltas))
+        chain.table[:b, : table.shape[1]].copy_(table)
+        self._park(chain, b)
+        chain.graph.replay()
+        assert chain.tokens is not None
+        return chain.tokens[:b].tolist()
+
+    def _park(self, chain: _Chain, start: int) -> None:
+        """Rows start.. draft from zeros at index 0 of the scratch page (outputs discarded)."""
+        for t in (chain.logits, chain.hidden, chain.index, chain.deltas):
+            t[start:].zero_()
+        chain.table[start:].fill_(self.graphs.scratch_page)
+
+    def _capture(self, bucket: int, k: int, like: _Last) -> _Chain | None:
+        device = like.logits.device
+
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        chain = _Chain(torch.cuda.CUDAGraph(), zeros(bucket, like.logits.shape[0], dtype=like.logits.dtype),
+                       zeros(bucket, like.hidden.shape[0], dtype=like.hidden.dtype), zeros(bucket, dtype=torch.long),
+                       zeros(bucket, dtype=torch.long), zeros(bucket, self.graphs.max_pages, dtype=torch.int32))
+        self._park(chain, 0)
+
+        def draft() -> torch.Tensor:
+            token = chain.logits.argmax(-1)
+            tokens, hidden = [token], chain.hidden
+            for step in range(1, k):
+                index = chain.index + step
+                hidden = self.run_layer(token[:, None], hidden[:, None], (index + chain.deltas)[:, None], index,
+                                        chain.table)[:, 0]
+                token = self.lm_head(hidden).float().argmax(-1)
+                tokens.append(token)
+            return torch.stack(tokens, dim=1)
+
+        try:
+            chain.graph, chain.tokens = capture(draft, self.graphs.pool)
+        except Exception as exc:  # noqa: BLE001 - any capture failure means: draft eagerly
+            log.warning("CUDA graph capture of the MTP draft chain failed (%s); drafting eagerly", exc)
+            self.enabled = False
+            return None
+        self.chains[(bucket, k)] = chain
+        return chain

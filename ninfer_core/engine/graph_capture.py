@@ -1,0 +1,34 @@
+"""Capturing a CUDA graph, and how many rows a captured forward may carry (shared by the decode /
+verify graphs and the MTP draft chains)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from ..layers.moe import Experts
+
+Result = TypeVar("Result")
+
+
+def capture(fn: Callable[[], Result], pool: tuple[int, int] | None = None) -> tuple[torch.cuda.CUDAGraph, Result]:
+    """Run fn once on a side stream (lazy initialisation, autotuning stay out of the graph), then
+    capture it; returns the graph and what the captured call returned (its static outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        result = fn()
+    return graph, result
+
+
+def graph_row_limit(model: torch.nn.Module) -> int | None:
+    """The most tokens one captured forward may carry (None: no limit): MoE experts run without a
+    host sync only up to `graph_max_tokens` rows."""
+    limits = [m.graph_max_tokens for m in model.modules() if isinstance(m, Experts)]
+    return min(limits, default=None)
