@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer_core.cache import KVPool
+from ninfer_core.engine.graph_capture import capture
 from ninfer_core.ops import dispatch
 from ninfer_core.ops.attention import decode_attention, write_kv
 
@@ -51,14 +52,7 @@ def bench_point(batch: int, context: int, kv_dtype: str, replays: int) -> dict:
         for kv in kvs:
             decode_attention(q, kv, table, lens, HEAD_DIM**-0.5, out=out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture(step)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer_core.bench import cuda_median_ms  # noqa: E402
+from ninfer_core.engine.graph_capture import capture  # noqa: E402
 from ninfer_core.ops import dispatch, moe  # noqa: E402
 from ninfer_core.ops.quant import QuantizedWeight, quantize  # noqa: E402
 
@@ -56,16 +57,11 @@ def nbytes(w: moe.ExpertTensor) -> int:
 
 def graphed(step: Callable[[int], object]) -> Callable[[], None]:
     """One CUDA graph of step(0..ROUTINGS-1), captured after a warm-up on a side stream."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    def steps() -> None:
         for r in range(ROUTINGS):
             step(r)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for r in range(ROUTINGS):
-            step(r)
+
+    graph, _ = capture(steps)
     return graph.replay
 
 

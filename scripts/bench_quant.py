@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ninfer_core.engine.graph_capture import capture  # noqa: E402
 from ninfer_core.ops import dispatch, quant  # noqa: E402
 
 # (name, N, K): Qwen3.6-35B-A3B attention / shared expert / lm_head, Qwen3.6-27B MLP, tiny heads.
@@ -43,16 +44,11 @@ KINDS = ("int8", "int4")
 
 def seconds_per_call(call: Callable[[int], object], copies: int, iters: int) -> float:
     """Mean time of call(i) over a graph of `copies` calls (one per weight copy), replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (and first-use work) outside the capture
+    def calls() -> None:
         for i in range(copies):
             call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            call(i)
+
+    graph, _ = capture(calls)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

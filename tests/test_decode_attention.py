@@ -18,6 +18,7 @@ import torch
 from ninfer_core.cache import CacheManager, KVPool
 from ninfer_core.cache.kv_pool import KVLayer, kv_bytes_per_token, resolve_kv_dtype
 from ninfer_core.config import ModelConfig
+from ninfer_core.engine.graph_capture import capture
 from ninfer_core.errors import NinferError
 from ninfer_core.layers.attention import Attention, AttentionMetadata
 from ninfer_core.ops import dispatch
@@ -327,14 +328,7 @@ def test_decode_kernel_in_cuda_graph_as_context_grows(kind, num_new):
     case = Case([100, 5, 300], num_new, 16, 2, 256, kind, torch.bfloat16, "cuda", seed=7, extra_width=400)
     out = torch.full_like(case.q, float("nan"))
     call = lambda: decode_attention(case.q, case.kv, case.table, case.cache_lens, case.scale, out=out)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, _ = capture(call)
     for grown in ([100, 5, 300], [101, 6, 301], [1500, 2000, 6000]):
         for b, n in enumerate(grown):
             case.write_tokens(b, n + num_new)

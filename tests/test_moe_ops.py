@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ninfer_core.engine.graph_capture import capture
 from ninfer_core.layers.moe import Experts
 from ninfer_core.ops import dispatch, moe
 from ninfer_core.ops.quant import QuantizedWeight, quantize
@@ -387,14 +388,7 @@ def test_decode_step_replays_in_cuda_graph(cuda_kernels, fmt):
         weights, ids = moe.moe_route(logits, 8, True)
         return moe.moe_experts(x, gate_up, down, weights, ids)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside capture
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     for seed in (1, 2):
         x.copy_(_inputs(4, 2048, device="cuda", seed=seed))
         logits.copy_(_distinct_logits(4, 256, torch.bfloat16, "cuda", seed=seed))
@@ -447,14 +441,7 @@ def test_grouped_path_bf16_replays_in_cuda_graph(cuda_kernels):
     weights, ids = _routing(32, 256, 8, device="cuda", seed=32)
     x = _inputs(32, 2048, device="cuda", seed=32)
     assert moe._decode_plan(x, gate_up, down, weights, ids) is None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        moe.moe_experts(x, gate_up, down, weights, ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe.moe_experts(x, gate_up, down, weights, ids)
+    graph, out = capture(lambda: moe.moe_experts(x, gate_up, down, weights, ids))
     new_weights, new_ids = _routing(32, 256, 8, device="cuda", seed=33)
     weights.copy_(new_weights)
     ids.copy_(new_ids)

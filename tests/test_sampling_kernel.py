@@ -19,6 +19,7 @@ import math
 import pytest
 import torch
 
+from ninfer_core.engine.graph_capture import capture
 from ninfer_core.engine.sampling import (
     Sampler,
     SamplingParams,
@@ -352,16 +353,12 @@ def test_kernel_replays_in_cuda_graph(kernel):
     u = torch.rand(rows, dtype=torch.float64, device=DEVICE)
     tokens = torch.empty(rows, dtype=torch.long, device=DEVICE)
     probs = torch.empty(rows, vocab, device=DEVICE)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside capture
+
+    def both() -> None:
         ops.sample(logits, t, k, p, m, u, out=tokens)
         ops.filtered_probs(logits, t, k, p, m, out=probs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.sample(logits, t, k, p, m, u, out=tokens)
-        ops.filtered_probs(logits, t, k, p, m, out=probs)
+
+    graph, _ = capture(both)
     for seed in (1, 2):
         logits.copy_(make_logits(["peaked", "gauss"] * 4, vocab, torch.Generator().manual_seed(seed)).to(DEVICE))
         u.copy_(torch.rand(rows, dtype=torch.float64, device=DEVICE))
