@@ -102,24 +102,27 @@ def gated_delta_rule_recurrent(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    every_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token delta rule.
 
     q, k [B, T, Hk, dk] (normalised, q scaled), v [B, T, Hv, dv], g, beta [B, T, Hv],
-    state [B, Hv, dk, dv]. Computes in the state's dtype; returns (o [B, T, Hv, dv], final state).
+    state [B, Hv, dk, dv]. Computes in the state's dtype; returns (o [B, T, Hv, dv], final state),
+    or with `every_state` the states before and after each token, [B, T+1, Hv, dk, dv].
     """
     dtype = state.dtype
     num_v_heads = v.shape[2]
     q, k = (_expand_key_heads(t, num_v_heads).to(dtype) for t in (q, k))
     v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
-    outputs = []
+    outputs, states = [], [state]
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[..., None, None]
         predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
         u = beta[:, t, :, None] * (v[:, t] - predicted)
         state = state + k[:, t, :, :, None] * u[:, :, None, :]
         outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
-    return torch.stack(outputs, dim=1), state
+        states.append(state)
+    return torch.stack(outputs, dim=1), torch.stack(states, dim=1) if every_state else state
 
 
 def gated_delta_rule_chunked(

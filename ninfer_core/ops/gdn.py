@@ -83,39 +83,31 @@ def gdn_steps_ref(
 ) -> torch.Tensor | None:
     """Torch reference of the fused steps (any device, any float dtype); `_steps` has the contract.
     Composes the functions of layers/gdn.py and layers/norm.py exactly as `GatedDeltaNet` does.
-    Partial advances (counts) go token by token, each row keeping its state once its count is
-    reached: no host sync (CUDA graphs capture it too), and bit for bit that many decode steps."""
+    Partial advances (counts) keep the state after every token and pick each row's: one pass and
+    no host sync (CUDA graphs capture it too)."""
     batch, num_tokens, _ = qkv.shape
-
-    def advance(
-        conv_state: torch.Tensor, state: torch.Tensor, t: slice
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v, conv_state = gdn_layer.conv_qkv_heads(
-            qkv[:, t], conv_state, w.conv_weight, w.num_k_heads, w.head_k_dim, w.head_v_dim, state_pool.dtype
-        )
-        g, beta = gdn_layer.gdn_gates(a[:, t], b[:, t], w.A_log, w.dt_bias)
-        o, state = gdn_layer.gated_delta_rule_recurrent(q, k, v, g, beta, state)
-        return o, conv_state, state
-
     conv_state, state = conv_pool[slots], state_pool[slots]
+    q, k, v, final_conv = gdn_layer.conv_qkv_heads(
+        qkv, conv_state, w.conv_weight, w.num_k_heads, w.head_k_dim, w.head_v_dim, state_pool.dtype
+    )
+    g, beta = gdn_layer.gdn_gates(a, b, w.A_log, w.dt_bias)
+    partial = write_state and counts is not None
+    o, states = gdn_layer.gated_delta_rule_recurrent(q, k, v, g, beta, state, every_state=partial)
     out = None
     if z is not None:
-        o, final_conv, final_state = advance(conv_state, state, slice(None))
         out = gated_rms_norm(o.to(qkv.dtype), z.reshape(batch, num_tokens, -1, w.head_v_dim), w.norm_weight, w.eps)
         out = out.reshape(batch, num_tokens, -1)
     if not write_state:
         return out
-    if counts is None and out is not None:
-        conv_state, state = final_conv, final_state
-    else:
-        n = torch.full((batch,), num_tokens, device=slots.device) if counts is None else counts
-        for t in range(num_tokens):
-            _, next_conv, next_state = advance(conv_state, state, slice(t, t + 1))
-            keep = (n > t).view(-1, 1, 1)
-            conv_state = torch.where(keep, next_conv, conv_state)
-            state = torch.where(keep[..., None], next_state, state)
-    conv_pool[slots] = conv_state
-    state_pool[slots] = state
+    if counts is None:
+        conv_pool[slots], state_pool[slots] = final_conv, states
+        return out
+    n = counts.clamp(0, num_tokens)
+    state_pool[slots] = states[torch.arange(batch, device=n.device), n]
+    # the conv state after n tokens: the K-1 inputs ending with token n-1 of [old state | tokens]
+    window = torch.cat((conv_state, qkv.transpose(1, 2).to(conv_state.dtype)), dim=-1)
+    taps = torch.arange(conv_state.shape[-1], device=n.device)
+    conv_pool[slots] = window.gather(-1, (n[:, None, None] + taps).expand(conv_state.shape))
     return out
 
 
