@@ -37,6 +37,9 @@ def chat(
         help="Sequences the engine runs at once (the embedded server shares them).")] = DEFAULT_SEQUENCES,
     spec: Annotated[Optional[str], typer.Option(help="Speculative decoding: mtp, dflash or ngram.")] = None,
     draft_tokens: Annotated[Optional[int], typer.Option(help="Drafts per round (default: per method).")] = None,
+    adaptive_draft: Annotated[bool, typer.Option(
+        "--adaptive-draft/--no-adaptive-draft",
+        help="Per request, draft 0..--draft-tokens tokens a round from its recent acceptance (needs --spec).")] = False,
     draft_model: Annotated[Optional[Path], typer.Option(help="DFlash companion checkpoint directory.")] = None,
     weights: WeightsOpt = "auto",
     kv_dtype: KvDtypeOpt = "auto",
@@ -46,8 +49,15 @@ def chat(
     """Chat in the terminal UI (local model, or a remote server with --endpoint)."""
     from ninfer_core.llm import EngineOptions
 
+    from .output import fail
+
     engine = EngineOptions(device=device, dtype=dtype, max_context=max_context, max_seqs=max_concurrency, spec=spec,
-                           draft_tokens=draft_tokens, draft_model=draft_model, weights=weights, kv_dtype=kv_dtype)
+                           draft_tokens=draft_tokens, draft_model=draft_model, adaptive_draft=adaptive_draft,
+                           weights=weights, kv_dtype=kv_dtype)
+    try:
+        engine.check_spec()
+    except NinferError as e:
+        fail(str(e))
     open_tui(model, image=[str(p) for p in image or []], endpoint=endpoint, api_key=api_key, engine=engine)
 
 

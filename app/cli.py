@@ -34,6 +34,9 @@ SpecOpt = Annotated[Optional[str], typer.Option(help="Speculative decoding: mtp,
 DraftTokensOpt = Annotated[Optional[int], typer.Option(
     help="Drafts per round (default 3 mtp, 15 dflash, 4 ngram; at most 5, block-1, 15).")]
 DraftModelOpt = Annotated[Optional[Path], typer.Option(help="DFlash drafter checkpoint directory (--spec dflash).")]
+AdaptiveDraftOpt = Annotated[bool, typer.Option(
+    "--adaptive-draft/--no-adaptive-draft",
+    help="Per request, draft 0..--draft-tokens tokens a round from its recent acceptance (needs --spec).")]
 
 
 def _show_version(value: bool) -> None:
@@ -107,6 +110,7 @@ def run(
     kv_capacity: KvCapacityOpt = "auto",
     spec: SpecOpt = None,
     draft_tokens: DraftTokensOpt = None,
+    adaptive_draft: AdaptiveDraftOpt = False,
     draft_model: DraftModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -137,7 +141,8 @@ def run(
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
                                 weights=weights, kv_dtype=kv_dtype, kv_capacity=parse_kv_capacity(kv_capacity),
                                 chat_template=chat_template, vision=vision, spec=spec, draft_tokens=draft_tokens,
-                                draft_model=draft_model)
+                                draft_model=draft_model, adaptive_draft=adaptive_draft)
+        options.check_spec()
         llm = LLM.load(model or default_model(), options)
         request = ChatRequest(messages=chat_messages, sampling=sampling, tools=tools, enable_thinking=not no_thinking)
         if json_out:

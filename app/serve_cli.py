@@ -65,6 +65,10 @@ def serve(
                                                 envvar=_env("SPEC"))] = None,
     draft_tokens: Annotated[Optional[int], typer.Option(help="Drafts per round (default 3 mtp, 15 dflash, 4 ngram).",
                                                         envvar=_env("DRAFT_TOKENS"))] = None,
+    adaptive_draft: Annotated[bool, typer.Option(
+        "--adaptive-draft/--no-adaptive-draft",
+        help="Per request, draft 0..--draft-tokens tokens a round from its recent acceptance (needs --spec).",
+        envvar=_env("ADAPTIVE_DRAFT"))] = False,
     draft_model: Annotated[Optional[Path], typer.Option(help="DFlash drafter checkpoint directory.",
                                                         envvar=_env("DRAFT_MODEL"))] = None,
     random_weights: Annotated[bool, typer.Option(
@@ -87,7 +91,8 @@ def serve(
                                 max_seqs=max_concurrency,
                                 prefill_chunk=prefill_chunk, chat_template=chat_template, vision=vision,
                                 random_weights=random_weights, spec=spec, draft_tokens=draft_tokens,
-                                draft_model=draft_model)
+                                draft_model=draft_model, adaptive_draft=adaptive_draft)
+        options.check_spec()
         handle = ServerHandle.start(lambda: LLM.load(model or default_model(), options), host, port, api_key=api_key,
                                     cors_origins=cors_origin, max_queue=max_queue,
                                     max_body_bytes=max_body_mb * 1024 * 1024, model_id=model_name,

@@ -62,6 +62,13 @@ class EngineOptions:
     spec: str | None = None  # speculative decoding: "mtp" | "dflash" | "ngram" (None: off)
     draft_tokens: int | None = None  # drafts per round (None: 3 for mtp, 15 for dflash, 4 for ngram)
     draft_model: str | Path | None = None  # DFlash companion checkpoint directory
+    adaptive_draft: bool = False  # K per request in 0..draft_tokens from its recent acceptance
+
+    def check_spec(self) -> None:
+        """Drafting flags without a drafter would be silently ignored: refuse them (before loading)."""
+        if self.spec is None and (self.draft_tokens is not None or self.draft_model is not None
+                                  or self.adaptive_draft):
+            raise NinferError("--draft-tokens / --draft-model / --adaptive-draft need --spec mtp|dflash|ngram")
 
 
 @dataclass
@@ -214,12 +221,11 @@ class LLM:
                 raise NinferError(f"{loaded.name} has no vision tower (--vision needs a multimodal checkpoint)")
             self.vision.tower()
         decode_graphs = DecodeGraphs(loaded.model, cache, options.max_seqs, self.max_context) if graphs else None
+        options.check_spec()
         speculator = None
         if options.spec is not None:
             speculator = build_speculator(options.spec, options.draft_tokens, options.draft_model, loaded, cache,
-                                          Sampler(), options.random_weights, decode_graphs)
-        elif options.draft_tokens is not None or options.draft_model is not None:
-            raise NinferError("--draft-tokens / --draft-model need --spec mtp|dflash|ngram")
+                                          Sampler(), options.random_weights, decode_graphs, options.adaptive_draft)
         self.engine = LLMEngine(
             loaded.model,
             loaded.config,

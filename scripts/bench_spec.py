@@ -3,7 +3,8 @@
     python3 scripts/bench_spec.py verify     [--preset qwen3.6-35b-a3b] [--max-k 7] [--json OUT]
     python3 scripts/bench_spec.py rollback   [--preset tiny-qwen3.6-moe --device cpu] [--json OUT]
     python3 scripts/bench_spec.py profile    [--max-k 3] [--json OUT]
-    python3 scripts/bench_spec.py acceptance [--model DIR] [--spec ngram] [--json OUT]
+    python3 scripts/bench_spec.py acceptance [--model DIR] [--spec ngram] [--draft-tokens 1,..,8]
+                                             [--adaptive 8] [--json OUT]
 
 verify: on the synthetic model (exact shapes, random weights; the engine's own forward, eager),
 after a `--context`-token prefill, the time of one verify round of K+1 tokens per sequence
@@ -22,7 +23,11 @@ rollback: per round, record + commit (ours) vs snapshot + plain verify + restore
 forward of the kept tokens (option b), for 1 and K+1 kept tokens.
 
 acceptance: a real model (default: the embedded SmolLM2-135M) on a few prompts (code, prose,
-repetition), plain greedy vs speculative greedy: identical output, acceptance, tokens per round.
+repetition), plain greedy vs speculative greedy at fixed K and adaptive K (`--adaptive-draft`):
+identical output, acceptance, tokens per round, rounds, and the projected speed against plain
+decode on the GPU of the cost table (engine/speculative/adaptive.py: H200, 35B-A3B int4):
+
+    speedup = tokens of the rounds / sum over rounds of cost(drafts in the round)
 """
 
 from __future__ import annotations
@@ -343,35 +348,60 @@ def bench_rollback(args: argparse.Namespace) -> dict:
 
 
 def bench_acceptance(args: argparse.Namespace) -> dict:
+    """Each configuration (fixed K, adaptive K <= limit) on every prompt: the same greedy tokens as
+    plain decode, and what its rounds would cost on the GPU the cost table was measured on."""
     from ninfer_core.engine.sampling import SamplingParams
+    from ninfer_core.engine.speculative import CostModel
     from ninfer_core.llm import LLM, ChatRequest, EngineOptions
 
     options = EngineOptions(device=args.device, dtype=args.dtype, max_context=args.max_context)
     plain = LLM.load(args.model, options)
-    spec = LLM(plain.loaded, replace(options, spec=args.spec, draft_tokens=args.draft_tokens,
-                                     draft_model=args.draft_model))
     sampling = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    rows = []
-    for name, prompt in PROMPTS.items():
-        request = ChatRequest(messages=[{"role": "user", "content": prompt}], sampling=sampling)
-        base, fast = plain.chat_result(request), spec.chat_result(request)
-        st = fast.spec
-        rows.append({"prompt": name, "tokens": len(fast.token_ids), "identical": base.token_ids == fast.token_ids,
-                     "drafted": st.drafted, "accepted": st.accepted, "acceptance_rate": st.acceptance_rate,
-                     "tokens_per_round": st.tokens_per_round, "plain_tok_s": base.timings.decode_tok_s,
-                     "spec_tok_s": fast.timings.decode_tok_s})
-    result = {"bench": "acceptance", "model": plain.name, "spec": args.spec,
-              "draft_tokens": spec.engine.speculator.draft_tokens, **env(plain.loaded.device, plain.loaded.dtype),
-              "rows": rows}
-    print(f"{plain.name}, --spec {args.spec} --draft-tokens {result['draft_tokens']}, greedy, "
-          f"{args.max_tokens} tokens max, {result['device']}")
-    print(f"{'prompt':<11} {'tokens':>6} {'same':>5} {'drafted':>8} {'accepted':>9} {'rate':>6} {'tok/round':>10} "
-          f"{'plain tok/s':>12} {'spec tok/s':>11}")
-    for r in rows:
-        print(f"{r['prompt']:<11} {r['tokens']:>6} {str(r['identical']):>5} {r['drafted']:>8} {r['accepted']:>9} "
-              f"{r['acceptance_rate']:>6.1%} {r['tokens_per_round']:>10.2f} {r['plain_tok_s']:>12.1f} "
-              f"{r['spec_tok_s']:>11.1f}")
+    prompts = {name: plain.prepare_chat(ChatRequest(messages=[{"role": "user", "content": text}])).prompt_token_ids
+               for name, text in PROMPTS.items()}
+    reference = {name: [t for out in plain.complete(ids, sampling) for t in out.new_token_ids]
+                 for name, ids in prompts.items()}
+    cost = CostModel()  # the H200 verify table; drafting free (n-gram; MTP / DFlash drafting is not costed)
+    configs = [(k, False) for k in int_list(args.draft_tokens)] + [(k, True) for k in int_list(args.adaptive)]
+    runs = []
+    for k, adaptive in configs:
+        spec = LLM(plain.loaded, replace(options, spec=args.spec, draft_tokens=k, draft_model=args.draft_model,
+                                         adaptive_draft=adaptive))
+        rows = []
+        for name, ids in prompts.items():
+            outs = list(spec.complete(ids, sampling))
+            rounds, st = outs[1:], outs[-1].spec  # outs[0]: the token of the prefill
+            assert st is not None and st.rounds == len(rounds)
+            tokens = sum(len(o.new_token_ids) for o in rounds)
+            steps = sum(cost(o.drafted) for o in rounds)
+            rows.append({"prompt": name, "tokens": len(reference[name]),
+                         "identical": [t for o in outs for t in o.new_token_ids] == reference[name],
+                         "rounds": st.rounds, "rounds_without_drafts": sum(not o.drafted for o in rounds),
+                         "drafted": st.drafted, "accepted": st.accepted,
+                         "acceptance_rate": st.acceptance_rate, "tokens_per_round": st.tokens_per_round,
+                         "round_tokens": tokens, "cost_steps": steps, "projected_speedup": tokens / steps})
+        total = sum(r["round_tokens"] for r in rows) / sum(r["cost_steps"] for r in rows)
+        runs.append({"config": f"adaptive K<={k}" if adaptive else f"K={k}", "k": k, "adaptive": adaptive,
+                     "projected_speedup": total, "rows": rows})
+    result = {"bench": "acceptance", "model": plain.name, "spec": args.spec, "max_tokens": args.max_tokens,
+              "cost_table": list(cost.verify), "draft_cost": cost.draft,
+              "formula": "projected speedup = tokens of the rounds / sum over rounds of cost(drafts of the round)",
+              **env(plain.loaded.device, plain.loaded.dtype), "runs": runs}
+    print(f"{plain.name}, --spec {args.spec}, greedy, {args.max_tokens} tokens max, {result['device']}; "
+          f"projected speed vs plain decode with verify cost {list(cost.verify)} (past the table: its last slope)")
+    print(f"{'':<16}" + "".join(f"| {name:<29}" for name in prompts) + "| all")
+    print(f"{'config':<16}" + f"| {'acc':>6} {'tok/rd':>6} {'rounds':>6} {'proj':>6} " * len(prompts) + "| proj")
+    for run in runs:
+        cells = "".join(f"| {r['acceptance_rate']:>6.1%} {r['tokens_per_round']:>6.2f} {r['rounds']:>6} "
+                        f"{r['projected_speedup']:>5.2f}x " for r in run["rows"])
+        same = "" if all(r["identical"] for r in run["rows"]) else "  NOT IDENTICAL TO PLAIN"
+        print(f"{run['config']:<16}{cells}| {run['projected_speedup']:.2f}x{same}")
     return result
+
+
+def int_list(value: str) -> list[int]:
+    """`1,2,8` -> [1, 2, 8]; empty -> []."""
+    return [int(v) for v in value.split(",") if v.strip()]
 
 
 def env(device: torch.device, dtype: torch.dtype) -> dict:
@@ -396,7 +426,8 @@ def main() -> None:
     acc = sub.add_parser("acceptance")
     acc.add_argument("--model", default=None, help="checkpoint dir / .gguf (default: embedded SmolLM2-135M)")
     acc.add_argument("--spec", default="ngram", choices=["ngram", "mtp", "dflash"])
-    acc.add_argument("--draft-tokens", type=int, default=None)
+    acc.add_argument("--draft-tokens", default="1,2,3,4,5,6,7,8", help="fixed K runs (comma list; empty: none)")
+    acc.add_argument("--adaptive", default="8", help="adaptive runs: their K limits (comma list; empty: none)")
     acc.add_argument("--draft-model", default=None)
     acc.add_argument("--max-tokens", type=int, default=200)
     acc.add_argument("--max-context", type=int, default=2048)

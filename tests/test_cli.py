@@ -172,6 +172,20 @@ def test_run_with_ngram_speculation_is_lossless(model_dir):
                        "--spec")
 
 
+def test_adaptive_draft_is_lossless_and_needs_spec(model_dir):
+    args = ("run", str(model_dir[0]), "--prompt", "hi hi hi hi", "--max-tokens", "24", "--temperature", "0",
+            "--device", "cpu", "--json")
+    plain = json.loads(ninfer(*args).stdout)
+    proc = ninfer(*args, "--spec", "ngram", "--draft-tokens", "5", "--adaptive-draft")
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads(proc.stdout)
+    assert spec["token_ids"] == plain["token_ids"] and spec["spec"]["draft_tokens"] == 5  # the configured limit
+    directory = str(model_dir[0])
+    for command in (("run", directory, "--prompt", "x"), ("serve", directory), ("chat", directory)):
+        assert_clean_error(ninfer(*command, "--adaptive-draft", "--device", "cpu", timeout=60), "--adaptive-draft",
+                           "--spec")
+
+
 def test_bench_checkpoint_with_recipe(model_dir):
     """`ninfer bench DIR`: a real checkpoint through the loader, the recipe and KV format applied."""
     proc = ninfer("bench", "--model", str(model_dir[0]), "--device", "cpu", "--weights", "int8", "--kv-dtype", "int8",

@@ -1,7 +1,7 @@
 """Speculative decoding: drafters (n-gram, MTP, DFlash), lossless verification, exact rollback.
 
-`build_speculator` turns `--spec METHOD --draft-tokens K [--draft-model DIR]` into the
-Speculator the engine runs its decode steps through.
+`build_speculator` turns `--spec METHOD --draft-tokens K [--draft-model DIR] [--adaptive-draft]`
+into the Speculator the engine runs its decode steps through.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ...models.loader import LoadedModel, init_random_
 from ...models.mtp import MTPHead
 from ...weights.checkpoint import open_checkpoint
 from ..sampling import Sampler
+from .adaptive import AdaptiveDraft, CostModel
 from .base import Draft, Drafter, Observation
 from .dflash import DFlashDrafter
 from .mtp import MTPDrafter
@@ -31,14 +32,15 @@ if TYPE_CHECKING:
 METHODS = ("mtp", "dflash", "ngram")
 DEFAULT_DRAFT_TOKENS = {"mtp": 3, "dflash": 15, "ngram": 4}
 
-__all__ = ["DEFAULT_DRAFT_TOKENS", "METHODS", "Draft", "Drafter", "Observation", "Speculator", "build_mtp_head",
-           "build_speculator", "load_dflash"]
+__all__ = ["DEFAULT_DRAFT_TOKENS", "METHODS", "AdaptiveDraft", "CostModel", "Draft", "Drafter", "Observation",
+           "Speculator", "build_mtp_head", "build_speculator", "load_dflash"]
 
 
 def build_speculator(method: str, draft_tokens: int | None, draft_model: str | Path | None, loaded: LoadedModel,
                      cache: CacheManager, sampler: Sampler, random_weights: bool = False,
-                     graphs: DecodeGraphs | None = None) -> Speculator:
-    """`graphs`: the engine's decode graphs (buckets, pool, scratch page) when drafts may use them."""
+                     graphs: DecodeGraphs | None = None, adaptive: bool = False) -> Speculator:
+    """`graphs`: the engine's decode graphs (buckets, pool, scratch page) when drafts may use them;
+    `adaptive`: K per request from its acceptance (adaptive.py), `draft_tokens` its maximum."""
     if method not in METHODS:
         raise NinferError(f"unknown speculative method '{method}' (use one of {', '.join(METHODS)})")
     if draft_model is not None and method != "dflash":
@@ -54,7 +56,7 @@ def build_speculator(method: str, draft_tokens: int | None, draft_model: str | P
         model = load_dflash(draft_model, loaded.device, loaded.dtype)
         drafter = DFlashDrafter(_require_decoder(loaded), model, cache, sampler)
     k = min(DEFAULT_DRAFT_TOKENS[method], drafter.max_draft_tokens) if draft_tokens is None else draft_tokens
-    return Speculator(drafter, k, cache, sampler)
+    return Speculator(drafter, k, cache, sampler, AdaptiveDraft() if adaptive else None)
 
 
 def _require_decoder(loaded: LoadedModel) -> DecoderModel:

@@ -1,7 +1,8 @@
 """One speculative decode step for a batch: draft, verify in one target forward, keep, commit.
 
-1. K per sequence: its limit, capped so the answer cannot run past max_tokens; then the largest
-   K <= that for which every sequence's KV pages fit (uniform: padded rows write KV too).
+1. K per sequence: its limit (or, with an adaptive policy, the policy's choice up to the limit:
+   adaptive.py), capped so the answer cannot run past max_tokens; then the largest K <= that for
+   which every sequence's KV pages fit (uniform: padded rows write KV too).
 2. The drafter proposes; the verify batch is [B, 1 + longest draft] = [last token, drafts, pad].
 3. One target forward (logits for all rows, GDN state deferred, drafter layers captured; a CUDA
    graph replay where the engine has one for the shape).
@@ -27,6 +28,7 @@ from ...models.base import ForwardBatch, ForwardOutput
 from ..request import GenerationRequest, SpecStats, StepOutput
 from ..sampling import Sampler, TokenHistory
 from ..sequence import Sequence
+from .adaptive import AdaptiveDraft
 from .base import Draft, Drafter, Observation
 from .verify import accept_greedy, accept_stochastic
 
@@ -48,11 +50,13 @@ Append = Callable[[Sequence, list[int]], StepOutput]
 class Speculator:
     """The engine's decode step with a drafter; also keeps the aggregate counters (`totals`)."""
 
-    def __init__(self, drafter: Drafter, draft_tokens: int, cache: CacheManager, sampler: Sampler):
+    def __init__(self, drafter: Drafter, draft_tokens: int, cache: CacheManager, sampler: Sampler,
+                 adaptive: AdaptiveDraft | None = None):
         if not 1 <= draft_tokens <= drafter.max_draft_tokens:
             raise NinferError(f"--draft-tokens {draft_tokens} is out of range for {drafter.method} drafts "
                               f"(1..{drafter.max_draft_tokens})")
         self.drafter, self.draft_tokens, self.cache, self.sampler = drafter, draft_tokens, cache, sampler
+        self.adaptive = adaptive  # None: every round drafts the sequence's limit
         self.totals = SpecStats(method=drafter.method, draft_tokens=draft_tokens)
 
     def limit(self, request: GenerationRequest) -> int:
@@ -73,9 +77,11 @@ class Speculator:
 
     def release(self, seq: Sequence) -> None:
         self.drafter.release(seq)
+        if self.adaptive is not None:
+            self.adaptive.release(seq.request_id)
 
     def decode(self, seqs: list[Sequence], run: VerifyForward, append: Append) -> list[StepOutput]:
-        ks = self._fit([min(s.draft_limit, s.max_new_tokens - len(s.output_ids) - 1) for s in seqs], seqs)
+        ks = self._fit([min(self._wanted(s), s.max_new_tokens - len(s.output_ids) - 1) for s in seqs], seqs)
         drafts = [Draft([]) for _ in seqs]
         asking = [i for i, k in enumerate(ks) if k > 0]
         if asking:
@@ -95,6 +101,8 @@ class Speculator:
             if seq.draft_limit:
                 output.drafted, output.accepted = len(draft.tokens), len(tokens) - 1
                 self._count(seq, output)
+                if self.adaptive is not None:
+                    self.adaptive.update(seq.request_id, output.drafted, output.accepted)
             outputs.append(output)
         watched = [i for i, s in enumerate(seqs) if s.draft_limit and not s.finished]
         if watched:
@@ -103,6 +111,12 @@ class Speculator:
         for seq in seqs:
             self.cache.truncate(seq.cache, seq.num_tokens)
         return outputs
+
+    def _wanted(self, seq: Sequence) -> int:
+        """Drafts for this round before the caps: the limit, or the adaptive policy's choice under it."""
+        if self.adaptive is None or not seq.draft_limit:
+            return seq.draft_limit
+        return self.adaptive.choose(seq.request_id, seq.draft_limit)
 
     def _fit(self, ks: list[int], seqs: list[Sequence]) -> list[int]:
         """Reserve each sequence's next token, then as many extra KV positions as all can get."""
