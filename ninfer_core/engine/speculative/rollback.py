@@ -29,15 +29,17 @@ it is the state of counts[b] decode steps bit for bit; against plain token-by-to
 projections themselves differ at fp32 rounding (a T-row GEMM blocks differently from T one-row
 ones), which no rollback scheme avoids; greedy outputs are token-identical in the tests.
 
-Measured per round (`scripts/bench_spec.py rollback`, tiny-qwen3.6-moe preset, 1 CPU thread,
-context 512), kept 1 token / all K+1:
-    K = 3:  record + commit 10.4 / 10.8 ms, per-position states (a/c, emulated) 10.2 / 10.2 ms,
-            snapshot + replay (b) 15.1 / 10.2 ms
-    K = 7:  12.1 / 12.7 ms, 11.7 / 11.9 ms, 16.6 / 11.9 ms
-(b) pays a second forward on every rejection (+45%). (a)/(c) and ours are within 4% on the CPU,
-where a state is 16 KB; on Qwen3.6-35B-A3B a state is 2 MB per layer and (a)/(c) write K+1 of
-them per layer per round (and (a) keeps K+1 slots per sequence), which is what ours avoids; the
-same bench on the GPU gives the numbers for that case.
+Measured per round (`scripts/bench_spec.py rollback`, tiny-qwen3.6-moe preset, CPU, context
+512, 2026-11-29), kept 1 token / all K+1:
+    K = 3:  record + commit 12.2 / 12.6 ms, per-position states (a/c, emulated) 10.3 / 10.7 ms,
+            snapshot + replay (b) 16.6 / 11.4 ms
+    K = 7:  16.0 / 16.0 ms, 13.5 / 13.1 ms, 19.3 / 13.2 ms
+(b) pays a second forward on every rejection (+45%). On the CPU, where a state is 16 KB and every
+op is launch overhead, (a)/(c) are ~18% cheaper than re-running the recurrence. On the H200
+(35B-A3B, K = 3, graphs) verify + commit of the GDN layers take 0.99 ms of a 5.6 ms round
+(profile in docs/performance.md), the commit about half of it; (c) inside the verify kernel
+(K+1 states of 2 MB per layer written, one copied back) would move ~0.3 GB instead, ~0.1 ms at
+the measured bandwidth: the next step if the commit's share matters.
 """
 
 from __future__ import annotations
