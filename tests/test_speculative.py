@@ -125,6 +125,19 @@ def test_seeded_sampling_reproducible_with_drafts(target):
     assert out[a.request_id] == out[b.request_id] != out[c.request_id]
 
 
+def test_rounds_without_drafts_are_plain_decode_steps(target, plain):
+    """A round where no sequence drafts (n-gram finds no match) runs the plain decode forward (its
+    CUDA graph on a GPU) instead of a width-1 verify + commit; output still equals plain decode."""
+    llm = load(target, spec="ngram", draft_tokens=4)
+    forwards = []
+    forward = llm.engine._run
+    llm.engine._run = lambda batch: forwards.append((batch.num_new_tokens, batch.verify)) or forward(batch)
+    assert next(iter(run(llm, [GenerationRequest(PROMPTS[0], greedy(N_TOKENS))]).values())) == plain[0]
+    decode = [f for f in forwards if f[0] <= 5]
+    assert (1, False) in decode and any(verify for _, verify in decode)
+    assert (1, True) not in decode
+
+
 def test_metrics_per_request_and_aggregate(target):
     llm = load(target, spec="ngram", draft_tokens=5)
     result = llm.chat_result(ChatRequest(messages=[{"role": "user", "content": "hi hi hi hi"}],

@@ -225,6 +225,11 @@ class LLMEngine:
         return [self._append(seq, [tok]) for seq, tok in zip(seqs, tokens)]
 
     def _verify_forward(self, seqs: list[Sequence], ids: torch.Tensor, capture_layers: tuple[int, ...]) -> Verified:
+        if ids.shape[1] == 1 and not capture_layers:
+            # no drafts this round: the one token is always kept, so a plain decode step (its graph)
+            # advances the state directly and there is nothing to commit
+            batch = self._batch(seqs, ids, "last")
+            return Verified(batch, self._forward(batch), lambda counts: None)
         batch = self._batch(seqs, ids, "all", verify=True, capture_layers=capture_layers)
         out = self._forward(batch)
         if out.gdn_records is None:  # a graph replay: its commit graph keeps the accepted tokens

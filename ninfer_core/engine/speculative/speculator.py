@@ -5,7 +5,8 @@
    which every sequence's KV pages fit (uniform: padded rows write KV too).
 2. The drafter proposes; the verify batch is [B, 1 + longest draft] = [last token, drafts, pad].
 3. One target forward (logits for all rows, GDN state deferred, drafter layers captured; a CUDA
-   graph replay where the engine has one for the shape).
+   graph replay where the engine has one for the shape). A round without drafts is a plain
+   decode step instead (nothing to defer).
 4. Per sequence the target distributions p_0..p_k (exact sampler distributions, penalties with
    the drafts counted as generated) decide the kept tokens (verify.py).
 5. The GDN slots advance through the kept tokens only (rollback.py, through `Verified.commit`:
