@@ -137,14 +137,14 @@ class DecodeGraphs:
         self.slots[:b].copy_(batch.slots)
         width = batch.block_table.shape[1]
         self.block_table[:b, :width].copy_(batch.block_table)
-        self._park_rows(graph, b)
+        self._park_rows(graph.ids, graph.positions, b)
 
-    def _park_rows(self, graph: _Graph, start: int) -> None:
+    def _park_rows(self, ids: torch.Tensor, positions: torch.Tensor, start: int) -> None:
         """Rows start.. compute positions 0..T-1 on the scratch slot / page: identical inputs (so
         concurrent writes agree), outputs discarded, nothing committed."""
-        end = graph.ids.shape[0]
-        graph.ids[start:].zero_()
-        graph.positions[start:].copy_(torch.arange(graph.ids.shape[1], device=graph.ids.device).expand(end - start, -1))
+        end, width = ids.shape
+        ids[start:].zero_()
+        positions[start:].copy_(torch.arange(width, device=ids.device).expand(end - start, -1))
         self.cache_lens[start:end].zero_()
         self.slots[start:end].fill_(self.scratch_slot)
         self.counts[start:end].zero_()
@@ -153,26 +153,25 @@ class DecodeGraphs:
     def _capture(self, bucket: int, verify_width: int, capture_layers: tuple[int, ...]) -> _Graph | None:
         """Warm up and capture with every row on the scratch slot / page (the warm-up really runs,
         and must not advance a live sequence)."""
-        width = max(verify_width, 1)
-        device = self.slots.device
-        graph = _Graph(torch.cuda.CUDAGraph(), torch.zeros(bucket, width, dtype=torch.long, device=device),
-                       torch.zeros(bucket, width, dtype=torch.long, device=device), out=None)  # type: ignore[arg-type]
-        self._park_rows(graph, 0)
+        ids, positions = (torch.zeros(bucket, max(verify_width, 1), dtype=torch.long, device=self.slots.device)
+                          for _ in range(2))
+        self._park_rows(ids, positions, 0)
         batch = ForwardBatch(
-            input_ids=graph.ids, positions=graph.positions, cache_lens=self.cache_lens[:bucket],
+            input_ids=ids, positions=positions, cache_lens=self.cache_lens[:bucket],
             slots=self.slots[:bucket], block_table=self.block_table[:bucket],
             logits="all" if verify_width else "last", verify=bool(verify_width), capture_layers=capture_layers,
         )
         try:
             with torch.inference_mode():
-                graph.graph, graph.out = capture(lambda: self.model.forward(batch, self.cache), self.pool)
+                forward, out = capture(lambda: self.model.forward(batch, self.cache), self.pool)
+                commit = None
                 if verify_width:
-                    records = graph.out.gdn_records or {}
-                    graph.commit, _ = capture(lambda: commit_gdn(self.model, self.cache.state, records, batch.slots,
-                                                                 self.counts[:bucket]), self.pool)
+                    records = out.gdn_records or {}
+                    commit, _ = capture(lambda: commit_gdn(self.model, self.cache.state, records, batch.slots,
+                                                           self.counts[:bucket]), self.pool)
         except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
             log.warning("CUDA graph capture failed (%s); decoding without graphs", exc)
             self.enabled = False
             return None
-        self.graphs[(bucket, verify_width, capture_layers)] = graph
+        graph = self.graphs[(bucket, verify_width, capture_layers)] = _Graph(forward, ids, positions, out, commit)
         return graph

@@ -128,12 +128,12 @@ class MTPDrafter(Drafter):
 
 @dataclass
 class _Chain:
-    graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [bucket, V] fp32: each row's newest MTP logits
     hidden: torch.Tensor  # [bucket, H]: its normed output
     index: torch.Tensor  # [bucket] int64: its MTP cache index
     deltas: torch.Tensor  # [bucket] int64: rope position deltas
     table: torch.Tensor  # [bucket, max_pages] int32
+    graph: torch.cuda.CUDAGraph | None = None  # set once captured
     tokens: torch.Tensor | None = None  # [bucket, K] the drafts (static output)
 
 
@@ -163,8 +163,8 @@ class MTPChainGraphs:
         chain.deltas[:b].copy_(torch.tensor(deltas))
         chain.table[:b, : table.shape[1]].copy_(table)
         self._park(chain, b)
+        assert chain.graph is not None and chain.tokens is not None
         chain.graph.replay()
-        assert chain.tokens is not None
         return chain.tokens[:b].tolist()
 
     def _park(self, chain: _Chain, start: int) -> None:
@@ -179,7 +179,7 @@ class MTPChainGraphs:
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        chain = _Chain(torch.cuda.CUDAGraph(), zeros(bucket, like.logits.shape[0], dtype=like.logits.dtype),
+        chain = _Chain(zeros(bucket, like.logits.shape[0], dtype=like.logits.dtype),
                        zeros(bucket, like.hidden.shape[0], dtype=like.hidden.dtype), zeros(bucket, dtype=torch.long),
                        zeros(bucket, dtype=torch.long), zeros(bucket, self.graphs.max_pages, dtype=torch.int32))
         self._park(chain, 0)
