@@ -1,5 +1,5 @@
 """The bookkeeping of engine/cuda_graph.py on the CPU: static buffers, bucket padding with spare
-rows on the scratch slot / page, verify + commit replays, the MTP draft chains.
+rows on the scratch slot / page, verify + commit replays, the MTP catch-up and draft chains.
 
 A CUDA graph replays the kernels it captured over the same buffers. `FakeGraph` stands in for
 one by calling the captured function again on `replay()`, which reads the same static buffers:
@@ -51,9 +51,14 @@ def _copy_into(static, fresh) -> None:
     elif isinstance(static, dict):
         for key in static:
             _copy_into(static[key], fresh[key])
-    elif static is not None and hasattr(static, "__dataclass_fields__"):
+    elif isinstance(static, (tuple, list)):
+        for mine, theirs in zip(static, fresh, strict=True):
+            _copy_into(mine, theirs)
+    elif hasattr(static, "__dataclass_fields__"):
         for name in static.__dataclass_fields__:
             _copy_into(getattr(static, name), getattr(fresh, name))
+    elif static is not None:
+        raise TypeError(f"FakeGraph cannot rewrite a {type(static).__name__} output in place")
 
 
 def fake_capture(fn, pool=None):
@@ -115,26 +120,39 @@ def test_graph_replays_match_eager(target, fake_graphs, method):
     if method is not None:
         assert any(width > 1 for _, width, _ in keys), keys  # verify graphs replayed
     if method == "mtp":
-        chains = eng.speculator.drafter.chains
-        assert chains.enabled and any(k == 3 for _, k in chains.chains)
+        mtp_graphs = eng.speculator.drafter.graphs
+        kinds = {kind for kind, _, _ in mtp_graphs.captured}
+        assert mtp_graphs.enabled and kinds == {"draft", "catch_up"}, mtp_graphs.captured
 
 
-def test_mtp_chain_drafts_equal_eager_drafts(target, fake_graphs):
-    """Every round's drafts from the chain graph equal the eager drafter's from the same state
-    (drafts never change the output, so the token comparison above cannot see a wrong chain)."""
+def test_mtp_graph_drafts_equal_eager_drafts(target, fake_graphs):
+    """Every round's catch-up (normed output, logits) and drafts by graph equal the eager
+    drafter's from the same state (drafts never change the output, so the token comparison
+    above cannot see a wrong chain)."""
     eng = engine(target, "mtp", graphs=True)
     drafter = eng.speculator.drafter
-    chains, propose = drafter.chains, drafter.propose
+    graphs, propose, observe = drafter.graphs, drafter.propose, drafter.observe
     rounds = []
 
     def both(seqs, counts):
-        drafter.chains = None
+        drafter.graphs = None
         eager = propose(seqs, counts)
-        drafter.chains = chains
+        drafter.graphs = graphs
         graph = propose(seqs, counts)
         rounds.append(([d.tokens for d in graph], [d.tokens for d in eager]))
         return graph
 
-    drafter.propose = both
+    def observe_both(obs):
+        drafter.graphs = None
+        observe(obs)
+        eager = {key: (last.hidden.clone(), last.logits.clone()) for key, last in drafter._last.items()}
+        drafter.graphs = graphs
+        observe(obs)
+        for key, (hidden, logits) in eager.items():
+            torch.testing.assert_close(drafter._last[key].hidden, hidden, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(drafter._last[key].logits, logits, atol=1e-5, rtol=1e-5)
+
+    drafter.propose, drafter.observe = both, observe_both
     generate(eng, PROMPTS, [N_TOKENS, 13, 27])
-    assert rounds and chains.chains and all(graph == eager for graph, eager in rounds)
+    assert rounds and all(graph == eager for graph, eager in rounds)
+    assert {kind for kind, _, _ in graphs.captured} == {"draft", "catch_up"}

@@ -182,25 +182,26 @@ def test_kv_capacity_auto_fills_free_memory(model_dir):
     assert generate(fp8, PROMPTS[:2], 8)  # runs end to end on fp8 pages
 
 
-def test_mtp_chain_graph_drafts_equal_eager_drafting(model_dir):
-    """fp32, 3 sequences on the 4-row bucket: each round's drafts from the MTP chain graph equal the
-    eager drafter's from the same state, and speculative greedy still equals plain greedy."""
+def test_mtp_graph_drafts_equal_eager_drafting(model_dir):
+    """fp32, 3 sequences on the 4-row bucket: each round's drafts from the MTP graphs (catch-up and
+    chain) equal the eager drafter's from the same state; speculative greedy equals plain greedy."""
     plain = generate(load(model_dir, dtype="float32", weights="bf16", cuda_graphs=False), PROMPTS[:3], 32)
     llm = load(model_dir, dtype="float32", weights="bf16", spec="mtp", draft_tokens=3)
     drafter = llm.engine.speculator.drafter
-    chains, propose = drafter.chains, drafter.propose
-    assert chains is not None
+    graphs, propose = drafter.graphs, drafter.propose
+    assert graphs is not None
     rounds: list[tuple[list[list[int]], list[list[int]]]] = []
 
     def both(seqs, counts):
-        drafter.chains = None
+        drafter.graphs = None
         eager = [d.tokens for d in propose(seqs, counts)]
-        drafter.chains = chains
+        drafter.graphs = graphs
         graph = [d.tokens for d in propose(seqs, counts)]
         rounds.append((graph, eager))
         return [Draft(tokens) for tokens in graph]
 
     drafter.propose = both
     assert generate(llm, PROMPTS[:3], 32) == plain
-    assert chains.enabled and (4, 3) in chains.chains and rounds
+    assert graphs.enabled and ("draft", 4, 3) in graphs.captured and rounds
+    assert any(kind == "catch_up" for kind, _, _ in graphs.captured)
     assert all(graph == eager for graph, eager in rounds)

@@ -8,11 +8,12 @@ the sequence's last one). Drafts 2..K feed the layer its own output: step s writ
 from (draft s, output of entry c + s - 1). The next observation rewrites those entries with the
 target's hidden states, so speculative entries never outlive their round.
 
-On the GPU, a batch of greedy requests drafts by replaying a CUDA graph of the whole chain
-(`MTPChainGraphs`: argmax, then K-1 layer steps each followed by lm_head and argmax, all on the
-device): one launch and one host sync per round instead of K Python-level steps. Greedy drafts
-are the raw argmax of the MTP logits on both paths (the target's acceptance applies penalties);
-sampled requests draft eagerly from their sampling distribution.
+On the GPU both calls of a round replay CUDA graphs (`MTPGraphs`): the catch-up over the
+verify's kept rows, and for a batch of greedy requests the whole draft chain (argmax, then K-1
+layer steps each followed by lm_head and argmax, all on the device): one host sync per round
+instead of K Python-level steps. Greedy drafts are the raw argmax of the MTP logits on both paths
+(the target's acceptance applies penalties); sampled requests draft eagerly from their
+sampling distribution.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ...models.decoder import DecoderModel, StepContext
 from ...models.mtp import MTPHead, mtp_layer_config
 from ..sampling import Sampler, TokenHistory
 from ..sequence import Sequence
+from ...ops.gdn import MAX_STEP_TOKENS
 from ..graph_capture import capture
 from .base import Draft, Drafter, Observation, choose_drafts
 
@@ -63,29 +65,35 @@ class MTPDrafter(Drafter):
         self.kv = ModelCache.allocate(mtp_layer_config(config), pages, cache.page_size, 1, dtype, cache.device)
         self.cache_bytes = self.kv.kv.nbytes
         self._last: dict[str, _Last] = {}
-        self.chains = MTPChainGraphs(self.run_layer, target.lm_head, graphs) if graphs is not None else None
+        self.graphs = MTPGraphs(self, graphs) if graphs is not None else None
 
     @torch.inference_mode()
     def observe(self, obs: Observation) -> None:
-        rows = torch.tensor(obs.rows, device=obs.batch.input_ids.device)
-        hidden = self.target.norm(obs.out.hidden_states[rows])
         batch = obs.batch
+        rows = torch.tensor(obs.rows, device=batch.input_ids.device)
         positions = batch.mrope_positions[:, rows] if batch.mrope_positions is not None else batch.positions[rows]
-        cache_lens = batch.cache_lens[rows]
-        out = self.run_layer(obs.next_tokens(), hidden, positions, cache_lens, batch.block_table[rows])
-        last = torch.tensor(obs.counts, device=out.device) - 1
-        tail = out[torch.arange(len(obs.rows), device=out.device), last]
-        logits = self.target.lm_head(tail).float()
-        for i, seq in enumerate(obs.seqs):
-            index = int(cache_lens[i]) + obs.counts[i] - 1
+        inputs = (obs.next_tokens(), obs.out.hidden_states[rows], positions, batch.cache_lens[rows],
+                  batch.block_table[rows], torch.tensor(obs.counts, device=rows.device) - 1)
+        caught = self.graphs.catch_up(*inputs) if self.graphs is not None else None
+        tail, logits = caught if caught is not None else self.catch_up(*inputs)
+        for i, (seq, row) in enumerate(zip(obs.seqs, obs.rows)):
+            index = int(batch.cache_lens[row]) + obs.counts[i] - 1
             self._last[seq.request_id] = _Last(index=index, hidden=tail[i], logits=logits[i])
+
+    def catch_up(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache_lens: torch.Tensor,
+                 block_table: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over target rows [B, T] (hidden: the target's last layer, before its final norm)
+        -> the normed output and logits of each row's entry `last` ([B, H], [B, V] fp32)."""
+        out = self.run_layer(ids, self.target.norm(hidden), positions, cache_lens, block_table)
+        tail = out[torch.arange(out.shape[0], device=out.device), last]
+        return tail, self.target.lm_head(tail).float()
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
         lasts = [self._last[s.request_id] for s in seqs]
-        if self.chains is not None and all(s.request.sampling.is_greedy for s in seqs):
+        if self.graphs is not None and all(s.request.sampling.is_greedy for s in seqs):
             table = self.cache.block_table([s.cache for s in seqs])
-            chained = self.chains.run(lasts, [s.rope_delta for s in seqs], table, max(counts))
+            chained = self.graphs.draft(lasts, [s.rope_delta for s in seqs], table, max(counts))
             if chained is not None:
                 return [Draft(tokens[:k]) for tokens, k in zip(chained, counts)]
         tokens: list[list[int]] = [[] for _ in seqs]
@@ -127,79 +135,102 @@ class MTPDrafter(Drafter):
 
 
 @dataclass
-class _Chain:
-    logits: torch.Tensor  # [bucket, V] fp32: each row's newest MTP logits
-    hidden: torch.Tensor  # [bucket, H]: its normed output
-    index: torch.Tensor  # [bucket] int64: its MTP cache index
-    deltas: torch.Tensor  # [bucket] int64: rope position deltas
-    table: torch.Tensor  # [bucket, max_pages] int32
-    graph: torch.cuda.CUDAGraph | None = None  # set once captured
-    tokens: torch.Tensor | None = None  # [bucket, K] the drafts (static output)
+class _Captured:
+    """One captured MTP call: its static inputs (by name), the graph, its static outputs."""
+
+    inputs: dict[str, torch.Tensor]
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: tuple[torch.Tensor, ...] = ()
 
 
-class MTPChainGraphs:
-    """Greedy K-token MTP draft chains as CUDA graphs per (batch bucket, K), on the target's
-    decode-graph buckets, pool and scratch page. Rows are run to K even when they asked fewer
-    drafts (the extra entries lie inside the pages the engine reserved for this round)."""
+class MTPGraphs:
+    """The MTP drafter's two calls per round as CUDA graphs, on the target's decode-graph buckets,
+    pool and scratch page (spare rows: zeros at index 0 of the scratch page, outputs discarded):
+      draft     greedy K-token chains per (bucket, K): argmax, then K-1 layer steps each followed
+                by lm_head and argmax. Rows run to K even when they asked fewer drafts (the extra
+                entries lie inside the pages the engine reserved for the round).
+      catch_up  the layer over a verify's rows per (bucket, width <= 16) and the logits of each
+                row's last kept entry (`MTPDrafter.catch_up`); prompt chunks stay eager.
+    A capture failure turns both off with a warning (drafting eagerly gives the same drafts)."""
 
-    def __init__(self, run_layer: Callable[..., torch.Tensor], lm_head: torch.nn.Module, graphs: DecodeGraphs):
-        self.run_layer, self.lm_head, self.graphs = run_layer, lm_head, graphs
-        self.chains: dict[tuple[int, int], _Chain] = {}
+    def __init__(self, drafter: MTPDrafter, graphs: DecodeGraphs):
+        self.drafter, self.graphs = drafter, graphs
+        self.captured: dict[tuple[str, int, int], _Captured] = {}
         self.enabled = True
 
-    def run(self, lasts: list[_Last], deltas: list[int], table: torch.Tensor, k: int) -> list[list[int]] | None:
+    def draft(self, lasts: list[_Last], deltas: list[int], table: torch.Tensor, k: int) -> list[list[int]] | None:
         """K drafts per row (a sequence's newest entry, rope delta, block table row), or None when
         no graph serves the batch."""
-        b = len(lasts)
-        bucket = self.graphs.bucket(b)
-        if not self.enabled or bucket is None or table.shape[1] > self.graphs.max_pages:
+        device = lasts[0].logits.device
+        inputs = {"logits": torch.stack([last.logits for last in lasts]),
+                  "hidden": torch.stack([last.hidden for last in lasts]),
+                  "index": torch.tensor([last.index for last in lasts], device=device),
+                  "deltas": torch.tensor(deltas, device=device), "table": table}
+        out = self._replay(("draft", len(lasts), k), inputs, lambda x: (self._chain(x, k),))
+        return None if out is None else out[0].tolist()
+
+    def catch_up(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache_lens: torch.Tensor,
+                 block_table: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`MTPDrafter.catch_up` by graph replay (outputs copied out), or None when none serves."""
+        width = ids.shape[1]
+        if width > MAX_STEP_TOKENS or positions.dim() != 2:
             return None
-        chain = self.chains.get((bucket, k)) or self._capture(bucket, k, lasts[0])
-        if chain is None:
+        inputs = {"ids": ids, "hidden": hidden, "positions": positions, "cache_lens": cache_lens,
+                  "table": block_table, "last": last}
+        out = self._replay(("catch_up", ids.shape[0], width), inputs,
+                           lambda x: self.drafter.catch_up(x["ids"], x["hidden"], x["positions"], x["cache_lens"],
+                                                           x["table"], x["last"]))
+        return None if out is None else (out[0].clone(), out[1].clone())
+
+    def _chain(self, x: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+        token = x["logits"].argmax(-1)
+        tokens, hidden = [token], x["hidden"]
+        for step in range(1, k):
+            index = x["index"] + step
+            hidden = self.drafter.run_layer(token[:, None], hidden[:, None], (index + x["deltas"])[:, None], index,
+                                            x["table"])[:, 0]
+            token = self.drafter.target.lm_head(hidden).float().argmax(-1)
+            tokens.append(token)
+        return torch.stack(tokens, dim=1)
+
+    def _replay(self, key: tuple[str, int, int], inputs: dict[str, torch.Tensor],
+                fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...] | None:
+        """Load `inputs` (B rows) into the graph of (kind, bucket, size), capturing it first."""
+        kind, rows, size = key
+        bucket = self.graphs.bucket(rows, size if kind == "catch_up" else 1)
+        if not self.enabled or bucket is None or inputs["table"].shape[1] > self.graphs.max_pages:
             return None
-        chain.logits[:b].copy_(torch.stack([last.logits for last in lasts]))
-        chain.hidden[:b].copy_(torch.stack([last.hidden for last in lasts]))
-        chain.index[:b].copy_(torch.tensor([last.index for last in lasts]))
-        chain.deltas[:b].copy_(torch.tensor(deltas))
-        chain.table[:b, : table.shape[1]].copy_(table)
-        self._park(chain, b)
-        assert chain.graph is not None and chain.tokens is not None
-        chain.graph.replay()
-        return chain.tokens[:b].tolist()
+        captured = self.captured.get((kind, bucket, size)) or self._capture((kind, bucket, size), inputs, fn)
+        if captured is None or captured.graph is None:
+            return None
+        for name, value in inputs.items():
+            static = captured.inputs[name][:rows]
+            (static[:, : value.shape[1]] if name == "table" else static).copy_(value)
+        self._park(captured.inputs, rows)
+        captured.graph.replay()
+        return tuple(t[:rows] for t in captured.outputs)
 
-    def _park(self, chain: _Chain, start: int) -> None:
-        """Rows start.. draft from zeros at index 0 of the scratch page (outputs discarded)."""
-        for t in (chain.logits, chain.hidden, chain.index, chain.deltas):
-            t[start:].zero_()
-        chain.table[start:].fill_(self.graphs.scratch_page)
+    def _park(self, inputs: dict[str, torch.Tensor], start: int) -> None:
+        for name, static in inputs.items():
+            if name == "table":
+                static[start:].fill_(self.graphs.scratch_page)
+            elif name == "positions":
+                static[start:].copy_(torch.arange(static.shape[1], device=static.device).expand_as(static[start:]))
+            else:
+                static[start:].zero_()
 
-    def _capture(self, bucket: int, k: int, like: _Last) -> _Chain | None:
-        device = like.logits.device
-
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        chain = _Chain(zeros(bucket, like.logits.shape[0], dtype=like.logits.dtype),
-                       zeros(bucket, like.hidden.shape[0], dtype=like.hidden.dtype), zeros(bucket, dtype=torch.long),
-                       zeros(bucket, dtype=torch.long), zeros(bucket, self.graphs.max_pages, dtype=torch.int32))
-        self._park(chain, 0)
-
-        def draft() -> torch.Tensor:
-            token = chain.logits.argmax(-1)
-            tokens, hidden = [token], chain.hidden
-            for step in range(1, k):
-                index = chain.index + step
-                hidden = self.run_layer(token[:, None], hidden[:, None], (index + chain.deltas)[:, None], index,
-                                        chain.table)[:, 0]
-                token = self.lm_head(hidden).float().argmax(-1)
-                tokens.append(token)
-            return torch.stack(tokens, dim=1)
-
+    def _capture(self, key: tuple[str, int, int], like: dict[str, torch.Tensor],
+                 fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]) -> _Captured | None:
+        bucket = key[1]
+        inputs = {name: torch.zeros((bucket, *value.shape[1:]), dtype=value.dtype, device=value.device)
+                  for name, value in like.items()}
+        inputs["table"] = torch.zeros((bucket, self.graphs.max_pages), dtype=torch.int32, device=like["table"].device)
+        self._park(inputs, 0)
         try:
-            chain.graph, chain.tokens = capture(draft, self.graphs.pool)
+            graph, outputs = capture(lambda: fn(inputs), self.graphs.pool)
         except Exception as exc:  # noqa: BLE001 - any capture failure means: draft eagerly
-            log.warning("CUDA graph capture of the MTP draft chain failed (%s); drafting eagerly", exc)
+            log.warning("CUDA graph capture of the MTP drafter failed (%s); drafting eagerly", exc)
             self.enabled = False
             return None
-        self.chains[(bucket, k)] = chain
-        return chain
+        captured = self.captured[key] = _Captured(inputs, graph, outputs)
+        return captured
