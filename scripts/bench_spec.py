@@ -186,30 +186,29 @@ def dflash_shape(config: ModelConfig) -> dict:
 
 
 def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool) -> float:
-    """K drafts as the engine's MTP drafter makes them: the layer over the verify's K+1 rows
-    (catch-up) and lm_head on the last, then the chain of K-1 single-row steps: eagerly (a host
-    sync per draft, as the engine's eager path takes each token) or by replaying the drafter's
-    chain graph."""
+    """K drafts as the engine's MTP drafter makes them: the catch-up (its layer over the verify's
+    K+1 rows, lm_head on the last), then the chain of K-1 single-row steps: eagerly (a host sync
+    per draft, as the engine's eager path takes each token) or by replaying the drafter's graphs."""
     drafter, target, n, dev = s.mtp, s.model, s.context, s.device
     table = s.cache.block_table([s.seq])
-
-    def layer(ids: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        positions = torch.arange(start, start + ids.shape[1], device=dev)[None]
-        return drafter.run_layer(ids, hidden, positions, torch.tensor([start], device=dev), table)
-
     hidden = torch.randn(1, k + 1, s.config.hidden_size, device=dev, dtype=s.dtype)
+    start = n - k - 1
+    catch_up = (s.ids(n - k, k + 1), hidden, torch.arange(start, n, device=dev)[None],
+                torch.tensor([start], device=dev), table, torch.tensor([k], device=dev))
 
     def draft() -> None:
-        h = layer(s.ids(n - k, k + 1), hidden, n - k - 1)[:, -1]
-        logits = target.lm_head(h).float()
         if graph:
-            assert drafter.chains is not None
-            assert drafter.chains.run([_Last(n - 1, h[0], logits[0])], [0], table, k) is not None
+            assert drafter.graphs is not None
+            caught = drafter.graphs.catch_up(*catch_up)
+            assert caught is not None
+            assert drafter.graphs.draft([_Last(n - 1, caught[0][0], caught[1][0])], [0], table, k) is not None
             return
+        h, logits = drafter.catch_up(*catch_up)
         token = logits.argmax(-1, keepdim=True)
         token.tolist()
         for step in range(1, k):
-            h = layer(token, h[:, None], n + step - 1)[:, 0]
+            index = torch.tensor([n + step - 1], device=dev)
+            h = drafter.run_layer(token, h[:, None], index[:, None], index, table)[:, 0]
             token = target.lm_head(h).float().argmax(-1, keepdim=True)
             token.tolist()
 
