@@ -56,6 +56,11 @@ def serve(
         envvar=_env("ALLOW_LOCAL_MEDIA"))] = False,
     media_timeout: Annotated[float, typer.Option(help="Seconds to download one http(s) image or video.",
                                                  envvar=_env("MEDIA_TIMEOUT"))] = 30.0,
+    allow_private_media_urls: Annotated[bool, typer.Option(
+        "--allow-private-media-urls",
+        help="Fetch image / video URLs on loopback, private and link-local addresses too (refused by default: "
+             "clients could otherwise reach this machine's and the LAN's services through the server).",
+        envvar=_env("ALLOW_PRIVATE_MEDIA_URLS"))] = False,
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.", envvar=_env("DEVICE"))] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.",
                                        envvar=_env("DTYPE"))] = "auto",
@@ -97,7 +102,8 @@ def serve(
                                     cors_origins=cors_origin, max_queue=max_queue,
                                     max_body_bytes=max_body_mb * 1024 * 1024, model_id=model_name,
                                     allow_local_media=allow_local_media,
-                                    media_fetch=MediaFetchLimits(timeout_s=media_timeout))
+                                    media_fetch=MediaFetchLimits(timeout_s=media_timeout,
+                                                                 allow_private_urls=allow_private_media_urls))
     except NinferError as e:
         fail(str(e))
     typer.secho(f"ninfer: listening on {handle.url} (OpenAI base URL {handle.url}/v1); loading the model...",

@@ -31,12 +31,15 @@ from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.engine.service import EngineService
 from ninfer_core.llm import ChatRequest, ChatResult
 from ninfer_core.server.app import ServerHandle
+from ninfer_core.server import media_fetch
 from ninfer_core.server.media_fetch import MediaFetchLimits
 from server_harness import load_tiny_llm, write_model
 from tiny_model_dir import write_tiny_multimodal_dir
 
 NEW = 8
-FETCH = MediaFetchLimits(timeout_s=1.0, max_redirects=2, max_bytes=64 * 1024)
+# the test web server listens on 127.0.0.1: the servers under test may fetch from private addresses,
+# except `guarded` (the default policy)
+FETCH = MediaFetchLimits(timeout_s=1.0, max_redirects=2, max_bytes=64 * 1024, allow_private_urls=True)
 PART = "messages[0].content[1]"
 
 
@@ -79,9 +82,10 @@ class MediaHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.hits.append(self.path)
-        if self.path in ("/redirect", "/loop"):
+        if self.path in ("/redirect", "/loop", "/redirect-ip"):
             self.send_response(302)
-            self.send_header("Location", "/image.png" if self.path == "/redirect" else "/loop")
+            ip_image = f"http://127.0.0.1:{self.server.server_address[1]}/image.png"  # another host name
+            self.send_header("Location", {"/redirect": "/image.png", "/loop": "/loop", "/redirect-ip": ip_image}[self.path])
             self.end_headers()
         elif self.path == "/slow":  # headers at once, then a byte every 0.2 s
             self._head("image/png", 1000)
@@ -151,6 +155,7 @@ class Served:
     service: EngineService
     default: ServerHandle  # local files refused
     local: ServerHandle  # allow_local_media=True
+    guarded: ServerHandle  # the default media policy: no private / loopback URLs
     image: ChatResult  # LLM.chat references, media as local paths
     video: ChatResult
     other_image: ChatResult
@@ -173,9 +178,11 @@ def served(tmp_path_factory, media):
     service = EngineService(llm).start()
     default = ServerHandle.start(service, port=0, media_fetch=FETCH)
     local = ServerHandle.start(service, port=0, media_fetch=FETCH, allow_local_media=True)
-    yield Served(service, default, local, image, video, other_image)
+    guarded = ServerHandle.start(service, port=0, media_fetch=MediaFetchLimits(timeout_s=1.0))
+    yield Served(service, default, local, guarded, image, video, other_image)
     default.stop()
     local.stop()
+    guarded.stop()
     service.stop()
 
 
@@ -311,6 +318,33 @@ def test_failed_downloads_are_400_naming_the_part_and_url(served, media, web):
     streamed = post(served.default, "/v1/chat/completions", chat_body(DESCRIBE, image_part(web + "/missing.png"),
                                                                        stream=True))
     assert_error(streamed, "media_fetch_failed", PART, "HTTP 404")
+    assert_matches(chat(served.default, user(DESCRIBE, image_part(f"{web}/image.png"))), served.image)
+    assert_idle(served)
+
+
+def test_private_addresses_are_refused_by_default(served, web, monkeypatch):
+    """Server-side request forgery: URLs on loopback, private and link-local addresses are refused
+    before any connection (by name or literal, IPv4 or IPv6), and so is a redirect to one."""
+    port = web.rsplit(":", 1)[1]
+    hits = len(MediaHandler.hits)
+    for url in (f"{web}/image.png", f"http://localhost:{port}/image.png", f"http://[::1]:{port}/image.png",
+                f"http://[::ffff:127.0.0.1]:{port}/image.png", "http://169.254.169.254/latest/meta-data",
+                "http://10.1.2.3/a.png", "http://192.168.0.1/a.png"):
+        response = post(served.guarded, "/v1/chat/completions", chat_body(DESCRIBE, image_part(url)))
+        assert_error(response, "media_url_not_allowed", PART, url, "non-public address", "--allow-private-media-urls")
+    assert len(MediaHandler.hits) == hits  # nothing reached the web server
+    # let the name "localhost" pass the check, as a public name would: its redirect to 127.0.0.1 is refused
+    check = media_fetch._refuse_private_hosts
+
+    async def public_localhost(request: httpx.Request) -> None:
+        if request.url.host != "localhost":
+            await check(request)
+
+    monkeypatch.setattr(media_fetch, "_refuse_private_hosts", public_localhost)
+    url = f"http://localhost:{port}/redirect-ip"
+    response = post(served.guarded, "/v1/chat/completions", chat_body(DESCRIBE, image_part(url)))
+    assert_error(response, "media_url_not_allowed", PART, "127.0.0.1 is a non-public address")
+    assert MediaHandler.hits[hits:] == ["/redirect-ip"]
     assert_matches(chat(served.default, user(DESCRIBE, image_part(f"{web}/image.png"))), served.image)
     assert_idle(served)
 

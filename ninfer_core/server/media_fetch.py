@@ -6,11 +6,19 @@ the model's byte limit counted as the bytes arrive, image/* or video/* content o
 the engine thread; local paths and `file://` URLs only when the server was started with
 `allow_local_media` (else any client could make the server read its files). Every failure is a
 400 whose message and `param` name the part (and the URL).
+
+http(s) URLs whose host resolves to a loopback, private, link-local or otherwise non-public
+address are refused unless `allow_private_urls` (`--allow-private-media-urls`): else any client
+could make the server request its own admin ports or the LAN (server-side request forgery).
+Every hop of a redirect is checked. The check resolves the name itself, so a DNS answer that
+changes between the check and the connection (rebinding) is not covered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,6 +44,7 @@ class MediaFetchLimits:
     timeout_s: float = 30.0  # per URL, connect to last byte
     max_redirects: int = 3
     max_bytes: int | None = None  # per URL, at most the model's MediaLimits (image / video bytes)
+    allow_private_urls: bool = False  # hosts on loopback / private / link-local addresses too
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -95,7 +104,9 @@ class MediaResolver:
             return ApiError(400, f"{media.where}: cannot fetch {shown}: {reason}", param=media.where,
                             code="media_fetch_failed")
 
-        client = httpx.AsyncClient(follow_redirects=True, max_redirects=limits.max_redirects, timeout=limits.timeout_s)
+        hooks = {} if limits.allow_private_urls else {"request": [_refuse_private_hosts]}
+        client = httpx.AsyncClient(follow_redirects=True, max_redirects=limits.max_redirects, timeout=limits.timeout_s,
+                                   event_hooks=hooks)
         try:
             async with (asyncio.timeout(limits.timeout_s), client,
                         client.stream("GET", media.url, headers={"Accept": f"{media.kind}/*"}) as response):
@@ -110,11 +121,33 @@ class MediaResolver:
             raise failure(f"no complete answer within {limits.timeout_s:g} s") from None
         except httpx.TooManyRedirects:
             raise failure(f"more than {limits.max_redirects} redirects") from None
+        except PrivateAddressError as e:
+            raise ApiError(400, f"{media.where}: cannot fetch {shown}: {e} (a server started with "
+                                f"--allow-private-media-urls fetches those)", param=media.where,
+                           code="media_url_not_allowed") from None
         except httpx.HTTPError as e:
             raise failure(str(e) or type(e).__name__) from None
         if size == 0:
             raise failure(f"the {media.kind} is empty")
         return b"".join(chunks)
+
+
+class PrivateAddressError(Exception):
+    """A media URL (or a redirect) points at an address the server does not fetch for clients."""
+
+
+async def _refuse_private_hosts(request: httpx.Request) -> None:
+    host = request.url.host
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, request.url.port or 0, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise httpx.ConnectError(f"cannot resolve {host}: {e}", request=request) from None
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0].split("%")[0])  # IPv6 scope ids ("fe80::1%eth0") dropped
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        if not address.is_global or address.is_multicast:
+            raise PrivateAddressError(f"{host} is a non-public address ({address})")
 
 
 def _check_response(
