@@ -221,7 +221,6 @@ class LLM:
                 raise NinferError(f"{loaded.name} has no vision tower (--vision needs a multimodal checkpoint)")
             self.vision.tower()
         decode_graphs = DecodeGraphs(loaded.model, cache, options.max_seqs, self.max_context) if graphs else None
-        options.check_spec()
         speculator = None
         if options.spec is not None:
             speculator = build_speculator(options.spec, options.draft_tokens, options.draft_model, loaded, cache,
@@ -243,6 +242,7 @@ class LLM:
     @classmethod
     def load(cls, model: str | None = None, options: EngineOptions | None = None) -> LLM:
         options = options or EngineOptions()
+        options.check_spec()  # before the (long) model load
         return cls(load_model(model, options.device, options.dtype, options.random_weights, options.weights), options)
 
     @property

@@ -61,7 +61,7 @@ class Experts(nn.Module):
     @property
     def graph_max_tokens(self) -> int:
         """Tokens per forward up to which the experts run without a host sync (CUDA graphs)."""
-        return sync_free_tokens(self.gate_up)
+        return sync_free_tokens(self.gate_up, self.down)
 
     def _tensor(self, part: str) -> ExpertTensor:
         if self.kind is None:

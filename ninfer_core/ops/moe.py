@@ -132,10 +132,11 @@ def moe_experts(
     return moe_experts_grouped(x, gate_up, down, weights, ids)
 
 
-def sync_free_tokens(gate_up: ExpertTensor) -> int:
+def sync_free_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
     """The most tokens `moe_experts` takes on the decode kernels: no host sync, so CUDA graphs can
     capture calls up to this size (the grouped path reads group sizes on the host)."""
-    return QUANTIZED_DECODE_MAX_TOKENS if isinstance(gate_up, QuantizedWeight) else DECODE_MAX_TOKENS
+    quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
+    return QUANTIZED_DECODE_MAX_TOKENS if quantized else DECODE_MAX_TOKENS
 
 
 def moe_experts_grouped(
@@ -187,9 +188,8 @@ def _decode_plan(
     """The kernels' view of both expert tensors; None when csrc/moe.cu does not cover the call."""
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], down.shape[2]
-    quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
     fits = (
-        tokens <= (QUANTIZED_DECODE_MAX_TOKENS if quantized else DECODE_MAX_TOKENS)
+        tokens <= sync_free_tokens(gate_up, down)
         and 1 <= top_k <= _MAX_TOP_K
         and 4 * hidden <= _MAX_SHARED_BYTES
         and 8 * top_k + 4 * top_k * inter <= _MAX_SHARED_BYTES
