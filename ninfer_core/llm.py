@@ -207,7 +207,7 @@ class LLM:
                           default_context=DEFAULT_MAX_CONTEXT[device.type], kv_capacity=options.kv_capacity)
         self.max_context = plan.max_context
         cache = CacheManager(loaded.config, max_tokens=plan.kv_tokens, max_seqs=options.max_seqs, dtype=loaded.dtype,
-                             device=device, kv_dtype=plan.kv_dtype, scratch=graphs)
+                             device=device, kv_dtype=plan.kv_dtype, scratch=graphs, max_seq_tokens=self.max_context)
         log.info("KV cache: %d tokens (%s, %.2f GiB) + %d GDN state slots (%.2f GiB); context limit %d tokens",
                  cache.capacity_tokens, cache.cache.kv.dtype_name, cache.kv_bytes / 2**30, options.max_seqs,
                  cache.state_bytes / 2**30, self.max_context)
@@ -225,6 +225,11 @@ class LLM:
         if options.spec is not None:
             speculator = build_speculator(options.spec, options.draft_tokens, options.draft_model, loaded, cache,
                                           Sampler(), options.random_weights, decode_graphs, options.adaptive_draft)
+        if decode_graphs is not None:
+            widths = range(2, speculator.draft_tokens + 2) if speculator is not None else ()
+            layers = speculator.drafter.capture_layers if speculator is not None else ()
+            count = decode_graphs.capture_all(widths, layers)
+            log.info("captured %d CUDA graphs (batch buckets %s)", count, decode_graphs.buckets)
         self.engine = LLMEngine(
             loaded.model,
             loaded.config,

@@ -89,11 +89,11 @@ def engine(target, method: str | None, graphs: bool) -> LLMEngine:
     decode_graphs = DecodeGraphs(loaded.model, cache, 4, 512) if graphs else None
     speculator = None
     if method == "ngram":
-        speculator = Speculator(NgramDrafter(), 4, cache, Sampler())
+        speculator = Speculator(NgramDrafter(), 4, Sampler())
     elif method == "mtp":
         head = llm.engine.speculator.drafter.head  # the checkpoint's mtp.* weights, loaded once
         drafter = MTPDrafter(loaded.model, head, cache, Sampler(), decode_graphs)
-        speculator = Speculator(drafter, 3, cache, Sampler())
+        speculator = Speculator(drafter, 3, Sampler())
     return LLMEngine(loaded.model, loaded.config, loaded.tokenizer, cache, max_context=512, speculator=speculator,
                      graphs=decode_graphs)
 

@@ -134,7 +134,7 @@ def test_graph_verify_fp32_matches_plain_greedy(model_dir, batch):
     requests = [GenerationRequest(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for p in prompts]
     script = {r.request_id: tokens for r, tokens in zip(requests, plain)}
     engine = spec.engine
-    engine.speculator = Speculator(ScriptedDrafter(script, spec.loaded.config.vocab_size), 3, engine.cache, Sampler())
+    engine.speculator = Speculator(ScriptedDrafter(script, spec.loaded.config.vocab_size), 3, Sampler())
     out: dict[str, list[int]] = {r.request_id: [] for r in requests}
     accepted = set()
     for step in engine.generate(requests):

@@ -3,6 +3,10 @@
 A running sequence owns one state slot and a growing list of KV pages. The engine reserves
 pages before a step that appends tokens, frees everything when the sequence ends, and truncates
 pages (plus restores a state snapshot) when speculative tokens are rejected.
+
+The block table lives on the device, one row per state slot: a step gathers its rows by slot
+instead of rebuilding a table from Python lists; new pages reach it as one small scatter
+(`flush`) before the next forward reads it.
 """
 
 from __future__ import annotations
@@ -82,9 +86,11 @@ class CacheManager:
         device: torch.device | str = "cpu",
         kv_dtype: str | torch.dtype | None = None,
         scratch: bool = False,
+        max_seq_tokens: int | None = None,
     ):
         """`scratch`: one more state slot and KV page that no sequence ever gets, for the spare rows
-        of a CUDA-graph batch bucket (`engine/cuda_graph.py`)."""
+        of a CUDA-graph batch bucket (`engine/cuda_graph.py`); `max_seq_tokens`: the most one
+        sequence holds (the block table's width; default: the whole cache)."""
         if max_tokens < 1 or max_seqs < 1 or page_size < 1:
             raise NinferError(
                 f"cache needs max_tokens, max_seqs and page_size >= 1 (got {max_tokens}, {max_seqs}, {page_size})"
@@ -102,6 +108,10 @@ class CacheManager:
         self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._live_slots: set[int] = set()
+        self.max_seq_pages = min(self.num_pages, math.ceil((max_seq_tokens or max_tokens) / page_size))
+        fill = self.scratch_page if scratch else 0
+        self.table = torch.full((max_seqs + extra, self.max_seq_pages), fill, dtype=torch.int32, device=self.device)
+        self._new_entries: list[tuple[int, int, int]] = []  # (slot, index, page) not yet in `table`
 
     # -- capacity ---------------------------------------------------------------------------
 
@@ -158,7 +168,14 @@ class CacheManager:
                 prompt_tokens=total_tokens,
                 limit=available,
             )
-        seq.pages.extend(self._free_pages.pop() for _ in range(needed))
+        if len(seq.pages) + needed > self.max_seq_pages:
+            raise ContextLengthError(
+                f"the sequence needs {total_tokens} tokens, more than the {self.max_seq_pages * self.page_size} "
+                f"one sequence may hold", prompt_tokens=total_tokens, limit=self.max_seq_pages * self.page_size)
+        for _ in range(needed):
+            page = self._free_pages.pop()
+            self._new_entries.append((seq.slot, len(seq.pages), page))
+            seq.pages.append(page)
 
     def truncate(self, seq: SequenceCache, num_tokens: int) -> None:
         """Release the pages beyond the first `num_tokens` tokens (GDN state: use snapshot/restore)."""
@@ -173,11 +190,27 @@ class CacheManager:
         self._live_slots.remove(seq.slot)
         self._free_slots.append(seq.slot)
 
+    def flush(self) -> None:
+        """Write the pages reserved since the last flush into the device table (one scatter)."""
+        if not self._new_entries:
+            return
+        entries = torch.tensor(self._new_entries, dtype=torch.long)
+        if self.device.type == "cuda":
+            entries = entries.pin_memory().to(self.device, non_blocking=True)
+        self.table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(torch.int32)
+        self._new_entries.clear()
+
+    def rows(self, slots: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The table rows of `slots` [B] (a device tensor) wide enough for `num_tokens` tokens:
+        [B, P] int32 page ids, entries past a sequence's own pages stale (never read)."""
+        self.flush()
+        width = min(self.max_seq_pages, max(1, math.ceil(num_tokens / self.page_size)))
+        return self.table[:, :width].index_select(0, slots)
+
     def block_table(self, seqs: list[SequenceCache]) -> torch.Tensor:
-        """[B, max pages] int32 page ids, rows padded with 0."""
-        width = max(1, max(len(s.pages) for s in seqs))
-        rows = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+        """[B, P] int32 page ids of these sequences, P covering the longest."""
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
+        return self.rows(slots, max(len(s.pages) for s in seqs) * self.page_size)
 
     def _pages_needed(self, seq: SequenceCache, total_tokens: int) -> int:
         return max(0, math.ceil(total_tokens / self.page_size) - len(seq.pages))

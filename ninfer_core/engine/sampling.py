@@ -112,6 +112,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the token history (repetition / presence / frequency penalty)."""
+        return (self.repetition_penalty not in (None, 1) or bool(self.presence_penalty)
+                or bool(self.frequency_penalty))
+
     def with_defaults(self, defaults: GenerationDefaults) -> SamplingParams:
         """A copy whose unset fields come from the model's generation_config; user values win."""
         own = {f.name for f in fields(self)}
@@ -206,31 +212,39 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """One token id per row, [B] int64. A stochastic row draws exactly one float64 uniform
-        from its own generator (None = torch's global RNG); greedy rows draw nothing. So a seeded
-        row's tokens depend only on its seed and its logits, never on the rest of the batch."""
-        self._check(logits, params, histories)
+        """One token id per row, [B] int64, -1 for a row whose logits hold NaN / +inf or no finite
+        value (checked on the device: no host sync). A stochastic row draws exactly one float64
+        uniform from its own generator (None = torch's global RNG); greedy rows draw nothing. So a
+        seeded row's tokens depend only on its seed and its logits, never on the rest of the batch."""
+        self._check_shapes(logits, params, histories)
         if len(generators) != logits.shape[0]:
             raise NinferError(f"sampler: {len(generators)} generators for {logits.shape[0]} rows")
+        bad = ~torch.isfinite(logits.amax(-1))  # amax propagates NaN; +inf, or all -inf, is not finite
+        logits = logits.masked_fill(bad[:, None], 0.0)
         penalised = apply_penalties(logits, params, histories)
         u = torch.zeros(logits.shape[0], dtype=torch.float64, device=logits.device)
         stochastic = [i for i, p in enumerate(params) if not p.is_greedy]
         if stochastic:
             u[stochastic] = torch.stack([self._uniform(generators[i], logits.device) for i in stochastic])
-        return sampling_ops.sample(penalised, *row_params(params), u)
+        return sampling_ops.sample(penalised, *row_params(params), u).masked_fill(bad, -1)
+
+    @classmethod
+    def _check(cls, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]) -> None:
+        cls._check_shapes(logits, params, histories)
+        bad = ~torch.isfinite(logits.amax(-1))  # amax propagates NaN; +inf, or all -inf, is not finite
+        if bool(bad.any()):
+            raise NinferError(f"sampler: logits rows {bad.nonzero().squeeze(1).tolist()} hold NaN / +inf "
+                              f"or no finite value")
 
     @staticmethod
-    def _check(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]) -> None:
+    def _check_shapes(logits: torch.Tensor, params: Sequence[SamplingParams],
+                      histories: Sequence[TokenHistory]) -> None:
         if logits.dim() != 2 or not logits.is_floating_point():
             raise NinferError(f"sampler: logits must be a float [batch, vocab] tensor, got {tuple(logits.shape)} "
                               f"{logits.dtype}")
         if not len(params) == len(histories) == logits.shape[0]:
             raise NinferError(f"sampler: {logits.shape[0]} logit rows, {len(params)} params, "
                               f"{len(histories)} histories")
-        bad = ~torch.isfinite(logits.amax(-1))  # amax propagates NaN; +inf, or all -inf, is not finite
-        if bool(bad.any()):
-            raise NinferError(f"sampler: logits rows {bad.nonzero().squeeze(1).tolist()} hold NaN / +inf "
-                              f"or no finite value")
 
     @staticmethod
     def _uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

@@ -161,19 +161,24 @@ class MultimodalPrompt:
                 self.embeddings = tower(pixels, [m.grid_thw for m in self.media])
 
     def chunk_embeddings(self, embed_tokens: nn.Embedding, input_ids: torch.Tensor, start: int) -> torch.Tensor:
-        """[1, t, hidden] inputs for prompt tokens start .. start + t (input_ids [1, t])."""
+        """[1, t, hidden] inputs for tokens start .. start + t (input_ids [1, t]); tokens past the
+        prompt (a preempted request reading its answer again) are text."""
         if self.embeddings is None:
             raise RuntimeError("MultimodalPrompt.encode must run before its embeddings are read")
         x = embed_tokens(input_ids)
         rows = self.vision_rows[start : start + input_ids.shape[1]].to(x.device)
+        rows = torch.cat([rows, rows.new_full((input_ids.shape[1] - len(rows),), -1)])
         mask = rows >= 0
         if bool(mask.any()):
             x[0, mask] = self.embeddings[rows[mask]].to(x.device, x.dtype)
         return x
 
     def chunk_positions(self, start: int, end: int, device: torch.device) -> torch.Tensor:
-        """[3, 1, t] mRoPE positions of prompt tokens start .. end."""
-        return self.positions[:, None, start:end].to(device)
+        """[3, 1, t] mRoPE positions of tokens start .. end; generated token i (past the prompt)
+        sits at i + rope_delta on every axis."""
+        prompt = self.positions[:, start:end]
+        answer = torch.arange(max(start, self.positions.shape[1]), end) + self.rope_delta
+        return torch.cat([prompt, answer.expand(3, -1)], dim=1)[:, None].to(device)
 
     def release(self) -> None:
         """Drop the vision embeddings once the prompt is in the cache (positions stay: they are small)."""

@@ -67,6 +67,7 @@ def write_kv_ref(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: to
 def write_kv(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v [B, T, Hkv, D] at the flat cache rows (page * page_size + row) `slot_mapping` [B, T]."""
     if not (_kernel_fits(k, kv) and v.dtype == k.dtype and slot_mapping.device == k.device):
+        dispatch.fallback("write_kv", k, kv.k)
         return write_kv_ref(kv, k, v, slot_mapping)
     kv_heads, dim = k.shape[-2:]
     k = k.reshape(-1, kv_heads, dim).contiguous()
@@ -142,6 +143,7 @@ def decode_attention(
         and block_table.device == q.device
         and cache_lens.device == q.device
     ):
+        dispatch.fallback("decode_attention", q, kv.k)
         return _into(out, attention_ref(q, kv, block_table, cache_lens, scale))
     ext = dispatch.extension()
     q = q.contiguous()

@@ -71,6 +71,7 @@ def moe_route(
         and 1 <= top_k <= experts
         and 4 * (experts + top_k) <= _MAX_SHARED_BYTES
     ):
+        dispatch.fallback("moe_route", logits)
         return moe_route_ref(logits, top_k, renormalize)
     logits = logits.contiguous()
     weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
@@ -125,6 +126,7 @@ def moe_experts(
     [g | u] = gate_up[e] @ x[n], e = ids[n, j]. See the module docstring for the paths."""
     _check(x, gate_up, down, weights, ids)
     if x.device.type != "cuda" or dispatch.kernels_disabled():
+        dispatch.fallback("moe_experts", x)
         return moe_experts_ref(x, gate_up, down, weights, ids)
     plan = _decode_plan(x, gate_up, down, weights, ids)
     if plan is not None:

@@ -139,6 +139,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, u: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row, [B] int64 (into `out` when given). No host sync on the kernel path."""
     if not use_kernel(logits):
+        dispatch.fallback("sample", logits)
         return _into(out, sample_ref(logits, temperature, top_k, top_p, min_p, u))
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device) if out is None else out
     _launch(logits, temperature, top_k, top_p, min_p, tokens=out, u=u)
