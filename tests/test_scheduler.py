@@ -185,3 +185,43 @@ def test_overlap_stops_exactly_and_aborts_free_the_cache(model_dir):
     while engine.has_unfinished():
         engine.step()
     assert engine.cache.free_tokens == engine.cache.capacity_tokens and not engine.scheduler.running
+
+
+def test_engine_bench_runs_through_the_loop(model_dir):
+    """`ninfer bench engine`'s measurements on the CPU: one TTFT per length (first, then repeats),
+    loop decode per batch with the step-time ratio; the engine is idle and empty afterwards."""
+    from ninfer_core.bench_engine import run_engine_bench
+
+    llm = make_llm(model_dir, max_seqs=2)
+    report = run_engine_bench(llm, lengths=(8, 24), batches=(1, 2), tokens=6, repeats=2)
+    assert [t.tokens for t in report.ttft] == [8, 24]
+    assert all(t.first_ms > 0 and t.repeat_ms > 0 for t in report.ttft)
+    assert [d.batch for d in report.decode] == [1, 2]
+    assert all(d.tpot_ms > 0 and d.step_ms > 0 and d.overhead == pytest.approx(d.tpot_ms / d.step_ms)
+               for d in report.decode)
+    assert not llm.engine.has_unfinished() and llm.engine.cache.free_tokens == llm.engine.cache.capacity_tokens
+
+
+def test_penalty_tables_equal_the_host_reference():
+    """Penalties from the device tables (filled from the prompt, then token by token as a step
+    would record them) equal apply_penalties over the host histories, bit for bit."""
+    from ninfer_core.engine.penalties import PenaltyTables
+    from ninfer_core.engine.sampling import TokenHistory, apply_penalties
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, rows = 97, 4
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(presence_penalty=-1.0), SamplingParams(repetition_penalty=0.7),
+              SamplingParams(frequency_penalty=2.0)]
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 9, 1, 30)]
+    outputs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (0, 3, 12, 7)]
+    tables = PenaltyTables(6, vocab, torch.device("cpu"))
+    slots = torch.tensor([4, 0, 2, 5])
+    for slot, prompt, out in zip(slots.tolist(), prompts, outputs):
+        tables.reset(slot, prompt, out[:1])  # the first answer token known at reset, the rest recorded
+    for t in range(1, 12):
+        tokens = torch.tensor([out[t] if t < len(out) else -1 for out in outputs])
+        tables.record(slots, tokens)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    expected = apply_penalties(logits, params, [TokenHistory(p, o) for p, o in zip(prompts, outputs)])
+    assert torch.equal(tables.apply(logits, slots, params), expected)

@@ -31,6 +31,7 @@ from ..models.quantize import weight_bytes
 from ..stop_strings import StopStringFilter
 from ..tokenizer import Tokenizer
 from .request import GenerationRequest, SpecStats, StepOutput
+from .penalties import PenaltyTables
 from .sampling import Sampler
 from .scheduler import PrefillChunk, Scheduler, StepPlan
 from .sequence import Sequence
@@ -119,6 +120,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cache, prefill_chunk)
         self.eos_ids = frozenset(self.defaults.eos_token_ids or config.eos_token_ids or tokenizer.eos_token_ids)
         self._launched: LaunchedStep | None = None
+        self._penalties: PenaltyTables | None = None  # allocated for the first request with penalties
         drafter_bytes = speculator.drafter.cache_bytes if speculator is not None else 0
         self._stats = EngineStats(
             kv_capacity_tokens=cache.capacity_tokens, kv_dtype=cache.cache.kv.dtype_name, kv_bytes=cache.kv_bytes,
@@ -235,11 +237,7 @@ class LLMEngine:
         if not self.overlap:
             return False
         decoding = [s for s in self.scheduler.running if not s.finished and not s.in_prefill]
-        return (
-            not any(s.draft_limit for s in self.scheduler.running)
-            and not any(s.request.sampling.has_penalties for s in decoding)
-            and self.scheduler.can_grow(decoding)
-        )
+        return not any(s.draft_limit for s in self.scheduler.running) and self.scheduler.can_grow(decoding)
 
     def _speculating(self, plan: StepPlan) -> bool:
         return self.speculator is not None and any(s.draft_limit for s in plan.sequences)
@@ -275,6 +273,35 @@ class LLMEngine:
         done = torch.cuda.Event()
         done.record()
         return LaunchedStep(plan, rows, tokens, host, done)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """One token per row on the device ([R] int64, -1 where the logits are not finite); the
+        penalties come from the device tables, so the newest tokens need not be on the host."""
+        logits = logits.float()
+        params = [s.request.sampling for s in seqs]
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        slots = None
+        if penalised:
+            tables = self._penalty_tables()
+            for i in penalised:
+                if not seqs[i].penalties_ready:
+                    tables.reset(seqs[i].cache.slot, seqs[i].prompt_ids, seqs[i].output_ids)
+                    seqs[i].penalties_ready = True
+            index = torch.tensor(penalised, dtype=torch.long).to(self.device, non_blocking=True)
+            slots = torch.tensor([seqs[i].cache.slot for i in penalised], dtype=torch.long).to(self.device,
+                                                                                                non_blocking=True)
+            logits = logits.index_copy(0, index, tables.apply(logits.index_select(0, index), slots,
+                                                                 [params[i] for i in penalised]))
+        tokens = self.sampler.sample(logits, params, [s.history() for s in seqs], [s.generator for s in seqs],
+                                     penalised=True)
+        if penalised:
+            tables.record(slots, tokens.index_select(0, index))
+        return tokens
+
+    def _penalty_tables(self) -> PenaltyTables:
+        if self._penalties is None:
+            self._penalties = PenaltyTables(self.cache.max_seqs, self.config.vocab_size, self.device)
+        return self._penalties
 
     def _complete(self, step: LaunchedStep) -> list[StepOutput]:
         if step.done is not None:
@@ -403,7 +430,7 @@ class LLMEngine:
         return ForwardBatch(
             input_ids=packed[:, :width], positions=positions, cache_lens=cache_lens, slots=slots,
             block_table=self.cache.rows(slots, max(lens) + width), logits=logits, verify=verify,
-            capture_layers=capture_layers,
+            capture_layers=capture_layers, host_cache_lens=tuple(lens),
         )
 
     def _prefill_batch(self, chunk: PrefillChunk) -> ForwardBatch:
@@ -431,15 +458,6 @@ class LLMEngine:
             return [self.graphs.forward(parts[0])]
         with torch.inference_mode():
             return self.model.forward_parts(parts, self.cache.cache)
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """One token per row on the device ([R] int64, -1 where the logits are not finite)."""
-        return self.sampler.sample(
-            logits.float(),
-            [s.request.sampling for s in seqs],
-            [s.history() for s in seqs],
-            [s.generator for s in seqs],
-        )
 
     # -- outputs ----------------------------------------------------------------------------
 

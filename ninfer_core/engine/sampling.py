@@ -211,22 +211,22 @@ class Sampler:
         return sampling_ops.filtered_probs(penalised, *row_params(params))
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
-               generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+               generators: Sequence[torch.Generator | None], penalised: bool = False) -> torch.Tensor:
         """One token id per row, [B] int64, -1 for a row whose logits hold NaN / +inf or no finite
         value (checked on the device: no host sync). A stochastic row draws exactly one float64
         uniform from its own generator (None = torch's global RNG); greedy rows draw nothing. So a
-        seeded row's tokens depend only on its seed and its logits, never on the rest of the batch."""
+        seeded row's tokens depend only on its seed and its logits, never on the rest of the batch.
+        `penalised`: the penalties are already in the logits (engine/penalties.py)."""
         self._check_shapes(logits, params, histories)
         if len(generators) != logits.shape[0]:
             raise NinferError(f"sampler: {len(generators)} generators for {logits.shape[0]} rows")
         bad = ~torch.isfinite(logits.amax(-1))  # amax propagates NaN; +inf, or all -inf, is not finite
         logits = logits.masked_fill(bad[:, None], 0.0)
-        penalised = apply_penalties(logits, params, histories)
-        u = torch.zeros(logits.shape[0], dtype=torch.float64, device=logits.device)
-        stochastic = [i for i, p in enumerate(params) if not p.is_greedy]
-        if stochastic:
-            u[stochastic] = torch.stack([self._uniform(generators[i], logits.device) for i in stochastic])
-        return sampling_ops.sample(penalised, *row_params(params), u).masked_fill(bad, -1)
+        if not penalised:
+            logits = apply_penalties(logits, params, histories)
+        zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+        u = torch.stack([zero if p.is_greedy else self._uniform(g, logits.device) for p, g in zip(params, generators)])
+        return sampling_ops.sample(logits, *row_params(params), u).masked_fill(bad, -1)
 
     @classmethod
     def _check(cls, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]) -> None:

@@ -185,6 +185,7 @@ class Scheduler:
         self._free(seq)
         seq.num_cached = 0
         seq.prefill_len = seq.num_tokens
+        seq.penalties_ready = False
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)

@@ -34,6 +34,7 @@ class Sequence:
     num_pending: int = 0  # sampled by a launched step, not yet appended
     inflight: int = 0  # launched steps that read or write this sequence's cache
     preemptions: int = 0
+    penalties_ready: bool = False  # its row of the engine's penalty tables holds its history
     timings: Timings = field(default_factory=Timings)
     started_at: float = field(default_factory=time.perf_counter)
     finish_reason: str | None = None

@@ -32,6 +32,7 @@ class ForwardBatch:
     # per-token inputs (ForwardOutput.gdn_records), so only the accepted prefix gets committed.
     verify: bool = False
     capture_layers: tuple[int, ...] = ()  # layers whose outputs a drafter reads (DFlash)
+    host_cache_lens: tuple[int, ...] | None = None  # cache_lens known on the host (prefill attention: no sync)
 
     @property
     def batch_size(self) -> int:

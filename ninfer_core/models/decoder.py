@@ -174,7 +174,8 @@ class DecoderModel(nn.Module):
         positions = batch.mrope_positions if batch.mrope_positions is not None else batch.positions
         cos, sin = self.rotary_emb(positions, self.embed_tokens.weight.dtype)
         attn = AttentionMetadata.build(
-            batch.block_table, batch.cache_lens, batch.num_new_tokens, cache.page_size, cache.kv.num_pages
+            batch.block_table, batch.cache_lens, batch.num_new_tokens, cache.page_size, cache.kv.num_pages,
+            batch.host_cache_lens,
         )
         return StepContext(cos=cos, sin=sin, attn=attn, slots=batch.slots, cache=cache,
                            gdn_records={} if batch.verify else None)

@@ -177,7 +177,8 @@ class MultimodalPrompt:
         """[3, 1, t] mRoPE positions of tokens start .. end; generated token i (past the prompt)
         sits at i + rope_delta on every axis."""
         prompt = self.positions[:, start:end]
-        answer = torch.arange(max(start, self.positions.shape[1]), end) + self.rope_delta
+        n = self.positions.shape[1]
+        answer = torch.arange(max(start, n), max(end, n)) + self.rope_delta
         return torch.cat([prompt, answer.expand(3, -1)], dim=1)[:, None].to(device)
 
     def release(self) -> None:

@@ -186,7 +186,8 @@ def decode_attention(
 
 
 def prefill_attention(
-    q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor, scale: float
+    q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor, scale: float,
+    host_cache_lens: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a longer chunk (T > 16): same contract as `decode_attention`.
 
@@ -196,12 +197,13 @@ def prefill_attention(
     SDPA's flash and memory-efficient backends, so the math backend would materialise [H, T, L]
     scores (gigabytes for a 4K-token chunk at 32K context); the bias names the same mask as a
     shape, which the fused kernels apply themselves. One call per sequence, since the bias has
-    one (T, L). Reads cache_lens on the host: not for CUDA graphs (decode steps are T <= 16).
+    one (T, L). Needs the lengths on the host (`host_cache_lens`, else read from cache_lens: a
+    device sync): not for CUDA graphs (decode steps are T <= 16).
     """
     num_new = q.shape[1]
     page_size = kv.page_size
     out = torch.empty_like(q)
-    for b, cached in enumerate(cache_lens.tolist()):
+    for b, cached in enumerate(host_cache_lens if host_cache_lens is not None else cache_lens.tolist()):
         length = cached + num_new
         pages = block_table[b, : -(-length // page_size)].long()
         k = _gather(kv.k, kv.k_scale, pages, q.dtype).flatten(0, 1)[:length]
