@@ -15,8 +15,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 start=$SECONDS
-CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
-echo "== install + CUDA build: $((SECONDS - start)) s"
+if [ -z "${REBUILD:-}" ] && python3 -c "import ninfer_core._C" 2>/dev/null; then
+  echo "== extension already built on this (warm) machine; REBUILD=1 forces a build"
+else
+  CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
+  echo "== install + CUDA build: $((SECONDS - start)) s"
+fi
 ninfer() { python3 -m ninfer_app "$@"; }
 
 for step in "$@"; do
@@ -68,6 +72,9 @@ LIST
         --synthetic 6 --prompt-tokens ${TTFT_PROMPT:-512} --max-tokens 8 $sampling --out "$OUT/serve_ttft_$name.json" 2>&1 | tail -4
     done
     kill $server; wait $server; tail -5 "$OUT/serve.log" ;;
+  prefill)
+    timeout 300 python3 scripts/profile_prefill.py qwen3.6-35b-a3b --lengths ${PREFILL_LENGTHS:-37,128,512} \
+      --json "$OUT/prefill_35b.json" 2>&1 | tail -80 ;;
   profile)
     timeout 300 python3 scripts/profile_decode.py qwen3.6-35b-a3b --json "$OUT/profile_35b.json" 2>&1 | tail -45 ;;
   start)

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.cuda
 # head dims the attention / GDN kernels take, int4 groups dividing every FFN input
 KERNEL_SHAPES = dict(hidden_size=128, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
                      linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=64,
-                     shared_expert_intermediate_size=128)
+                     shared_expert_intermediate_size=128,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                          mrope_section=[8, 4, 4], mrope_interleaved=True))
 
 
 @pytest.fixture(scope="module")

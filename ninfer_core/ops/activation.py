@@ -42,6 +42,11 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = 
     cols = x.shape[-1]
     tensors = (x, gate) if add is None else (x, gate, add)
     gate_rows = _rows(gate, 1 if gate.shape[-1] == 1 else cols)
+    if gate_rows is None and dispatch.use_kernel(gate):
+        # rows a fixed stride apart is what the kernel reads; a gate split out of a batch of
+        # merged projections is not (per head, then per token): one small copy beats the reference
+        gate = gate.contiguous()
+        gate_rows = _rows(gate, 1 if gate.shape[-1] == 1 else cols)
     fits = (
         dispatch.use_kernel(*tensors)
         and len({t.dtype for t in tensors}) == 1
