@@ -243,6 +243,8 @@ class LLM:
             graphs=decode_graphs,
             weights=loaded.recipe.label(loaded.dtype),
         )
+        if device.type == "cuda":
+            self.engine.warm_up()
 
     @classmethod
     def load(cls, model: str | None = None, options: EngineOptions | None = None) -> LLM:

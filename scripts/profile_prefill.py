@@ -38,11 +38,11 @@ def timed_prefill(harness: _Harness, length: int) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def cpu_rows(prof: profile, top: int = 15) -> list[tuple[float, int, str]]:
+def cpu_rows(prof: profile, top: int = 15, total: bool = False) -> list[tuple[float, int, str]]:
     totals: dict[str, list[float]] = defaultdict(list)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CPU:
-            totals[event.name].append(event.self_cpu_time_total)
+            totals[event.name].append(event.cpu_time_total if total else event.self_cpu_time_total)
     return sorted(((sum(t), len(t), name) for name, t in totals.items()), reverse=True)[:top]
 
 
@@ -61,7 +61,8 @@ def main() -> None:
     timed_prefill(harness, 1000)  # a first prefill of an unrelated length: lazy init is not charged below
     report = []
     for length in lengths:
-        first = timed_prefill(harness, length)
+        with profile(activities=[ProfilerActivity.CPU]) as first_prof:
+            first = timed_prefill(harness, length)
         repeat = statistics.median(timed_prefill(harness, length) for _ in range(5))
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             timed_prefill(harness, length)
@@ -71,6 +72,9 @@ def main() -> None:
         print(f"== prefill {length}: first {first:.1f} ms, repeat {repeat:.1f} ms, GPU busy {busy:.1f} ms "
               f"in {launches:.0f} kernels")
         print_rows(rows, top=12)
+        print("   first call, host ops by total CPU time:")
+        for us, calls, name in cpu_rows(first_prof, total=True, top=8):
+            print(f"   {us / 1e3:8.2f} ms {calls:6d}x  {name[:90]}")
         print("   host ops by self CPU time:")
         for us, calls, name in cpu_rows(prof):
             print(f"   {us / 1e3:8.2f} ms {calls:6d}x  {name[:90]}")

@@ -225,3 +225,16 @@ def test_penalty_tables_equal_the_host_reference():
     logits = torch.randn(rows, vocab, generator=gen) * 3
     expected = apply_penalties(logits, params, [TokenHistory(p, o) for p, o in zip(prompts, outputs)])
     assert torch.equal(tables.apply(logits, slots, params), expected)
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_warm_up_leaves_an_idle_engine_with_clean_counters(model_dir, spec):
+    llm = make_llm(model_dir, spec=spec)
+    llm.engine.warm_up((5, 40))
+    stats = llm.engine.stats()
+    assert stats.requests_finished == stats.generated_tokens == stats.decode_steps == 0 and not stats.running
+    assert stats.kv_used_tokens == 0 and not llm.engine.has_unfinished()
+    assert spec is None or stats.spec.rounds == 0
+    a = GenerationRequest(PROMPTS[0], greedy(8))
+    assert [t for o in llm.engine.generate([a]) for t in o.new_token_ids] == solo(make_llm(model_dir), PROMPTS[0],
+                                                                                   greedy(8))

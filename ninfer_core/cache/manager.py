@@ -109,8 +109,8 @@ class CacheManager:
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._live_slots: set[int] = set()
         self.max_seq_pages = min(self.num_pages, math.ceil((max_seq_tokens or max_tokens) / page_size))
-        fill = self.scratch_page if scratch else 0
-        self.table = torch.full((max_seqs + extra, self.max_seq_pages), fill, dtype=torch.int32, device=self.device)
+        # unused entries hold page 0, a valid id in every pool that shares these page ids (a drafter's)
+        self.table = torch.zeros((max_seqs + extra, self.max_seq_pages), dtype=torch.int32, device=self.device)
         self._new_entries: list[tuple[int, int, int]] = []  # (slot, index, page) not yet in `table`
 
     # -- capacity ---------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from ..stop_strings import StopStringFilter
 from ..tokenizer import Tokenizer
 from .request import GenerationRequest, SpecStats, StepOutput
 from .penalties import PenaltyTables
-from .sampling import Sampler
+from .sampling import Sampler, SamplingParams
 from .scheduler import PrefillChunk, Scheduler, StepPlan
 from .sequence import Sequence
 from .speculative.rollback import commit_gdn
@@ -41,6 +41,11 @@ from .speculative.speculator import Speculator
 if TYPE_CHECKING:
     from .cuda_graph import DecodeGraphs
     from ..models.vision import VisionTower
+
+
+# prompt lengths of the load-time warm-up: fused steps (<= 16), chunked prefill on the MoE decode
+# kernels (<= 64 rows), on the grouped GEMM (more)
+WARM_UP_LENGTHS = (5, 40, 300)
 
 
 @dataclass
@@ -134,6 +139,15 @@ class LLMEngine:
     def running(self) -> list[Sequence]:
         return self.scheduler.running
 
+    @property
+    def max_running(self) -> int:
+        """Sequences decoded together at most (the cache's slots, or fewer: --max-concurrency)."""
+        return self.scheduler.max_running
+
+    @max_running.setter
+    def max_running(self, value: int) -> None:
+        self.scheduler.max_running = min(value, self.cache.max_seqs)
+
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request: checks its length, ids and media (raises NinferError if it can never run)."""
         n = len(request.prompt_token_ids)
@@ -224,6 +238,25 @@ class LLMEngine:
             outputs += self._complete(self._launched)
             self._launched = None
         return outputs
+
+    def warm_up(self, lengths: Iterable[int] = WARM_UP_LENGTHS) -> None:
+        """Run a few throw-away prompts through every path a request can take (fused steps, chunked
+        GDN and attention prefill, the MoE decode kernels and grouped GEMM, sampling with and
+        without penalties), so that first-use costs (Triton autotuning, kernel loading, cuBLAS
+        plans) are paid at load, not by the first user."""
+        vocab = self.config.vocab_size
+        generator = torch.Generator().manual_seed(0)
+        for i, n in enumerate(min(n, self.max_context - 3) for n in lengths):
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True) if i % 2 else \
+                SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5, max_tokens=2, ignore_eos=True, seed=0)
+            self.add_request(GenerationRequest(torch.randint(0, vocab, (n,), generator=generator).tolist(), params))
+        for _ in self.generate([]):
+            pass
+        self._stats = replace(self._stats, requests_finished=0, prompt_tokens=0, generated_tokens=0, prefill_chunks=0,
+                              decode_steps=0, decode_rows=0, max_decode_batch=0)
+        if self.speculator is not None:
+            spec = self.speculator
+            spec.totals = SpecStats(method=spec.drafter.method, draft_tokens=spec.draft_tokens)
 
     def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[StepOutput]:
         """Run requests to completion on this engine, yielding outputs as they come."""

@@ -206,7 +206,7 @@ class EngineService:
         self.max_queue = max_queue
         self.observers = list(observers or [])
         self.max_concurrency = min(max_concurrency or cache.max_seqs, cache.max_seqs)
-        self.engine.scheduler.max_running = self.max_concurrency
+        self.engine.max_running = self.max_concurrency
         self.kv_capacity = cache.capacity_tokens
         self.context_limit = self.engine.max_context
         self._cond = threading.Condition()

@@ -65,12 +65,9 @@ def moe_route(
     keeps the reference, whose launch cost is noise there.
     """
     tokens, experts = logits.shape
-    if not (
-        dispatch.use_kernel(logits)
-        and tokens <= ROUTE_MAX_TOKENS
-        and 1 <= top_k <= experts
-        and 4 * (experts + top_k) <= _MAX_SHARED_BYTES
-    ):
+    if tokens > ROUTE_MAX_TOKENS:  # prefill: the reference by design
+        return moe_route_ref(logits, top_k, renormalize)
+    if not (dispatch.use_kernel(logits) and 1 <= top_k <= experts and 4 * (experts + top_k) <= _MAX_SHARED_BYTES):
         dispatch.fallback("moe_route", logits)
         return moe_route_ref(logits, top_k, renormalize)
     logits = logits.contiguous()
