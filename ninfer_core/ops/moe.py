@@ -3,12 +3,15 @@
 Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate rows first) and
 `down` [E, H, I], as bf16/fp16/fp32 tensors or as int8/int4 `QuantizedWeight`s (ops/quant.py).
 
-`moe_experts` takes one of three paths:
-  decode    CUDA, N <= 16 tokens (64 with int8 / int4 experts): our two GEMV kernels
-            (csrc/moe.cu). Expert ids stay on the device, so a decode step never syncs with
-            the host and is captured by CUDA graphs.
-  grouped   CUDA, larger N (prefill): the (token, slot) pairs sorted by expert and one grouped
-            GEMM per projection (`moe_experts_grouped`).
+`moe_experts` takes one of four paths:
+  decode    CUDA, N <= 16 tokens (64 with int8 / int4 experts when Triton is missing): our two
+            GEMV kernels (csrc/moe.cu). Expert ids stay on the device, so a decode step never
+            syncs with the host and is captured by CUDA graphs.
+  grouped quantized   CUDA + Triton, int8 / int4 experts, larger N: grouped GEMMs that dequantize
+            in registers (ops/moe_triton.py), each hit expert read once per block of its rows;
+            no host sync at any N.
+  grouped   CUDA, larger N otherwise (prefill): the (token, slot) pairs sorted by expert and one
+            grouped GEMM per projection (`moe_experts_grouped`).
   reference CPU, or NINFER_DISABLE_KERNELS=1: the loop over hit experts (`moe_experts_ref`).
 """
 
@@ -21,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import dispatch
+from . import dispatch, moe_triton
 from .quant import QuantizedWeight, dequantize
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,7 @@ ExpertTensor = torch.Tensor | QuantizedWeight
 DECODE_MAX_TOKENS = 16
 QUANTIZED_DECODE_MAX_TOKENS = 64
 ROUTE_MAX_TOKENS = 64  # decode batches: one routing kernel instead of torch's four ops
+SYNC_FREE_UNLIMITED = 1 << 30
 _MAX_TOP_K = 64  # csrc/moe.cu's limits
 _MAX_SHARED_BYTES = 48 * 1024
 _DEQUANT_CHUNK_BYTES = 256 << 20  # grouped path: experts dequantized per chunk of this size
@@ -128,13 +132,37 @@ def moe_experts(
     plan = _decode_plan(x, gate_up, down, weights, ids)
     if plan is not None:
         return _decode(x, plan, weights, ids, gate_up.shape[0])
+    if _grouped_quantized(x, gate_up, down):
+        return moe_triton.moe_experts_grouped_quantized(x, gate_up, down, weights, ids)
     return moe_experts_grouped(x, gate_up, down, weights, ids)
 
 
+def _grouped_quantized(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor) -> bool:
+    """Whether the Triton grouped kernels take these experts (int8 / int4 of one kind, fp16 / bf16 x)."""
+    return (
+        isinstance(gate_up, QuantizedWeight)
+        and isinstance(down, QuantizedWeight)
+        and gate_up.kind == down.kind
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and all(t.is_contiguous() for t in (gate_up.qweight, gate_up.scales, down.qweight, down.scales))
+        and moe_triton.available()
+    )
+
+
 def sync_free_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
-    """The most tokens `moe_experts` takes on the decode kernels: no host sync, so CUDA graphs can
-    capture calls up to this size (the grouped path reads group sizes on the host)."""
+    """The most tokens `moe_experts` takes without a host sync, so that CUDA graphs can capture
+    calls up to this size (the dequantizing grouped path reads group sizes on the host)."""
     quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
+    if quantized and moe_triton.available():
+        return SYNC_FREE_UNLIMITED
+    return QUANTIZED_DECODE_MAX_TOKENS if quantized else DECODE_MAX_TOKENS
+
+
+def decode_kernel_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
+    """The most tokens the decode kernels take; past it a grouped path reads each hit expert once."""
+    quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
+    if quantized and moe_triton.available():
+        return DECODE_MAX_TOKENS
     return QUANTIZED_DECODE_MAX_TOKENS if quantized else DECODE_MAX_TOKENS
 
 
@@ -188,7 +216,7 @@ def _decode_plan(
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], down.shape[2]
     fits = (
-        tokens <= sync_free_tokens(gate_up, down)
+        tokens <= decode_kernel_tokens(gate_up, down)
         and 1 <= top_k <= _MAX_TOP_K
         and 4 * hidden <= _MAX_SHARED_BYTES
         and 8 * top_k + 4 * top_k * inter <= _MAX_SHARED_BYTES
