@@ -115,8 +115,7 @@ class _Runner:
             engine.add_request(request)
         while any(s.in_prefill or not s.output_ids for s in engine.running) or engine.scheduler.waiting:
             engine.step()
-        while engine._launched is not None:  # nothing in flight while the step is timed alone
-            engine.step()
+        engine.sync()  # nothing in flight while the step is timed alone
         seqs = list(engine.running)
         ids = [[s.output_ids[-1]] for s in seqs]
 

@@ -72,6 +72,8 @@ LIST
         --synthetic 6 --prompt-tokens ${TTFT_PROMPT:-512} --max-tokens 8 $sampling --out "$OUT/serve_ttft_$name.json" 2>&1 | tail -4
     done
     kill $server; wait $server; tail -5 "$OUT/serve.log" ;;
+  moe)
+    timeout 400 python3 scripts/bench_moe_triton.py --json "$OUT/moe_triton.json" 2>&1 | tail -12 ;;
   prefill)
     timeout 300 python3 scripts/profile_prefill.py qwen3.6-35b-a3b --lengths ${PREFILL_LENGTHS:-37,128,512} \
       --json "$OUT/prefill_35b.json" 2>&1 | tail -80 ;;

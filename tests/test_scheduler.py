@@ -192,7 +192,7 @@ def test_engine_bench_runs_through_the_loop(model_dir):
     loop decode per batch with the step-time ratio; the engine is idle and empty afterwards."""
     from ninfer_core.bench_engine import run_engine_bench
 
-    llm = make_llm(model_dir, max_seqs=2)
+    llm = make_llm(model_dir, max_seqs=2, overlap=True)
     report = run_engine_bench(llm, lengths=(8, 24), batches=(1, 2), tokens=6, repeats=2)
     assert [t.tokens for t in report.ttft] == [8, 24]
     assert all(t.first_ms > 0 and t.repeat_ms > 0 for t in report.ttft)

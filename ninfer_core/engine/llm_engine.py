@@ -216,9 +216,8 @@ class LLMEngine:
         """Plan and launch a step; return the outputs of the step that completed meanwhile (this
         one, or the one launched by the previous call when steps overlap)."""
         outputs: list[StepOutput] = []
-        if self._launched is not None and not self._may_overlap():
-            outputs += self._complete(self._launched)
-            self._launched = None
+        if not self._may_overlap():
+            outputs += self.sync()
         plan = self.scheduler.schedule()
         if plan.empty:
             if self._launched is None and self.scheduler.running and not outputs:
@@ -234,10 +233,16 @@ class LLMEngine:
             if not self._may_overlap():
                 outputs += self._complete(launched)
                 self._launched = None
-        if plan.empty and self._launched is not None:
-            outputs += self._complete(self._launched)
-            self._launched = None
+        if plan.empty:
+            outputs += self.sync()
         return outputs
+
+    def sync(self) -> list[StepOutput]:
+        """Complete the step in flight without launching another (its outputs are returned)."""
+        if self._launched is None:
+            return []
+        launched, self._launched = self._launched, None
+        return self._complete(launched)
 
     def warm_up(self, lengths: Iterable[int] = WARM_UP_LENGTHS) -> None:
         """Run a few throw-away prompts through every path a request can take (fused steps, chunked

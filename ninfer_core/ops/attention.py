@@ -22,6 +22,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.kv_pool import KVLayer
@@ -203,21 +204,34 @@ def prefill_attention(
     num_new = q.shape[1]
     page_size = kv.page_size
     out = torch.empty_like(q)
-    for b, cached in enumerate(host_cache_lens if host_cache_lens is not None else cache_lens.tolist()):
-        length = cached + num_new
-        pages = block_table[b, : -(-length // page_size)].long()
-        k = _gather(kv.k, kv.k_scale, pages, q.dtype).flatten(0, 1)[:length]
-        v = _gather(kv.v, kv.v_scale, pages, q.dtype).flatten(0, 1)[:length]
-        o = F.scaled_dot_product_attention(
-            q[b].transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=causal_lower_right(num_new, length),
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[b] = o[0].transpose(0, 1)
+    with sdpa_kernel(_PREFILL_BACKENDS):
+        lengths = host_cache_lens if host_cache_lens is not None else cache_lens.tolist()
+        for b, cached in enumerate(lengths):
+            _prefill_one(q, kv, block_table, b, cached, num_new, page_size, scale, out)
     return out
+
+
+# cuDNN's attention builds a plan per new (T, L) shape (~6 ms per layer call on the H200), which a
+# server sees on almost every prompt: the fused backends without per-shape setup come first
+_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _prefill_one(q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, b: int, cached: int, num_new: int,
+                 page_size: int, scale: float, out: torch.Tensor) -> None:
+    """Row b of `prefill_attention` into out[b]."""
+    length = cached + num_new
+    pages = block_table[b, : -(-length // page_size)].long()
+    k = _gather(kv.k, kv.k_scale, pages, q.dtype).flatten(0, 1)[:length]
+    v = _gather(kv.v, kv.v_scale, pages, q.dtype).flatten(0, 1)[:length]
+    o = F.scaled_dot_product_attention(
+        q[b].transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=causal_lower_right(num_new, length),
+        scale=scale,
+        enable_gqa=True,
+    )
+    out[b] = o[0].transpose(0, 1)
 
 
 def _kv_kind(kv: KVLayer, dtype: torch.dtype) -> object | None:

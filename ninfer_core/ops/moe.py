@@ -211,12 +211,14 @@ def _decode_plan(
     down: ExpertTensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    max_tokens: int | None = None,
 ) -> tuple[_KernelWeights, _KernelWeights] | None:
-    """The kernels' view of both expert tensors; None when csrc/moe.cu does not cover the call."""
+    """The kernels' view of both expert tensors; None when csrc/moe.cu does not cover the call
+    (or it has more than `max_tokens` tokens, default `decode_kernel_tokens`)."""
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], down.shape[2]
     fits = (
-        tokens <= decode_kernel_tokens(gate_up, down)
+        tokens <= (decode_kernel_tokens(gate_up, down) if max_tokens is None else max_tokens)
         and 1 <= top_k <= _MAX_TOP_K
         and 4 * hidden <= _MAX_SHARED_BYTES
         and 8 * top_k + 4 * top_k * inter <= _MAX_SHARED_BYTES

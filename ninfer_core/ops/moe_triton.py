@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -65,22 +66,33 @@ def available() -> bool:
     return _kernels() is not None
 
 
+@dataclass(frozen=True)
+class TileConfig:
+    """Kernel tiling (the rows per block come from the problem: `block_m_for`)."""
+
+    block_n: int = 64
+    block_k: int = 64  # capped at the int4 group size
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_TILES = TileConfig()
+
+
 def moe_gate_up(x: torch.Tensor, gate_up: QuantizedWeight, aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                top_k: int, block_m: int) -> torch.Tensor:
+                top_k: int, block_m: int, tiles: TileConfig = DEFAULT_TILES) -> torch.Tensor:
     """h [N * k, I] = silu(x[n] @ gate[e]^T) * (x[n] @ up[e]^T) per slot (x [N, H], gate_up [E, 2I, H])."""
-    sorted_slots, block_experts, used = aligned
     inter = gate_up.out_features // 2
     out = torch.empty(x.shape[0] * top_k, inter, dtype=x.dtype, device=x.device)
-    _launch(x, gate_up, out, sorted_slots, block_experts, used, top_k, inter, block_m, gate_up=True)
+    _launch(x, gate_up, out, aligned, top_k, inter, block_m, tiles, gate_up=True)
     return out
 
 
 def moe_down(h: torch.Tensor, down: QuantizedWeight, aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-             block_m: int) -> torch.Tensor:
+             block_m: int, tiles: TileConfig = DEFAULT_TILES) -> torch.Tensor:
     """y [N * k, H] = h[slot] @ down[e]^T per slot (h [N * k, I], down [E, H, I]), unweighted."""
-    sorted_slots, block_experts, used = aligned
     out = torch.empty(h.shape[0], down.out_features, dtype=h.dtype, device=h.device)
-    _launch(h, down, out, sorted_slots, block_experts, used, 1, down.out_features, block_m, gate_up=False)
+    _launch(h, down, out, aligned, 1, down.out_features, block_m, tiles, gate_up=False)
     return out
 
 
@@ -100,23 +112,22 @@ def block_m_for(slots: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
-def _launch(a: torch.Tensor, w: QuantizedWeight, out: torch.Tensor, sorted_slots: torch.Tensor,
-            block_experts: torch.Tensor, used: torch.Tensor, rows_per_a: int, n: int, block_m: int,
-            gate_up: bool) -> None:
+def _launch(a: torch.Tensor, w: QuantizedWeight, out: torch.Tensor,
+            aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows_per_a: int, n: int, block_m: int,
+            tiles: TileConfig, gate_up: bool) -> None:
     kernels = _kernels()
     assert kernels is not None, "Triton is not available"
-    k = w.in_features
-    block_n = 64
-    block_k = min(64, w.group_size) if w.kind == "int4" else 64
+    sorted_slots, block_experts, used = aligned
+    block_k = min(tiles.block_k, w.group_size) if w.kind == "int4" else tiles.block_k
     a = a.contiguous()
-    grid = (sorted_slots.numel() // block_m * -(-n // block_n),)
+    grid = (sorted_slots.numel() // block_m * -(-n // tiles.block_n),)
     kernels.grouped_gemm[grid](
         a, w.qweight, w.scales, out, sorted_slots, block_experts, used,
-        out.shape[0], rows_per_a, n, k, a.stride(0), w.qweight.stride(0), w.qweight.stride(1),
-        w.scales.stride(0), w.scales.stride(1), out.stride(0),
-        n if gate_up else 0,
+        out.shape[0], rows_per_a, n, w.in_features, a.stride(0), w.qweight.stride(0), w.qweight.stride(1),
+        w.scales.stride(0), w.scales.stride(1), out.stride(0), n if gate_up else 0,
         GATE_UP=gate_up, INT4=w.kind == "int4", GROUP=max(w.group_size, 1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
 
 

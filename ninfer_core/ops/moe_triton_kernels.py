@@ -23,7 +23,7 @@ def _weight_tile(w_ptr, s_ptr, rows, k0, k, stride_wn, stride_sn,
         scale = tl.load(s_ptr + rows * stride_sn).to(tl.float32)
     return tl.trans((codes * scale[:, None]).to(dtype))
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # one compiled kernel for every token count
 def grouped_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, experts_ptr, used_ptr,
                  num_slots, rows_per_a, n, k, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                  up_offset,
