@@ -27,6 +27,8 @@ from .chat.output_parser import (
 from .chat.reasoning import prompt_opens_reasoning
 from .chat.template import ChatTemplate, load_chat_template
 from .engine.cuda_graph import DecodeGraphs
+from .engine.prefill_graph import BUCKETS as PREFILL_BUCKETS
+from .engine.prefill_graph import PrefillGraphs
 from .engine.llm_engine import EngineStats, LLMEngine
 from .engine.request import GenerationRequest, SpecStats, StepOutput, Timings
 from .engine.sampling import Sampler, SamplingParams
@@ -225,11 +227,15 @@ class LLM:
         if options.spec is not None:
             speculator = build_speculator(options.spec, options.draft_tokens, options.draft_model, loaded, cache,
                                           Sampler(), options.random_weights, decode_graphs, options.adaptive_draft)
+        prefill_graphs = None
         if decode_graphs is not None:
             widths = range(2, speculator.draft_tokens + 2) if speculator is not None else ()
             layers = speculator.drafter.capture_layers if speculator is not None else ()
             count = decode_graphs.capture_all(widths, layers)
-            log.info("captured %d CUDA graphs (batch buckets %s)", count, decode_graphs.buckets)
+            prefill_graphs = PrefillGraphs(loaded.model, cache, self.max_context, decode_graphs.pool)
+            count += prefill_graphs.capture_all()
+            log.info("captured %d CUDA graphs (batch buckets %s, prompt chunks up to %d tokens)", count,
+                     decode_graphs.buckets, PREFILL_BUCKETS[-1])
         self.engine = LLMEngine(
             loaded.model,
             loaded.config,
@@ -241,6 +247,7 @@ class LLM:
             vision_tower=self.vision.tower if self.vision else None,
             speculator=speculator,
             graphs=decode_graphs,
+            prefill_graphs=prefill_graphs,
             weights=loaded.recipe.label(loaded.dtype),
         )
         if device.type == "cuda":

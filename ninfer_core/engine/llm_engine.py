@@ -40,12 +40,13 @@ from .speculative.speculator import Speculator
 
 if TYPE_CHECKING:
     from .cuda_graph import DecodeGraphs
+    from .prefill_graph import PrefillGraphs
     from ..models.vision import VisionTower
 
 
-# prompt lengths of the load-time warm-up: fused steps (<= 16), chunked prefill on the MoE decode
-# kernels (<= 64 rows), on the grouped GEMM (more)
-WARM_UP_LENGTHS = (5, 40, 300)
+# prompt lengths of the load-time warm-up: fused steps / short-prompt graphs, then eager chunks
+# whose MoE rows take each block size of the grouped kernels (ops/moe_triton.py)
+WARM_UP_LENGTHS = (5, 40, 300, 1000, 2000)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class LLMEngine:
         vision_tower: Callable[[], VisionTower] | None = None,
         speculator: Speculator | None = None,
         graphs: DecodeGraphs | None = None,
+        prefill_graphs: PrefillGraphs | None = None,
         weights: str = "",
         overlap: bool | None = None,
     ):
@@ -119,6 +121,7 @@ class LLMEngine:
         self.vision_tower = vision_tower  # built on first use: only requests with media need it
         self.speculator = speculator
         self.graphs = graphs  # decode-step CUDA graphs (None: eager)
+        self.prefill_graphs = prefill_graphs  # short prompt chunks' CUDA graphs (None: eager)
         self.device = cache.device
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.sampler = Sampler()
@@ -491,9 +494,12 @@ class LLMEngine:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _forward(self, parts: list[ForwardBatch]) -> list[ForwardOutput]:
-        """One forward over the parts: by CUDA graph replay where a lone decode / verify part fits."""
-        if len(parts) == 1 and self.graphs is not None and self.graphs.supports(parts[0]):
-            return [self.graphs.forward(parts[0])]
+        """One forward over the parts: by CUDA graph replay where a lone decode / verify part or a
+        lone short prompt chunk fits."""
+        if len(parts) == 1:
+            for graphs in (self.graphs, self.prefill_graphs):
+                if graphs is not None and graphs.supports(parts[0]):
+                    return [graphs.forward(parts[0])]
         with torch.inference_mode():
             return self.model.forward_parts(parts, self.cache.cache)
 

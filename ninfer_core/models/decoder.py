@@ -41,6 +41,7 @@ class StepContext:
     slots: torch.Tensor
     cache: ModelCache
     gdn_records: dict[int, GDNRecord] | None = None  # verify forwards: GDN layers record, pools untouched
+    valid_tokens: torch.Tensor | None = None  # a padded prompt chunk (ForwardBatch.valid_tokens)
 
 
 class DecoderLayer(nn.Module):
@@ -83,7 +84,7 @@ class DecoderLayer(nn.Module):
             return self.self_attn(h, step.cos, step.sin, step.cache.kv.layer(i), step.attn)
         pools = (step.cache.state.conv[i], step.cache.state.recurrent[i], step.slots)
         if step.gdn_records is None:
-            return self.linear_attn(h, *pools)
+            return self.linear_attn(h, *pools, step.valid_tokens)
         h, step.gdn_records[i] = self.linear_attn.verify(h, *pools)
         return h
 
@@ -132,7 +133,11 @@ class DecoderModel(nn.Module):
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:
         step = self._step_context(batch, cache)
         normed, x, captured = self._layers(self._embed(batch), step, batch.capture_layers)
-        logits = None if batch.logits == "none" else self._logits(_logit_rows(normed, batch.logits))
+        if batch.valid_tokens is not None and batch.logits == "last":  # the last real token of each row
+            index = (batch.valid_tokens - 1)[:, None, None].expand(-1, 1, normed.shape[-1])
+            logits = self._logits(normed.gather(1, index))
+        else:
+            logits = None if batch.logits == "none" else self._logits(_logit_rows(normed, batch.logits))
         features = torch.cat([captured[i] for i in batch.capture_layers], dim=-1) if batch.capture_layers else None
         return ForwardOutput(logits=logits, hidden_states=x, captured=features, gdn_records=step.gdn_records)
 
@@ -175,10 +180,10 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary_emb(positions, self.embed_tokens.weight.dtype)
         attn = AttentionMetadata.build(
             batch.block_table, batch.cache_lens, batch.num_new_tokens, cache.page_size, cache.kv.num_pages,
-            batch.host_cache_lens,
+            batch.host_cache_lens, batch.valid_tokens, batch.pad_kv_row,
         )
         return StepContext(cos=cos, sin=sin, attn=attn, slots=batch.slots, cache=cache,
-                           gdn_records={} if batch.verify else None)
+                           gdn_records={} if batch.verify else None, valid_tokens=batch.valid_tokens)
 
     def _layers(
         self, x: torch.Tensor, step: StepContext | MixedStep, capture_layers: tuple[int, ...]

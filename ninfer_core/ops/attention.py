@@ -186,6 +186,24 @@ def decode_attention(
     return out
 
 
+def rows_attention(
+    q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`prefill_attention`'s result by the decode kernel: a chunk of T = 16 * R tokens is R rows of
+    16 tokens of the same sequence, row i starting at cache index cache_lens + 16 i (its keys are
+    all in the cache already: the KV of the whole chunk is written first). Lengths stay on the
+    device and shapes depend on T only, so a CUDA graph captures it (prefill graphs)."""
+    batch, num_new, heads, dim = q.shape
+    if num_new % DECODE_MAX_TOKENS:
+        raise ValueError(f"rows_attention: {num_new} tokens is not a multiple of {DECODE_MAX_TOKENS}")
+    rows = num_new // DECODE_MAX_TOKENS
+    starts = torch.arange(0, num_new, DECODE_MAX_TOKENS, device=cache_lens.device)
+    out = decode_attention(q.reshape(batch * rows, DECODE_MAX_TOKENS, heads, dim), kv,
+                           block_table.repeat_interleave(rows, dim=0),
+                           (cache_lens[:, None] + starts).reshape(-1), scale)
+    return out.reshape(batch, num_new, heads, dim)
+
+
 def prefill_attention(
     q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor, scale: float,
     host_cache_lens: tuple[int, ...] | None = None,

@@ -104,10 +104,7 @@ def gdn_steps_ref(
         return out
     n = counts.clamp(0, num_tokens)
     state_pool[slots] = states[torch.arange(batch, device=n.device), n]
-    # the conv state after n tokens: the K-1 inputs ending with token n-1 of [old state | tokens]
-    window = torch.cat((conv_state, qkv.transpose(1, 2).to(conv_state.dtype)), dim=-1)
-    taps = torch.arange(conv_state.shape[-1], device=n.device)
-    conv_pool[slots] = window.gather(-1, (n[:, None, None] + taps).expand(conv_state.shape))
+    conv_pool[slots] = gdn_layer.conv_state_after(conv_state, qkv, n)
     return out
 
 

@@ -77,6 +77,9 @@ class TileConfig:
 
 
 DEFAULT_TILES = TileConfig()
+# per rows-per-block: the fastest tiling measured at the 35B expert shape on the H200
+# (scripts/bench_moe_triton.py, 2026-12-01): 128 / 512 tokens (BM 16), 2048 / 8192 (BM 64)
+TILES = {16: TileConfig(128, 128, 4, 3), 32: TileConfig(64, 128, 4, 3), 64: TileConfig(64, 64, 4, 3)}
 
 
 def moe_gate_up(x: torch.Tensor, gate_up: QuantizedWeight, aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -101,8 +104,9 @@ def moe_experts_grouped_quantized(x: torch.Tensor, gate_up: QuantizedWeight, dow
     """`moe_experts` for quantized experts on the Triton kernels: x [N, H] -> [N, H]."""
     tokens, top_k = ids.shape
     block_m = block_m_for(tokens * top_k, gate_up.shape[0])
+    tiles = TILES[block_m]
     aligned = align_by_expert(ids, gate_up.shape[0], block_m)
-    y = moe_down(moe_gate_up(x, gate_up, aligned, top_k, block_m), down, aligned, block_m)
+    y = moe_down(moe_gate_up(x, gate_up, aligned, top_k, block_m, tiles), down, aligned, block_m, tiles)
     return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, top_k, -1)).squeeze(1)
 
 
