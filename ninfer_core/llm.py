@@ -27,7 +27,6 @@ from .chat.output_parser import (
 from .chat.reasoning import prompt_opens_reasoning
 from .chat.template import ChatTemplate, load_chat_template
 from .engine.cuda_graph import DecodeGraphs
-from .engine.prefill_graph import BUCKETS as PREFILL_BUCKETS
 from .engine.prefill_graph import PrefillGraphs
 from .engine.llm_engine import EngineStats, LLMEngine
 from .engine.request import GenerationRequest, SpecStats, StepOutput, Timings
@@ -234,8 +233,8 @@ class LLM:
             count = decode_graphs.capture_all(widths, layers)
             prefill_graphs = PrefillGraphs(loaded.model, cache, self.max_context, decode_graphs.pool)
             count += prefill_graphs.capture_all()
-            log.info("captured %d CUDA graphs (batch buckets %s, prompt chunks up to %d tokens)", count,
-                     decode_graphs.buckets, PREFILL_BUCKETS[-1])
+            log.info("captured %d CUDA graphs (batch buckets %s, prompt chunk buckets %s)", count,
+                     decode_graphs.buckets, prefill_graphs.buckets)
         self.engine = LLMEngine(
             loaded.model,
             loaded.config,

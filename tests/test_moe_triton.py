@@ -96,10 +96,20 @@ def test_grouped_quantized_experts_match_float64(monkeypatch, device, kind, grou
 
 
 @pytest.mark.cuda
-def test_moe_experts_takes_the_grouped_quantized_path_past_16_tokens():
+def test_quantized_experts_are_sync_free_at_any_size_with_triton():
     if not torch.cuda.is_available() or not moe_triton.available():
         pytest.skip("needs CUDA and Triton")
     gate_up = quantize(torch.randn(8, 128, 128, device="cuda") * 0.1, "int4", 32)
     down = quantize(torch.randn(8, 128, 64, device="cuda") * 0.1, "int4", 32)
     assert moe_ops.sync_free_tokens(gate_up, down) == moe_ops.SYNC_FREE_UNLIMITED
-    assert moe_ops.decode_kernel_tokens(gate_up, down) == moe_ops.DECODE_MAX_TOKENS
+    assert moe_ops.decode_kernel_tokens(gate_up, down) == moe_ops.QUANTIZED_DECODE_MAX_TOKENS
+    x = torch.randn(100, 128, device="cuda", dtype=torch.bfloat16)
+    weights, ids = moe_ops.moe_route(torch.randn(100, 8, device="cuda", dtype=torch.bfloat16), 2, True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    moe_ops.moe_experts(x, gate_up, down, weights, ids)  # compile first
+    with torch.cuda.graph(graph):  # no host sync at 100 tokens: capturable
+        out = moe_ops.moe_experts(x, gate_up, down, weights, ids)
+    graph.replay()
+    torch.testing.assert_close(out.float(), moe_ops.moe_experts_grouped(x, gate_up, down, weights, ids).float(),
+                               rtol=2e-2, atol=2e-2)

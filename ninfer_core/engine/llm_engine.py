@@ -494,14 +494,27 @@ class LLMEngine:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _forward(self, parts: list[ForwardBatch]) -> list[ForwardOutput]:
-        """One forward over the parts: by CUDA graph replay where a lone decode / verify part or a
-        lone short prompt chunk fits."""
-        if len(parts) == 1:
-            for graphs in (self.graphs, self.prefill_graphs):
-                if graphs is not None and graphs.supports(parts[0]):
-                    return [graphs.forward(parts[0])]
+        """The parts' outputs: by CUDA graph replays when every part has a graph (the decode /
+        verify rows, short prompt chunks: a replay each, no host work to speak of, though the
+        weights are read once per part), else one eager forward over all of them."""
+        graphs = [self._graphs_for(part) for part in parts]
+        if all(g is not None for g in graphs):
+            outs = []
+            for g, part in zip(graphs, parts):
+                out = g.forward(part)
+                # static buffers: a later replay of the same graph would overwrite them
+                outs.append(out if len(parts) == 1 else replace(
+                    out, logits=None if out.logits is None else out.logits.clone(),
+                    hidden_states=out.hidden_states.clone()))
+            return outs
         with torch.inference_mode():
             return self.model.forward_parts(parts, self.cache.cache)
+
+    def _graphs_for(self, part: ForwardBatch) -> DecodeGraphs | PrefillGraphs | None:
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None and graphs.supports(part):
+                return graphs
+        return None
 
     # -- outputs ----------------------------------------------------------------------------
 

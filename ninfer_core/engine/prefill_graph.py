@@ -9,7 +9,9 @@ advances no GDN state (g = beta = 0) and is never attended to by real tokens; at
 the decode kernel, 16 tokens a row (`rows_attention`), so the lengths stay on the device and a
 chunk may continue a cached prefix. The logits are the last real token's.
 
-Chunks that carry media, drafter layers or several sequences (mixed steps) run eagerly.
+Chunks that carry media, drafter layers or several sequences (mixed steps) run eagerly, and so
+do chunks past the model's graph row limit (MoE experts that sync with the host past it: bf16
+experts beyond 16 rows; quantized ones have no limit).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from ..cache import CacheManager
 from ..errors import NinferError
 from ..models.base import CausalLM, ForwardBatch, ForwardOutput
-from .graph_capture import capture
+from .graph_capture import capture, graph_row_limit
 
 BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -40,6 +42,8 @@ class PrefillGraphs:
         if manager.scratch_slot is None or manager.scratch_page is None:
             raise ValueError("prefill graphs need a cache built with scratch=True (padding writes its scratch page)")
         self.model, self.cache, self.pool = model, manager.cache, pool
+        limit = graph_row_limit(model)
+        self.buckets = tuple(b for b in BUCKETS if limit is None or b <= limit)
         self.pad_kv_row = manager.scratch_page * manager.page_size
         self.max_pages = math.ceil(max_context / manager.page_size)
         device = manager.device
@@ -50,14 +54,15 @@ class PrefillGraphs:
         self.graphs: dict[int, _Graph] = {}
 
     def capture_all(self) -> int:
-        for bucket in BUCKETS:
+        for bucket in self.buckets:
             self._capture(bucket)
-        return len(BUCKETS)
+        return len(self.buckets)
 
     def supports(self, batch: ForwardBatch) -> bool:
         return (
             batch.batch_size == 1
-            and 1 < batch.num_new_tokens <= BUCKETS[-1]
+            and bool(self.buckets)
+            and 1 < batch.num_new_tokens <= self.buckets[-1]
             and batch.logits in ("last", "none")
             and not batch.verify
             and not batch.capture_layers
@@ -70,7 +75,7 @@ class PrefillGraphs:
         """The chunk's forward by replay: logits of its last token ([1, 1, V], when asked) and the
         hidden states of its tokens (views of static buffers, valid until the next replay)."""
         tokens = batch.num_new_tokens
-        graph = self.graphs.get(next(b for b in BUCKETS if b >= tokens))
+        graph = self.graphs.get(next(b for b in self.buckets if b >= tokens))
         if graph is None:
             raise NinferError(f"no prefill graph for {tokens} tokens (capture_all was not run)")
         graph.ids[:, :tokens].copy_(batch.input_ids)
