@@ -84,7 +84,7 @@ def test_mixed_steps_equal_solo_runs(model_dir, reference, overlap):
     assert [out[i] for i in range(len(jobs))] == expected
     assert any(p.decodes and p.prefills for p in plans), "no step mixed decode rows with a prompt chunk"
     assert any(len(p.prefills) > 1 for p in plans), "no step read two prompts"
-    assert llm.engine.cache.free_tokens == llm.engine.cache.capacity_tokens
+    assert llm.engine.cache.active_tokens == 0
 
 
 def test_burst_starts_together(model_dir):
@@ -108,7 +108,7 @@ def test_preemption_recomputes_and_loses_nothing(model_dir, reference, overlap):
     out = staggered(llm, jobs, every=1)
     assert [out[i] for i in range(len(jobs))] == expected
     assert llm.engine.stats().preemptions > 0
-    assert llm.engine.cache.free_tokens == llm.engine.cache.capacity_tokens
+    assert llm.engine.cache.active_tokens == 0
     assert llm.engine.cache.num_free_slots == llm.engine.cache.max_seqs
 
 
@@ -166,7 +166,7 @@ def test_a_bad_row_fails_its_request_alone(model_dir, reference):
     assert failed and failed[0].finish_reason == "error" and "NaN" in failed[0].error
     tokens = {r.request_id: [t for o in outs if o.request_id == r.request_id for t in o.new_token_ids] for r in others}
     assert tokens[others[0].request_id] == expected[0] and tokens[others[1].request_id] == expected[2]
-    assert engine.cache.free_tokens == engine.cache.capacity_tokens
+    assert engine.cache.active_tokens == 0
 
 
 def test_overlap_stops_exactly_and_aborts_free_the_cache(model_dir):
@@ -184,7 +184,7 @@ def test_overlap_stops_exactly_and_aborts_free_the_cache(model_dir):
     engine.abort(b.request_id)
     while engine.has_unfinished():
         engine.step()
-    assert engine.cache.free_tokens == engine.cache.capacity_tokens and not engine.scheduler.running
+    assert engine.cache.active_tokens == 0 and not engine.scheduler.running
 
 
 def test_engine_bench_runs_through_the_loop(model_dir):
@@ -199,7 +199,7 @@ def test_engine_bench_runs_through_the_loop(model_dir):
     assert [d.batch for d in report.decode] == [1, 2]
     assert all(d.tpot_ms > 0 and d.step_ms > 0 and d.overhead == pytest.approx(d.tpot_ms / d.step_ms)
                for d in report.decode)
-    assert not llm.engine.has_unfinished() and llm.engine.cache.free_tokens == llm.engine.cache.capacity_tokens
+    assert not llm.engine.has_unfinished() and llm.engine.cache.active_tokens == 0
 
 
 def test_penalty_tables_equal_the_host_reference():
@@ -235,6 +235,8 @@ def test_warm_up_leaves_an_idle_engine_with_clean_counters(model_dir, spec):
     assert stats.requests_finished == stats.generated_tokens == stats.decode_steps == 0 and not stats.running
     assert stats.kv_used_tokens == 0 and not llm.engine.has_unfinished()
     assert spec is None or stats.spec.rounds == 0
+    assert stats.prefix_hit_tokens == stats.prefix_queried_tokens == stats.prefix_checkpoints == 0
+    assert llm.engine.cache.free_pages == llm.engine.cache.num_pages
     a = GenerationRequest(PROMPTS[0], greedy(8))
     assert [t for o in llm.engine.generate([a]) for t in o.new_token_ids] == solo(make_llm(model_dir), PROMPTS[0],
                                                                                    greedy(8))

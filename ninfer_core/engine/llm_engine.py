@@ -63,6 +63,11 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     preemptions: int = 0
+    prefix_cache: bool = False
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of which served from it
+    prefix_cached_bytes: int = 0  # indexed KV pages + checkpoint states
+    prefix_checkpoints: int = 0
     kv_capacity_tokens: int = 0
     kv_used_tokens: int = 0
     kv_dtype: str = ""
@@ -208,7 +213,12 @@ class LLMEngine:
         s.running = len(self.scheduler.running)
         s.waiting = len(self.scheduler.waiting)
         s.preemptions = self.scheduler.preemptions
-        s.kv_used_tokens = self.cache.capacity_tokens - self.cache.free_tokens
+        prefix = self.cache.prefix
+        if prefix is not None:
+            s.prefix_cache = True
+            s.prefix_queried_tokens, s.prefix_hit_tokens = prefix.queried_tokens, prefix.hit_tokens
+            s.prefix_cached_bytes, s.prefix_checkpoints = self.cache.prefix_cached_bytes, len(prefix.checkpoints)
+        s.kv_used_tokens = self.cache.active_tokens
         s.cuda_graphs = self.graphs is not None
         spec = replace(self.speculator.totals) if self.speculator is not None else None
         return EngineStats(**{**vars(s), "spec": spec})
@@ -265,6 +275,7 @@ class LLMEngine:
         if self.speculator is not None:
             spec = self.speculator
             spec.totals = SpecStats(method=spec.drafter.method, draft_tokens=spec.draft_tokens)
+        self.cache.forget_prefixes()  # random prompts: nothing a user will send
 
     def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[StepOutput]:
         """Run requests to completion on this engine, yielding outputs as they come."""
@@ -299,8 +310,7 @@ class LLMEngine:
                 logits.append(out.logits[:, -1])
         for seq in plan.decodes:
             seq.num_cached += 1
-        for chunk in plan.prefills:
-            chunk.seq.num_cached = chunk.end
+        self._prefilled(plan.prefills)
         self._count(plan)
         for seq in plan.sequences:
             seq.inflight += 1
@@ -358,6 +368,7 @@ class LLMEngine:
                 continue
             self._first_token(seq, now)
             outputs.append(self._append(seq, [token]))
+            self.scheduler.note_progress(seq)
         for chunk in step.plan.prefills:
             if chunk.last and chunk.seq.request.multimodal is not None:
                 chunk.seq.request.multimodal.release()
@@ -405,6 +416,7 @@ class LLMEngine:
                 output = self._append(seq, tokens)
                 spec.record(seq, output, draft, len(tokens))
                 outputs.append(output)
+                self.scheduler.note_progress(seq)
             spec.observe(seqs, kept, batch, out)
             for seq in seqs:
                 if seq.cache is not None:
@@ -416,9 +428,9 @@ class LLMEngine:
             if sampled else []
         now = time.perf_counter()
         firsts = dict(zip([c.seq.request_id for c, _ in sampled], tokens))
+        self._prefilled(plan.prefills)
         for chunk, batch, out in prefilled:
             seq = chunk.seq
-            seq.num_cached = chunk.end
             if seq.request_id in firsts:
                 token = firsts[seq.request_id]
                 if token < 0:
@@ -433,6 +445,17 @@ class LLMEngine:
             seq.inflight += 1
         self._retire(plan.sequences)
         return outputs
+
+    def _prefilled(self, chunks: list[PrefillChunk]) -> None:
+        """Prompt chunks are in the cache (or queued): index their pages, and checkpoint the GDN
+        state at the end of a prompt and every `checkpoint_interval` tokens of a long one."""
+        prefix = self.cache.prefix
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.num_cached = chunk.end
+            ends = (seq.prefill_len - 1, seq.prefill_len)
+            checkpoint = prefix is not None and (chunk.end in ends or chunk.end % prefix.interval == 0)
+            self.scheduler.note_progress(seq, checkpoint)
 
     def _commit(self, batch: ForwardBatch, out: ForwardOutput, counts: torch.Tensor) -> None:
         """Advance the GDN slots of a verify through each row's kept tokens."""
@@ -589,6 +612,8 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         self._stats.requests_finished += 1
+        if seq.finish_reason in ("stop", "length"):  # the end of an answer: a later turn may repeat it
+            self.scheduler.note_progress(seq, checkpoint=True)
         if self.speculator is not None:
             self.speculator.release(seq)
         self.scheduler.release(seq)

@@ -35,6 +35,7 @@ class Timings:
     decode_s: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def prefill_tok_s(self) -> float:

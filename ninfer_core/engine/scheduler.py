@@ -99,13 +99,13 @@ class Scheduler:
     def can_grow(self, seqs: list[Sequence], extra: int = 1) -> bool:
         """Whether every sequence can get pages for `extra` more tokens without a preemption."""
         need = sum(self.pages_for(s, s.num_cached + extra) for s in seqs)
-        return need <= len(self.cache._free_pages)
+        return need <= self.cache.free_pages
 
     def reserve_drafts(self, seqs: list[Sequence], wanted: list[int]) -> list[int]:
         """Draft counts that fit: each sequence already holds its next token's page; the extra
         positions are the most every sequence can get from the free pages (never preempting)."""
         extra = max(wanted, default=0)
-        free = len(self.cache._free_pages)
+        free = self.cache.free_pages
         while extra > 0 and sum(self.pages_for(s, s.num_cached + 1 + extra) for s in seqs) > free:
             extra -= 1
         for seq in seqs:
@@ -139,29 +139,64 @@ class Scheduler:
             if seq.finished or not seq.in_prefill:
                 continue
             assert seq.cache is not None
-            room = (len(seq.cache.pages) + len(self.cache._free_pages)) * page
+            room = (len(seq.cache.pages) + self.cache.free_pages) * page
             end = min(seq.prefill_len, seq.num_cached + budget, room)
+            if end == seq.prefill_len and self._split_last(seq):
+                end -= 1  # the state before the last token becomes a checkpoint (engine._prefilled)
             if end <= seq.num_cached:
                 continue
             self.cache.reserve(seq.cache, end)
             plan.prefills.append(PrefillChunk(seq, seq.num_cached, end))
             budget -= end - seq.num_cached
 
+    def _split_last(self, seq: Sequence) -> bool:
+        """Whether the prompt's last token goes in a chunk of its own: with the prefix cache, a long
+        prompt is checkpointed one token before its end, so that sending it again (a regenerated
+        answer, a retried request) finds all but that token cached; short prompts skip the extra
+        step (it costs one decode step of time to the first token)."""
+        prefix = self.cache.prefix
+        return (prefix is not None and seq.prefill_len >= prefix.split_min
+                and seq.num_cached < seq.prefill_len - 1)
+
     def _admit(self) -> None:
-        """Move waiting sequences to running while a slot and their prompt's pages are free."""
-        free = len(self.cache._free_pages) - sum(self.pages_for(s, s.prefill_len + 1)
-                                                  for s in self.running if s.in_prefill and not s.finished)
+        """Move waiting sequences to running while a slot and their prompt's pages are free; a
+        prompt that repeats a cached prefix starts after it (prefix_cache.py)."""
+        free = self.cache.free_pages - sum(self.pages_for(s, s.prefill_len + 1)
+                                           for s in self.running if s.in_prefill and not s.finished)
+        prefix = self.cache.prefix
         while self.waiting and self.cache.num_free_slots and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            tokens, keys = seq.tokens(seq.prefill_len), seq.media_keys(seq.prefill_len)
+            hit = prefix.lookup(tokens, keys, seq.prefill_len) if prefix is not None else None
             need = math.ceil((seq.prefill_len + 1) / self.cache.page_size)
+            if hit is not None:  # shared pages need none of their own, but stop being evictable
+                need += sum(page in prefix.evictable for page in hit.pages) - len(hit.pages)
             if need > free:
                 break
             self.waiting.popleft()
             if not seq.preemptions:
                 seq.started_at = time.perf_counter()  # timings count from admission, not from the queue
             seq.cache = self.cache.allocate()
+            if prefix is not None:
+                prefix.count(seq.prefill_len, hit)
+            if hit is not None:
+                self.cache.resume(seq.cache, hit)
+                seq.num_cached = hit.tokens
+                if not seq.preemptions:
+                    seq.timings.cached_tokens = hit.tokens
             self.running.append(seq)
             free -= need
+
+    def note_progress(self, seq: Sequence, checkpoint: bool = False) -> None:
+        """The sequence's tokens below min(num_cached, known tokens) are in the cache (or queued):
+        index its full pages there, and with `checkpoint` snapshot its state at num_cached."""
+        if self.cache.prefix is None or seq.cache is None:
+            return
+        known = min(seq.num_cached, seq.num_tokens)
+        tokens, keys = seq.tokens(known), seq.media_keys(known)
+        self.cache.index_pages(seq.cache, tokens, keys, known)
+        if checkpoint and known == seq.num_cached:
+            self.cache.checkpoint(seq.cache, tokens, keys, known)
 
     def _make_room(self, seq: Sequence, tokens: int, plan: StepPlan) -> bool:
         """Reserve the sequence's pages for `tokens` tokens, preempting the most recently admitted

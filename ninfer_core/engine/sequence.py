@@ -76,6 +76,16 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def tokens(self, n: int) -> list[int]:
+        """Its first n tokens (prompt, then answer)."""
+        prompt = self.prompt_ids
+        return list(prompt[:n]) if n <= len(prompt) else [*prompt, *self.output_ids[: n - len(prompt)]]
+
+    def media_keys(self, n: int) -> list[object] | None:
+        """A content key per token of the first n for a prompt with media (None: text only)."""
+        mm = self.request.multimodal
+        return None if mm is None else mm.token_keys(n)
+
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]

@@ -17,9 +17,10 @@ the order of `media`, each item's rows in prompt order).
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,7 @@ class MultimodalPrompt:
     rope_delta: int  # generated token i sits at i + rope_delta
     vision_rows: torch.Tensor  # [T] int64: row of the vision embeddings replacing the token, -1 for text
     embeddings: torch.Tensor | None = None  # [sum num_tokens, hidden] once encoded
+    _keys: list[object] | None = field(default=None, repr=False)  # token_keys of the prompt, once
 
     @classmethod
     def build(
@@ -148,6 +150,19 @@ class MultimodalPrompt:
             rope_delta=pos - len(ids),
             vision_rows=torch.from_numpy(rows),
         )
+
+    def token_keys(self, n: int) -> list[object]:
+        """What identifies each of the first n tokens beyond its id, for the prefix cache: a vision
+        row is (its item's content digest, the row within the item), so the same picture hits
+        and another one of the same size does not; text (and answer tokens past the prompt): None."""
+        if self._keys is None:
+            digests = [hashlib.blake2b(m.pixel_values.contiguous().numpy().tobytes(), digest_size=16).digest()
+                       + repr(m.grid_thw).encode() for m in self.media]
+            starts = np.cumsum([0] + [m.num_tokens for m in self.media])
+            rows = self.vision_rows.tolist()
+            items = np.searchsorted(starts, rows, side="right") - 1
+            self._keys = [None if r < 0 else (digests[i], r - int(starts[i])) for r, i in zip(rows, items.tolist())]
+        return self._keys[:n] + [None] * max(0, n - len(self._keys))
 
     @property
     def encoded(self) -> bool:
