@@ -18,10 +18,12 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import NinferError
+from .sizes import SCALE_BYTES, kv_token_bytes
 
 QUANTIZED = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 FLOAT_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCALE_DTYPE = torch.float32
+assert SCALE_DTYPE.itemsize == SCALE_BYTES
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,9 @@ def kv_dtype_name(kv_dtype: torch.dtype | str) -> str:
 
 
 def _token_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype | str) -> int:
-    """k + v of one token in one layer, scales included."""
-    if isinstance(kv_dtype, str):
-        return 2 * num_kv_heads * (head_dim * QUANTIZED[kv_dtype].itemsize + SCALE_DTYPE.itemsize)
-    return 2 * num_kv_heads * head_dim * kv_dtype.itemsize
+    """k + v of one token in one layer, scales included (sizes.kv_token_bytes for a resolved dtype)."""
+    storage = QUANTIZED[kv_dtype] if isinstance(kv_dtype, str) else kv_dtype
+    return kv_token_bytes(num_kv_heads, head_dim, storage.itemsize, scaled=isinstance(kv_dtype, str))
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> int:

@@ -15,7 +15,8 @@ import torch
 from ..config import ModelConfig
 from ..errors import ContextLengthError, NinferError
 from .kv_pool import KVPool
-from .state_pool import StatePool, StateSnapshot, gdn_conv_dim
+from .sizes import gdn_conv_dim
+from .state_pool import StatePool, StateSnapshot
 
 DEFAULT_PAGE_SIZE = 16
 
