@@ -112,6 +112,8 @@ class ChatTemplate:
             return template.render(**variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template ({self.origin}): {exc}") from exc
+        except (TypeError, ValueError, KeyError, IndexError) as exc:  # a conversation shape the template cannot take
+            raise ChatTemplateError(f"chat template ({self.origin}) cannot render these messages: {exc}") from exc
 
     def _compile(self, name: str) -> jinja2.Template:
         if name not in self._compiled:
