@@ -6,7 +6,7 @@ them, the TUI wizard its own widgets).
 """
 
 from .aliases import ALIASES, Alias, alias_for_repo, resolve_alias
-from .catalog import CatalogModel, LocalModels, catalog, find_model, locate
+from .catalog import CatalogModel, LocalModels, find_model, list_models, locate
 from .errors import HubError, HubOfflineError, IntegrityError, ModelNotFoundError, PullCancelled
 from .events import Done, Event, EventCallback, Failed, FileStarted, FileVerified, Progress, PullStarted, Retry
 from .estimate import fit_for
@@ -18,7 +18,7 @@ from .verify import FileCheck, VerifyReport, verify
 
 __all__ = [
     "ALIASES", "Alias", "alias_for_repo", "resolve_alias",
-    "CatalogModel", "LocalModels", "catalog", "find_model", "locate",
+    "CatalogModel", "LocalModels", "find_model", "list_models", "locate",
     "HubError", "HubOfflineError", "IntegrityError", "ModelNotFoundError", "PullCancelled",
     "Done", "Event", "EventCallback", "Failed", "FileStarted", "FileVerified", "Progress", "PullStarted", "Retry",
     "fit_for", "FitEstimate", "GpuMemory", "count_params", "estimate_fit", "local_gpu",

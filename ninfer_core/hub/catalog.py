@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ..config import ModelConfig, load_config
 from ..errors import ModelLoadError, NinferError
 from ..home import ninfer_home
 from ..models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from .aliases import resolve_alias
 from .registry import ModelEntry, Registry, resolve_local
+from .summary import ModelSummary, summarize_checkpoint, summarize_gguf
 
 Source = Literal["pulled", "local", "embedded"]
 
@@ -39,12 +41,59 @@ class CatalogModel:
     def answers_to(self, spec: str) -> bool:
         return spec.lower() in (n.lower() for n in self.names)
 
+    def summary(self) -> ModelSummary | None:
+        """Architecture, quantization, context, parameters (None when ninfer cannot read the model)."""
+        if self.entry is not None:
+            return self.entry.summary
+        return cached_summary(self.path)
+
     def disk_bytes(self) -> int:
         if self.entry is not None:
             return self.entry.disk_bytes()
         if self.path.is_file():
             return self.path.stat().st_size
         return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file()) if self.path.is_dir() else 0
+
+
+def cached_summary(path: Path, cache_file: Path | None = None) -> ModelSummary | None:
+    """A local model's summary, kept in `$NINFER_HOME/model_summaries.json` while the file (or the
+    directory's config.json) is unchanged: reading a GGUF header takes about a second, and `ninfer ls`
+    should not pay it on every call. None when ninfer cannot read the model."""
+    cache_file = cache_file or ninfer_home() / "model_summaries.json"
+    try:
+        stat = (path if path.is_file() else path / "config.json").stat()
+    except OSError:
+        return None
+    stamp = [stat.st_size, stat.st_mtime_ns]
+    try:
+        cache = json.loads(cache_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cache = {}
+    hit = cache.get(str(path)) if isinstance(cache, dict) else None
+    if isinstance(hit, dict) and hit.get("stamp") == stamp:
+        return ModelSummary.from_json(hit["summary"])
+    try:
+        summary = summarize_gguf(path) if path.is_file() else summarize_checkpoint(path)
+    except (NinferError, OSError, ValueError):
+        return None
+    cache = {**(cache if isinstance(cache, dict) else {}), str(path): {"stamp": stamp, "summary": summary.to_json()}}
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache), encoding="utf-8")
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass  # a read-only home: no cache, the answer is still right
+    return summary
+
+
+def model_config(path: Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory (config.json) or a GGUF file (its metadata)."""
+    if path.is_file():
+        from ..weights.gguf_reader import open_gguf
+
+        return open_gguf(path).config
+    return load_config(path)
 
 
 def looks_like_path(spec: str) -> bool:
@@ -121,7 +170,7 @@ def embedded_model() -> CatalogModel | None:
     return CatalogModel(DEFAULT_MODEL_NAME, path, "embedded", other_names=(path.stem,))
 
 
-def catalog(registry: Registry | None = None, local: LocalModels | None = None) -> list[CatalogModel]:
+def list_models(registry: Registry | None = None, local: LocalModels | None = None) -> list[CatalogModel]:
     """Pulled models (ready ones), then local ones, then the embedded model."""
     models = [CatalogModel(e.display_name, e.path, "pulled", tuple(dict.fromkeys(n for n in (e.key, e.repo_id)
                                                                                  if n != e.display_name)), e)
@@ -133,7 +182,7 @@ def catalog(registry: Registry | None = None, local: LocalModels | None = None) 
 
 def find_model(spec: str, models: list[CatalogModel] | None = None) -> CatalogModel | None:
     """The model answering to `spec` (any of its names, case-insensitive; an alias of a pulled one)."""
-    models = catalog() if models is None else models
+    models = list_models() if models is None else models
     alias = resolve_alias(spec.partition("@")[0])
     wanted = [spec, alias.repo_id] if alias else [spec]
     return next((m for w in wanted for m in models if m.answers_to(w)), None)
@@ -149,7 +198,7 @@ def locate(spec: str) -> Path:
     pulled = resolve_local(spec)  # (refuses a pulled model with missing or damaged files)
     if pulled is not None:
         return pulled
-    found = find_model(spec, [m for m in catalog() if m.source != "pulled"])
+    found = find_model(spec, [m for m in list_models() if m.source != "pulled"])
     if found is not None:
         if not found.path.exists():
             raise ModelLoadError(f"{spec}: its path {found.path} is gone (`ninfer rm {found.name}` forgets it)")
