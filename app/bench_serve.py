@@ -55,7 +55,8 @@ class BenchRequest:
     ignore_eos: bool = False
 
     def body(self, sampling: dict[str, Any], seed: int | None) -> tuple[str, dict[str, Any]]:
-        common = {"model": "bench", "max_tokens": self.max_tokens, "stream": True, "ignore_eos": self.ignore_eos,
+        # no "model": the server's startup model (a name it does not serve would be a 404)
+        common = {"max_tokens": self.max_tokens, "stream": True, "ignore_eos": self.ignore_eos,
                   "stream_options": {"include_usage": True}, "seed": seed, **sampling}
         if self.messages is not None:
             return "/v1/chat/completions", {**common, "messages": self.messages,

@@ -16,7 +16,7 @@ import typer
 from ninfer_core import __version__
 from ninfer_core.errors import NinferError
 
-from . import bench_serve, chat_cli, models_cli, serve_cli
+from . import bench_serve, chat_cli, models_cli, ps_cli, serve_cli
 from .engine_flags import (
     KvCapacityOpt,
     KvDtypeOpt,
@@ -287,6 +287,7 @@ def bench(
 
 models_cli.register(cli)
 serve_cli.register(cli)
+ps_cli.register(cli)
 bench_serve.register(bench_app)
 chat_cli.register(cli)
 cli.add_typer(bench_app, name="bench")

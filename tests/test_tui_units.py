@@ -23,6 +23,7 @@ from ninfer_app.tui.store import HistoryStore
 from ninfer_app.tui.streaming import DeltaBuffer
 from ninfer_app.tui.widgets.gauge import gauge_text
 from ninfer_app.tui.widgets.live_panel import spec_text
+from ninfer_core.capabilities import Capabilities
 from ninfer_core.chat.output_parser import ContentDelta, ReasoningDelta
 from ninfer_core.engine.llm_engine import EngineStats
 from ninfer_core.engine.request import SpecStats
@@ -134,7 +135,8 @@ def test_api_messages_system_media_and_failed_turns(tmp_path):
 
 
 def test_client_snippets_point_at_the_server():
-    out = {s.client: s for s in snippets("http://127.0.0.1:8080", "sk-1", "qwen", 32768)}
+    out = {s.client: s for s in snippets("http://127.0.0.1:8080", "sk-1", "qwen", 32768,
+                                         Capabilities(tools=True, vision=False, thinking=True))}
     assert list(out) == ["Continue", "Zed", "VS Code", "aider"]
     assert "apiBase: http://127.0.0.1:8080/v1" in out["Continue"].text and "apiKey: sk-1" in out["Continue"].text
     assert "contextLength: 32768" in out["Continue"].text and "maxTokens: 8192" in out["Continue"].text
@@ -144,6 +146,18 @@ def test_client_snippets_point_at_the_server():
     assert vscode["apiKey"] == "sk-1" and vscode["models"][0]["url"] == "http://127.0.0.1:8080/v1/chat/completions"
     assert vscode["models"][0]["maxInputTokens"] + vscode["models"][0]["maxOutputTokens"] == 32768
     assert out["aider"].text == "aider --model openai/qwen --openai-api-base http://127.0.0.1:8080/v1 --openai-api-key sk-1"
+    assert "capabilities: [tool_use]" in out["Continue"].text and vscode["models"][0]["toolCalling"] is True
+
+
+def test_client_snippets_advertise_only_what_the_model_supports():
+    """Issue 17 item 5: a model whose template drops tools must not be offered to editors as a tool user."""
+    out = {s.client: s for s in snippets("http://h:1", "k", "smol", 8192,
+                                         Capabilities(tools=False, vision=True, thinking=False))}
+    assert "capabilities: [image_input]" in out["Continue"].text and "tool_use" not in out["Continue"].text
+    zed = json.loads(out["Zed"].text)["language_models"]["openai_compatible"]["ninfer"]["available_models"][0]
+    assert zed["capabilities"]["tools"] is False and zed["capabilities"]["images"] is True
+    vscode = json.loads(out["VS Code"].text)[0]["models"][0]
+    assert (vscode["toolCalling"], vscode["vision"], vscode["thinking"]) == (False, True, False)
 
 
 def test_keymap_file(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,16 @@ _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 class ChatTemplateError(NinferError):
     """A template that does not compile, or a conversation the template rejects."""
+
+
+class ToolsNotSupportedError(ChatTemplateError):
+    """Tools were given, but the template leaves them out of the prompt: the model would never see them."""
+
+
+_PROBE_TOOL_NAME = "ninfer_probe_tool"
+_PROBE_TOOL = {"type": "function", "function": {"name": _PROBE_TOOL_NAME, "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 class _GenerationTag(Extension):
@@ -95,7 +106,35 @@ class ChatTemplate:
         preserve_thinking: bool = False,
         **kwargs: Any,
     ) -> str:
-        """The prompt text; `kwargs` reach the template as extra variables (chat_template_kwargs)."""
+        """The prompt text; `kwargs` reach the template as extra variables (chat_template_kwargs).
+        Tools the template would drop are refused (ToolsNotSupportedError), never lost silently."""
+        if tools and not self.supports_tools:
+            raise ToolsNotSupportedError(f"this model's chat template ({self.origin}) has no place for tools, so the "
+                                         "model cannot call them; send the request without tools")
+        return self._render(messages, tools, add_generation_prompt, enable_thinking, preserve_thinking, **kwargs)
+
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the template writes the tools into the prompt (checked by rendering a probe tool)."""
+        try:
+            return _PROBE_TOOL_NAME in self._render(_PROBE_MESSAGES, [_PROBE_TOOL])
+        except ChatTemplateError:
+            return False
+
+    @cached_property
+    def supports_thinking(self) -> bool:
+        """Whether the model reasons in <think> blocks (its template knows them or the thinking switch)."""
+        return any("<think>" in t or "enable_thinking" in t for t in self.templates.values())
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = True,
+        preserve_thinking: bool = False,
+        **kwargs: Any,
+    ) -> str:
         name = "tool_use" if tools and "tool_use" in self.templates else "default"
         template = self._compile(name)
         variables = {
