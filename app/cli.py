@@ -122,7 +122,10 @@ def _check_files(paths: list[Path], flag: str) -> None:
             raise NinferError(f"{flag} {path}: no such file")
 
 
-def _stats_line(llm, r, threads: int) -> str:
+def _stats_line(llm, r) -> str:
+    """The statistics line on stderr; on the CPU it names the threads in force (torch's own count)."""
+    import torch
+
     t = r.timings
     spec_line = ""
     if r.spec is not None:
@@ -130,6 +133,7 @@ def _stats_line(llm, r, threads: int) -> str:
         spec_line = (f" | spec {s.method} K={s.draft_tokens}: {s.accepted}/{s.drafted} accepted "
                      f"({100 * s.acceptance_rate:.1f}%), {s.tokens_per_round:.2f} tok/round")
     device = llm.loaded.device
+    threads = torch.get_num_threads()
     where = f"{threads} thread{'s' if threads != 1 else ''}" if device.type == "cpu" else str(device)
     return (f"[{llm.name}, {where}] prompt {len(r.prompt_token_ids)} tok, prefill {t.prefill_tok_s:.1f} tok/s | "
             f"{len(r.token_ids)} tok, decode {t.decode_tok_s:.1f} tok/s{spec_line} | finish: {r.finish_reason}")
@@ -185,7 +189,7 @@ def run(
                                 chat_template=chat_template, vision=vision, spec=spec, draft_tokens=draft_tokens,
                                 draft_model=draft_model, adaptive_draft=adaptive_draft)
         check_engine_options(options)
-        used_threads = apply_threads(threads)
+        apply_threads(threads)
         if messages is not None and (prompt is not None or prompt_arg is not None):
             raise NinferError("give a prompt or --messages, not both")
         if prompt is None and prompt_arg is None and model is not None and " " in model and not Path(model).exists():
@@ -226,7 +230,7 @@ def run(
                                  ensure_ascii=False))
             elif isinstance(event, ChatFinished):
                 print()
-                typer.secho(_stats_line(llm, event.result, used_threads), err=True, dim=True)
+                typer.secho(_stats_line(llm, event.result), err=True, dim=True)
     except NinferError as e:
         fail(str(e))
 

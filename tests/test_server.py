@@ -463,7 +463,7 @@ def test_error_inside_a_stream_is_an_error_event(model):
 
 def test_ninfer_serve_command(model, tmp_path):
     env = {**os.environ, "NINFER_PORT": "0", "NINFER_DEVICE": "cpu", "NINFER_MAX_CONTEXT": "128",
-           "NINFER_API_KEY": "k", "NINFER_WEIGHTS": "bf16", "NINFER_HOME": str(tmp_path)}
+           "NINFER_API_KEY": "k", "NINFER_WEIGHTS": "bf16", "NINFER_HOME": str(tmp_path), "NINFER_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "ninfer_app", "serve", str(model[0])], env=env,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -475,6 +475,8 @@ def test_ninfer_serve_command(model, tmp_path):
         assert served.id == model[0].name and served.max_model_len == 128  # NINFER_MAX_CONTEXT reached the engine
         r = client.chat.completions.create(model=served.id, messages=HI, max_tokens=2, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 2
+        ps = httpx.get(url + "/api/ps", headers={"Authorization": "Bearer k"}).json()
+        assert ps["threads"] == 1 and [m["name"] for m in ps["models"]] == [served.id]  # NINFER_THREADS applied
         ready = proc.stderr.readline()  # the startup report: capacity, formats
         assert "ready (context 128 tokens" in ready and "weights float32" in ready and "KV fp32 1,024 tokens" in ready, ready
         assert "CUDA graphs off" in ready
