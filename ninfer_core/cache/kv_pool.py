@@ -12,8 +12,10 @@ never need rescaling and truncation stays pure bookkeeping.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..config import ModelConfig
@@ -77,6 +79,20 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str | torch.dtype | None, 
     return len(config.full_attention_layers) * _token_bytes(config.num_kv_heads, config.head_dim, kind)
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros that take memory only where written, on the CPU.
+
+    A CPU pool sized for max_context x sequences (3 GB of fp32 KV for SmolLM2 serving 8 x 8192
+    tokens) would otherwise be resident from the start. numpy's zeros come from calloc, which for
+    large blocks maps fresh pages the OS zero-fills on first touch, and pages are handed out low ids
+    first, so the memory in use follows the longest load seen, not the capacity. GPU pools are
+    plain torch.zeros (the GPU has no such pages)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 class KVPool:
     def __init__(
         self,
@@ -97,8 +113,8 @@ class KVPool:
         self.dtype_name = kv_dtype_name(kind)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         storage = QUANTIZED[kind] if isinstance(kind, str) else kind
-        self.k = {i: torch.zeros(shape, dtype=storage, device=device) for i in self.layers}
-        self.v = {i: torch.zeros(shape, dtype=storage, device=device) for i in self.layers}
+        self.k = {i: lazy_zeros(shape, storage, device) for i in self.layers}
+        self.v = {i: lazy_zeros(shape, storage, device) for i in self.layers}
         self.k_scale: dict[int, torch.Tensor] = {}
         self.v_scale: dict[int, torch.Tensor] = {}
         if isinstance(kind, str):
