@@ -148,6 +148,6 @@ def test_cpu_kv_pages_take_memory_only_once_written():
                   device="cpu")
     assert pool.nbytes == 2**30
     assert _rss() - before < 64 << 20  # 1 GiB of pages, almost none of it resident
-    pool.k[0][:64] = 1.0  # what the first 1024 tokens of a sequence write (32 MiB)
-    assert _rss() - before >= 32 << 20
+    pool.k[0][:64] = 1.0  # the K pages of a 1024-token sequence in one layer: 4 MiB
+    assert _rss() - before >= 3 << 20
     assert pool.k[0][63].eq(1).all() and pool.k[0][64].eq(0).all() and pool.v[1][4095].eq(0).all()
