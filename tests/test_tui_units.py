@@ -3,7 +3,6 @@ completion, the live-stats sampler, the remote client's request body, and the de
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import threading
@@ -11,7 +10,7 @@ import threading
 import pytest
 
 from ninfer_app.tui import paths
-from ninfer_app.tui.commands import PromptSuggester, complete_path, parse_command
+from ninfer_app.tui.commands import complete_path, complete_prompt, parse_command
 from ninfer_app.tui.conversation import Chat, Message, api_messages, check_media, media_kind
 from ninfer_app.tui.export import chat_markdown
 from ninfer_app.tui.keymap import KEYS, load_keymap
@@ -186,8 +185,8 @@ def test_commands_and_completion(tmp_path):
     assert complete_path(f"{tmp_path}/photos/ca") is None  # cat / car: nothing longer in common
     assert complete_path(f"{tmp_path}/photos/cat") == f"{tmp_path}/photos/cat.png"
     assert complete_path(f"{tmp_path}/none") is None
-    suggest = PromptSuggester(lambda command: ["qwen3.5-0.8b", "qwen3.6-27b"] if command == "model" else [])
-    ask = lambda value: asyncio.run(suggest.get_suggestion(value))  # noqa: E731
+    choices = lambda command: ["qwen3.5-0.8b", "qwen3.6-27b"] if command == "model" else []  # noqa: E731
+    ask = lambda value: complete_prompt(value, choices)  # noqa: E731
     assert ask("/mo") == "/model " and ask("/model qwen3.6") == "/model qwen3.6-27b"
     assert ask("/think of") == "/think off" and ask(f"/image {tmp_path}/photos/cat") == f"/image {tmp_path}/photos/cat.png"
     assert ask("hello") is None and ask("/zzz") is None

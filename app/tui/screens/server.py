@@ -53,7 +53,7 @@ class ServerScreen(Screen):
                         with VerticalScroll(classes="snippet-scroll"):
                             yield Static(snippet.text, markup=False, id=f"snippet-{i}", classes="snippet")
             yield Label("Request log", classes="panel-title")
-            yield RichLog(id="server-log", max_lines=200)
+            yield RichLog(id="server-log", max_lines=200, wrap=True, min_width=20)
         yield Footer()
 
     def on_mount(self) -> None:
