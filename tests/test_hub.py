@@ -48,7 +48,7 @@ from ninfer_core.hub import (
     verify,
 )
 from ninfer_core.hub.fit import DEFAULT_CONTEXT, RUNTIME_RESERVE_BYTES, gdn_state_bytes, kv_bytes_per_token
-from ninfer_core.hub.pull import parse_spec
+from ninfer_core.hub.pulling import parse_spec
 
 REPO = "org/tiny-qwen3"
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
