@@ -292,6 +292,7 @@ def show_command(
     """A model's config summary, files with hashes, and whether it fits the local GPU."""
     from ninfer_core import hub
     from ninfer_core.hub.catalog import check_model_path, looks_like_path, model_config
+    from ninfer_core.hub.estimate import model_fit
     from ninfer_core.hub.fit import check_choices
 
     try:
@@ -311,9 +312,13 @@ def show_command(
         fail(str(e))
     entry = found.entry if found is not None else None
     try:  # a model ninfer cannot parse still shows its files
-        cfg = model_config(found.path) if found is not None else alias.config
-        estimate = hub.fit_for(str(found.path) if found is not None and entry is None else model, quant, context,
-                               kv_dtype, sequences, gpu=hub.local_gpu(), registry=registry)
+        gpu = hub.local_gpu()
+        if found is not None:
+            cfg = model_config(found.path)
+            estimate = model_fit(found, quant, context, kv_dtype, sequences, gpu, config=cfg)
+        else:
+            cfg = alias.config
+            estimate = hub.estimate_fit(cfg, quant or alias.quantization, context, kv_dtype, sequences, gpu)
         unavailable = None
     except NinferError as e:
         cfg = estimate = None

@@ -11,16 +11,8 @@ from .aliases import resolve_alias
 from .catalog import CatalogModel, find_model, list_models, model_config
 from .errors import HubError, ModelNotFoundError
 from .fit import WEIGHT_BYTES, FitEstimate, GpuMemory, estimate_fit
-from .registry import ModelEntry, Registry
+from .registry import Registry
 from .summary import checkpoint_quantization
-
-
-def entry_config(entry: ModelEntry) -> ModelConfig:
-    """The ModelConfig of a pulled model (config.json, or the GGUF metadata)."""
-    try:
-        return model_config(entry.path)
-    except NinferError as e:
-        raise HubError(f"{entry.key}: no memory estimate ({e})") from None
 
 
 def fit_for(
@@ -32,9 +24,7 @@ def fit_for(
     gpu: GpuMemory | None = None,
     registry: Registry | None = None,
 ) -> FitEstimate:
-    """Estimate for a pulled model, an alias, a local or the embedded model, or a path. Quantization
-    defaults to the checkpoint's own; a GGUF file's weights count at their size on disk unless
-    another quantization is asked for."""
+    """Estimate for a pulled model, an alias, a local or the embedded model, or a path."""
     registry = registry or Registry()
     try:
         entry = registry.find(spec)
@@ -46,18 +36,23 @@ def fit_for(
         found = CatalogModel(path.name, path, "local") if path.exists() else find_model(spec, list_models(registry))
         if found is None:
             raise
-        summary = found.summary()
+        return model_fit(found, quantization, context, kv_dtype, sequences, gpu)
+    return model_fit(CatalogModel(entry.display_name, entry.path, "pulled", entry=entry), quantization, context,
+                     kv_dtype, sequences, gpu)
+
+
+def model_fit(model: CatalogModel, quantization: str | None = None, context: int | None = None,
+              kv_dtype: str = "bf16", sequences: int = 1, gpu: GpuMemory | None = None,
+              config: ModelConfig | None = None) -> FitEstimate:
+    """Estimate for a model on disk (`config`: its ModelConfig when already read). Quantization
+    defaults to the checkpoint's own; a GGUF file's weights count at their size on disk unless
+    another quantization is asked for."""
+    if config is None:
         try:
-            cfg = model_config(found.path)
+            config = model_config(model.path)
         except NinferError as e:
-            raise HubError(f"{spec}: no memory estimate ({e})") from None
-        own = summary.quantization if summary else checkpoint_quantization(cfg)
-        return _estimate(cfg, found.path, quantization or own, context, kv_dtype, sequences, gpu)
-    own = entry.summary.quantization if entry.summary else "bf16"
-    return _estimate(entry_config(entry), entry.path, quantization or own, context, kv_dtype, sequences, gpu)
-
-
-def _estimate(cfg: ModelConfig, path: Path, quantization: str, context: int | None, kv_dtype: str, sequences: int,
-              gpu: GpuMemory | None) -> FitEstimate:
-    weight_bytes = path.stat().st_size if path.is_file() and quantization not in WEIGHT_BYTES else None
-    return estimate_fit(cfg, quantization, context, kv_dtype, sequences, gpu, weight_bytes=weight_bytes)
+            raise HubError(f"{model.name}: no memory estimate ({e})") from None
+    summary = model.summary()
+    quantization = quantization or (summary.quantization if summary else checkpoint_quantization(config))
+    gguf_size = model.path.stat().st_size if model.path.is_file() and quantization not in WEIGHT_BYTES else None
+    return estimate_fit(config, quantization, context, kv_dtype, sequences, gpu, weight_bytes=gguf_size)
