@@ -178,10 +178,12 @@ def run(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
 ) -> None:
     """Answer one prompt (`ninfer run MODEL "PROMPT"`, --prompt, stdin, or --messages), streaming the answer."""
+    import torch
+
     from ninfer_core.chat.output_parser import ContentDelta, ReasoningDelta, ToolCallEnd
     from ninfer_core.engine.sampling import SamplingParams
     from ninfer_core.llm import LLM, ChatFinished, ChatRequest, EngineOptions
-    from ninfer_core.threads import apply_threads
+    from ninfer_core.threads import apply_threads, busy_hint
 
     try:
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
@@ -231,6 +233,9 @@ def run(
             elif isinstance(event, ChatFinished):
                 print()
                 typer.secho(_stats_line(llm, event.result), err=True, dim=True)
+                hint = busy_hint(torch.get_num_threads()) if llm.loaded.device.type == "cpu" else None
+                if hint:
+                    typer.secho(hint, err=True, dim=True)
     except NinferError as e:
         fail(str(e))
 

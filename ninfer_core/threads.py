@@ -81,6 +81,22 @@ def resolve_threads(threads: int | None) -> int:
     return threads
 
 
+def busy_hint(threads: int, load: float | None = None, cpus: int | None = None) -> str | None:
+    """A hint when more than one thread runs on a CPU that other work keeps busy (1-minute load
+    average above the CPUs this process may use), where one thread is often several times faster."""
+    if threads <= 1:
+        return None
+    if load is None:
+        if not hasattr(os, "getloadavg"):
+            return None
+        load = os.getloadavg()[0]
+    cpus = cpus or len(usable_cpus())
+    if load <= cpus:
+        return None
+    return (f"hint: the CPU is busy (load {load:.1f} on {cpus} CPUs): with --threads 1 (or {ENV}=1) decoding is "
+            f"often several times faster")
+
+
 def apply_threads(threads: int | None) -> int:
     """Set torch's intra-op threads (process-wide) and return the number in force."""
     import torch

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ninfer_core.threads import cpu_quota, default_threads, physical_cores
+from ninfer_core.threads import busy_hint, cpu_quota, default_threads, physical_cores
 from tiny_model_dir import write_tiny_model_dir
 
 GREEDY = ("--max-tokens", "3", "--temperature", "0", "--device", "cpu")
@@ -77,6 +77,8 @@ def test_default_threads_are_the_physical_cores_under_the_cpu_quota(tmp_path):
     assert cpu_quota(v2, v1) is None
     assert cpu_quota(tmp_path / "none", v1) is None
     assert 1 <= default_threads() <= (os.cpu_count() or 1)
+    assert "--threads 1" in busy_hint(2, load=3.1, cpus=2) and busy_hint(2, load=1.5, cpus=2) is None
+    assert busy_hint(1, load=9.0, cpus=2) is None  # one thread already
 
 
 def test_threads_flag_and_environment_are_applied(model_dir):
