@@ -40,8 +40,7 @@ class ToolsNotSupportedError(ChatTemplateError):
     """Tools were given, but the template leaves them out of the prompt: the model would never see them."""
 
 
-_PROBE_TOOL_NAME = "ninfer_probe_tool"
-_PROBE_TOOL = {"type": "function", "function": {"name": _PROBE_TOOL_NAME, "description": "probe",
+_PROBE_TOOL = {"type": "function", "function": {"name": "ninfer_probe_tool", "description": "probe",
                                                 "parameters": {"type": "object", "properties": {}}}}
 _PROBE_MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -111,33 +110,7 @@ class ChatTemplate:
         if tools and not self.supports_tools:
             raise ToolsNotSupportedError(f"this model's chat template ({self.origin}) has no place for tools, so the "
                                          "model cannot call them; send the request without tools")
-        return self._render(messages, tools, add_generation_prompt, enable_thinking, preserve_thinking, **kwargs)
-
-    @cached_property
-    def supports_tools(self) -> bool:
-        """Whether the template writes the tools into the prompt (checked by rendering a probe tool)."""
-        try:
-            return _PROBE_TOOL_NAME in self._render(_PROBE_MESSAGES, [_PROBE_TOOL])
-        except ChatTemplateError:
-            return False
-
-    @cached_property
-    def supports_thinking(self) -> bool:
-        """Whether the model reasons in <think> blocks (its template knows them or the thinking switch)."""
-        return any("<think>" in t or "enable_thinking" in t for t in self.templates.values())
-
-    def _render(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        enable_thinking: bool = True,
-        preserve_thinking: bool = False,
-        **kwargs: Any,
-    ) -> str:
-        name = "tool_use" if tools and "tool_use" in self.templates else "default"
-        template = self._compile(name)
-        variables = {
+        return self._run({
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             **kwargs,
@@ -146,7 +119,27 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
             "enable_thinking": enable_thinking,
             "preserve_thinking": preserve_thinking,
-        }
+        })
+
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the template puts tools into the prompt: a probe conversation renders differently
+        with a tool than without."""
+        probe = {"bos_token": self.bos_token, "eos_token": self.eos_token, "messages": _PROBE_MESSAGES,
+                 "add_generation_prompt": True}
+        try:
+            return self._run({**probe, "tools": [_PROBE_TOOL]}) != self._run({**probe, "tools": None})
+        except ChatTemplateError:
+            return False
+
+    @cached_property
+    def supports_thinking(self) -> bool:
+        """Whether the model reasons in <think> blocks (its template knows them or the thinking switch)."""
+        return any("<think>" in t or "enable_thinking" in t for t in self.templates.values())
+
+    def _run(self, variables: dict[str, Any]) -> str:
+        """The template (its `tool_use` variant when tools are given and it has one) over `variables`."""
+        template = self._compile("tool_use" if variables["tools"] and "tool_use" in self.templates else "default")
         try:
             return template.render(**variables)
         except jinja2.TemplateError as exc:
