@@ -9,8 +9,9 @@ in flight get an error).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -29,6 +30,9 @@ from .engine_flags import (
 )
 from .output import fail
 from .tui.settings import default_model
+
+if TYPE_CHECKING:
+    from ninfer_core.llm import EngineOptions
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 
@@ -52,6 +56,18 @@ def parse_keep_alive(value: str) -> float | None:
     if seconds < 0:
         raise NinferError(f"--keep-alive must not be negative (use -1 for forever), got '{value}'")
     return seconds
+
+
+def on_demand_options(options: EngineOptions, spec: str) -> EngineOptions:
+    """The engine options of a model loaded on demand: the startup model's, without what belongs to
+    that model alone (its chat template, its drafter) and with --max-context capped at the model's
+    own limit (a 32k flag must not refuse an 8k model)."""
+    from ninfer_core.hub.catalog import locate, model_config
+
+    other = replace(options, chat_template=None, spec=None, draft_tokens=None, draft_model=None, adaptive_draft=False)
+    if other.max_context is not None:
+        other = replace(other, max_context=min(other.max_context, model_config(locate(spec)).max_position_embeddings))
+    return other
 
 
 def startup_model(spec: str | None) -> tuple[str, str]:
@@ -102,7 +118,8 @@ def serve(
     weights: Annotated[str, typer.Option(help=WEIGHTS_HELP, envvar=_env("WEIGHTS"))] = "auto",
     prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill chunk in tokens (default 4096 GPU, 1024 CPU).",
                                                          envvar=_env("PREFILL_CHUNK"))] = None,
-    chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file to use instead.",
+    chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file for the startup model "
+                                                               "(it, --spec and the draft flags apply to it alone).",
                                                           envvar=_env("CHAT_TEMPLATE"))] = None,
     model_name: Annotated[Optional[str], typer.Option(help="Name of the startup model for clients (default: its "
                                                            "name in `ninfer ls`, or its directory / file name).",
@@ -170,7 +187,8 @@ def serve(
                                     media_fetch=MediaFetchLimits(timeout_s=media_timeout,
                                                                  allow_private_urls=allow_private_media_urls),
                                     names=CatalogNames(startup=(name, spec)),
-                                    loader=lambda other: LLM.load(other, options), pool_options=pool)
+                                    loader=lambda other: LLM.load(other, on_demand_options(options, other)),
+                                    pool_options=pool)
     except NinferError as e:
         fail(str(e))
     typer.secho(f"ninfer: listening on {handle.url} (OpenAI base URL {handle.url}/v1); loading the model...",
