@@ -69,12 +69,13 @@ def ps_command(host: HostOpt = "127.0.0.1", port: PortOpt = 8080, api_key: KeyOp
         typer.secho("no model loaded", err=True)
         return
     table = Table(box=None, header_style="bold")
-    for column in ("NAME", "DEVICE", "MEMORY", "WEIGHTS", "KV CACHE", "CONTEXT", "REQUESTS", "UNLOADS"):
+    for column in ("NAME", "DEVICE", "MEMORY", "WEIGHTS", "KV CACHE (IN USE / SIZE)", "CONTEXT", "REQUESTS",
+                   "UNLOADS"):
         table.add_column(column, no_wrap=True)
     for m in models:
-        table.add_row(m["name"], m["device"], human_bytes(m["memory_bytes"]), human_bytes(m["weight_bytes"]),
-                      human_bytes(m["kv_bytes"] + m["state_bytes"]), f"{m['context_length']:,}", str(m["requests"]),
-                      _until(m["expires_at"]))
+        kv = f"{human_bytes(m['kv_resident_bytes'])} / {human_bytes(m['kv_bytes'])}"
+        table.add_row(m["name"], m["device"], human_bytes(m["memory_bytes"]), human_bytes(m["weight_bytes"]), kv,
+                      f"{m['context_length']:,}", str(m["requests"]), _until(m["expires_at"]))
     for name in data.get("loading", []):
         table.add_row(name, "-", "-", "-", "-", "-", "-", "(loading)")
     (Console() if sys.stdout.isatty() else Console(width=250)).print(table)

@@ -151,3 +151,16 @@ def test_cpu_kv_pages_take_memory_only_once_written():
     pool.k[0][:64] = 1.0  # the K pages of a 1024-token sequence in one layer: 4 MiB
     assert _rss() - before >= 3 << 20
     assert pool.k[0][63].eq(1).all() and pool.k[0][64].eq(0).all() and pool.v[1][4095].eq(0).all()
+
+
+def test_resident_kv_bytes_follow_the_highest_page_handed_out():
+    cache = make(max_tokens=64, max_seqs=3, page_size=4)  # 16 pages
+    per_page = cache.cache.kv.bytes_per_token * 4
+    assert cache.resident_kv_bytes == 0
+    a, b = cache.allocate(), cache.allocate()
+    cache.reserve(a, 8)
+    cache.reserve(b, 5)
+    assert cache.resident_kv_bytes == 4 * per_page  # pages 0-3
+    cache.free(a)
+    cache.reserve(b, 9)  # reuses a freed low page: no new memory
+    assert cache.resident_kv_bytes == 4 * per_page

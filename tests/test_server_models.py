@@ -146,8 +146,9 @@ def test_keep_alive_unloads_on_demand_models_and_max_loaded_keeps_several(home):
         beta = next(m for m in ps["models"] if m["name"] == "beta")
         alpha = next(m for m in ps["models"] if m["name"] == "alpha")
         assert alpha["expires_at"] is None and beta["expires_at"] <= time.time() + 1  # the startup model stays
-        assert beta["device"] == "cpu" and beta["memory_bytes"] == beta["weight_bytes"] + beta["kv_bytes"] + \
+        assert beta["device"] == "cpu" and beta["memory_bytes"] == beta["weight_bytes"] + beta["kv_resident_bytes"] + \
             beta["state_bytes"] > 0
+        assert 0 < beta["kv_resident_bytes"] < beta["kv_bytes"]  # CPU pages take memory once written
         wait_for(lambda: loaded(handle) == ["alpha"], timeout=20, what="beta's keep-alive to expire")
         assert chat(client, "beta").model == "beta"  # and it comes back on demand
     finally:

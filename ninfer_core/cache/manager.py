@@ -103,6 +103,7 @@ class CacheManager:
         self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._live_slots: set[int] = set()
+        self._pages_high_water = 0  # 1 + the highest page id ever handed out
 
     # -- capacity ---------------------------------------------------------------------------
 
@@ -121,6 +122,14 @@ class CacheManager:
     @property
     def kv_bytes(self) -> int:
         return self.cache.kv.nbytes
+
+    @property
+    def resident_kv_bytes(self) -> int:
+        """KV bytes in memory: all of the pool on a GPU; on the CPU, where pages take memory only
+        once written (kv_pool.lazy_zeros), at most the pages up to the highest id handed out."""
+        if self.device.type != "cpu":
+            return self.kv_bytes
+        return self.cache.kv.bytes_per_token * self.page_size * self._pages_high_water
 
     @property
     def state_bytes(self) -> int:
@@ -160,6 +169,8 @@ class CacheManager:
                 limit=available,
             )
         seq.pages.extend(self._free_pages.pop() for _ in range(needed))
+        if needed:
+            self._pages_high_water = max(self._pages_high_water, max(seq.pages[-needed:]) + 1)
 
     def truncate(self, seq: SequenceCache, num_tokens: int) -> None:
         """Release the pages beyond the first `num_tokens` tokens (GDN state: use snapshot/restore)."""

@@ -32,13 +32,17 @@ def model_card(pool: ModelPool, name: str) -> dict[str, Any]:
 
 
 def resident_json(resident: Resident, keep_alive_s: float | None) -> dict[str, Any]:
+    """A loaded model for `ninfer ps`: memory is weights + the KV in memory (on the CPU, what has been
+    written; `kv_bytes` is the pool's capacity) + GDN state."""
     service = resident.service
     engine = service.stats().engine
-    state_bytes = service.engine.cache.state_bytes
+    cache = service.engine.cache
+    kv_resident, state_bytes = cache.resident_kv_bytes, cache.state_bytes
     return {
         "name": resident.name, "device": str(service.llm.loaded.device), "weights": engine.weights,
-        "weight_bytes": engine.weight_bytes, "kv_bytes": engine.kv_bytes, "state_bytes": state_bytes,
-        "memory_bytes": engine.weight_bytes + engine.kv_bytes + state_bytes, "context_length": service.context_limit,
+        "weight_bytes": engine.weight_bytes, "kv_bytes": engine.kv_bytes, "kv_resident_bytes": kv_resident,
+        "state_bytes": state_bytes, "memory_bytes": engine.weight_bytes + kv_resident + state_bytes,
+        "context_length": service.context_limit,
         "loaded_at": resident.loaded_at, "last_used": resident.last_used,
         "expires_at": resident.expires_at(keep_alive_s), "requests": resident.leases,
     }
