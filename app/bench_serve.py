@@ -28,12 +28,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
-import httpx
 import typer
 
 from .output import fail
+
+if TYPE_CHECKING:
+    import httpx  # imported where used: `ninfer --help` should not pay for it
 
 SHUFFLE_SEED = 20260811
 STOCHASTIC = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.0,
@@ -53,7 +55,8 @@ class BenchRequest:
     ignore_eos: bool = False
 
     def body(self, sampling: dict[str, Any], seed: int | None) -> tuple[str, dict[str, Any]]:
-        common = {"model": "bench", "max_tokens": self.max_tokens, "stream": True, "ignore_eos": self.ignore_eos,
+        # no "model": the server's startup model (a name it does not serve would be a 404)
+        common = {"max_tokens": self.max_tokens, "stream": True, "ignore_eos": self.ignore_eos,
                   "stream_options": {"include_usage": True}, "seed": seed, **sampling}
         if self.messages is not None:
             return "/v1/chat/completions", {**common, "messages": self.messages,
@@ -100,6 +103,8 @@ def synthetic_corpus(count: int, prompt_tokens: int, max_tokens: int) -> list[Be
 
 
 async def send(client: httpx.AsyncClient, request: BenchRequest, sampling: dict[str, Any], seed: int | None) -> Sample:
+    import httpx
+
     path, body = request.body(sampling, seed)
     sample = Sample(request.id, ok=False)
     start = last = time.perf_counter()
@@ -149,6 +154,8 @@ class Sampler:
     """Samples /metrics every `interval` seconds while a point runs; keeps (time, values)."""
 
     def __init__(self, url: str, headers: dict[str, str], interval: float):
+        import httpx
+
         self.client = httpx.Client(base_url=url, headers=headers, timeout=10)
         self.interval = interval
         self.points: list[tuple[float, dict[str, float]]] = []
@@ -189,6 +196,8 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
 
 async def run_point(url: str, headers: dict[str, str], mode: str, requests: list[BenchRequest], concurrency: int,
                     sampling: dict[str, Any], interval: float = 1.0) -> dict[str, Any]:
+    import httpx
+
     sampler = Sampler(url, headers, interval)
     stop = asyncio.Event()
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(3600, connect=30),
@@ -247,6 +256,8 @@ def summarize(mode: str, concurrency: int, samples: list[Sample], makespan: floa
 
 
 def start_server(serve_args: str) -> tuple[subprocess.Popen, str]:
+    import httpx
+
     proc = subprocess.Popen([sys.executable, "-m", "ninfer_app", "serve", *shlex.split(serve_args), "--port", "0"],
                             stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
@@ -277,6 +288,8 @@ def bench_serve(
     out: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
 ) -> None:
     """Measure a server: makespan, tok/s, TTFT / TPOT / ITL percentiles, acceptance, per concurrency."""
+    import httpx
+
     if (url is None) == (serve is None):
         raise typer.BadParameter("give exactly one of --url or --serve")
     if mode not in ("corpus", "saturation"):

@@ -14,7 +14,7 @@ import typer
 
 from ninfer_core.errors import NinferError
 
-from .engine_flags import KvDtypeOpt, WeightsOpt
+from .engine_flags import KvDtypeOpt, MaxContextOpt, ThreadsOpt, WeightsOpt, check_engine_options
 
 if TYPE_CHECKING:
     from ninfer_core.llm import EngineOptions
@@ -32,7 +32,7 @@ def chat(
         help="Chat through this OpenAI-compatible server (e.g. http://host:8000/v1) instead of a local model.",
         envvar="NINFER_ENDPOINT")] = None,
     api_key: Annotated[Optional[str], typer.Option(help="API key for --endpoint.", envvar="NINFER_ENDPOINT_API_KEY")] = None,
-    max_context: Annotated[Optional[int], typer.Option(help="Context limit in tokens.")] = None,
+    max_context: MaxContextOpt = None,
     max_concurrency: Annotated[int, typer.Option(
         help="Sequences the engine runs at once (the embedded server shares them).")] = DEFAULT_SEQUENCES,
     spec: Annotated[Optional[str], typer.Option(help="Speculative decoding: mtp, dflash or ngram.")] = None,
@@ -45,9 +45,11 @@ def chat(
     kv_dtype: KvDtypeOpt = "auto",
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")] = "auto",
+    threads: ThreadsOpt = None,
 ) -> None:
     """Chat in the terminal UI (local model, or a remote server with --endpoint)."""
     from ninfer_core.llm import EngineOptions
+    from ninfer_core.threads import apply_threads
 
     from .output import fail
 
@@ -55,7 +57,8 @@ def chat(
                            draft_tokens=draft_tokens, draft_model=draft_model, adaptive_draft=adaptive_draft,
                            weights=weights, kv_dtype=kv_dtype)
     try:
-        engine.check_spec()
+        check_engine_options(engine)
+        apply_threads(threads)
     except NinferError as e:
         fail(str(e))
     open_tui(model, image=[str(p) for p in image or []], endpoint=endpoint, api_key=api_key, engine=engine)
@@ -65,6 +68,7 @@ def open_tui(model: str | None = None, *, image: list[str] | None = None, endpoi
              api_key: str | None = None, engine: EngineOptions | None = None) -> None:
     """Run the TUI (bare `ninfer` calls this with no arguments: the default model, 4 sequences)."""
     from ninfer_core.llm import EngineOptions
+    from ninfer_core.threads import apply_threads
 
     from .output import fail
     from .tui.app import LaunchOptions, NinferApp
@@ -72,6 +76,8 @@ def open_tui(model: str | None = None, *, image: list[str] | None = None, endpoi
     if api_key and not endpoint:
         fail("--api-key needs --endpoint")
     try:
+        if engine is None:  # bare `ninfer`: NINFER_THREADS or the default (`ninfer chat` applied --threads)
+            apply_threads(None)
         app = NinferApp(LaunchOptions(model=model, engine=engine or EngineOptions(max_seqs=DEFAULT_SEQUENCES),
                                       endpoint=endpoint, api_key=api_key, images=list(image or [])))
     except NinferError as e:

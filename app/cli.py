@@ -16,8 +16,17 @@ import typer
 from ninfer_core import __version__
 from ninfer_core.errors import NinferError
 
-from . import bench_engine_cli, bench_serve, chat_cli, models_cli, serve_cli
-from .engine_flags import KvCapacityOpt, KvDtypeOpt, WeightsOpt, parse_int_list, parse_kv_capacity
+from . import bench_engine_cli, bench_serve, chat_cli, models_cli, ps_cli, serve_cli
+from .engine_flags import (
+    KvCapacityOpt,
+    KvDtypeOpt,
+    MaxContextOpt,
+    ThreadsOpt,
+    WeightsOpt,
+    check_engine_options,
+    parse_int_list,
+    parse_kv_capacity,
+)
 from .output import fail
 from .tui.settings import default_model
 
@@ -26,7 +35,8 @@ bench_app = typer.Typer(help="Benchmarks: synthetic models (--synthetic) and the
 
 ModelArg = Annotated[
     Optional[str],
-    typer.Argument(help="HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)."),
+    typer.Argument(metavar="MODEL", help="A model name (`ninfer ls`), checkpoint directory or .gguf file (default: the wizard's "
+                        "default, else the embedded SmolLM2-135M-Instruct)."),
 ]
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda or auto.")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")]
@@ -74,19 +84,69 @@ def _read_messages(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise NinferError(f"{path}: not valid JSON ({e})") from None
     messages, tools = (data, None) if isinstance(data, list) else (data.get("messages"), data.get("tools"))
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise NinferError(f"{path}: expected a list of messages, each an object with a 'role'")
+    if not isinstance(messages, list) or not messages:
+        raise NinferError(f"{path}: expected a non-empty list of messages (or an object with 'messages')")
+    for i, m in enumerate(messages):
+        _check_message(m, f"{path}: messages[{i}]")
     if tools is not None and not isinstance(tools, list):
         raise NinferError(f"{path}: 'tools' must be a list")
     return messages, tools
 
 
+def _check_message(message: Any, where: str) -> None:
+    """OpenAI's message shape: a role, and content (a string or a list of parts; an assistant message
+    with tool calls may leave it null)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise NinferError(f"{where}: expected an object with a string 'role'")
+    content = message.get("content")
+    if content is None and not (message["role"] == "assistant" and message.get("tool_calls")):
+        raise NinferError(f"{where}: no 'content' (a string, or a list of parts such as "
+                          f"{{\"type\": \"text\", \"text\": ...}}; null only beside an assistant's tool_calls)")
+    if content is not None and not isinstance(content, (str, list)):
+        raise NinferError(f"{where}: 'content' must be a string or a list of parts, got {type(content).__name__}")
+
+
+def _prompt_text(prompt: str | None, positional: str | None) -> str | None:
+    """--prompt, the PROMPT argument, or (neither given, stdin not a terminal) stdin: `echo hi | ninfer run`."""
+    if prompt is not None and positional is not None:
+        raise NinferError("give the prompt once: as PROMPT or with --prompt")
+    text = prompt if prompt is not None else positional
+    if text is None and not sys.stdin.isatty():
+        text = sys.stdin.read().strip() or None
+    return text
+
+
+def _check_files(paths: list[Path], flag: str) -> None:
+    for path in paths:
+        if not path.is_file():
+            raise NinferError(f"{flag} {path}: no such file")
+
+
+def _stats_line(llm, r) -> str:
+    """The statistics line on stderr; on the CPU it names the threads in force (torch's own count)."""
+    import torch
+
+    t = r.timings
+    spec_line = ""
+    if r.spec is not None:
+        s = r.spec
+        spec_line = (f" | spec {s.method} K={s.draft_tokens}: {s.accepted}/{s.drafted} accepted "
+                     f"({100 * s.acceptance_rate:.1f}%), {s.tokens_per_round:.2f} tok/round")
+    device = llm.loaded.device
+    threads = torch.get_num_threads()
+    where = f"{threads} thread{'s' if threads != 1 else ''}" if device.type == "cpu" else str(device)
+    return (f"[{llm.name}, {where}] prompt {len(r.prompt_token_ids)} tok, prefill {t.prefill_tok_s:.1f} tok/s | "
+            f"{len(r.token_ids)} tok, decode {t.decode_tok_s:.1f} tok/s{spec_line} | finish: {r.finish_reason}")
+
+
 @cli.command()
 def run(
     model: ModelArg = None,
+    prompt_arg: Annotated[Optional[str], typer.Argument(
+        metavar="PROMPT", help="User message (or --prompt; without either, stdin when it is not a terminal).")] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="User message.")] = None,
     messages: Annotated[Optional[Path], typer.Option(help="JSON file of OpenAI-style messages (and tools).")] = None,
-    system: Annotated[Optional[str], typer.Option(help="System message (with --prompt).")] = None,
+    system: Annotated[Optional[str], typer.Option(help="System message (with a prompt).")] = None,
     image: Annotated[Optional[list[Path]], typer.Option(help="Image file for the prompt (repeatable).")] = None,
     video: Annotated[Optional[list[Path]], typer.Option(help="Video file for the prompt (repeatable).")] = None,
     vision: Annotated[bool, typer.Option("--vision", help="Load the vision tower at start.")] = False,
@@ -103,7 +163,7 @@ def run(
     stop_token_id: Annotated[Optional[list[int]], typer.Option(help="Stop token id (repeatable).")] = None,
     no_thinking: Annotated[bool, typer.Option("--no-thinking", help="Answer without reasoning.")] = False,
     chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file to use instead.")] = None,
-    max_context: Annotated[Optional[int], typer.Option(help="Context limit in tokens.")] = None,
+    max_context: MaxContextOpt = None,
     prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill chunk in tokens (default 4096 GPU, 1024 CPU).")] = None,
     weights: WeightsOpt = "auto",
     kv_dtype: KvDtypeOpt = "auto",
@@ -114,35 +174,48 @@ def run(
     draft_model: DraftModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
 ) -> None:
-    """Answer one prompt (or a conversation from --messages), streaming the answer."""
+    """Answer one prompt (`ninfer run MODEL "PROMPT"`, --prompt, stdin, or --messages), streaming the answer."""
+    import torch
+
+    from ninfer_core.chat.output_parser import ContentDelta, ReasoningDelta, ToolCallEnd
     from ninfer_core.engine.sampling import SamplingParams
     from ninfer_core.llm import LLM, ChatFinished, ChatRequest, EngineOptions
-    from ninfer_core.chat.output_parser import ContentDelta, ReasoningDelta, ToolCallEnd
+    from ninfer_core.threads import apply_threads, busy_hint
 
     try:
-        if (prompt is None) == (messages is None):
-            raise NinferError("give exactly one of --prompt or --messages")
+        options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
+                                weights=weights, kv_dtype=kv_dtype, kv_capacity=parse_kv_capacity(kv_capacity),
+                                chat_template=chat_template, vision=vision, spec=spec, draft_tokens=draft_tokens,
+                                draft_model=draft_model, adaptive_draft=adaptive_draft)
+        check_engine_options(options)
+        apply_threads(threads)
+        if messages is not None and (prompt is not None or prompt_arg is not None):
+            raise NinferError("give a prompt or --messages, not both")
+        if prompt is None and prompt_arg is None and model is not None and " " in model and not Path(model).exists():
+            raise NinferError(f"'{model}' is not a model: the model comes first (`ninfer run MODEL \"PROMPT\"`), "
+                              f"or give the prompt alone with --prompt")
+        text = None if messages is not None else _prompt_text(prompt, prompt_arg)
+        if text is None and messages is None:
+            raise NinferError("no prompt: `ninfer run [MODEL] \"PROMPT\"`, --prompt, --messages FILE, or pipe it in")
         tools = None
         if messages is not None:
             if image or video:
-                raise NinferError("--image / --video go with --prompt; in --messages use image_url / video parts")
+                raise NinferError("--image / --video go with a prompt; in --messages use image_url / video parts")
             chat_messages, tools = _read_messages(messages)
         else:
+            _check_files(image or [], "--image")
+            _check_files(video or [], "--video")
             chat_messages = ([{"role": "system", "content": system}] if system else []) + [
-                _user_message(prompt, image or [], video or [])
+                _user_message(text, image or [], video or [])
             ]
         sampling = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, seed=seed,
             max_tokens=max_tokens, stop=list(stop or []), stop_token_ids=list(stop_token_id or []),
         )
-        options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
-                                weights=weights, kv_dtype=kv_dtype, kv_capacity=parse_kv_capacity(kv_capacity),
-                                chat_template=chat_template, vision=vision, spec=spec, draft_tokens=draft_tokens,
-                                draft_model=draft_model, adaptive_draft=adaptive_draft)
-        options.check_spec()
         llm = LLM.load(model or default_model(), options)
         request = ChatRequest(messages=chat_messages, sampling=sampling, tools=tools, enable_thinking=not no_thinking)
         if json_out:
@@ -158,19 +231,11 @@ def run(
                 print(json.dumps({"tool_call": {"name": event.call.name, "arguments": json.loads(event.call.arguments)}},
                                  ensure_ascii=False))
             elif isinstance(event, ChatFinished):
-                r = event.result
-                t = r.timings
                 print()
-                spec_line = ""
-                if r.spec is not None:
-                    s = r.spec
-                    spec_line = (f" | spec {s.method} K={s.draft_tokens}: {s.accepted}/{s.drafted} accepted "
-                                 f"({100 * s.acceptance_rate:.1f}%), {s.tokens_per_round:.2f} tok/round")
-                typer.secho(
-                    f"[{llm.name}] prompt {len(r.prompt_token_ids)} tok, prefill {t.prefill_tok_s:.1f} tok/s | "
-                    f"{len(r.token_ids)} tok, decode {t.decode_tok_s:.1f} tok/s{spec_line} | finish: {r.finish_reason}",
-                    err=True, dim=True,
-                )
+                typer.secho(_stats_line(llm, event.result), err=True, dim=True)
+                hint = busy_hint(torch.get_num_threads()) if llm.loaded.device.type == "cpu" else None
+                if hint:
+                    typer.secho(hint, err=True, dim=True)
     except NinferError as e:
         fail(str(e))
 
@@ -192,6 +257,7 @@ def bench(
     cuda_graphs: Annotated[bool, typer.Option(help="Decode with CUDA graphs (GPU).")] = True,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Prefill and decode speed against the bandwidth roofline (a preset with random weights or a checkpoint)."""
@@ -200,8 +266,10 @@ def bench(
     if (synthetic is None) == (model is None):
         fail("give --model DIR or --synthetic PRESET (or a subcommand: `ninfer bench serve --help`)")
     from ninfer_core.bench import BenchSetup, run_bench
+    from ninfer_core.threads import apply_threads
 
     try:
+        apply_threads(threads)
         setup = BenchSetup(
             model=synthetic or model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
             prefill_lengths=parse_int_list(prefill, "--prefill"), decode_contexts=parse_int_list(contexts, "--contexts"),
@@ -228,6 +296,7 @@ def bench(
 
 models_cli.register(cli)
 serve_cli.register(cli)
+ps_cli.register(cli)
 bench_serve.register(bench_app)
 bench_engine_cli.register(bench_app)
 chat_cli.register(cli)

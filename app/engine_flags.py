@@ -1,14 +1,19 @@
-"""Engine flags shared by `run`, `serve`, `chat` and `bench` (one spelling, one parser)."""
+"""Engine flags shared by `run`, `serve`, `chat` and `bench` (one spelling, one parser), and the
+check of their values before any model is read (a typo should not cost a 15 s load)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from ninfer_core.errors import NinferError
+from ninfer_core.threads import ENV as THREADS_ENV
 
 from .units import human_bytes
+
+if TYPE_CHECKING:
+    from ninfer_core.llm import EngineOptions
 
 WEIGHTS_HELP = ("Weights: auto (models of 2B+ parameters on a GPU: int4 experts/MLP + int8 rest; else the model "
                 "dtype), bf16, "
@@ -16,9 +21,41 @@ WEIGHTS_HELP = ("Weights: auto (models of 2B+ parameters on a GPU: int4 experts/
 KV_DTYPE_HELP = "KV cache: auto (the model dtype), bf16, fp16, fp8 (e4m3) or int8."
 KV_CAPACITY_HELP = ("KV cache tokens over all sequences: auto (GPU: the memory left after weights and workspace; "
                     "CPU: max-context x sequences) or a number.")
+THREADS_HELP = (f"CPU threads for the model's math (default: ${THREADS_ENV}, else the physical cores this process "
+                "may use; on a machine busy with other work, fewer is faster: try 1).")
+MAX_CONTEXT_HELP = "Context limit in tokens per sequence (prompt + answer); --ctx-size is the same flag."
+MAX_CONTEXT_FLAGS = ("--max-context", "--ctx-size")
 WeightsOpt = Annotated[str, typer.Option(help=WEIGHTS_HELP)]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help=THREADS_HELP)]
+MaxContextOpt = Annotated[Optional[int], typer.Option(*MAX_CONTEXT_FLAGS, help=MAX_CONTEXT_HELP)]
 KvDtypeOpt = Annotated[str, typer.Option(help=KV_DTYPE_HELP)]
 KvCapacityOpt = Annotated[str, typer.Option(help=KV_CAPACITY_HELP)]
+
+
+def check_engine_options(options: EngineOptions) -> None:
+    """Every engine flag's value, checked before loading: device, dtype, weights, KV dtype, the
+    speculative method and its companions, and the positive numbers."""
+    from ninfer_core.cache.kv_pool import resolve_kv_dtype
+    from ninfer_core.engine.speculative import METHODS
+    from ninfer_core.models.loader import DTYPES, resolve_device, resolve_dtype
+    from ninfer_core.models.quantize import WEIGHT_MODES
+
+    if options.dtype != "auto" and options.dtype not in DTYPES:
+        raise NinferError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got '{options.dtype}'")
+    if options.weights not in WEIGHT_MODES:
+        raise NinferError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, got '{options.weights}'")
+    if options.spec is not None and options.spec not in METHODS:
+        raise NinferError(f"--spec must be one of {', '.join(METHODS)}, got '{options.spec}'")
+    if options.spec == "dflash" and options.draft_model is None:
+        raise NinferError("--spec dflash needs --draft-model DIR (a DFlash drafter checkpoint)")
+    if options.draft_model is not None and options.spec not in (None, "dflash"):
+        raise NinferError(f"--draft-model is for --spec dflash, not {options.spec}")
+    options.check_spec()
+    for flag, value in (("--max-context", options.max_context), ("--prefill-chunk", options.prefill_chunk),
+                        ("--draft-tokens", options.draft_tokens), ("--max-concurrency", options.max_seqs)):
+        if value is not None and value < 1:
+            raise NinferError(f"{flag} must be a positive number, got {value}")
+    resolve_kv_dtype(options.kv_dtype, resolve_dtype(options.dtype, resolve_device(options.device)))
 
 
 def parse_kv_capacity(value: str) -> int | None:

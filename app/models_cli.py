@@ -1,4 +1,5 @@
-"""`ninfer pull / verify / ls / show / rm`: models from the Hugging Face hub, on the command line.
+"""`ninfer pull / verify / ls / show / rm / add`: the models on this machine (pulled from the Hugging
+Face hub, local checkpoints added by path, the embedded one), on the command line.
 
 The hub code (ninfer_core.hub) emits events; this module turns them into rich progress bars on
 stderr. Listings go to stdout (a table, or JSON with --json); errors are one line on stderr with a
@@ -11,6 +12,7 @@ import json
 import sys
 from contextlib import nullcontext
 from datetime import datetime
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -35,7 +37,8 @@ err = Console(stderr=True, soft_wrap=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 QuantOpt = Annotated[Optional[str], typer.Option("--quant", help="Weights: bf16, fp8, int8, int4 (default: own).")]
-ContextOpt = Annotated[Optional[int], typer.Option("--context", help="Tokens per sequence (default 32768, capped).")]
+ContextOpt = Annotated[Optional[int], typer.Option("--context", "--max-context", "--ctx-size",
+                                                   help="Tokens per sequence (default 32768, capped).")]
 KvOpt = Annotated[str, typer.Option("--kv-dtype", help="KV cache type: bf16, fp16, fp8, fp32.")]
 SeqOpt = Annotated[int, typer.Option("--sequences", help="Sequences served at once.")]
 
@@ -181,7 +184,7 @@ def verify_command(
         print(f"{report.entry.display_name}: all {len(report.checks)} files match")
 
 
-# ---- ls -----------------------------------------------------------------------------------------
+# ---- ls ----------------------------------------------------------------------------------------
 
 
 def _entry_json(entry) -> dict:
@@ -195,35 +198,47 @@ def _entry_json(entry) -> dict:
     }
 
 
+def _model_json(model) -> dict:
+    """A catalog model (pulled, local or embedded) as `ls --json` lists it."""
+    if model.entry is not None:
+        return dict(_entry_json(model.entry), source=model.source)
+    s = model.summary()
+    return {"name": model.name, "source": model.source, "path": str(model.path), "arch": s.arch if s else None,
+            "quantization": s.quantization if s else None, "context": s.context if s else None,
+            "params": s.params if s else None, "size_bytes": model.disk_bytes(), "verified": None}
+
+
 def ls_command(
     json_out: JsonOpt = False,
     aliases: Annotated[bool, typer.Option("--aliases", help="List the model aliases ninfer knows instead.")] = False,
     all_: Annotated[bool, typer.Option("--all", help="Include unfinished pulls.")] = False,
 ) -> None:
-    """List pulled models: name, architecture, size on disk, quantization, context, verified."""
+    """List the models on this machine: pulled, added local checkpoints (`ninfer add`), the embedded one."""
     from ninfer_core import hub
 
     try:
         if aliases:
             return _ls_aliases(json_out)
         registry = hub.Registry()
-        entries = [(e, True) for e in registry.entries()]
-        entries += [(e, False) for e in registry.entries(partial=True)] if all_ else []
+        rows = [dict(_model_json(m), ready=True) for m in hub.list_models(registry)]
+        rows += [dict(_entry_json(e), source="pulled", ready=False) for e in registry.entries(partial=True)] \
+            if all_ else []
     except NinferError as e:
         fail(str(e))
     if json_out:
-        print(json.dumps([dict(_entry_json(e), ready=ready) for e, ready in entries]))
+        print(json.dumps(rows))
         return
-    if not entries:
-        err.print("no models pulled yet; try `ninfer pull qwen3.5-0.8b` (aliases: `ninfer ls --aliases`)")
+    if not rows:
+        err.print("no models yet; try `ninfer pull qwen3.5-0.8b` (aliases: `ninfer ls --aliases`) or "
+                  "`ninfer add PATH` for a checkpoint on disk")
         return
     table = Table(box=None, header_style="bold")
-    for column in ("NAME", "ARCH", "SIZE", "QUANT", "CONTEXT", "VERIFIED"):
+    for column in ("NAME", "SOURCE", "ARCH", "SIZE", "QUANT", "CONTEXT", "VERIFIED"):
         table.add_column(column, no_wrap=True)
-    for e, ready in entries:
-        s = e.summary
-        table.add_row(e.display_name, s.arch if s else "-", human_bytes(e.disk_bytes()), s.quantization if s else "-",
-                      f"{s.context:,}" if s else "-", e.status if ready else "incomplete")
+    for r in rows:
+        verified = r["verified"] if r["ready"] else "incomplete"
+        table.add_row(r["name"], r["source"], r["arch"] or "-", human_bytes(r["size_bytes"]), r["quantization"] or "-",
+                      f"{r['context']:,}" if r["context"] else "-", verified or "-")
     _stdout().print(table)
 
 
@@ -267,7 +282,7 @@ def _architecture(cfg) -> str:
 
 
 def show_command(
-    model: Annotated[str, typer.Argument(help="A pulled model or an alias.")],
+    model: Annotated[str, typer.Argument(help="A model (`ninfer ls`), an alias, a checkpoint directory or a .gguf file.")],
     quant: QuantOpt = None,
     context: ContextOpt = None,
     kv_dtype: KvOpt = "bf16",
@@ -276,30 +291,44 @@ def show_command(
 ) -> None:
     """A model's config summary, files with hashes, and whether it fits the local GPU."""
     from ninfer_core import hub
-    from ninfer_core.hub.estimate import entry_config
+    from ninfer_core.hub.catalog import check_model_path, looks_like_path, model_config
+    from ninfer_core.hub.estimate import model_fit
     from ninfer_core.hub.fit import check_choices
 
     try:
         check_choices(quant, kv_dtype)
         registry = hub.Registry()
-        try:
-            entry, alias = registry.find(model), None
-        except hub.ModelNotFoundError:
-            entry, alias = None, hub.resolve_alias(model.partition("@")[0])
-            if alias is None:
-                raise
+        path = Path(model).expanduser()
+        found = None if path.exists() else hub.find_model(model, hub.list_models(registry))
+        if found is None and path.exists():
+            found = hub.CatalogModel(path.name, check_model_path(path), "local")
+        alias = None if found is not None else hub.resolve_alias(model.partition("@")[0])
+        if found is None and alias is None and looks_like_path(model):
+            raise hub.ModelNotFoundError(f"{model}: no such file or directory")
+        if found is None and alias is None:
+            raise hub.ModelNotFoundError(f"no model '{model}' on this machine and no alias of that name "
+                                         f"(`ninfer ls`, `ninfer ls --aliases`)")
     except NinferError as e:
         fail(str(e))
+    entry = found.entry if found is not None else None
     try:  # a model ninfer cannot parse still shows its files
-        cfg = entry_config(entry) if entry else alias.config
-        estimate = hub.fit_for(model, quant, context, kv_dtype, sequences, gpu=hub.local_gpu(), registry=registry)
+        gpu = hub.local_gpu()
+        if found is not None:
+            cfg = model_config(found.path)
+            estimate = model_fit(found, quant, context, kv_dtype, sequences, gpu, config=cfg)
+        else:
+            cfg = alias.config
+            estimate = hub.estimate_fit(cfg, quant or alias.quantization, context, kv_dtype, sequences, gpu)
         unavailable = None
     except NinferError as e:
         cfg = estimate = None
         unavailable = str(e)
     if json_out:
-        data = _entry_json(entry) if entry else {"name": alias.name, "repo_id": alias.repo_id, "alias": alias.name,
-                                                 "unconfirmed": alias.unconfirmed or None}
+        if found is None:
+            data = {"name": alias.name, "repo_id": alias.repo_id, "alias": alias.name,
+                    "unconfirmed": alias.unconfirmed or None}
+        else:
+            data = _model_json(found)
         data["pulled"] = entry is not None
         data["architecture"] = _architecture(cfg) if cfg else None
         data["files"] = [{"name": r.name, "size": r.size, "algorithm": r.remote.algorithm, "digest": r.digest}
@@ -309,10 +338,17 @@ def show_command(
         print(json.dumps(data))
         return
     out = _stdout()
-    if entry is None:
+    if found is None:
         out.print(f"[bold]{alias.name}[/]  ({alias.repo_id}, not pulled: `ninfer pull {alias.name}`)")
         if alias.unconfirmed:
             out.print(f"  note      unconfirmed: {alias.unconfirmed}")
+    elif entry is None:
+        s = found.summary()
+        out.print(f"[bold]{found.name}[/]  ({found.source})")
+        out.print(f"  path      {found.path}")
+        if s:
+            out.print(f"  params    {_count(s.params)}, context {s.context:,} tokens, quantization {s.quantization}")
+        out.print(f"  size      {human_bytes(found.disk_bytes())} on disk")
     else:
         s = entry.summary
         out.print(f"[bold]{entry.key}[/]" + (f"  (alias {entry.alias})" if entry.alias else ""))
@@ -334,15 +370,39 @@ def show_command(
     out.print(f"memory: {_fit_line(estimate) if estimate else unavailable}")
 
 
+# ---- add ----------------------------------------------------------------------------------------
+
+
+def add_command(
+    path: Annotated[Path, typer.Argument(help="A checkpoint directory (with config.json) or a .gguf file.")],
+    name: Annotated[Optional[str], typer.Option(help="The name to run and serve it by (default: its directory "
+                                                     "name or file stem).")] = None,
+) -> None:
+    """Add a checkpoint on disk to the models ninfer knows by name (nothing is copied; `ninfer rm` forgets it)."""
+    from ninfer_core import hub
+
+    try:
+        added = hub.LocalModels().add(path, name)
+    except NinferError as e:
+        fail(str(e))
+    print(f"{added.name}: {added.path} (run it with `ninfer run {added.name}`)")
+
+
 # ---- rm -----------------------------------------------------------------------------------------
 
 
-def rm_command(models: Annotated[list[str], typer.Argument(help="Pulled models to delete.")]) -> None:
-    """Delete pulled models: their registry entries and their files in the Hugging Face cache."""
+def rm_command(models: Annotated[list[str], typer.Argument(help="Pulled models to delete, local ones to forget.")]
+               ) -> None:
+    """Delete pulled models (registry entries and files in the Hugging Face cache); forget added local
+    checkpoints (their files stay)."""
     from ninfer_core import hub
 
     for model in models:
         try:
+            local = hub.LocalModels()
+            if any(name.lower() == model.lower() for name in local.entries()):
+                print(f"forgot {model} ({local.remove(model)} is left as it is)")
+                continue
             entry, freed = hub.remove_model(model)
         except NinferError as e:
             fail(str(e))
@@ -350,9 +410,10 @@ def rm_command(models: Annotated[list[str], typer.Argument(help="Pulled models t
 
 
 def register(cli: typer.Typer) -> None:
-    """Add pull, verify, ls, show and rm to the main `ninfer` app."""
+    """Add pull, verify, ls, show, rm and add to the main `ninfer` app."""
     cli.command("pull")(pull_command)
     cli.command("verify")(verify_command)
     cli.command("ls")(ls_command)
     cli.command("show")(show_command)
     cli.command("rm")(rm_command)
+    cli.command("add")(add_command)

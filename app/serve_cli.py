@@ -1,26 +1,91 @@
 """`ninfer serve`: the OpenAI / Anthropic-compatible server, every flag also an environment variable.
 
-The socket listens at once and /health answers 503 while the model loads, so a supervisor or
-an editor can start the server and poll it. Ctrl-C stops it (requests in flight get an error).
+The socket listens at once and /health answers 503 while the startup model loads, so a supervisor
+or an editor can start the server and poll it. Every other model of this machine (`ninfer ls`) is
+served by name too, loaded on demand (`--max-loaded`, `--keep-alive`). Ctrl-C stops it (requests
+in flight get an error).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from ninfer_core.errors import NinferError
 
-from .engine_flags import KV_CAPACITY_HELP, KV_DTYPE_HELP, WEIGHTS_HELP, describe_engine, parse_kv_capacity
+from .engine_flags import (
+    KV_CAPACITY_HELP,
+    KV_DTYPE_HELP,
+    MAX_CONTEXT_FLAGS,
+    MAX_CONTEXT_HELP,
+    THREADS_HELP,
+    WEIGHTS_HELP,
+    check_engine_options,
+    describe_engine,
+    parse_kv_capacity,
+)
 from .output import fail
 from .tui.settings import default_model
+
+if TYPE_CHECKING:
+    from ninfer_core.llm import EngineOptions
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
 def _env(name: str) -> str:
     return f"NINFER_{name}"
+
+
+def parse_keep_alive(value: str) -> float | None:
+    """`5m`, `30s`, `1h`, `90` (seconds), `0` (unload after each request), `-1` / `forever` -> None."""
+    text = value.strip().lower()
+    if text in ("-1", "forever", "inf"):
+        return None
+    scale = _DURATION_UNITS.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in _DURATION_UNITS else text
+    try:
+        seconds = float(number) * scale
+    except ValueError:
+        raise NinferError(f"--keep-alive: expected a duration such as 5m, 30s, 1h, 0 or -1 (forever), "
+                          f"got '{value}'") from None
+    if seconds < 0:
+        raise NinferError(f"--keep-alive must not be negative (use -1 for forever), got '{value}'")
+    return seconds
+
+
+def on_demand_options(options: EngineOptions, spec: str) -> EngineOptions:
+    """The engine options of a model loaded on demand: the startup model's, without what belongs to
+    that model alone (its chat template, its drafter) and with --max-context capped at the model's
+    own limit (a 32k flag must not refuse an 8k model)."""
+    from ninfer_core.hub.catalog import locate, model_config
+
+    other = replace(options, chat_template=None, spec=None, draft_tokens=None, draft_model=None, adaptive_draft=False)
+    if other.max_context is not None:
+        other = replace(other, max_context=min(other.max_context, model_config(locate(spec)).max_position_embeddings))
+    return other
+
+
+def startup_model(spec: str | None) -> tuple[str, str]:
+    """(name clients use, what the loader loads) of the model `ninfer serve [MODEL]` starts with."""
+    from ninfer_core.hub.catalog import embedded_model, find_model
+
+    if spec is None:
+        embedded = embedded_model()
+        if embedded is None:
+            from ninfer_core.models.default_model import default_model_path
+
+            default_model_path()  # raises the install hint
+        return embedded.name, str(embedded.path)  # type: ignore[union-attr]
+    path = Path(spec).expanduser()
+    if path.exists():
+        return (path.stem if path.is_file() else path.resolve().name), spec
+    found = find_model(spec)
+    return (found.name if found is not None else spec), spec
 
 
 def serve(
@@ -39,16 +104,25 @@ def serve(
                                                  envvar=_env("MAX_CONCURRENCY"))] = 8,
     max_queue: Annotated[int, typer.Option(help="Requests waiting for admission before 429.",
                                            envvar=_env("MAX_QUEUE"))] = 64,
-    max_context: Annotated[Optional[int], typer.Option(help="Context limit per request in tokens.",
+    max_context: Annotated[Optional[int], typer.Option(*MAX_CONTEXT_FLAGS, help=MAX_CONTEXT_HELP,
                                                        envvar=_env("MAX_CONTEXT"))] = None,
+    max_loaded: Annotated[int, typer.Option(help="Models in memory at once (others load on demand, the least "
+                                                 "recently used idle one making room).",
+                                            envvar=_env("MAX_LOADED"))] = 1,
+    keep_alive: Annotated[str, typer.Option(help="How long a model loaded on demand stays after its last request "
+                                                 "(5m, 30s, 1h; 0: unload at once; -1: forever). The startup model "
+                                                 "stays until another needs its place.",
+                                            envvar=_env("KEEP_ALIVE"))] = "5m",
     kv_capacity: Annotated[str, typer.Option(help=KV_CAPACITY_HELP, envvar=_env("KV_CAPACITY"))] = "auto",
     kv_dtype: Annotated[str, typer.Option(help=KV_DTYPE_HELP, envvar=_env("KV_DTYPE"))] = "auto",
     weights: Annotated[str, typer.Option(help=WEIGHTS_HELP, envvar=_env("WEIGHTS"))] = "auto",
     prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill chunk in tokens (default 4096 GPU, 1024 CPU).",
                                                          envvar=_env("PREFILL_CHUNK"))] = None,
-    chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file to use instead.",
+    chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file for the startup model "
+                                                               "(it, --spec and the draft flags apply to it alone).",
                                                           envvar=_env("CHAT_TEMPLATE"))] = None,
-    model_name: Annotated[Optional[str], typer.Option(help="Model id shown to clients (default: the model's name).",
+    model_name: Annotated[Optional[str], typer.Option(help="Name of the startup model for clients (default: its "
+                                                           "name in `ninfer ls`, or its directory / file name).",
                                                       envvar=_env("MODEL_NAME"))] = None,
     max_body_mb: Annotated[int, typer.Option(help="Largest request body in MiB.", envvar=_env("MAX_BODY_MB"))] = 32,
     allow_local_media: Annotated[bool, typer.Option(
@@ -79,13 +153,17 @@ def serve(
     random_weights: Annotated[bool, typer.Option(
         "--random-weights", help="Benchmark mode: config and tokenizer from MODEL, random weights.",
         envvar=_env("RANDOM_WEIGHTS"))] = False,
+    threads: Annotated[Optional[int], typer.Option(help=THREADS_HELP)] = None,
     log_level: Annotated[str, typer.Option(help="Server log level (debug, info, warning, error).",
                                            envvar=_env("LOG_LEVEL"))] = "warning",
 ) -> None:
-    """Serve a model over HTTP: OpenAI Chat Completions, Completions, Responses and Anthropic Messages."""
+    """Serve models over HTTP: OpenAI Chat Completions, Completions, Responses and Anthropic Messages.
+    MODEL is loaded at start; every model in `ninfer ls` is served by its name too, loaded on demand."""
     from ninfer_core.llm import LLM, EngineOptions
     from ninfer_core.server.app import ServerHandle
     from ninfer_core.server.media_fetch import MediaFetchLimits
+    from ninfer_core.server.model_pool import CatalogNames, PoolOptions
+    from ninfer_core.threads import apply_threads
 
     try:
         if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -97,31 +175,39 @@ def serve(
                                 prefill_chunk=prefill_chunk, chat_template=chat_template, vision=vision,
                                 random_weights=random_weights, spec=spec, draft_tokens=draft_tokens,
                                 draft_model=draft_model, adaptive_draft=adaptive_draft)
-        options.check_spec()
-        handle = ServerHandle.start(lambda: LLM.load(model or default_model(), options), host, port, api_key=api_key,
+        check_engine_options(options)
+        pool = PoolOptions(max_loaded=max_loaded, keep_alive_s=parse_keep_alive(keep_alive))
+        apply_threads(threads)
+        name, spec = startup_model(model or default_model())
+        name = model_name or name
+        handle = ServerHandle.start(lambda: LLM.load(spec, options), host, port, api_key=api_key,
                                     cors_origins=cors_origin, max_queue=max_queue,
-                                    max_body_bytes=max_body_mb * 1024 * 1024, model_id=model_name,
+                                    max_body_bytes=max_body_mb * 1024 * 1024, model_id=name,
                                     allow_local_media=allow_local_media,
                                     media_fetch=MediaFetchLimits(timeout_s=media_timeout,
-                                                                 allow_private_urls=allow_private_media_urls))
+                                                                 allow_private_urls=allow_private_media_urls),
+                                    names=CatalogNames(startup=(name, spec)),
+                                    loader=lambda other: LLM.load(other, on_demand_options(options, other)),
+                                    pool_options=pool)
     except NinferError as e:
         fail(str(e))
     typer.secho(f"ninfer: listening on {handle.url} (OpenAI base URL {handle.url}/v1); loading the model...",
                 err=True)
     announced = False
     try:
-        while not handle.wait(0.2) and handle.slot.error is None:
-            if handle.service is not None and not announced:
+        while not handle.wait(0.2) and handle.error is None:
+            service = handle.service
+            if service is not None and not announced:
                 announced = True
-                typer.secho(f"ninfer: {handle.slot.model_id} ready (context {handle.service.context_limit} tokens, "
-                            f"{handle.service.max_concurrency} concurrent; "
-                            f"{describe_engine(handle.service.stats().engine)})", err=True)
+                typer.secho(f"ninfer: {handle.model_id} ready (context {service.context_limit} tokens, "
+                            f"{service.max_concurrency} concurrent; {describe_engine(service.stats().engine)}); "
+                            f"the other models of `ninfer ls` load on demand", err=True)
     except KeyboardInterrupt:
         typer.secho("ninfer: stopping", err=True)
     finally:
         handle.stop()
-    if handle.slot.error is not None:
-        fail(handle.slot.error)
+    if handle.error is not None:
+        fail(handle.error)
 
 
 def register(cli: typer.Typer) -> None:

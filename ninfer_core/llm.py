@@ -304,11 +304,11 @@ class LLM:
     def prepare_chat(self, request: ChatRequest) -> PreparedChat:
         """Template + tokenizer work of one chat request (no engine state: safe from any thread)."""
         messages, media = split_media(request.messages)
+        if media and self.vision is None:  # before rendering: a text-only template fails on media parts
+            raise MediaError(f"{self.name} has no vision tower: it cannot read images or videos")
         prompt = self.render_prompt(request, messages)
         ids, multimodal = self.tokenizer.encode(prompt), None
         if media:
-            if self.vision is None:
-                raise MediaError(f"{self.name} has no vision tower: it cannot read images or videos")
             ids, multimodal = self.vision.prompt(ids, media, self.tokenizer.encode)
         return PreparedChat(
             prompt=prompt,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
-from ninfer_core.cache import CacheManager
+from ninfer_core.cache import CacheManager, KVPool
 from ninfer_core.config import ModelConfig
 from ninfer_core.errors import ContextLengthError, NinferError
 
@@ -131,3 +134,33 @@ def test_snapshot_restore_and_copy_state():
 def test_invalid_sizes_rejected():
     with pytest.raises(NinferError):
         make(max_tokens=0)
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc")
+def test_cpu_kv_pages_take_memory_only_once_written():
+    """Issue 17 item 3: a CPU server sized for 8 x 8192 tokens held 3 GB of KV from the start."""
+    before = _rss()
+    pool = KVPool([0, 1], num_pages=4096, page_size=16, num_kv_heads=8, head_dim=128, dtype=torch.float32,
+                  device="cpu")
+    assert pool.nbytes == 2**30
+    assert _rss() - before < 64 << 20  # 1 GiB of pages, almost none of it resident
+    pool.k[0][:64] = 1.0  # the K pages of a 1024-token sequence in one layer: 4 MiB
+    assert _rss() - before >= 3 << 20
+    assert pool.k[0][63].eq(1).all() and pool.k[0][64].eq(0).all() and pool.v[1][4095].eq(0).all()
+
+
+def test_resident_kv_bytes_follow_the_highest_page_handed_out():
+    cache = make(max_tokens=64, max_seqs=3, page_size=4)  # 16 pages
+    per_page = cache.cache.kv.bytes_per_token * 4
+    assert cache.resident_kv_bytes == 0
+    a, b = cache.allocate(), cache.allocate()
+    cache.reserve(a, 8)
+    cache.reserve(b, 5)
+    assert cache.resident_kv_bytes == 4 * per_page  # pages 0-3
+    cache.free(a)
+    cache.reserve(b, 9)  # reuses a freed low page: no new memory
+    assert cache.resident_kv_bytes == 4 * per_page

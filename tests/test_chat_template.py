@@ -226,3 +226,20 @@ def test_rendered_prompt_tokenizes_with_single_special_ids(qwen_tokenizer: Token
     ids = qwen_tokenizer.encode(prompt)
     assert ids.count(IM_START) == 2 and ids[-2:] == [THINK, qwen_tokenizer.encode("\n")[0]]
     assert qwen_tokenizer.decode(ids) == prompt
+
+
+def test_tools_a_template_cannot_render_are_refused_and_thinking_is_detected():
+    """Issue 17 item 5: a template without tools must not drop them silently."""
+    from ninfer_core.chat.template import ChatTemplate, ToolsNotSupportedError
+
+    plain = ChatTemplate("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "plain")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    assert not plain.supports_tools and not plain.supports_thinking
+    with pytest.raises(ToolsNotSupportedError, match="no place for tools"):
+        plain.render(messages, tools=[tool])
+    assert plain.render(messages) == "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+    fallback = load_chat_template()
+    assert fallback.supports_tools and fallback.supports_thinking
+    assert "get_weather" in fallback.render(messages, tools=[tool])

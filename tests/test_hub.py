@@ -48,7 +48,7 @@ from ninfer_core.hub import (
     verify,
 )
 from ninfer_core.hub.fit import DEFAULT_CONTEXT, RUNTIME_RESERVE_BYTES, gdn_state_bytes, kv_bytes_per_token
-from ninfer_core.hub.pull import parse_spec
+from ninfer_core.hub.pulling import parse_spec
 
 REPO = "org/tiny-qwen3"
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
@@ -465,7 +465,10 @@ def test_cli_pull_ls_show_verify_rm(tmp_path, hub, monkeypatch):
     register(app)
     runner = CliRunner()
 
-    listed = json.loads(runner.invoke(app, ["ls", "--json"]).stdout)
+    def pulled() -> list[dict]:
+        return [m for m in json.loads(runner.invoke(app, ["ls", "--json"]).stdout) if m["source"] == "pulled"]
+
+    listed = pulled()
     assert [(m["name"], m["arch"], m["quantization"], m["context"], m["verified"], m["ready"]) for m in listed] == [
         (REPO, "qwen3", "bf16", 4096, "yes", True)]
     assert listed[0]["size_bytes"] == sum(len(files[n]) for n in INFERENCE)
@@ -484,11 +487,11 @@ def test_cli_pull_ls_show_verify_rm(tmp_path, hub, monkeypatch):
     failed = runner.invoke(app, ["verify", REPO, "--json"])
     assert failed.exit_code == 1 and json.loads(failed.stdout.splitlines()[0])["ok"] is False
     assert_one_line_error(failed.stderr, SHARD2, "ninfer pull")
-    assert json.loads(runner.invoke(app, ["ls", "--json"]).stdout)[0]["verified"] == "FAILED"
+    assert pulled()[0]["verified"] == "FAILED"
 
     removed = runner.invoke(app, ["rm", REPO])
     assert removed.exit_code == 0 and "removed org/tiny-qwen3" in removed.stdout
-    assert json.loads(runner.invoke(app, ["ls", "--json"]).stdout) == []
+    assert pulled() == []
     assert not (tmp_path / "hf" / "hub" / "models--org--tiny-qwen3").exists()
     again = runner.invoke(app, ["rm", REPO])
     assert again.exit_code == 1

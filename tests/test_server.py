@@ -40,7 +40,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model):
     llm = load_tiny_llm(model[0])
-    handle = ServerHandle.start(llm, port=0)
+    handle = ServerHandle.start(llm, port=0, model_id="m")
     yield handle
     handle.stop()
 
@@ -81,7 +81,7 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None,
 def test_health_and_models(server, client):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     models = client.models.list().data
-    assert len(models) == 1 and models[0].id == server.slot.model_id
+    assert len(models) == 1 and models[0].id == server.model_id
     card = client.models.retrieve(models[0].id)
     assert card.max_model_len == MAX_CONTEXT == card.context_length
     with pytest.raises(openai.NotFoundError):
@@ -105,7 +105,7 @@ def test_health_is_503_until_the_model_is_loaded(model):
         handle.stop()
     failing = ServerHandle.start(lambda: (_ for _ in ()).throw(RuntimeError("disk on fire")), port=0)
     try:
-        wait_for(lambda: failing.slot.error is not None, what="load failure")
+        wait_for(lambda: failing.error is not None, what="load failure")
         assert "disk on fire" in assert_error(httpx.get(failing.url + "/health"), 503, "model_load_failed")["message"]
     finally:
         failing.stop()
@@ -231,7 +231,7 @@ def test_async_clients_on_every_endpoint(server):
         return models, chat, text, response, events, message
 
     models, chat, text, response, events, message = asyncio.run(run())
-    assert models.data[0].id == server.slot.model_id
+    assert models.data[0].id == server.model_id
     assert chat.usage.completion_tokens == text.usage.completion_tokens == response.usage.output_tokens == 5
     assert events[0] == "response.created" and events[-1] == "response.incomplete"
     assert message.type == "message" and message.usage.output_tokens <= 5
@@ -253,7 +253,7 @@ def test_metrics(server, client):
 
 def test_eight_simultaneous_streams_equal_serial_and_batch(model):
     llm = load_tiny_llm(model[0])
-    handle = ServerHandle.start(llm, port=0)
+    handle = ServerHandle.start(llm, port=0, model_id="m")
     n_tokens = 12
     questions = [[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}] for i in range(8)]
     args = dict(model="m", max_tokens=n_tokens, temperature=0, extra_body={"ignore_eos": True})
@@ -368,7 +368,7 @@ def test_oversized_bodies_are_413_without_being_read(server):
 
 def test_api_key_and_cors(model):
     llm = load_tiny_llm(model[0])
-    handle = ServerHandle.start(llm, port=0, api_key="s3cret")
+    handle = ServerHandle.start(llm, port=0, api_key="s3cret", model_id="m")
     try:
         url = handle.url
         assert httpx.get(url + "/health").status_code == 200  # public
@@ -414,7 +414,7 @@ def test_disconnects_free_the_kv_and_the_server_keeps_serving(server, client):
 
 def test_queue_full_is_429_with_retry_after(model):
     llm = load_tiny_llm(model[0])
-    handle = ServerHandle.start(llm, port=0, max_concurrency=1, max_queue=1)
+    handle = ServerHandle.start(llm, port=0, max_concurrency=1, max_queue=1, model_id="m")
     body = {"messages": HI, "max_tokens": 200, "ignore_eos": True, "stream": True}
     hang_up = threading.Event()
 
@@ -444,7 +444,7 @@ def test_queue_full_is_429_with_retry_after(model):
 
 def test_error_inside_a_stream_is_an_error_event(model):
     llm = load_tiny_llm(model[0])
-    handle = ServerHandle.start(llm, port=0)
+    handle = ServerHandle.start(llm, port=0, model_id="m")
     body = {"messages": HI, "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", handle.url + "/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
@@ -461,9 +461,9 @@ def test_error_inside_a_stream_is_an_error_event(model):
 
 # -- the command line ------------------------------------------------------------------------------
 
-def test_ninfer_serve_command(model):
+def test_ninfer_serve_command(model, tmp_path):
     env = {**os.environ, "NINFER_PORT": "0", "NINFER_DEVICE": "cpu", "NINFER_MAX_CONTEXT": "128",
-           "NINFER_API_KEY": "k", "NINFER_WEIGHTS": "bf16"}
+           "NINFER_API_KEY": "k", "NINFER_WEIGHTS": "bf16", "NINFER_HOME": str(tmp_path), "NINFER_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "ninfer_app", "serve", str(model[0])], env=env,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -471,9 +471,12 @@ def test_ninfer_serve_command(model):
         url = re.search(r"listening on (http://\S+) ", line).group(1)
         wait_for(lambda: httpx.get(url + "/health").status_code == 200, timeout=60, what="ninfer serve")
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
-        assert client.models.list().data[0].max_model_len == 128  # NINFER_MAX_CONTEXT reached the engine
-        r = client.chat.completions.create(model="m", messages=HI, max_tokens=2, extra_body={"ignore_eos": True})
+        served = client.models.list().data[0]
+        assert served.id == model[0].name and served.max_model_len == 128  # NINFER_MAX_CONTEXT reached the engine
+        r = client.chat.completions.create(model=served.id, messages=HI, max_tokens=2, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 2
+        ps = httpx.get(url + "/api/ps", headers={"Authorization": "Bearer k"}).json()
+        assert ps["threads"] == 1 and [m["name"] for m in ps["models"]] == [served.id]  # NINFER_THREADS applied
         ready = proc.stderr.readline()  # the startup report: capacity, formats
         assert "ready (context 128 tokens" in ready and "weights float32" in ready and "KV fp32 1,024 tokens" in ready, ready
         assert "CUDA graphs off" in ready

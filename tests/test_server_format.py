@@ -48,7 +48,7 @@ def server(tmp_path_factory):
     llm = load_tiny_llm(directory, max_context=4096)  # the tiny BPE spends ~700 tokens on the tool prompt
     engine = ScriptedEngine(llm, PIECES)
     llm.engine = engine  # the injection point (see the module docstring)
-    handle = ServerHandle.start(llm, port=0)
+    handle = ServerHandle.start(llm, port=0, model_id="m")
     yield handle, engine, llm
     handle.stop()
 

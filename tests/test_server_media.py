@@ -176,9 +176,9 @@ def served(tmp_path_factory, media):
     video = reference(user(WATCH, {"type": "video", "video": str(media.video_path)}))
     other_image = reference(user(DESCRIBE, image_part(str(other))))
     service = EngineService(llm).start()
-    default = ServerHandle.start(service, port=0, media_fetch=FETCH)
-    local = ServerHandle.start(service, port=0, media_fetch=FETCH, allow_local_media=True)
-    guarded = ServerHandle.start(service, port=0, media_fetch=MediaFetchLimits(timeout_s=1.0))
+    default = ServerHandle.start(service, port=0, model_id="m", media_fetch=FETCH)
+    local = ServerHandle.start(service, port=0, model_id="m", media_fetch=FETCH, allow_local_media=True)
+    guarded = ServerHandle.start(service, port=0, model_id="m", media_fetch=MediaFetchLimits(timeout_s=1.0))
     yield Served(service, default, local, guarded, image, video, other_image)
     default.stop()
     local.stop()
@@ -376,7 +376,7 @@ def test_bad_media_are_400_naming_the_part(served, media):
 
 def test_text_only_model_refuses_media_clearly(tmp_path_factory, media, web):
     directory, _ = write_model(tmp_path_factory, "tiny_text_only")
-    handle = ServerHandle.start(load_tiny_llm(directory), port=0)
+    handle = ServerHandle.start(load_tiny_llm(directory), port=0, model_id="m")
     try:
         MediaHandler.hits.clear()
         response = post(handle, "/v1/chat/completions", chat_body(DESCRIBE, image_part(f"{web}/image.png")))

@@ -86,7 +86,7 @@ async def test_streaming_keeps_the_ui_responsive_and_esc_stops_freeing_the_kv(mo
         await wait_until(pilot, lambda: len(view.reasoning_view.source) > 0, what="first streamed text")
         partial = view.reasoning_view.source
         await press_now(pilot, "a", "b", "c")  # the prompt takes keys while the engine works
-        assert screen.generating and screen.prompt.value == "abc"
+        assert screen.generating and screen.prompt.text == "abc"
         await press_now(pilot, "escape")
         await answered(pilot, 2)
         stats = app.backend.service_stats()
@@ -151,7 +151,7 @@ async def test_edit_resends_the_edited_last_message(model_dir, ref_llm, home):
         await answered(pilot, 2)
         await pilot.press("ctrl+up")
         screen = app.chat_screen
-        assert screen.prompt.value == "Hello" and "EDITING" in str(screen.query_one("#mode").render())
+        assert screen.prompt.text == "Hello" and "EDITING" in str(screen.query_one("#mode").render())
         await submit(pilot, "Paris is the capital")
         await answered(pilot, 2)
         chat = screen.chat
@@ -171,17 +171,17 @@ async def test_image_attach_with_path_completion_and_a_clear_notice_without_visi
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         screen = app.chat_screen
-        screen.prompt.value = f"/image {tmp_path}/pic"
+        screen.prompt.set_text(f"/image {tmp_path}/pic")
         screen.prompt.focus()
-        await wait_until(pilot, lambda: screen.prompt._suggestion.endswith("picture.png"), what="path completion")
+        await wait_until(pilot, lambda: screen.prompt.suggestion == "ture.png", what="path completion")
         await pilot.press("end", "right")  # accept the suggestion
-        assert screen.prompt.value == f"/image {picture}"
+        assert screen.prompt.text == f"/image {picture}"
         await pilot.press("enter")
         assert screen.attachments == [str(picture)]
         assert "picture.png" in str(screen.query_one("#attachments").render())
         await submit(pilot, "What is in this picture?", taken=False)
         await wait_until(pilot, lambda: noticed(app, "cannot read images or videos", "error"), what="the notice")
-        assert screen.chat.messages == [] and screen.prompt.value == "What is in this picture?"
+        assert screen.chat.messages == [] and screen.prompt.text == "What is in this picture?"
         await submit(pilot, "/image clear")
         await submit(pilot, "What is in this picture?")
         await answered(pilot, 2)
@@ -244,7 +244,7 @@ async def test_slash_commands(model_dir, ref_llm, home, tmp_path):
         await submit(pilot, "/think off")
         await submit(pilot, "/nonsense", taken=False)
         await wait_until(pilot, lambda: noticed(app, "unknown command /nonsense", "error"), what="the notice")
-        screen.prompt.value = ""
+        screen.prompt.set_text("")
         await submit(pilot, "/help")
         assert isinstance(app.screen, HelpScreen)
         await pilot.press("escape")
@@ -343,8 +343,12 @@ async def test_live_panels_follow_the_engine(model_dir, home):
         assert text("kv-chat").startswith("this chat ") and not text("kv-chat").startswith("this chat 0 tok")
         await pilot.press("escape")
         await answered(pilot, 2)
-        await wait_until(pilot, lambda: text("kv").startswith("0 / 4,096 tok"), what="KV freed in the panel")
+        await wait_until(pilot, lambda: text("kv").startswith("0 tok in use"), what="KV freed in the panel")
         assert "cpu: no GPU" in text("gpu")
+        # one context number on screen: the gauge's limit, and the KV capacity in chats of it (2 x 2,048)
+        assert "/ 2,048 tok" in str(app.chat_screen.query_one("#gauge").render())
+        assert text("kv-room") == "room for 2 chats of 2,048"
+        assert "4,096" not in "".join(text(n) for n in ("kv", "kv-chat", "kv-room"))
 
 
 async def test_keymap_file_remaps_bindings_and_bad_ids_are_named(model_dir, home):

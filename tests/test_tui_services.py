@@ -102,10 +102,16 @@ async def test_wizard_pulls_with_progress_resume_retry_and_verification_then_set
         assert states["model.safetensors"].startswith(f"✓ sha256 {hashlib.sha256(weights).hexdigest()[:12]}")
 
         local = screen.query_one("#local")
-        assert local.row_count == 1 and local.get_row(REPO)[2] == "yes"
+        # the pulled model, the one running now (a path, never added) and the embedded one
+        pulled = local.get_row(REPO)
+        assert local.row_count == 3 and pulled[1] == "pulled" and pulled[3] == "yes"
+        running = local.get_row(str(model_dir))
+        assert running[0] == "tiny-qwen" and running[1] == "path" and running[5] == "▶"
+        assert local.get_row("SmolLM2-135M-Instruct")[1] == "embedded"
+        local.move_cursor(row=local.get_row_index(REPO))
         await pilot.click("#default")
         assert Settings.load(home / "settings.json").default_model == REPO == default_model()
-        assert local.get_row(REPO)[3] == "no GPU" and local.get_row(REPO)[4] == "★"
+        assert local.get_row(REPO)[4] == "no GPU" and local.get_row(REPO)[5] == "★"
 
         await pilot.click("#use")
         await wait_until(pilot, lambda: app.backend is not None and app.backend.name == REPO, what="the pulled model")
@@ -114,11 +120,54 @@ async def test_wizard_pulls_with_progress_resume_retry_and_verification_then_set
         reply = app.chat_screen.chat.messages[-1]
 
         await pilot.press("f2")
+        local = app.screen.query_one("#local")
+        assert local.get_row(REPO)[5] == "▶★"
+        local.move_cursor(row=local.get_row_index(REPO))
         await pilot.click("#remove")
         await pilot.click("#yes")
         await wait_until(pilot, lambda: not Registry().entries(), what="the model to be removed")
     assert reply.reasoning == reference(ref_llm, [{"role": "user", "content": "Hello"}]).reasoning
     assert default_model() is None
+
+
+async def test_wizard_lists_every_local_model_adds_a_path_and_enter_acts(model_dir, home, fake_hub, tmp_path):
+    """Issue 17 item 2: the running and the embedded model are listed, a checkpoint directory can be
+    added, Enter in the search field pulls, and a long error is kept whole in the wrapped log."""
+    other = tmp_path / "my-checkpoint"
+    other.mkdir()
+    for p in model_dir.iterdir():
+        (other / p.name).write_bytes(p.read_bytes())
+    app = make_app(model_dir, home, pull_options=PullOptions(endpoint=fake_hub.url, max_workers=1,
+                                                             retry=RetryPolicy(attempts=1)))
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await pilot.press("f2")
+        screen = app.screen
+        local = screen.query_one("#local")
+        assert local.get_row(str(model_dir))[5] == "▶" and local.get_row("SmolLM2-135M-Instruct")[1] == "embedded"
+        field = screen.query_one("#add-path")
+        field.value = str(other)
+        field.focus()
+        await press_now(pilot, "enter")
+        await wait_until(pilot, lambda: "my-checkpoint" in local.rows, what="the added checkpoint")
+        added = local.get_row("my-checkpoint")
+        assert added[1] == "local" and added[3] == "ok"
+        assert hub.LocalModels().entries() == {"my-checkpoint": other.resolve()}
+        field.value = str(tmp_path / "nothing-here")
+        await press_now(pilot, "enter")
+        await wait_until(pilot, lambda: noticed(app, "no such file or directory", "error"), what="the add error")
+
+        spec = screen.query_one("#spec")
+        spec.value = "org/" + "a-repository-with-a-very-long-name-" * 3 + "that-is-not-there"
+        spec.focus()
+        await press_now(pilot, "enter")  # Enter in the search field pulls
+        await wait_until(pilot, lambda: noticed(app, "not-there", "error"), what="the pull to fail")
+        error = next(m for s, m in app.notices if s == "error" and "not-there" in m)
+        log = screen.query_one("#pull-log")
+        squeeze = lambda text: "".join(text.split())  # noqa: E731 - wrapping turns spaces into line breaks
+        assert squeeze(error) in squeeze(log_text(log)) and len(error) > log.size.width
+        assert all(line.cell_length <= log.size.width for line in log.lines)  # wrapped: nothing past the edge
+        await wait_until(pilot, lambda: not screen.query_one("#pull").disabled, what="the pull to end")
 
 
 # ---- server toggle -------------------------------------------------------------------------------

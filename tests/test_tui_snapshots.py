@@ -9,7 +9,7 @@ zero, no timings), no GPU (hub.local_gpu is stubbed), a fixed server port and AP
 from __future__ import annotations
 
 import pytest
-from textual.widgets import Input
+from textual.widgets import Input, TextArea
 
 from ninfer_core import hub
 from tui_harness import SIZE, home, make_app, model_dir, wait_until  # noqa: F401 - fixtures
@@ -27,7 +27,7 @@ def shot(keys: tuple[str, ...] = ()):
             await pilot.press(key)
         await pilot.pause(0.6)  # a live-panel refresh
         pilot.app.clear_notifications()  # toasts expire on a timer
-        for field in pilot.app.screen.query(Input):
+        for field in [*pilot.app.screen.query(Input), *pilot.app.screen.query(TextArea)]:
             field.cursor_blink = False  # a blinking cursor is drawn or not depending on timing
         await pilot.pause()
 

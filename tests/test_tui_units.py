@@ -3,7 +3,6 @@ completion, the live-stats sampler, the remote client's request body, and the de
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import threading
@@ -11,7 +10,7 @@ import threading
 import pytest
 
 from ninfer_app.tui import paths
-from ninfer_app.tui.commands import PromptSuggester, complete_path, parse_command
+from ninfer_app.tui.commands import complete_path, complete_prompt, parse_command
 from ninfer_app.tui.conversation import Chat, Message, api_messages, check_media, media_kind
 from ninfer_app.tui.export import chat_markdown
 from ninfer_app.tui.keymap import KEYS, load_keymap
@@ -23,6 +22,7 @@ from ninfer_app.tui.store import HistoryStore
 from ninfer_app.tui.streaming import DeltaBuffer
 from ninfer_app.tui.widgets.gauge import gauge_text
 from ninfer_app.tui.widgets.live_panel import spec_text
+from ninfer_core.capabilities import Capabilities
 from ninfer_core.chat.output_parser import ContentDelta, ReasoningDelta
 from ninfer_core.engine.llm_engine import EngineStats
 from ninfer_core.engine.request import SpecStats
@@ -134,7 +134,8 @@ def test_api_messages_system_media_and_failed_turns(tmp_path):
 
 
 def test_client_snippets_point_at_the_server():
-    out = {s.client: s for s in snippets("http://127.0.0.1:8080", "sk-1", "qwen", 32768)}
+    out = {s.client: s for s in snippets("http://127.0.0.1:8080", "sk-1", "qwen", 32768,
+                                         Capabilities(tools=True, vision=False, thinking=True))}
     assert list(out) == ["Continue", "Zed", "VS Code", "aider"]
     assert "apiBase: http://127.0.0.1:8080/v1" in out["Continue"].text and "apiKey: sk-1" in out["Continue"].text
     assert "contextLength: 32768" in out["Continue"].text and "maxTokens: 8192" in out["Continue"].text
@@ -144,6 +145,18 @@ def test_client_snippets_point_at_the_server():
     assert vscode["apiKey"] == "sk-1" and vscode["models"][0]["url"] == "http://127.0.0.1:8080/v1/chat/completions"
     assert vscode["models"][0]["maxInputTokens"] + vscode["models"][0]["maxOutputTokens"] == 32768
     assert out["aider"].text == "aider --model openai/qwen --openai-api-base http://127.0.0.1:8080/v1 --openai-api-key sk-1"
+    assert "capabilities: [tool_use]" in out["Continue"].text and vscode["models"][0]["toolCalling"] is True
+
+
+def test_client_snippets_advertise_only_what_the_model_supports():
+    """Issue 17 item 5: a model whose template drops tools must not be offered to editors as a tool user."""
+    out = {s.client: s for s in snippets("http://h:1", "k", "smol", 8192,
+                                         Capabilities(tools=False, vision=True, thinking=False))}
+    assert "capabilities: [image_input]" in out["Continue"].text and "tool_use" not in out["Continue"].text
+    zed = json.loads(out["Zed"].text)["language_models"]["openai_compatible"]["ninfer"]["available_models"][0]
+    assert zed["capabilities"]["tools"] is False and zed["capabilities"]["images"] is True
+    vscode = json.loads(out["VS Code"].text)[0]["models"][0]
+    assert (vscode["toolCalling"], vscode["vision"], vscode["thinking"]) == (False, True, False)
 
 
 def test_keymap_file(tmp_path):
@@ -172,8 +185,8 @@ def test_commands_and_completion(tmp_path):
     assert complete_path(f"{tmp_path}/photos/ca") is None  # cat / car: nothing longer in common
     assert complete_path(f"{tmp_path}/photos/cat") == f"{tmp_path}/photos/cat.png"
     assert complete_path(f"{tmp_path}/none") is None
-    suggest = PromptSuggester(lambda command: ["qwen3.5-0.8b", "qwen3.6-27b"] if command == "model" else [])
-    ask = lambda value: asyncio.run(suggest.get_suggestion(value))  # noqa: E731
+    choices = lambda command: ["qwen3.5-0.8b", "qwen3.6-27b"] if command == "model" else []  # noqa: E731
+    ask = lambda value: complete_prompt(value, choices)  # noqa: E731
     assert ask("/mo") == "/model " and ask("/model qwen3.6") == "/model qwen3.6-27b"
     assert ask("/think of") == "/think off" and ask(f"/image {tmp_path}/photos/cat") == f"/image {tmp_path}/photos/cat.png"
     assert ask("hello") is None and ask("/zzz") is None

@@ -110,11 +110,11 @@ async def submit(pilot: Any, text: str, taken: bool = True) -> None:
     until the prompt took it (it clears once a message is on screen or a command has run; what it
     refuses stays there)."""
     prompt = pilot.app.screen.query_one("#prompt")
-    prompt.value = text
+    prompt.set_text(text)
     prompt.focus()
     await press_now(pilot, "enter")
     if taken:
-        await wait_until(pilot, lambda: prompt.value != text, what=f"the prompt to take {text!r}")
+        await wait_until(pilot, lambda: prompt.text != text, what=f"the prompt to take {text!r}")
 
 
 async def loaded(pilot: Any) -> None:

@@ -16,7 +16,7 @@ from textual.message import Message
 from textual.screen import Screen
 
 from ninfer_core.errors import NinferError
-from ninfer_core.hub import ALIASES, PullOptions, Registry
+from ninfer_core.hub import ALIASES, PullOptions, list_models
 from ninfer_core.llm import LLM, EngineOptions
 
 from .backend import Backend, LocalBackend
@@ -74,6 +74,7 @@ class NinferApp(App):
         self.pull_options = pull_options or PullOptions()
         self.backend: Backend | None = None
         self.server = EmbeddedServer()
+        self.model_spec: str | None = None  # what the local backend was loaded from (None: the embedded model)
         self._loads = 0  # load_backend calls so far
         self._restart_server = False
 
@@ -121,6 +122,7 @@ class NinferApp(App):
 
     def load(self, spec: str | None) -> None:
         self._loads += 1
+        self.model_spec = spec
         chat = self.chat_screen
         if chat is not None and chat.is_mounted:  # (at start its placeholder already says so)
             chat.backend_loading(spec or ("the model list" if self.launch.endpoint else "the default model"))
@@ -167,11 +169,12 @@ class NinferApp(App):
             chat.backend_loading("nothing: /model NAME loads a model")
 
     def model_names(self) -> list[str]:
+        """What /model completes: the models of this machine, then the aliases one could pull."""
         try:
-            pulled = [e.display_name for e in Registry().entries()]
+            local = [m.name for m in list_models()]
         except NinferError:
-            pulled = []
-        return list(dict.fromkeys([*pulled, *ALIASES]))
+            local = []
+        return list(dict.fromkeys([*local, *ALIASES]))
 
     # -- the embedded server ------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from ninfer_core.capabilities import Capabilities
 from ninfer_core.chat.output_parser import ContentDelta, ReasoningDelta
 from ninfer_core.engine.service import ChatStream, EngineService, ServiceStats, ServiceStoppedError
 from ninfer_core.llm import LLM, ChatFinished, ChatRequest
@@ -62,6 +63,10 @@ class Backend(Protocol):
     @property
     def supports_media(self) -> bool | None:
         """True / False when known up front; None: only the server's answer tells."""
+
+    @property
+    def capabilities(self) -> Capabilities | None:
+        """Tools, vision, thinking (None: a remote server that does not say)."""
 
     def start(self, request: ChatRequest) -> Generation:
         """Submit a chat request (raises NinferError, e.g. ContextLengthError, before any output)."""
@@ -133,6 +138,10 @@ class LocalBackend:
     @property
     def supports_media(self) -> bool:
         return self.llm.vision is not None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities.of(self.llm)
 
     @property
     def device(self) -> str:

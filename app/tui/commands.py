@@ -8,8 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from textual.suggester import Suggester
-
 from ninfer_core.errors import NinferError
 
 
@@ -67,23 +65,18 @@ def complete_path(partial: str) -> str | None:
     return partial[: len(partial) - len(stem)] + common
 
 
-class PromptSuggester(Suggester):
-    """Inline completion for the prompt. `choices(command)` lists the words /model and /preset take."""
-
-    def __init__(self, choices: Callable[[str], list[str]]):
-        super().__init__(use_cache=False, case_sensitive=True)
-        self.choices = choices
-
-    async def get_suggestion(self, value: str) -> str | None:
-        if not value.startswith("/"):
-            return None
-        name, space, arg = value[1:].partition(" ")
-        if not space:
-            match = next((c for c in COMMANDS if c.startswith(name.lower()) and c != name), None)
-            return f"/{match} " if match else None
-        if name in PATH_COMMANDS and arg:
-            completed = complete_path(arg)
-            return f"/{name} {completed}" if completed else None
-        words = {"think": ["on", "off"], "system": ["clear"]}.get(name) or self.choices(name)
-        match = next((w for w in words if w.startswith(arg) and w != arg), None)
-        return f"/{name} {match}" if match else None
+def complete_prompt(value: str, choices: Callable[[str], list[str]]) -> str | None:
+    """The completed prompt for a slash command being typed (command name, its argument, a path), or
+    None. `choices(command)` lists the words /model and /preset take."""
+    if not value.startswith("/"):
+        return None
+    name, space, arg = value[1:].partition(" ")
+    if not space:
+        match = next((c for c in COMMANDS if c.startswith(name.lower()) and c != name), None)
+        return f"/{match} " if match else None
+    if name in PATH_COMMANDS and arg:
+        completed = complete_path(arg)
+        return f"/{name} {completed}" if completed else None
+    words = {"think": ["on", "off"], "system": ["clear"]}.get(name) or choices(name)
+    match = next((w for w in words if w.startswith(arg) and w != arg), None)
+    return f"/{name} {match}" if match else None

@@ -31,6 +31,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "chat.think": ("ctrl+t", "Thinking"),
     "chat.new": ("ctrl+n", "New chat"),
     "chat.copy": ("ctrl+y", "Copy reply"),
+    "chat.panel": ("f4", "Stats panel"),
     "message.copy": ("c", "Copy"),
     "screen.close": ("escape", "Back"),
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ninfer_core.hub.registry import ninfer_home
+from ninfer_core.home import ninfer_home
 
 
 def data_dir() -> Path:

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from ninfer_core.capabilities import Capabilities
 from ninfer_core.chat.output_parser import ContentDelta, ReasoningDelta
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.errors import NinferError
@@ -27,6 +28,7 @@ from ninfer_core.llm import ChatRequest
 from .backend import GenerationEvent, TurnDone, TurnResult
 
 CONTEXT_KEYS = ("max_model_len", "context_length", "max_context_length")  # vLLM, LM Studio / OpenRouter, ninfer
+MIN_DECODE_SPAN_S = 0.5  # a stream that arrives faster than this (a proxy's burst) gives no decode rate of its own
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "seed", "max_tokens")
 
@@ -46,6 +48,25 @@ def _error_text(response: httpx.Response) -> str:
         return error.get("message", str(error)) if isinstance(error, Mapping) else str(error)
     except (json.JSONDecodeError, ValueError, AttributeError):
         return response.text[:300] or response.reason_phrase
+
+
+def decode_rate(tokens: int, started: float, first: float | None, ended: float) -> float:
+    """Tokens per second of a streamed answer, as the client saw it: (tokens - 1) over the time from the
+    first token to the last, unless they came in one burst (buffered by a proxy or the server: 5 tokens
+    in 0.4 ms read as 12,000 tok/s), then all tokens over the whole request."""
+    if tokens < 1 or first is None:
+        return 0.0
+    if tokens > 1 and ended - first >= MIN_DECODE_SPAN_S:
+        return (tokens - 1) / (ended - first)
+    return tokens / (ended - started) if ended > started else 0.0
+
+
+def card_capabilities(card: Mapping[str, Any]) -> Capabilities | None:
+    """What a model card says the model can do (ninfer's and Ollama's `capabilities`), None if it does not say."""
+    names = card.get("capabilities")
+    if not isinstance(names, list):
+        return None
+    return Capabilities(tools="tools" in names, vision="vision" in names, thinking="thinking" in names)
 
 
 def data_url(path: str) -> str:
@@ -180,7 +201,7 @@ class RemoteGeneration:
             text="".join(text), reasoning="".join(reasoning), finish_reason=finish,
             prompt_tokens=self._prompt_tokens, completion_tokens=self._completion, reasoning_tokens=self._reasoning,
             prefill_tok_s=self._prompt_tokens / ttft if ttft > 0 and self._prompt_tokens else 0.0,
-            decode_tok_s=(self._completion - 1) / (ended - first) if first and ended > first and self._completion > 1 else 0.0,
+            decode_tok_s=decode_rate(self._completion, started, first, ended),
         ))
 
 
@@ -205,6 +226,7 @@ class RemoteBackend:
         if card is None:
             raise NinferError(f"{self.base}: the server lists no models; name one as MODEL")
         self.name = str(card["id"])
+        self.capabilities = card_capabilities(card)
         self.context_limit = next((int(card[k]) for k in CONTEXT_KEYS if isinstance(card.get(k), int)), None)
 
     def _models(self) -> list[dict[str, Any]]:

@@ -12,9 +12,8 @@ import os
 import secrets
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.errors import NinferError
 
 from .paths import settings_path
@@ -26,7 +25,9 @@ BUILTIN_PRESETS: dict[str, dict[str, Any]] = {
     "balanced": {"temperature": 0.7, "top_p": 0.8, "top_k": 20},
     "creative": {"temperature": 1.0, "top_p": 0.95, "top_k": 40},
 }
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+if TYPE_CHECKING:
+    from ninfer_core.engine.sampling import SamplingParams
 
 
 @dataclass
@@ -94,10 +95,12 @@ class Settings:
         return list(dict.fromkeys([*BUILTIN_PRESETS, *self.presets]))
 
     def sampling_for_preset(self, name: str) -> SamplingParams:
+        from ninfer_core.engine.sampling import SamplingParams  # torch: not for `ninfer --help`
+
         values = self.presets.get(name, BUILTIN_PRESETS.get(name))
         if values is None:
             raise NinferError(f"no sampling preset '{name}' (choose from: {', '.join(self.preset_names())})")
-        unknown = set(values) - _SAMPLING_FIELDS
+        unknown = set(values) - {f.name for f in fields(SamplingParams)}
         if unknown:
             raise NinferError(f"{self.path}: preset '{name}' has unknown field(s) {', '.join(sorted(unknown))}")
         return SamplingParams(**values)

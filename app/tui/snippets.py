@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ninfer_core.capabilities import Capabilities
+
 
 @dataclass(frozen=True)
 class Snippet:
@@ -15,26 +17,28 @@ class Snippet:
     text: str
 
 
-def snippets(base_url: str, api_key: str, model: str, context: int) -> list[Snippet]:
+def snippets(base_url: str, api_key: str, model: str, context: int, can: Capabilities) -> list[Snippet]:
+    """`can`: what the model supports; a snippet never advertises tools or images it would not take."""
     v1 = f"{base_url}/v1"
     answer = min(8192, context // 4)  # the answer budget clients reserve out of the context
+    continue_capabilities = [name for name, on in (("tool_use", can.tools), ("image_input", can.vision)) if on]
     continue_yaml = "\n".join([
         "name: ninfer", "version: 0.0.1", "schema: v1", "models:",
         f"  - name: {model} (ninfer)", "    provider: openai", f"    model: {model}",
         f"    apiBase: {v1}", f"    apiKey: {api_key}", "    roles: [chat, edit, apply]",
-        "    capabilities: [tool_use]", "    defaultCompletionOptions:",
+        f"    capabilities: [{', '.join(continue_capabilities)}]", "    defaultCompletionOptions:",
         f"      contextLength: {context}", f"      maxTokens: {answer}",
     ])
     zed = {"language_models": {"openai_compatible": {"ninfer": {
         "api_url": v1,
         "available_models": [{"name": model, "display_name": f"{model} (ninfer)", "max_tokens": context,
                               "max_output_tokens": answer,
-                              "capabilities": {"tools": True, "images": False, "parallel_tool_calls": False,
+                              "capabilities": {"tools": can.tools, "images": can.vision, "parallel_tool_calls": False,
                                                "prompt_cache_key": False}}],
     }}}}
     vscode = [{"name": "ninfer", "vendor": "customendpoint", "apiKey": api_key, "apiType": "chat-completions",
                "models": [{"id": model, "name": f"{model} (ninfer)", "url": f"{v1}/chat/completions",
-                           "toolCalling": True, "vision": False, "thinking": True,
+                           "toolCalling": can.tools, "vision": can.vision, "thinking": can.thinking,
                            "maxInputTokens": context - answer, "maxOutputTokens": answer}]}]
     aider = f"aider --model openai/{model} --openai-api-base {v1} --openai-api-key {api_key}"
     return [

@@ -12,16 +12,20 @@ never need rescaling and truncation stays pure bookkeeping.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..config import ModelConfig
 from ..errors import NinferError
+from .sizes import SCALE_BYTES, kv_token_bytes
 
 QUANTIZED = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 FLOAT_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCALE_DTYPE = torch.float32
+assert SCALE_DTYPE.itemsize == SCALE_BYTES
 
 
 @dataclass(frozen=True)
@@ -64,16 +68,29 @@ def kv_dtype_name(kv_dtype: torch.dtype | str) -> str:
 
 
 def _token_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype | str) -> int:
-    """k + v of one token in one layer, scales included."""
-    if isinstance(kv_dtype, str):
-        return 2 * num_kv_heads * (head_dim * QUANTIZED[kv_dtype].itemsize + SCALE_DTYPE.itemsize)
-    return 2 * num_kv_heads * head_dim * kv_dtype.itemsize
+    """k + v of one token in one layer, scales included (sizes.kv_token_bytes for a resolved dtype)."""
+    storage = QUANTIZED[kv_dtype] if isinstance(kv_dtype, str) else kv_dtype
+    return kv_token_bytes(num_kv_heads, head_dim, storage.itemsize, scaled=isinstance(kv_dtype, str))
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> int:
     """KV bytes of one token over every attention layer (before allocating a pool)."""
     kind = resolve_kv_dtype(kv_dtype, model_dtype)
     return len(config.full_attention_layers) * _token_bytes(config.num_kv_heads, config.head_dim, kind)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros that take memory only where written, on the CPU.
+
+    A CPU pool sized for max_context x sequences (3 GB of fp32 KV for SmolLM2 serving 8 x 8192
+    tokens) would otherwise be resident from the start. numpy's zeros come from calloc, which for
+    large blocks maps fresh pages the OS zero-fills on first touch, and pages are handed out low ids
+    first, so the memory in use follows the longest load seen, not the capacity. GPU pools are
+    plain torch.zeros (the GPU has no such pages)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 class KVPool:
@@ -96,8 +113,8 @@ class KVPool:
         self.dtype_name = kv_dtype_name(kind)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         storage = QUANTIZED[kind] if isinstance(kind, str) else kind
-        self.k = {i: torch.zeros(shape, dtype=storage, device=device) for i in self.layers}
-        self.v = {i: torch.zeros(shape, dtype=storage, device=device) for i in self.layers}
+        self.k = {i: lazy_zeros(shape, storage, device) for i in self.layers}
+        self.v = {i: lazy_zeros(shape, storage, device) for i in self.layers}
         self.k_scale: dict[int, torch.Tensor] = {}
         self.v_scale: dict[int, torch.Tensor] = {}
         if isinstance(kind, str):

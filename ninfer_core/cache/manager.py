@@ -25,7 +25,8 @@ from ..config import ModelConfig
 from ..errors import ContextLengthError, NinferError
 from .kv_pool import KVPool
 from .prefix_cache import ROOT, Checkpoint, Hit, PrefixCache, chain
-from .state_pool import StatePool, StateSnapshot, gdn_conv_dim
+from .sizes import gdn_conv_dim
+from .state_pool import StatePool, StateSnapshot
 
 DEFAULT_PAGE_SIZE = 16
 
@@ -124,6 +125,7 @@ class CacheManager:
         self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._live_slots: set[int] = set()
+        self._pages_high_water = 0  # 1 + the highest page id ever handed out
         self.max_seq_pages = min(self.num_pages, math.ceil((max_seq_tokens or max_tokens) / page_size))
         # unused entries hold page 0, a valid id in every pool that shares these page ids (a drafter's)
         self.table = torch.zeros((max_seqs + extra, self.max_seq_pages), dtype=torch.int32, device=self.device)
@@ -162,6 +164,14 @@ class CacheManager:
     @property
     def kv_bytes(self) -> int:
         return self.cache.kv.nbytes
+
+    @property
+    def resident_kv_bytes(self) -> int:
+        """KV bytes in memory: all of the pool on a GPU; on the CPU, where pages take memory only
+        once written (kv_pool.lazy_zeros), at most the pages up to the highest id handed out."""
+        if self.device.type != "cpu":
+            return self.kv_bytes
+        return self.cache.kv.bytes_per_token * self.page_size * self._pages_high_water
 
     @property
     def state_bytes(self) -> int:
@@ -223,6 +233,7 @@ class CacheManager:
 
     def _append(self, seq: SequenceCache, page: int) -> None:
         self._refs[page] = self._refs.get(page, 0) + 1
+        self._pages_high_water = max(self._pages_high_water, page + 1)
         self._new_entries.append((seq.slot, len(seq.pages), page))
         seq.pages.append(page)
 

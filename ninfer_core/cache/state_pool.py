@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from .sizes import gdn_layer_slot_bytes, gdn_state_bytes_per_slot
 
 
 @dataclass
@@ -24,26 +25,9 @@ class StateSnapshot:
     recurrent: dict[int, torch.Tensor]
 
 
-def _layer_slot_bytes(
-    conv_dim: int, conv_kernel: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, dtype: torch.dtype
-) -> int:
-    state_dtype = torch.promote_types(dtype, torch.float32)
-    return conv_dim * (conv_kernel - 1) * dtype.itemsize + num_v_heads * head_k_dim * head_v_dim * state_dtype.itemsize
-
-
-def gdn_conv_dim(config: ModelConfig) -> int:
-    """Channels of the GDN short conv: q, k (key heads) and v (value heads)."""
-    return 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
-        config.linear_num_value_heads * config.linear_value_head_dim
-    )
-
-
 def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
     """One sequence's GDN state over every GDN layer (before allocating a pool)."""
-    return len(config.linear_attention_layers) * _layer_slot_bytes(
-        gdn_conv_dim(config), config.linear_conv_kernel_dim, config.linear_num_value_heads,
-        config.linear_key_head_dim, config.linear_value_head_dim, dtype,
-    )
+    return gdn_state_bytes_per_slot(config, dtype.itemsize)
 
 
 class StatePool:
@@ -69,8 +53,8 @@ class StatePool:
             i: torch.zeros(num_slots, num_v_heads, head_k_dim, head_v_dim, dtype=state_dtype, device=device)
             for i in self.layers
         }
-        self.bytes_per_slot = len(self.layers) * _layer_slot_bytes(
-            conv_dim, conv_kernel, num_v_heads, head_k_dim, head_v_dim, dtype
+        self.bytes_per_slot = len(self.layers) * gdn_layer_slot_bytes(
+            conv_dim, conv_kernel, num_v_heads, head_k_dim, head_v_dim, dtype.itemsize
         )
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,15 @@ _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 class ChatTemplateError(NinferError):
     """A template that does not compile, or a conversation the template rejects."""
+
+
+class ToolsNotSupportedError(ChatTemplateError):
+    """Tools were given, but the template leaves them out of the prompt: the model would never see them."""
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "ninfer_probe_tool", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 class _GenerationTag(Extension):
@@ -95,10 +105,12 @@ class ChatTemplate:
         preserve_thinking: bool = False,
         **kwargs: Any,
     ) -> str:
-        """The prompt text; `kwargs` reach the template as extra variables (chat_template_kwargs)."""
-        name = "tool_use" if tools and "tool_use" in self.templates else "default"
-        template = self._compile(name)
-        variables = {
+        """The prompt text; `kwargs` reach the template as extra variables (chat_template_kwargs).
+        Tools the template would drop are refused (ToolsNotSupportedError), never lost silently."""
+        if tools and not self.supports_tools:
+            raise ToolsNotSupportedError(f"this model's chat template ({self.origin}) has no place for tools, so the "
+                                         "model cannot call them; send the request without tools")
+        return self._run({
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             **kwargs,
@@ -107,11 +119,33 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
             "enable_thinking": enable_thinking,
             "preserve_thinking": preserve_thinking,
-        }
+        })
+
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the template puts tools into the prompt: a probe conversation renders differently
+        with a tool than without."""
+        probe = {"bos_token": self.bos_token, "eos_token": self.eos_token, "messages": _PROBE_MESSAGES,
+                 "add_generation_prompt": True}
+        try:
+            return self._run({**probe, "tools": [_PROBE_TOOL]}) != self._run({**probe, "tools": None})
+        except ChatTemplateError:
+            return False
+
+    @cached_property
+    def supports_thinking(self) -> bool:
+        """Whether the model reasons in <think> blocks (its template knows them or the thinking switch)."""
+        return any("<think>" in t or "enable_thinking" in t for t in self.templates.values())
+
+    def _run(self, variables: dict[str, Any]) -> str:
+        """The template (its `tool_use` variant when tools are given and it has one) over `variables`."""
+        template = self._compile("tool_use" if variables["tools"] and "tool_use" in self.templates else "default")
         try:
             return template.render(**variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template ({self.origin}): {exc}") from exc
+        except (TypeError, ValueError, KeyError, IndexError) as exc:  # a conversation shape the template cannot take
+            raise ChatTemplateError(f"chat template ({self.origin}) cannot render these messages: {exc}") from exc
 
     def _compile(self, name: str) -> jinja2.Template:
         if name not in self._compiled:

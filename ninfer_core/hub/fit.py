@@ -13,17 +13,19 @@ The context defaults to what `ninfer run` allocates on a GPU: 32768 tokens, capp
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
-
-from ..cache import kv_pool
-from ..cache.state_pool import gdn_conv_dim, state_bytes_per_slot
+from ..cache import sizes
+from ..cache.sizes import gdn_conv_dim
 from ..config import ModelConfig
 from .errors import HubError
 
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
-KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}  # the --kv-dtype choices (fp8/int8 add scales)
+KV_BYTES = sizes.KV_ITEM_BYTES  # the --kv-dtype choices (fp8 / int8 add scales)
 RUNTIME_RESERVE_BYTES = 1 << 30
 DEFAULT_CONTEXT = 32768  # the engine's default max_context on CUDA (ninfer_core.llm.DEFAULT_MAX_CONTEXT)
 
@@ -74,14 +76,14 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> int:
-    """The engine's own count (cache/kv_pool.py), per-token scales of fp8 / int8 included."""
+    """The engine's own count (cache/sizes.py), per-token scales of fp8 / int8 included."""
     _lookup(KV_BYTES, kv_dtype, "KV dtype")
-    return kv_pool.kv_bytes_per_token(cfg, kv_dtype, torch.bfloat16)
+    return sizes.kv_bytes_per_token(cfg, kv_dtype)
 
 
 def gdn_state_bytes(cfg: ModelConfig) -> int:
     """GDN state of one sequence (bf16 conv window, fp32 recurrent state): the engine's count."""
-    return state_bytes_per_slot(cfg, torch.bfloat16)
+    return sizes.gdn_state_bytes_per_slot(cfg, sizes.KV_ITEM_BYTES["bf16"])
 
 
 def _lookup(table: dict, key: str, what: str):
@@ -105,7 +107,25 @@ class GpuMemory:
 
 
 def local_gpu() -> GpuMemory | None:
-    """Free and total memory of CUDA device 0, or None without a usable GPU."""
+    """Free and total memory of CUDA device 0, or None without a usable GPU.
+
+    Asked without torch where possible (importing it costs seconds, `ninfer show` should not):
+    no NVIDIA driver means no GPU; else nvidia-smi answers for the first visible device; torch
+    only where nvidia-smi is missing."""
+    if not Path("/proc/driver/nvidia/version").exists() and not Path("/dev/nvidia0").exists():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    if visible == "" or visible.startswith("-"):
+        return None
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        try:
+            out = subprocess.run([smi, "-i", visible, "--query-gpu=name,memory.free,memory.total",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+            name, free_mib, total_mib = (p.strip() for p in out.stdout.strip().splitlines()[0].rsplit(",", 2))
+            return GpuMemory(name, int(free_mib) << 20, int(total_mib) << 20)
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            pass  # an unusual setup (MIG, UUIDs in CUDA_VISIBLE_DEVICES): ask torch
     import torch
 
     if not torch.cuda.is_available():

@@ -14,8 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import constants
-from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub import constants  # (a module of constants: cheap, unlike file_download)
 
 
 def hub_cache_dir() -> Path:
@@ -34,7 +33,8 @@ class RepoCache:
 
     @property
     def root(self) -> Path:
-        return self.cache_dir / repo_folder_name(repo_id=self.repo_id, repo_type="model")
+        """models--{org}--{name}: huggingface_hub's repo_folder_name, spelled out (importing it costs 0.2 s)."""
+        return self.cache_dir / "--".join(["models", *self.repo_id.split("/")])
 
     def blob(self, digest: str) -> Path:
         return self.root / "blobs" / digest

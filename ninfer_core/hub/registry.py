@@ -19,15 +19,9 @@ from pathlib import Path
 from .aliases import alias_for_repo, resolve_alias
 from .errors import HubError, ModelNotFoundError
 from .files import RemoteFile
+from ..home import ninfer_home
 from .layout import RepoCache
 from .summary import ModelSummary
-
-
-def ninfer_home() -> Path:
-    """NINFER_HOME, else $XDG_DATA_HOME/ninfer, else ~/.local/share/ninfer."""
-    if home := os.environ.get("NINFER_HOME"):
-        return Path(home).expanduser()
-    return Path(os.environ.get("XDG_DATA_HOME") or "~/.local/share").expanduser() / "ninfer"
 
 
 @dataclass

@@ -41,9 +41,11 @@ def summarize_checkpoint(model_dir: Path) -> ModelSummary:
 
 def summarize_gguf(path: Path) -> ModelSummary:
     """From GGUF metadata and tensor shapes (no tensor data is read)."""
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import LlamaFileType
 
-    reader = GGUFReader(path)
+    from ..weights.gguf_reader import FastGGUFReader
+
+    reader = FastGGUFReader(path)
 
     def field(key: str):
         f = reader.fields.get(key)

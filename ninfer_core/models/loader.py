@@ -17,9 +17,8 @@ from torch import nn
 
 from ..config import QWEN_ARCHS, GenerationDefaults, ModelConfig, load_config
 from ..errors import ModelLoadError, NinferError
-from ..hub.aliases import resolve_alias
+from ..hub.catalog import locate
 from ..hub.fit import count_params
-from ..hub.registry import resolve_local
 from ..tokenizer import Tokenizer
 from ..weights.checkpoint import open_checkpoint
 from ..weights.gguf_reader import open_gguf
@@ -54,11 +53,16 @@ class LoadedModel:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # "gpu", "cuda:x": torch's message lists every backend it knows
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise NinferError(f"unsupported device '{device}' (use cpu, cuda, cuda:N or auto)")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise NinferError("--device cuda was asked for, but PyTorch sees no CUDA GPU (use --device cpu)")
-    if dev.type not in ("cpu", "cuda"):
-        raise NinferError(f"unsupported device '{device}' (use cpu, cuda or auto)")
+        raise NinferError(f"--device {device} was asked for, but PyTorch sees no CUDA GPU (use --device cpu)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise NinferError(f"--device {device}: there are {torch.cuda.device_count()} CUDA GPUs (cuda:0 ...)")
     return dev
 
 
@@ -99,19 +103,6 @@ def build_model(
         model = model_class(config)(config)
         apply_recipe_(model, recipe)
     return model.to_empty(device=device).eval()
-
-
-def _locate(spec: str) -> Path:
-    """A path on disk, else the name of a pulled model (`ninfer pull`)."""
-    path = Path(spec).expanduser()
-    if path.exists():
-        return path
-    pulled = resolve_local(spec)
-    if pulled is None and (resolve_alias(spec) or "/" in spec):
-        raise ModelLoadError(f"{spec}: not downloaded yet: run `ninfer pull {spec}` first")
-    if pulled is None:
-        raise ModelLoadError(f"{spec}: no such model directory or file, and no pulled model of that name (`ninfer ls`)")
-    return pulled
 
 
 def random_model(
@@ -169,7 +160,7 @@ def load_model(
     (`weights/quant_cache.py`) and later starts read that artifact directly."""
     started = time.perf_counter()
     dev = resolve_device(device)
-    path = default_model_path() if spec is None else _locate(spec)
+    path = default_model_path() if spec is None else locate(spec)
     tensors: WeightSource | None = None
     if path.is_file():
         if path.suffix != ".gguf":

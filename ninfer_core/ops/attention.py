@@ -93,12 +93,18 @@ def write_kv(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
     )
 
 
+def _pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """cache[pages] for any index shape: index_select on the flat ids (a quarter of advanced
+    indexing's time on the CPU, where the decode step is bound by such small ops)."""
+    return cache.index_select(0, pages.reshape(-1)).view(*pages.shape, *cache.shape[1:])
+
+
 def _gather(cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The pages `pages` (any index shape) of one cache, as `dtype`."""
     if scale is None:
-        return cache[pages].to(dtype)
-    values = cache.view(torch.uint8)[pages].view(cache.dtype)  # indexing has no 8-bit float kernels everywhere
-    return dequantize_kv(values, scale[pages], dtype)
+        return _pages(cache, pages).to(dtype)
+    values = _pages(cache.view(torch.uint8), pages).view(cache.dtype)  # no 8-bit float index kernels everywhere
+    return dequantize_kv(values, _pages(scale, pages), dtype)
 
 
 def attention_ref(

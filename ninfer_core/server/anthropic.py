@@ -27,7 +27,7 @@ from .blocks import Block, BlockDelta, BlockSequencer, BlockStart, BlockStop, se
 from .body import read_model
 from .chat_input import chat_content, chat_request, content_text, sampling_params, select_tools
 from .errors import ApiError
-from .generation import Started, collect, service_of, start, stream_response
+from .generation import Started, collect, lease, start, stream_response
 from .ids import new_id
 from .media_fetch import resolve_media
 from .schemas import AnthropicMessage, AnthropicTool, CountTokensRequest, MessagesRequest
@@ -176,9 +176,8 @@ def _usage(result: ChatResult) -> dict[str, int]:
 async def messages(request: Request) -> Response:
     body = await read_model(request, MessagesRequest)
     chat = build(body)
-    await resolve_media(request, chat)
-    started = await start(request, lambda service: service.submit_chat(chat))
-    message_id, model, ids = new_id("msg_"), request.app.state.slot.model_id, ToolUseIds()
+    started = await start(request, body.model, lambda service: service.submit_chat(chat), chat=chat)
+    message_id, model, ids = new_id("msg_"), started.model, ToolUseIds()
     if body.stream:
         frames = _stream(started, message_id, model, ids)
         return stream_response(started, frames, lambda err: sse(err.body(), event="error"))
@@ -224,7 +223,10 @@ async def _stream(started: Started, message_id: str, model: str, ids: ToolUseIds
 async def count_tokens(request: Request) -> JSONResponse:
     body = await read_model(request, CountTokensRequest)
     chat = build(body)
-    await resolve_media(request, chat)
-    service = service_of(request)
-    prepared = await run_in_threadpool(service.llm.prepare_chat, chat)
+    held = await lease(request, body.model)
+    try:
+        await resolve_media(request, chat, held.service.llm)
+        prepared = await run_in_threadpool(held.service.llm.prepare_chat, chat)
+    finally:
+        held.release()
     return JSONResponse({"input_tokens": len(prepared.prompt_token_ids)})

@@ -2,10 +2,13 @@
 
 ServerHandle is the one way to serve, for `ninfer serve` and for the TUI's toggle alike:
 `ServerHandle.start(model, host, port, ...)` returns once the socket listens; `stop()` ends the
-requests in flight (their streams get an error event) and the server. `model` is an LLM (the
-handle runs an EngineService on it and stops it again), an EngineService the caller owns, or a
-loader function run in the background while /health answers 503. While a handle serves an LLM,
-that LLM's engine belongs to the service: chat through `handle.service`, not `llm.chat`.
+requests in flight (their streams get an error event) and the server. `model` is the startup
+model: an LLM (the handle runs an EngineService on it and stops it again), an EngineService the
+caller owns, or a loader function run in the background while /health answers 503. While a
+handle serves an LLM, that LLM's engine belongs to the service: chat through `handle.service`.
+
+Requests pick a model by name through the ModelPool (model_pool.py): `names` says which names
+exist (default: only the startup model's) and `loader` loads the others on demand.
 """
 
 from __future__ import annotations
@@ -28,15 +31,16 @@ from .body import DEFAULT_MAX_BODY_BYTES
 from .errors import install_error_handlers
 from .media_fetch import MediaFetchLimits, MediaResolver
 from .metrics import RequestCounter, ServerMetrics
+from .model_pool import FixedNames, ModelNames, ModelPool, PoolOptions
 from .response_store import DEFAULT_MAX_RESPONSES, ResponseStore
-from .state import ModelSlot
 
 # browsers on this machine only, unless --cors-origin says otherwise
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 
 def create_app(
-    slot: ModelSlot,
+    pool: ModelPool,
+    server_metrics: ServerMetrics,
     *,
     api_key: str | None = None,
     cors_origins: Sequence[str] | None = None,
@@ -47,11 +51,11 @@ def create_app(
 ) -> FastAPI:
     """`allow_local_media`: clients may name files on this machine (else data: and http(s) URLs only)."""
     app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.slot = slot
+    app.state.pool = pool
     app.state.max_body_bytes = max_body_bytes
     app.state.responses = ResponseStore(max_stored_responses)
     app.state.media = MediaResolver(allow_local_media, media_fetch)
-    app.state.metrics = ServerMetrics(slot)
+    app.state.metrics = server_metrics
     for module in (models, openai_chat, completions, responses, anthropic, metrics):
         app.include_router(module.router)
     install_error_handlers(app)
@@ -75,17 +79,12 @@ ModelSource = LLM | EngineService | Callable[[], LLM]
 
 
 class ServerHandle:
-    def __init__(self, app: FastAPI, server: uvicorn.Server, sock: socket.socket, slot: ModelSlot,
-                 service_factory: Callable[[LLM], EngineService]):
+    def __init__(self, app: FastAPI, server: uvicorn.Server, sock: socket.socket, pool: ModelPool):
         self.app = app
-        self.slot = slot
+        self.pool = pool
         self._server = server
         self._sock = sock
-        self._service_factory = service_factory
-        self._owned: EngineService | None = None  # made here from an LLM: stopped with the server
         self._borrowed: EngineService | None = None  # the caller's: only our observer is removed
-        self._stopped = False
-        self._lock = threading.Lock()
         self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="ninfer-http",
                                         daemon=True)
 
@@ -104,31 +103,40 @@ class ServerHandle:
         model_id: str | None = None,
         allow_local_media: bool = False,
         media_fetch: MediaFetchLimits | None = None,
+        names: ModelNames | None = None,
+        loader: Callable[[str], LLM] | None = None,
+        pool_options: PoolOptions | None = None,
     ) -> ServerHandle:
-        """Listen on host:port (0 = any free port) and serve `model` (see the module doc).
+        """Listen on host:port (0 = any free port) and serve `model` (see the module doc) under
+        `model_id` (default: the model's own name; "default" for a loader), plus what `names` lists.
 
         Logging is left to the host program (uvicorn's loggers propagate to the root logger), so
         an embedding UI keeps control of the terminal.
         """
-        slot = ModelSlot(model_id)
-        app = create_app(slot, api_key=api_key, cors_origins=cors_origins, max_body_bytes=max_body_bytes,
-                         allow_local_media=allow_local_media, media_fetch=media_fetch)
-        sock = _listen(host, port)
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        if model_id is None:
+            own = model if isinstance(model, LLM) else model.llm if isinstance(model, EngineService) else None
+            model_id = own.name if own is not None else "default"
+        server_metrics = ServerMetrics(lambda: pool.services())
 
         def make_service(llm: LLM) -> EngineService:
             return EngineService(llm, max_queue=max_queue, max_concurrency=max_concurrency,
-                                 observers=[app.state.metrics])
+                                 observers=[server_metrics]).start()
 
-        handle = cls(app, uvicorn.Server(config), sock, slot, make_service)
+        pool = ModelPool(names or FixedNames({model_id: model_id}), make_service, loader, pool_options,
+                         default=model_id)
+        app = create_app(pool, server_metrics, api_key=api_key, cors_origins=cors_origins, max_body_bytes=max_body_bytes,
+                         allow_local_media=allow_local_media, media_fetch=media_fetch)
+        sock = _listen(host, port)
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        handle = cls(app, uvicorn.Server(config), sock, pool)
         if isinstance(model, EngineService):
             model.observers.append(app.state.metrics)
             handle._borrowed = model
-            slot.ready(model.start(), model_id)
+            pool.add(model_id, model.start(), borrowed=True)
         elif isinstance(model, LLM):
-            handle._serve(model, model_id)
+            pool.add(model_id, make_service(model))
         else:
-            threading.Thread(target=handle._load, args=(model, model_id), name="ninfer-load", daemon=True).start()
+            pool.load_startup(model_id, model)
         handle._thread.start()
         while not handle._server.started and handle._thread.is_alive():
             handle._thread.join(0.01)
@@ -151,8 +159,19 @@ class ServerHandle:
         return f"http://{host}:{self.port}"
 
     @property
+    def model_id(self) -> str:
+        """The startup model's name (what a request without `model` gets)."""
+        return self.pool.default or ""
+
+    @property
     def service(self) -> EngineService | None:
-        return self.slot.service
+        """The startup model's service (None while it loads, or once another model took its place)."""
+        return self.pool.service()
+
+    @property
+    def error(self) -> str | None:
+        """Why the startup model failed to load, if it did."""
+        return self.pool.default_error
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (True) or `timeout` passes (False)."""
@@ -160,32 +179,13 @@ class ServerHandle:
         return not self._thread.is_alive()
 
     def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-            owned, self._owned = self._owned, None
-        if owned is not None:
-            owned.stop()  # streams in flight end with an error event
+        self.pool.close()  # owned services stop: streams in flight end with an error event
         if self._borrowed is not None and self.app.state.metrics in self._borrowed.observers:
             self._borrowed.observers.remove(self.app.state.metrics)
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join()
         self._sock.close()
-
-    def _serve(self, llm: LLM, model_id: str | None) -> None:
-        with self._lock:
-            if self._stopped:
-                return
-            self._owned = self._service_factory(llm).start()
-            self.slot.ready(self._owned, model_id)
-
-    def _load(self, loader: Callable[[], LLM], model_id: str | None) -> None:
-        try:
-            llm = loader()
-        except Exception as e:  # noqa: BLE001 - reported by slot.error, /health and every endpoint
-            self.slot.failed(str(e))
-            return
-        self._serve(llm, model_id)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.request import StepOutput
+from ..engine.service import EngineService, TokenStream
 from ..tokenizer import Tokenizer
 from .body import read_model
 from .chat_input import sampling_params
@@ -53,11 +54,15 @@ async def completions(request: Request) -> Response:
     if body.suffix:
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     sampling = sampling_params(body, body.max_tokens, body.stop)
-    tokenizer = request.app.state.slot.require().llm.tokenizer
-    ids, prompt_text = prompt_ids(body.prompt, tokenizer)
-    started = await start(request, lambda service: service.submit(ids, sampling))
-    head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
-            "model": request.app.state.slot.model_id}
+    prompt_text = ""
+
+    def submit(service: EngineService) -> TokenStream:
+        nonlocal prompt_text
+        ids, prompt_text = prompt_ids(body.prompt, service.llm.tokenizer)
+        return service.submit(ids, sampling)
+
+    started = await start(request, body.model, submit)
+    head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": started.model}
     echo = prompt_text if body.echo else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

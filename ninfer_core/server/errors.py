@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..chat.template import ChatTemplateError
+from ..chat.template import ChatTemplateError, ToolsNotSupportedError
 from ..engine.service import QueueFullError, ServiceStoppedError
 from ..errors import ContextLengthError, NinferError
 from ..media.limits import MediaError
@@ -73,6 +73,8 @@ def to_api_error(exc: BaseException) -> ApiError:
         return ApiError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, ServiceStoppedError):
         return ApiError(503, str(exc), code="unavailable")
+    if isinstance(exc, ToolsNotSupportedError):
+        return ApiError(400, str(exc), param="tools", code="tools_not_supported")
     if isinstance(exc, ChatTemplateError):
         return ApiError(400, str(exc), param="messages", code="invalid_messages")
     if isinstance(exc, MediaError):

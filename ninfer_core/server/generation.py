@@ -1,8 +1,10 @@
-"""Running one request on the shared engine from a handler: submit, wait for admission, then
-collect (non-streaming) or stream; a client that goes away cancels its request, freeing its KV.
+"""Running one request from a handler: take the requested model from the pool (loading it if need
+be), submit, wait for admission, then collect (non-streaming) or stream; a client that goes away
+cancels its request, freeing its KV. The model's lease is held until the response has ended.
 
-Admission is awaited before any response byte is sent, so queue-full, context-overflow and
-prompt errors still get their own HTTP status; later errors arrive inside the stream.
+Admission is awaited before any response byte is sent, so unknown-model, queue-full,
+context-overflow and prompt errors still get their own HTTP status; later errors arrive inside
+the stream.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.service import Admitted, ChatStream, EngineService, TokenStream
+from ..llm import ChatRequest
 from .errors import ApiError, to_api_error
+from .media_fetch import resolve_media
+from .model_pool import Lease, ModelPool
 from .sse import sse_response
 
 
@@ -26,24 +31,45 @@ class Started:
     stream: ChatStream | TokenStream
     events: AsyncIterator[Any]
     prompt_tokens: int
+    model: str  # the served model's name (what the response reports)
+    lease: Lease
+
+    def end(self) -> None:
+        """The response is over: stop the request (if still running) and let the model go."""
+        self.stream.cancel()
+        self.lease.release()
 
 
-def service_of(request: Request) -> EngineService:
-    return request.app.state.slot.require()
+def pool_of(request: Request) -> ModelPool:
+    return request.app.state.pool
 
 
-async def start(request: Request, submit: Callable[[EngineService], ChatStream | TokenStream]) -> Started:
-    """Submit (template and tokenizer work off the event loop) and wait until the engine takes it."""
-    service = service_of(request)
-    stream = await run_in_threadpool(submit, service)
+async def lease(request: Request, model: str | None) -> Lease:
+    """The requested model (None: the default), loaded if need be, off the event loop."""
+    return await run_in_threadpool(pool_of(request).lease, model)
+
+
+async def start(request: Request, model: str | None, submit: Callable[[EngineService], ChatStream | TokenStream],
+                *, chat: ChatRequest | None = None) -> Started:
+    """Take the model, fetch `chat`'s media (the model's limits apply), submit (template and tokenizer
+    work off the event loop) and wait until the engine takes the request."""
+    held = await lease(request, model)
+    try:
+        if chat is not None:
+            await resolve_media(request, chat, held.service.llm)
+        stream = await run_in_threadpool(submit, held.service)
+    except BaseException:
+        held.release()
+        raise
     events = stream.__aiter__()
     try:
         first = await events.__anext__()
     except BaseException:
         stream.cancel()
+        held.release()
         raise
     assert isinstance(first, Admitted), first
-    return Started(stream, events, first.prompt_tokens)
+    return Started(stream, events, first.prompt_tokens, held.name, held)
 
 
 async def _cancel_on_disconnect(request: Request, stream: ChatStream | TokenStream) -> None:
@@ -59,7 +85,7 @@ async def collect(request: Request, started: Started) -> list[Any]:
         return [event async for event in started.events]
     finally:
         watcher.cancel()
-        started.stream.cancel()
+        started.end()
 
 
 def stream_response(
@@ -75,6 +101,6 @@ def stream_response(
         except Exception as e:  # noqa: BLE001 - every failure becomes an error event
             yield error_frame(to_api_error(e))
         finally:
-            started.stream.cancel()
+            started.end()
 
     return sse_response(frames())

@@ -172,8 +172,8 @@ def _shown(url: str) -> str:
     return url if len(url) <= 200 else url[:200] + "..."
 
 
-async def resolve_media(request: Request, chat: ChatRequest) -> None:
-    """Make `chat`'s media parts MediaSources (a no-op for text-only requests)."""
+async def resolve_media(request: Request, chat: ChatRequest, llm: LLM) -> None:
+    """Make `chat`'s media parts MediaSources for `llm` (a no-op for text-only requests)."""
     pending = pending_media(chat.messages)
     if pending:
-        await request.app.state.media.resolve(pending, request.app.state.slot.require().llm)
+        await request.app.state.media.resolve(pending, llm)

@@ -3,13 +3,14 @@
 Request counts by route and status come from an ASGI middleware; token counts and latency
 histograms (queue time, time to first token, inter-token latency, request duration) from the
 engine service's observer hooks, i.e. engine-side timing; KV usage, running and waiting
-requests are read from the service when scraped, and so are the speculative-decoding counters
+requests are read from the services when scraped, and so are the speculative-decoding counters
 (drafted / accepted tokens, verify rounds; zero without a drafter, so dashboards need not change).
+With several models loaded, the engine series are their sums (the largest batch: the maximum).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -18,18 +19,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .state import ModelSlot
+from ..engine.service import EngineService, ServiceStats
 
 router = APIRouter()
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health",
+          "/api/ps", "/api/stop")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
 
 class ServerMetrics:
     """The app's registry; also the engine service's observer (see ServiceObserver)."""
 
-    def __init__(self, slot: ModelSlot):
+    def __init__(self, services: Callable[[], list[EngineService]]):
+        """`services`: the engines in memory now (read at each scrape)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ninfer_http_requests", "HTTP requests by route and status", ["route", "status"],
@@ -46,7 +49,7 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS)
         self.duration = Histogram("ninfer_request_duration_seconds", "Submit to last token", registry=r,
                                   buckets=_LATENCY_BUCKETS)
-        r.register(_EngineGauges(slot))
+        r.register(_EngineGauges(services))
 
     # -- ServiceObserver --------------------------------------------------------------------
 
@@ -67,39 +70,43 @@ class ServerMetrics:
 
 
 class _EngineGauges(Collector):
-    """Point-in-time engine state, read at scrape time."""
+    """Point-in-time engine state, read at scrape time (summed over the loaded models)."""
 
-    def __init__(self, slot: ModelSlot):
-        self.slot = slot
+    def __init__(self, services: Callable[[], list[EngineService]]):
+        self.services = services
 
     def collect(self) -> Iterator[Metric]:
-        service = self.slot.service
-        if service is None:
+        stats: list[ServiceStats] = [service.stats() for service in self.services()]
+        if not stats:
             return
-        stats = service.stats()
-        e = stats.engine
+        engines = [s.engine for s in stats]
+        specs = [e.spec for e in engines if e.spec is not None]
+        used, capacity = sum(e.kv_used_tokens for e in engines), sum(e.kv_capacity_tokens for e in engines)
         for name, doc, value in (
-            ("ninfer_kv_cache_usage_ratio", "Fraction of KV cache tokens in use", stats.kv_usage),
-            ("ninfer_kv_cache_used_tokens", "KV cache tokens in use", e.kv_used_tokens),
-            ("ninfer_kv_cache_capacity_tokens", "KV cache capacity in tokens", e.kv_capacity_tokens),
-            ("ninfer_kv_cache_bytes", "KV cache size in bytes", e.kv_bytes),
-            ("ninfer_weight_bytes", "Resident model weight bytes (after quantization)", e.weight_bytes),
-            ("ninfer_kv_cache_reserved_tokens", "KV tokens promised to running requests", stats.kv_reserved_tokens),
-            ("ninfer_requests_running", "Requests in the engine", e.running),
-            ("ninfer_requests_waiting", "Requests in the admission queue", stats.waiting),
-            ("ninfer_decode_batch_max", "Largest decode batch so far", e.max_decode_batch),
+            ("ninfer_kv_cache_usage_ratio", "Fraction of KV cache tokens in use", used / capacity if capacity else 0.0),
+            ("ninfer_kv_cache_used_tokens", "KV cache tokens in use", used),
+            ("ninfer_kv_cache_capacity_tokens", "KV cache capacity in tokens", capacity),
+            ("ninfer_kv_cache_bytes", "KV cache size in bytes", sum(e.kv_bytes for e in engines)),
+            ("ninfer_weight_bytes", "Resident model weight bytes (after quantization)",
+             sum(e.weight_bytes for e in engines)),
+            ("ninfer_kv_cache_reserved_tokens", "KV tokens promised to running requests",
+             sum(s.kv_reserved_tokens for s in stats)),
+            ("ninfer_requests_running", "Requests in the engine", sum(e.running for e in engines)),
+            ("ninfer_requests_waiting", "Requests in the admission queue", sum(s.waiting for s in stats)),
+            ("ninfer_decode_batch_max", "Largest decode batch so far", max(e.max_decode_batch for e in engines)),
+            ("ninfer_models_loaded", "Models in memory", len(stats)),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         # step counters: a client sampling them each second finds the steady decode intervals
-        spec = e.spec
         for name, doc, value in (
-            ("ninfer_engine_decode_steps", "Batched decode steps", e.decode_steps),
-            ("ninfer_engine_decode_rows", "Sequences decoded, summed over decode steps", e.decode_rows),
-            ("ninfer_engine_prefill_chunks", "Prefill chunks computed", e.prefill_chunks),
-            ("ninfer_spec_decode_draft_tokens", "Speculative tokens proposed", spec.drafted if spec else 0),
-            ("ninfer_spec_decode_accepted_tokens", "Speculative tokens accepted", spec.accepted if spec else 0),
+            ("ninfer_engine_decode_steps", "Batched decode steps", sum(e.decode_steps for e in engines)),
+            ("ninfer_engine_decode_rows", "Sequences decoded, summed over decode steps",
+             sum(e.decode_rows for e in engines)),
+            ("ninfer_engine_prefill_chunks", "Prefill chunks computed", sum(e.prefill_chunks for e in engines)),
+            ("ninfer_spec_decode_draft_tokens", "Speculative tokens proposed", sum(s.drafted for s in specs)),
+            ("ninfer_spec_decode_accepted_tokens", "Speculative tokens accepted", sum(s.accepted for s in specs)),
             ("ninfer_spec_decode_rounds", "Speculative verify rounds, summed over sequences",
-             spec.rounds if spec else 0),
+             sum(s.rounds for s in specs)),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

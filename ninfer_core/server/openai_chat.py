@@ -24,7 +24,6 @@ from .chat_input import chat_content, chat_request, sampling_params, select_tool
 from .errors import ApiError
 from .generation import Started, collect, start, stream_response
 from .ids import new_id
-from .media_fetch import resolve_media
 from .schemas import ChatCompletionRequest
 from .sse import DONE, sse
 
@@ -92,10 +91,9 @@ def message_json(result: ChatResult, ids: ToolCallIds) -> dict[str, Any]:
 async def chat_completions(request: Request) -> Response:
     body = await read_model(request, ChatCompletionRequest)
     chat = build_chat_request(body)
-    await resolve_media(request, chat)
-    started = await start(request, lambda service: service.submit_chat(chat))
+    started = await start(request, body.model, lambda service: service.submit_chat(chat), chat=chat)
     completion_id, created = new_id("chatcmpl-"), int(time.time())
-    model = request.app.state.slot.model_id
+    model = started.model
     ids = ToolCallIds()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

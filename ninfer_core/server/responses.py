@@ -30,7 +30,6 @@ from .chat_input import chat_content, chat_request, content_text, sampling_param
 from .errors import ApiError
 from .generation import Started, collect, start, stream_response
 from .ids import new_id
-from .media_fetch import resolve_media
 from .response_store import ResponseStore, StoredResponse
 from .schemas import ResponsesRequest
 from .sse import sse
@@ -223,9 +222,9 @@ async def create_response(request: Request) -> Response:
     body = await read_model(request, ResponsesRequest)
     store: ResponseStore = request.app.state.responses
     chat, conversation = build(body, store)
-    await resolve_media(request, chat)  # also in `conversation`: a continuation reuses the fetched media
-    started = await start(request, lambda service: service.submit_chat(chat))
-    builder = ResponseBuilder(body, request.app.state.slot.model_id)
+    # media fetched into `chat` are also in `conversation`: a continuation reuses them
+    started = await start(request, body.model, lambda service: service.submit_chat(chat), chat=chat)
+    builder = ResponseBuilder(body, started.model)
     if body.stream:
         seq = itertools.count()
 

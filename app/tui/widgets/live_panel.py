@@ -22,6 +22,14 @@ def rate(value: float | None) -> str:
     return "–" if not value else f"{value:,.1f} tok/s"
 
 
+def room_text(capacity: int, context_limit: int | None) -> str:
+    """The KV capacity in chats of the context limit, so the screen shows one context number (the gauge's)."""
+    if not context_limit:
+        return f"room for {capacity:,} tok"
+    chats = capacity // context_limit
+    return f"room for {chats} chat{'s' if chats != 1 else ''} of {context_limit:,}"
+
+
 def spec_text(spec: SpecStats | None) -> str:
     if spec is None:
         return "off"
@@ -43,21 +51,23 @@ class LivePanel(Vertical):
         yield Label("–", id="kv")
         yield Label("", id="kv-bar")
         yield Label("this chat –", id="kv-chat")
+        yield Label("", id="kv-room")
         yield Label("Memory", classes="panel-title")
         yield Label("–", id="gpu")
         yield Label("", id="requests")
 
-    def show(self, frame: LiveFrame, history: list[float]) -> None:
+    def show(self, frame: LiveFrame, history: list[float], context_limit: int | None = None) -> None:
+        """`context_limit`: the chat's limit (the gauge's number); the KV capacity is shown in chats of it."""
         self.query_one("#prefill", Label).update(f"prefill {rate(frame.prefill_tok_s)}")
         self.query_one("#decode", Label).update(f"decode  {rate(frame.decode_tok_s)}")
         self.query_one("#decode-history", Sparkline).data = history
         self.query_one("#spec", Label).update(spec_text(frame.spec))
         if frame.kv_capacity:
             used, cap = frame.kv_used or 0, frame.kv_capacity
-            self.query_one("#kv", Label).update(f"{used:,} / {cap:,} tok ({used / cap:.0%})")
+            self.query_one("#kv", Label).update(f"{used:,} tok in use ({used / cap:.0%})")
             self.query_one("#kv-bar", Label).update(bar(used / cap))
-            self.query_one("#kv-chat", Label).update(
-                f"this chat {frame.chat_tokens:,} tok ({frame.chat_tokens / cap:.0%})")
+            self.query_one("#kv-chat", Label).update(f"this chat {frame.chat_tokens:,} tok")
+            self.query_one("#kv-room", Label).update(room_text(cap, context_limit))
         else:
             self.query_one("#kv", Label).update("n/a (remote server)")
             self.query_one("#kv-chat", Label).update(f"this chat {frame.chat_tokens:,} tok")
