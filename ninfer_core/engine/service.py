@@ -253,7 +253,8 @@ class EngineService:
     def submit(
         self, prompt_token_ids: list[int], sampling: SamplingParams, multimodal: MultimodalPrompt | None = None
     ) -> TokenStream:
-        """Queue a raw token request; raises ContextLengthError / QueueFullError at once."""
+        """Queue a raw token request; raises ContextLengthError / QueueFullError / SamplingParamError at once."""
+        sampling.check_vocabulary(self.llm.loaded.config.vocab_size)  # else the batched step would fail on it
         n = len(prompt_token_ids)
         limit = self.context_limit
         if n >= limit:

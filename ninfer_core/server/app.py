@@ -25,7 +25,9 @@ from ..llm import LLM
 from . import anthropic, completions, metrics, models, openai_chat, responses
 from .auth import ApiKeyMiddleware
 from .body import DEFAULT_MAX_BODY_BYTES
+from .boundary import ErrorBoundary
 from .errors import install_error_handlers
+from .hosts import HostCheck, HostPolicy
 from .media_fetch import MediaFetchLimits, MediaResolver
 from .metrics import RequestCounter, ServerMetrics
 from .response_store import DEFAULT_MAX_RESPONSES, ResponseStore
@@ -40,12 +42,14 @@ def create_app(
     *,
     api_key: str | None = None,
     cors_origins: Sequence[str] | None = None,
+    hosts: HostPolicy | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_stored_responses: int = DEFAULT_MAX_RESPONSES,
     allow_local_media: bool = False,
     media_fetch: MediaFetchLimits | None = None,
 ) -> FastAPI:
-    """`allow_local_media`: clients may name files on this machine (else data: and http(s) URLs only)."""
+    """`allow_local_media`: clients may name files on this machine (else data: and http(s) URLs only);
+    `hosts`: the Host names answered (hosts.py; default: a loopback server's)."""
     app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.slot = slot
     app.state.max_body_bytes = max_body_bytes
@@ -55,8 +59,10 @@ def create_app(
     for module in (models, openai_chat, completions, responses, anthropic, metrics):
         app.include_router(module.router)
     install_error_handlers(app)
-    # the last added is the outermost: count everything, answer preflights before the key check
+    # the last added is the outermost: count everything (500s included: the boundary answers them
+    # inside the counter), refuse foreign Host names first, answer preflights before the key check
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(ErrorBoundary)
     origins = list(cors_origins or [])
     app.add_middleware(
         CORSMiddleware,
@@ -67,6 +73,7 @@ def create_app(
         expose_headers=["Retry-After"],
         max_age=600,
     )
+    app.add_middleware(HostCheck, policy=hosts or HostPolicy.for_server("127.0.0.1", None))
     app.add_middleware(RequestCounter, metrics=app.state.metrics)
     return app
 
@@ -98,6 +105,7 @@ class ServerHandle:
         *,
         api_key: str | None = None,
         cors_origins: Sequence[str] | None = None,
+        allowed_hosts: Sequence[str] | None = None,
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_concurrency: int | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -111,7 +119,8 @@ class ServerHandle:
         an embedding UI keeps control of the terminal.
         """
         slot = ModelSlot(model_id)
-        app = create_app(slot, api_key=api_key, cors_origins=cors_origins, max_body_bytes=max_body_bytes,
+        app = create_app(slot, api_key=api_key, cors_origins=cors_origins,
+                         hosts=HostPolicy.for_server(host, allowed_hosts), max_body_bytes=max_body_bytes,
                          allow_local_media=allow_local_media, media_fetch=media_fetch)
         sock = _listen(host, port)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5)

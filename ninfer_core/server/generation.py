@@ -2,7 +2,9 @@
 collect (non-streaming) or stream; a client that goes away cancels its request, freeing its KV.
 
 Admission is awaited before any response byte is sent, so queue-full, context-overflow and
-prompt errors still get their own HTTP status; later errors arrive inside the stream.
+prompt errors still get their own HTTP status; later errors arrive inside the stream. A client
+that leaves while its request is still queued takes it out of the queue at once (its place goes
+to a client that is still there).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from ..engine.service import Admitted, ChatStream, EngineService, TokenStream
 from .errors import ApiError, to_api_error
@@ -33,20 +36,27 @@ def service_of(request: Request) -> EngineService:
 
 
 async def start(request: Request, submit: Callable[[EngineService], ChatStream | TokenStream]) -> Started:
-    """Submit (template and tokenizer work off the event loop) and wait until the engine takes it."""
+    """Submit (template and tokenizer work off the event loop) and wait until the engine takes it;
+    a disconnect meanwhile cancels the request and raises ClientDisconnect."""
     service = service_of(request)
     stream = await run_in_threadpool(submit, service)
     events = stream.__aiter__()
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
     try:
         first = await events.__anext__()
     except BaseException:
         stream.cancel()
+        if watcher.done():  # the stream ended because the client left
+            raise ClientDisconnect() from None
         raise
+    finally:
+        watcher.cancel()
     assert isinstance(first, Admitted), first
     return Started(stream, events, first.prompt_tokens)
 
 
 async def _cancel_on_disconnect(request: Request, stream: ChatStream | TokenStream) -> None:
+    """Cancel `stream` once the client has gone (its body has been read: nothing else can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
     stream.cancel()
