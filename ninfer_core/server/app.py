@@ -52,6 +52,7 @@ def create_app(
     `hosts`: the Host names answered (hosts.py; default: a loopback server's)."""
     app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.slot = slot
+    app.state.inflight = set()  # engine streams of this app's requests (generation.py), for stop()
     app.state.max_body_bytes = max_body_bytes
     app.state.responses = ResponseStore(max_stored_responses)
     app.state.media = MediaResolver(allow_local_media, media_fetch)
@@ -93,8 +94,11 @@ class ServerHandle:
         self._borrowed: EngineService | None = None  # the caller's: only our observer is removed
         self._stopped = False
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="ninfer-http",
-                                        daemon=True)
+        # set when uvicorn returns: waited on instead of Thread.join, which a KeyboardInterrupt can
+        # leave reporting a live thread as finished (CPython gh-90882), so the process would exit
+        # under a stream in flight
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ninfer-http", daemon=True)
 
     @classmethod
     def start(
@@ -139,8 +143,8 @@ class ServerHandle:
         else:
             threading.Thread(target=handle._load, args=(model, model_id), name="ninfer-load", daemon=True).start()
         handle._thread.start()
-        while not handle._server.started and handle._thread.is_alive():
-            handle._thread.join(0.01)
+        while not handle._server.started and not handle._done.wait(0.01):
+            pass
         if not handle._server.started:
             handle.stop()
             raise NinferError(f"the server on {host}:{port} failed to start (see the log above)")
@@ -165,21 +169,30 @@ class ServerHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (True) or `timeout` passes (False)."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._done.wait(timeout)
 
     def stop(self) -> None:
+        """Every request in flight ends first (a stream with its error event), then the server
+        (uvicorn waits for those answers to go out), then the socket."""
         with self._lock:
             self._stopped = True
             owned, self._owned = self._owned, None
         if owned is not None:
             owned.stop()  # streams in flight end with an error event
+        for stream in self.app.state.inflight.copy():  # a borrowed service runs on: cancel ours only
+            stream.cancel()
         if self._borrowed is not None and self.app.state.metrics in self._borrowed.observers:
             self._borrowed.observers.remove(self.app.state.metrics)
         self._server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join()
+        if self._thread.ident is not None:
+            self._done.wait()
         self._sock.close()
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self._sock])
+        finally:
+            self._done.set()
 
     def _serve(self, llm: LLM, model_id: str | None) -> None:
         with self._lock:

@@ -29,6 +29,12 @@ class Started:
     stream: ChatStream | TokenStream
     events: AsyncIterator[Any]
     prompt_tokens: int
+    inflight: set[ChatStream | TokenStream]  # the app's (ServerHandle.stop cancels what is left)
+
+    def close(self) -> None:
+        """Cancel the engine request if it is still running; it is no longer in flight."""
+        self.stream.cancel()
+        self.inflight.discard(self.stream)
 
 
 def service_of(request: Request) -> EngineService:
@@ -40,19 +46,22 @@ async def start(request: Request, submit: Callable[[EngineService], ChatStream |
     a disconnect meanwhile cancels the request and raises ClientDisconnect."""
     service = service_of(request)
     stream = await run_in_threadpool(submit, service)
+    inflight: set[ChatStream | TokenStream] = request.app.state.inflight
+    inflight.add(stream)
     events = stream.__aiter__()
     watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
     try:
         first = await events.__anext__()
     except BaseException:
         stream.cancel()
+        inflight.discard(stream)
         if watcher.done():  # the stream ended because the client left
             raise ClientDisconnect() from None
         raise
     finally:
         watcher.cancel()
     assert isinstance(first, Admitted), first
-    return Started(stream, events, first.prompt_tokens)
+    return Started(stream, events, first.prompt_tokens, inflight)
 
 
 async def _cancel_on_disconnect(request: Request, stream: ChatStream | TokenStream) -> None:
@@ -69,7 +78,7 @@ async def collect(request: Request, started: Started) -> list[Any]:
         return [event async for event in started.events]
     finally:
         watcher.cancel()
-        started.stream.cancel()
+        started.close()
 
 
 def stream_response(
@@ -85,6 +94,6 @@ def stream_response(
         except Exception as e:  # noqa: BLE001 - every failure becomes an error event
             yield error_frame(to_api_error(e))
         finally:
-            started.stream.cancel()
+            started.close()
 
     return sse_response(frames())
