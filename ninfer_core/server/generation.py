@@ -43,31 +43,40 @@ def service_of(request: Request) -> EngineService:
 
 async def start(request: Request, submit: Callable[[EngineService], ChatStream | TokenStream]) -> Started:
     """Submit (template and tokenizer work off the event loop) and wait until the engine takes it;
-    a disconnect meanwhile cancels the request and raises ClientDisconnect."""
+    a disconnect meanwhile cancels the request at once (it leaves the queue at the engine's next
+    turn) and raises ClientDisconnect."""
     service = service_of(request)
     stream = await run_in_threadpool(submit, service)
     inflight: set[ChatStream | TokenStream] = request.app.state.inflight
     inflight.add(stream)
     events = stream.__aiter__()
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
+    admission = asyncio.ensure_future(events.__anext__())
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        first = await events.__anext__()
-    except BaseException:
+        await asyncio.wait((admission, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not admission.done():  # the client left first
+            raise ClientDisconnect()
+        first = admission.result()
+    except BaseException:  # an engine error, the client gone, or this handler cancelled
         stream.cancel()
         inflight.discard(stream)
-        if watcher.done():  # the stream ended because the client left
-            raise ClientDisconnect() from None
         raise
     finally:
-        watcher.cancel()
+        gone.cancel()
+        if not admission.done():
+            admission.cancel()
     assert isinstance(first, Admitted), first
     return Started(stream, events, first.prompt_tokens, inflight)
 
 
-async def _cancel_on_disconnect(request: Request, stream: ChatStream | TokenStream) -> None:
-    """Cancel `stream` once the client has gone (its body has been read: nothing else can arrive)."""
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body has been read: nothing else can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _cancel_on_disconnect(request: Request, stream: ChatStream | TokenStream) -> None:
+    await _disconnected(request)
     stream.cancel()
 
 
