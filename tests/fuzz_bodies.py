@@ -1,6 +1,7 @@
 """Hypothesis strategies for fuzzing the HTTP server: request bodies of every endpoint, each a
 well-formed request (touching every field the endpoint reads) with one to three mutations: a
-field replaced by any JSON value, removed, or a field added. The values lean on what broke the
+field replaced by any JSON value or by another of its own type (so it passes the type checks and
+reaches what comes after), removed, or a field added. The values lean on what broke the
 server before: integers past 64 bits, lone surrogates, empty and huge strings, deep nesting, the
 wrong container type, URLs it must not fetch. Plus whole bodies that are not JSON at all.
 
@@ -121,6 +122,21 @@ def _parent(body: Any, path: Path) -> Any:
     return body
 
 
+def same_kind(value: Any) -> st.SearchStrategy[Any]:
+    """Values of the JSON type `value` has: they pass the type checks and reach what comes after."""
+    if isinstance(value, bool):
+        return st.booleans()
+    if isinstance(value, int):
+        return st.sampled_from(EDGE_INTS) | st.integers(-(2**70), 2**70)
+    if isinstance(value, float):
+        return st.floats(allow_nan=False, allow_infinity=False)
+    if isinstance(value, str):
+        return st.sampled_from(EDGE_TEXT) | st.text(max_size=12)
+    if isinstance(value, list):
+        return st.lists(st.sampled_from(value), max_size=4) if value else st.just([])
+    return st.just({}) if isinstance(value, dict) else json_values
+
+
 @st.composite
 def mutated(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
     body = copy.deepcopy(base)
@@ -130,9 +146,11 @@ def mutated(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
             break
         path = draw(st.sampled_from(paths))
         parent, key = _parent(body, path), path[-1]
-        action = draw(st.sampled_from(["replace", "replace", "delete", "add"]))
+        action = draw(st.sampled_from(["replace", "same kind", "same kind", "delete", "add"]))
         if action == "replace":
             parent[key] = draw(json_values)
+        elif action == "same kind":
+            parent[key] = copy.deepcopy(draw(same_kind(parent[key])))
         elif action == "delete":
             del parent[key]
         elif isinstance(parent[key], dict):

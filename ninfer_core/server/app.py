@@ -118,6 +118,8 @@ class ServerHandle:
         media_fetch: MediaFetchLimits | None = None,
     ) -> ServerHandle:
         """Listen on host:port (0 = any free port) and serve `model` (see the module doc).
+        `allowed_hosts`: Host names answered besides loopback names, IP addresses and `host`
+        (hosts.py: the DNS-rebinding guard).
 
         Logging is left to the host program (uvicorn's loggers propagate to the root logger), so
         an embedding UI keeps control of the terminal.

@@ -157,7 +157,8 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
     message = re.sub(r" or instance of \w+", "", message)
     param = param_path(loc) or None
     where = f"'{param}'" if param else "the request"
-    return ApiError(400, f"invalid value for {where}: {message}", param=param, code="invalid_type")
+    code = "invalid_value" if best[1] else "invalid_type"  # out of range / not allowed, or a wrong type
+    return ApiError(400, f"invalid value for {where}: {message}", param=param, code=code)
 
 
 def install_error_handlers(app: FastAPI) -> None:
