@@ -153,7 +153,7 @@ def config_from_hf_dict(raw: dict, path: Path) -> ModelConfig:
     f = ConfigFields(text.get, str(path))
     either = ConfigFields(lambda key: text.get(key, raw.get(key)), str(path))  # text_config first
     hidden = f.integer("hidden_size", high=MAX_WIDTH)
-    num_layers = f.integer("num_hidden_layers")
+    num_layers = f.integer("num_hidden_layers", low=0)  # 0: an embedding table alone (tests, tools)
     num_heads = f.integer("num_attention_heads")
     head_dim = f.integer("head_dim", max(hidden // num_heads, 1))
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}

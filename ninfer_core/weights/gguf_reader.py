@@ -211,7 +211,7 @@ class GGUFCheckpoint:
     def config(self) -> ModelConfig:
         f = ConfigFields(self._arch_key, str(self.path), f"{self.gguf_arch}.")
         hidden = f.integer("embedding_length", high=MAX_WIDTH)
-        num_layers = f.integer("block_count")
+        num_layers = f.integer("block_count", low=0)
         num_heads = f.integer("attention.head_count")
         if isinstance(self._arch_key("attention.head_count_kv"), list):
             raise ModelLoadError(f"{self.path}: per-layer KV head counts are not supported")
