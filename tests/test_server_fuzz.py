@@ -36,13 +36,14 @@ def server(tmp_path_factory):
     print("\nfuzz statuses:", ", ".join(f"{path} {status}: {n}" for (path, status), n in sorted(STATUSES.items())))
 
 
-def send(handle: ServerHandle, path: str, content: bytes) -> None:
+def send(handle: ServerHandle, path: str, content: bytes) -> int:
     headers = {"content-type": "application/json"}
     with httpx.stream("POST", handle.url + path, content=content, headers=headers, timeout=120) as response:
         data = response.read()
     STATUSES[(path, response.status_code)] += 1
     is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
     check_response(response, data if is_stream else None)
+    return response.status_code
 
 
 @pytest.mark.parametrize("path, base", ENDPOINTS, ids=[f"{p}-{i}" for i, (p, _) in enumerate(ENDPOINTS)])
@@ -60,7 +61,7 @@ def test_mutated_requests_never_get_a_server_error(server, path, base):
 @FUZZ
 @given(raw=raw_bodies, path=st.sampled_from(sorted({p for p, _ in ENDPOINTS})))
 def test_bodies_that_are_not_json_requests_are_400(server, raw, path):
-    send(server, path, raw)
+    assert send(server, path, raw) == 400
 
 
 @FUZZ
