@@ -16,7 +16,7 @@ import typer
 from ninfer_core import __version__
 from ninfer_core.errors import NinferError
 
-from . import bench_serve, chat_cli, models_cli, serve_cli
+from . import bench_engine_cli, bench_serve, chat_cli, models_cli, serve_cli
 from .engine_flags import KvCapacityOpt, KvDtypeOpt, WeightsOpt, parse_int_list, parse_kv_capacity
 from .output import fail
 from .tui.settings import default_model
@@ -229,6 +229,7 @@ def bench(
 models_cli.register(cli)
 serve_cli.register(cli)
 bench_serve.register(bench_app)
+bench_engine_cli.register(bench_app)
 chat_cli.register(cli)
 cli.add_typer(bench_app, name="bench")
 

@@ -8,13 +8,18 @@ reasoning, content and tool calls as it streams.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .cache import CacheManager
+from .cache.manager import DEFAULT_PAGE_SIZE
 from .cache.sizing import plan_cache
+from .cache.state_pool import state_bytes_per_slot
 from .chat.output_parser import (
     ContentDelta,
     OutputParser,
@@ -27,6 +32,7 @@ from .chat.output_parser import (
 from .chat.reasoning import prompt_opens_reasoning
 from .chat.template import ChatTemplate, load_chat_template
 from .engine.cuda_graph import DecodeGraphs
+from .engine.prefill_graph import PrefillGraphs
 from .engine.llm_engine import EngineStats, LLMEngine
 from .engine.request import GenerationRequest, SpecStats, StepOutput, Timings
 from .engine.sampling import Sampler, SamplingParams
@@ -43,6 +49,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = {"cpu": 8192, "cuda": 32768}
 DEFAULT_PREFILL_CHUNK = {"cpu": 1024, "cuda": 4096}
+DEFAULT_PREFIX_CACHE_GB = {"cpu": 0.25, "cuda": 2.0}
+MAX_CHECKPOINTS = 256
 
 
 @dataclass
@@ -63,12 +71,28 @@ class EngineOptions:
     draft_tokens: int | None = None  # drafts per round (None: 3 for mtp, 15 for dflash, 4 for ngram)
     draft_model: str | Path | None = None  # DFlash companion checkpoint directory
     adaptive_draft: bool = False  # K per request in 0..draft_tokens from its recent acceptance
+    prefix_cache: bool = True  # reuse the KV pages and GDN state of repeated prompt prefixes
+    prefix_cache_gb: float | None = None  # memory for GDN state checkpoints (None: 2 GiB GPU, 0.25 GiB CPU)
+
+    def checkpoint_slots(self, state_bytes: int, device: torch.device) -> int:
+        """How many GDN state checkpoints the prefix cache may keep (0: no prefix cache)."""
+        if not self.prefix_cache:
+            return 0
+        if self.prefix_cache_gb is not None and not self.prefix_cache_gb > 0:
+            raise NinferError(f"--prefix-cache-gb must be a positive number, got {self.prefix_cache_gb}")
+        budget = (self.prefix_cache_gb or DEFAULT_PREFIX_CACHE_GB[device.type]) * 2**30
+        return max(1, min(MAX_CHECKPOINTS, int(budget // state_bytes))) if state_bytes else MAX_CHECKPOINTS
 
     def check_spec(self) -> None:
         """Drafting flags without a drafter would be silently ignored: refuse them (before loading)."""
         if self.spec is None and (self.draft_tokens is not None or self.draft_model is not None
                                   or self.adaptive_draft):
             raise NinferError("--draft-tokens / --draft-model / --adaptive-draft need --spec mtp|dflash|ngram")
+
+
+def _interval(prefill_chunk: int) -> int:
+    """Tokens between the checkpoints of a long prompt: its chunks, rounded up to whole pages."""
+    return math.ceil(prefill_chunk / DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE
 
 
 @dataclass
@@ -202,12 +226,16 @@ class LLM:
         if options.max_context is not None and options.max_context > model_limit:
             raise NinferError(f"--max-context {options.max_context} exceeds the model's limit of {model_limit} tokens")
         graphs = options.cuda_graphs and device.type == "cuda" and kernels_available()
+        checkpoints = options.checkpoint_slots(state_bytes_per_slot(loaded.config, loaded.dtype), device)
         plan = plan_cache(loaded.config, device, loaded.dtype, kv_dtype=options.kv_dtype,
                           max_seqs=options.max_seqs, max_context=options.max_context,
-                          default_context=DEFAULT_MAX_CONTEXT[device.type], kv_capacity=options.kv_capacity)
+                          default_context=DEFAULT_MAX_CONTEXT[device.type], kv_capacity=options.kv_capacity,
+                          extra_state_slots=checkpoints)
         self.max_context = plan.max_context
+        prefill_chunk = options.prefill_chunk or DEFAULT_PREFILL_CHUNK[device.type]
         cache = CacheManager(loaded.config, max_tokens=plan.kv_tokens, max_seqs=options.max_seqs, dtype=loaded.dtype,
-                             device=device, kv_dtype=plan.kv_dtype, scratch=graphs)
+                             device=device, kv_dtype=plan.kv_dtype, scratch=graphs, max_seq_tokens=self.max_context,
+                             checkpoints=checkpoints, checkpoint_interval=_interval(prefill_chunk))
         log.info("KV cache: %d tokens (%s, %.2f GiB) + %d GDN state slots (%.2f GiB); context limit %d tokens",
                  cache.capacity_tokens, cache.cache.kv.dtype_name, cache.kv_bytes / 2**30, options.max_seqs,
                  cache.state_bytes / 2**30, self.max_context)
@@ -225,19 +253,31 @@ class LLM:
         if options.spec is not None:
             speculator = build_speculator(options.spec, options.draft_tokens, options.draft_model, loaded, cache,
                                           Sampler(), options.random_weights, decode_graphs, options.adaptive_draft)
+        prefill_graphs = None
+        if decode_graphs is not None:
+            widths = range(2, speculator.draft_tokens + 2) if speculator is not None else ()
+            layers = speculator.drafter.capture_layers if speculator is not None else ()
+            count = decode_graphs.capture_all(widths, layers)
+            prefill_graphs = PrefillGraphs(loaded.model, cache, self.max_context, decode_graphs.pool)
+            count += prefill_graphs.capture_all()
+            log.info("captured %d CUDA graphs (batch buckets %s, prompt chunk buckets %s)", count,
+                     decode_graphs.buckets, prefill_graphs.buckets)
         self.engine = LLMEngine(
             loaded.model,
             loaded.config,
             loaded.tokenizer,
             cache,
             max_context=self.max_context,
-            prefill_chunk=options.prefill_chunk or DEFAULT_PREFILL_CHUNK[device.type],
+            prefill_chunk=prefill_chunk,
             generation_defaults=loaded.generation_defaults,
             vision_tower=self.vision.tower if self.vision else None,
             speculator=speculator,
             graphs=decode_graphs,
+            prefill_graphs=prefill_graphs,
             weights=loaded.recipe.label(loaded.dtype),
         )
+        if device.type == "cuda":
+            self.engine.warm_up()
 
     @classmethod
     def load(cls, model: str | None = None, options: EngineOptions | None = None) -> LLM:

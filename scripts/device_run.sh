@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench serve spec
+#   scripts/device_run.sh tests kernels bench engine serve spec
 # Wheels for packages missing there travel in .whl/; `scripts/make_bench_model.py` writes the
 # weight-less exact-shape model directories (.bench/) that `serve` uses.
 set -uo pipefail
@@ -15,8 +15,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 start=$SECONDS
-CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
-echo "== install + CUDA build: $((SECONDS - start)) s"
+if [ -z "${REBUILD:-}" ] && python3 -c "import ninfer_core._C" 2>/dev/null; then
+  echo "== extension already built on this (warm) machine; REBUILD=1 forces a build"
+else
+  CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
+  echo "== install + CUDA build: $((SECONDS - start)) s"
+fi
 ninfer() { python3 -m ninfer_app "$@"; }
 
 for step in "$@"; do
@@ -47,6 +51,32 @@ for step in "$@"; do
 27b_int4|qwen3.6-27b|--prefill 512,8k --batches 1,8
 LIST
     ;;
+  engine)
+    # TTFT per prompt length (first / repeat) and decode through the engine loop vs the GPU step
+    [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
+    NINFER_REQUIRE_KERNELS=1 timeout 400 python3 -m ninfer_app bench engine .bench/qwen3.6-35b-a3b --random-weights \
+      --json ${ENGINE_FLAGS:-} > "$OUT/engine_35b.json" 2> "$OUT/engine_35b.err"
+    echo "== bench engine: rc $? $(cat "$OUT/engine_35b.json") $(tail -3 "$OUT/engine_35b.err")" ;;
+  serve)
+    # the served path: `ninfer serve` + `ninfer bench serve` (saturation at 1 and 8 clients, TTFT)
+    [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
+    ninfer serve .bench/qwen3.6-35b-a3b --random-weights --device cuda --max-concurrency 8 --port 8123 \
+      > "$OUT/serve.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && grep -q ready "$OUT/serve.log" && break; sleep 1; done
+    for sampling in ${SERVE_SAMPLING:---greedy --no-greedy}; do
+      name=${sampling#--}
+      timeout 200 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode saturation --concurrency 1,8 \
+        --prompt-tokens 512 --max-tokens 256 $sampling --out "$OUT/serve_sat_$name.json" 2>&1 | tail -8
+      timeout 120 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode corpus --concurrency 1 \
+        --synthetic 6 --prompt-tokens ${TTFT_PROMPT:-512} --max-tokens 8 $sampling --out "$OUT/serve_ttft_$name.json" 2>&1 | tail -4
+    done
+    kill $server; wait $server; tail -5 "$OUT/serve.log" ;;
+  moe)
+    timeout 400 python3 scripts/bench_moe_triton.py --json "$OUT/moe_triton.json" 2>&1 | tail -12 ;;
+  prefill)
+    timeout 300 python3 scripts/profile_prefill.py qwen3.6-35b-a3b --lengths ${PREFILL_LENGTHS:-37,128,512} \
+      --json "$OUT/prefill_35b.json" 2>&1 | tail -80 ;;
   profile)
     timeout 300 python3 scripts/profile_decode.py qwen3.6-35b-a3b --json "$OUT/profile_35b.json" 2>&1 | tail -45 ;;
   start)

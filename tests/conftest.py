@@ -1,8 +1,15 @@
 """Registers the `cuda` marker: tests that need a CUDA device (and the built extension) are
 skipped on machines without one. Run only them with `pytest -m cuda`."""
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels (ops/moe_triton_kernels.py) run in Triton's interpreter where
+# Triton is installed; the variable is read when Triton is imported, so it is set first thing.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -69,6 +69,7 @@ class ScriptedEngine:
         self.cache = llm.engine.cache
         self.max_context = llm.engine.max_context
         self.pieces = pieces
+        self.max_running = llm.engine.max_running
         self.running: dict[str, int] = {}  # request id -> pieces emitted
         self.prompts: list[list[int]] = []
 

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from ninfer_core.cache import CacheManager
-from ninfer_core.engine import cuda_graph
+from ninfer_core.engine import cuda_graph, prefill_graph
 from ninfer_core.engine.cuda_graph import DecodeGraphs
 from ninfer_core.engine.llm_engine import LLMEngine
+from ninfer_core.engine.prefill_graph import PrefillGraphs
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import Sampler
 from ninfer_core.engine.speculative import Speculator
@@ -76,6 +77,7 @@ def target(tmp_path_factory):
 @pytest.fixture
 def fake_graphs(monkeypatch):
     monkeypatch.setattr(cuda_graph, "capture", fake_capture)
+    monkeypatch.setattr(prefill_graph, "capture", fake_capture)
     monkeypatch.setattr(mtp_module, "capture", fake_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     FakeGraph.replays = 0
@@ -89,11 +91,11 @@ def engine(target, method: str | None, graphs: bool) -> LLMEngine:
     decode_graphs = DecodeGraphs(loaded.model, cache, 4, 512) if graphs else None
     speculator = None
     if method == "ngram":
-        speculator = Speculator(NgramDrafter(), 4, cache, Sampler())
+        speculator = Speculator(NgramDrafter(), 4, Sampler())
     elif method == "mtp":
         head = llm.engine.speculator.drafter.head  # the checkpoint's mtp.* weights, loaded once
         drafter = MTPDrafter(loaded.model, head, cache, Sampler(), decode_graphs)
-        speculator = Speculator(drafter, 3, cache, Sampler())
+        speculator = Speculator(drafter, 3, Sampler())
     return LLMEngine(loaded.model, loaded.config, loaded.tokenizer, cache, max_context=512, speculator=speculator,
                      graphs=decode_graphs)
 
@@ -156,3 +158,28 @@ def test_mtp_graph_drafts_equal_eager_drafts(target, fake_graphs):
     generate(eng, PROMPTS, [N_TOKENS, 13, 27])
     assert rounds and all(graph == eager for graph, eager in rounds)
     assert {kind for kind, _, _ in graphs.captured} == {"draft", "catch_up"}
+
+
+@pytest.mark.parametrize("chunk", [16, 4096])
+def test_prefill_graph_replays_match_eager(target, fake_graphs, monkeypatch, chunk):
+    """Prompt chunks padded to their bucket (continuations of a cached prefix too, with a small
+    chunk budget): every replay gives the eager engine's tokens, and the padding touches only the
+    scratch page and leaves the GDN state alone. (The tiny model's bf16-style experts would limit
+    real graphs to 16 rows; the stand-in graphs have no such limit.)"""
+    monkeypatch.setattr(prefill_graph, "graph_row_limit", lambda model: None)
+    lengths = [12, 9, 20]
+    want = generate(engine(target, None, graphs=False), PROMPTS, lengths)
+    eng = engine(target, None, graphs=True)
+    eng.prefill_graphs = PrefillGraphs(eng.model, eng.cache, 512, None)
+    eng.prefill_graphs.capture_all()
+    eng.scheduler.max_batched_tokens = chunk
+    eng.overlap = True
+    chunks = []
+    forward = eng.prefill_graphs.forward
+    eng.prefill_graphs.forward = lambda batch: chunks.append((int(batch.cache_lens[0]), batch.num_new_tokens)) \
+        or forward(batch)
+    got = []
+    for prompt, n in zip(PROMPTS, lengths):  # one at a time: every prompt chunk is a lone part
+        got += generate(eng, [prompt], [n])
+    assert got == want
+    assert len(chunks) >= len(PROMPTS) and (chunk > 16 or any(start > 0 for start, _ in chunks)), chunks

@@ -45,8 +45,11 @@ def load(directory: Path, **options) -> LLM:
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_graph_decode_is_identical_to_eager(model_dir, weights, batch):
-    """Same kernels, same order, bucket = batch: the tokens must be bit-identical."""
+    """Same kernels, same order, bucket = batch: the tokens must be bit-identical. (Prompts are
+    read eagerly on both: a padded prompt-chunk graph computes attention on another kernel, so it
+    is compared by logits in test_prefill_graph_logits_match_eager.)"""
     graphs = load(model_dir, weights=weights)
+    graphs.engine.prefill_graphs = None
     eager = load(model_dir, weights=weights, cuda_graphs=False)
     assert graphs.stats().cuda_graphs and not eager.stats().cuda_graphs
     ours = generate(graphs, PROMPTS[:batch])
@@ -134,7 +137,7 @@ def test_graph_verify_fp32_matches_plain_greedy(model_dir, batch):
     requests = [GenerationRequest(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for p in prompts]
     script = {r.request_id: tokens for r, tokens in zip(requests, plain)}
     engine = spec.engine
-    engine.speculator = Speculator(ScriptedDrafter(script, spec.loaded.config.vocab_size), 3, engine.cache, Sampler())
+    engine.speculator = Speculator(ScriptedDrafter(script, spec.loaded.config.vocab_size), 3, Sampler())
     out: dict[str, list[int]] = {r.request_id: [] for r in requests}
     accepted = set()
     for step in engine.generate(requests):
@@ -205,3 +208,24 @@ def test_mtp_graph_drafts_equal_eager_drafting(model_dir):
     assert graphs.enabled and ("draft", 4, 3) in graphs.captured and rounds
     assert any(kind == "catch_up" for kind, _, _ in graphs.captured)
     assert all(graph == eager for graph, eager in rounds)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+def test_prefill_graph_logits_match_eager(model_dir, weights):
+    """The first token's logits after a prompt read by its padded chunk graph (attention 16 tokens
+    a row on the decode kernel, padding on the scratch page) against the eager read."""
+    def first_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+        engine = llm.engine
+        engine.add_request(GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=1)))
+        plan = engine.scheduler.schedule()
+        (chunk,) = plan.prefills
+        out = engine._forward([engine._prefill_batch(chunk)])[0].logits[0, -1].float().clone()
+        engine.abort(chunk.seq.request_id)
+        return out
+
+    graphs = load(model_dir, weights=weights)
+    eager = load(model_dir, weights=weights, cuda_graphs=False)
+    assert graphs.engine.prefill_graphs is not None and graphs.engine.prefill_graphs.buckets
+    for prompt in PROMPTS:
+        got, want = first_logits(graphs, prompt), first_logits(eager, prompt)
+        assert (got - want).norm() / want.norm() < 2e-2

@@ -320,11 +320,12 @@ def _decode_check(
     weights, routed = _routing(tokens, num_experts, top_k, device="cuda", dtype=dtype, seed=tokens)
     ids = routed if ids is None else ids
     x = _inputs(tokens, hidden, device="cuda", dtype=dtype, seed=tokens)
-    assert moe._decode_plan(x, gate_up, down, weights, ids) is not None, (
-        "the decode kernels do not cover this"
-    )
+    quantized = fmt in ("int8", "int4")
+    limit = moe.QUANTIZED_DECODE_MAX_TOKENS if quantized else moe.DECODE_MAX_TOKENS  # the kernels' own limit
+    plan = moe._decode_plan(x, gate_up, down, weights, ids, max_tokens=limit)
+    assert plan is not None, "the decode kernels do not cover this"
     with _poisoned_allocations():
-        out = moe.moe_experts(x, gate_up, down, weights, ids)
+        out = moe._decode(x, plan, weights, ids, gate_up.shape[0])
     assert out.dtype == dtype and out.shape == x.shape and not out.isnan().any()
     _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), TOL[dtype])
     _assert_close(out, _expected(x, gate_up, down, weights, ids), TOL[dtype])

@@ -54,6 +54,7 @@ def media_files(tmp_path_factory) -> dict[str, MediaSource]:
     video = write_video(directory / "clip.mp4", moving_pattern(15, 20, 28), fps=6)  # 2.5 s -> 5 frames -> 3 pairs
     return {
         "wide": image("wide", 40, 17),  # -> 16 x 40: grid 4 x 10, 10 tokens
+        "wide_other": image("wide_other", 40, 17),  # the same size, other pixels
         "small": image("small", 12, 30),  # -> 32 x 16: grid 8 x 4, 8 tokens
         "clip": MediaSource("video", "clip", path=video),
     }
@@ -151,9 +152,9 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def make_engine(ninfer, vision: bool = True, prefill_chunk: int = 16) -> LLMEngine:
+def make_engine(ninfer, vision: bool = True, prefill_chunk: int = 16, checkpoints: int = 0) -> LLMEngine:
     loaded, support = ninfer
-    cache = CacheManager(loaded.config, 2048, 5, dtype=torch.float32, device=loaded.device)
+    cache = CacheManager(loaded.config, 2048, 5, dtype=torch.float32, device=loaded.device, checkpoints=checkpoints)
     return LLMEngine(
         loaded.model, loaded.config, loaded.tokenizer, cache, max_context=512, prefill_chunk=prefill_chunk,
         vision_tower=support.tower if vision else None,
@@ -220,3 +221,29 @@ def test_preprocessing_must_fit_the_tower(tiny, tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16}))
     with pytest.raises(ModelLoadError, match="does not match the vision tower"):
         VisionSupport(tmp_path, torch.device("cpu"), torch.float32)
+
+
+def test_prefix_cache_hits_the_same_picture_only(tiny, ninfer, media_files):
+    """The same image again (a new request, a new decode of the file) reuses the prompt; another
+    image of the same size (the same pad tokens) stops the hit before its first vision row; every
+    answer equals the cache-off engine's."""
+    loaded, support = ninfer
+    text = f"Describe {IMAGE} please, in as many words as you like" + " and more" * 100  # a long prompt
+    cached, plain = make_engine(ninfer, checkpoints=8), make_engine(ninfer)
+
+    def ask(engine, name):
+        ids, mm = support.prompt(loaded.tokenizer.encode(text), [media_files[name]], loaded.tokenizer.encode)
+        request = GenerationRequest(ids, greedy(6), multimodal=mm)
+        outs = list(engine.generate([request]))
+        return ids, [t for o in outs for t in o.new_token_ids], outs[-1].timings.cached_tokens
+
+    for name, expect in (("wide", "miss"), ("wide", "hit"), ("wide_other", "before the image")):
+        ids, got, hit = ask(cached, name)
+        assert got == ask(plain, name)[1]
+        first_vision = ids.index(loaded.tokenizer.encode("<|image_pad|>")[0])
+        if expect == "miss":
+            assert hit == 0
+        elif expect == "hit":
+            assert hit > first_vision
+        else:
+            assert hit <= first_vision

@@ -75,7 +75,7 @@ def test_greedy_identical_at_batch_one(backend, target, drafter_dir, plain):
 
 def scripted(llm, plain_tokens: dict[str, list[int]], k: int) -> ScriptedDrafter:
     drafter = ScriptedDrafter(plain_tokens, llm.loaded.config.vocab_size)
-    llm.engine.speculator = Speculator(drafter, k, llm.engine.cache, Sampler())
+    llm.engine.speculator = Speculator(drafter, k, Sampler())
     return drafter
 
 
@@ -130,8 +130,8 @@ def test_rounds_without_drafts_are_plain_decode_steps(target, plain):
     CUDA graph on a GPU) instead of a width-1 verify + commit; output still equals plain decode."""
     llm = load(target, spec="ngram", draft_tokens=4)
     forwards = []
-    forward = llm.engine._run
-    llm.engine._run = lambda batch: forwards.append((batch.num_new_tokens, batch.verify)) or forward(batch)
+    forward = llm.engine._forward
+    llm.engine._forward = lambda parts: forwards.extend((b.num_new_tokens, b.verify) for b in parts) or forward(parts)
     assert next(iter(run(llm, [GenerationRequest(PROMPTS[0], greedy(N_TOKENS))]).values())) == plain[0]
     decode = [f for f in forwards if f[0] <= 5]
     assert (1, False) in decode and any(verify for _, verify in decode)

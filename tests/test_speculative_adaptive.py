@@ -162,7 +162,7 @@ def test_adaptive_greedy_identical_to_plain_and_k_follows_acceptance(target, pla
     requests = [GenerationRequest(p, greedy(N_TOKENS)) for p in PROMPTS]
     requests[1].draft_tokens = 0
     drafter = PhasedDrafter({r.request_id: toks for r, toks in zip(requests, plain)}, llm.loaded.config.vocab_size)
-    llm.engine.speculator = Speculator(drafter, 7, llm.engine.cache, Sampler(), policy())
+    llm.engine.speculator = Speculator(drafter, 7, Sampler(), policy())
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     rounds: dict[str, list[tuple[int, int]]] = {r.request_id: [] for r in requests}  # (start position, drafted)
     for out in llm.engine.generate(requests):

@@ -105,6 +105,12 @@ class KVPool:
             self.v_scale = {i: torch.ones(shape[:3], dtype=SCALE_DTYPE, device=device) for i in self.layers}
         self.bytes_per_token = len(self.layers) * _token_bytes(num_kv_heads, head_dim, kind)
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page dst := page src in every layer (a prefix hit's partial page)."""
+        for pages in (self.k, self.v, self.k_scale, self.v_scale):
+            for t in pages.values():
+                t[dst].copy_(t[src])
+
     def layer(self, i: int) -> KVLayer:
         return KVLayer(self.k[i], self.v[i], self.k_scale.get(i), self.v_scale.get(i))
 

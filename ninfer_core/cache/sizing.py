@@ -40,7 +40,9 @@ def plan_cache(
     max_context: int | None,
     default_context: int,
     kv_capacity: int | None,
+    extra_state_slots: int = 0,
 ) -> CachePlan:
+    """`extra_state_slots`: GDN state slots beyond the sequences' (prefix-cache checkpoints)."""
     kv = resolve_kv_dtype(kv_dtype, dtype)
     limit = config.max_position_embeddings
     if kv_capacity is not None or device.type != "cuda":
@@ -48,7 +50,7 @@ def plan_cache(
         return CachePlan(kv, kv_capacity or context * max_seqs, context)
     free, total = torch.cuda.mem_get_info(device)
     workspace = max(WORKSPACE_MIN_BYTES, int(WORKSPACE_FRACTION * total))
-    state = (max_seqs + 1) * state_bytes_per_slot(config, dtype)  # + the CUDA-graph scratch slot
+    state = (max_seqs + 1 + extra_state_slots) * state_bytes_per_slot(config, dtype)  # + the graphs' scratch slot
     per_token = kv_bytes_per_token(config, kv, dtype)
     budget = free - workspace - state
     if per_token == 0:  # no attention layers: KV costs nothing, any capacity fits

@@ -2,7 +2,8 @@
 
 A decode step of the 35B launches ~800 kernels; replaying them as one graph removes the CPU
 launch cost that otherwise dominates batch-1 decode. Each bucket (1, 2, 4, 8, ... up to
-max_seqs) is captured on first use over static input buffers; a batch of B rows replays the
+max_seqs) is captured at load (`capture_all`, so no request pays for a capture) over static
+input buffers; a batch of B rows replays the
 smallest bucket >= B, the spare rows pointed at a scratch state slot and a scratch KV page that
 no sequence owns (their results are discarded). The block table has a fixed width (the pages of
 `max_context`), so one graph serves every context length.
@@ -24,11 +25,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..cache import CacheManager
+from ..errors import NinferError
 from ..models.base import CausalLM, ForwardBatch, ForwardOutput
 from ..ops.gdn import MAX_STEP_TOKENS
 from .graph_capture import capture, graph_row_limit
@@ -66,28 +69,36 @@ class DecodeGraphs:
         self.scratch_slot, self.scratch_page = manager.scratch_slot, manager.scratch_page
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}
-        self.enabled = True
+
+    def capture_all(self, verify_widths: Iterable[int] = (), capture_layers: tuple[int, ...] = ()) -> int:
+        """Capture the decode graph of every bucket, and the verify graphs of these widths (with the
+        drafter's captured layers); returns how many graphs were captured."""
+        count = 0
+        for bucket in self.buckets:
+            for width in (0, *verify_widths):
+                key = (bucket, width, capture_layers if width else ())
+                if key not in self.graphs and self.bucket(bucket, max(width, 1)) == bucket:
+                    self._capture(*key)
+                    count += 1
+        return count
 
     def supports(self, batch: ForwardBatch) -> bool:
         width = batch.num_new_tokens
         decode = width == 1 and batch.logits == "last" and not batch.verify and not batch.capture_layers
         verify = batch.verify and batch.logits == "all" and width <= MAX_STEP_TOKENS
         return (
-            self.enabled
-            and (decode or verify)
+            (decode or verify)
             and self.bucket(batch.batch_size, width) is not None
             and batch.block_table.shape[1] <= self.max_pages
             and batch.inputs_embeds is None
             and batch.mrope_positions is None
         )
 
-    def forward(self, batch: ForwardBatch) -> ForwardOutput | None:
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """The forward of a supported batch by graph replay (outputs: views of the static buffers,
-        valid until the next replay of the same graph); None when graphs are off."""
+        valid until the next replay of the same graph)."""
         b = batch.batch_size
         graph = self._graph(batch)
-        if graph is None:
-            return None
         self._load_inputs(batch, graph)
         graph.graph.replay()
         out = graph.out
@@ -122,10 +133,11 @@ class DecodeGraphs:
         assert bucket is not None
         return bucket, batch.num_new_tokens if batch.verify else 0, tuple(batch.capture_layers)
 
-    def _graph(self, batch: ForwardBatch) -> _Graph | None:
+    def _graph(self, batch: ForwardBatch) -> _Graph:
         key = self._key(batch)
         graph = self.graphs.get(key)
-        if graph is None and self.enabled:
+        if graph is None:
+            log.info("capturing the CUDA graph of batch bucket %d, verify width %d during a request", key[0], key[1])
             graph = self._capture(*key)
         return graph
 
@@ -150,7 +162,7 @@ class DecodeGraphs:
         self.counts[start:end].zero_()
         self.block_table[start:end].fill_(self.scratch_page)
 
-    def _capture(self, bucket: int, verify_width: int, capture_layers: tuple[int, ...]) -> _Graph | None:
+    def _capture(self, bucket: int, verify_width: int, capture_layers: tuple[int, ...]) -> _Graph:
         """Warm up and capture with every row on the scratch slot / page (the warm-up really runs,
         and must not advance a live sequence)."""
         ids, positions = (torch.zeros(bucket, max(verify_width, 1), dtype=torch.long, device=self.slots.device)
@@ -169,9 +181,8 @@ class DecodeGraphs:
                     records = out.gdn_records or {}
                     commit, _ = capture(lambda: commit_gdn(self.model, self.cache.state, records, batch.slots,
                                                            self.counts[:bucket]), self.pool)
-        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
-            log.warning("CUDA graph capture failed (%s); decoding without graphs", exc)
-            self.enabled = False
-            return None
+        except Exception as exc:  # noqa: BLE001 - whatever broke the capture, say it loudly
+            raise NinferError(f"CUDA graph capture failed for batch {bucket}, verify width {verify_width}: {exc} "
+                              f"(run with --no-cuda-graphs to decode without graphs)") from exc
         graph = self.graphs[(bucket, verify_width, capture_layers)] = _Graph(forward, ids, positions, out, commit)
         return graph

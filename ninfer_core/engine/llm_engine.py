@@ -1,9 +1,16 @@
 """The token-level engine: requests in, tokens and text deltas out, one batched step at a time.
 
-A step runs at most one prefill chunk (the oldest sequence still reading its prompt) and one
-decode forward over every sequence that is generating, so long prompts never stall the others.
-With a speculator the decode forward is a verify forward: each sequence brings its drafts and may
-gain several tokens per step (`speculative/speculator.py`).
+A step runs the scheduler's plan (scheduler.py) as one forward: the decode rows of every
+generating sequence plus prompt chunks of others (a varlen batch, `DecoderModel.forward_parts`),
+then samples one token per row that asks for one. With a speculator the decode rows are a verify
+(speculative/speculator.py) and each sequence may gain several tokens.
+
+The host never waits for the GPU in a plain decode step: step N+1 is launched (its input ids
+are step N's sampled ids, still on the device) before step N's ids are read, so the CPU work of
+a step (scheduling, building inputs, stop checks, detokenizing, streaming) overlaps the GPU
+running the next one (SGLang's overlap scheduler). A step falls back to running alone when it
+needs the previous tokens on the host: speculative rounds, penalties, or a plan that may
+preempt. Sequences that stop get one wasted row in the already launched step.
 """
 
 from __future__ import annotations
@@ -24,14 +31,22 @@ from ..models.quantize import weight_bytes
 from ..stop_strings import StopStringFilter
 from ..tokenizer import Tokenizer
 from .request import GenerationRequest, SpecStats, StepOutput
-from .sampling import Sampler
+from .penalties import PenaltyTables
+from .sampling import Sampler, SamplingParams
+from .scheduler import PrefillChunk, Scheduler, StepPlan
 from .sequence import Sequence
 from .speculative.rollback import commit_gdn
-from .speculative.speculator import Speculator, Verified
+from .speculative.speculator import Speculator
 
 if TYPE_CHECKING:
     from .cuda_graph import DecodeGraphs
+    from .prefill_graph import PrefillGraphs
     from ..models.vision import VisionTower
+
+
+# prompt lengths of the load-time warm-up: fused steps / short-prompt graphs, then eager chunks
+# whose MoE rows take each block size of the grouped kernels (ops/moe_triton.py)
+WARM_UP_LENGTHS = (5, 40, 300, 1000, 2000)
 
 
 @dataclass
@@ -46,6 +61,13 @@ class EngineStats:
     decode_rows: int = 0  # sum over decode steps of the batch size
     max_decode_batch: int = 0
     running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+    prefix_cache: bool = False
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of which served from it
+    prefix_cached_bytes: int = 0  # indexed KV pages + checkpoint states
+    prefix_checkpoints: int = 0
     kv_capacity_tokens: int = 0
     kv_used_tokens: int = 0
     kv_dtype: str = ""
@@ -57,6 +79,18 @@ class EngineStats:
     last_prefill_tok_s: float = 0.0
     last_decode_tok_s: float = 0.0
     spec: SpecStats | None = None  # speculative decoding totals (None: no drafter)
+
+
+@dataclass
+class LaunchedStep:
+    """A plain step whose forward and sampling are queued on the device: the rows that sample
+    (`rows[i]` gets `tokens[i]`), their ids on the device and the copy to the host under way."""
+
+    plan: StepPlan
+    rows: list[Sequence]
+    tokens: torch.Tensor  # [R] int64 on the device (-1: the row's logits were not finite)
+    host: torch.Tensor  # [R] the copy on the host (pinned on CUDA)
+    done: torch.cuda.Event | None
 
 
 class LLMEngine:
@@ -73,24 +107,33 @@ class LLMEngine:
         vision_tower: Callable[[], VisionTower] | None = None,
         speculator: Speculator | None = None,
         graphs: DecodeGraphs | None = None,
+        prefill_graphs: PrefillGraphs | None = None,
         weights: str = "",
+        overlap: bool | None = None,
     ):
+        """`prefill_chunk`: the token budget of one step (decode rows + prompt chunks); `overlap`:
+        launch the next plain step before reading this one's tokens (default: on CUDA)."""
         if prefill_chunk < 1:
             raise NinferError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
         self.cache = cache
-        self.max_context = max_context
+        # a single request can never use more than the whole cache, whatever --max-context says
+        self.max_context = min(max_context, cache.capacity_tokens)
         self.prefill_chunk = prefill_chunk
         self.defaults = generation_defaults or GenerationDefaults()
         self.vision_tower = vision_tower  # built on first use: only requests with media need it
         self.speculator = speculator
         self.graphs = graphs  # decode-step CUDA graphs (None: eager)
+        self.prefill_graphs = prefill_graphs  # short prompt chunks' CUDA graphs (None: eager)
         self.device = cache.device
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.sampler = Sampler()
+        self.scheduler = Scheduler(cache, prefill_chunk)
         self.eos_ids = frozenset(self.defaults.eos_token_ids or config.eos_token_ids or tokenizer.eos_token_ids)
-        self.running: list[Sequence] = []
+        self._launched: LaunchedStep | None = None
+        self._penalties: PenaltyTables | None = None  # allocated for the first request with penalties
         drafter_bytes = speculator.drafter.cache_bytes if speculator is not None else 0
         self._stats = EngineStats(
             kv_capacity_tokens=cache.capacity_tokens, kv_dtype=cache.cache.kv.dtype_name, kv_bytes=cache.kv_bytes,
@@ -100,8 +143,21 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def max_running(self) -> int:
+        """Sequences decoded together at most (the cache's slots, or fewer: --max-concurrency)."""
+        return self.scheduler.max_running
+
+    @max_running.setter
+    def max_running(self, value: int) -> None:
+        self.scheduler.max_running = min(value, self.cache.max_seqs)
+
     def add_request(self, request: GenerationRequest) -> None:
-        """Admit a request: checks its length and reserves KV for its prompt (raises if it cannot fit)."""
+        """Queue a request: checks its length, ids and media (raises NinferError if it can never run)."""
         n = len(request.prompt_token_ids)
         if n == 0:
             raise NinferError("the prompt is empty")
@@ -123,16 +179,10 @@ class LLMEngine:
         params = request.sampling.with_defaults(self.defaults)
         request.sampling = params
         draft_limit = self.speculator.limit(request) if self.speculator is not None else 0
-        seq_cache = self.cache.allocate()
-        try:
-            self.cache.reserve(seq_cache, n)
-        except NinferError:
-            self.cache.free(seq_cache)
-            raise
         room = self.max_context - n
         seq = Sequence(
             request=request,
-            cache=seq_cache,
+            cache=None,
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             stops=StopStringFilter(params.stop),
             generator=None if params.is_greedy else params.make_generator(self._generator_device()),
@@ -142,39 +192,90 @@ class LLMEngine:
             seq.draft_limit = draft_limit
             seq.spec = SpecStats(method=self.speculator.drafter.method, draft_tokens=draft_limit)
         seq.timings.prompt_tokens = n
-        self.running.append(seq)
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
-        """Drop a request at once and free its cache (a client went away)."""
-        for seq in list(self.running):
-            if seq.request_id == request_id:
-                seq.finish_reason = "abort"
-                self._release(seq)
+        """Drop a request at once; its cache is freed as soon as no launched step uses it."""
+        seq = self.scheduler.find(request_id)
+        if seq is None or seq.finished:
+            return
+        seq.finish_reason = "abort"
+        if seq.cache is None:
+            self.scheduler.remove_waiting(seq)
+        elif seq.inflight == 0:
+            self._release(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running)
+        return self.scheduler.has_work() or self._launched is not None
 
     def stats(self) -> EngineStats:
         s = self._stats
-        s.running = len(self.running)
-        s.kv_used_tokens = self.cache.capacity_tokens - self.cache.free_tokens
-        s.cuda_graphs = self.graphs is not None and self.graphs.enabled
+        s.running = len(self.scheduler.running)
+        s.waiting = len(self.scheduler.waiting)
+        s.preemptions = self.scheduler.preemptions
+        prefix = self.cache.prefix
+        if prefix is not None:
+            s.prefix_cache = True
+            s.prefix_queried_tokens, s.prefix_hit_tokens = prefix.queried_tokens, prefix.hit_tokens
+            s.prefix_cached_bytes, s.prefix_checkpoints = self.cache.prefix_cached_bytes, len(prefix.checkpoints)
+        s.kv_used_tokens = self.cache.active_tokens
+        s.cuda_graphs = self.graphs is not None
         spec = replace(self.speculator.totals) if self.speculator is not None else None
         return EngineStats(**{**vars(s), "spec": spec})
 
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """Plan and launch a step; return the outputs of the step that completed meanwhile (this
+        one, or the one launched by the previous call when steps overlap)."""
         outputs: list[StepOutput] = []
-        prefilling = next((s for s in self.running if s.in_prefill), None)
-        decoding = [s for s in self.running if not s.in_prefill]
-        if prefilling is not None:
-            outputs += self._prefill_chunk(prefilling)
-        if decoding:
-            outputs += self._decode(decoding)
-        for seq in [s for s in self.running if s.finished]:
-            self._release(seq)
+        if not self._may_overlap():
+            outputs += self.sync()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            if self._launched is None and self.scheduler.running and not outputs:
+                raise NinferError("the scheduler found nothing to run: the KV cache cannot hold any waiting prompt")
+        elif self._speculating(plan):
+            assert self._launched is None
+            outputs += self._speculative_step(plan)
+        else:
+            launched = self._launch(plan)
+            if self._launched is not None:
+                outputs += self._complete(self._launched)
+            self._launched = launched
+            if not self._may_overlap():
+                outputs += self._complete(launched)
+                self._launched = None
+        if plan.empty:
+            outputs += self.sync()
         return outputs
+
+    def sync(self) -> list[StepOutput]:
+        """Complete the step in flight without launching another (its outputs are returned)."""
+        if self._launched is None:
+            return []
+        launched, self._launched = self._launched, None
+        return self._complete(launched)
+
+    def warm_up(self, lengths: Iterable[int] = WARM_UP_LENGTHS) -> None:
+        """Run a few throw-away prompts through every path a request can take (fused steps, chunked
+        GDN and attention prefill, the MoE decode kernels and grouped GEMM, sampling with and
+        without penalties), so that first-use costs (Triton autotuning, kernel loading, cuBLAS
+        plans) are paid at load, not by the first user."""
+        vocab = self.config.vocab_size
+        generator = torch.Generator().manual_seed(0)
+        for i, n in enumerate(min(n, self.max_context - 3) for n in lengths):
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True) if i % 2 else \
+                SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5, max_tokens=2, ignore_eos=True, seed=0)
+            self.add_request(GenerationRequest(torch.randint(0, vocab, (n,), generator=generator).tolist(), params))
+        for _ in self.generate([]):
+            pass
+        self._stats = replace(self._stats, requests_finished=0, prompt_tokens=0, generated_tokens=0, prefill_chunks=0,
+                              decode_steps=0, decode_rows=0, max_decode_batch=0)
+        if self.speculator is not None:
+            spec = self.speculator
+            spec.totals = SpecStats(method=spec.drafter.method, draft_tokens=spec.draft_tokens)
+        self.cache.forget_prefixes()  # random prompts: nothing a user will send
 
     def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[StepOutput]:
         """Run requests to completion on this engine, yielding outputs as they come."""
@@ -183,121 +284,277 @@ class LLMEngine:
         while self.has_unfinished():
             yield from self.step()
 
-    def _prefill_chunk(self, seq: Sequence) -> list[StepOutput]:
-        start = seq.num_cached
-        end = min(len(seq.prompt_ids), start + self.prefill_chunk)
-        last = end == len(seq.prompt_ids)
-        ids = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)
-        embeds, mrope = self._multimodal_inputs(seq, ids, start, end)
-        capture = self.speculator.capture_layers(seq) if self.speculator is not None else ()
-        batch = self._batch([seq], ids, "last" if last else "none", embeds, mrope, capture_layers=capture)
-        out = self._run(batch)
-        seq.num_cached = end
-        self._stats.prefill_chunks += 1
+    def _may_overlap(self) -> bool:
+        """Whether the next step can be launched before the last one's tokens are on the host."""
+        if not self.overlap:
+            return False
+        decoding = [s for s in self.scheduler.running if not s.finished and not s.in_prefill]
+        return not any(s.draft_limit for s in self.scheduler.running) and self.scheduler.can_grow(decoding)
+
+    def _speculating(self, plan: StepPlan) -> bool:
+        return self.speculator is not None and any(s.draft_limit for s in plan.sequences)
+
+    # -- a plain step: launch, then complete -------------------------------------------------
+
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
+        parts: list[ForwardBatch] = []
+        if plan.decodes:
+            parts.append(self._decode_batch(plan.decodes, self._launched))
+        parts += [self._prefill_batch(c) for c in plan.prefills]
+        outs = self._forward(parts)
+        rows = list(plan.decodes)
+        logits = [outs[0].logits[:, -1]] if plan.decodes else []
+        for chunk, out in zip(plan.prefills, outs[len(outs) - len(plan.prefills):]):
+            if chunk.last:
+                rows.append(chunk.seq)
+                logits.append(out.logits[:, -1])
+        for seq in plan.decodes:
+            seq.num_cached += 1
+        self._prefilled(plan.prefills)
+        self._count(plan)
+        for seq in plan.sequences:
+            seq.inflight += 1
+        for seq in rows:
+            seq.num_pending += 1
+        tokens = self._sample(rows, torch.cat(logits)) if rows else torch.empty(0, dtype=torch.long)
+        if tokens.device.type != "cuda":
+            return LaunchedStep(plan, rows, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedStep(plan, rows, tokens, host, done)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """One token per row on the device ([R] int64, -1 where the logits are not finite); the
+        penalties come from the device tables, so the newest tokens need not be on the host."""
+        logits = logits.float()
+        params = [s.request.sampling for s in seqs]
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        slots = None
+        if penalised:
+            tables = self._penalty_tables()
+            for i in penalised:
+                if not seqs[i].penalties_ready:
+                    tables.reset(seqs[i].cache.slot, seqs[i].prompt_ids, seqs[i].output_ids)
+                    seqs[i].penalties_ready = True
+            index = torch.tensor(penalised, dtype=torch.long).to(self.device, non_blocking=True)
+            slots = torch.tensor([seqs[i].cache.slot for i in penalised], dtype=torch.long).to(self.device,
+                                                                                                non_blocking=True)
+            logits = logits.index_copy(0, index, tables.apply(logits.index_select(0, index), slots,
+                                                                 [params[i] for i in penalised]))
+        tokens = self.sampler.sample(logits, params, [s.history() for s in seqs], [s.generator for s in seqs],
+                                     penalised=True)
+        if penalised:
+            tables.record(slots, tokens.index_select(0, index))
+        return tokens
+
+    def _penalty_tables(self) -> PenaltyTables:
+        if self._penalties is None:
+            self._penalties = PenaltyTables(self.cache.max_seqs, self.config.vocab_size, self.device)
+        return self._penalties
+
+    def _complete(self, step: LaunchedStep) -> list[StepOutput]:
+        if step.done is not None:
+            step.done.synchronize()
         outputs = []
-        if last:
-            if seq.request.multimodal is not None:
-                seq.request.multimodal.release()
-            token = self._sample([seq], out.logits[:, -1])[0]
-            seq.timings.prefill_s = time.perf_counter() - seq.started_at
-            self._stats.prompt_tokens += len(seq.prompt_ids)
-            self._stats.last_prefill_tok_s = seq.timings.prefill_tok_s
+        now = time.perf_counter()
+        for seq, token in zip(step.rows, step.host.tolist()):
+            seq.num_pending -= 1
+            if seq.finished:
+                continue
+            if token < 0:
+                outputs.append(self._fail(seq, "the model produced logits that are NaN or infinite"))
+                continue
+            self._first_token(seq, now)
             outputs.append(self._append(seq, [token]))
-        if self.speculator is not None:
-            self.speculator.observe_prefill(seq, batch, out)
+            self.scheduler.note_progress(seq)
+        for chunk in step.plan.prefills:
+            if chunk.last and chunk.seq.request.multimodal is not None:
+                chunk.seq.request.multimodal.release()
+        self._retire(step.plan.sequences)
         return outputs
 
-    def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
-        self._stats.decode_steps += 1
-        self._stats.decode_rows += len(seqs)
-        self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(seqs))
-        if self.speculator is not None and any(s.draft_limit for s in seqs):
-            return self.speculator.decode(seqs, self._verify_forward, self._append)
+    def _retire(self, seqs: list[Sequence]) -> None:
+        """One launched step less on each; sequences that ended and are no longer in flight go."""
         for seq in seqs:
-            self.cache.reserve(seq.cache, seq.num_tokens)
-        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], dtype=torch.long, device=self.device)
-        batch = self._batch(seqs, ids, "last")
-        logits = self._forward(batch).logits
-        assert logits is not None
+            seq.inflight -= 1
         for seq in seqs:
-            seq.num_cached += 1
-        tokens = self._sample(seqs, logits[:, -1])
-        return [self._append(seq, [tok]) for seq, tok in zip(seqs, tokens)]
+            if seq.finished and seq.inflight == 0 and seq in self.scheduler.running:
+                self._release(seq)
 
-    def _verify_forward(self, seqs: list[Sequence], ids: torch.Tensor, capture_layers: tuple[int, ...]) -> Verified:
-        if ids.shape[1] == 1 and not capture_layers:
-            # no drafts this round: the one token is always kept, so a plain decode step (its graph)
-            # advances the state directly and there is nothing to commit
-            batch = self._batch(seqs, ids, "last")
-            return Verified(batch, self._forward(batch), lambda counts: None)
-        batch = self._batch(seqs, ids, "all", verify=True, capture_layers=capture_layers)
-        out = self._forward(batch)
+    # -- a speculative step (synchronous: drafts need the previous tokens) -------------------
+
+    def _speculative_step(self, plan: StepPlan) -> list[StepOutput]:
+        spec = self.speculator
+        assert spec is not None
+        seqs = plan.decodes
+        ks = self.scheduler.reserve_drafts(seqs, spec.wanted(seqs)) if seqs else []
+        drafts = spec.propose(seqs, ks) if seqs else []
+        parts: list[ForwardBatch] = []
+        verify = False
+        if seqs:
+            width = 1 + max(len(d.tokens) for d in drafts)
+            capture = spec.drafter.capture_layers
+            verify = width > 1 or bool(capture)
+            ids = [[s.output_ids[-1], *d.tokens] + [s.output_ids[-1]] * (width - 1 - len(d.tokens))
+                   for s, d in zip(seqs, drafts)]
+            parts.append(self._rows_batch(seqs, ids, "all" if verify else "last", verify=verify,
+                                          capture_layers=capture if verify else ()))
+        parts += [self._prefill_batch(c) for c in plan.prefills]
+        outs = self._forward(parts)
+        self._count(plan)
+        outputs: list[StepOutput] = []
+        if seqs:
+            batch, out = parts[0], outs[0]
+            assert out.logits is not None
+            kept = spec.judge(seqs, drafts, out.logits)
+            if verify:
+                self._commit(batch, out, torch.tensor([len(k) for k in kept], dtype=torch.long, device=self.device))
+            for seq, draft, tokens in zip(seqs, drafts, kept):
+                seq.num_cached += len(tokens)
+                output = self._append(seq, tokens)
+                spec.record(seq, output, draft, len(tokens))
+                outputs.append(output)
+                self.scheduler.note_progress(seq)
+            spec.observe(seqs, kept, batch, out)
+            for seq in seqs:
+                if seq.cache is not None:
+                    self.cache.truncate(seq.cache, seq.num_tokens)
+        prefilled = list(zip(plan.prefills, parts[len(parts) - len(plan.prefills):],
+                             outs[len(outs) - len(plan.prefills):]))
+        sampled = [(c, o) for c, _, o in prefilled if c.last]
+        tokens = self._sample([c.seq for c, _ in sampled], torch.cat([o.logits[:, -1] for _, o in sampled])).tolist() \
+            if sampled else []
+        now = time.perf_counter()
+        firsts = dict(zip([c.seq.request_id for c, _ in sampled], tokens))
+        self._prefilled(plan.prefills)
+        for chunk, batch, out in prefilled:
+            seq = chunk.seq
+            if seq.request_id in firsts:
+                token = firsts[seq.request_id]
+                if token < 0:
+                    outputs.append(self._fail(seq, "the model produced logits that are NaN or infinite"))
+                    continue
+                self._first_token(seq, now)
+                outputs.append(self._append(seq, [token]))
+                if seq.request.multimodal is not None:
+                    seq.request.multimodal.release()
+            spec.observe_prefill(seq, batch, out)
+        for seq in plan.sequences:
+            seq.inflight += 1
+        self._retire(plan.sequences)
+        return outputs
+
+    def _prefilled(self, chunks: list[PrefillChunk]) -> None:
+        """Prompt chunks are in the cache (or queued): index their pages, and checkpoint the GDN
+        state at the end of a prompt and every `checkpoint_interval` tokens of a long one."""
+        prefix = self.cache.prefix
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.num_cached = chunk.end
+            ends = (seq.prefill_len - 1, seq.prefill_len)
+            checkpoint = prefix is not None and (chunk.end in ends or chunk.end % prefix.interval == 0)
+            self.scheduler.note_progress(seq, checkpoint)
+
+    def _commit(self, batch: ForwardBatch, out: ForwardOutput, counts: torch.Tensor) -> None:
+        """Advance the GDN slots of a verify through each row's kept tokens."""
         if out.gdn_records is None:  # a graph replay: its commit graph keeps the accepted tokens
             assert self.graphs is not None
-            graphs = self.graphs
-            return Verified(batch, out, lambda counts: graphs.commit(batch, counts))
-        records = out.gdn_records
-        return Verified(batch, out, lambda counts: commit_gdn(self.model, self.cache.cache.state, records,
-                                                              batch.slots, counts))
+            self.graphs.commit(batch, counts)
+        else:
+            commit_gdn(self.model, self.cache.cache.state, out.gdn_records, batch.slots, counts)
 
-    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
-        """A decode or verify forward: by CUDA graph replay where one fits, else eagerly."""
-        out = self.graphs.forward(batch) if self.graphs is not None and self.graphs.supports(batch) else None
-        return out if out is not None else self._run(batch)
+    # -- batches and the forward --------------------------------------------------------------
 
-    def _multimodal_inputs(
-        self, seq: Sequence, ids: torch.Tensor, start: int, end: int
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Prompt chunk inputs of a request with media: embeddings (vision rows in place of the pads)
-        and 3-axis positions. The tower runs once, on the first chunk."""
-        mm = seq.request.multimodal
-        if mm is None:
-            return None, None
-        assert self.vision_tower is not None  # checked in add_request
-        with torch.inference_mode():
-            mm.encode(self.vision_tower())
-            return mm.chunk_embeddings(self.model.embed_tokens, ids, start), mm.chunk_positions(start, end, self.device)
+    def _decode_batch(self, seqs: list[Sequence], previous: LaunchedStep | None) -> ForwardBatch:
+        """One new token per sequence: its last token, read from the previous step's device ids
+        when that step is still in flight."""
+        pending = {id(s): i for i, s in enumerate(previous.rows)} if previous is not None else {}
+        source = [pending.get(id(s), -1) if s.num_pending else -1 for s in seqs]
+        ids = [[s.output_ids[-1] if src < 0 else 0] for s, src in zip(seqs, source)]
+        batch = self._rows_batch(seqs, ids, "last")
+        if previous is not None and any(src >= 0 for src in source):
+            src = torch.tensor(source, dtype=torch.long).to(self.device, non_blocking=True)
+            fresh = previous.tokens.index_select(0, src.clamp(min=0))
+            batch.input_ids = torch.where(src[:, None] >= 0, fresh[:, None], batch.input_ids)
+        return batch
 
-    def _batch(
-        self,
-        seqs: list[Sequence],
-        ids: torch.Tensor,
-        logits: str,
-        inputs_embeds: torch.Tensor | None = None,
-        mrope_positions: torch.Tensor | None = None,
-        verify: bool = False,
-        capture_layers: tuple[int, ...] = (),
-    ) -> ForwardBatch:
-        t = ids.shape[1]
-        cache_lens = torch.tensor([s.num_cached for s in seqs], dtype=torch.long, device=self.device)
-        positions = cache_lens[:, None] + torch.arange(t, device=self.device)[None, :]
-        if any(deltas := [s.rope_delta for s in seqs]):
-            positions = positions + torch.tensor(deltas, dtype=torch.long, device=self.device)[:, None]
+    def _rows_batch(self, seqs: list[Sequence], ids: list[list[int]], logits: str, verify: bool = False,
+                    capture_layers: tuple[int, ...] = ()) -> ForwardBatch:
+        """B sequences x T new tokens at their cache positions (host lists in one copy)."""
+        width = len(ids[0])
+        lens = [s.num_cached for s in seqs]
+        host = torch.tensor([[*row, n, s.rope_delta, s.cache.slot] for row, n, s in zip(ids, lens, seqs)],
+                            dtype=torch.long)
+        packed = self._to_device(host)
+        cache_lens = packed[:, width]
+        positions = cache_lens[:, None] + packed[:, width + 1 : width + 2] + torch.arange(width, device=self.device)
+        slots = packed[:, width + 2]
         return ForwardBatch(
-            input_ids=ids,
-            positions=positions,
-            cache_lens=cache_lens,
-            slots=torch.tensor([s.cache.slot for s in seqs], dtype=torch.long, device=self.device),
-            block_table=self.cache.block_table([s.cache for s in seqs]),
-            mrope_positions=mrope_positions,
-            inputs_embeds=inputs_embeds,
-            logits=logits,
-            verify=verify,
-            capture_layers=capture_layers,
+            input_ids=packed[:, :width], positions=positions, cache_lens=cache_lens, slots=slots,
+            block_table=self.cache.rows(slots, max(lens) + width), logits=logits, verify=verify,
+            capture_layers=capture_layers, host_cache_lens=tuple(lens),
         )
 
-    def _run(self, batch: ForwardBatch) -> ForwardOutput:
+    def _prefill_batch(self, chunk: PrefillChunk) -> ForwardBatch:
+        seq = chunk.seq
+        ids = [seq.token_at(i) for i in range(chunk.start, chunk.end)]
+        batch = self._rows_batch([seq], [ids], "last" if chunk.last else "none",
+                                 capture_layers=self.speculator.capture_layers(seq) if self.speculator else ())
+        mm = seq.request.multimodal
+        if mm is not None:
+            assert self.vision_tower is not None  # checked in add_request
+            with torch.inference_mode():
+                mm.encode(self.vision_tower())
+                batch.inputs_embeds = mm.chunk_embeddings(self.model.embed_tokens, batch.input_ids, chunk.start)
+                batch.mrope_positions = mm.chunk_positions(chunk.start, chunk.end, self.device)
+        return batch
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _forward(self, parts: list[ForwardBatch]) -> list[ForwardOutput]:
+        """The parts' outputs: by CUDA graph replays when every part has a graph (the decode /
+        verify rows, short prompt chunks: a replay each, no host work to speak of, though the
+        weights are read once per part), else one eager forward over all of them."""
+        graphs = [self._graphs_for(part) for part in parts]
+        if all(g is not None for g in graphs):
+            outs = []
+            for g, part in zip(graphs, parts):
+                out = g.forward(part)
+                # static buffers: a later replay of the same graph would overwrite them
+                outs.append(out if len(parts) == 1 else replace(
+                    out, logits=None if out.logits is None else out.logits.clone(),
+                    hidden_states=out.hidden_states.clone()))
+            return outs
         with torch.inference_mode():
-            return self.model.forward(batch, self.cache.cache)
+            return self.model.forward_parts(parts, self.cache.cache)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        tokens = self.sampler.sample(
-            logits.float(),
-            [s.request.sampling for s in seqs],
-            [s.history() for s in seqs],
-            [s.generator for s in seqs],
-        )
-        return tokens.tolist()
+    def _graphs_for(self, part: ForwardBatch) -> DecodeGraphs | PrefillGraphs | None:
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None and graphs.supports(part):
+                return graphs
+        return None
+
+    # -- outputs ----------------------------------------------------------------------------
+
+    def _count(self, plan: StepPlan) -> None:
+        self._stats.prefill_chunks += len(plan.prefills)
+        if plan.decodes:
+            self._stats.decode_steps += 1
+            self._stats.decode_rows += len(plan.decodes)
+            self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(plan.decodes))
+
+    def _first_token(self, seq: Sequence, now: float) -> None:
+        """The prompt is read: the prefill phase of the request's timings ends."""
+        if seq.timings.prefill_s:
+            return  # a preempted request recomputing its prompt keeps its first timing
+        seq.timings.prefill_s = now - seq.started_at
+        self._stats.prompt_tokens += len(seq.prompt_ids)
+        self._stats.last_prefill_tok_s = seq.timings.prefill_tok_s
 
     def _append(self, seq: Sequence, tokens: list[int]) -> StepOutput:
         """Record generated tokens (one, or a speculative round's run) in order until one stops the
@@ -312,6 +569,8 @@ class LLMEngine:
         if seq.finished and seq.stops.matched is None:
             check = seq.stops.feed(seq.detokenizer.flush())
             text += check.text + ("" if check.stop else seq.stops.flush())
+        if seq.finished:
+            self._finish_timings(seq)
         return StepOutput(
             request_id=seq.request_id,
             new_token_ids=taken,
@@ -338,16 +597,26 @@ class LLMEngine:
             seq.finish_reason = "length"
         return check.text
 
-    def _release(self, seq: Sequence) -> None:
+    def _fail(self, seq: Sequence, message: str) -> StepOutput:
+        """End one request with an error; the others in the batch go on."""
+        seq.finish_reason = "error"
+        self._finish_timings(seq)
+        return StepOutput(request_id=seq.request_id, new_token_ids=[], text_delta="", finished=True,
+                          finish_reason="error", error=message, timings=seq.timings)
+
+    def _finish_timings(self, seq: Sequence) -> None:
         if seq.timings.prefill_s:
             seq.timings.completion_tokens = len(seq.output_ids)
             seq.timings.decode_s = time.perf_counter() - seq.started_at - seq.timings.prefill_s
             self._stats.last_decode_tok_s = seq.timings.decode_tok_s or self._stats.last_decode_tok_s
+
+    def _release(self, seq: Sequence) -> None:
         self._stats.requests_finished += 1
+        if seq.finish_reason in ("stop", "length"):  # the end of an answer: a later turn may repeat it
+            self.scheduler.note_progress(seq, checkpoint=True)
         if self.speculator is not None:
             self.speculator.release(seq)
-        self.cache.free(seq.cache)
-        self.running.remove(seq)
+        self.scheduler.release(seq)
 
     def _generator_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")

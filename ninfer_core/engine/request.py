@@ -35,6 +35,7 @@ class Timings:
     decode_s: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def prefill_tok_s(self) -> float:
@@ -92,9 +93,10 @@ class StepOutput:
     new_token_ids: list[int]
     text_delta: str
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     timings: Timings | None = None
     drafted: int = 0  # speculative drafts verified in this step
     accepted: int = 0  # of which accepted (new_token_ids holds them plus the target's own token)
     spec: SpecStats | None = None  # when finished: the request's speculative totals (None: not speculative)
+    error: str | None = None  # finish_reason "error": what went wrong with this request (the others go on)

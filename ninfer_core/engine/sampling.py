@@ -43,6 +43,7 @@ __all__ = [  # the filters and the draw live in ops/sampling.py; re-exported for
     "SamplingParamError",
     "SamplingParams",
     "TokenHistory",
+    "apply_logit_bias",
     "apply_penalties",
     "draw_from_probs",
     "min_p_keep",
@@ -150,6 +151,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the token history (repetition / presence / frequency penalty)."""
+        return (self.repetition_penalty not in (None, 1) or bool(self.presence_penalty)
+                or bool(self.frequency_penalty))
+
     def with_defaults(self, defaults: GenerationDefaults) -> SamplingParams:
         """A copy whose unset fields come from the model's generation_config; user values win."""
         own = {f.name for f in fields(self)}
@@ -194,15 +201,14 @@ def _as_ids(ids: Sequence[int] | torch.Tensor, vocab: int, row: int, device: tor
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                     histories: Sequence[TokenHistory]) -> torch.Tensor:
-    """Repetition, then presence / frequency penalties, then logit_bias, in the logits' dtype (as HF
-    does). Works on the distinct ids each row has seen, not on the vocabulary; rows without
-    penalties or bias untouched."""
+    """Repetition, then presence / frequency penalties, in the logits' dtype (as HF does). Works on
+    the distinct ids each row has seen, not on the vocabulary; rows without penalties untouched."""
     out = logits
     vocab = logits.shape[-1]
     for i, (p, h) in enumerate(zip(params, histories)):
         rep = 1.0 if p.repetition_penalty is None else p.repetition_penalty
         presence, frequency = p.presence_penalty or 0.0, p.frequency_penalty or 0.0
-        if rep == 1 and presence == 0 and frequency == 0 and not p.logit_bias:
+        if rep == 1 and presence == 0 and frequency == 0:
             continue
         if out is logits:
             out = logits.clone()
@@ -214,9 +220,24 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
         if presence != 0 or frequency != 0:  # OpenAI: logit -= frequency * count + presence
             ids, counts = torch.unique(output, return_counts=True)
             out[i, ids] -= frequency * counts.to(out.dtype) + presence
-        if p.logit_bias:
-            ids = _as_ids(list(p.logit_bias), vocab, i, logits.device)
-            out[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=logits.device)
+    return out
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's logit_bias added to its (penalised) logits; rows without one untouched. Separate
+    from the penalties, which the engine may have applied from its device tables already."""
+    out = logits
+    for i, p in enumerate(params):
+        if not p.logit_bias:
+            continue
+        ids = list(p.logit_bias)
+        if max(ids) >= logits.shape[-1]:  # checked on the host: no device sync
+            raise NinferError(f"sampler: row {i} biases token id {max(ids)}, outside the vocabulary "
+                              f"[0, {logits.shape[-1]})")
+        out = logits.clone() if out is logits else out
+        index = torch.tensor(ids, dtype=torch.long).to(logits.device, non_blocking=True)
+        bias = torch.tensor(list(p.logit_bias.values()), dtype=out.dtype).to(logits.device, non_blocking=True)
+        out[i, index] += bias
     return out
 
 
@@ -243,36 +264,45 @@ class Sampler:
         """The exact distribution `sample` draws from, [B, V] float32 (masked tokens exactly 0;
         greedy rows one-hot at the argmax): the target `p` for speculative rejection sampling."""
         self._check(logits, params, histories)
-        penalised = apply_penalties(logits, params, histories)
+        penalised = apply_logit_bias(apply_penalties(logits, params, histories), params)
         return sampling_ops.filtered_probs(penalised, *row_params(params))
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
-               generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """One token id per row, [B] int64. A stochastic row draws exactly one float64 uniform
-        from its own generator (None = torch's global RNG); greedy rows draw nothing. So a seeded
-        row's tokens depend only on its seed and its logits, never on the rest of the batch."""
-        self._check(logits, params, histories)
+               generators: Sequence[torch.Generator | None], penalised: bool = False) -> torch.Tensor:
+        """One token id per row, [B] int64, -1 for a row whose logits hold NaN / +inf or no finite
+        value (checked on the device: no host sync). A stochastic row draws exactly one float64
+        uniform from its own generator (None = torch's global RNG); greedy rows draw nothing. So a
+        seeded row's tokens depend only on its seed and its logits, never on the rest of the batch.
+        `penalised`: the penalties are already in the logits (engine/penalties.py)."""
+        self._check_shapes(logits, params, histories)
         if len(generators) != logits.shape[0]:
             raise NinferError(f"sampler: {len(generators)} generators for {logits.shape[0]} rows")
-        penalised = apply_penalties(logits, params, histories)
-        u = torch.zeros(logits.shape[0], dtype=torch.float64, device=logits.device)
-        stochastic = [i for i, p in enumerate(params) if not p.is_greedy]
-        if stochastic:
-            u[stochastic] = torch.stack([self._uniform(generators[i], logits.device) for i in stochastic])
-        return sampling_ops.sample(penalised, *row_params(params), u)
+        bad = ~torch.isfinite(logits.amax(-1))  # amax propagates NaN; +inf, or all -inf, is not finite
+        logits = logits.masked_fill(bad[:, None], 0.0)
+        if not penalised:
+            logits = apply_penalties(logits, params, histories)
+        logits = apply_logit_bias(logits, params)
+        zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+        u = torch.stack([zero if p.is_greedy else self._uniform(g, logits.device) for p, g in zip(params, generators)])
+        return sampling_ops.sample(logits, *row_params(params), u).masked_fill(bad, -1)
+
+    @classmethod
+    def _check(cls, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]) -> None:
+        cls._check_shapes(logits, params, histories)
+        bad = ~torch.isfinite(logits.amax(-1))  # amax propagates NaN; +inf, or all -inf, is not finite
+        if bool(bad.any()):
+            raise NinferError(f"sampler: logits rows {bad.nonzero().squeeze(1).tolist()} hold NaN / +inf "
+                              f"or no finite value")
 
     @staticmethod
-    def _check(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]) -> None:
+    def _check_shapes(logits: torch.Tensor, params: Sequence[SamplingParams],
+                      histories: Sequence[TokenHistory]) -> None:
         if logits.dim() != 2 or not logits.is_floating_point():
             raise NinferError(f"sampler: logits must be a float [batch, vocab] tensor, got {tuple(logits.shape)} "
                               f"{logits.dtype}")
         if not len(params) == len(histories) == logits.shape[0]:
             raise NinferError(f"sampler: {logits.shape[0]} logit rows, {len(params)} params, "
                               f"{len(histories)} histories")
-        bad = ~torch.isfinite(logits.amax(-1))  # amax propagates NaN; +inf, or all -inf, is not finite
-        if bool(bad.any()):
-            raise NinferError(f"sampler: logits rows {bad.nonzero().squeeze(1).tolist()} hold NaN / +inf "
-                              f"or no finite value")
 
     @staticmethod
     def _uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,10 @@
-"""One request while it runs: its tokens, its cache share, its detokenizer and stop state."""
+"""One request in the engine: its tokens, its cache share, its detokenizer and stop state.
+
+Cache bookkeeping: `num_cached` counts the tokens whose KV / GDN state a launched forward
+writes (it runs ahead of `output_ids` while a step is in flight: `num_pending` sampled tokens
+are not on the host yet). `prefill_len` is how many tokens are read as a prompt: the prompt, or
+after a preemption the prompt plus the answer so far (recomputed, then decoding continues).
+"""
 
 from __future__ import annotations
 
@@ -17,19 +23,27 @@ from .sampling import TokenHistory
 @dataclass
 class Sequence:
     request: GenerationRequest
-    cache: SequenceCache
+    cache: SequenceCache | None  # None while waiting (not admitted, or preempted)
     detokenizer: IncrementalDetokenizer
     stops: StopStringFilter
     generator: torch.Generator | None
     max_new_tokens: int  # after capping by the context limit
     output_ids: list[int] = field(default_factory=list)
-    num_cached: int = 0  # tokens whose KV / state are in the cache
+    num_cached: int = 0  # tokens whose KV / state are in the cache (or being written by a launched step)
+    prefill_len: int = 0  # tokens to read as a prompt (0: the prompt's length)
+    num_pending: int = 0  # sampled by a launched step, not yet appended
+    inflight: int = 0  # launched steps that read or write this sequence's cache
+    preemptions: int = 0
+    penalties_ready: bool = False  # its row of the engine's penalty tables holds its history
     timings: Timings = field(default_factory=Timings)
     started_at: float = field(default_factory=time.perf_counter)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     draft_limit: int = 0  # speculative drafts per round (0: plain decode)
     spec: SpecStats | None = None  # speculative totals, when draft_limit > 0
+
+    def __post_init__(self) -> None:
+        self.prefill_len = self.prefill_len or len(self.request.prompt_token_ids)
 
     @property
     def request_id(self) -> str:
@@ -51,11 +65,26 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_cached < len(self.prompt_ids)
+        return self.num_cached < self.prefill_len
+
+    @property
+    def tokens_left(self) -> int:
+        """Answer tokens it may still be scheduled for (pending ones counted)."""
+        return self.max_new_tokens - len(self.output_ids) - self.num_pending
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def tokens(self, n: int) -> list[int]:
+        """Its first n tokens (prompt, then answer)."""
+        prompt = self.prompt_ids
+        return list(prompt[:n]) if n <= len(prompt) else [*prompt, *self.output_ids[: n - len(prompt)]]
+
+    def media_keys(self, n: int) -> list[object] | None:
+        """A content key per token of the first n for a prompt with media (None: text only)."""
+        mm = self.request.multimodal
+        return None if mm is None else mm.token_keys(n)
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)

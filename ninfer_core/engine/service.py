@@ -1,15 +1,14 @@
 """The concurrent engine: many callers, one background thread that owns the LLMEngine.
 
 Callers (server handlers on asyncio, the TUI, scripts on any thread) submit requests and read a
-stream of events; the engine thread loops "admit waiting requests, run one batched step, hand
-out the outputs", so concurrent requests decode together (continuous batching) and prompt chunks
-interleave with their decode.
+stream of events; the engine thread loops "hand new requests and cancellations to the engine,
+run one batched step, hand out the outputs", so concurrent requests decode together (continuous
+batching) and prompt chunks interleave with their decode.
 
-Admission. A request waits in a bounded queue until a sequence slot is free and the KV cache can
-hold its worst case (prompt + the answer it may still write, capped by the context limit),
-counted in pages on top of the worst cases of the requests already running. The engine reserves
-pages as sequences grow, so admitting on worst cases means a running sequence can never run out
-of pages mid-step. A full queue is refused at once (QueueFullError, the server's 429).
+Admission, KV pages and preemption belong to the engine's scheduler (engine/scheduler.py): this
+thread only forwards requests to it. A request is `Admitted` once the engine has accepted it
+(prompt checked); it may still wait there for a slot. The queue of requests not yet running is
+bounded: beyond `max_queue` a request is refused at once (QueueFullError, the server's 429).
 
 Chat parsing (template output -> reasoning / content / tool calls) runs on the consumer's side
 (ChatStream), keeping the engine thread's per-token work to the engine itself.
@@ -18,9 +17,7 @@ Chat parsing (template output -> reasoning / content / tool calls) runs on the c
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import math
 import queue
 import threading
 import time
@@ -65,7 +62,7 @@ class ServiceStats:
     waiting: int  # requests in the queue
     max_queue: int
     max_concurrency: int
-    kv_reserved_tokens: int  # worst-case KV promised to running requests
+    kv_reserved_tokens: int  # KV held by running requests
 
     @property
     def kv_usage(self) -> float:
@@ -98,10 +95,9 @@ class TokenStream:
     the engine thread drops it at its next loop turn and frees its KV pages.
     """
 
-    def __init__(self, service: EngineService, request: GenerationRequest, reserve_tokens: int):
+    def __init__(self, service: EngineService, request: GenerationRequest):
         self.service = service
         self.request = request
-        self.reserve_tokens = reserve_tokens
         self.submitted_at = time.perf_counter()
         self.last_output_at: float | None = None
         self.finished = False
@@ -210,15 +206,13 @@ class EngineService:
         self.max_queue = max_queue
         self.observers = list(observers or [])
         self.max_concurrency = min(max_concurrency or cache.max_seqs, cache.max_seqs)
-        self.page_size = cache.page_size
+        self.engine.max_running = self.max_concurrency
         self.kv_capacity = cache.capacity_tokens
-        # a single request can never use more than the whole cache, whatever --max-context says
-        self.context_limit = min(self.engine.max_context, self.kv_capacity)
+        self.context_limit = self.engine.max_context
         self._cond = threading.Condition()
-        self._waiting: collections.deque[TokenStream] = collections.deque()
+        self._inbox: list[TokenStream] = []
         self._cancelled: list[TokenStream] = []
-        self._running: dict[str, TokenStream] = {}
-        self._reserved_pages = 0
+        self._streams: dict[str, TokenStream] = {}  # in the engine (waiting there or running)
         self._outbox: list[tuple[TokenStream, object]] = []  # engine-thread deliveries of this loop turn
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -264,18 +258,15 @@ class EngineService:
                 prompt_tokens=n,
                 limit=limit,
             )
-        room = limit - n
-        max_new = min(sampling.max_tokens or room, room)
-        request = GenerationRequest(list(prompt_token_ids), replace(sampling, max_tokens=max_new), multimodal=multimodal)
-        stream = TokenStream(self, request, reserve_tokens=n + max_new)
+        request = GenerationRequest(list(prompt_token_ids), sampling, multimodal=multimodal)
+        stream = TokenStream(self, request)
         with self._cond:
             if self._stop or self._thread is None:
                 raise ServiceStoppedError("the engine service is not running")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(
-                    f"the server is busy: {len(self._waiting)} requests are already waiting", retry_after=1
-                )
-            self._waiting.append(stream)
+            waiting = len(self._inbox) + self._stats.engine.waiting
+            if waiting >= self.max_queue:
+                raise QueueFullError(f"the server is busy: {waiting} requests are already waiting", retry_after=1)
+            self._inbox.append(stream)
             self._cond.notify_all()
         return stream
 
@@ -291,7 +282,7 @@ class EngineService:
 
     def stats(self) -> ServiceStats:
         with self._cond:
-            return replace(self._stats, waiting=len(self._waiting))
+            return replace(self._stats, waiting=self._stats.waiting + len(self._inbox))
 
     def _cancel(self, stream: TokenStream) -> None:
         with self._cond:
@@ -300,62 +291,44 @@ class EngineService:
 
     # -- the engine thread ------------------------------------------------------------------
 
-    def _pages(self, tokens: int) -> int:
-        return math.ceil(tokens / self.page_size)
-
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stop or self._cancelled or self._waiting or self._running):
+                while not (self._stop or self._cancelled or self._inbox or self.engine.has_unfinished()):
                     self._cond.wait()
                 if self._stop:
                     break
                 cancelled, self._cancelled = self._cancelled, []
-                for stream in cancelled:
-                    if stream in self._waiting:
-                        self._waiting.remove(stream)
-                admit = self._take_admissible()
+                new, self._inbox = self._inbox, []
+            for stream in new:
+                if stream not in cancelled:  # a client that left while its request was in the inbox
+                    self._add(stream)
             for stream in cancelled:
                 self._drop(stream)
-            for stream in admit:
-                self._admit(stream)
-            if self._running:
+            if self.engine.has_unfinished():
                 self._step()
             with self._cond:
                 self._stats = self._snapshot()
             self._flush()  # after the snapshot: a caller that saw its request end sees the freed KV
         self._shutdown()
 
-    def _take_admissible(self) -> list[TokenStream]:
-        """Pop, in order, the waiting requests that fit now (called with the lock held)."""
-        admit: list[TokenStream] = []
-        pages = self._reserved_pages
-        total_pages = self.kv_capacity // self.page_size
-        while self._waiting and len(self._running) + len(admit) < self.max_concurrency:
-            need = self._pages(self._waiting[0].reserve_tokens)
-            if pages + need > total_pages:
-                break
-            pages += need
-            admit.append(self._waiting.popleft())
-        return admit
-
-    def _admit(self, stream: TokenStream) -> None:
+    def _add(self, stream: TokenStream) -> None:
         try:
             self.engine.add_request(stream.request)
         except NinferError as e:
             self._post(stream, e)
             return
-        self._reserved_pages += self._pages(stream.reserve_tokens)
-        self._running[stream.request_id] = stream
+        self._streams[stream.request_id] = stream
         prompt_tokens = len(stream.request.prompt_token_ids)
         self._observe("request_admitted", time.perf_counter() - stream.submitted_at, prompt_tokens)
         self._post(stream, Admitted(prompt_tokens))
 
     def _drop(self, stream: TokenStream) -> None:
-        """A cancelled request (already out of the queue): out of the engine, its KV freed."""
-        if self._running.pop(stream.request_id, None) is not None:
+        """A cancelled request: out of the engine (its KV freed), its stream ended."""
+        if self._streams.pop(stream.request_id, None) is not None:
             self.engine.abort(stream.request_id)
-            self._reserved_pages -= self._pages(stream.reserve_tokens)
+        if stream in self._inbox:
+            self._inbox.remove(stream)
         self._post(stream, ServiceStoppedError("the request was cancelled"))
 
     def _step(self) -> None:
@@ -363,15 +336,18 @@ class EngineService:
             outputs = self.engine.step()
         except Exception as e:  # a bug in a step: fail the batch, keep serving the next ones
             log.exception("engine step failed")
-            for request_id in list(self._running):
+            for request_id in list(self._streams):
                 self.engine.abort(request_id)
                 self._finish(request_id, NinferError(f"internal engine error: {e}"))
             return
         for out in outputs:
-            stream = self._running.get(out.request_id)
+            stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             now = time.perf_counter()
+            if out.error is not None:
+                self._finish(out.request_id, NinferError(out.error))
+                continue
             first = stream.last_output_at is None
             self._observe("tokens_generated", len(out.new_token_ids), first,
                           now - (stream.submitted_at if first else stream.last_output_at))
@@ -382,18 +358,19 @@ class EngineService:
                 self._finish(out.request_id)
 
     def _finish(self, request_id: str, error: BaseException | None = None) -> None:
-        stream = self._running.pop(request_id)
-        self._reserved_pages -= self._pages(stream.reserve_tokens)
+        stream = self._streams.pop(request_id)
         self._post(stream, error if error is not None else _END)
 
     def _shutdown(self) -> None:
         stopped = ServiceStoppedError("the engine service was stopped")
         with self._cond:
-            waiting, self._waiting = list(self._waiting), collections.deque()
+            waiting, self._inbox = list(self._inbox), []
             self._cancelled = []
-        for request_id in list(self._running):
+        for request_id in list(self._streams):
             self.engine.abort(request_id)
             self._finish(request_id, stopped)
+        while self.engine.has_unfinished():  # let a launched step finish; aborted requests free their KV
+            self.engine.step()
         for stream in waiting:
             self._post(stream, stopped)
         self._stats = self._snapshot()
@@ -415,10 +392,11 @@ class EngineService:
             stream._push(item)
 
     def _snapshot(self) -> ServiceStats:
+        engine = self.engine.stats()
         return ServiceStats(
-            engine=self.engine.stats(),
-            waiting=len(self._waiting),
+            engine=engine,
+            waiting=engine.waiting,
             max_queue=self.max_queue,
             max_concurrency=self.max_concurrency,
-            kv_reserved_tokens=self._reserved_pages * self.page_size,
+            kv_reserved_tokens=engine.kv_used_tokens,
         )

@@ -24,6 +24,7 @@ from ..ops.attention import (
     DECODE_MAX_TOKENS,
     decode_attention,
     prefill_attention,
+    rows_attention,
     write_kv,
 )
 from .linear import MergedLinear
@@ -38,19 +39,27 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [B, T] int64 flat row (page * page_size + offset) of each new token
     block_table: torch.Tensor  # [B, P] int32 page ids, unused entries clamped to a valid page
     cache_lens: torch.Tensor  # [B] int64 tokens cached before this step
+    host_cache_lens: tuple[int, ...] | None = None  # the same on the host, when the caller knows them
+    padded: bool = False  # a padded prompt chunk: attention by the decode kernel, 16 tokens a row
 
     @classmethod
     def build(
-        cls, block_table: torch.Tensor, cache_lens: torch.Tensor, num_new_tokens: int, page_size: int, num_pages: int
+        cls, block_table: torch.Tensor, cache_lens: torch.Tensor, num_new_tokens: int, page_size: int, num_pages: int,
+        host_cache_lens: tuple[int, ...] | None = None, valid_tokens: torch.Tensor | None = None, pad_kv_row: int = 0,
     ) -> AttentionMetadata:
         table = block_table.long().clamp(0, num_pages - 1)
         offsets = torch.arange(num_new_tokens, device=cache_lens.device)
         index = cache_lens[:, None] + offsets  # [B, T] cache index of each new token
-        pages = table.gather(1, index // page_size)
+        pages = table.gather(1, (index // page_size).clamp(max=table.shape[1] - 1))
+        slot_mapping = pages * page_size + index % page_size
+        if valid_tokens is not None:  # padding writes one row nobody reads
+            slot_mapping = torch.where(offsets[None, :] < valid_tokens[:, None], slot_mapping, pad_kv_row)
         return cls(
-            slot_mapping=pages * page_size + index % page_size,
+            slot_mapping=slot_mapping,
             block_table=table.to(torch.int32),  # what the decode kernel reads; converted once per step
             cache_lens=cache_lens,
+            host_cache_lens=host_cache_lens,
+            padded=valid_tokens is not None,
         )
 
 
@@ -95,8 +104,12 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         write_kv(kv, k, v, meta.slot_mapping)
-        attend = decode_attention if num_new <= DECODE_MAX_TOKENS else prefill_attention
-        out = attend(q, kv, meta.block_table, meta.cache_lens, self.scale)
+        if num_new <= DECODE_MAX_TOKENS:
+            out = decode_attention(q, kv, meta.block_table, meta.cache_lens, self.scale)
+        elif meta.padded:
+            out = rows_attention(q, kv, meta.block_table, meta.cache_lens, self.scale)
+        else:
+            out = prefill_attention(q, kv, meta.block_table, meta.cache_lens, self.scale, meta.host_cache_lens)
         if self.output_gate:
             out = sigmoid_mul(out, gate)
         return self.o_proj(out.reshape(batch, num_new, -1))

@@ -78,6 +78,14 @@ def conv_qkv_heads(
     return q, k, v.reshape(batch, num_new, -1, head_v_dim), conv_state
 
 
+def conv_state_after(conv_state: torch.Tensor, qkv: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The conv state [B, C, K-1] after row b's first counts[b] new inputs of qkv [B, T, C]: the
+    K-1 inputs ending with input counts[b] - 1 of [old state | new inputs] (device counts: no sync)."""
+    window = torch.cat((conv_state, qkv.transpose(1, 2).to(conv_state.dtype)), dim=-1)
+    taps = torch.arange(conv_state.shape[-1], device=counts.device)
+    return window.gather(-1, (counts[:, None, None] + taps).expand(conv_state.shape))
+
+
 def gdn_gates(
     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,14 +230,17 @@ class GatedDeltaNet(nn.Module):
                                   self.num_k_heads, self.head_k_dim, self.head_v_dim)
 
     def forward(
-        self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
+        self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+        valid_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, T, hidden]; conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv]; slots [B]."""
+        """x [B, T, hidden]; conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv]; slots [B];
+        valid_tokens [B]: only row b's first valid_tokens[b] tokens advance its state (padding)."""
         if x.shape[1] == 1:
             qkv, z, b, a = self.in_proj(x[:, 0])
             out = gdn_ops.gdn_decode_step(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
             return self.out_proj(out)[:, None]
-        out, conv_state, state = self._mix(x, conv_pool[slots], state_pool[slots], gdn_ops.gated_delta_rule_prefill)
+        out, conv_state, state = self._mix(x, conv_pool[slots], state_pool[slots], gdn_ops.gated_delta_rule_prefill,
+                                           valid_tokens)
         conv_pool[slots] = conv_state
         state_pool[slots] = state
         return out
@@ -251,15 +262,23 @@ class GatedDeltaNet(nn.Module):
         gdn_ops.gdn_commit(record.qkv, record.a, record.b, conv_pool, state_pool, slots, counts, self.weights)
 
     def _mix(
-        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, delta_rule: Callable[..., tuple]
+        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, delta_rule: Callable[..., tuple],
+        valid_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer from given states: (output, new conv state, new recurrent state)."""
+        """The layer from given states: (output, new conv state, new recurrent state). Padding
+        tokens (past valid_tokens) get g = beta = 0, which leaves the recurrent state as it is,
+        and the conv state ends at the last real token."""
         batch, num_new, _ = x.shape
         qkv, z, b, a = self.in_proj(x)
-        q, k, v, conv_state = conv_qkv_heads(
+        q, k, v, final_conv = conv_qkv_heads(
             qkv, conv_state, self.conv1d.weight[:, 0], self.num_k_heads, self.head_k_dim, self.head_v_dim, state.dtype
         )
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        if valid_tokens is not None:
+            real = (torch.arange(num_new, device=x.device)[None, :] < valid_tokens[:, None])[..., None]
+            g, beta = g * real, beta * real
+            final_conv = conv_state_after(conv_state, qkv, valid_tokens)
+        conv_state = final_conv
         out, state = delta_rule(q, k, v, g, beta, state)
 
         z = z.reshape(batch, num_new, self.num_v_heads, self.head_v_dim)

@@ -32,6 +32,12 @@ class ForwardBatch:
     # per-token inputs (ForwardOutput.gdn_records), so only the accepted prefix gets committed.
     verify: bool = False
     capture_layers: tuple[int, ...] = ()  # layers whose outputs a drafter reads (DFlash)
+    host_cache_lens: tuple[int, ...] | None = None  # cache_lens known on the host (prefill attention: no sync)
+    # A padded prompt chunk (prefill CUDA graphs): row b's first valid_tokens[b] tokens are real;
+    # padding writes its KV to the flat row `pad_kv_row` and leaves the GDN state untouched, and
+    # "last" logits are those of the last real token.
+    valid_tokens: torch.Tensor | None = None  # [B] int64 on the device
+    pad_kv_row: int = 0
 
     @property
     def batch_size(self) -> int:

@@ -41,6 +41,7 @@ class StepContext:
     slots: torch.Tensor
     cache: ModelCache
     gdn_records: dict[int, GDNRecord] | None = None  # verify forwards: GDN layers record, pools untouched
+    valid_tokens: torch.Tensor | None = None  # a padded prompt chunk (ForwardBatch.valid_tokens)
 
 
 class DecoderLayer(nn.Module):
@@ -58,26 +59,50 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(config) if config.is_moe else MLP(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, step: StepContext
+        self, x: torch.Tensor, residual: torch.Tensor | None, step: StepContext | MixedStep
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(delta, residual) -> (delta, residual): the stream is residual + delta, kept apart so
         that every residual add runs inside the next RMSNorm kernel (two launches fewer per layer).
-        The first layer gets the embeddings as `x` and no residual."""
+        The first layer gets the embeddings as `x` and no residual. With a MixedStep the rows of
+        every part are flattened into x [N, hidden]: norms and the FFN run once over all of them
+        (one read of the weights), the mixer per part."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_norm(x, residual)
-        i = self.layer_idx
-        if self.is_linear:
-            pools = (step.cache.state.conv[i], step.cache.state.recurrent[i], step.slots)
-            if step.gdn_records is None:
-                h = self.linear_attn(h, *pools)
-            else:
-                h, step.gdn_records[i] = self.linear_attn.verify(h, *pools)
+        if isinstance(step, MixedStep):
+            h = step.per_part(h, self._mix)
         else:
-            h = self.self_attn(h, step.cos, step.sin, step.cache.kv.layer(i), step.attn)
+            h = self._mix(h, step)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(h), residual
+
+    def _mix(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """The token mixer (GDN or attention) of one part's rows [B, T, hidden]."""
+        i = self.layer_idx
+        if not self.is_linear:
+            return self.self_attn(h, step.cos, step.sin, step.cache.kv.layer(i), step.attn)
+        pools = (step.cache.state.conv[i], step.cache.state.recurrent[i], step.slots)
+        if step.gdn_records is None:
+            return self.linear_attn(h, *pools, step.valid_tokens)
+        h, step.gdn_records[i] = self.linear_attn.verify(h, *pools)
+        return h
+
+
+@dataclass
+class MixedStep:
+    """Several parts (ForwardBatches of their own shape: the decode rows, prompt chunks) in one
+    forward; their rows lie one after another in the flattened activations."""
+
+    parts: list[StepContext]
+    shapes: list[tuple[int, int]]  # (B, T) per part
+
+    def per_part(self, h: torch.Tensor, fn: Callable[[torch.Tensor, StepContext], torch.Tensor]) -> torch.Tensor:
+        """fn over each part's rows of h [N, hidden] (viewed [B, T, hidden]), flattened back."""
+        sizes = [b * t for b, t in self.shapes]
+        outs = [fn(rows.view(b, t, -1), step).reshape(b * t, -1)
+                for rows, (b, t), step in zip(h.split(sizes), self.shapes, self.parts)]
+        return torch.cat(outs)
 
 
 class DecoderModel(nn.Module):
@@ -106,30 +131,76 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:
-        if batch.inputs_embeds is not None:
-            x = batch.inputs_embeds.to(self.embed_tokens.weight.dtype)
+        step = self._step_context(batch, cache)
+        normed, x, captured = self._layers(self._embed(batch), step, batch.capture_layers)
+        if batch.valid_tokens is not None and batch.logits == "last":  # the last real token of each row
+            index = (batch.valid_tokens - 1)[:, None, None].expand(-1, 1, normed.shape[-1])
+            logits = self._logits(normed.gather(1, index))
         else:
-            x = self.embed_tokens(batch.input_ids)
+            logits = None if batch.logits == "none" else self._logits(_logit_rows(normed, batch.logits))
+        features = torch.cat([captured[i] for i in batch.capture_layers], dim=-1) if batch.capture_layers else None
+        return ForwardOutput(logits=logits, hidden_states=x, captured=features, gdn_records=step.gdn_records)
+
+    def forward_parts(self, parts: list[ForwardBatch], cache: ModelCache) -> list[ForwardOutput]:
+        """One forward over several batches (a varlen batch: decode rows plus prompt chunks of
+        other sequences): the same outputs as a forward per part, but every weight is read once.
+        lm_head runs once over the rows that ask for logits."""
+        if len(parts) == 1:
+            return [self.forward(parts[0], cache)]
+        shapes = [(p.batch_size, p.num_new_tokens) for p in parts]
+        steps = [self._step_context(p, cache) for p in parts]
+        embeds = torch.cat([self._embed(p).flatten(0, 1) for p in parts])
+        layers = tuple(sorted({i for p in parts for i in p.capture_layers}))
+        normed, x, captured = self._layers(embeds, MixedStep(steps, shapes), layers)
+        sizes = [b * t for b, t in shapes]
+        xs = [rows.view(b, t, -1) for rows, (b, t) in zip(x.split(sizes), shapes)]
+        wanted = [_logit_rows(rows.view(b, t, -1), p.logits)
+                  for rows, (b, t), p in zip(normed.split(sizes), shapes, parts)]
+        rows = torch.cat([w.flatten(0, 1) for w in wanted])
+        logits = self._logits(rows) if rows.shape[0] else None
+        outputs, start = [], 0
+        for i, (p, xp, w) in enumerate(zip(parts, xs, wanted)):
+            n = w.shape[0] * w.shape[1]
+            part_logits = None if p.logits == "none" else logits[start : start + n].view(*w.shape[:2], -1)
+            start += n
+            feats = None
+            if p.capture_layers:
+                feats = torch.cat([captured[j].split(sizes)[i].view(*xp.shape) for j in p.capture_layers], dim=-1)
+            outputs.append(ForwardOutput(logits=part_logits, hidden_states=xp, captured=feats,
+                                         gdn_records=steps[i].gdn_records))
+        return outputs
+
+    def _embed(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.inputs_embeds is not None:
+            return batch.inputs_embeds.to(self.embed_tokens.weight.dtype)
+        return self.embed_tokens(batch.input_ids)
+
+    def _step_context(self, batch: ForwardBatch, cache: ModelCache) -> StepContext:
         positions = batch.mrope_positions if batch.mrope_positions is not None else batch.positions
-        cos, sin = self.rotary_emb(positions, x.dtype)
+        cos, sin = self.rotary_emb(positions, self.embed_tokens.weight.dtype)
         attn = AttentionMetadata.build(
-            batch.block_table, batch.cache_lens, batch.num_new_tokens, cache.page_size, cache.kv.num_pages
+            batch.block_table, batch.cache_lens, batch.num_new_tokens, cache.page_size, cache.kv.num_pages,
+            batch.host_cache_lens, batch.valid_tokens, batch.pad_kv_row,
         )
-        step = StepContext(cos=cos, sin=sin, attn=attn, slots=batch.slots, cache=cache,
-                           gdn_records={} if batch.verify else None)
+        return StepContext(cos=cos, sin=sin, attn=attn, slots=batch.slots, cache=cache,
+                           gdn_records={} if batch.verify else None, valid_tokens=batch.valid_tokens)
+
+    def _layers(
+        self, x: torch.Tensor, step: StepContext | MixedStep, capture_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder stack and the final norm: (normed output, the last layer's output before
+        the norm, the residual stream after each layer in `capture_layers`)."""
         captured: dict[int, torch.Tensor] = {}
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, step)
-            if layer.layer_idx in batch.capture_layers:
+            if layer.layer_idx in capture_layers:
                 captured[layer.layer_idx] = x + residual
-        normed, x = self.norm.add_norm(x, residual)  # x: the last layer's output, before the norm
-        logits = None
-        if batch.logits != "none":
-            last = normed[:, -1:] if batch.logits == "last" else normed
-            logits = self.lm_head(last).float()
-        features = torch.cat([captured[i] for i in batch.capture_layers], dim=-1) if batch.capture_layers else None
-        return ForwardOutput(logits=logits, hidden_states=x, captured=features, gdn_records=step.gdn_records)
+        normed, x = self.norm.add_norm(x, residual)
+        return normed, x, captured
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(normed).float()
 
     @torch.no_grad()
     def copy_parameters(self, get: Callable[[str], torch.Tensor], names: set[str]) -> None:
@@ -137,3 +208,10 @@ class DecoderModel(nn.Module):
         `to_empty()` after a meta-device build unties lm_head from the embeddings)."""
         self._tie()
         load_parameters(self, get, names)
+
+
+def _logit_rows(x: torch.Tensor, which: str) -> torch.Tensor:
+    """The rows of x [B, T, hidden] whose logits a batch asks for ("last", "all", "none")."""
+    if which == "none":
+        return x[:, :0]
+    return x[:, -1:] if which == "last" else x

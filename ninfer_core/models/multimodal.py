@@ -17,9 +17,10 @@ the order of `media`, each item's rows in prompt order).
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,7 @@ class MultimodalPrompt:
     rope_delta: int  # generated token i sits at i + rope_delta
     vision_rows: torch.Tensor  # [T] int64: row of the vision embeddings replacing the token, -1 for text
     embeddings: torch.Tensor | None = None  # [sum num_tokens, hidden] once encoded
+    _keys: list[object] | None = field(default=None, repr=False)  # token_keys of the prompt, once
 
     @classmethod
     def build(
@@ -149,6 +151,19 @@ class MultimodalPrompt:
             vision_rows=torch.from_numpy(rows),
         )
 
+    def token_keys(self, n: int) -> list[object]:
+        """What identifies each of the first n tokens beyond its id, for the prefix cache: a vision
+        row is (its item's content digest, the row within the item), so the same picture hits
+        and another one of the same size does not; text (and answer tokens past the prompt): None."""
+        if self._keys is None:
+            digests = [hashlib.blake2b(m.pixel_values.contiguous().numpy().tobytes(), digest_size=16).digest()
+                       + repr(m.grid_thw).encode() for m in self.media]
+            starts = np.cumsum([0] + [m.num_tokens for m in self.media])
+            rows = self.vision_rows.tolist()
+            items = np.searchsorted(starts, rows, side="right") - 1
+            self._keys = [None if r < 0 else (digests[i], r - int(starts[i])) for r, i in zip(rows, items.tolist())]
+        return self._keys[:n] + [None] * max(0, n - len(self._keys))
+
     @property
     def encoded(self) -> bool:
         return self.embeddings is not None
@@ -161,19 +176,25 @@ class MultimodalPrompt:
                 self.embeddings = tower(pixels, [m.grid_thw for m in self.media])
 
     def chunk_embeddings(self, embed_tokens: nn.Embedding, input_ids: torch.Tensor, start: int) -> torch.Tensor:
-        """[1, t, hidden] inputs for prompt tokens start .. start + t (input_ids [1, t])."""
+        """[1, t, hidden] inputs for tokens start .. start + t (input_ids [1, t]); tokens past the
+        prompt (a preempted request reading its answer again) are text."""
         if self.embeddings is None:
             raise RuntimeError("MultimodalPrompt.encode must run before its embeddings are read")
         x = embed_tokens(input_ids)
         rows = self.vision_rows[start : start + input_ids.shape[1]].to(x.device)
+        rows = torch.cat([rows, rows.new_full((input_ids.shape[1] - len(rows),), -1)])
         mask = rows >= 0
         if bool(mask.any()):
             x[0, mask] = self.embeddings[rows[mask]].to(x.device, x.dtype)
         return x
 
     def chunk_positions(self, start: int, end: int, device: torch.device) -> torch.Tensor:
-        """[3, 1, t] mRoPE positions of prompt tokens start .. end."""
-        return self.positions[:, None, start:end].to(device)
+        """[3, 1, t] mRoPE positions of tokens start .. end; generated token i (past the prompt)
+        sits at i + rope_delta on every axis."""
+        prompt = self.positions[:, start:end]
+        n = self.positions.shape[1]
+        answer = torch.arange(max(start, n), max(end, n)) + self.rope_delta
+        return torch.cat([prompt, answer.expand(3, -1)], dim=1)[:, None].to(device)
 
     def release(self) -> None:
         """Drop the vision embeddings once the prompt is in the cache (positions stay: they are small)."""

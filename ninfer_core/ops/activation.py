@@ -29,6 +29,7 @@ def sigmoid_mul_ref(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | Non
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     cols = x.shape[-1] // 2
     if not (dispatch.use_kernel(x) and x.is_contiguous() and x.shape[-1] == 2 * cols and x.numel() > 0):
+        dispatch.fallback("silu_mul", x)
         return silu_mul_ref(x)
     out = x.new_empty(*x.shape[:-1], cols)
     dispatch.extension().silu_mul(out=out.data_ptr(), x=x.data_ptr(), rows=x.numel() // x.shape[-1], cols=cols,
@@ -41,6 +42,11 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = 
     cols = x.shape[-1]
     tensors = (x, gate) if add is None else (x, gate, add)
     gate_rows = _rows(gate, 1 if gate.shape[-1] == 1 else cols)
+    if gate_rows is None and dispatch.use_kernel(gate):
+        # rows a fixed stride apart is what the kernel reads; a gate split out of a batch of
+        # merged projections is not (per head, then per token): one small copy beats the reference
+        gate = gate.contiguous()
+        gate_rows = _rows(gate, 1 if gate.shape[-1] == 1 else cols)
     fits = (
         dispatch.use_kernel(*tensors)
         and len({t.dtype for t in tensors}) == 1
@@ -52,6 +58,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = 
         and x.numel() > 0
     )
     if not fits:
+        dispatch.fallback("sigmoid_mul", x, gate)
         return sigmoid_mul_ref(x, gate, add)
     out = torch.empty_like(x)
     dispatch.extension().sigmoid_mul(

@@ -22,6 +22,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.kv_pool import KVLayer
@@ -67,6 +68,7 @@ def write_kv_ref(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: to
 def write_kv(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v [B, T, Hkv, D] at the flat cache rows (page * page_size + row) `slot_mapping` [B, T]."""
     if not (_kernel_fits(k, kv) and v.dtype == k.dtype and slot_mapping.device == k.device):
+        dispatch.fallback("write_kv", k, kv.k)
         return write_kv_ref(kv, k, v, slot_mapping)
     kv_heads, dim = k.shape[-2:]
     k = k.reshape(-1, kv_heads, dim).contiguous()
@@ -142,6 +144,7 @@ def decode_attention(
         and block_table.device == q.device
         and cache_lens.device == q.device
     ):
+        dispatch.fallback("decode_attention", q, kv.k)
         return _into(out, attention_ref(q, kv, block_table, cache_lens, scale))
     ext = dispatch.extension()
     q = q.contiguous()
@@ -183,8 +186,27 @@ def decode_attention(
     return out
 
 
-def prefill_attention(
+def rows_attention(
     q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`prefill_attention`'s result by the decode kernel: a chunk of T = 16 * R tokens is R rows of
+    16 tokens of the same sequence, row i starting at cache index cache_lens + 16 i (its keys are
+    all in the cache already: the KV of the whole chunk is written first). Lengths stay on the
+    device and shapes depend on T only, so a CUDA graph captures it (prefill graphs)."""
+    batch, num_new, heads, dim = q.shape
+    if num_new % DECODE_MAX_TOKENS:
+        raise ValueError(f"rows_attention: {num_new} tokens is not a multiple of {DECODE_MAX_TOKENS}")
+    rows = num_new // DECODE_MAX_TOKENS
+    starts = torch.arange(0, num_new, DECODE_MAX_TOKENS, device=cache_lens.device)
+    out = decode_attention(q.reshape(batch * rows, DECODE_MAX_TOKENS, heads, dim), kv,
+                           block_table.repeat_interleave(rows, dim=0),
+                           (cache_lens[:, None] + starts).reshape(-1), scale)
+    return out.reshape(batch, num_new, heads, dim)
+
+
+def prefill_attention(
+    q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor, scale: float,
+    host_cache_lens: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a longer chunk (T > 16): same contract as `decode_attention`.
 
@@ -194,26 +216,40 @@ def prefill_attention(
     SDPA's flash and memory-efficient backends, so the math backend would materialise [H, T, L]
     scores (gigabytes for a 4K-token chunk at 32K context); the bias names the same mask as a
     shape, which the fused kernels apply themselves. One call per sequence, since the bias has
-    one (T, L). Reads cache_lens on the host: not for CUDA graphs (decode steps are T <= 16).
+    one (T, L). Needs the lengths on the host (`host_cache_lens`, else read from cache_lens: a
+    device sync): not for CUDA graphs (decode steps are T <= 16).
     """
     num_new = q.shape[1]
     page_size = kv.page_size
     out = torch.empty_like(q)
-    for b, cached in enumerate(cache_lens.tolist()):
-        length = cached + num_new
-        pages = block_table[b, : -(-length // page_size)].long()
-        k = _gather(kv.k, kv.k_scale, pages, q.dtype).flatten(0, 1)[:length]
-        v = _gather(kv.v, kv.v_scale, pages, q.dtype).flatten(0, 1)[:length]
-        o = F.scaled_dot_product_attention(
-            q[b].transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=causal_lower_right(num_new, length),
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[b] = o[0].transpose(0, 1)
+    with sdpa_kernel(_PREFILL_BACKENDS):
+        lengths = host_cache_lens if host_cache_lens is not None else cache_lens.tolist()
+        for b, cached in enumerate(lengths):
+            _prefill_one(q, kv, block_table, b, cached, num_new, page_size, scale, out)
     return out
+
+
+# cuDNN's attention builds a plan per new (T, L) shape (~6 ms per layer call on the H200), which a
+# server sees on almost every prompt: the fused backends without per-shape setup come first
+_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _prefill_one(q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, b: int, cached: int, num_new: int,
+                 page_size: int, scale: float, out: torch.Tensor) -> None:
+    """Row b of `prefill_attention` into out[b]."""
+    length = cached + num_new
+    pages = block_table[b, : -(-length // page_size)].long()
+    k = _gather(kv.k, kv.k_scale, pages, q.dtype).flatten(0, 1)[:length]
+    v = _gather(kv.v, kv.v_scale, pages, q.dtype).flatten(0, 1)[:length]
+    o = F.scaled_dot_product_attention(
+        q[b].transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=causal_lower_right(num_new, length),
+        scale=scale,
+        enable_gqa=True,
+    )
+    out[b] = o[0].transpose(0, 1)
 
 
 def _kv_kind(kv: KVLayer, dtype: torch.dtype) -> object | None:

@@ -104,10 +104,7 @@ def gdn_steps_ref(
         return out
     n = counts.clamp(0, num_tokens)
     state_pool[slots] = states[torch.arange(batch, device=n.device), n]
-    # the conv state after n tokens: the K-1 inputs ending with token n-1 of [old state | tokens]
-    window = torch.cat((conv_state, qkv.transpose(1, 2).to(conv_state.dtype)), dim=-1)
-    taps = torch.arange(conv_state.shape[-1], device=n.device)
-    conv_pool[slots] = window.gather(-1, (n[:, None, None] + taps).expand(conv_state.shape))
+    conv_pool[slots] = gdn_layer.conv_state_after(conv_state, qkv, n)
     return out
 
 
@@ -197,6 +194,7 @@ def _steps(
     all T tokens are returned (into `out` [B, T, Hv*dv] when given)."""
     _check(name, qkv, a, b, z, conv_pool, state_pool, slots, counts, w)
     if not _kernel_applies(qkv, a, b, z, conv_pool, state_pool, slots, counts, w):
+        dispatch.fallback(name, qkv, state_pool)
         value = gdn_steps_ref(qkv, a, b, z, conv_pool, state_pool, slots, counts, write_state, w)
         return value if out is None or value is None else out.copy_(value)
     qkv, qkv_stride = _rows(qkv)
@@ -256,6 +254,7 @@ def gated_delta_rule_prefill(
     """`gated_delta_rule_chunked`, on fla's kernel where it applies (then o comes in v's dtype)."""
     if _fla_applies(q, v, state):
         return gated_delta_rule_fla(q, k, v, g, beta, state)
+    dispatch.fallback("gated_delta_rule_prefill (fla)", v, state)
     return gdn_layer.gated_delta_rule_chunked(q, k, v, g, beta, state)
 
 

@@ -3,12 +3,14 @@
 Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate rows first) and
 `down` [E, H, I], as bf16/fp16/fp32 tensors or as int8/int4 `QuantizedWeight`s (ops/quant.py).
 
-`moe_experts` takes one of three paths:
-  decode    CUDA, N <= 16 tokens (64 with int8 / int4 experts): our two GEMV kernels
-            (csrc/moe.cu). Expert ids stay on the device, so a decode step never syncs with
-            the host and is captured by CUDA graphs.
-  grouped   CUDA, larger N (prefill): the (token, slot) pairs sorted by expert and one grouped
-            GEMM per projection (`moe_experts_grouped`).
+`moe_experts` takes one of four paths:
+  decode    CUDA, N <= 16 tokens (64 with int8 / int4 experts): our two GEMV kernels (csrc/moe.cu). Expert ids stay on the device, so a decode step never
+            syncs with the host and is captured by CUDA graphs.
+  grouped quantized   CUDA + Triton, int8 / int4 experts, larger N: grouped GEMMs that dequantize
+            in registers (ops/moe_triton.py), each hit expert read once per block of its rows;
+            no host sync at any N.
+  grouped   CUDA, larger N otherwise (prefill): the (token, slot) pairs sorted by expert and one
+            grouped GEMM per projection (`moe_experts_grouped`).
   reference CPU, or NINFER_DISABLE_KERNELS=1: the loop over hit experts (`moe_experts_ref`).
 """
 
@@ -21,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import dispatch
+from . import dispatch, moe_triton
 from .quant import QuantizedWeight, dequantize
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ ExpertTensor = torch.Tensor | QuantizedWeight
 DECODE_MAX_TOKENS = 16
 QUANTIZED_DECODE_MAX_TOKENS = 64
 ROUTE_MAX_TOKENS = 64  # decode batches: one routing kernel instead of torch's four ops
+SYNC_FREE_UNLIMITED = 1 << 30
 _MAX_TOP_K = 64  # csrc/moe.cu's limits
 _MAX_SHARED_BYTES = 48 * 1024
 _DEQUANT_CHUNK_BYTES = 256 << 20  # grouped path: experts dequantized per chunk of this size
@@ -65,12 +68,10 @@ def moe_route(
     keeps the reference, whose launch cost is noise there.
     """
     tokens, experts = logits.shape
-    if not (
-        dispatch.use_kernel(logits)
-        and tokens <= ROUTE_MAX_TOKENS
-        and 1 <= top_k <= experts
-        and 4 * (experts + top_k) <= _MAX_SHARED_BYTES
-    ):
+    if tokens > ROUTE_MAX_TOKENS:  # prefill: the reference by design
+        return moe_route_ref(logits, top_k, renormalize)
+    if not (dispatch.use_kernel(logits) and 1 <= top_k <= experts and 4 * (experts + top_k) <= _MAX_SHARED_BYTES):
+        dispatch.fallback("moe_route", logits)
         return moe_route_ref(logits, top_k, renormalize)
     logits = logits.contiguous()
     weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
@@ -125,16 +126,42 @@ def moe_experts(
     [g | u] = gate_up[e] @ x[n], e = ids[n, j]. See the module docstring for the paths."""
     _check(x, gate_up, down, weights, ids)
     if x.device.type != "cuda" or dispatch.kernels_disabled():
+        dispatch.fallback("moe_experts", x)
         return moe_experts_ref(x, gate_up, down, weights, ids)
     plan = _decode_plan(x, gate_up, down, weights, ids)
     if plan is not None:
         return _decode(x, plan, weights, ids, gate_up.shape[0])
+    if _grouped_quantized(x, gate_up, down):
+        return moe_triton.moe_experts_grouped_quantized(x, gate_up, down, weights, ids)
     return moe_experts_grouped(x, gate_up, down, weights, ids)
 
 
+def _grouped_quantized(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor) -> bool:
+    """Whether the Triton grouped kernels take these experts (int8 / int4 of one kind, fp16 / bf16 x)."""
+    return (
+        isinstance(gate_up, QuantizedWeight)
+        and isinstance(down, QuantizedWeight)
+        and gate_up.kind == down.kind
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and all(t.is_contiguous() for t in (gate_up.qweight, gate_up.scales, down.qweight, down.scales))
+        and moe_triton.available()
+    )
+
+
 def sync_free_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
-    """The most tokens `moe_experts` takes on the decode kernels: no host sync, so CUDA graphs can
-    capture calls up to this size (the grouped path reads group sizes on the host)."""
+    """The most tokens `moe_experts` takes without a host sync, so that CUDA graphs can capture
+    calls up to this size (the dequantizing grouped path reads group sizes on the host)."""
+    quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
+    if quantized and moe_triton.available():
+        return SYNC_FREE_UNLIMITED
+    return QUANTIZED_DECODE_MAX_TOKENS if quantized else DECODE_MAX_TOKENS
+
+
+def decode_kernel_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
+    """The most tokens the decode kernels take; past it a grouped path reads each hit expert once.
+    (On the H200 at the 35B shape the decode kernels still win at 37 tokens, 0.45 vs 0.69 ms a
+    layer, and the grouped int4 kernels from 128: 0.78 vs 1.6 ms for dequantize + grouped GEMM:
+    scripts/bench_moe_triton.py.)"""
     quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
     return QUANTIZED_DECODE_MAX_TOKENS if quantized else DECODE_MAX_TOKENS
 
@@ -184,12 +211,14 @@ def _decode_plan(
     down: ExpertTensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    max_tokens: int | None = None,
 ) -> tuple[_KernelWeights, _KernelWeights] | None:
-    """The kernels' view of both expert tensors; None when csrc/moe.cu does not cover the call."""
+    """The kernels' view of both expert tensors; None when csrc/moe.cu does not cover the call
+    (or it has more than `max_tokens` tokens, default `decode_kernel_tokens`)."""
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], down.shape[2]
     fits = (
-        tokens <= sync_free_tokens(gate_up, down)
+        tokens <= (decode_kernel_tokens(gate_up, down) if max_tokens is None else max_tokens)
         and 1 <= top_k <= _MAX_TOP_K
         and 4 * hidden <= _MAX_SHARED_BYTES
         and 8 * top_k + 4 * top_k * inter <= _MAX_SHARED_BYTES

@@ -166,6 +166,7 @@ def quant_linear(
         return F.linear(x, dequantize(qw, x.dtype), None if bias is None else bias.to(x.dtype))
     x2 = x.reshape(rows, qw.in_features).contiguous()
     if not _kernel_ok(x2, qw, bias):
+        dispatch.fallback("quant_linear", x, qw.qweight)
         return quant_linear_ref(x, qw, bias)
     out = torch.empty(rows, qw.out_features, dtype=x.dtype, device=x.device)
     _gemv(out, x2, qw, bias)

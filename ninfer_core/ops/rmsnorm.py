@@ -50,6 +50,7 @@ def rmsnorm(
     """RMSNorm over the last dim of x. `out` (contiguous, may be x itself) receives the result."""
     _check(x, weight, out=out)
     if not dispatch.use_kernel(x, weight):
+        dispatch.fallback("rmsnorm", x, weight)
         return _into(out, rmsnorm_ref(x, weight, eps, zero_centered=zero_centered))
     x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x) if out is None else out
@@ -73,6 +74,7 @@ def add_rmsnorm(
     """
     _check(x, weight, residual=residual, out=out, residual_out=residual_out)
     if not dispatch.use_kernel(x, residual, weight):
+        dispatch.fallback("add_rmsnorm", x, residual, weight)
         normed, summed = add_rmsnorm_ref(x, residual, weight, eps, zero_centered=zero_centered)
         return _into(out, normed), _into(residual_out, summed)
     x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()

@@ -139,6 +139,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, u: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row, [B] int64 (into `out` when given). No host sync on the kernel path."""
     if not use_kernel(logits):
+        dispatch.fallback("sample", logits)
         return _into(out, sample_ref(logits, temperature, top_k, top_p, min_p, u))
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device) if out is None else out
     _launch(logits, temperature, top_k, top_p, min_p, tokens=out, u=u)
@@ -184,10 +185,9 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     # A positive temperature below fp32's smallest normal stays positive (0 would mean greedy).
     temperature = temperature.double()
     temperature = torch.where(temperature > 0, temperature.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    temperature = temperature.to(dev, torch.float32).contiguous()
-    top_k = top_k.clamp(-1, vocab).to(dev, torch.int32).contiguous()
-    top_p = top_p.to(dev, torch.float32).contiguous()
-    min_p = min_p.to(dev, torch.float32).contiguous()
+    temperature, top_k, top_p, min_p = _on_device([temperature, top_k.clamp(-1, vocab), top_p, min_p], dev)
+    temperature, top_p, min_p = (t.to(torch.float32).contiguous() for t in (temperature, top_p, min_p))
+    top_k = top_k.to(torch.int32).contiguous()
     u = None if u is None else u.to(dev, torch.float64).contiguous()
     dispatch.extension().sample_rows(
         tokens=0 if tokens is None else tokens.data_ptr(),
@@ -205,6 +205,17 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
         device=dev.index,
         stream=dispatch.stream_handle(logits),
     )
+
+
+def _on_device(columns: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Per-row parameter columns to the device as float64 in one pinned, non-blocking copy: a
+    plain copy from pageable memory would wait for the GPU to finish the queued step."""
+    if all(c.device == device for c in columns):
+        return [c.double() for c in columns]
+    packed = torch.stack([c.double().cpu() for c in columns])
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    return list(packed.to(device).unbind(0))
 
 
 def _into(dst: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ def build_speculator(method: str, draft_tokens: int | None, draft_model: str | P
         model = load_dflash(draft_model, loaded.device, loaded.dtype)
         drafter = DFlashDrafter(_require_decoder(loaded), model, cache, sampler)
     k = min(DEFAULT_DRAFT_TOKENS[method], drafter.max_draft_tokens) if draft_tokens is None else draft_tokens
-    return Speculator(drafter, k, cache, sampler, AdaptiveDraft() if adaptive else None)
+    return Speculator(drafter, k, sampler, AdaptiveDraft() if adaptive else None)
 
 
 def _require_decoder(loaded: LoadedModel) -> DecoderModel:

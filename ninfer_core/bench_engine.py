@@ -1,0 +1,178 @@
+"""`ninfer bench engine MODEL`: what a user of the engine gets, beside what the GPU does.
+
+Through the same loop the server runs (scheduler, sampling, detokenization, stop checks):
+- time to first token per prompt length, the first prompt of that length after load ("first",
+  where compilation or autotuning for a new shape would show) and later ones ("repeat");
+- decode through the loop at each batch size: time per output token per sequence (TPOT) and
+  aggregate tok/s, next to the device time of one decode step of that batch (the forward by CUDA
+  graph replay and the sampling kernel, timed with CUDA events; the wall clock on the CPU). Their
+  ratio is the host overhead a user pays on top of the GPU.
+
+Prompts are random token ids (a fresh draw per request), answers greedy with `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .engine.llm_engine import LLMEngine
+from .engine.request import GenerationRequest
+from .engine.sampling import SamplingParams
+from .errors import NinferError
+from .llm import LLM
+
+TTFT_LENGTHS = (37, 128, 512, 2048, 8192)
+LOOP_BATCHES = (1, 8)
+
+
+@dataclass
+class TTFTRun:
+    tokens: int
+    first_ms: float  # the first prompt of this length since load
+    repeat_ms: float  # median of the later ones
+
+
+@dataclass
+class LoopDecodeRun:
+    batch: int
+    tpot_ms: float  # wall time per output token of one sequence, through the engine loop
+    tok_s: float  # aggregate over the batch
+    step_ms: float  # device time of one decode step of this batch (forward + sampling)
+    overhead: float  # tpot_ms / step_ms
+
+
+@dataclass
+class EngineBenchReport:
+    model: str
+    device: str
+    weights: str
+    kv_dtype: str
+    cuda_graphs: bool
+    overlap: bool
+    ttft: list[TTFTRun] = field(default_factory=list)
+    decode: list[LoopDecodeRun] = field(default_factory=list)
+    date: str = ""
+    torch: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+
+
+class _Runner:
+    def __init__(self, engine: LLMEngine, seed: int):
+        self.engine = engine
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def prompt(self, length: int) -> list[int]:
+        return torch.randint(0, self.engine.config.vocab_size, (length,), generator=self.generator).tolist()
+
+    def ttft_ms(self, length: int) -> float:
+        """Submit one prompt on an idle engine; milliseconds until its first token is out."""
+        request = GenerationRequest(self.prompt(length), _greedy(2))
+        start = time.perf_counter()
+        self.engine.add_request(request)
+        first = None
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if first is None and out.new_token_ids:
+                    first = time.perf_counter()
+        assert first is not None
+        return (first - start) * 1e3
+
+    def loop_decode(self, batch: int, tokens: int) -> tuple[float, float]:
+        """B requests decoding `tokens` tokens each: (ms per token per sequence, aggregate tok/s),
+        timed from the step that gives every sequence its first token to the last one."""
+        for _ in range(batch):
+            self.engine.add_request(GenerationRequest(self.prompt(32), _greedy(tokens + 1)))
+        counts: dict[str, int] = {}
+        start = None
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+            if start is None and len(counts) == batch:
+                start, base = time.perf_counter(), sum(counts.values())
+        seconds = time.perf_counter() - start
+        generated = sum(counts.values()) - base
+        return seconds / (generated / batch) * 1e3, generated / seconds
+
+    @torch.inference_mode()
+    def step_ms(self, batch: int, steps: int = 20) -> float:
+        """Device time of one decode step (forward + sampling) of `batch` sequences at a short context."""
+        engine = self.engine
+        requests = [GenerationRequest(self.prompt(32), _greedy(steps + 8)) for _ in range(batch)]
+        for request in requests:
+            engine.add_request(request)
+        while any(s.in_prefill or not s.output_ids for s in engine.running) or engine.scheduler.waiting:
+            engine.step()
+        engine.sync()  # nothing in flight while the step is timed alone
+        seqs = list(engine.running)
+        ids = [[s.output_ids[-1]] for s in seqs]
+
+        def one() -> None:
+            out = engine._forward([engine._rows_batch(seqs, ids, "last")])[0]
+            engine._sample(seqs, out.logits[:, -1])
+
+        for _ in range(3):
+            one()
+        times = [_device_ms(one, engine.device) for _ in range(steps)]
+        for request in requests:
+            engine.abort(request.request_id)
+        while engine.has_unfinished():
+            engine.step()
+        return statistics.median(times)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def _device_ms(fn: Callable[[], None], device: torch.device) -> float:
+    """Milliseconds of fn's device work: CUDA events around it, or the wall clock on the CPU."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches: tuple[int, ...] = LOOP_BATCHES,
+                     tokens: int = 128, repeats: int = 3, seed: int = 0,
+                     progress: Callable[[str], None] = lambda _: None) -> EngineBenchReport:
+    engine = llm.engine
+    if max(lengths, default=0) >= engine.max_context:
+        raise NinferError(f"prompt length {max(lengths)} does not fit the context limit {engine.max_context}")
+    stats = engine.stats()
+    report = EngineBenchReport(
+        model=llm.name, device=_device_name(engine.device), weights=stats.weights,
+        kv_dtype=stats.kv_dtype, cuda_graphs=stats.cuda_graphs, overlap=engine.overlap,
+        date=datetime.date.today().isoformat(), torch=torch.__version__,
+    )
+    runner = _Runner(engine, seed)
+    for length in lengths:  # every first sight before any repeat: the first one after load
+        progress(f"first prompt of {length} tokens")
+        report.ttft.append(TTFTRun(length, runner.ttft_ms(length), 0.0))
+    for run in report.ttft:
+        progress(f"prompts of {run.tokens} tokens")
+        run.repeat_ms = statistics.median(runner.ttft_ms(run.tokens) for _ in range(repeats))
+    for batch in batches:
+        progress(f"decode through the loop, batch {batch}")
+        tpot, tok_s = runner.loop_decode(batch, tokens)
+        step = runner.step_ms(batch)
+        report.decode.append(LoopDecodeRun(batch, tpot, tok_s, step, tpot / step))
+    return report

@@ -1,0 +1,109 @@
+"""CUDA graphs of short prompt chunks: the host-free path of a short prompt.
+
+Eagerly, a prompt chunk of the 35B launches ~4,400 kernels and its host time (Python, launches,
+Triton's argument binding) is several times the GPU's: ~150 ms for a 37-token prompt whose GPU
+work is ~18 ms. A chunk of one sequence with up to 512 tokens instead replays the graph of the
+smallest bucket that holds it (16, 32, 48, ... 512 tokens), captured at load. The chunk is
+padded to the bucket (`ForwardBatch.valid_tokens`): padding writes its KV to the scratch page,
+advances no GDN state (g = beta = 0) and is never attended to by real tokens; attention runs on
+the decode kernel, 16 tokens a row (`rows_attention`), so the lengths stay on the device and a
+chunk may continue a cached prefix. The logits are the last real token's.
+
+Chunks that carry media, drafter layers or several sequences (mixed steps) run eagerly, and so
+do chunks past the model's graph row limit (MoE experts that sync with the host past it: bf16
+experts beyond 16 rows; quantized ones have no limit).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import CacheManager
+from ..errors import NinferError
+from ..models.base import CausalLM, ForwardBatch, ForwardOutput
+from .graph_capture import capture, graph_row_limit
+
+BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [1, bucket]
+    positions: torch.Tensor  # [1, bucket]
+    out: ForwardOutput
+
+
+class PrefillGraphs:
+    def __init__(self, model: CausalLM, manager: CacheManager, max_context: int, pool: tuple[int, int] | None):
+        if manager.scratch_slot is None or manager.scratch_page is None:
+            raise ValueError("prefill graphs need a cache built with scratch=True (padding writes its scratch page)")
+        self.model, self.cache, self.pool = model, manager.cache, pool
+        limit = graph_row_limit(model)
+        self.buckets = tuple(b for b in BUCKETS if limit is None or b <= limit)
+        self.pad_kv_row = manager.scratch_page * manager.page_size
+        self.max_pages = math.ceil(max_context / manager.page_size)
+        device = manager.device
+        self.cache_lens = torch.zeros(1, dtype=torch.long, device=device)
+        self.slots = torch.full((1,), manager.scratch_slot, dtype=torch.long, device=device)
+        self.valid = torch.ones(1, dtype=torch.long, device=device)
+        self.block_table = torch.full((1, self.max_pages), manager.scratch_page, dtype=torch.int32, device=device)
+        self.graphs: dict[int, _Graph] = {}
+
+    def capture_all(self) -> int:
+        for bucket in self.buckets:
+            self._capture(bucket)
+        return len(self.buckets)
+
+    def supports(self, batch: ForwardBatch) -> bool:
+        return (
+            batch.batch_size == 1
+            and bool(self.buckets)
+            and 1 < batch.num_new_tokens <= self.buckets[-1]
+            and batch.logits in ("last", "none")
+            and not batch.verify
+            and not batch.capture_layers
+            and batch.inputs_embeds is None
+            and batch.mrope_positions is None
+            and batch.block_table.shape[1] <= self.max_pages
+        )
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """The chunk's forward by replay: logits of its last token ([1, 1, V], when asked) and the
+        hidden states of its tokens (views of static buffers, valid until the next replay)."""
+        tokens = batch.num_new_tokens
+        graph = self.graphs.get(next(b for b in self.buckets if b >= tokens))
+        if graph is None:
+            raise NinferError(f"no prefill graph for {tokens} tokens (capture_all was not run)")
+        graph.ids[:, :tokens].copy_(batch.input_ids)
+        graph.ids[:, tokens:].zero_()
+        graph.positions.copy_(batch.cache_lens[:, None] + torch.arange(graph.ids.shape[1], device=graph.ids.device))
+        self.cache_lens.copy_(batch.cache_lens)
+        self.slots.copy_(batch.slots)
+        self.valid.fill_(tokens)
+        self.block_table[:, : batch.block_table.shape[1]].copy_(batch.block_table)
+        graph.graph.replay()
+        out = graph.out
+        return ForwardOutput(logits=out.logits if batch.logits == "last" else None,
+                             hidden_states=out.hidden_states[:, :tokens])
+
+    def _capture(self, bucket: int) -> None:
+        """Warm up and capture with every row on the scratch slot / page (the warm-up really runs)."""
+        device = self.slots.device
+        ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
+        positions = torch.arange(bucket, device=device)[None]
+        self.cache_lens.zero_()
+        self.valid.fill_(bucket)
+        batch = ForwardBatch(input_ids=ids, positions=positions, cache_lens=self.cache_lens, slots=self.slots,
+                             block_table=self.block_table, logits="last", valid_tokens=self.valid,
+                             pad_kv_row=self.pad_kv_row)
+        try:
+            with torch.inference_mode():
+                graph, out = capture(lambda: self.model.forward(batch, self.cache), self.pool)
+        except Exception as exc:  # noqa: BLE001 - whatever broke the capture, say it loudly
+            raise NinferError(f"CUDA graph capture failed for prompt chunks of {bucket} tokens: {exc} "
+                              f"(run with --no-cuda-graphs to run without graphs)") from exc
+        self.graphs[bucket] = _Graph(graph, ids, positions, out)

@@ -1,0 +1,150 @@
+"""Grouped MoE GEMMs over int4 / int8 expert weights, dequantized in registers (Triton).
+
+The prefill-sized path of `moe_experts` for quantized experts (ops/moe.py): the N * k (token,
+slot) pairs are grouped by expert in blocks of BLOCK_M rows (`align_by_expert`, device ops only),
+and each program multiplies one block of rows by one tile of its expert's weights, reading the
+packed codes and scales and dequantizing them in registers. Every hit expert's weights are read
+once per block of its rows, never written back dequantized (the path it replaces dequantized
+every expert to bf16 per call: 3x the bytes), and nothing is read on the host, so a forward with
+these calls can be captured in a CUDA graph.
+  gate_up   h[slot] = silu(x[token] @ gate[e]^T) * (x[token] @ up[e]^T), gate and up tiles of the
+            same columns in one program (the SiLU-mul epilogue costs no extra pass);
+  down      y[slot] = h[slot] @ down[e]^T, unweighted; the routing weights and the sum over a
+            token's k slots stay in torch (one bmm), as in `moe_experts_grouped`.
+Weights are dequantized exactly as `dequantize(qw, bf16)` does (code times scale in fp32, rounded
+once to the activation dtype), so both paths multiply by the same values; only the order of the
+fp32 accumulation differs.
+
+Why Triton: a grouped GEMM with in-register dequantization needs tensor-core tiles per GPU
+generation; Triton writes those from one source for sm_80..sm_120 and compiles on first use (the
+engine's load-time warm-up pays it). Block sizes are fixed per problem size (no autotuning, so no
+first-sight cost).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from .quant import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+    """Group the slots of ids [N, k] by expert in blocks of `block_m` rows, on the device, no sync.
+
+    Returns (sorted_slots [C], block_experts [C / block_m], used [1]): slot ids (n * k + j) of
+    expert 0's rows, padded with the invalid id N * k to a multiple of block_m, then expert 1's,
+    ...; the expert of each block; the number of positions used (the rest: padding blocks). C is
+    the fixed worst case N * k + E * (block_m - 1), rounded up to block_m, so shapes never depend
+    on the routing."""
+    flat = ids.reshape(-1).long()
+    slots = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.sort(flat, stable=True).indices
+    by_expert = flat[order]
+    rank = torch.arange(slots, device=ids.device) - (counts.cumsum(0) - counts)[by_expert]
+    capacity = -(-(slots + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_slots = torch.full((capacity,), slots, dtype=torch.int32, device=ids.device)
+    sorted_slots[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, capacity, block_m, device=ids.device)
+    block_experts = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_slots, block_experts, ends[-1:]
+
+
+def available() -> bool:
+    """Triton is importable (and runs: a GPU, or the interpreter)."""
+    return _kernels() is not None
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Kernel tiling (the rows per block come from the problem: `block_m_for`)."""
+
+    block_n: int = 64
+    block_k: int = 64  # capped at the int4 group size
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_TILES = TileConfig()
+# per rows-per-block: the fastest tiling measured at the 35B expert shape on the H200
+# (scripts/bench_moe_triton.py, 2026-12-01): 128 / 512 tokens (BM 16), 2048 / 8192 (BM 64)
+TILES = {16: TileConfig(128, 128, 4, 3), 32: TileConfig(64, 128, 4, 3), 64: TileConfig(64, 64, 4, 3)}
+
+
+def moe_gate_up(x: torch.Tensor, gate_up: QuantizedWeight, aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                top_k: int, block_m: int, tiles: TileConfig = DEFAULT_TILES) -> torch.Tensor:
+    """h [N * k, I] = silu(x[n] @ gate[e]^T) * (x[n] @ up[e]^T) per slot (x [N, H], gate_up [E, 2I, H])."""
+    inter = gate_up.out_features // 2
+    out = torch.empty(x.shape[0] * top_k, inter, dtype=x.dtype, device=x.device)
+    _launch(x, gate_up, out, aligned, top_k, inter, block_m, tiles, gate_up=True)
+    return out
+
+
+def moe_down(h: torch.Tensor, down: QuantizedWeight, aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+             block_m: int, tiles: TileConfig = DEFAULT_TILES) -> torch.Tensor:
+    """y [N * k, H] = h[slot] @ down[e]^T per slot (h [N * k, I], down [E, H, I]), unweighted."""
+    out = torch.empty(h.shape[0], down.out_features, dtype=h.dtype, device=h.device)
+    _launch(h, down, out, aligned, 1, down.out_features, block_m, tiles, gate_up=False)
+    return out
+
+
+def moe_experts_grouped_quantized(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight,
+                                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`moe_experts` for quantized experts on the Triton kernels: x [N, H] -> [N, H]."""
+    tokens, top_k = ids.shape
+    block_m = block_m_for(tokens * top_k, gate_up.shape[0])
+    tiles = TILES[block_m]
+    aligned = align_by_expert(ids, gate_up.shape[0], block_m)
+    y = moe_down(moe_gate_up(x, gate_up, aligned, top_k, block_m, tiles), down, aligned, block_m, tiles)
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, top_k, -1)).squeeze(1)
+
+
+def block_m_for(slots: int, num_experts: int) -> int:
+    """Rows per block: about the rows an expert gets, so few blocks are mostly padding."""
+    per_expert = slots / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def _launch(a: torch.Tensor, w: QuantizedWeight, out: torch.Tensor,
+            aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows_per_a: int, n: int, block_m: int,
+            tiles: TileConfig, gate_up: bool) -> None:
+    kernels = _kernels()
+    assert kernels is not None, "Triton is not available"
+    sorted_slots, block_experts, used = aligned
+    block_k = min(tiles.block_k, w.group_size) if w.kind == "int4" else tiles.block_k
+    a = a.contiguous()
+    grid = (sorted_slots.numel() // block_m * -(-n // tiles.block_n),)
+    kernels.grouped_gemm[grid](
+        a, w.qweight, w.scales, out, sorted_slots, block_experts, used,
+        out.shape[0], rows_per_a, n, w.in_features, a.stride(0), w.qweight.stride(0), w.qweight.stride(1),
+        w.scales.stride(0), w.scales.stride(1), out.stride(0), n if gate_up else 0,
+        GATE_UP=gate_up, INT4=w.kind == "int4", GROUP=max(w.group_size, 1),
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+
+
+@functools.cache
+def _kernels() -> ModuleType | None:
+    """The jitted kernels (ops/moe_triton_kernels.py), imported on first use, so that
+    TRITON_INTERPRET, read when triton.jit decorates, can be set by a test before; None where
+    Triton is missing or neither a GPU nor the interpreter can run them."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "") != "1":
+        return None
+    try:
+        from . import moe_triton_kernels
+    except ImportError as exc:
+        log.debug("triton unavailable, quantized MoE prefill dequantizes per call: %s", exc)
+        return None
+    return moe_triton_kernels

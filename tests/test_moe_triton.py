@@ -1,0 +1,115 @@
+"""The grouped quantized MoE path (ops/moe_triton.py): the device-side grouping of slots by expert,
+and the Triton kernels against float64 math over the dequantized weights. On the CPU the kernels
+run in Triton's interpreter (TRITON_INTERPRET=1) where Triton is installed; on a GPU, compiled."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ninfer_core.ops import moe as moe_ops
+from ninfer_core.ops import moe_triton
+from ninfer_core.ops.quant import dequantize_ref, quantize
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 1, 4, 16), (7, 2, 6, 16), (40, 8, 16, 32),
+                                                          (300, 8, 64, 64)])
+def test_align_by_expert_groups_every_slot_once(tokens, top_k, experts, block_m):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    slots, block_experts, used = moe_triton.align_by_expert(ids, experts, block_m)
+    n = tokens * top_k
+    assert slots.numel() % block_m == 0 and slots.numel() >= n + experts * (block_m - 1)
+    real = slots[slots < n]
+    assert sorted(real.tolist()) == list(range(n))  # every slot exactly once
+    assert (slots[slots >= n] == n).all()  # the rest is padding
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=experts)
+    assert int(used) == int(((counts + block_m - 1) // block_m * block_m).sum())
+    for b, expert in enumerate(block_experts.tolist()):
+        block = slots[b * block_m : (b + 1) * block_m]
+        block = block[block < n]
+        if b * block_m < int(used):
+            assert (flat[block.long()] == expert).all()
+        else:
+            assert block.numel() == 0
+
+
+def _triton(monkeypatch, device: str) -> None:
+    pytest.importorskip("triton")
+    if device == "cpu":
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present: the compiled kernels are tested instead of the interpreter")
+        assert os.environ.get("TRITON_INTERPRET") == "1", "conftest sets it before Triton is imported"
+    elif not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    moe_triton._kernels.cache_clear()
+    if not moe_triton.available():
+        pytest.skip("triton cannot run here")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernels():
+    yield
+    moe_triton._kernels.cache_clear()
+
+
+def _reference(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """float64 over the dequantized weights: sum_j w_j * down_e @ (silu(gate_e x) * up_e x)."""
+    gu, dn = (dequantize_ref(q, torch.float64) for q in (gate_up, down))
+    inter = dn.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    xd = x.double().cpu()
+    for n in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[n, j])
+            h = gu[e].cpu() @ xd[n]
+            h = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[n] += float(weights[n, j]) * (dn[e].cpu() @ h)
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", 0)])
+@pytest.mark.parametrize("tokens", [3, 37])
+def test_grouped_quantized_experts_match_float64(monkeypatch, device, kind, group, tokens):
+    _triton(monkeypatch, device)
+    gen = torch.Generator().manual_seed(tokens + group)
+    experts, hidden, inter, top_k = 8, 128, 64, 3
+    gate_up = quantize(torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1, kind, group or 128)
+    down = quantize(torch.randn(experts, hidden, inter, generator=gen) * 0.1, kind, group or 128)
+    to = lambda q: type(q)(q.kind, q.qweight.to(device), q.scales.to(device), q.group_size)  # noqa: E731
+    gate_up, down = to(gate_up), to(down)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's dot mishandles bf16
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(device, torch.int32)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), -1).to(device, dtype)
+    out = torch.full_like(x, float("nan"))
+    out.copy_(moe_triton.moe_experts_grouped_quantized(x, gate_up, down, weights, ids))
+    ref = _reference(x, gate_up, down, weights, ids)
+    err = (out.double().cpu() - ref).norm() / ref.norm()
+    assert torch.isfinite(out).all() and err < 1e-2, err  # 16-bit activations, intermediate and outputs
+
+
+@pytest.mark.cuda
+def test_quantized_experts_are_sync_free_at_any_size_with_triton():
+    if not torch.cuda.is_available() or not moe_triton.available():
+        pytest.skip("needs CUDA and Triton")
+    gate_up = quantize(torch.randn(8, 128, 128, device="cuda") * 0.1, "int4", 32)
+    down = quantize(torch.randn(8, 128, 64, device="cuda") * 0.1, "int4", 32)
+    assert moe_ops.sync_free_tokens(gate_up, down) == moe_ops.SYNC_FREE_UNLIMITED
+    assert moe_ops.decode_kernel_tokens(gate_up, down) == moe_ops.QUANTIZED_DECODE_MAX_TOKENS
+    x = torch.randn(100, 128, device="cuda", dtype=torch.bfloat16)
+    weights, ids = moe_ops.moe_route(torch.randn(100, 8, device="cuda", dtype=torch.bfloat16), 2, True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    moe_ops.moe_experts(x, gate_up, down, weights, ids)  # compile first
+    with torch.cuda.graph(graph):  # no host sync at 100 tokens: capturable
+        out = moe_ops.moe_experts(x, gate_up, down, weights, ids)
+    graph.replay()
+    torch.testing.assert_close(out.float(), moe_ops.moe_experts_grouped(x, gate_up, down, weights, ids).float(),
+                               rtol=2e-2, atol=2e-2)

@@ -1,0 +1,175 @@
+"""Prefix reuse (cache/prefix_cache.py) on a tiny Qwen3.5 MoE model (GDN + attention), CPU fp32.
+
+The reference is the same engine with the prefix cache off: every answer must be identical, hit or
+miss. Hits are checked through the engine's counters (prompt tokens served from the cache).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer_core.cache.prefix_cache import PrefixCache
+from ninfer_core.engine.request import GenerationRequest
+from ninfer_core.engine.sampling import SamplingParams
+from ninfer_core.llm import LLM, EngineOptions
+from tiny_model_dir import write_tiny_model_dir
+
+torch.set_num_threads(1)
+SYSTEM = list(range(40, 90))  # a 50-token "system prompt" several requests share
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_qwen_prefix")
+    write_tiny_model_dir(directory, moe=True, max_positions=1024)
+    return directory
+
+
+def make_llm(directory, cache: bool = True, **overrides) -> LLM:
+    options = dict(device="cpu", dtype="float32", max_seqs=4, max_context=512, prefix_cache=cache)
+    return LLM.load(str(directory), EngineOptions(**{**options, **overrides}))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def answer(llm: LLM, prompt: list[int], params: SamplingParams | None = None) -> tuple[list[int], int]:
+    """(tokens, prompt tokens served from the cache) of one request run alone."""
+    outs = list(llm.engine.generate([GenerationRequest(prompt, params or greedy(10))]))
+    return [t for o in outs for t in o.new_token_ids], outs[-1].timings.cached_tokens
+
+
+def test_multi_turn_chat_reuses_prompt_and_answer(model_dir):
+    """Turn 2 repeats turn 1's prompt and answer: it starts after both (the end-of-answer
+    checkpoint), and every turn's answer equals the cache-off engine's."""
+    cached, plain = make_llm(model_dir), make_llm(model_dir, cache=False)
+    history = SYSTEM + [7, 8, 9]
+    for turn in range(4):
+        want, _ = answer(plain, history)
+        got, hit = answer(cached, history)
+        assert got == want
+        if turn:
+            assert hit >= previous, (turn, hit, previous)  # at least the whole previous exchange
+        previous = len(history) + len(got) - 1  # the last answer token was never fed
+        history = history + got + [100 + turn, 101 + turn]
+    stats = cached.stats()
+    assert stats.prefix_hit_tokens > 0 and stats.prefix_queried_tokens > stats.prefix_hit_tokens
+
+
+def test_branching_histories_share_the_common_prefix(model_dir):
+    cached, plain = make_llm(model_dir), make_llm(model_dir, cache=False)
+    answer(cached, SYSTEM + [1, 2, 3])  # caches the system prompt's pages + a checkpoint at its end
+    for branch in ([4, 5, 6, 7], [9, 9], list(range(200, 240))):
+        prompt = SYSTEM + [1, 2, 3] + branch
+        got, hit = answer(cached, prompt)
+        assert got == answer(plain, prompt)[0]
+        assert hit == len(SYSTEM) + 3  # the first request's whole prompt
+
+
+def test_a_cached_prefix_longer_than_the_request(model_dir):
+    """The request is a strict prefix of a cached prompt (or equals it): its last token is
+    computed again (its logits are needed), so the hit stops before it."""
+    cached, plain = make_llm(model_dir), make_llm(model_dir, cache=False)
+    long = SYSTEM + list(range(300, 340))
+    answer(cached, long)
+    for prompt in (long, long[:60], SYSTEM[:20]):
+        got, hit = answer(cached, prompt)
+        assert got == answer(plain, prompt)[0]
+        assert hit < len(prompt)
+
+
+def test_eviction_under_memory_pressure_stays_correct(model_dir):
+    """A KV cache of 12 pages: each new prompt evicts older cached pages (and checkpoints holding
+    the last one) to fit; answers never change, and a repeat after eviction is a plain miss."""
+    cached = make_llm(model_dir, kv_capacity=192, max_seqs=2)
+    plain = make_llm(model_dir, cache=False, kv_capacity=192, max_seqs=2)
+    prompts = [[i] * 5 + list(range(10 * i, 10 * i + 90)) for i in range(1, 7)]
+    for prompt in prompts + prompts[:2]:
+        assert answer(cached, prompt)[0] == answer(plain, prompt)[0]
+    cache = cached.engine.cache
+    assert cache.active_tokens == 0 and cache.free_pages == cache.num_pages
+
+
+def test_concurrent_sharers_hold_the_same_pages(model_dir):
+    """Two requests with one long common prefix run together: the second shares the first's pages
+    (each page held twice), and both answers equal the cache-off ones."""
+    cached, plain = make_llm(model_dir), make_llm(model_dir, cache=False)
+    answer(cached, SYSTEM + list(range(300, 340)))
+    engine = cached.engine
+    a = GenerationRequest(SYSTEM + list(range(300, 340)) + [1], greedy(12))
+    b = GenerationRequest(SYSTEM + list(range(300, 340)) + [2, 3], greedy(12))
+    engine.add_request(a)
+    engine.add_request(b)
+    tokens: dict[str, list[int]] = {a.request_id: [], b.request_id: []}
+    for out in engine.step():
+        tokens[out.request_id] += out.new_token_ids
+    seqs = {s.request_id: s for s in engine.running}
+    shared = set(seqs[a.request_id].cache.pages) & set(seqs[b.request_id].cache.pages)
+    assert len(shared) == (len(SYSTEM) + 40) // engine.cache.page_size
+    assert all(engine.cache._refs[p] == 2 for p in shared)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert tokens[a.request_id] == answer(plain, a.prompt_token_ids, greedy(12))[0]
+    assert tokens[b.request_id] == answer(plain, b.prompt_token_ids, greedy(12))[0]
+
+
+@pytest.mark.parametrize("spec", ["ngram", "mtp"])
+def test_speculative_decoding_with_the_cache(model_dir, spec):
+    cached, plain = make_llm(model_dir, spec=spec), make_llm(model_dir, cache=False, spec=spec)
+    history = SYSTEM + [3]
+    for _ in range(3):
+        got, hit = answer(cached, history, greedy(12))
+        assert got == answer(plain, history, greedy(12))[0]
+        history = history + got + [5, 6]
+    assert cached.stats().prefix_hit_tokens > 0
+
+
+def test_sampled_answers_with_penalties_are_unchanged(model_dir):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True,
+                            presence_penalty=0.7, repetition_penalty=1.2)
+    cached, plain = make_llm(model_dir), make_llm(model_dir, cache=False)
+    answer(cached, SYSTEM + [1], params)
+    prompt = SYSTEM + [1, 2, 3]
+    got, hit = answer(cached, prompt, params)
+    assert hit > 0 and got == answer(plain, prompt, params)[0]
+
+
+def test_checkpoints_stay_within_their_slots(model_dir):
+    llm = make_llm(model_dir, prefix_cache_gb=1e-4)  # room for a handful of tiny-model checkpoints
+    prefix = llm.engine.cache.prefix
+    slots = len(prefix.free_slots)
+    assert 0 < slots < 256
+    for i in range(slots + 5):
+        answer(llm, [i + 1] * 3 + SYSTEM)
+    assert len(prefix.checkpoints) <= slots
+    assert llm.stats().prefix_checkpoints == len(prefix.checkpoints)
+
+
+def test_lookup_matches_tokens_not_just_hashes():
+    """An index entry whose stored tokens differ from the prompt's is not a hit (a hash collision
+    cannot serve another text)."""
+    cache = PrefixCache(page_size=4, checkpoint_slots=[9], interval=16)
+    from ninfer_core.cache.prefix_cache import Checkpoint, page_hashes
+
+    tokens = [1, 2, 3, 4, 5, 6]
+    (h,) = page_hashes(tokens, None, 4)
+    cache.index(0, h, (1, 2, 3, 9))  # a corrupted entry under the right hash
+    cache.add(Checkpoint(6, h, (5, 6), 9, None))
+    assert cache.lookup(tokens + [7], None, 7) is None
+
+
+def test_the_same_long_prompt_again_misses_one_token(model_dir):
+    """A long prompt is checkpointed one token before its end: sent again (a regenerated answer),
+    only its last token is computed; short prompts are not split (the checkpoint at their end
+    serves prompts that extend them)."""
+    cached, plain = make_llm(model_dir), make_llm(model_dir, cache=False)
+    long = [40 + i % 300 for i in range(300)]
+    first, _ = answer(cached, long)
+    again, hit = answer(cached, long)
+    assert first == again == answer(plain, long)[0] and hit == len(long) - 1
+    short = SYSTEM + [1]
+    answer(cached, short)
+    assert answer(cached, short)[1] < len(short) - 1
