@@ -2,8 +2,9 @@
 
 The socket listens at once and /health answers 503 while the startup model loads, so a supervisor
 or an editor can start the server and poll it. Every other model of this machine (`ninfer ls`) is
-served by name too, loaded on demand (`--max-loaded`, `--keep-alive`). Ctrl-C stops it (requests
-in flight get an error).
+served by name too, loaded on demand (`--max-loaded`, `--keep-alive`). Ctrl-C or SIGTERM stops it:
+requests in flight get their error event, then the server and the engines stop
+(server/stop_signals.py).
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ def serve(
     cors_origin: Annotated[Optional[list[str]], typer.Option(
         help="Allowed browser origin (repeatable; '*' for any). Default: localhost origins.",
         envvar=_env("CORS_ORIGIN"))] = None,
+    allowed_hosts: Annotated[Optional[list[str]], typer.Option(
+        "--allowed-hosts",
+        help="Host name clients may reach this server by, besides localhost, IP addresses and --host (repeatable; "
+             "'*' for any). Others get 403 (DNS-rebinding guard). Default with --host 0.0.0.0: any.",
+        envvar=_env("ALLOWED_HOSTS"))] = None,
     max_concurrency: Annotated[int, typer.Option(help="Requests decoded together in one batch.",
                                                  envvar=_env("MAX_CONCURRENCY"))] = 8,
     max_queue: Annotated[int, typer.Option(help="Requests waiting for admission before 429.",
@@ -164,6 +170,7 @@ def serve(
     from ninfer_core.server.media_fetch import MediaFetchLimits
     from ninfer_core.server.model_pool import CatalogNames, PoolOptions
     from ninfer_core.threads import apply_threads
+    from ninfer_core.server.stop_signals import StopSignals
 
     try:
         if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -181,7 +188,7 @@ def serve(
         name, spec = startup_model(model or default_model())
         name = model_name or name
         handle = ServerHandle.start(lambda: LLM.load(spec, options), host, port, api_key=api_key,
-                                    cors_origins=cors_origin, max_queue=max_queue,
+                                    cors_origins=cors_origin, allowed_hosts=allowed_hosts, max_queue=max_queue,
                                     max_body_bytes=max_body_mb * 1024 * 1024, model_id=name,
                                     allow_local_media=allow_local_media,
                                     media_fetch=MediaFetchLimits(timeout_s=media_timeout,
@@ -194,20 +201,25 @@ def serve(
     typer.secho(f"ninfer: listening on {handle.url} (OpenAI base URL {handle.url}/v1); loading the model...",
                 err=True)
     announced = False
-    try:
-        while not handle.wait(0.2) and handle.error is None:
-            service = handle.service
-            if service is not None and not announced:
-                announced = True
-                typer.secho(f"ninfer: {handle.model_id} ready (context {service.context_limit} tokens, "
-                            f"{service.max_concurrency} concurrent; {describe_engine(service.stats().engine)}); "
-                            f"the other models of `ninfer ls` load on demand", err=True)
-    except KeyboardInterrupt:
-        typer.secho("ninfer: stopping", err=True)
-    finally:
-        handle.stop()
+    with StopSignals() as signals:
+        try:
+            while not handle.wait(0.2) and handle.error is None and not signals.requested.is_set():
+                service = handle.service
+                if service is not None and not announced:
+                    announced = True
+                    typer.secho(f"ninfer: {handle.model_id} ready (context {service.context_limit} tokens, "
+                                f"{service.max_concurrency} concurrent; {describe_engine(service.stats().engine)}); "
+                                f"the other models of `ninfer ls` load on demand", err=True)
+            if signals.received:
+                stats = handle.service.stats() if handle.service else None
+                busy = stats.engine.running + stats.waiting if stats else 0
+                typer.secho(f"ninfer: {signals.received}: stopping ({busy} requests in flight end with an error)",
+                            err=True)
+        finally:
+            handle.stop()
     if handle.error is not None:
         fail(handle.error)
+    typer.secho("ninfer: stopped", err=True)
 
 
 def register(cli: typer.Typer) -> None:

@@ -49,13 +49,23 @@ LLAMA = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "num_a
         ({k: v for k, v in LLAMA.items() if k != "hidden_size"}, "hidden_size"),
         ({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
         ({**LLAMA, "model_type": "qwen3_5", "layer_types": ["full_attention"] * 3}, "layer_types"),
+        # wrong types and absurd sizes: refused before anything is built or allocated
+        ({**LLAMA, "hidden_size": "abc"}, "'hidden_size' must be an integer in [1, 1048576], got 'abc'"),
+        ({**LLAMA, "model_type": "qwen3_5", "layer_types": 5}, "'layer_types' must be a list of full_attention"),
+        ({**LLAMA, "vocab_size": 2**40}, "'vocab_size' must be an integer in [1, 4194304], got 1099511627776"),
+        ({**LLAMA, "num_attention_heads": True}, "'num_attention_heads' must be an integer"),
+        ({**LLAMA, "rms_norm_eps": -1}, "'rms_norm_eps' must be a number"),
+        ({**LLAMA, "eos_token_id": {"id": 2}}, "'eos_token_id' must be a token id"),
+        ({**LLAMA, "rope_scaling": [1]}, "'rope_parameters' / 'rope_scaling' must be an object"),
+        ({"model_type": "qwen3_5", "text_config": "x"}, "'text_config' an object"),
     ],
 )
 def test_bad_config_names_the_file_and_the_problem(tmp_path, raw, needle):
     write_config(tmp_path, raw)
     with pytest.raises(ModelLoadError) as err:
         load_config(tmp_path)
-    assert needle in str(err.value) and "config.json" in str(err.value)
+    message = str(err.value)
+    assert needle in message and "config.json" in message and "\n" not in message
 
 
 def test_missing_config(tmp_path):

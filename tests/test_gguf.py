@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -328,6 +329,27 @@ def test_missing_and_corrupt_files(tmp_path):
     bad.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ModelLoadError, match="bad.gguf: not a readable GGUF file"):
         open_gguf(bad)
+
+
+def test_absurd_headers_and_fields_are_one_line_errors_naming_them(tmp_path, tiny_llama_gguf):
+    data = bytearray(tiny_llama_gguf[0].read_bytes())
+    for name, offset in (("tensor_count", 8), ("kv_count", 16)):
+        bad = tmp_path / f"{name}.gguf"
+        claimed = bytearray(data)
+        claimed[offset : offset + 8] = (2**60).to_bytes(8, "little")
+        bad.write_bytes(claimed)
+        with pytest.raises(ModelLoadError, match=f"{name}.gguf: GGUF header field '{name}' says {2**60}, more than"):
+            open_gguf(bad)
+    writer = gguf.GGUFWriter(str(tmp_path / "fields.gguf"), "llama")
+    writer.add_string("llama.embedding_length", "abc")
+    writer.add_uint64("llama.block_count", 2**40)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    with pytest.raises(ModelLoadError) as err:
+        open_gguf(tmp_path / "fields.gguf").config
+    assert str(err.value) == (f"{tmp_path / 'fields.gguf'}: 'llama.embedding_length' must be an integer in "
+                              f"[1, 1048576], got 'abc'")
 
 
 def test_unsupported_arch_and_tokenizer(tmp_path, trained_vocab):

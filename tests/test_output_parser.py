@@ -224,6 +224,11 @@ def test_convert_value_follows_schema_types() -> None:
     assert convert_value("NaN", None) == "NaN" and convert_value("1e5", None) == 100000.0
     assert convert_value('"quoted"', None) == '"quoted"'  # without a schema, JSON strings stay raw text
     assert parameter_types([{"junk": 1}, "x"]) == {}
+    # a client's schema of the wrong shape declares no types (the fuzzing found a 500 here)
+    schemas = [{"properties": [None]}, [1],
+               {"properties": {"a": {"type": [{}], "anyOf": 5, "enum": 3}, "b": {"type": ["integer", 1]}}}]
+    odd = [{"type": "function", "function": {"name": f"f{i}", "parameters": p}} for i, p in enumerate(schemas)]
+    assert parameter_types(odd) == {"f0": {}, "f1": {}, "f2": {"b": {"integer"}}}
 
 
 def test_template_round_trip() -> None:

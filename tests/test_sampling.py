@@ -22,6 +22,7 @@ from transformers.generation.logits_process import (
 from ninfer_core.config import GenerationDefaults
 from ninfer_core.engine.sampling import (
     Sampler,
+    SamplingParamError,
     SamplingParams,
     TokenHistory,
     apply_penalties,
@@ -92,6 +93,14 @@ def run(params: list[SamplingParams], logits: torch.Tensor, histories: list[Toke
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        # values the batched step turns into tensors: refused when the request is made
+        ({"top_k": 2**63}, "top_k"),
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias"),
     ],
 )
 def test_params_reject_out_of_range(kwargs, fragment):
@@ -104,6 +113,27 @@ def test_params_accept_edges():
                    repetition_penalty=0.5, seed=-(2**63), max_tokens=1, stop=["\n\n"], stop_token_ids=[0])
     SamplingParams(top_k=0)
     SamplingParams(top_k=-1)
+    SamplingParams(top_k=2**63 - 1, max_tokens=2**63 - 1, seed=2**64 - 1, logit_bias={0: -100, 2**31 - 1: 100})
+
+
+def test_param_errors_name_their_field_and_the_vocabulary_check():
+    with pytest.raises(SamplingParamError) as err:
+        SamplingParams(top_p=2.0)
+    assert err.value.field == "top_p"
+    SamplingParams(logit_bias={7: 1.0}).check_vocabulary(8)
+    with pytest.raises(SamplingParamError, match=r"token id 8, outside the vocabulary \[0, 8\)") as err:
+        SamplingParams(logit_bias={8: 1.0}).check_vocabulary(8)
+    assert err.value.field == "logit_bias"
+
+
+def test_logit_bias_is_added_before_temperature_and_greedy():
+    logits = torch.zeros(2, 8)
+    params = [SamplingParams(temperature=0.5, logit_bias={3: 2.0, 5: -100.0}),
+              SamplingParams(temperature=0, logit_bias={6: 0.5})]
+    dist = run(params, logits)
+    want = torch.softmax(torch.tensor([0, 0, 0, 2.0, 0, -100.0, 0, 0]) / 0.5, -1)
+    torch.testing.assert_close(dist[0], want)
+    assert dist[1].argmax() == 6 and dist[1].max() == 1  # greedy: the argmax of the biased logits
 
 
 def test_with_defaults_user_values_win(tmp_path):

@@ -31,6 +31,7 @@ from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.engine.service import EngineService
 from ninfer_core.llm import ChatRequest, ChatResult
 from ninfer_core.server.app import ServerHandle
+from ninfer_core.media import processor as media_processor
 from ninfer_core.server import media_fetch
 from ninfer_core.server.media_fetch import MediaFetchLimits
 from server_harness import load_tiny_llm, write_model
@@ -371,6 +372,27 @@ def test_bad_media_are_400_naming_the_part(served, media):
     assert_error(post(served.default, "/v1/chat/completions", chat_body(DESCRIBE, *many)), "invalid_media",
                  "messages", "65 images / videos, over the limit of 64")
     assert_matches(chat(served.default, user(DESCRIBE, image_part(data_url("image/png", media.image)))), served.image)
+    assert_idle(served)
+
+
+def test_images_are_costed_from_their_headers_before_any_is_decoded(served, monkeypatch):
+    """Decoding is the expensive step (a 15 KB 1-bit PNG can hold 100 megapixels): a request whose
+    images cannot fit the context, or hold too many pixels together, is refused from the headers."""
+    decoded = []
+    prepare = media_processor.prepare_image
+    monkeypatch.setattr(media_processor, "prepare_image", lambda *a, **kw: decoded.append(1) or prepare(*a, **kw))
+    per_image = served.service.llm.vision.processor.config.image.max_pixels // 64  # tokens of a large image
+    count = served.service.context_limit // per_image + 1
+    crowd = [image_part(data_url("image/png", png(200, 200, seed=9)))] * count
+    response = post(served.default, "/v1/chat/completions", chat_body(DESCRIBE, *crowd))
+    assert_error(response, "context_length_exceeded", "messages", f"images alone take {count * per_image} tokens")
+    bomb = image_part(data_url("image/png", png(10_000, 10_000, mode="1")))  # ~15 KB each on the wire
+    assert_error(post(served.default, "/v1/chat/completions", chat_body(DESCRIBE, bomb, bomb, bomb)),
+                 "invalid_media", "messages", "300+ megapixels, over the limit of 200")
+    assert decoded == []
+    fits = user(DESCRIBE, image_part(data_url("image/png", png(40, 17, seed=3))))
+    assert chat(served.default, fits).usage.completion_tokens == NEW
+    assert decoded == [1]  # a request that fits is decoded
     assert_idle(served)
 
 

@@ -144,8 +144,8 @@ class ChatTemplate:
             return template.render(**variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template ({self.origin}): {exc}") from exc
-        except (TypeError, ValueError, KeyError, IndexError) as exc:  # a conversation shape the template cannot take
-            raise ChatTemplateError(f"chat template ({self.origin}) cannot render these messages: {exc}") from exc
+        except Exception as exc:  # a template is a program over request data: a filter given the wrong type
+            raise ChatTemplateError(f"chat template ({self.origin}): {type(exc).__name__}: {exc}") from exc
 
     def _compile(self, name: str) -> jinja2.Template:
         if name not in self._compiled:
@@ -197,7 +197,7 @@ def _normalize_tool_call(call: Any, message_index: int, call_index: int) -> Any:
         return dict(call)
     try:
         arguments = json.loads(function["arguments"]) if function["arguments"].strip() else {}
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # invalid, or nested past the interpreter's limit
         raise ChatTemplateError(
             f"message {message_index}: tool_calls[{call_index}].function.arguments is not valid JSON: {exc}"
         ) from exc

@@ -51,28 +51,37 @@ class ToolCall:
 
 
 def parameter_types(tools: Sequence[Mapping[str, Any]] | None) -> ParamTypes:
-    """Schema types of each tool parameter, from OpenAI-style tool definitions."""
+    """Schema types of each tool parameter, from OpenAI-style tool definitions. Best effort: a
+    schema is the client's JSON, so any part of the wrong shape just declares no type."""
     result: ParamTypes = {}
     for tool in tools or ():
         function = tool.get("function", tool) if isinstance(tool, Mapping) else None
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             continue
-        properties = (function.get("parameters") or {}).get("properties") or {}
+        properties = _mapping(_mapping(function.get("parameters")).get("properties"))
         result[function["name"]] = {
             name: types for name, schema in properties.items() if (types := _schema_types(schema))
         }
     return result
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _schema_types(schema: Any) -> frozenset[str]:
     if not isinstance(schema, Mapping):
         return frozenset()
     declared = schema.get("type")
-    types = set([declared] if isinstance(declared, str) else declared if isinstance(declared, list) else [])
+    types = {t for t in ([declared] if isinstance(declared, str) else _list(declared)) if isinstance(t, str)}
     for key in ("anyOf", "oneOf"):
-        for option in schema.get(key) or ():
+        for option in _list(schema.get(key)):
             types |= _schema_types(option)
-    for value in [*(schema.get("enum") or ()), *([schema["const"]] if "const" in schema else [])]:
+    for value in [*_list(schema.get("enum")), *([schema["const"]] if "const" in schema else [])]:
         types.add(_json_type(value))
     return frozenset(types)
 

@@ -9,6 +9,7 @@ ops/sampling.py: the CUDA kernel for fp32 CUDA logits, else the float64 torch re
    `logit -= frequency * count + presence * (count > 0)` over the *generated* tokens only, as
    vLLM and SGLang do: Qwen's recommended presence_penalty values are tuned on those servers, and
    counting the prompt would push the model away from quoting the user's own code and names;
+   then OpenAI's `logit_bias` (a value in [-100, 100] added to a token's logit);
 3. temperature (0 => greedy: argmax of the penalised logits, the lowest id on ties);
 4. top-k, 5. top-p, 6. min-p, 7. one draw from the row's own generator.
 
@@ -39,8 +40,10 @@ from ..ops.sampling import draw_from_probs, min_p_keep, top_k_keep, top_p_keep
 
 __all__ = [  # the filters and the draw live in ops/sampling.py; re-exported for engine callers
     "Sampler",
+    "SamplingParamError",
     "SamplingParams",
     "TokenHistory",
+    "apply_logit_bias",
     "apply_penalties",
     "draw_from_probs",
     "min_p_keep",
@@ -49,7 +52,13 @@ __all__ = [  # the filters and the draw live in ops/sampling.py; re-exported for
     "top_p_keep",
 ]
 
+# Every value the engine turns into a tensor must fit its dtype: a bad value is refused when the
+# request is made, never found by the batched step it would break for everyone in the batch.
+_INT64_MAX = 2**63 - 1
 _SEED_RANGE = (-(2**63), 2**64)  # int64 or uint64 (torch wraps negatives modulo 2**64)
+_TOKEN_ID_LIMIT = 2**31  # token ids are int32 in the kernels; the vocabulary check comes later
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # a smaller divisor sends a float32 logit to inf
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 
 
 def _is_number(x: object) -> bool:
@@ -60,9 +69,21 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _require(ok: bool, message: str) -> None:
+def _is_token_id(x: object) -> bool:
+    return _is_int(x) and 0 <= x < _TOKEN_ID_LIMIT  # type: ignore[operator]
+
+
+class SamplingParamError(NinferError):
+    """A sampling parameter out of range; `field` names it (the server's error `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"invalid sampling parameter: {message}")
+        self.field = field
+
+
+def _require(ok: bool, field: str, message: str) -> None:
     if not ok:
-        raise NinferError(f"invalid sampling parameter: {message}")
+        raise SamplingParamError(field, message)
 
 
 @dataclass
@@ -76,37 +97,55 @@ class SamplingParams:
     min_p: float | None = None  # [0, 1]
     presence_penalty: float | None = None  # [-2, 2] (OpenAI range)
     frequency_penalty: float | None = None  # [-2, 2]
-    repetition_penalty: float | None = None  # > 0; 1 = off, > 1 discourages repeats
+    repetition_penalty: float | None = None  # [0.01, 100]; 1 = off, > 1 discourages repeats
     seed: int | None = None  # fixes this request's draws, whatever else is in the batch
     max_tokens: int | None = None  # >= 1; None = until the context is full
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
 
     def __post_init__(self) -> None:
         t = self.temperature
-        _require(t is None or (_is_number(t) and t >= 0), f"temperature must be a finite number >= 0, got {t!r}")
+        _require(t is None or (_is_number(t) and t >= 0), "temperature",
+                 f"temperature must be a finite number >= 0, got {t!r}")
         k = self.top_k
-        _require(k is None or (_is_int(k) and k >= -1), f"top_k must be an integer >= 0 (0 or -1 = no cap), got {k!r}")
+        _require(k is None or (_is_int(k) and -1 <= k <= _INT64_MAX), "top_k",
+                 f"top_k must be an integer >= 0 (0 or -1 = no cap) below 2**63, got {k!r}")
         p = self.top_p
-        _require(p is None or (_is_number(p) and 0 < p <= 1), f"top_p must be in (0, 1], got {p!r}")
+        _require(p is None or (_is_number(p) and 0 < p <= 1), "top_p", f"top_p must be in (0, 1], got {p!r}")
         m = self.min_p
-        _require(m is None or (_is_number(m) and 0 <= m <= 1), f"min_p must be in [0, 1], got {m!r}")
+        _require(m is None or (_is_number(m) and 0 <= m <= 1), "min_p", f"min_p must be in [0, 1], got {m!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            _require(v is None or (_is_number(v) and -2 <= v <= 2), f"{name} must be in [-2, 2], got {v!r}")
-        r = self.repetition_penalty
-        _require(r is None or (_is_number(r) and r > 0), f"repetition_penalty must be a finite number > 0, got {r!r}")
+            _require(v is None or (_is_number(v) and -2 <= v <= 2), name, f"{name} must be in [-2, 2], got {v!r}")
+        r, (low, high) = self.repetition_penalty, REPETITION_PENALTY_RANGE
+        _require(r is None or (_is_number(r) and low <= r <= high), "repetition_penalty",
+                 f"repetition_penalty must be in [{low:g}, {high:g}], got {r!r}")
         s = self.seed
-        _require(s is None or (_is_int(s) and _SEED_RANGE[0] <= s < _SEED_RANGE[1]),
+        _require(s is None or (_is_int(s) and _SEED_RANGE[0] <= s < _SEED_RANGE[1]), "seed",
                  f"seed must be a 64-bit integer, got {s!r}")
         n = self.max_tokens
-        _require(n is None or (_is_int(n) and n >= 1), f"max_tokens must be an integer >= 1, got {n!r}")
-        _require(isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop),
-                 f"stop must be a list of non-empty strings, got {self.stop!r}")
-        _require(isinstance(self.stop_token_ids, list) and all(_is_int(x) and x >= 0 for x in self.stop_token_ids),
-                 f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
-        _require(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        _require(n is None or (_is_int(n) and 1 <= n <= _INT64_MAX), "max_tokens",
+                 f"max_tokens must be an integer >= 1 below 2**63, got {n!r}")
+        _require(isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop), "stop",
+                 f"stop must be a list of non-empty strings, got {self.stop!r:.200}")
+        _require(isinstance(self.stop_token_ids, list) and all(_is_token_id(x) for x in self.stop_token_ids),
+                 "stop_token_ids", f"stop_token_ids must be a list of token ids in [0, 2**31), "
+                 f"got {self.stop_token_ids!r:.200}")
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos",
+                 f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        (low, high), bias = LOGIT_BIAS_RANGE, self.logit_bias
+        _require(isinstance(bias, dict) and all(_is_token_id(k) for k in bias), "logit_bias",
+                 f"logit_bias must map token ids in [0, 2**31) to numbers, got {bias!r:.200}")
+        bad = next((v for v in bias.values() if not (_is_number(v) and low <= v <= high)), None)
+        _require(bad is None, "logit_bias", f"logit_bias values must be in [{low:g}, {high:g}], got {bad!r}")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The token ids this request names exist in a model's vocabulary (logit_bias would index past it)."""
+        outside = next((t for t in self.logit_bias if t >= vocab_size), None)
+        _require(outside is None, "logit_bias",
+                 f"logit_bias names token id {outside}, outside the vocabulary [0, {vocab_size})")
 
     @property
     def is_greedy(self) -> bool:
@@ -128,8 +167,8 @@ class SamplingParams:
         }
         try:
             return replace(self, **fill)
-        except NinferError as e:  # the user's own fields were checked when `self` was built
-            raise NinferError(f"{e} (from the model's generation_config.json)") from None
+        except SamplingParamError as e:  # the user's own fields were checked when `self` was built
+            raise SamplingParamError(e.field, f"{e} (from the model's generation_config.json)") from None
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """The request's private RNG: seeded => reproducible; else seeded from OS entropy."""
@@ -155,7 +194,7 @@ class TokenHistory:
 def _as_ids(ids: Sequence[int] | torch.Tensor, vocab: int, row: int, device: torch.device) -> torch.Tensor:
     t = torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
-        raise NinferError(f"sampler: row {row} history holds token ids {int(t.min())}..{int(t.max())} "
+        raise NinferError(f"sampler: row {row} holds token ids {int(t.min())}..{int(t.max())} "
                           f"outside the vocabulary [0, {vocab})")
     return t
 
@@ -184,6 +223,24 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's logit_bias added to its (penalised) logits; rows without one untouched. Separate
+    from the penalties, which the engine may have applied from its device tables already."""
+    out = logits
+    for i, p in enumerate(params):
+        if not p.logit_bias:
+            continue
+        ids = list(p.logit_bias)
+        if max(ids) >= logits.shape[-1]:  # checked on the host: no device sync
+            raise NinferError(f"sampler: row {i} biases token id {max(ids)}, outside the vocabulary "
+                              f"[0, {logits.shape[-1]})")
+        out = logits.clone() if out is logits else out
+        index = torch.tensor(ids, dtype=torch.long).to(logits.device, non_blocking=True)
+        bias = torch.tensor(list(p.logit_bias.values()), dtype=out.dtype).to(logits.device, non_blocking=True)
+        out[i, index] += bias
+    return out
+
+
 # ---- the batched sampler ------------------------------------------------------------------------
 
 
@@ -207,7 +264,7 @@ class Sampler:
         """The exact distribution `sample` draws from, [B, V] float32 (masked tokens exactly 0;
         greedy rows one-hot at the argmax): the target `p` for speculative rejection sampling."""
         self._check(logits, params, histories)
-        penalised = apply_penalties(logits, params, histories)
+        penalised = apply_logit_bias(apply_penalties(logits, params, histories), params)
         return sampling_ops.filtered_probs(penalised, *row_params(params))
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
@@ -224,6 +281,7 @@ class Sampler:
         logits = logits.masked_fill(bad[:, None], 0.0)
         if not penalised:
             logits = apply_penalties(logits, params, histories)
+        logits = apply_logit_bias(logits, params)
         zero = torch.zeros((), dtype=torch.float64, device=logits.device)
         u = torch.stack([zero if p.is_greedy else self._uniform(g, logits.device) for p, g in zip(params, generators)])
         return sampling_ops.sample(logits, *row_params(params), u).masked_fill(bad, -1)

@@ -247,7 +247,8 @@ class EngineService:
     def submit(
         self, prompt_token_ids: list[int], sampling: SamplingParams, multimodal: MultimodalPrompt | None = None
     ) -> TokenStream:
-        """Queue a raw token request; raises ContextLengthError / QueueFullError at once."""
+        """Queue a raw token request; raises ContextLengthError / QueueFullError / SamplingParamError at once."""
+        sampling.check_vocabulary(self.llm.loaded.config.vocab_size)  # else the batched step would fail on it
         n = len(prompt_token_ids)
         limit = self.context_limit
         if n >= limit:
@@ -300,7 +301,8 @@ class EngineService:
                 cancelled, self._cancelled = self._cancelled, []
                 new, self._inbox = self._inbox, []
             for stream in new:
-                self._add(stream)
+                if stream not in cancelled:  # a client that left while its request was in the inbox
+                    self._add(stream)
             for stream in cancelled:
                 self._drop(stream)
             if self.engine.has_unfinished():

@@ -14,6 +14,9 @@ from __future__ import annotations
 import io
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -76,14 +79,30 @@ def patchify(frames: torch.Tensor, config: PreprocessConfig) -> tuple[torch.Tens
     return x.reshape(gt * gh * gw, channels * tp * p * p).contiguous(), (gt, gh, gw)
 
 
+def image_size(image: bytes | Path, limits: MediaLimits, name: str) -> tuple[int, int]:
+    """(width, height) from the header alone, checked against the per-image pixel limit: what an
+    image will cost is known before it is decoded."""
+    with _opened(image, limits, name) as opened, opened:
+        return opened.size
+
+
 def open_image(data: bytes, limits: MediaLimits, name: str) -> Image.Image:
     """The first frame, upright (EXIF orientation applied), fully decoded; bad files -> MediaError."""
     limits.check_bytes("image", len(data), name)
+    with _opened(data, limits, name) as image:
+        image.load()
+        return ImageOps.exif_transpose(image)
+
+
+@contextmanager
+def _opened(image: bytes | Path, limits: MediaLimits, name: str) -> Iterator[Image.Image]:
+    """The image opened lazily (header read, nothing decoded), its size checked; Pillow's errors
+    inside the block -> MediaError."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own pixel limit decides
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
+            opened = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
+            width, height = opened.size
             if width < 1 or height < 1:
                 raise MediaError(f"{name}: the image is empty ({width}x{height} pixels)")
             if width * height > limits.max_image_pixels:
@@ -91,8 +110,7 @@ def open_image(data: bytes, limits: MediaLimits, name: str) -> Image.Image:
                     f"{name}: {width}x{height} is {width * height / 1e6:.0f} megapixels, over the limit of "
                     f"{limits.max_image_pixels / 1e6:.0f}"
                 )
-            image.load()
-            return ImageOps.exif_transpose(image)
+            yield opened
     except UnidentifiedImageError:
         raise MediaError(
             f"{name}: not an image Pillow can identify (png, jpeg, webp, gif, bmp, tiff, ...), "
@@ -102,6 +120,13 @@ def open_image(data: bytes, limits: MediaLimits, name: str) -> Image.Image:
         raise MediaError(f"{name}: {e}") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise MediaError(f"{name}: cannot decode the image, the file is corrupt or truncated ({e})") from None
+
+
+def image_tokens(width: int, height: int, config: PreprocessConfig, name: str) -> int:
+    """Language-model tokens of an image of this size: its resized area over one merge window's
+    (orientation does not change it)."""
+    resized_height, resized_width = smart_resize(height, width, config, name)
+    return resized_height * resized_width // config.factor**2
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

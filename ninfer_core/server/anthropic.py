@@ -30,7 +30,16 @@ from .errors import ApiError
 from .generation import Started, collect, lease, start, stream_response
 from .ids import new_id
 from .media_fetch import resolve_media
-from .schemas import AnthropicMessage, AnthropicTool, CountTokensRequest, MessagesRequest
+from .schemas import (
+    AnthropicBlock,
+    AnthropicMessage,
+    AnthropicTool,
+    AnthropicToolChoice,
+    CountTokensRequest,
+    MessagesRequest,
+    Thinking,
+    plain,
+)
 from .sse import sse
 
 router = APIRouter()
@@ -41,23 +50,25 @@ router = APIRouter()
 _NOT_CONTENT = ("thinking", "redacted_thinking", "tool_use", "tool_result")  # carried outside `content`
 
 
-def chat_messages(system: str | list[dict[str, Any]] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
+def chat_messages(system: str | list[AnthropicBlock] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if system:
-        out.append({"role": "system", "content": content_text(system, "system") or ""})
+        out.append({"role": "system", "content": content_text(plain(system), "system") or ""})
     for i, message in enumerate(messages):
         where = f"messages[{i}].content"
-        blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
-        blocks = _image_parts(blocks, where)
+        content = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
+        blocks = _image_parts(plain(content), where)
         if message.role == "assistant":
             out.append(_assistant(blocks, where))
             continue
         for j, block in enumerate(blocks):
-            if block.get("type") == "tool_result":
+            if block["type"] == "tool_result":
+                if block.get("tool_use_id") is None:
+                    raise ApiError(400, f"{where}[{j}]: a tool_result needs 'tool_use_id'", param=f"{where}[{j}]")
                 result = chat_content(_image_parts(block.get("content"), f"{where}[{j}].content"),
                                       f"{where}[{j}].content")
-                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result or ""})
-        if any(b.get("type") not in _NOT_CONTENT for b in blocks) or not blocks:
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result or ""})
+        if any(b["type"] not in _NOT_CONTENT for b in blocks) or not blocks:
             out.append({"role": "user", "content": chat_content(blocks, where, skip=_NOT_CONTENT) or ""})
     return out
 
@@ -86,12 +97,17 @@ def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content_text(blocks, where, skip=_NOT_CONTENT) or ""}
-    thinking = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
+    thinking = "".join(b.get("thinking", "") for b in blocks if b["type"] == "thinking")
     if thinking:
         message["reasoning_content"] = thinking
-    calls = [{"id": b.get("id"), "type": "function",
-              "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}}
-             for b in blocks if b.get("type") == "tool_use"]
+    calls = []
+    for j, block in enumerate(blocks):
+        if block["type"] != "tool_use":
+            continue
+        if block.get("id") is None or block.get("name") is None:
+            raise ApiError(400, f"{where}[{j}]: a tool_use block needs 'id' and 'name'", param=f"{where}[{j}]")
+        function = {"name": block["name"], "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}
+        calls.append({"id": block["id"], "type": "function", "function": function})
     if calls:
         message["tool_calls"] = calls
     return message
@@ -110,21 +126,16 @@ def chat_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]]:
     return out
 
 
-def tool_choice(choice: dict[str, Any] | None) -> str | None:
-    kind = (choice or {}).get("type", "auto")
-    if kind == "tool":
-        return choice["name"]  # type: ignore[index]
-    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
-    if mapped is None:
-        raise ApiError(400, f"tool_choice type must be auto, any, tool or none, got {kind!r}", param="tool_choice")
-    return mapped
+def tool_choice(choice: AnthropicToolChoice | None) -> str | None:
+    if choice is None or choice.type != "tool":
+        return {"auto": "auto", "any": "required", "none": "none"}[choice.type if choice else "auto"]
+    if choice.name is None:
+        raise ApiError(400, "tool_choice of type 'tool' needs the tool's 'name'", param="tool_choice.name")
+    return choice.name
 
 
-def thinking_on(thinking: dict[str, Any] | None) -> bool:
-    kind = (thinking or {}).get("type", "disabled")
-    if kind not in ("enabled", "adaptive", "disabled"):
-        raise ApiError(400, f"thinking.type must be enabled, adaptive or disabled, got {kind!r}", param="thinking")
-    return kind != "disabled"
+def thinking_on(thinking: Thinking | None) -> bool:
+    return thinking is not None and thinking.type != "disabled"
 
 
 def build(body: MessagesRequest | CountTokensRequest) -> ChatRequest:
@@ -225,7 +236,7 @@ async def count_tokens(request: Request) -> JSONResponse:
     chat = build(body)
     held = await lease(request, body.model)
     try:
-        await resolve_media(request, chat, held.service.llm)
+        await resolve_media(request, chat, held.service)
         prepared = await run_in_threadpool(held.service.llm.prepare_chat, chat)
     finally:
         held.release()

@@ -28,7 +28,9 @@ from ..llm import LLM
 from . import anthropic, completions, metrics, models, openai_chat, responses
 from .auth import ApiKeyMiddleware
 from .body import DEFAULT_MAX_BODY_BYTES
+from .boundary import ErrorBoundary
 from .errors import install_error_handlers
+from .hosts import HostCheck, HostPolicy
 from .media_fetch import MediaFetchLimits, MediaResolver
 from .metrics import RequestCounter, ServerMetrics
 from .model_pool import FixedNames, ModelNames, ModelPool, PoolOptions
@@ -48,10 +50,13 @@ def create_app(
     max_stored_responses: int = DEFAULT_MAX_RESPONSES,
     allow_local_media: bool = False,
     media_fetch: MediaFetchLimits | None = None,
+    hosts: HostPolicy | None = None,
 ) -> FastAPI:
-    """`allow_local_media`: clients may name files on this machine (else data: and http(s) URLs only)."""
+    """`allow_local_media`: clients may name files on this machine (else data: and http(s) URLs only);
+    `hosts`: the Host names answered (hosts.py; default: a loopback server's)."""
     app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pool = pool
+    app.state.inflight = set()  # engine streams of this app's requests (generation.py), for stop()
     app.state.max_body_bytes = max_body_bytes
     app.state.responses = ResponseStore(max_stored_responses)
     app.state.media = MediaResolver(allow_local_media, media_fetch)
@@ -59,7 +64,9 @@ def create_app(
     for module in (models, openai_chat, completions, responses, anthropic, metrics):
         app.include_router(module.router)
     install_error_handlers(app)
-    # the last added is the outermost: count everything, answer preflights before the key check
+    # the last added is the outermost: count everything (500s included: the boundary answers them
+    # inside the counter), refuse foreign Host names first, answer preflights before the key check
+    app.add_middleware(ErrorBoundary)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     origins = list(cors_origins or [])
     app.add_middleware(
@@ -72,6 +79,7 @@ def create_app(
         max_age=600,
     )
     app.add_middleware(RequestCounter, metrics=app.state.metrics)
+    app.add_middleware(HostCheck, policy=hosts or HostPolicy.for_server("127.0.0.1", None))
     return app
 
 
@@ -85,8 +93,11 @@ class ServerHandle:
         self._server = server
         self._sock = sock
         self._borrowed: EngineService | None = None  # the caller's: only our observer is removed
-        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="ninfer-http",
-                                        daemon=True)
+        # set when uvicorn returns: waited on instead of Thread.join, which a KeyboardInterrupt can
+        # leave reporting a live thread as finished (CPython gh-90882), so the process would exit
+        # under a stream in flight
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ninfer-http", daemon=True)
 
     @classmethod
     def start(
@@ -106,9 +117,12 @@ class ServerHandle:
         names: ModelNames | None = None,
         loader: Callable[[str], LLM] | None = None,
         pool_options: PoolOptions | None = None,
+        allowed_hosts: Sequence[str] | None = None,
     ) -> ServerHandle:
         """Listen on host:port (0 = any free port) and serve `model` (see the module doc) under
         `model_id` (default: the model's own name; "default" for a loader), plus what `names` lists.
+        `allowed_hosts`: Host names answered besides loopback names, IP addresses and `host`
+        (hosts.py: the DNS-rebinding guard).
 
         Logging is left to the host program (uvicorn's loggers propagate to the root logger), so
         an embedding UI keeps control of the terminal.
@@ -125,7 +139,8 @@ class ServerHandle:
         pool = ModelPool(names or FixedNames({model_id: model_id}), make_service, loader, pool_options,
                          default=model_id)
         app = create_app(pool, server_metrics, api_key=api_key, cors_origins=cors_origins, max_body_bytes=max_body_bytes,
-                         allow_local_media=allow_local_media, media_fetch=media_fetch)
+                         allow_local_media=allow_local_media, media_fetch=media_fetch,
+                         hosts=HostPolicy.for_server(host, allowed_hosts))
         sock = _listen(host, port)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5)
         handle = cls(app, uvicorn.Server(config), sock, pool)
@@ -138,8 +153,8 @@ class ServerHandle:
         else:
             pool.load_startup(model_id, model)
         handle._thread.start()
-        while not handle._server.started and handle._thread.is_alive():
-            handle._thread.join(0.01)
+        while not handle._server.started and not handle._done.wait(0.01):
+            pass
         if not handle._server.started:
             handle.stop()
             raise NinferError(f"the server on {host}:{port} failed to start (see the log above)")
@@ -175,17 +190,26 @@ class ServerHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (True) or `timeout` passes (False)."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._done.wait(timeout)
 
     def stop(self) -> None:
+        """Every request in flight ends first (a stream with its error event), then the server
+        (uvicorn waits for those answers to go out), then the socket."""
         self.pool.close()  # owned services stop: streams in flight end with an error event
+        for stream in self.app.state.inflight.copy():  # a borrowed service runs on: cancel ours only
+            stream.cancel()
         if self._borrowed is not None and self.app.state.metrics in self._borrowed.observers:
             self._borrowed.observers.remove(self.app.state.metrics)
         self._server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join()
+        if self._thread.ident is not None:
+            self._done.wait()
         self._sock.close()
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self._sock])
+        finally:
+            self._done.set()
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -147,8 +147,7 @@ def select_tools(tools: Sequence[Mapping[str, Any]] | None, choice: str | None) 
 
 
 def sampling_params(fields: SamplingFields, max_tokens: int | None, stop: str | list[str] | None) -> SamplingParams:
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    """The engine's SamplingParams, which checks every range (SamplingParamError names the field)."""
     return SamplingParams(
         temperature=fields.temperature,
         top_p=fields.top_p,
@@ -162,7 +161,19 @@ def sampling_params(fields: SamplingFields, max_tokens: int | None, stop: str | 
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         stop_token_ids=list(fields.stop_token_ids or []),
         ignore_eos=fields.ignore_eos,
+        logit_bias=_logit_bias(fields.logit_bias or {}),
     )
+
+
+def _logit_bias(bias: Mapping[str, float]) -> dict[int, float]:
+    """OpenAI's {"token id as text": bias} -> {token id: bias}."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise ApiError(400, f"logit_bias keys must be token ids (decimal integers), got {key!r:.40}",
+                           param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def chat_request(

@@ -23,18 +23,21 @@ from .sse import DONE, sse
 router = APIRouter()
 
 
-def prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Tokenizer) -> tuple[list[int], str]:
-    """The prompt's token ids and its text (for echo); one prompt per request."""
+def prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Tokenizer,
+               vocab_size: int) -> tuple[list[int], str]:
+    """The prompt's token ids and its text (for echo); one prompt per request. Ids are checked
+    against the vocabulary before anything (the tokenizer's decode included) reads them."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise ApiError(400, f"one prompt per request is supported, got {len(prompt)}", param="prompt")
         prompt = prompt[0]  # type: ignore[assignment]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        return tokenizer.encode(prompt, add_special_tokens=True), prompt
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="prompt")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=True), prompt
+    outside = next((t for t in prompt if t >= vocab_size), None)  # the schema already refused t < 0
+    if outside is not None:
+        raise ApiError(400, f"prompt token id {outside} is outside the vocabulary [0, {vocab_size})", param="prompt")
     ids = list(prompt)  # type: ignore[arg-type]
     return ids, tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -58,7 +61,8 @@ async def completions(request: Request) -> Response:
 
     def submit(service: EngineService) -> TokenStream:
         nonlocal prompt_text
-        ids, prompt_text = prompt_ids(body.prompt, service.llm.tokenizer)
+        llm = service.llm
+        ids, prompt_text = prompt_ids(body.prompt, llm.tokenizer, llm.loaded.config.vocab_size)
         return service.submit(ids, sampling)
 
     started = await start(request, body.model, submit)

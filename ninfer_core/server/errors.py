@@ -3,11 +3,15 @@
 Flat error bodies break openai-js clients, so even FastAPI's own 404 / 405 / validation errors
 are rewritten. Engine errors map to statuses here, in one place: context overflow is 400
 `context_length_exceeded` with the numbers in the message and in the error object, a full queue
-is 429 with Retry-After, a stopped or loading engine is 503.
+is 429 with Retry-After, a stopped or loading engine is 503. An unexpected exception (a bug) is a
+500 whose body says only that: its traceback is logged under an id the message names.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,13 +20,23 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat.template import ChatTemplateError, ToolsNotSupportedError
+from ..engine.sampling import SamplingParamError
 from ..engine.service import QueueFullError, ServiceStoppedError
 from ..errors import ContextLengthError, NinferError
 from ..media.limits import MediaError
+from .ids import new_id
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error"}
 _CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def printable(text: str) -> str:
+    """`text` without lone surrogates (shown escaped), so that an error body always encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ApiError(Exception):
@@ -39,8 +53,8 @@ class ApiError(Exception):
     ):
         super().__init__(message)
         self.status = status
-        self.message = message
-        self.param = param
+        self.message = printable(message)
+        self.param = None if param is None else printable(param)
         self.code = code if code is not None else _CODES.get(status)
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or {}
@@ -58,7 +72,19 @@ class ApiError(Exception):
 
 
 def to_api_error(exc: BaseException) -> ApiError:
-    """The HTTP status and body for any exception a request can raise."""
+    """The HTTP status and body for any exception a request can raise.
+
+    An unexpected one is a bug: its traceback is logged under a fresh id, and the 500 carries only
+    that id (exception text may hold paths or request data)."""
+    known = _known_error(exc)
+    if known is not None:
+        return known
+    error_id = new_id("err_")
+    log.error("internal error %s", error_id, exc_info=exc)
+    return ApiError(500, f"internal server error (logged as {error_id})", code="internal_error")
+
+
+def _known_error(exc: BaseException) -> ApiError | None:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ContextLengthError):
@@ -79,21 +105,62 @@ def to_api_error(exc: BaseException) -> ApiError:
         return ApiError(400, str(exc), param="messages", code="invalid_messages")
     if isinstance(exc, MediaError):
         return ApiError(400, str(exc), param="messages", code="invalid_media")
+    if isinstance(exc, SamplingParamError):
+        return ApiError(400, str(exc), param=exc.field, code="invalid_value")
     if isinstance(exc, NinferError):
         return ApiError(400, str(exc))
-    return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}")
+    return None
 
 
-def validation_error(errors: Any) -> ApiError:
-    """Pydantic's error list -> one 400 naming the first bad field, OpenAI-style."""
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
-    param = ".".join(loc) or None
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "json_invalid":
-        return ApiError(400, f"the request body is not valid JSON: {message}", code="invalid_json")
+# -- pydantic's errors -> one 400 ---------------------------------------------------------------
+
+# What pydantic puts into an error's location for a union member ("str", "list[ContentPart]",
+# "constrained-int", a model name): not a field of the request, so not part of `param`.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|dict|list)$|[\[\]-]|^[A-Z]")
+
+
+def param_path(loc: Sequence[str | int]) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content' (how the server names a field in errors)."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _field_loc(loc: Sequence[Any]) -> tuple[str | int, ...]:
+    return tuple(p for p in loc if p not in ("body", "query", "path")
+                 and not (isinstance(p, str) and _UNION_MEMBER.search(p)))
+
+
+def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
+    """Pydantic's error list -> one 400 naming one bad field, OpenAI-style.
+
+    A value that fits no member of a union gets one error per member; the one reported is the
+    member that got furthest (deepest location, a value error before a type error), and members
+    that all fail at the same place are merged ("a valid string or a valid list")."""
+    if not errors:
+        return ApiError(400, "invalid request", code="invalid_type")
+    if errors[0].get("type") == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {errors[0].get('msg')}", code="invalid_json")
+    field = _field_loc(errors[0]["loc"])[:1]
+    candidates = [e for e in errors if _field_loc(e["loc"])[:1] == field]
+
+    def rank(error: dict[str, Any]) -> tuple[int, bool]:
+        return len(_field_loc(error["loc"])), not str(error.get("type", "")).endswith("_type")
+
+    best = max(rank(e) for e in candidates)
+    top = [e for e in candidates if rank(e) == best]
+    loc = _field_loc(top[0]["loc"])
+    messages: list[str] = []
+    for error in top:
+        if _field_loc(error["loc"]) == loc and error["msg"] not in messages:
+            messages.append(error["msg"])
+    message = " or ".join([messages[0], *(m.removeprefix("Input should be ") for m in messages[1:])])
+    message = re.sub(r" or instance of \w+", "", message)
+    param = param_path(loc) or None
     where = f"'{param}'" if param else "the request"
-    return ApiError(400, f"invalid value for {where}: {message}", param=param, code="invalid_type")
+    code = "invalid_value" if best[1] else "invalid_type"  # out of range / not allowed, or a wrong type
+    return ApiError(400, f"invalid value for {where}: {message}", param=param, code=code)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -117,8 +184,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(NinferError)
     async def _engine_error(_: Request, exc: NinferError) -> JSONResponse:
-        return to_api_error(exc).response()
-
-    @app.exception_handler(Exception)  # a bug: Starlette logs the traceback after this answer
-    async def _any_error(_: Request, exc: Exception) -> JSONResponse:
         return to_api_error(exc).response()

@@ -4,7 +4,8 @@ cancels its request, freeing its KV. The model's lease is held until the respons
 
 Admission is awaited before any response byte is sent, so unknown-model, queue-full,
 context-overflow and prompt errors still get their own HTTP status; later errors arrive inside
-the stream.
+the stream. A client that leaves while its request is still queued takes it out of the queue at
+once (its place goes to a client that is still there).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from ..engine.service import Admitted, ChatStream, EngineService, TokenStream
 from ..llm import ChatRequest
@@ -33,10 +35,13 @@ class Started:
     prompt_tokens: int
     model: str  # the served model's name (what the response reports)
     lease: Lease
+    inflight: set[ChatStream | TokenStream]  # the app's (ServerHandle.stop cancels what is left)
 
     def end(self) -> None:
-        """The response is over: stop the request (if still running) and let the model go."""
+        """The response is over: stop the request (if still running), no longer in flight, and
+        let the model go."""
         self.stream.cancel()
+        self.inflight.discard(self.stream)
         self.lease.release()
 
 
@@ -52,29 +57,48 @@ async def lease(request: Request, model: str | None) -> Lease:
 async def start(request: Request, model: str | None, submit: Callable[[EngineService], ChatStream | TokenStream],
                 *, chat: ChatRequest | None = None) -> Started:
     """Take the model, fetch `chat`'s media (the model's limits apply), submit (template and tokenizer
-    work off the event loop) and wait until the engine takes the request."""
+    work off the event loop) and wait until the engine takes the request; a disconnect meanwhile
+    cancels the request at once (it leaves the queue at the engine's next turn) and raises
+    ClientDisconnect."""
     held = await lease(request, model)
     try:
         if chat is not None:
-            await resolve_media(request, chat, held.service.llm)
+            await resolve_media(request, chat, held.service)
         stream = await run_in_threadpool(submit, held.service)
     except BaseException:
         held.release()
         raise
+    inflight: set[ChatStream | TokenStream] = request.app.state.inflight
+    inflight.add(stream)
     events = stream.__aiter__()
+    admission = asyncio.ensure_future(events.__anext__())
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        first = await events.__anext__()
-    except BaseException:
+        await asyncio.wait((admission, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not admission.done():  # the client left first
+            raise ClientDisconnect()
+        first = admission.result()
+    except BaseException:  # an engine error, the client gone, or this handler cancelled
         stream.cancel()
+        inflight.discard(stream)
         held.release()
         raise
+    finally:
+        gone.cancel()
+        if not admission.done():
+            admission.cancel()
     assert isinstance(first, Admitted), first
-    return Started(stream, events, first.prompt_tokens, held.name, held)
+    return Started(stream, events, first.prompt_tokens, held.name, held, inflight)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body has been read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _cancel_on_disconnect(request: Request, stream: ChatStream | TokenStream) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    await _disconnected(request)
     stream.cancel()
 
 

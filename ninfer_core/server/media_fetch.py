@@ -5,7 +5,9 @@ A network client names media by URL, so this is where the server decides what it
 the model's byte limit counted as the bytes arrive, image/* or video/* content only), never in
 the engine thread; local paths and `file://` URLs only when the server was started with
 `allow_local_media` (else any client could make the server read its files). Every failure is a
-400 whose message and `param` name the part (and the URL).
+400 whose message and `param` name the part (and the URL). Once read, the images' token cost,
+from their headers alone, is checked against the context limit: a request that cannot fit is
+refused before any image is decoded.
 
 http(s) URLs whose host resolves to a loopback, private, link-local or otherwise non-public
 address are refused unless `allow_private_urls` (`--allow-private-media-urls`): else any client
@@ -26,8 +28,10 @@ from urllib.parse import urlparse
 
 import httpx
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
-from ..errors import NinferError
+from ..engine.service import EngineService
+from ..errors import ContextLengthError, NinferError
 from ..llm import LLM, ChatRequest
 from ..media.limits import MIB, MediaError, MediaLimits
 from ..media.sources import MediaKind, MediaSource, source_from_url
@@ -58,8 +62,11 @@ class MediaResolver:
         self.allow_local = allow_local
         self.limits = limits or MediaFetchLimits()
 
-    async def resolve(self, pending: Sequence[tuple[dict[str, Any], MediaPart]], llm: LLM) -> None:
-        """Replace, in its part, each pending MediaPart (see chat_input.pending_media) by its MediaSource."""
+    async def resolve(
+        self, pending: Sequence[tuple[dict[str, Any], MediaPart]], llm: LLM, context_limit: int
+    ) -> None:
+        """Replace, in its part, each pending MediaPart (see chat_input.pending_media) by its MediaSource;
+        refuse images that cannot fit the context (from their headers, before anything decodes them)."""
         if not pending:
             return
         first = pending[0][1]
@@ -72,6 +79,11 @@ class MediaResolver:
                                 f"{media_limits.max_media_items}", param="messages", code="invalid_media")
         for part, media in pending:
             part[media.kind] = await self.source(media, media_limits)
+        sources = [part[media.kind] for part, media in pending]
+        tokens = await run_in_threadpool(llm.vision.processor.image_tokens, sources)
+        if tokens >= context_limit:
+            raise ContextLengthError(f"the request's images alone take {tokens} tokens, but the context limit is "
+                                     f"{context_limit} tokens", prompt_tokens=tokens, limit=context_limit)
 
     async def source(self, media: MediaPart, media_limits: MediaLimits) -> MediaSource:
         url, where = media.url, media.where
@@ -172,8 +184,9 @@ def _shown(url: str) -> str:
     return url if len(url) <= 200 else url[:200] + "..."
 
 
-async def resolve_media(request: Request, chat: ChatRequest, llm: LLM) -> None:
-    """Make `chat`'s media parts MediaSources for `llm` (a no-op for text-only requests)."""
+async def resolve_media(request: Request, chat: ChatRequest, service: EngineService) -> None:
+    """Make `chat`'s media parts MediaSources for the service's model (a no-op for text-only
+    requests); their token cost is checked against its context from their headers first."""
     pending = pending_media(chat.messages)
     if pending:
-        await request.app.state.media.resolve(pending, llm)
+        await request.app.state.media.resolve(pending, service.llm, service.context_limit)

@@ -24,7 +24,7 @@ from .chat_input import chat_content, chat_request, sampling_params, select_tool
 from .errors import ApiError
 from .generation import Started, collect, start, stream_response
 from .ids import new_id
-from .schemas import ChatCompletionRequest
+from .schemas import ChatCompletionRequest, plain
 from .sse import DONE, sse
 
 router = APIRouter()
@@ -36,16 +36,16 @@ def build_chat_request(body: ChatCompletionRequest) -> ChatRequest:
         raise ApiError(400, f"n={body.n} is not supported; this server returns one choice (n=1)", param="n")
     if body.logprobs or body.top_logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
-    format_type = (body.response_format or {}).get("type", "text")
+    format_type = body.response_format.type if body.response_format else "text"
     if format_type != "text":
         raise ApiError(400, f"response_format '{format_type}' is not supported (no constrained decoding yet)",
                        param="response_format")
     messages = []
     for i, message in enumerate(body.messages):
-        m = message.model_dump(exclude_none=True)
-        m["content"] = chat_content(message.content, f"messages[{i}].content")
+        m = plain(message)
+        m["content"] = chat_content(m.get("content"), f"messages[{i}].content")
         messages.append(m)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+    tools = plain(body.tools or [])
     choice = body.tool_choice.function.name if hasattr(body.tool_choice, "function") else body.tool_choice
     sampling = sampling_params(body, body.max_completion_tokens or body.max_tokens, body.stop)
     return chat_request(messages, sampling, tools=select_tools(tools, choice),  # type: ignore[arg-type]

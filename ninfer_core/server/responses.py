@@ -31,7 +31,7 @@ from .errors import ApiError
 from .generation import Started, collect, start, stream_response
 from .ids import new_id
 from .response_store import ResponseStore, StoredResponse
-from .schemas import ResponsesRequest
+from .schemas import InputItem, ResponsesRequest, ResponsesTool, ResponsesToolChoice, plain
 from .sse import sse
 
 router = APIRouter()
@@ -39,27 +39,26 @@ router = APIRouter()
 
 # -- input ------------------------------------------------------------------------------------
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
     reasoning: str | None = None  # from a reasoning item, for the next assistant turn
     for i, item in enumerate(items):
         where = f"input[{i}]"
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
+        if item.type == "message":
+            role = item.role
             if role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(400, f"{where}.role must be user, assistant, system or developer", param=f"{where}.role")
-            message = {"role": role, "content": chat_content(item.get("content"), f"{where}.content") or ""}
+            message = {"role": role, "content": chat_content(plain(item.content), f"{where}.content") or ""}
             if role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
-        elif kind == "function_call":
-            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
+        elif item.type == "function_call":
+            if item.name is None or item.call_id is None:
                 raise ApiError(400, f"{where}: a function_call needs 'name' and 'call_id'", param=where)
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}
@@ -67,36 +66,33 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if reasoning is not None:
                 last["reasoning_content"], reasoning = reasoning, None
             last.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
-            output = item.get("output")
-            text = output if isinstance(output, str) else content_text(output, f"{where}.output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text or ""})
-        elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
-        else:
-            raise ApiError(400, f"{where}: input items of type '{kind}' are not supported", param=f"{where}.type")
+        elif item.type == "function_call_output":
+            text = content_text(plain(item.output), f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": text or ""})
+        else:  # reasoning: its reasoning_text content, else its summary
+            parts = item.content or item.summary or []
+            reasoning = parts if isinstance(parts, str) else "\n".join(p.text or "" for p in parts)
     return messages
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def chat_tools(tools: list[ResponsesTool] | None) -> list[dict[str, Any]]:
     """Responses function tools (flat) -> chat tools (nested under `function`)."""
     out = []
     for i, tool in enumerate(tools or ()):
-        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            raise ApiError(400, f"tools[{i}]: only function tools are supported (got type {tool.get('type')!r})",
-                           param=f"tools[{i}]")
-        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-        out.append({"type": "function", "function": function})
+        if tool.type != "function" or tool.name is None:
+            raise ApiError(400, f"tools[{i}]: only function tools with a name are supported (got type "
+                                f"{tool.type!r})", param=f"tools[{i}]")
+        function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+        out.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
     return out
 
 
-def tool_choice_name(choice: str | dict[str, Any] | None) -> str | None:
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+def tool_choice_name(choice: str | ResponsesToolChoice | None) -> str | None:
+    if isinstance(choice, ResponsesToolChoice):
+        if choice.type != "function" or choice.name is None:
             raise ApiError(400, "tool_choice must be none, auto, required or {'type': 'function', 'name': ...}",
                            param="tool_choice")
-        return choice["name"]
+        return choice.name
     return choice
 
 
@@ -112,7 +108,7 @@ def build(body: ResponsesRequest, store: ResponseStore) -> tuple[ChatRequest, li
         history = previous.messages
     conversation = history + input_messages(body.input)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    format_type = ((body.text or {}).get("format") or {}).get("type", "text")
+    format_type = body.text.format.type if body.text and body.text.format else "text"
     if format_type != "text":
         raise ApiError(400, f"text.format '{format_type}' is not supported (no constrained decoding yet)",
                        param="text.format")
@@ -120,7 +116,7 @@ def build(body: ResponsesRequest, store: ResponseStore) -> tuple[ChatRequest, li
     chat = chat_request(system + conversation, sampling,
                         tools=select_tools(chat_tools(body.tools), tool_choice_name(body.tool_choice)),
                         template_kwargs=body.chat_template_kwargs,
-                        reasoning_effort=(body.reasoning or {}).get("effort"))
+                        reasoning_effort=body.reasoning.effort if body.reasoning else None)
     return chat, conversation
 
 
@@ -171,13 +167,13 @@ class ResponseBuilder:
             "output": [self.item(b) for b in blocks],
             "parallel_tool_calls": True,
             "previous_response_id": body.previous_response_id,
-            "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
             "store": body.store,
             "temperature": body.temperature,
             "top_p": body.top_p,
             "text": {"format": {"type": "text"}},
-            "tool_choice": body.tool_choice or "auto",
-            "tools": body.tools or [],
+            "tool_choice": plain(body.tool_choice) or "auto",
+            "tools": plain(body.tools or []),
             "truncation": "disabled",
             "usage": None if result is None else usage(result),
             "metadata": body.metadata or {},

@@ -1,4 +1,7 @@
-"""Request bodies of the four APIs, as pydantic models (types checked, 400 on a wrong one).
+"""Request bodies of the four APIs, as pydantic models: one schema per endpoint, types checked down
+to every nested field the server reads (messages, content parts, tool definitions and calls,
+Responses input items, Anthropic content blocks), so a malformed field is one 400 naming it
+before any handler code runs.
 
 Unknown top-level fields are accepted and ignored (`extra="ignore"`), like vLLM and llama.cpp
 and unlike OpenAI (which answers 400 "Unrecognized request argument"): editors send vendor
@@ -6,14 +9,36 @@ extras and every new OpenAI release adds parameters (`prompt_cache_key`, `safety
 `verbosity`, ...), and refusing them would break clients for no gain. Known parameters we
 cannot honour are refused with a clear 400 instead of being silently dropped when ignoring
 them would change the answer (n > 1, logprobs, JSON response formats, an echo / suffix that
-is not plain). Messages and content parts keep their extra keys (templates may read them).
+is not plain). Nested objects keep their extra keys (`extra="allow"`: templates may read them).
+
+Ranges of the sampling knobs are checked by the engine's SamplingParams (one place for every
+caller); the integers checked here are the ones that go nowhere near it (token counts, ids).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from .body import BadJson, parse_json
+
+TokenCount = Annotated[int, Field(ge=1, le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+def _json_object_text(text: str) -> str:
+    """Parsed here with the body's limits (depth, surrogates): the chat template parses it again."""
+    try:
+        value = parse_json(text) if text.strip() else {}
+    except BadJson as e:
+        raise ValueError(f"must be a JSON object as text, but it {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object as text")
+    return text
+
+
+JsonObjectText = Annotated[str, AfterValidator(_json_object_text)]  # tool-call arguments (OpenAI's wire form)
 
 
 class _Body(BaseModel):
@@ -22,6 +47,16 @@ class _Body(BaseModel):
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
+
+
+def plain(value: Any) -> Any:
+    """A validated field as plain JSON data again (models -> dicts without their unset fields), for
+    the code that hands messages to the chat template or echoes a request back."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_none=True)
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
 
 
 class SamplingFields(_Body):
@@ -37,11 +72,38 @@ class SamplingFields(_Body):
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text, OpenAI's form) -> bias
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
+
+# -- content (OpenAI chat parts, Responses parts, reasoning summaries) --------------------------
+
+class MediaUrl(_Open):
+    url: str
+
+
+class ContentPart(_Open):
+    """One part of a message's content: text, an image or video (several spellings, see
+    media/sources.py), or a kind the server refuses by name (audio, files)."""
+
+    type: str | None = None
+    text: str | None = None
+    image_url: str | MediaUrl | None = None
+    video_url: str | MediaUrl | None = None
+    image: str | MediaUrl | None = None
+    video: str | MediaUrl | None = None
+    url: str | None = None
+    path: str | None = None
+    file_id: str | None = None
+
+
+Content = str | list[ContentPart]
+
+
+# -- OpenAI chat --------------------------------------------------------------------------------
 
 class FunctionDef(_Open):
     name: str
@@ -54,6 +116,17 @@ class ChatTool(_Open):
     function: FunctionDef
 
 
+class FunctionCall(_Open):
+    name: str
+    arguments: JsonObjectText
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class NamedFunction(_Body):
     name: str
 
@@ -63,11 +136,15 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+class ResponseFormat(_Open):
+    type: str
+
+
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Content | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
@@ -78,23 +155,25 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
 
 
+# -- OpenAI completions -------------------------------------------------------------------------
+
 class CompletionRequest(SamplingFields):
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for this legacy endpoint
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: TokenCount | None = 16  # OpenAI's default for this legacy endpoint
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -105,20 +184,82 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
 
 
+# -- OpenAI Responses ---------------------------------------------------------------------------
+
+class InputItem(_Open):
+    """A Responses input item; which fields matter depends on `type` (responses.py)."""
+
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
+    role: str | None = None
+    content: Content | None = None  # message: its content; reasoning: reasoning_text parts
+    name: str | None = None
+    call_id: str | None = None
+    arguments: JsonObjectText | None = None
+    output: Content | None = None
+    summary: list[ContentPart] | None = None
+
+
+class ResponsesTool(_Open):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ResponsesToolChoice(_Open):
+    type: str
+    name: str | None = None
+
+
+class Reasoning(_Open):
+    effort: str | None = None
+
+
+class TextFormat(_Open):
+    type: str
+
+
+class TextOptions(_Open):
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(SamplingFields):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[InputItem]
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    max_output_tokens: int | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    max_output_tokens: TokenCount | None = None
     stream: bool = False
     store: bool = True
-    reasoning: dict[str, Any] | None = None
-    text: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None
+    text: TextOptions | None = None
     metadata: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+# -- Anthropic Messages -------------------------------------------------------------------------
+
+class ImageSource(_Open):
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class AnthropicBlock(_Open):
+    """A content block; which fields matter depends on `type` (anthropic.py)."""
+
+    type: str
+    text: str | None = None
+    source: ImageSource | None = None
+    thinking: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[AnthropicBlock] | None = None  # tool_result
 
 
 class AnthropicTool(_Open):
@@ -127,28 +268,32 @@ class AnthropicTool(_Open):
     input_schema: dict[str, Any] | None = None
 
 
+class AnthropicToolChoice(_Open):
+    type: Literal["auto", "any", "tool", "none"] = "auto"
+    name: str | None = None
+
+
+class Thinking(_Open):
+    type: Literal["enabled", "adaptive", "disabled"] = "disabled"
+
+
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
-
-
-class MessagesRequest(SamplingFields):
-    model: str | None = None
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    max_tokens: int | None = None
-    stop_sequences: list[str] | None = None
-    stream: bool = False
-    tools: list[AnthropicTool] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    content: str | list[AnthropicBlock]
 
 
 class CountTokensRequest(_Body):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
+    system: str | list[AnthropicBlock] | None = None
     tools: list[AnthropicTool] | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(SamplingFields, CountTokensRequest):
+    max_tokens: TokenCount | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    tool_choice: AnthropicToolChoice | None = None
+    metadata: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None

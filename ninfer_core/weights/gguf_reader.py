@@ -17,6 +17,7 @@ Two llama.cpp conventions are undone here:
 from __future__ import annotations
 
 import re
+import struct
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from ..config import ModelConfig
+from ..config import MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ConfigFields, ModelConfig
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer as NinferTokenizer
 
@@ -145,6 +146,29 @@ class FastGGUFReader(GGUFReader):
         self._data = value.view(np.ndarray)
 
 
+# GGUF's fixed header: magic, version (uint32), tensor count, metadata count (uint64 each). Each
+# tensor description takes at least 8 + 1 + 4 + 8 + 4 + 8 bytes (name length, name, dims, one
+# dim, type, offset), each metadata entry at least 8 + 1 + 4 + 1 (key length, key, type, value).
+_HEADER = struct.Struct("<4sIQQ")
+_MIN_TENSOR_INFO, _MIN_KV = 33, 14
+
+
+def check_header_counts(path: Path) -> None:
+    """Refuse a header whose counts its file cannot hold (the reader would loop over them first)."""
+    with open(path, "rb") as f:
+        head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size or head[:4] != b"GGUF":
+        raise ModelLoadError(f"{path}: not a readable GGUF file (no GGUF header)")
+    _, version, tensors, kvs = _HEADER.unpack(head)
+    if version & 0xFFFF == 0:  # written on a big-endian machine
+        _, version, tensors, kvs = struct.unpack(">4sIQQ", head)
+    room = path.stat().st_size - _HEADER.size
+    for name, count, size in (("tensor_count", tensors, _MIN_TENSOR_INFO), ("kv_count", kvs, _MIN_KV)):
+        if count * size > room:
+            raise ModelLoadError(f"{path}: GGUF header field '{name}' says {count}, more than the file's "
+                                 f"{room + _HEADER.size} bytes can describe")
+
+
 class GGUFCheckpoint:
     """One opened GGUF file. Tensors are memory-mapped and dequantized one at a time in `get`."""
 
@@ -152,9 +176,10 @@ class GGUFCheckpoint:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"{self.path}: GGUF file not found")
+        check_header_counts(self.path)
         try:
             self._reader = FastGGUFReader(self.path)
-        except (ValueError, OSError, IndexError) as e:
+        except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{self.path}: not a readable GGUF file ({e})") from None
         self.gguf_arch = str(self._require("general.architecture"))
         if self.gguf_arch not in GGUF_ARCHS:
@@ -182,7 +207,12 @@ class GGUFCheckpoint:
     def metadata(self, key: str, default: Any = None) -> Any:
         """A metadata value as Python data (str, int, float, bool or list)."""
         field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
+            raise ModelLoadError(f"{self.path}: metadata key '{key}' cannot be read ({e})") from None
 
     def _require(self, key: str) -> Any:
         value = self.metadata(key)
@@ -190,46 +220,46 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"{self.path}: missing metadata key '{key}'")
         return value
 
-    def _arch_key(self, key: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{self.gguf_arch}.{key}"
-        return self._require(full) if required else self.metadata(full, default)
+    def _arch_key(self, key: str, default: Any = None) -> Any:
+        return self.metadata(f"{self.gguf_arch}.{key}", default)
 
     @cached_property
     def config(self) -> ModelConfig:
-        hidden = int(self._arch_key("embedding_length", required=True))
-        num_layers = int(self._arch_key("block_count", required=True))
-        num_heads = int(self._arch_key("attention.head_count", required=True))
-        num_kv_heads = self._arch_key("attention.head_count_kv", num_heads)
-        if isinstance(num_kv_heads, list):
+        f = ConfigFields(self._arch_key, str(self.path), f"{self.gguf_arch}.")
+        hidden = f.integer("embedding_length", high=MAX_WIDTH)
+        num_layers = f.integer("block_count", low=0)
+        num_heads = f.integer("attention.head_count")
+        if isinstance(self._arch_key("attention.head_count_kv"), list):
             raise ModelLoadError(f"{self.path}: per-layer KV head counts are not supported")
-        head_dim = int(self._arch_key("attention.key_length", hidden // num_heads))
-        rotary_dims = int(self._arch_key("rope.dimension_count", head_dim))
+        num_kv_heads = f.integer("attention.head_count_kv", num_heads)
+        head_dim = f.integer("attention.key_length", max(hidden // num_heads, 1))
+        rotary_dims = f.integer("rope.dimension_count", head_dim, high=head_dim)
         scaling = self._arch_key("rope.scaling.type", "none")
         if scaling not in ("none", None):
             raise ModelLoadError(f"{self.path}: RoPE scaling '{scaling}' is not supported yet")
-        vocab = self._arch_key("vocab_size")
+        vocab = f.integer("vocab_size", None, high=MAX_VOCAB)
         if vocab is None:  # older files: the vocabulary size is the token list's length
             tokens = self._reader.fields.get("tokenizer.ggml.tokens")
             if tokens is None:
                 raise ModelLoadError(f"{self.path}: no '{self.gguf_arch}.vocab_size' and no tokenizer.ggml.tokens")
-            vocab = len(tokens.data)
+            vocab = len(tokens.data)  # tokens the file really holds: no bound needed
         return ModelConfig(
             arch=GGUF_ARCHS[self.gguf_arch],
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
             num_layers=num_layers,
             layer_types=["full_attention"] * num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(num_kv_heads),
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_eps=float(self._arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(self._arch_key("rope.freq_base", 10000.0)),
+            rms_eps=f.number("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=f.number("rope.freq_base", 10000.0),
             partial_rotary_factor=rotary_dims / head_dim,
             qk_norm="layers.0.self_attn.q_norm.weight" in self._tensors,
             attention_bias="layers.0.self_attn.q_proj.bias" in self._tensors,
-            intermediate_size=int(self._arch_key("feed_forward_length", required=True)),
+            intermediate_size=f.integer("feed_forward_length", high=MAX_WIDTH),
             tie_word_embeddings="lm_head.weight" not in self._tensors,
-            max_position_embeddings=int(self._arch_key("context_length", 32768)),
+            max_position_embeddings=f.integer("context_length", 32768, high=MAX_POSITIONS),
             bos_token_id=self._token_id("bos"),
             eos_token_ids=self._stop_token_ids(),
             torch_dtype=_FILE_TYPE_DTYPE.get(self.metadata("general.file_type"), "bfloat16"),
