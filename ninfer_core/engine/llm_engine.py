@@ -453,8 +453,8 @@ class LLMEngine:
         for chunk in chunks:
             seq = chunk.seq
             seq.num_cached = chunk.end
-            ends = (seq.prefill_len - 1, seq.prefill_len)
-            checkpoint = prefix is not None and (chunk.end in ends or chunk.end % prefix.interval == 0)
+            wanted = (seq.prefill_len - 1, seq.prefill_len, *seq.request.checkpoints)
+            checkpoint = prefix is not None and (chunk.end in wanted or chunk.end % prefix.interval == 0)
             self.scheduler.note_progress(seq, checkpoint)
 
     def _commit(self, batch: ForwardBatch, out: ForwardOutput, counts: torch.Tensor) -> None:

@@ -245,7 +245,8 @@ class EngineService:
     # -- submitting -------------------------------------------------------------------------
 
     def submit(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, multimodal: MultimodalPrompt | None = None
+        self, prompt_token_ids: list[int], sampling: SamplingParams, multimodal: MultimodalPrompt | None = None,
+        checkpoints: tuple[int, ...] = (),
     ) -> TokenStream:
         """Queue a raw token request; raises ContextLengthError / QueueFullError / SamplingParamError at once."""
         sampling.check_vocabulary(self.llm.loaded.config.vocab_size)  # else the batched step would fail on it
@@ -258,7 +259,7 @@ class EngineService:
                 prompt_tokens=n,
                 limit=limit,
             )
-        request = GenerationRequest(list(prompt_token_ids), sampling, multimodal=multimodal)
+        request = GenerationRequest(list(prompt_token_ids), sampling, multimodal=multimodal, checkpoints=checkpoints)
         stream = TokenStream(self, request)
         with self._cond:
             if self._stop or self._thread is None:
@@ -272,7 +273,8 @@ class EngineService:
 
     def submit_chat(self, request: ChatRequest) -> ChatStream:
         prepared = self.llm.prepare_chat(request)
-        return ChatStream(self.submit(prepared.prompt_token_ids, request.sampling, prepared.multimodal), prepared)
+        return ChatStream(self.submit(prepared.prompt_token_ids, request.sampling, prepared.multimodal,
+                                      prepared.checkpoints), prepared)
 
     def chat(self, request: ChatRequest) -> Iterator[ChatStreamEvent]:
         """Like LLM.chat, but through the shared engine (safe while other requests run)."""
