@@ -88,6 +88,8 @@ def parse_int_list(value: str, flag: str) -> tuple[int, ...]:
 
 def describe_engine(stats) -> str:
     """One line of what the engine holds: weights recipe and size, KV format and capacity, graphs."""
+    prefix = (f"prefix cache on ({human_bytes(stats.prefix_checkpoint_budget_bytes)} of GDN state checkpoints)"
+              if stats.prefix_cache else "prefix cache off")
     return (f"weights {stats.weights or 'model dtype'} ({human_bytes(stats.weight_bytes)}), "
             f"KV {stats.kv_dtype} {stats.kv_capacity_tokens:,} tokens ({human_bytes(stats.kv_bytes)}), "
-            f"CUDA graphs {'on' if stats.cuda_graphs else 'off'}")
+            f"CUDA graphs {'on' if stats.cuda_graphs else 'off'}, {prefix}")
