@@ -1,0 +1,97 @@
+// Entry points of the CPU quant kernels: argument checks, the instruction set picked once per
+// process, x prepared once per call, rows of the weight split over the thread pool.
+#include "quant_matmul.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "quant_kernels.h"
+#include "thread_pool.h"
+
+namespace ninfer::cpu {
+namespace {
+
+// Weight rows per task: enough work to pay for claiming it, small enough that two threads stay
+// balanced when one of them is descheduled for a while.
+constexpr std::int64_t kRowsPerTask = 16;
+
+bool cpu_has(const char* feature) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (!std::strcmp(feature, "avx512")) return __builtin_cpu_supports("avx512f");
+  if (!std::strcmp(feature, "avx2")) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }
+#endif
+  return false;
+}
+
+const IsaKernels& pick() {
+  const char* env = std::getenv("NINFER_CPU_ISA");
+  const std::string cap = env ? env : "";
+#if defined(NINFER_CPU_X86)
+  if ((cap.empty() || cap == "avx512") && cpu_has("avx512")) return kAvx512Kernels;
+  if ((cap.empty() || cap == "avx512" || cap == "avx2") && cpu_has("avx2")) return kAvx2Kernels;
+#endif
+  return kGenericKernels;
+}
+
+const IsaKernels& kernels() {
+  static const IsaKernels& chosen = pick();
+  return chosen;
+}
+
+void check(const QuantWeight& w) {
+  if (w.n <= 0 || w.k <= 0 || w.group <= 0 || w.k % w.group) {
+    throw std::invalid_argument("quant kernel: group " + std::to_string(w.group) + " does not divide k " +
+                                std::to_string(w.k));
+  }
+  if (w.group % (w.int4 ? 32 : 16)) throw std::invalid_argument("quant kernel: group must be a multiple of 32 (int4) / 16 (int8)");
+  if (w.k / w.group > kMaxGroups) throw std::invalid_argument("quant kernel: more than 4096 groups per row");
+}
+
+}  // namespace
+
+void quant_matmul(const MatmulArgs& a) {
+  const QuantWeight& w = a.w;
+  check(w);
+  const IsaKernels& impl = kernels();
+  const auto* x = reinterpret_cast<const float*>(a.x);
+  std::vector<float> arranged;
+  if (w.int4) {
+    arranged.resize(a.m * w.k);
+    impl.arrange(x, a.m, w.k, arranged.data());
+  }
+  const std::int64_t groups = w.k / w.group;
+  std::vector<float> xsum(a.m * groups, 0.0f);  // zeros: an int8 weight without offsets adds nothing
+  if (w.int4 || w.offsets) {
+    for (std::int64_t i = 0; i < a.m * groups; ++i) {
+      float s = 0;
+      for (std::int64_t j = 0; j < w.group; ++j) s += x[i * w.group + j];
+      xsum[i] = s;
+    }
+  }
+  const Prepared p{&w, reinterpret_cast<float*>(a.out), w.int4 ? arranged.data() : x, xsum.data(),
+                   reinterpret_cast<const float*>(a.bias), a.m};
+  const std::int64_t tasks = (w.n + kRowsPerTask - 1) / kRowsPerTask;
+  parallel_for(tasks, a.threads, [&](std::int64_t t) {
+    impl.rows(p, t * kRowsPerTask, t + 1 < tasks ? (t + 1) * kRowsPerTask : w.n);
+  });
+}
+
+void dequantize(const QuantWeight& w, std::uintptr_t out, int threads) {
+  check(w);
+  const IsaKernels& impl = kernels();
+  auto* dst = reinterpret_cast<float*>(out);
+  const std::int64_t tasks = (w.n + kRowsPerTask - 1) / kRowsPerTask;
+  parallel_for(tasks, threads, [&](std::int64_t t) {
+    impl.dequantize_rows(w, dst, t * kRowsPerTask, t + 1 < tasks ? (t + 1) * kRowsPerTask : w.n);
+  });
+}
+
+const char* isa() { return kernels().name; }
+
+}  // namespace ninfer::cpu
