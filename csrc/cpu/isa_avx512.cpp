@@ -14,6 +14,7 @@ struct Avx512 {
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F splat(float v) { return _mm512_set1_ps(v); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(F v) { return _mm512_reduce_add_ps(v); }
   static F halves(const std::uint16_t* p) {

@@ -28,6 +28,10 @@ struct Generic {
     for (int i = 0; i < W; ++i) a.v[i] += b.v[i];
     return a;
   }
+  static F mul(F a, F b) {
+    for (int i = 0; i < W; ++i) a.v[i] *= b.v[i];
+    return a;
+  }
   static F fma(F a, F b, F c) {
     for (int i = 0; i < W; ++i) c.v[i] += a.v[i] * b.v[i];
     return c;

@@ -1,7 +1,7 @@
 // The CPU quant kernels, written once over a vector type V. Each isa_*.cpp defines its V and
 // compiles this header with its instruction set; quant_matmul.cpp picks one at run time.
 //
-// V provides: F (W floats), zero, load, store, splat, add, fma, sum (horizontal), halves (W fp16 -> F),
+// V provides: F (W floats), zero, load, store, splat, add, mul, fma, sum (horizontal), halves (W fp16 -> F),
 // bytes (W signed bytes -> F) and nibbles (W bytes -> their low and their high nibbles as two F).
 // The int4 loop reads 2W inputs per W code bytes: the W low nibbles are inputs 0, 2, .., 2W - 2
 // and the high ones 1, 3, .., 2W - 1, so x is first arranged to that order (`arrange`) and the
@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "quant_matmul.h"
@@ -62,7 +63,6 @@ template <class V>
 struct Kernels {
   using F = typename V::F;
   static constexpr int W = V::W;
-  static constexpr int kTile = 4;  // activation rows per pass over a weight row
 
   static void arrange(const float* x, std::int64_t m, std::int64_t k, float* dst) {
     for (std::int64_t i = 0; i < m * k; i += 2 * W) {
@@ -101,41 +101,42 @@ struct Kernels {
     for (; i < count; ++i) dst[i] = half_to_float(h[i]);
   }
 
-  // Row n's group scales and offsets in fp32 (the default offsets filled in).
-  static void row_params(const QuantWeight& w, std::int64_t n, float* scale, float* offset) {
-    const std::int64_t groups = w.k / w.group;
-    to_float(w.scales, w.scale_type, n * groups, groups, scale);
+  // The scales and offsets (defaults filled in) of `rows` weight rows from n0, fp32 [rows][groups].
+  static void block_params(const QuantWeight& w, std::int64_t n0, std::int64_t rows, float* scale, float* offset) {
+    const std::int64_t count = rows * (w.k / w.group);
+    to_float(w.scales, w.scale_type, n0 * (w.k / w.group), count, scale);
     if (w.offsets) {
-      to_float(w.offsets, w.scale_type, n * groups, groups, offset);
+      to_float(w.offsets, w.scale_type, n0 * (w.k / w.group), count, offset);
     } else {
       const float by = w.int4 ? -8.0f : 0.0f;
-      for (std::int64_t g = 0; g < groups; ++g) offset[g] = by * scale[g];
+      for (std::int64_t i = 0; i < count; ++i) offset[i] = by * scale[i];
     }
   }
 
-  // acc[t] += the dot product of group g of weight row `row` with x[t] (unscaled codes).
+  // acc[t] += group g of a weight row (its codes at `row`) . x[t], codes unscaled.
   template <int T, bool Int4, int G>
   static void group_dot(const QuantWeight& w, const std::uint8_t* row, std::int64_t g, const float* x, F* acc) {
     const std::int64_t group = G ? G : w.group;
     const float* xg = x + g * group;
-    const std::uint8_t* codes = row + (Int4 ? g * group / 2 : g * group);
     for (std::int64_t c = 0; c < group; c += Int4 ? 2 * W : W) {
       if constexpr (Int4) {
         F lo, hi;
-        V::nibbles(codes + c / 2, lo, hi);
+        V::nibbles(row + (g * group + c) / 2, lo, hi);
         for (int t = 0; t < T; ++t) {
           acc[t] = V::fma(lo, V::load(xg + t * w.k + c), acc[t]);
           acc[t] = V::fma(hi, V::load(xg + t * w.k + c + W), acc[t]);
         }
       } else {
-        const F q = V::bytes(reinterpret_cast<const std::int8_t*>(codes) + c);
+        const F q = V::bytes(reinterpret_cast<const std::int8_t*>(row) + g * group + c);
         for (int t = 0; t < T; ++t) acc[t] = V::fma(q, V::load(xg + t * w.k + c), acc[t]);
       }
     }
   }
 
-  // dots[t] = sum_k code[n][k] * scale[n][k / group] * x[t][k] for T rows of x. G: the group size
-  // when it is one of the common ones (the inner loop unrolls), 0 to read it from w.
+  // dots[t] = sum_k code[n][k] * scale[k / group] * x[t][k] for T rows of x: each code is decoded
+  // once for the T rows. One weight row at a time, in memory order: the hardware prefetcher
+  // follows one stream (rows side by side would be many short ones, half the bandwidth). G: the
+  // group size when it is a common one (the inner loop unrolls), 0 to read it from w.
   template <int T, bool Int4, int G>
   static void tile(const QuantWeight& w, const float* scale, std::int64_t n, const float* x, float* dots) {
     const std::int64_t groups = w.k / (G ? G : w.group);
@@ -145,6 +146,17 @@ struct Kernels {
     F even[T], odd[T], acc[T];
     for (int t = 0; t < T; ++t) even[t] = odd[t] = V::zero();
     std::int64_t g = 0;
+    if constexpr (!Int4 && G == W) {  // one vector per group (Q6_K's 16): scale the codes instead
+      for (; g + 1 < groups; g += 2) {
+        const auto* codes = reinterpret_cast<const std::int8_t*>(row) + g * G;
+        const F q0 = V::mul(V::bytes(codes), V::splat(scale[g]));
+        const F q1 = V::mul(V::bytes(codes + G), V::splat(scale[g + 1]));
+        for (int t = 0; t < T; ++t) {
+          even[t] = V::fma(q0, V::load(x + t * w.k + g * G), even[t]);
+          odd[t] = V::fma(q1, V::load(x + t * w.k + g * G + G), odd[t]);
+        }
+      }
+    }
     for (; g + 1 < groups; g += 2) {
       for (int t = 0; t < T; ++t) acc[t] = V::zero();
       group_dot<T, Int4, G>(w, row, g, x, acc);
@@ -164,39 +176,44 @@ struct Kernels {
     for (int t = 0; t < T; ++t) dots[t] = V::sum(V::add(even[t], odd[t]));
   }
 
-  template <bool Int4, int G>
-  static void rows_of(const Prepared& p, std::int64_t n0, std::int64_t n1) {
+  // Weight row n against x rows [m0, m0 + T): the dot products, the offsets and the bias.
+  template <int T, bool Int4, int G>
+  static void block(const Prepared& p, const float* scale, const float* offset, std::int64_t n, std::int64_t m0) {
     const QuantWeight& w = *p.w;
     const std::int64_t groups = w.k / w.group;
-    float scale[kMaxGroups], offset[kMaxGroups];
+    float dots[T];
+    tile<T, Int4, G>(w, scale, n, p.x + m0 * w.k, dots);
+    for (int t = 0; t < T; ++t) {
+      const float value = dots[t] + dot(offset, p.xsum + (m0 + t) * groups, groups);
+      p.out[(m0 + t) * w.n + n] = p.bias ? value + p.bias[n] : value;
+    }
+  }
+
+  template <bool Int4, int G>
+  static void rows_of(const Prepared& p, std::int64_t n0, std::int64_t n1) {
+    const std::int64_t groups = p.w->k / p.w->group;
+    // the task's scales and offsets converted at once (vectorised); plain C allocation: no
+    // library template in this file (see above)
+    auto* scale = static_cast<float*>(std::malloc(2 * (n1 - n0) * groups * sizeof(float)));
+    float* offset = scale + (n1 - n0) * groups;
+    block_params(*p.w, n0, n1 - n0, scale, offset);
     for (std::int64_t n = n0; n < n1; ++n) {
-      row_params(w, n, scale, offset);
-      for (std::int64_t m0 = 0; m0 < p.m; m0 += kTile) {
-        float dots[kTile];
-        const float* x = p.x + m0 * w.k;
-        const std::int64_t rows = lesser(kTile, p.m - m0);
-        switch (rows) {
-          case 1: tile<1, Int4, G>(w, scale, n, x, dots); break;
-          case 2: tile<2, Int4, G>(w, scale, n, x, dots); break;
-          case 3: tile<3, Int4, G>(w, scale, n, x, dots); break;
-          default: tile<4, Int4, G>(w, scale, n, x, dots); break;
-        }
-        for (std::int64_t t = 0; t < rows; ++t) {
-          const float value = dots[t] + dot(offset, p.xsum + (m0 + t) * groups, groups);
-          p.out[(m0 + t) * w.n + n] = p.bias ? value + p.bias[n] : value;
+      const float *s = scale + (n - n0) * groups, *o = offset + (n - n0) * groups;
+      for (std::int64_t m0 = 0; m0 < p.m; m0 += 4) {
+        switch (lesser(4, p.m - m0)) {
+          case 1: block<1, Int4, G>(p, s, o, n, m0); break;
+          case 2: block<2, Int4, G>(p, s, o, n, m0); break;
+          case 3: block<3, Int4, G>(p, s, o, n, m0); break;
+          default: block<4, Int4, G>(p, s, o, n, m0); break;
         }
       }
     }
+    std::free(scale);
   }
 
   static void rows(const Prepared& p, std::int64_t n0, std::int64_t n1) {
     const std::int64_t group = p.w->group;
-    if (p.w->int4) {
-      if (group == 32) return rows_of<true, 32>(p, n0, n1);
-      if (group == 64) return rows_of<true, 64>(p, n0, n1);
-      if (group == 128) return rows_of<true, 128>(p, n0, n1);
-      return rows_of<true, 0>(p, n0, n1);
-    }
+    if (p.w->int4) return group == 32 ? rows_of<true, 32>(p, n0, n1) : rows_of<true, 0>(p, n0, n1);
     if (group == 16) return rows_of<false, 16>(p, n0, n1);
     if (group == 32) return rows_of<false, 32>(p, n0, n1);
     return rows_of<false, 0>(p, n0, n1);
@@ -206,7 +223,7 @@ struct Kernels {
     const std::int64_t groups = w.k / w.group;
     float scale[kMaxGroups], offset[kMaxGroups];
     for (std::int64_t n = n0; n < n1; ++n) {
-      row_params(w, n, scale, offset);
+      block_params(w, n, 1, scale, offset);
       float* dst = out + n * w.k;
       for (std::int64_t g = 0; g < groups; ++g) {
         const float s = scale[g], o = offset[g];

@@ -1,9 +1,12 @@
-"""The one place that decides between the CUDA extension and the torch reference.
+"""The one place that decides between the compiled kernels and the torch reference.
 
-Rule: the compiled extension ninfer_core._C is importable, every tensor of the call is on a CUDA
-device with a kernel dtype (fp32 / fp16 / bf16), and NINFER_DISABLE_KERNELS is unset (or "0")
-=> kernel; otherwise the torch reference. A missing or broken extension is logged once at debug
-level and never raised: CPU-only installs simply run the references.
+Rule: NINFER_DISABLE_KERNELS is unset (or "0") and
+- every tensor of the call is on a CUDA device with a kernel dtype (fp32 / fp16 / bf16) and the
+  extension ninfer_core._C is importable => CUDA kernel;
+- every tensor is on the CPU and ninfer_core._cpu is importable => CPU kernel (csrc/cpu: the
+  quantized matmul, `ops/quant.py`);
+otherwise the torch reference. A missing or broken extension is logged once at debug level and
+never raised: an install without compiled code simply runs the references.
 """
 
 from __future__ import annotations
@@ -32,6 +35,16 @@ def extension() -> ModuleType | None:
         return None
 
 
+@functools.cache
+def cpu_extension() -> ModuleType | None:
+    """The compiled `ninfer_core._cpu`, or None when it was not built or cannot load."""
+    try:
+        return importlib.import_module("ninfer_core._cpu")
+    except ImportError as exc:
+        log.debug("ninfer_core._cpu unavailable, using torch reference ops on the CPU: %s", exc)
+        return None
+
+
 def kernels_disabled() -> bool:
     """True when NINFER_DISABLE_KERNELS asks for the torch references everywhere."""
     return os.environ.get(DISABLE_ENV, "") not in ("", "0")
@@ -47,6 +60,21 @@ def use_kernel(*tensors: torch.Tensor) -> bool:
     if not all(t.device.type == "cuda" and t.dtype in _KERNEL_DTYPES for t in tensors):
         return False
     return kernels_available()
+
+
+def cpu_kernels_available() -> bool:
+    """True when CPU tensors would run on the CPU extension's kernels."""
+    return not kernels_disabled() and cpu_extension() is not None
+
+
+def use_cpu_kernel(*tensors: torch.Tensor) -> bool:
+    """Whether a call on these tensors goes to the CPU extension (see the module docstring)."""
+    return all(t.device.type == "cpu" for t in tensors) and cpu_kernels_available()
+
+
+def cpu_threads() -> int:
+    """Threads a CPU kernel runs on: torch's intra-op setting, so one knob sets both."""
+    return torch.get_num_threads()
 
 
 def kernel_dtype(t: torch.Tensor) -> object:
