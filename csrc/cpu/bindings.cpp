@@ -27,14 +27,15 @@ PYBIND11_MODULE(_cpu, m) {
       "out[m, n] = x[m, k] @ W^T (+ bias), fp32; offsets / bias 0 for none; scale_type: ScaleType's value.");
   m.def(
       "dequantize",
-      [](std::uintptr_t out, std::int64_t n, int threads, std::uintptr_t codes, std::uintptr_t scales,
-         std::uintptr_t offsets, std::int64_t k, std::int64_t group, bool int4, int scale_type) {
+      [](std::uintptr_t out, std::int64_t n, std::int64_t first, std::int64_t count, int threads,
+         std::uintptr_t codes, std::uintptr_t scales, std::uintptr_t offsets, std::int64_t k, std::int64_t group,
+         bool int4, int scale_type) {
         const QuantWeight w{codes, scales, offsets, n, k, group, int4, static_cast<ScaleType>(scale_type)};
-        ninfer::cpu::dequantize(w, out, threads);
+        ninfer::cpu::dequantize(w, first, count, out, threads);
       },
-      py::arg("out"), py::arg("n"), py::arg("threads"), py::arg("codes"), py::arg("scales"), py::arg("offsets"),
-      py::arg("k"), py::arg("group"), py::arg("int4"), py::arg("scale_type"),
-      py::call_guard<py::gil_scoped_release>(), "out fp32 [n, k] = the dense weight.");
+      py::arg("out"), py::arg("n"), py::arg("first"), py::arg("count"), py::arg("threads"), py::arg("codes"),
+      py::arg("scales"), py::arg("offsets"), py::arg("k"), py::arg("group"), py::arg("int4"), py::arg("scale_type"),
+      py::call_guard<py::gil_scoped_release>(), "out fp32 [count, k] = rows first.. of the dense weight [n, k].");
   m.def(
       "add_rmsnorm",
       [](std::uintptr_t out, std::uintptr_t residual_out, std::uintptr_t x, std::uintptr_t residual,
@@ -87,5 +88,8 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("dim"), py::arg("page_size"), py::arg("table_width"), py::arg("scale"), py::arg("threads"),
       py::call_guard<py::gil_scoped_release>(),
       "fp32 causal attention over a paged cache (int32 block table, int64 lengths). See csrc/cpu/decode_ops.h.");
+  m.def("use_isa", &ninfer::cpu::use_isa, py::arg("name"),
+        "Run the quant kernels with the best instruction set up to `name` (avx512, avx2, generic) this CPU has; "
+        "returns it. Not while a kernel runs.");
   m.def("isa", &ninfer::cpu::isa, "The instruction set the kernels run with: avx512, avx2 or generic.");
 }

@@ -12,6 +12,12 @@ struct Avx2 {
   static F zero() { return _mm256_setzero_ps(); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  // dst[2i] = lo[i], dst[2i + 1] = hi[i]
+  static void store_pairs(float* dst, F lo, F hi) {
+    const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);  // per 128-bit lane
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(a, b, 0x20));
+    _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(a, b, 0x31));
+  }
   static F splat(float v) { return _mm256_set1_ps(v); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }

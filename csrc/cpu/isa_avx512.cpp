@@ -12,6 +12,13 @@ struct Avx512 {
   static F zero() { return _mm512_setzero_ps(); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  // dst[2i] = lo[i], dst[2i + 1] = hi[i]
+  static void store_pairs(float* dst, F lo, F hi) {
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
   static F splat(float v) { return _mm512_set1_ps(v); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }

@@ -19,6 +19,12 @@ struct Generic {
   static void store(float* p, F a) {
     for (int i = 0; i < W; ++i) p[i] = a.v[i];
   }
+  static void store_pairs(float* dst, F lo, F hi) {
+    for (int i = 0; i < W; ++i) {
+      dst[2 * i] = lo.v[i];
+      dst[2 * i + 1] = hi.v[i];
+    }
+  }
   static F splat(float s) {
     F r;
     for (int i = 0; i < W; ++i) r.v[i] = s;

@@ -1,7 +1,7 @@
 // The CPU quant kernels, written once over a vector type V. Each isa_*.cpp defines its V and
 // compiles this header with its instruction set; quant_matmul.cpp picks one at run time.
 //
-// V provides: F (W floats), zero, load, store, splat, add, mul, fma, sum (horizontal), halves (W fp16 -> F),
+// V provides: F (W floats), zero, load, store, store_pairs (interleaved), splat, add, mul, fma, sum (horizontal), halves (W fp16 -> F),
 // bytes (W signed bytes -> F) and nibbles (W bytes -> their low and their high nibbles as two F).
 // The int4 loop reads 2W inputs per W code bytes: the W low nibbles are inputs 0, 2, .., 2W - 2
 // and the high ones 1, 3, .., 2W - 1, so x is first arranged to that order (`arrange`) and the
@@ -219,24 +219,27 @@ struct Kernels {
     return rows_of<false, 0>(p, n0, n1);
   }
 
+  // Rows [n0, n1) of the dense weight into out (row n0 first): code * scale + offset, a product
+  // then a sum (the reference's two roundings).
   static void dequantize_rows(const QuantWeight& w, float* out, std::int64_t n0, std::int64_t n1) {
     const std::int64_t groups = w.k / w.group;
     float scale[kMaxGroups], offset[kMaxGroups];
     for (std::int64_t n = n0; n < n1; ++n) {
       block_params(w, n, 1, scale, offset);
-      float* dst = out + n * w.k;
+      float* dst = out + (n - n0) * w.k;
       for (std::int64_t g = 0; g < groups; ++g) {
-        const float s = scale[g], o = offset[g];
-        const std::int64_t begin = g * w.group;
+        const F s = V::splat(scale[g]), o = V::splat(offset[g]);
+        const std::int64_t begin = g * w.group, end = begin + w.group;
         if (w.int4) {
-          const auto* codes = reinterpret_cast<const std::uint8_t*>(w.codes) + (n * w.k + begin) / 2;
-          for (std::int64_t j = 0; j < w.group / 2; ++j) {
-            dst[begin + 2 * j] = static_cast<float>(codes[j] & 15) * s + o;
-            dst[begin + 2 * j + 1] = static_cast<float>(codes[j] >> 4) * s + o;
+          const auto* codes = reinterpret_cast<const std::uint8_t*>(w.codes) + n * w.k / 2;
+          for (std::int64_t c = begin; c < end; c += 2 * W) {
+            F lo, hi;
+            V::nibbles(codes + c / 2, lo, hi);
+            V::store_pairs(dst + c, V::add(V::mul(lo, s), o), V::add(V::mul(hi, s), o));
           }
         } else {
-          const auto* codes = reinterpret_cast<const std::int8_t*>(w.codes) + n * w.k + begin;
-          for (std::int64_t j = 0; j < w.group; ++j) dst[begin + j] = static_cast<float>(codes[j]) * s + o;
+          const auto* codes = reinterpret_cast<const std::int8_t*>(w.codes) + n * w.k;
+          for (std::int64_t c = begin; c < end; c += W) V::store(dst + c, V::add(V::mul(V::bytes(codes + c), s), o));
         }
       }
     }

@@ -2,6 +2,7 @@
 // process, x prepared once per call, rows of the weight split over the thread pool.
 #include "quant_matmul.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -29,19 +30,26 @@ bool cpu_has(const char* feature) {
   return false;
 }
 
-const IsaKernels& pick() {
-  const char* env = std::getenv("NINFER_CPU_ISA");
-  const std::string cap = env ? env : "";
+// The kernels of `name` ("" or "avx512": the best this CPU runs; "avx2"; "generic"): the
+// instruction sets up to the one named that this CPU has.
+const IsaKernels* pick(const std::string& name) {
 #if defined(NINFER_CPU_X86)
-  if ((cap.empty() || cap == "avx512") && cpu_has("avx512")) return kAvx512Kernels;
-  if ((cap.empty() || cap == "avx512" || cap == "avx2") && cpu_has("avx2")) return kAvx2Kernels;
+  if ((name.empty() || name == "avx512") && cpu_has("avx512")) return &kAvx512Kernels;
+  if ((name.empty() || name == "avx512" || name == "avx2") && cpu_has("avx2")) return &kAvx2Kernels;
 #endif
-  return kGenericKernels;
+  return &kGenericKernels;
 }
 
+std::atomic<const IsaKernels*> chosen{nullptr};
+
 const IsaKernels& kernels() {
-  static const IsaKernels& chosen = pick();
-  return chosen;
+  const IsaKernels* k = chosen.load();
+  if (!k) {
+    const char* env = std::getenv("NINFER_CPU_ISA");
+    k = pick(env ? env : "");
+    chosen.store(k);
+  }
+  return *k;
 }
 
 void check(const QuantWeight& w) {
@@ -82,16 +90,23 @@ void quant_matmul(const MatmulArgs& a) {
   });
 }
 
-void dequantize(const QuantWeight& w, std::uintptr_t out, int threads) {
+void dequantize(const QuantWeight& w, std::int64_t first, std::int64_t count, std::uintptr_t out, int threads) {
   check(w);
+  if (first < 0 || count < 0 || first + count > w.n) throw std::invalid_argument("dequantize: rows out of range");
   const IsaKernels& impl = kernels();
   auto* dst = reinterpret_cast<float*>(out);
-  const std::int64_t tasks = (w.n + kRowsPerTask - 1) / kRowsPerTask;
+  const std::int64_t tasks = (count + kRowsPerTask - 1) / kRowsPerTask;
   parallel_for(tasks, threads, [&](std::int64_t t) {
-    impl.dequantize_rows(w, dst, t * kRowsPerTask, t + 1 < tasks ? (t + 1) * kRowsPerTask : w.n);
+    const std::int64_t n0 = first + t * kRowsPerTask, n1 = t + 1 < tasks ? n0 + kRowsPerTask : first + count;
+    impl.dequantize_rows(w, dst + (n0 - first) * w.k, n0, n1);
   });
 }
 
 const char* isa() { return kernels().name; }
+
+const char* use_isa(const char* name) {
+  chosen.store(pick(name));
+  return isa();
+}
 
 }  // namespace ninfer::cpu

@@ -38,11 +38,16 @@ struct MatmulArgs {
 
 void quant_matmul(const MatmulArgs& args);
 
-// out fp32 [n, k] = w, the dense weight (prefill multiplies by it with a GEMM).
-void dequantize(const QuantWeight& w, std::uintptr_t out, int threads);
+// out fp32 [count, k] = rows [first, first + count) of w, the dense weight (prefill multiplies by
+// it with a GEMM, a tile of rows at a time).
+void dequantize(const QuantWeight& w, std::int64_t first, std::int64_t count, std::uintptr_t out, int threads);
 
 // The instruction set the kernels run with on this CPU: "avx512", "avx2" or "generic".
-// NINFER_CPU_ISA=avx2|generic picks a lower one (tests run every path on one machine).
+// NINFER_CPU_ISA=avx2|generic picks a lower one.
 const char* isa();
+
+// Switch to the best instruction set up to `name` that this CPU has, and return it: tests run
+// every path on one machine. Not while a kernel runs.
+const char* use_isa(const char* name);
 
 }  // namespace ninfer::cpu

@@ -204,7 +204,8 @@ def fill_quantized_(
                 weight = torch.cat([t.to(device) for t in parts]) if len(parts) > 1 else parts[0].to(device)
                 fmt = qw.format
                 _store(module, "", quantize(weight, fmt.kind, fmt.group_size, fmt.scale_dtype))
-            consumed.update(source_names(sources, source))
+            # a tied lm_head reads the embedding's tensor but does not consume it
+            consumed.update(source_names(sources, prefix + "weight"))
         elif isinstance(module, Experts) and module.kind is not None:
             for part in ("gate_up_proj", "down_proj"):
                 _store(module, f"{part.removesuffix('_proj')}_", quantize(get(prefix + part).to(device), module.kind,

@@ -42,7 +42,8 @@ from . import dispatch
 
 GROUP_SIZES = (32, 64, 128)
 MAX_GEMV_ROWS = 16  # csrc/quant_gemv.h: kQuantGemvMaxRows
-CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it dequantize + fp32 GEMM is faster
+CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it a tiled dequantize + fp32 GEMM is faster
+CPU_PREFILL_TILE_BYTES = 1 << 20  # fp32 weight rows dequantized at once on the CPU (fits L2)
 _CODES = {"int8": torch.int8, "int4": torch.uint8}
 _GPU_SCALES = {"int8": torch.float32, "int4": torch.bfloat16}  # `quantize`'s default scale dtypes
 _SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -195,8 +196,8 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     elsewhere; identical values."""
     if qw.device.type == "cpu" and qw.cpu_plan is not None and dispatch.cpu_kernels_available():
         out = torch.empty(qw.shape, dtype=torch.float32)
-        dispatch.cpu_extension().dequantize(out.data_ptr(), out.numel() // qw.in_features, dispatch.cpu_threads(),
-                                            *qw.cpu_plan)
+        rows = out.numel() // qw.in_features
+        dispatch.cpu_extension().dequantize(out.data_ptr(), rows, 0, rows, dispatch.cpu_threads(), *qw.cpu_plan)
         return out.to(dtype)
     out_dtype_ok = dtype in (torch.float32, torch.float16, torch.bfloat16)
     k = qw.in_features
@@ -216,8 +217,8 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize_ref(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """Torch reference of `dequantize`: code * scale + offset in fp32, rounded once to dtype (the
-    product is exact in fp32, so this is also what the kernels compute)."""
+    """Torch reference of `dequantize`: code * scale + offset in fp32 (a product, then a sum: what
+    the kernels compute), rounded once to dtype. The product is exact for 16-bit scales."""
     if qw.kind == "int8":
         codes = qw.qweight.float()
     else:
@@ -250,13 +251,15 @@ def quant_linear(
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, for a 2-D quantized weight."""
     _check_linear(x, qw, bias)
     rows = x.numel() // qw.in_features
-    max_rows = CPU_GEMV_ROWS if x.device.type == "cpu" else MAX_GEMV_ROWS
-    if rows > max_rows:
+    cpu_kernel = x.device.type == "cpu" and qw.cpu_plan is not None and dispatch.cpu_kernels_available()
+    if cpu_kernel and rows > CPU_GEMV_ROWS:
+        return _cpu_tiled_linear(x.reshape(rows, qw.in_features), qw, bias).view(*x.shape[:-1], qw.out_features).to(x.dtype)
+    if rows > MAX_GEMV_ROWS:
         # Prefill: with many rows the product is compute-bound; a GEMM (cuBLAS tensor cores, or
         # the CPU's fp32 BLAS) on a transient dequantized copy beats any GEMV, and the copy costs
         # two passes over the weight, small next to a long prompt's FLOPs.
         return F.linear(x, dequantize(qw, x.dtype), None if bias is None else bias.to(x.dtype))
-    if x.device.type == "cpu" and qw.cpu_plan is not None and dispatch.cpu_kernels_available():
+    if cpu_kernel:
         return _cpu_matmul(x.reshape(rows, qw.in_features), qw, bias).view(*x.shape[:-1], qw.out_features).to(x.dtype)
     x2 = x.reshape(rows, qw.in_features).contiguous()
     if not _kernel_ok(x2, qw, bias):
@@ -280,6 +283,23 @@ def _cpu_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None)
     dispatch.cpu_extension().quant_matmul(out.data_ptr(), x.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                           x.shape[0], qw.out_features, dispatch.cpu_threads(), *qw.cpu_plan)
     return out
+
+
+def _cpu_tiled_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Prefill on the CPU: an fp32 GEMM over the weight dequantized a tile of rows at a time into a
+    buffer the cache holds, so the fp32 copy of the whole weight is never written out (for a 1.5B
+    model that would be 6 GB of writes per chunk)."""
+    x = x.float()
+    n, k = qw.out_features, qw.in_features
+    tile = min(n, max(16, CPU_PREFILL_TILE_BYTES // (4 * k)))
+    out_t = torch.empty(n, x.shape[0])  # W @ x^T: each tile's rows are contiguous rows of it
+    block = torch.empty(tile, k)
+    for first in range(0, n, tile):
+        count = min(tile, n - first)
+        dispatch.cpu_extension().dequantize(block.data_ptr(), n, first, count, dispatch.cpu_threads(), *qw.cpu_plan)
+        torch.mm(block[:count], x.T, out=out_t[first : first + count])
+    out = out_t.T
+    return (out if bias is None else out + bias.float()).contiguous()
 
 
 def _kernel_ok(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> bool:
