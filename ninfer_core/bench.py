@@ -151,7 +151,7 @@ def _build(setup: BenchSetup) -> tuple[nn.Module, ModelConfig, torch.device, tor
     if setup.model in PRESETS:
         config = preset(setup.model)
         dtype = resolve_dtype(setup.dtype, dev)
-        recipe = resolve_recipe(setup.weights, dev, dtype, count_params(config))
+        recipe = resolve_recipe(setup.weights, dev, dtype, count_params(config), exact=setup.dtype != "auto")
         return random_model(config, dev, dtype, recipe, setup.seed), config, dev, dtype, recipe
     loaded = load_model(setup.model, setup.device, setup.dtype, weights=setup.weights)
     return loaded.model, loaded.config, loaded.device, loaded.dtype, loaded.recipe

@@ -127,7 +127,7 @@ def test_many_rows_multiply_the_dequantized_weight():
     x, bias = torch.randn(2, 9, 1024), torch.randn(600)
     assert quant.CPU_PREFILL_TILE_BYTES // (4 * 1024) < 600
     torch.testing.assert_close(quant_linear(x, qw, bias),
-                               torch.nn.functional.linear(x, dequantize_ref(qw, torch.float32), bias), rtol=1e-5, atol=1e-5)
+                               torch.nn.functional.linear(x, dequantize_ref(qw, torch.float32), bias), rtol=1e-4, atol=1e-4)
 
 
 def test_what_the_kernel_cannot_run_takes_the_reference(monkeypatch):

@@ -25,7 +25,6 @@ from test_gguf_kquants import random_fp16_bits
 from tiny_gguf import write_gguf
 
 from ninfer_core.cache import CacheManager
-from ninfer_core.errors import NinferError
 from ninfer_core.models.base import ForwardBatch
 from ninfer_core.models.loader import LoadedModel, _fill, build_model, load_model
 from ninfer_core.models.quantize import QuantRecipe, resolve_recipe, weight_bytes
@@ -157,16 +156,6 @@ def test_recipe_keeps_the_files_quantization(tmp_path, tied):
 
 
 # ---- real models ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm_path() -> Path:
-    from ninfer_core.models.default_model import default_model_path
-
-    try:
-        return default_model_path()
-    except NinferError as exc:
-        pytest.skip(str(exc))
 
 
 @torch.inference_mode()

@@ -208,8 +208,10 @@ def test_reference_matches_float64(kind, group_size, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_rows_use_dequantized_linear(dtype):
-    """Past 16 rows (prefill): F.linear over the weights dequantized to x's dtype."""
+def test_many_rows_use_dequantized_linear(dtype, monkeypatch):
+    """Past 16 rows (prefill): F.linear over the weights dequantized to x's dtype (the CPU kernels,
+    where built, multiply fp32 tiles instead: tests/test_cpu_kernels.py)."""
+    monkeypatch.setattr(dispatch, "cpu_extension", lambda: None)
     qw = quantize(_randn(48, 256, seed=5), "int4", 64)
     x = _randn(2, 9, 256, seed=6, dtype=dtype)
     bias = _randn(48, seed=7, dtype=dtype)

@@ -157,16 +157,6 @@ TEXT = (
 )
 
 
-@pytest.fixture(scope="module")
-def smollm_path() -> Path:
-    from ninfer_core.models.default_model import default_model_path
-
-    try:
-        return default_model_path()
-    except NinferError as exc:
-        pytest.skip(str(exc))
-
-
 def test_real_model_quantized_agreement(smollm_path):
     """SmolLM2-135M (real trained weights): teacher-forced next-token distributions of each quantized
     recipe against the fp32 model on prose + code (the printed line is the measurement).

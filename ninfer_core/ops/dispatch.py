@@ -25,24 +25,25 @@ DISABLE_ENV = "NINFER_DISABLE_KERNELS"
 _KERNEL_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
+def _load(name: str) -> ModuleType | None:
+    """A compiled extension module, or None (logged at debug level) when it was not built or cannot load."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        log.debug("%s unavailable, using torch reference ops instead: %s", name, exc)
+        return None
+
+
 @functools.cache
 def extension() -> ModuleType | None:
-    """The compiled `ninfer_core._C`, or None when it was not built or cannot load."""
-    try:
-        return importlib.import_module("ninfer_core._C")
-    except ImportError as exc:
-        log.debug("ninfer_core._C unavailable, using torch reference ops: %s", exc)
-        return None
+    """The compiled CUDA kernels `ninfer_core._C`, or None."""
+    return _load("ninfer_core._C")
 
 
 @functools.cache
 def cpu_extension() -> ModuleType | None:
-    """The compiled `ninfer_core._cpu`, or None when it was not built or cannot load."""
-    try:
-        return importlib.import_module("ninfer_core._cpu")
-    except ImportError as exc:
-        log.debug("ninfer_core._cpu unavailable, using torch reference ops on the CPU: %s", exc)
-        return None
+    """The compiled CPU kernels `ninfer_core._cpu`, or None."""
+    return _load("ninfer_core._cpu")
 
 
 def kernels_disabled() -> bool:

@@ -296,7 +296,9 @@ def _cpu_tiled_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor |
     block = torch.empty(tile, k)
     for first in range(0, n, tile):
         count = min(tile, n - first)
-        dispatch.cpu_extension().dequantize(block.data_ptr(), n, first, count, dispatch.cpu_threads(), *qw.cpu_plan)
+        # one thread: torch's GEMM runs on its own pool, and two pools taking turns spin against
+        # each other on a busy machine; the dequantization is a tenth of the tile's time
+        dispatch.cpu_extension().dequantize(block.data_ptr(), n, first, count, 1, *qw.cpu_plan)
         torch.mm(block[:count], x.T, out=out_t[first : first + count])
     out = out_t.T
     return (out if bias is None else out + bias.float()).contiguous()
