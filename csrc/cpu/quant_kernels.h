@@ -191,20 +191,23 @@ struct Kernels {
 
   template <bool Int4, int G>
   static void rows_of(const Prepared& p, std::int64_t n0, std::int64_t n1) {
+    constexpr std::int64_t kChunk = 16;  // rows whose scales and offsets are converted at once
     const std::int64_t groups = p.w->k / p.w->group;
-    // the task's scales and offsets converted at once (vectorised); plain C allocation: no
-    // library template in this file (see above)
-    auto* scale = static_cast<float*>(std::malloc(2 * (n1 - n0) * groups * sizeof(float)));
-    float* offset = scale + (n1 - n0) * groups;
-    block_params(*p.w, n0, n1 - n0, scale, offset);
-    for (std::int64_t n = n0; n < n1; ++n) {
-      const float *s = scale + (n - n0) * groups, *o = offset + (n - n0) * groups;
-      for (std::int64_t m0 = 0; m0 < p.m; m0 += 4) {
-        switch (lesser(4, p.m - m0)) {
-          case 1: block<1, Int4, G>(p, s, o, n, m0); break;
-          case 2: block<2, Int4, G>(p, s, o, n, m0); break;
-          case 3: block<3, Int4, G>(p, s, o, n, m0); break;
-          default: block<4, Int4, G>(p, s, o, n, m0); break;
+    // plain C allocation: no library template in this file (see above)
+    auto* scale = static_cast<float*>(std::malloc(2 * kChunk * groups * sizeof(float)));
+    float* offset = scale + kChunk * groups;
+    for (std::int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+      const std::int64_t c1 = lesser(n1, c0 + kChunk);
+      block_params(*p.w, c0, c1 - c0, scale, offset);  // vectorised over the chunk
+      for (std::int64_t n = c0; n < c1; ++n) {
+        const float *s = scale + (n - c0) * groups, *o = offset + (n - c0) * groups;
+        for (std::int64_t m0 = 0; m0 < p.m; m0 += 4) {
+          switch (lesser(4, p.m - m0)) {
+            case 1: block<1, Int4, G>(p, s, o, n, m0); break;
+            case 2: block<2, Int4, G>(p, s, o, n, m0); break;
+            case 3: block<3, Int4, G>(p, s, o, n, m0); break;
+            default: block<4, Int4, G>(p, s, o, n, m0); break;
+          }
         }
       }
     }

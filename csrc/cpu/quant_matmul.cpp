@@ -2,6 +2,7 @@
 // process, x prepared once per call, rows of the weight split over the thread pool.
 #include "quant_matmul.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -15,9 +16,13 @@
 namespace ninfer::cpu {
 namespace {
 
-// Weight rows per task: enough work to pay for claiming it, small enough that two threads stay
-// balanced when one of them is descheduled for a while.
-constexpr std::int64_t kRowsPerTask = 16;
+// Weight rows per task: about 8 tasks per thread, so that the threads stay balanced when one of
+// them is descheduled for a while (a busy machine), and at least 16 rows, so that claiming a task
+// (an atomic shared between cores) costs little next to it.
+std::int64_t rows_per_task(std::int64_t rows, int threads) {
+  const std::int64_t tasks = 8 * static_cast<std::int64_t>(threads > 1 ? threads : 1);
+  return std::max<std::int64_t>(16, (rows + tasks - 1) / tasks + 15) / 16 * 16;
+}
 
 bool cpu_has(const char* feature) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -84,9 +89,9 @@ void quant_matmul(const MatmulArgs& a) {
   }
   const Prepared p{&w, reinterpret_cast<float*>(a.out), w.int4 ? arranged.data() : x, xsum.data(),
                    reinterpret_cast<const float*>(a.bias), a.m};
-  const std::int64_t tasks = (w.n + kRowsPerTask - 1) / kRowsPerTask;
+  const std::int64_t per_task = rows_per_task(w.n, a.threads), tasks = (w.n + per_task - 1) / per_task;
   parallel_for(tasks, a.threads, [&](std::int64_t t) {
-    impl.rows(p, t * kRowsPerTask, t + 1 < tasks ? (t + 1) * kRowsPerTask : w.n);
+    impl.rows(p, t * per_task, t + 1 < tasks ? (t + 1) * per_task : w.n);
   });
 }
 
@@ -95,9 +100,9 @@ void dequantize(const QuantWeight& w, std::int64_t first, std::int64_t count, st
   if (first < 0 || count < 0 || first + count > w.n) throw std::invalid_argument("dequantize: rows out of range");
   const IsaKernels& impl = kernels();
   auto* dst = reinterpret_cast<float*>(out);
-  const std::int64_t tasks = (count + kRowsPerTask - 1) / kRowsPerTask;
+  const std::int64_t per_task = rows_per_task(count, threads), tasks = (count + per_task - 1) / per_task;
   parallel_for(tasks, threads, [&](std::int64_t t) {
-    const std::int64_t n0 = first + t * kRowsPerTask, n1 = t + 1 < tasks ? n0 + kRowsPerTask : first + count;
+    const std::int64_t n0 = first + t * per_task, n1 = t + 1 < tasks ? n0 + per_task : first + count;
     impl.dequantize_rows(w, dst + (n0 - first) * w.k, n0, n1);
   });
 }

@@ -33,9 +33,13 @@ class Pool {
     }
     wake_.notify_all();
     drain(fn, count);
-    std::unique_lock<std::mutex> lock(mutex_);
-    open_ = false;  // a worker that wakes from now on leaves this job alone
-    done_.wait(lock, [this] { return active_ == 0; });
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      open_ = false;  // a worker that wakes from now on leaves this job alone
+    }
+    // The workers that joined finish their last task about when the caller does: spin (yielding
+    // the core) rather than sleep, which would cost a futex wake-up per call.
+    while (active_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
   }
 
  private:
@@ -55,24 +59,24 @@ class Pool {
       seen = generation_.load(std::memory_order_relaxed);
       if (!open_ || joined_ >= wanted_) continue;
       ++joined_;
-      ++active_;
+      active_.fetch_add(1, std::memory_order_relaxed);
       const auto* fn = fn_;
       const std::int64_t count = count_;
       lock.unlock();
       drain(*fn, count);
-      lock.lock();
-      if (--active_ == 0) done_.notify_one();
+      active_.fetch_sub(1, std::memory_order_release);
     }
   }
 
   std::mutex run_mutex_, mutex_;
-  std::condition_variable wake_, done_;
+  std::condition_variable wake_;
   std::vector<std::thread> workers_;
   const std::function<void(std::int64_t)>* fn_ = nullptr;
   std::int64_t count_ = 0;
   std::atomic<std::int64_t> next_{0};
   std::atomic<std::uint64_t> generation_{0};
-  int wanted_ = 0, joined_ = 0, active_ = 0;
+  int wanted_ = 0, joined_ = 0;
+  std::atomic<int> active_{0};  // workers inside the current job's tasks
   bool open_ = false;
 };
 
