@@ -31,6 +31,7 @@ tested against.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,7 +44,9 @@ from . import dispatch
 GROUP_SIZES = (32, 64, 128)
 MAX_GEMV_ROWS = 16  # csrc/quant_gemv.h: kQuantGemvMaxRows
 CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it a tiled dequantize + fp32 GEMM is faster
-CPU_PREFILL_TILE_BYTES = 1 << 20  # fp32 weight rows dequantized at once on the CPU (fits L2)
+# fp32 weight rows dequantized at once on the CPU: cache-sized, and few GEMM calls per weight
+# (each is a barrier of torch's thread pool, which a busy machine makes slow)
+CPU_PREFILL_TILE_BYTES = 8 << 20
 _CODES = {"int8": torch.int8, "int4": torch.uint8}
 _GPU_SCALES = {"int8": torch.float32, "int4": torch.bfloat16}  # `quantize`'s default scale dtypes
 _SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -293,7 +296,7 @@ def _cpu_tiled_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor |
     n, k = qw.out_features, qw.in_features
     tile = min(n, max(16, CPU_PREFILL_TILE_BYTES // (4 * k)))
     out_t = torch.empty(n, x.shape[0])  # W @ x^T: each tile's rows are contiguous rows of it
-    block = torch.empty(tile, k)
+    block = _tile_buffer(tile * k).view(tile, k)
     for first in range(0, n, tile):
         count = min(tile, n - first)
         # one thread: torch's GEMM runs on its own pool, and two pools taking turns spin against
@@ -302,6 +305,18 @@ def _cpu_tiled_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor |
         torch.mm(block[:count], x.T, out=out_t[first : first + count])
     out = out_t.T
     return (out if bias is None else out + bias.float()).contiguous()
+
+
+_tiles = threading.local()
+
+
+def _tile_buffer(numel: int) -> torch.Tensor:
+    """A reused fp32 buffer of at least `numel` values, one per thread (a fresh one per call would
+    be megabytes of page faults per GEMM)."""
+    buffer = getattr(_tiles, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _tiles.buffer = torch.empty(numel)
+    return buffer[:numel]
 
 
 def _kernel_ok(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> bool:
