@@ -1,13 +1,14 @@
 """A GGUF model on the CPU: ninfer against llama.cpp in one run, and the compact weights' accuracy.
 
     python3 scripts/bench_cpu_gguf.py speed MODEL.gguf --llama-bench PATH/llama-bench [--threads 1,2]
-        [--prompt 128] [--gen 64] [--depth 64] [--repeats 5] [--json OUT]
+        [--prompt 128] [--gen 64] [--depth 64] [--repeats 5] [--dtype auto|float32] [--json OUT]
     python3 scripts/bench_cpu_gguf.py accuracy MODEL.gguf [--tokens 300] [--json OUT]
 
 speed: for each thread count, `repeats` rounds that alternate ninfer and llama-bench (ninfer first
 in even rounds, llama.cpp first in odd ones), so both see the same machine. ninfer runs its own
 forward as `ninfer bench` does (no tokenizer or sampling): a prefill of `prompt` tokens, then `gen`
-decode steps at a context of `depth` tokens; llama-bench runs pp`prompt` and tg`gen` at depth
+decode steps at a context of `depth` tokens (`--dtype float32`: the exact fp32 path, every tensor
+dequantized at load, which was the CPU path before the compact weights); llama-bench runs pp`prompt` and tg`gen` at depth
 `depth` (-d) with the same thread count. Medians of the rounds and their ratio are printed. Only
 decode-sized and prefill-sized forwards are timed, never the load.
 
@@ -57,7 +58,7 @@ def llama_bench(binary: Path, model: Path, threads: int, args: list[str]) -> flo
 
 
 def speed(args: argparse.Namespace) -> dict:
-    setup = BenchSetup(model=str(args.model), device="cpu", prefill_lengths=(args.prompt,),
+    setup = BenchSetup(model=str(args.model), device="cpu", dtype=args.dtype, prefill_lengths=(args.prompt,),
                        decode_contexts=(args.depth,), decode_batches=(1,), decode_steps=args.gen,
                        prefill_chunk=max(args.prompt, 1))
     model, config, dev, dtype, recipe = _build(setup)
@@ -144,6 +145,7 @@ def main() -> None:
     s.add_argument("--gen", type=int, default=64)
     s.add_argument("--depth", type=int, default=64)
     s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--dtype", default="auto", choices=("auto", "float32"))
     a = sub.add_parser("accuracy")
     a.add_argument("model", type=Path)
     a.add_argument("--tokens", type=int, default=300)
