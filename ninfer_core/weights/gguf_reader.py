@@ -30,12 +30,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from ..config import MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ConfigFields, ModelConfig
 from ..errors import ModelLoadError
-from ..ops.quant import QuantFormat, QuantizedWeight
 from ..tokenizer import Tokenizer as NinferTokenizer
-from .gguf_quant import gguf_format, gguf_quantized
 
-if TYPE_CHECKING:
-    import torch  # imported by `get`: `ninfer show` reads a GGUF's config without it
+if TYPE_CHECKING:  # torch (through ops / gguf_quant) is imported by the tensor readers only:
+    import torch  # `ninfer ls` / `show` read a GGUF's config without it
+
+    from ..ops.quant import QuantFormat, QuantizedWeight
 
 # GGUF `general.architecture` -> ModelConfig.arch. Only these share llama's decoder layout.
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -301,10 +301,15 @@ class GGUFCheckpoint:
     def quant_format(self, name: str) -> QuantFormat | None:
         """The format `get_quantized` gives for a tensor, None when it has none (a float tensor, or
         a block type without an exact mapping)."""
+        from .gguf_quant import gguf_format
+
         return gguf_format(self._tensor(name).tensor_type)
 
     def get_quantized(self, name: str) -> QuantizedWeight:
         """A quantized 2-D tensor in our format (`quant_format` must not be None), HF layout."""
+        from ..ops.quant import QuantizedWeight
+        from .gguf_quant import gguf_quantized
+
         t = self._tensor(name)
         cols, rows = (int(s) for s in t.shape.tolist())
         qw = gguf_quantized(t.data, t.tensor_type, rows, cols)
