@@ -6,10 +6,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .logprobs import TokenLogprob
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     from ..models.multimodal import MultimodalPrompt
+    from .grammar import Grammar
 
 _ids = itertools.count()
 
@@ -25,6 +27,7 @@ class GenerationRequest:
     request_id: str = field(default_factory=new_request_id)
     multimodal: MultimodalPrompt | None = None  # images / videos; their pads are expanded in prompt_token_ids
     draft_tokens: int | None = None  # speculative drafts per round: None = the engine's setting, 0 = off
+    grammar: Grammar | None = None  # the answer must match it (engine/grammar.py); such a request never drafts
 
 
 @dataclass
@@ -100,3 +103,4 @@ class StepOutput:
     accepted: int = 0  # of which accepted (new_token_ids holds them plus the target's own token)
     spec: SpecStats | None = None  # when finished: the request's speculative totals (None: not speculative)
     error: str | None = None  # finish_reason "error": what went wrong with this request (the others go on)
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked (SamplingParams.logprobs)
