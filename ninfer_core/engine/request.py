@@ -104,3 +104,10 @@ class StepOutput:
     spec: SpecStats | None = None  # when finished: the request's speculative totals (None: not speculative)
     error: str | None = None  # finish_reason "error": what went wrong with this request (the others go on)
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked (SamplingParams.logprobs)
+
+    def text_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the new tokens that are text: all but an end-of-answer or stop id that
+        ended the request (OpenAI reports none for it)."""
+        if self.logprobs is None:
+            return []
+        return self.logprobs[:-1] if self.finished and isinstance(self.stop_reason, int) else self.logprobs
