@@ -136,38 +136,44 @@ def _value(schema: Any) -> Format:
 
 
 def _json(schema: Mapping[str, Any] | bool, excludes: list[str] | None = None) -> Format:
-    out: Format = {"type": "json_schema", "json_schema": _quoted_strings(schema), "max_whitespace_cnt": MAX_WHITESPACE}
+    # inside a tool call, a string with a length range holds no '<' either (as raw values; excludes
+    # do not apply to patterns)
+    banned = _CONTROLS + ("<" if excludes else "")
+    out: Format = {"type": "json_schema", "json_schema": _quoted_strings(schema, banned),
+                   "max_whitespace_cnt": MAX_WHITESPACE}
     if excludes:
         out["excludes"] = excludes
     return out
 
 
+_CONTROLS = '\\u0000-\\u001f"\\\\'  # JSON's unescaped-forbidden characters, quote, backslash (regex)
 _SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
-def _quoted_strings(schema: Any) -> Any:
-    """The schema with each length-limited string as a pattern of the same lengths without control
-    characters: xgrammar writes such a string as any characters but quote, backslash, CR and LF,
-    so a tab or another control character could land unescaped in the JSON (invalid)."""
+def _quoted_strings(schema: Any, banned: str) -> Any:
+    """The schema with each length-limited string as a pattern of the same lengths without the
+    `banned` characters (a regex class body): xgrammar writes such a string as any characters but
+    quote, backslash, CR and LF (and drops the limits beside `excludes`), so a tab or another
+    control character could land unescaped in the JSON (invalid)."""
     if not isinstance(schema, Mapping):
         return schema
     out = dict(schema)
     for key in _SUBSCHEMA:
         if isinstance(out.get(key), Mapping):
-            out[key] = _quoted_strings(out[key])
+            out[key] = _quoted_strings(out[key], banned)
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_quoted_strings(s) for s in out[key]]
+            out[key] = [_quoted_strings(s, banned) for s in out[key]]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), Mapping):
-            out[key] = {name: _quoted_strings(s) for name, s in out[key].items()}
+            out[key] = {name: _quoted_strings(s, banned) for name, s in out[key].items()}
     low, high = out.get("minLength", 0), out.get("maxLength", "")
-    if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out) and "pattern" not in out
+    if ("string" in schema_types(out) and ("minLength" in out or "maxLength" in out) and "pattern" not in out
             and "format" not in out and isinstance(low, int) and isinstance(high, (int, str))):
         out.pop("minLength", None), out.pop("maxLength", None)  # the pattern holds them
-        out["pattern"] = f'^[^\\u0000-\\u001f"\\\\]{{{low},{high}}}$'
+        out["pattern"] = f"^[^{banned}]{{{low},{high}}}$"
     return out
 
 
