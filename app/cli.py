@@ -122,6 +122,26 @@ def _check_files(paths: list[Path], flag: str) -> None:
             raise NinferError(f"{flag} {path}: no such file")
 
 
+def _output_format(value: str | None) -> Any:
+    """--format: "json" (any JSON object) or a JSON Schema file -> the JsonOutput constraint."""
+    from ninfer_core.chat.constraints import JsonOutput
+
+    if value is None:
+        return None
+    if value == "json":
+        return JsonOutput(source="--format")
+    path = Path(value)
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise NinferError(f"--format {value}: not 'json' and not a readable schema file ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise NinferError(f"--format {path}: not valid JSON ({e})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise NinferError(f"--format {path}: a JSON Schema is an object")
+    return JsonOutput(schema, source=f"--format {path}")
+
+
 def _stats_line(llm, r) -> str:
     """The statistics line on stderr; on the CPU it names the threads in force (torch's own count)."""
     import torch
@@ -176,6 +196,9 @@ def run(
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
+    output_format: Annotated[Optional[str], typer.Option(
+        "--format", help="Force the answer (after any reasoning) to be JSON: 'json' (any object) or a JSON Schema "
+                         "file.")] = None,
 ) -> None:
     """Answer one prompt (`ninfer run MODEL "PROMPT"`, --prompt, stdin, or --messages), streaming the answer."""
     import torch
@@ -216,8 +239,10 @@ def run(
             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, seed=seed,
             max_tokens=max_tokens, stop=list(stop or []), stop_token_ids=list(stop_token_id or []),
         )
+        constraint = _output_format(output_format)
         llm = LLM.load(model or default_model(), options)
-        request = ChatRequest(messages=chat_messages, sampling=sampling, tools=tools, enable_thinking=not no_thinking)
+        request = ChatRequest(messages=chat_messages, sampling=sampling, tools=tools, enable_thinking=not no_thinking,
+                              constraint=constraint)
         if json_out:
             print(json.dumps(llm.chat_result(request).to_json(), ensure_ascii=False))
             return
