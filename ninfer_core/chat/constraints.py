@@ -92,9 +92,9 @@ class ToolCallOutput:
             parameter = {"type": "sequence", "elements": [_const(PARAM_OPEN), {"type": "regex", "pattern": _NAME},
                                                           value]}
             return {"type": "star", "content": parameter}
-        required = schema.get("required")
-        required = set(required) if isinstance(required, list) else set()
-        names = list(properties) + sorted(n for n in required if isinstance(n, str) and n not in properties)
+        listed = schema.get("required")
+        required = {n for n in listed if isinstance(n, str)} if isinstance(listed, list) else set()
+        names = list(properties) + sorted(required - set(properties))
         elements = []
         for name in names:
             if ">" in name or "\n" in name:
