@@ -152,3 +152,30 @@ def test_qwen_vocabulary_reasoning_then_json(qwen_tokenizer: Tokenizer) -> None:
     jsonschema.validate(json.loads(text), PERSON)
     fresh = compiler.compile(structural_tag(JsonOutput(PERSON), reasoning=False)).matcher()
     assert not fresh.accept(THINK_END)  # without thinking the answer starts with the JSON
+
+
+@pytest.mark.cuda
+def test_cuda_mask_kernel_and_sampler_keep_to_the_allowed_tokens() -> None:
+    """xgrammar's Triton kernel = the reference on the GPU; the sampling kernel never draws a
+    masked token, greedy or filtered (rows with very few tokens left take its full-vocabulary path)."""
+    from ninfer_core.engine.sampling import Sampler, SamplingParams, TokenHistory
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 248_320
+    logits = torch.randn(8, vocab, generator=generator).cuda()
+    bitmask = torch.zeros(8, words(vocab), dtype=torch.int32)
+    allowed = [torch.randperm(vocab, generator=generator)[: n] for n in (1, 2, 5, 50, 4000, 9000, 100_000, 3)]
+    for row, ids in enumerate(allowed):
+        for t in ids.tolist():
+            bitmask[row, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+    rows = list(range(8))
+    kernel, reference = logits.clone(), logits.clone()
+    apply_token_mask(kernel, bitmask.cuda(), rows)
+    apply_token_mask_ref(reference, bitmask.cuda(), rows)
+    assert torch.equal(kernel, reference)
+    params = [SamplingParams(temperature=0)] * 2 + [SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=i)
+                                                    for i in range(6)]
+    for _ in range(5):
+        tokens = Sampler().sample(kernel, params, [TokenHistory([])] * 8,
+                                  [None if p.is_greedy else p.make_generator("cuda") for p in params]).tolist()
+        assert all(t in ids.tolist() for t, ids in zip(tokens, allowed))
