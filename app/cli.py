@@ -75,14 +75,19 @@ def _user_message(text: str, images: list[Path], videos: list[Path]) -> dict[str
     return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
 
 
-def _read_messages(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """A JSON list of OpenAI-style messages, or an object with `messages` (and `tools`)."""
+def _read_json(path: Path, what: str) -> Any:
+    """A JSON file's value; errors name `what` (e.g. "messages file")."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
-        raise NinferError(f"{path}: cannot read messages file ({e.strerror})") from None
+        raise NinferError(f"{path}: cannot read {what} ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise NinferError(f"{path}: not valid JSON ({e})") from None
+
+
+def _read_messages(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A JSON list of OpenAI-style messages, or an object with `messages` (and `tools`)."""
+    data = _read_json(path, "messages file")
     messages, tools = (data, None) if isinstance(data, list) else (data.get("messages"), data.get("tools"))
     if not isinstance(messages, list) or not messages:
         raise NinferError(f"{path}: expected a non-empty list of messages (or an object with 'messages')")
@@ -131,12 +136,7 @@ def _output_format(value: str | None) -> Any:
     if value == "json":
         return JsonOutput(source="--format")
     path = Path(value)
-    try:
-        schema = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise NinferError(f"--format {value}: not 'json' and not a readable schema file ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise NinferError(f"--format {path}: not valid JSON ({e})") from None
+    schema = _read_json(path, "the --format schema file (or give 'json')")
     if not isinstance(schema, (dict, bool)):
         raise NinferError(f"--format {path}: a JSON Schema is an object")
     return JsonOutput(schema, source=f"--format {path}")

@@ -380,7 +380,7 @@ class LLMEngine:
             if seq.finished:
                 continue
             if token < 0:
-                outputs.append(self._fail(seq, "the model produced logits that are NaN or infinite"))
+                outputs.append(self._fail_sampling(seq))
                 continue
             self._first_token(seq, now)
             outputs.append(self._append(seq, [token], [logprobs[row]] if row in logprobs else None))
@@ -456,7 +456,7 @@ class LLMEngine:
             if seq.request_id in firsts:
                 token, entry = firsts[seq.request_id]
                 if token < 0:
-                    outputs.append(self._fail(seq, "the model produced logits that are NaN or infinite"))
+                    outputs.append(self._fail_sampling(seq))
                     continue
                 self._first_token(seq, now)
                 outputs.append(self._append(seq, [token], [entry] if entry is not None else None))
@@ -643,6 +643,12 @@ class LLMEngine:
         elif len(seq.output_ids) >= seq.max_new_tokens:
             seq.finish_reason = "length"
         return check.text
+
+    def _fail_sampling(self, seq: Sequence) -> StepOutput:
+        """The row drew no token: its logits were not finite, or its grammar (with UTF-8) left none."""
+        if seq.grammar is not None:
+            return self._fail(seq, "no token fits the request's grammar here (or the logits were NaN / infinite)")
+        return self._fail(seq, "the model produced logits that are NaN or infinite")
 
     def _fail(self, seq: Sequence, message: str) -> StepOutput:
         """End one request with an error; the others in the batch go on."""
