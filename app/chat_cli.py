@@ -14,7 +14,15 @@ import typer
 
 from ninfer_core.errors import NinferError
 
-from .engine_flags import KvDtypeOpt, MaxContextOpt, ThreadsOpt, WeightsOpt, check_engine_options
+from .engine_flags import (
+    KvDtypeOpt,
+    MaxContextOpt,
+    PrefixCacheGbOpt,
+    PrefixCacheOpt,
+    ThreadsOpt,
+    WeightsOpt,
+    check_engine_options,
+)
 
 if TYPE_CHECKING:
     from ninfer_core.llm import EngineOptions
@@ -46,6 +54,8 @@ def chat(
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")] = "auto",
     threads: ThreadsOpt = None,
+    prefix_cache: PrefixCacheOpt = True,
+    prefix_cache_gb: PrefixCacheGbOpt = None,
 ) -> None:
     """Chat in the terminal UI (local model, or a remote server with --endpoint)."""
     from ninfer_core.llm import EngineOptions
@@ -55,7 +65,8 @@ def chat(
 
     engine = EngineOptions(device=device, dtype=dtype, max_context=max_context, max_seqs=max_concurrency, spec=spec,
                            draft_tokens=draft_tokens, draft_model=draft_model, adaptive_draft=adaptive_draft,
-                           weights=weights, kv_dtype=kv_dtype)
+                           weights=weights, kv_dtype=kv_dtype, prefix_cache=prefix_cache,
+                           prefix_cache_gb=prefix_cache_gb)
     try:
         check_engine_options(engine)
         apply_threads(threads)

@@ -21,6 +21,8 @@ from .engine_flags import (
     KvCapacityOpt,
     KvDtypeOpt,
     MaxContextOpt,
+    PrefixCacheGbOpt,
+    PrefixCacheOpt,
     ThreadsOpt,
     WeightsOpt,
     check_engine_options,
@@ -195,6 +197,8 @@ def run(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
+    prefix_cache: PrefixCacheOpt = True,
+    prefix_cache_gb: PrefixCacheGbOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
     output_format: Annotated[Optional[str], typer.Option(
         "--format", help="Force the answer (after any reasoning) to be JSON: 'json' (any object) or a JSON Schema "
@@ -212,7 +216,8 @@ def run(
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
                                 weights=weights, kv_dtype=kv_dtype, kv_capacity=parse_kv_capacity(kv_capacity),
                                 chat_template=chat_template, vision=vision, spec=spec, draft_tokens=draft_tokens,
-                                draft_model=draft_model, adaptive_draft=adaptive_draft)
+                                draft_model=draft_model, adaptive_draft=adaptive_draft, prefix_cache=prefix_cache,
+                                prefix_cache_gb=prefix_cache_gb)
         check_engine_options(options)
         apply_threads(threads)
         if messages is not None and (prompt is not None or prompt_arg is not None):

@@ -30,6 +30,11 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help=THREADS_HEL
 MaxContextOpt = Annotated[Optional[int], typer.Option(*MAX_CONTEXT_FLAGS, help=MAX_CONTEXT_HELP)]
 KvDtypeOpt = Annotated[str, typer.Option(help=KV_DTYPE_HELP)]
 KvCapacityOpt = Annotated[str, typer.Option(help=KV_CAPACITY_HELP)]
+PREFIX_CACHE_HELP = ("Reuse the KV cache and GDN state of prompt prefixes seen before (chat turns, shared system "
+                     "prompts, retried requests).")
+PREFIX_CACHE_GB_HELP = "Memory for the prefix cache's GDN state checkpoints in GiB (default 2 on a GPU, 0.25 on the CPU)."
+PrefixCacheOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP)]
+PrefixCacheGbOpt = Annotated[Optional[float], typer.Option(help=PREFIX_CACHE_GB_HELP)]
 
 
 def check_engine_options(options: EngineOptions) -> None:
@@ -50,7 +55,7 @@ def check_engine_options(options: EngineOptions) -> None:
         raise NinferError("--spec dflash needs --draft-model DIR (a DFlash drafter checkpoint)")
     if options.draft_model is not None and options.spec not in (None, "dflash"):
         raise NinferError(f"--draft-model is for --spec dflash, not {options.spec}")
-    options.check_spec()
+    options.check()
     for flag, value in (("--max-context", options.max_context), ("--prefill-chunk", options.prefill_chunk),
                         ("--draft-tokens", options.draft_tokens), ("--max-concurrency", options.max_seqs)):
         if value is not None and value < 1:
@@ -83,6 +88,8 @@ def parse_int_list(value: str, flag: str) -> tuple[int, ...]:
 
 def describe_engine(stats) -> str:
     """One line of what the engine holds: weights recipe and size, KV format and capacity, graphs."""
+    prefix = (f"prefix cache on ({human_bytes(stats.prefix_checkpoint_budget_bytes)} of GDN state checkpoints)"
+              if stats.prefix_cache else "prefix cache off")
     return (f"weights {stats.weights or 'model dtype'} ({human_bytes(stats.weight_bytes)}), "
             f"KV {stats.kv_dtype} {stats.kv_capacity_tokens:,} tokens ({human_bytes(stats.kv_bytes)}), "
-            f"CUDA graphs {'on' if stats.cuda_graphs else 'off'}")
+            f"CUDA graphs {'on' if stats.cuda_graphs else 'off'}, {prefix}")

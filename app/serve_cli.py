@@ -23,6 +23,8 @@ from .engine_flags import (
     KV_DTYPE_HELP,
     MAX_CONTEXT_FLAGS,
     MAX_CONTEXT_HELP,
+    PREFIX_CACHE_GB_HELP,
+    PREFIX_CACHE_HELP,
     THREADS_HELP,
     WEIGHTS_HELP,
     check_engine_options,
@@ -160,6 +162,10 @@ def serve(
         "--random-weights", help="Benchmark mode: config and tokenizer from MODEL, random weights.",
         envvar=_env("RANDOM_WEIGHTS"))] = False,
     threads: Annotated[Optional[int], typer.Option(help=THREADS_HELP)] = None,
+    prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP,
+                                               envvar=_env("PREFIX_CACHE"))] = True,
+    prefix_cache_gb: Annotated[Optional[float], typer.Option(help=PREFIX_CACHE_GB_HELP,
+                                                             envvar=_env("PREFIX_CACHE_GB"))] = None,
     log_level: Annotated[str, typer.Option(help="Server log level (debug, info, warning, error).",
                                            envvar=_env("LOG_LEVEL"))] = "warning",
 ) -> None:
@@ -181,7 +187,8 @@ def serve(
                                 max_seqs=max_concurrency,
                                 prefill_chunk=prefill_chunk, chat_template=chat_template, vision=vision,
                                 random_weights=random_weights, spec=spec, draft_tokens=draft_tokens,
-                                draft_model=draft_model, adaptive_draft=adaptive_draft)
+                                draft_model=draft_model, adaptive_draft=adaptive_draft, prefix_cache=prefix_cache,
+                                prefix_cache_gb=prefix_cache_gb)
         check_engine_options(options)
         pool = PoolOptions(max_loaded=max_loaded, keep_alive_s=parse_keep_alive(keep_alive))
         apply_threads(threads)

@@ -81,16 +81,16 @@ class EngineOptions:
         """How many GDN state checkpoints the prefix cache may keep (0: no prefix cache)."""
         if not self.prefix_cache:
             return 0
-        if self.prefix_cache_gb is not None and not self.prefix_cache_gb > 0:
-            raise NinferError(f"--prefix-cache-gb must be a positive number, got {self.prefix_cache_gb}")
         budget = (self.prefix_cache_gb or DEFAULT_PREFIX_CACHE_GB[device.type]) * 2**30
         return max(1, min(MAX_CHECKPOINTS, int(budget // state_bytes))) if state_bytes else MAX_CHECKPOINTS
 
-    def check_spec(self) -> None:
-        """Drafting flags without a drafter would be silently ignored: refuse them (before loading)."""
+    def check(self) -> None:
+        """Flags that would be silently ignored or fail late: refused before loading."""
         if self.spec is None and (self.draft_tokens is not None or self.draft_model is not None
                                   or self.adaptive_draft):
             raise NinferError("--draft-tokens / --draft-model / --adaptive-draft need --spec mtp|dflash|ngram")
+        if self.prefix_cache_gb is not None and not self.prefix_cache_gb > 0:
+            raise NinferError(f"--prefix-cache-gb must be a positive number, got {self.prefix_cache_gb}")
 
 
 def _interval(prefill_chunk: int) -> int:
@@ -174,6 +174,7 @@ class PreparedChat:
     starts_in_reasoning: bool
     tools: Sequence[Mapping[str, Any]] | None = None
     multimodal: MultimodalPrompt | None = None  # images / videos, their pads expanded in the ids
+    checkpoints: tuple[int, ...] = ()  # where the last message starts: the next request may diverge there
     grammar: Grammar | None = None  # the request's constraint, compiled
     tool_calls: bool = True  # whether the output may hold tool calls (not under a JSON constraint)
 
@@ -305,7 +306,7 @@ class LLM:
     @classmethod
     def load(cls, model: str | None = None, options: EngineOptions | None = None) -> LLM:
         options = options or EngineOptions()
-        options.check_spec()  # before the (long) model load
+        options.check()  # before the (long) model load
         return cls(load_model(model, options.device, options.dtype, options.random_weights, options.weights), options)
 
     @property
@@ -355,24 +356,46 @@ class LLM:
             starts_in_reasoning=reasoning,
             tools=request.tools,
             multimodal=multimodal,
+            checkpoints=() if media else self._history_end(request, messages, prompt, ids),
             grammar=None if constraint is None else self.compile_constraint(constraint, reasoning=reasoning),
             tool_calls=not isinstance(constraint, JsonOutput),
         )
 
+    def _history_end(self, request: ChatRequest, messages: Sequence[Mapping[str, Any]], prompt: str,
+                     ids: list[int]) -> tuple[int, ...]:
+        """The token position where the last message starts, when the conversation before it renders
+        as a prefix of the prompt: requests sharing a system prompt, or an agent's context, differ
+        from there on, so the prefix cache checkpoints the GDN state there (a hybrid model can only
+        resume where a checkpoint was taken)."""
+        if len(messages) < 2:
+            return ()
+        try:
+            history = self.template.render(messages[:-1], tools=request.tools, add_generation_prompt=False,
+                                           enable_thinking=request.enable_thinking, **request.template_kwargs)
+        except NinferError:
+            return ()
+        if not history or not prompt.startswith(history):
+            return ()
+        head = self.tokenizer.encode(history)
+        common = next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))
+        return (common,) if 0 < common < len(ids) else ()
+
     def complete(
         self, prompt_token_ids: list[int], sampling: SamplingParams, multimodal: MultimodalPrompt | None = None,
+        checkpoints: tuple[int, ...] = (),
         grammar: Grammar | None = None,
     ) -> Iterator[StepOutput]:
         """Raw token generation for one prompt (no template, no parsing); `grammar` constrains it."""
         request = GenerationRequest(prompt_token_ids=prompt_token_ids, sampling=sampling, multimodal=multimodal,
-                                    grammar=grammar)
+                                    checkpoints=checkpoints, grammar=grammar)
         yield from self.engine.generate([request])
 
     def chat(self, request: ChatRequest) -> Iterator[ChatEvent]:
         """Stream reasoning / content deltas and completed tool calls, then a ChatFinished."""
         prepared = self.prepare_chat(request)
         assembler = ChatAssembler(prepared)
-        for out in self.complete(prepared.prompt_token_ids, request.sampling, prepared.multimodal, prepared.grammar):
+        for out in self.complete(prepared.prompt_token_ids, request.sampling, prepared.multimodal,
+                                 prepared.checkpoints, prepared.grammar):
             for event in assembler.feed(out):
                 if isinstance(event, (ReasoningDelta, ContentDelta, ToolCallEnd, ChatFinished)):
                     yield event

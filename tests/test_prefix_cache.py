@@ -173,3 +173,21 @@ def test_the_same_long_prompt_again_misses_one_token(model_dir):
     short = SYSTEM + [1]
     answer(cached, short)
     assert answer(cached, short)[1] < len(short) - 1
+
+
+def test_chat_requests_checkpoint_where_their_last_message_starts(model_dir):
+    """A chat's prompt asks for a checkpoint where its last message starts: two questions under one
+    system prompt share everything before the second question, whatever its length."""
+    from ninfer_core.llm import ChatRequest
+
+    llm = make_llm(model_dir)
+    system = {"role": "system", "content": "You answer in one word. " * 10}
+    first = ChatRequest([system, {"role": "user", "content": "Capital of France?"}], sampling=greedy(4))
+    prepared = llm.prepare_chat(first)
+    (start,) = prepared.checkpoints
+    history = llm.tokenizer.encode(llm.template.render([system], add_generation_prompt=False))
+    assert prepared.prompt_token_ids[:start] == history[:start] and 0 < start < len(prepared.prompt_token_ids)
+    llm.chat_result(first)
+    second = llm.chat_result(ChatRequest([system, {"role": "user", "content": "And of Spain, please?"}],
+                                         sampling=greedy(4)))
+    assert second.timings.cached_tokens == start

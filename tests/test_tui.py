@@ -7,6 +7,8 @@ duplicates text while streaming, or keeps a stale turn, fails.
 
 from __future__ import annotations
 
+import re
+
 import threading
 from pathlib import Path
 
@@ -349,6 +351,8 @@ async def test_live_panels_follow_the_engine(model_dir, home):
         assert "/ 2,048 tok" in str(app.chat_screen.query_one("#gauge").render())
         assert text("kv-room") == "room for 2 chats of 2,048"
         assert "4,096" not in "".join(text(n) for n in ("kv", "kv-chat", "kv-room"))
+        # the prefix cache beside the active KV: the answer's pages and checkpoints stay cached
+        assert re.fullmatch(r"cached [1-9].* · \d+% reused", text("kv-cached")), text("kv-cached")
 
 
 async def test_keymap_file_remaps_bindings_and_bad_ids_are_named(model_dir, home):

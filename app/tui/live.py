@@ -36,6 +36,8 @@ class LiveFrame:
     requests_waiting: int
     gpu: GpuMemory | None
     device: str
+    prefix_cached_bytes: int = 0  # what the prefix cache holds (pages nobody uses + GDN checkpoints)
+    prefix_hit_ratio: float | None = None  # prompt tokens served from the cache / looked up (None: off)
 
 
 def gpu_memory(device: str) -> GpuMemory | None:
@@ -82,4 +84,7 @@ class LiveSampler:
             requests_waiting=stats.waiting,
             gpu=gpu_memory(device),
             device=device,
+            prefix_cached_bytes=e.prefix_cached_bytes,
+            prefix_hit_ratio=(e.prefix_hit_tokens / e.prefix_queried_tokens if e.prefix_queried_tokens else 0.0)
+            if e.prefix_cache else None,
         )

@@ -75,6 +75,7 @@ class PrefixCache:
         self.page_hash: dict[int, int] = {}  # page -> hash
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU, held by nobody
         self.free_slots = list(checkpoint_slots)
+        self.capacity = len(checkpoint_slots)  # checkpoints it can keep
         self.checkpoints: collections.OrderedDict[int, Checkpoint] = collections.OrderedDict()  # by slot, LRU
         self._by_anchor: dict[int, list[Checkpoint]] = collections.defaultdict(list)
         self.queried_tokens = 0

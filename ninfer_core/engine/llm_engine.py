@@ -71,6 +71,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of which served from it
     prefix_cached_bytes: int = 0  # indexed KV pages + checkpoint states
     prefix_checkpoints: int = 0
+    prefix_checkpoint_budget_bytes: int = 0  # the GDN state checkpoints' memory (--prefix-cache-gb)
     kv_capacity_tokens: int = 0
     kv_used_tokens: int = 0
     kv_dtype: str = ""
@@ -225,6 +226,7 @@ class LLMEngine:
             s.prefix_cache = True
             s.prefix_queried_tokens, s.prefix_hit_tokens = prefix.queried_tokens, prefix.hit_tokens
             s.prefix_cached_bytes, s.prefix_checkpoints = self.cache.prefix_cached_bytes, len(prefix.checkpoints)
+            s.prefix_checkpoint_budget_bytes = prefix.capacity * self.cache.cache.state.bytes_per_slot
         s.kv_used_tokens = self.cache.active_tokens
         s.cuda_graphs = self.graphs is not None
         spec = replace(self.speculator.totals) if self.speculator is not None else None
@@ -495,8 +497,8 @@ class LLMEngine:
         for chunk in chunks:
             seq = chunk.seq
             seq.num_cached = chunk.end
-            ends = (seq.prefill_len - 1, seq.prefill_len)
-            checkpoint = prefix is not None and (chunk.end in ends or chunk.end % prefix.interval == 0)
+            wanted = (seq.prefill_len - 1, seq.prefill_len, *seq.request.checkpoints)
+            checkpoint = prefix is not None and (chunk.end in wanted or chunk.end % prefix.interval == 0)
             self.scheduler.note_progress(seq, checkpoint)
 
     def _commit(self, batch: ForwardBatch, out: ForwardOutput, counts: torch.Tensor) -> None:

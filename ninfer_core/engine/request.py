@@ -27,6 +27,7 @@ class GenerationRequest:
     request_id: str = field(default_factory=new_request_id)
     multimodal: MultimodalPrompt | None = None  # images / videos; their pads are expanded in prompt_token_ids
     draft_tokens: int | None = None  # speculative drafts per round: None = the engine's setting, 0 = off
+    checkpoints: tuple[int, ...] = ()  # prompt positions worth a prefix-cache checkpoint (message starts)
     grammar: Grammar | None = None  # the answer must match it (engine/grammar.py); such a request never drafts
 
 

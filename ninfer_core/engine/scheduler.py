@@ -140,7 +140,7 @@ class Scheduler:
                 continue
             assert seq.cache is not None
             room = (len(seq.cache.pages) + self.cache.free_pages) * page
-            end = min(seq.prefill_len, seq.num_cached + budget, room)
+            end = min(seq.prefill_len, seq.num_cached + budget, room, self._next_checkpoint(seq))
             if end == seq.prefill_len and self._split_last(seq):
                 end -= 1  # the state before the last token becomes a checkpoint (engine._prefilled)
             if end <= seq.num_cached:
@@ -148,6 +148,14 @@ class Scheduler:
             self.cache.reserve(seq.cache, end)
             plan.prefills.append(PrefillChunk(seq, seq.num_cached, end))
             budget -= end - seq.num_cached
+
+    def _next_checkpoint(self, seq: Sequence) -> int:
+        """The first position past num_cached where the request asks for a checkpoint (the start of
+        its last message): a chunk ends there so that the state there can be kept."""
+        if self.cache.prefix is None:
+            return seq.prefill_len
+        return min((p for p in seq.request.checkpoints if seq.num_cached < p < seq.prefill_len),
+                   default=seq.prefill_len)
 
     def _split_last(self, seq: Sequence) -> bool:
         """Whether the prompt's last token goes in a chunk of its own: with the prefix cache, a long

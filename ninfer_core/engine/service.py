@@ -247,6 +247,7 @@ class EngineService:
 
     def submit(
         self, prompt_token_ids: list[int], sampling: SamplingParams, multimodal: MultimodalPrompt | None = None,
+        checkpoints: tuple[int, ...] = (),
         grammar: Grammar | None = None,
     ) -> TokenStream:
         """Queue a raw token request (`grammar`: constrained); raises ContextLengthError /
@@ -261,7 +262,8 @@ class EngineService:
                 prompt_tokens=n,
                 limit=limit,
             )
-        request = GenerationRequest(list(prompt_token_ids), sampling, multimodal=multimodal, grammar=grammar)
+        request = GenerationRequest(list(prompt_token_ids), sampling, multimodal=multimodal, checkpoints=checkpoints,
+                                    grammar=grammar)
         stream = TokenStream(self, request)
         with self._cond:
             if self._stop or self._thread is None:
@@ -275,8 +277,8 @@ class EngineService:
 
     def submit_chat(self, request: ChatRequest) -> ChatStream:
         prepared = self.llm.prepare_chat(request)
-        stream = self.submit(prepared.prompt_token_ids, request.sampling, prepared.multimodal, prepared.grammar)
-        return ChatStream(stream, prepared)
+        return ChatStream(self.submit(prepared.prompt_token_ids, request.sampling, prepared.multimodal,
+                                      prepared.checkpoints, grammar=prepared.grammar), prepared)
 
     def chat(self, request: ChatRequest) -> Iterator[ChatStreamEvent]:
         """Like LLM.chat, but through the shared engine (safe while other requests run)."""

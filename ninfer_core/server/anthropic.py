@@ -184,7 +184,10 @@ def stop_fields(result: ChatResult) -> dict[str, Any]:
 
 
 def _usage(result: ChatResult) -> dict[str, int]:
-    return {"input_tokens": len(result.prompt_token_ids), "output_tokens": len(result.token_ids)}
+    """Anthropic counts prompt tokens read from the cache apart from `input_tokens`."""
+    cached = result.timings.cached_tokens
+    return {"input_tokens": len(result.prompt_token_ids) - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0, "output_tokens": len(result.token_ids)}
 
 
 @router.post("/v1/messages", response_model=None)

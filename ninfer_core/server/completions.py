@@ -46,8 +46,10 @@ def prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer:
     return ids, tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, last: StepOutput | None) -> dict[str, Any]:
+    cached = last.timings.cached_tokens if last is not None and last.timings is not None else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 @router.post("/v1/completions", response_model=None)
@@ -85,7 +87,7 @@ async def completions(request: Request) -> Response:
         **head,
         "choices": [{"index": 0, "text": echo + "".join(o.text_delta for o in outputs), "logprobs": logprobs,
                      "finish_reason": outputs[-1].finish_reason}],
-        "usage": usage(started.prompt_tokens, sum(len(o.new_token_ids) for o in outputs)),
+        "usage": usage(started.prompt_tokens, sum(len(o.new_token_ids) for o in outputs), outputs[-1]),
     })
 
 
@@ -105,11 +107,12 @@ async def _chunks(started: Started, head: dict[str, Any], echo: str, include_usa
 
     if echo:
         yield chunk(echo, None)
-    generated = 0
+    generated, last = 0, None
     async for out in started.events:
         generated += len(out.new_token_ids)
+        last = out
         if out.text_delta or out.finished or (tokenizer is not None and out.text_logprobs()):
             yield chunk(out.text_delta, out.finish_reason if out.finished else None, out)
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(started.prompt_tokens, generated)})
+        yield sse({**head, "choices": [], "usage": usage(started.prompt_tokens, generated, last)})
     yield DONE

@@ -89,8 +89,12 @@ class _EngineGauges(Collector):
             ("ninfer_kv_cache_bytes", "KV cache size in bytes", sum(e.kv_bytes for e in engines)),
             ("ninfer_weight_bytes", "Resident model weight bytes (after quantization)",
              sum(e.weight_bytes for e in engines)),
-            ("ninfer_kv_cache_reserved_tokens", "KV tokens promised to running requests",
+            ("ninfer_kv_cache_reserved_tokens", "KV tokens held by running requests",
              sum(s.kv_reserved_tokens for s in stats)),
+            ("ninfer_prefix_cache_bytes", "Memory the prefix cache holds (KV pages + GDN state checkpoints)",
+             sum(e.prefix_cached_bytes for e in engines)),
+            ("ninfer_prefix_cache_checkpoints", "GDN state checkpoints kept by the prefix cache",
+             sum(e.prefix_checkpoints for e in engines)),
             ("ninfer_requests_running", "Requests in the engine", sum(e.running for e in engines)),
             ("ninfer_requests_waiting", "Requests in the admission queue", sum(s.waiting for s in stats)),
             ("ninfer_decode_batch_max", "Largest decode batch so far", max(e.max_decode_batch for e in engines)),
@@ -107,6 +111,10 @@ class _EngineGauges(Collector):
             ("ninfer_spec_decode_accepted_tokens", "Speculative tokens accepted", sum(s.accepted for s in specs)),
             ("ninfer_spec_decode_rounds", "Speculative verify rounds, summed over sequences",
              sum(s.rounds for s in specs)),
+            ("ninfer_prefix_cache_hits", "Prompt tokens served from the prefix cache",
+             sum(e.prefix_hit_tokens for e in engines)),
+            ("ninfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             sum(e.prefix_queried_tokens for e in engines)),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

@@ -75,7 +75,7 @@ def chat_usage(result: ChatResult) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": result.timings.cached_tokens},
         # accepted / rejected prediction tokens: the speculative decoder's draft counters
         "completion_tokens_details": {"reasoning_tokens": result.reasoning_tokens,
                                       "accepted_prediction_tokens": spec.accepted if spec else 0,

@@ -210,7 +210,8 @@ def text_part(text: str) -> dict[str, Any]:
 
 def usage(result: ChatResult) -> dict[str, Any]:
     prompt, output = len(result.prompt_token_ids), len(result.token_ids)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": output,
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": result.timings.cached_tokens},
+            "output_tokens": output,
             "output_tokens_details": {"reasoning_tokens": result.reasoning_tokens}, "total_tokens": prompt + output}
 
 

@@ -8,6 +8,7 @@ from textual.widgets import Label, Sparkline
 
 from ninfer_core.engine.request import SpecStats
 
+from ...units import human_bytes
 from ..live import LiveFrame
 
 GIB = 1024**3
@@ -28,6 +29,13 @@ def room_text(capacity: int, context_limit: int | None) -> str:
         return f"room for {capacity:,} tok"
     chats = capacity // context_limit
     return f"room for {chats} chat{'s' if chats != 1 else ''} of {context_limit:,}"
+
+
+def cached_text(cached_bytes: int, hit_ratio: float | None) -> str:
+    """The prefix cache beside the active KV: what it holds, and how much of the prompts it served."""
+    if hit_ratio is None:
+        return "prefix cache off"
+    return f"cached {human_bytes(cached_bytes)} · {hit_ratio:.0%} reused"
 
 
 def spec_text(spec: SpecStats | None) -> str:
@@ -52,6 +60,7 @@ class LivePanel(Vertical):
         yield Label("", id="kv-bar")
         yield Label("this chat –", id="kv-chat")
         yield Label("", id="kv-room")
+        yield Label("", id="kv-cached")
         yield Label("Memory", classes="panel-title")
         yield Label("–", id="gpu")
         yield Label("", id="requests")
@@ -68,6 +77,7 @@ class LivePanel(Vertical):
             self.query_one("#kv-bar", Label).update(bar(used / cap))
             self.query_one("#kv-chat", Label).update(f"this chat {frame.chat_tokens:,} tok")
             self.query_one("#kv-room", Label).update(room_text(cap, context_limit))
+            self.query_one("#kv-cached", Label).update(cached_text(frame.prefix_cached_bytes, frame.prefix_hit_ratio))
         else:
             self.query_one("#kv", Label).update("n/a (remote server)")
             self.query_one("#kv-chat", Label).update(f"this chat {frame.chat_tokens:,} tok")

@@ -1,0 +1,68 @@
+"""The prefix cache seen by clients: cached prompt tokens in every API's usage shape, the /metrics
+counters, and answers equal to a server without the cache (tiny random Qwen3.5 MoE, CPU)."""
+
+from __future__ import annotations
+
+import re
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from ninfer_core.server.app import ServerHandle
+from server_harness import load_tiny_llm, write_model
+
+SYSTEM = "You are a careful assistant. " * 12  # a long shared system prompt
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_model(tmp_path_factory, "tiny_prefix_server")
+
+
+@pytest.fixture(scope="module")
+def servers(model):
+    cached = ServerHandle.start(load_tiny_llm(model[0], max_context=512), port=0, model_id="m")
+    plain = ServerHandle.start(load_tiny_llm(model[0], max_context=512, prefix_cache=False), port=0, model_id="m")
+    yield cached, plain
+    cached.stop()
+    plain.stop()
+
+
+def chat(server, question: str) -> openai.types.chat.ChatCompletion:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    return client.chat.completions.create(
+        model="m", max_tokens=8, temperature=0,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+
+
+def test_cached_tokens_in_every_api_and_metrics(servers):
+    cached, plain = servers
+    first = chat(cached, "What is 2 + 2?")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = chat(cached, "And what is 3 + 3?")
+    hit = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < hit < second.usage.prompt_tokens
+    assert second.choices[0].message.content == chat(plain, "And what is 3 + 3?").choices[0].message.content
+
+    client = openai.OpenAI(base_url=cached.url + "/v1", api_key="x", max_retries=0)
+    response = client.responses.create(model="m", max_output_tokens=4, instructions=SYSTEM, input="Hello?")
+    assert response.usage.input_tokens_details.cached_tokens > 0
+    long = SYSTEM * 3 + "Q: hi"  # a long prompt sent twice: all but its last token is cached
+    completion = client.completions.create(model="m", prompt=long, max_tokens=3, temperature=0)
+    completion_again = client.completions.create(model="m", prompt=long, max_tokens=3, temperature=0)
+    assert completion.choices[0].text == completion_again.choices[0].text
+    assert completion_again.usage.prompt_tokens_details.cached_tokens == completion_again.usage.prompt_tokens - 1
+
+    claude = anthropic.Anthropic(base_url=cached.url, api_key="x", max_retries=0)
+    message = claude.messages.create(model="m", max_tokens=4, system=SYSTEM,
+                                     messages=[{"role": "user", "content": "Hello there"}])
+    assert message.usage.cache_read_input_tokens > 0
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens > message.usage.cache_read_input_tokens
+
+    metrics = httpx.get(cached.url + "/metrics").text
+    hits = float(re.search(r"^ninfer_prefix_cache_hits_total (\S+)$", metrics, re.M).group(1))
+    queries = float(re.search(r"^ninfer_prefix_cache_queries_total (\S+)$", metrics, re.M).group(1))
+    assert 0 < hits < queries
+    assert float(re.search(r"^ninfer_prefix_cache_bytes (\S+)$", metrics, re.M).group(1)) > 0
