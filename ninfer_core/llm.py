@@ -244,7 +244,6 @@ class LLM:
         self.options = options
         self.tokenizer = loaded.tokenizer
         self.template: ChatTemplate = load_chat_template(loaded.tokenizer, options.chat_template)
-        self._grammars: GrammarCompiler | None = None
         device = loaded.device
         model_limit = loaded.config.max_position_embeddings
         if options.max_context is not None and options.max_context > model_limit:
@@ -300,6 +299,8 @@ class LLM:
             prefill_graphs=prefill_graphs,
             weights=loaded.recipe.label(loaded.dtype),
         )
+        # xgrammar is loaded by the first constrained request; the answer ends on the engine's end tokens
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size, self.engine.eos_ids)
         if device.type == "cuda":
             self.engine.warm_up()
 
@@ -315,13 +316,6 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
-
-    @property
-    def grammars(self) -> GrammarCompiler:
-        """The model's grammar compiler (made for the first constrained request)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, self.engine.eos_ids)
-        return self._grammars
 
     def compile_constraint(self, constraint: OutputConstraint, *, reasoning: bool) -> Grammar:
         """The grammar of a constraint (cached); ConstraintError names the request field at fault."""
