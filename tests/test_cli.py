@@ -149,7 +149,8 @@ def test_bench_synthetic_tiny_json():
                   "--contexts", "64", "--batches", "1,3", "--batch-context", "40", "--decode-steps", "3", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["model"] == "tiny-qwen3.6-moe" and out["weights"] == "float32" and out["cuda_graphs"] is False
+    # the CPU's `auto`: compact weights (int8) unless --dtype is given
+    assert out["model"] == "tiny-qwen3.6-moe" and out["weights"] == "int8-v2" and out["cuda_graphs"] is False
     assert [p["tokens"] for p in out["prefill"]] == [32, 48] and all(p["tok_s"] > 0 for p in out["prefill"])
     assert [(d["batch"], d["context"]) for d in out["decode"]] == [(1, 64), (3, 40)]
     one, three = out["decode"]

@@ -9,7 +9,6 @@ loaders (`load_gguf_checkpoint`, `AutoTokenizer.from_pretrained(dir, gguf_file=.
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -51,14 +50,6 @@ TOKENIZER_CORPUS = [
 
 
 # ---- the embedded SmolLM2 GGUF --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm_path() -> Path:
-    try:
-        return default_model_path()
-    except NinferError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from torch import nn
 
 from ninfer_core.ops import dispatch, quant
 from ninfer_core.ops.quant import (
+    QuantFormat,
     QuantizedWeight,
     QuantLinear,
     dequantize,
@@ -177,12 +178,14 @@ def test_bad_formats_raise():
     with pytest.raises(ValueError, match="unknown quantization kind"):
         quantize(w, "int3")
     with pytest.raises(ValueError, match="not a multiple of group_size"):
-        QuantLinear.empty(100, 8, "int4", 64, bias=False, device="cpu", dtype=torch.float32)
+        QuantLinear.empty(100, 8, QuantFormat("int4", 64), bias=False, device="cpu", dtype=torch.float32)
     qw = quantize(torch.randn(8, 64), "int4", 32)
     with pytest.raises(ValueError, match="scales have shape"):
         QuantizedWeight("int4", qw.qweight, qw.scales[:, :1], 32)
     with pytest.raises(ValueError, match="codes / scales"):
-        QuantizedWeight("int4", qw.qweight, qw.scales.float(), 32)
+        QuantizedWeight("int4", qw.qweight, qw.scales.to(torch.int16), 32)
+    with pytest.raises(ValueError, match="offsets need the scales' shape and dtype"):
+        QuantizedWeight("int4", qw.qweight, qw.scales, 32, qw.scales.float())
     with pytest.raises(ValueError, match="does not end in in_features"):
         quant_linear(torch.randn(2, 32), qw)
 
@@ -200,12 +203,15 @@ def test_reference_matches_float64(kind, group_size, dtype, rows):
     out = quant_linear_ref(x, qw, bias)
     assert out.dtype == dtype and out.shape == (rows, 48)
     _assert_close(out, _expected(x, _weights64(qw), bias), OUT_RTOL[dtype], OUT_ATOL[dtype])
-    assert torch.equal(quant_linear(x, qw, bias), out)  # CPU, <= 16 rows: the reference
+    # CPU, <= 16 rows: the CPU kernel where built (tests/test_cpu_kernels.py), else the reference
+    _assert_close(quant_linear(x, qw, bias), _expected(x, _weights64(qw), bias), OUT_RTOL[dtype], OUT_ATOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_rows_use_dequantized_linear(dtype):
-    """Past 16 rows (prefill): F.linear over the weights dequantized to x's dtype."""
+def test_many_rows_use_dequantized_linear(dtype, monkeypatch):
+    """Past 16 rows (prefill): F.linear over the weights dequantized to x's dtype (the CPU kernels,
+    where built, multiply fp32 tiles instead: tests/test_cpu_kernels.py)."""
+    monkeypatch.setattr(dispatch, "cpu_extension", lambda: None)
     qw = quantize(_randn(48, 256, seed=5), "int4", 64)
     x = _randn(2, 9, 256, seed=6, dtype=dtype)
     bias = _randn(48, seed=7, dtype=dtype)
@@ -246,8 +252,8 @@ def test_state_dict_round_trip():
     assert set(state) == {"0.qweight", "0.scales", "0.bias", "1.qweight", "1.scales"}
     assert state["0.qweight"].dtype == torch.uint8 and state["1.qweight"].dtype == torch.int8
     fresh = nn.Sequential(
-        QuantLinear.empty(128, 64, "int4", 32, bias=True, device="cpu", dtype=torch.float32),
-        QuantLinear.empty(64, 16, "int8", 0, bias=False, device="cpu", dtype=torch.float32),
+        QuantLinear.empty(128, 64, QuantFormat("int4", 32), bias=True, device="cpu", dtype=torch.float32),
+        QuantLinear.empty(64, 16, QuantFormat("int8"), bias=False, device="cpu", dtype=torch.float32),
     )
     fresh.load_state_dict(state, strict=True)
     for key, value in fresh.state_dict().items():
@@ -269,7 +275,7 @@ def test_meta_from_linear_then_fill():
     with torch.no_grad():
         ql.bias.zero_()
     x = _randn(2, 256, seed=13)
-    assert torch.equal(ql(x), quant_linear_ref(x, qw))
+    _assert_close(ql(x), _expected(x, _weights64(qw), None), OUT_RTOL[torch.float32], OUT_ATOL[torch.float32])
 
 
 class _FakeExtension:
@@ -279,12 +285,15 @@ class _FakeExtension:
         raise AssertionError(f"kernel {name} called")
 
 
-def test_cpu_tensors_take_the_reference_even_with_the_extension(monkeypatch):
+def test_cpu_tensors_never_call_the_cuda_extension(monkeypatch):
     monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
     monkeypatch.setattr(dispatch, "extension", lambda: _FakeExtension())
     qw = quantize(_randn(32, 64, seed=14), "int8")
     x = _randn(2, 64, seed=15, dtype=torch.bfloat16)
     assert not quant._kernel_ok(x, qw, None)
+    _assert_close(quant_linear(x, qw), _expected(x, _weights64(qw), None), OUT_RTOL[torch.bfloat16],
+                  OUT_ATOL[torch.bfloat16])
+    monkeypatch.setattr(dispatch, "cpu_extension", lambda: None)  # no CPU kernels: the reference itself
     assert torch.equal(quant_linear(x, qw), quant_linear_ref(x, qw))
 
 

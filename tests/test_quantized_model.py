@@ -157,16 +157,6 @@ TEXT = (
 )
 
 
-@pytest.fixture(scope="module")
-def smollm_path() -> Path:
-    from ninfer_core.models.default_model import default_model_path
-
-    try:
-        return default_model_path()
-    except NinferError as exc:
-        pytest.skip(str(exc))
-
-
 def test_real_model_quantized_agreement(smollm_path):
     """SmolLM2-135M (real trained weights): teacher-forced next-token distributions of each quantized
     recipe against the fp32 model on prose + code (the printed line is the measurement).
@@ -203,7 +193,7 @@ def test_fp8_checkpoint_is_quantized_from_exact_values(tmp_path):
     config = load_config(tmp_path)
     model = build_model(config, torch.device("cpu"), torch.bfloat16, QuantRecipe("int4"))
     _fill(model, TextWeights(open_checkpoint(tmp_path, config.quantization)), torch.bfloat16, torch.device("cpu"),
-          fp8_source=True)
+          fp8_source=True, recipe=QuantRecipe("int4"))
     experts = model.layers[0].mlp.experts
     exact = quantize(reference["layers.0.mlp.experts.gate_up_proj"].float(), "int4", experts.group_size)
     assert torch.equal(experts.gate_up_qweight, exact.qweight) and torch.equal(experts.gate_up_scales, exact.scales)
@@ -215,7 +205,8 @@ def test_fp8_checkpoint_is_quantized_from_exact_values(tmp_path):
 
 
 def test_auto_recipe_rule(monkeypatch):
-    """auto quantizes only big half-precision models on a GPU with our kernels."""
+    """auto on a GPU quantizes only big half-precision models with our kernels; on the CPU it is
+    the compact format (a GGUF's own, else int8) unless a dtype was asked for."""
     from ninfer_core.models import quantize as q
     from ninfer_core.ops import dispatch
 
@@ -224,7 +215,11 @@ def test_auto_recipe_rule(monkeypatch):
     assert q.resolve_recipe("auto", cuda, torch.bfloat16, big).mode == "int4"
     assert q.resolve_recipe("auto", cuda, torch.bfloat16, small).mode == "bf16"  # small models stay exact
     assert q.resolve_recipe("auto", cuda, torch.float32, big).mode == "bf16"  # fp32 asked for exactness
-    assert q.resolve_recipe("auto", cpu, torch.bfloat16, big).mode == "bf16"
+    assert q.resolve_recipe("auto", cpu, torch.bfloat16, big, exact=True).mode == "bf16"  # --dtype given
+    assert q.resolve_recipe("auto", cpu, torch.float32, small).mode == "int8"
+    gguf = q.resolve_recipe("auto", cpu, torch.float32, small, gguf_formats={"x.weight": None})
+    assert gguf.mode == "gguf" and gguf.file_formats == {"x.weight": None}
+    assert q.resolve_recipe("auto", cpu, torch.float32, small, exact=True, gguf_formats={}).mode == "bf16"
     assert q.resolve_recipe("int8", cpu, torch.float32, small).mode == "int8"  # explicit always wins
     monkeypatch.setattr(dispatch, "kernels_available", lambda: False)
     assert q.resolve_recipe("auto", cuda, torch.bfloat16, big).mode == "bf16"  # no kernels: no int4 GEMV

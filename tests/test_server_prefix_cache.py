@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from ninfer_core.server.app import ServerHandle
-from server_harness import load_tiny_llm, write_model
+from server_harness import load_tiny_llm, wait_for, write_model
 
 SYSTEM = "You are a careful assistant. " * 12  # a long shared system prompt
 
@@ -66,3 +66,31 @@ def test_cached_tokens_in_every_api_and_metrics(servers):
     queries = float(re.search(r"^ninfer_prefix_cache_queries_total (\S+)$", metrics, re.M).group(1))
     assert 0 < hits < queries
     assert float(re.search(r"^ninfer_prefix_cache_bytes (\S+)$", metrics, re.M).group(1)) > 0
+
+
+def test_a_burst_of_mixed_prompts_leaves_no_kv_held(servers):
+    """16 concurrent requests (short and long prompts, streamed and not, some cancelled by their
+    client mid-stream): afterwards no sequence holds a KV page or a slot."""
+    import concurrent.futures
+
+    cached, _ = servers
+    client = openai.OpenAI(base_url=cached.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    def one(i: int) -> None:
+        messages = [{"role": "user", "content": ("word " * (5 + 25 * (i % 4))) + str(i)}]
+        if i % 3 == 0:
+            stream = client.chat.completions.create(model="m", messages=messages, max_tokens=30, stream=True)
+            for n, _ in enumerate(stream):
+                if i % 2 and n == 3:
+                    stream.close()  # the client leaves mid-answer
+                    return
+        else:
+            client.chat.completions.create(model="m", messages=messages, max_tokens=1 + i % 7)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(16)))
+    service = cached.service
+    wait_for(lambda: not service.stats().engine.running and not service.stats().waiting, what="the burst to end")
+    stats = service.stats().engine
+    assert stats.running == 0 and stats.kv_used_tokens == 0
+    assert service.engine.cache.num_free_slots == service.engine.cache.max_seqs

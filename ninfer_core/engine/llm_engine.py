@@ -532,9 +532,9 @@ class LLMEngine:
         host = torch.tensor([[*row, n, s.rope_delta, s.cache.slot] for row, n, s in zip(ids, lens, seqs)],
                             dtype=torch.long)
         packed = self._to_device(host)
-        cache_lens = packed[:, width]
+        cache_lens = packed[:, width].contiguous()  # kernels read them as plain arrays
         positions = cache_lens[:, None] + packed[:, width + 1 : width + 2] + torch.arange(width, device=self.device)
-        slots = packed[:, width + 2]
+        slots = packed[:, width + 2].contiguous()
         return ForwardBatch(
             input_ids=packed[:, :width], positions=positions, cache_lens=cache_lens, slots=slots,
             block_table=self.cache.rows(slots, max(lens) + width), logits=logits, verify=verify,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.rope import apply_rotary  # noqa: F401  (the op: CPU kernel or torch reference)
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float, mrope_section: list[int] | None = None):
@@ -53,13 +55,3 @@ class RotaryEmbedding(nn.Module):
         from_h = (j % 3 == 1) & (j < 3 * sec_h)
         from_w = (j % 3 == 2) & (j < 3 * sec_w)
         return torch.where(from_h, freqs[1], torch.where(from_w, freqs[2], freqs[0]))
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D], cos/sin [B, T, R] with R <= D: rotate-half RoPE on the first R dims."""
-    rotary_dim = cos.shape[-1]
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return torch.cat((rotated, x_pass), dim=-1)

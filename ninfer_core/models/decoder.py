@@ -26,6 +26,7 @@ from ..layers.mlp import MLP
 from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding
+from ..ops.quant import QuantEmbedding
 from .base import ForwardBatch, ForwardOutput
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -122,12 +123,18 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps, config.norm_zero_centered)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._tie()
+        self.tie_weights()
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
 
-    def _tie(self) -> None:
-        """lm_head shares the embedding table (unless a recipe gave lm_head its own quantized copy)."""
-        if self.config.tie_word_embeddings and type(self.lm_head) is nn.Linear:
+    def tie_weights(self) -> None:
+        """lm_head shares the embedding table: the same Parameter, or for a quantized table
+        (`QuantEmbedding`) a QuantLinear over its buffers, unless a recipe gave lm_head its own
+        quantized copy. Again after `to_empty()`, which unties them."""
+        if not self.config.tie_word_embeddings:
+            return
+        if isinstance(self.embed_tokens, QuantEmbedding):
+            self.lm_head = self.embed_tokens.tied_head()
+        elif type(self.lm_head) is nn.Linear:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:
@@ -172,12 +179,12 @@ class DecoderModel(nn.Module):
 
     def _embed(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.inputs_embeds is not None:
-            return batch.inputs_embeds.to(self.embed_tokens.weight.dtype)
+            return batch.inputs_embeds.to(self.norm.weight.dtype)  # the model dtype (the table may be quantized)
         return self.embed_tokens(batch.input_ids)
 
     def _step_context(self, batch: ForwardBatch, cache: ModelCache) -> StepContext:
         positions = batch.mrope_positions if batch.mrope_positions is not None else batch.positions
-        cos, sin = self.rotary_emb(positions, self.embed_tokens.weight.dtype)
+        cos, sin = self.rotary_emb(positions, self.norm.weight.dtype)
         attn = AttentionMetadata.build(
             batch.block_table, batch.cache_lens, batch.num_new_tokens, cache.page_size, cache.kv.num_pages,
             batch.host_cache_lens, batch.valid_tokens, batch.pad_kv_row,
@@ -206,7 +213,7 @@ class DecoderModel(nn.Module):
     def copy_parameters(self, get: Callable[[str], torch.Tensor], names: set[str]) -> None:
         """Copy every parameter from the tensor of the same canonical name (tie re-made first:
         `to_empty()` after a meta-device build unties lm_head from the embeddings)."""
-        self._tie()
+        self.tie_weights()
         load_parameters(self, get, names)
 
 

@@ -102,7 +102,9 @@ def build_model(
     with _building_on(torch.device("meta"), dtype):
         model = model_class(config)(config)
         apply_recipe_(model, recipe)
-    return model.to_empty(device=device).eval()
+    model = model.to_empty(device=device).eval()
+    model.tie_weights()  # to_empty gave a tied lm_head its own tensors
+    return model
 
 
 def random_model(
@@ -132,12 +134,14 @@ class WeightSource(Protocol):
 
 
 def _fill(
-    model: nn.Module, tensors: WeightSource, dtype: torch.dtype, device: torch.device, fp8_source: bool
+    model: nn.Module, tensors: WeightSource, dtype: torch.dtype, device: torch.device, fp8_source: bool,
+    recipe: QuantRecipe,
 ) -> None:
-    """Quantize into the quantized modules' buffers, then copy every plain parameter.
+    """Fill the quantized modules' buffers, then copy every plain parameter.
 
     An FP8 checkpoint's weights reach the quantizer in fp32 (e4m3 x block scale is exact there):
-    rounding them to the model dtype first would quantize twice."""
+    rounding them to the model dtype first would quantize twice. A GGUF under the gguf recipe
+    hands its quantized tensors over as they are."""
     def get(name: str) -> torch.Tensor:
         return tensors.get(name, dtype)
 
@@ -145,7 +149,8 @@ def _fill(
         return tensors.get(name, torch.float32)
 
     names = tensors.names()
-    consumed = fill_quantized_(model, get_exact if fp8_source else get, names, device)
+    consumed = fill_quantized_(model, get_exact if fp8_source else get, names, device, recipe,
+                               getattr(tensors, "get_quantized", None))
     model.load_weights(get, names - consumed)
 
 
@@ -162,12 +167,14 @@ def load_model(
     dev = resolve_device(device)
     path = default_model_path() if spec is None else locate(spec)
     tensors: WeightSource | None = None
+    gguf_formats = None
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model is a checkpoint directory (with config.json) or a .gguf file")
         gguf = open_gguf(path)
         config, tokenizer, defaults = gguf.config, gguf.load_tokenizer(), GGUF_SAMPLING_DEFAULTS
         tensors = gguf
+        gguf_formats = {name: gguf.quant_format(name) for name in gguf.names()}
     else:
         config = load_config(path)
         tokenizer = Tokenizer.from_model_dir(path)
@@ -177,14 +184,15 @@ def load_model(
             if config.arch in QWEN_ARCHS:
                 tensors = TextWeights(tensors)
     torch_dtype = resolve_dtype(dtype, dev)
-    recipe = resolve_recipe(weights, dev, torch_dtype, count_params(config))
+    recipe = resolve_recipe(weights, dev, torch_dtype, count_params(config), exact=dtype != "auto",
+                            gguf_formats=gguf_formats)
     if tensors is None:
         model = random_model(config, dev, torch_dtype, recipe)
     else:
         model = build_model(config, dev, torch_dtype, recipe)
         artifact = quant_cache.artifact_path(path, recipe.key, torch_dtype) if recipe.quantized and path.is_dir() else None
         if artifact is None or not quant_cache.load(model, artifact):
-            _fill(model, tensors, torch_dtype, dev, fp8_source=bool(config.quantization))
+            _fill(model, tensors, torch_dtype, dev, fp8_source=bool(config.quantization), recipe=recipe)
             if artifact is not None:
                 quant_cache.save(model, artifact)
     name = path.stem if path.is_file() else path.name

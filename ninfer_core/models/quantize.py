@@ -11,26 +11,31 @@ sensitive, so they keep int8):
   bf16  nothing quantized (the model dtype);
   int8  every large Linear and the experts int8 per output channel;
   int4  routed experts and dense-MLP projections int4 (group 128, or 64 / 32 where 128 does not
-        divide the input width; bf16 scales), the rest int8.
+        divide the input width; bf16 scales), the rest int8;
+  gguf  (`auto` for a GGUF file on the CPU) each Linear and the embedding table keep the file's
+        own quantization, mapped to our formats without a second grid (weights/gguf_quant.py); a
+        merged projection takes its parts' common format (ops/quant_convert.py); tensors without
+        a mapping (float, Q2_K, Q3_K, IQ*) are quantized to int8 per row with fp16 scales.
 Small projections (< 64 outputs) and the router with the shared-expert gate (one merged Linear)
-stay in the model dtype: their bytes do not matter and routing is sensitive to them. GDN a/b are
-rows of the merged GDN input projection (`layers/linear.py`) and share its int8 format (scales are
-per output row, so they keep their own range).
+stay in the model dtype under int8 / int4: their bytes do not matter and routing is sensitive to
+them. GDN a/b are rows of the merged GDN input projection (`layers/linear.py`) and share its int8
+format (scales are per output row, so they keep their own range).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..errors import NinferError
+from ..errors import ModelLoadError, NinferError
 from ..layers.linear import checkpoint_parts, merged_sources, source_names
 from ..layers.moe import Experts, SparseMoE
 from ..ops import dispatch
-from ..ops.quant import QuantLinear, quantize
+from ..ops.quant import QuantEmbedding, QuantFormat, QuantizedWeight, QuantLinear, quantize
+from ..ops.quant_convert import common_format, concat_rows, convert
 
 WEIGHT_MODES = ("auto", "bf16", "int8", "int4")
 MIN_QUANT_OUT_FEATURES = 64
@@ -43,9 +48,15 @@ def int4_group(*in_features: int) -> int | None:
     return next((g for g in GROUP_SIZES if all(k % g == 0 for k in in_features)), None)
 
 
+# gguf recipe: the format of a tensor the file does not give one (float, or no exact mapping).
+GGUF_FALLBACK = QuantFormat("int8", 0, torch.float16)
+
+
 @dataclass(frozen=True)
 class QuantRecipe:
-    mode: str  # "bf16" (none) | "int8" | "int4"
+    mode: str  # "bf16" (none) | "int8" | "int4" | "gguf"
+    # gguf: each checkpoint tensor's own format (None: none; it gets GGUF_FALLBACK)
+    file_formats: Mapping[str, QuantFormat | None] = field(default_factory=dict, compare=False)
 
     @property
     def quantized(self) -> bool:
@@ -54,21 +65,32 @@ class QuantRecipe:
     @property
     def key(self) -> str:
         """Names the recipe in the on-disk artifact (a change of format gets a new key)."""
-        return self.mode if not self.quantized else f"{self.mode}-v2"  # v2: merged projections
+        return self.mode if self.mode in ("bf16", "gguf") else f"{self.mode}-v2"  # v2: merged projections
 
     def label(self, dtype: torch.dtype) -> str:
         """What the weights are, for reports: the recipe key, or the model dtype when unquantized."""
         return self.key if self.quantized else str(dtype).removeprefix("torch.")
 
-    def linear_format(self, name: str, linear: nn.Linear, router: bool) -> tuple[str, int] | None:
-        """(kind, int4 group or 0) for one Linear, None to keep it in the model dtype."""
+    def linear_format(self, name: str, linear: nn.Linear, router: bool, sources: list[str]) -> QuantFormat | None:
+        """The format of one Linear (`sources`: the checkpoint tensors behind its weight), None to
+        keep it in the model dtype."""
+        if self.mode == "gguf":
+            return common_format([self.file_format(src) for src in sources], linear.in_features)
         if not self.quantized or router or linear.out_features < MIN_QUANT_OUT_FEATURES:
             return None
         dense_ffn = ".mlp." in name and ".shared_expert." not in name
         group = int4_group(linear.in_features)
         if self.mode == "int4" and dense_ffn and group is not None:
-            return "int4", group
-        return "int8", 0
+            return QuantFormat("int4", group)
+        return QuantFormat("int8")
+
+    def file_format(self, name: str) -> QuantFormat:
+        """gguf: the format a checkpoint tensor takes."""
+        return self.file_formats.get(name) or GGUF_FALLBACK
+
+    def embedding_format(self) -> QuantFormat | None:
+        """The embedding table's format: the file's under gguf (None: float in the file), else none."""
+        return self.file_formats.get("embed_tokens.weight") if self.mode == "gguf" else None
 
     def experts_format(self, experts: Experts) -> tuple[str, int] | None:
         if not self.quantized:
@@ -79,54 +101,110 @@ class QuantRecipe:
         return "int8", 0
 
 
-def resolve_recipe(mode: str, device: torch.device, dtype: torch.dtype, params: int) -> QuantRecipe:
-    """`auto`: int4 for a half-precision model of at least AUTO_MIN_PARAMS parameters on a GPU with
-    our kernels (the fast decode path); otherwise the model dtype: the CPU path would only
-    dequantize on every call, a float32 model was asked for exactness, and a small model is fast
-    in bf16 anyway while 4 bits cost it the most accuracy (SmolLM2-135M: KL 0.36 at int4)."""
+def resolve_recipe(
+    mode: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    params: int,
+    *,
+    exact: bool = False,
+    gguf_formats: Mapping[str, QuantFormat | None] | None = None,
+) -> QuantRecipe:
+    """`auto` on a GPU: int4 for a half-precision model of at least AUTO_MIN_PARAMS parameters with
+    our kernels (the fast decode path); otherwise the model dtype: a float32 model was asked for
+    exactness, and a small model is fast in bf16 anyway while 4 bits cost it the most accuracy
+    (SmolLM2-135M: KL 0.36 at int4).
+    `auto` on the CPU, where decode is bound by the bytes it reads at every size: a GGUF keeps
+    its own quantization (`gguf_formats`, from the file), other checkpoints take int8, unless a
+    dtype was asked for (`exact`: --dtype float32 runs stay exact)."""
     if mode not in WEIGHT_MODES:
         raise NinferError(f"unsupported --weights '{mode}' (use {', '.join(WEIGHT_MODES)})")
-    if mode == "auto":
-        half = dtype in (torch.bfloat16, torch.float16)
-        fast = half and device.type == "cuda" and dispatch.kernels_available()
-        mode = "int4" if fast and params >= AUTO_MIN_PARAMS else "bf16"
-    return QuantRecipe(mode)
+    if mode != "auto":
+        return QuantRecipe(mode)
+    if device.type == "cpu":
+        if exact:
+            return QuantRecipe("bf16")
+        return QuantRecipe("gguf", gguf_formats) if gguf_formats is not None else QuantRecipe("int8")
+    half = dtype in (torch.bfloat16, torch.float16)
+    fast = half and device.type == "cuda" and dispatch.kernels_available()
+    return QuantRecipe("int4" if fast and params >= AUTO_MIN_PARAMS else "bf16")
 
 
 def apply_recipe_(model: nn.Module, recipe: QuantRecipe) -> None:
-    """Swap Linear / expert modules for quantized ones (works on meta tensors: shapes only)."""
+    """Swap Linear / expert / embedding modules for quantized ones (on meta tensors: shapes only;
+    a module given a format gets empty buffers on the Linear's device)."""
     if not recipe.quantized:
         return
     routers = {id(m.gates.linear) for m in model.modules() if isinstance(m, SparseMoE)}
+    sources = merged_sources(model)
     for name, module in list(model.named_modules()):
         if isinstance(module, Experts) and (fmt := recipe.experts_format(module)) is not None:
             module.quantize_(*fmt)
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 full = f"{name}.{child_name}" if name else child_name
-                fmt = recipe.linear_format(full, child, id(child) in routers)
-                if fmt is not None:
-                    setattr(module, child_name, QuantLinear.from_linear(child, *fmt))
+                fmt = recipe.linear_format(full, child, id(child) in routers,
+                                           source_names(sources, _weight_source(model, full)))
+                if fmt is None:
+                    continue
+                if child.weight.is_meta:  # the load path: buffers of the format, filled later
+                    quantized = QuantLinear.empty(child.in_features, child.out_features, fmt, child.bias is not None,
+                                                  child.weight.device, child.weight.dtype)
+                else:  # a materialised (random-weight) model: its weights quantized now
+                    quantized = QuantLinear.from_linear(child, fmt.kind, fmt.group_size, fmt.scale_dtype)
+                setattr(module, child_name, quantized)
+    embed = model.embed_tokens
+    if (fmt := recipe.embedding_format()) is not None and isinstance(embed, nn.Embedding):
+        qw = QuantizedWeight.empty(fmt, embed.num_embeddings, embed.embedding_dim, embed.weight.device)
+        model.embed_tokens = QuantEmbedding(qw, embed.weight.dtype)
+        model.tie_weights()
+
+
+def _weight_source(model: nn.Module, linear: str) -> str:
+    """The model tensor name of a Linear's weight; a tied lm_head reads the embedding table."""
+    if linear == "lm_head" and getattr(model.config, "tie_word_embeddings", False):
+        return "embed_tokens.weight"
+    return f"{linear}.weight"
 
 
 @torch.no_grad()
 def fill_quantized_(
-    model: nn.Module, get: Callable[[str], torch.Tensor], names: set[str], device: torch.device
+    model: nn.Module,
+    get: Callable[[str], torch.Tensor],
+    names: set[str],
+    device: torch.device,
+    recipe: QuantRecipe,
+    get_quantized: Callable[[str], QuantizedWeight] | None = None,
 ) -> set[str]:
-    """Quantize the checkpoint tensors of every quantized module into its buffers (a merged
-    projection's parts concatenated first); returns the checkpoint names consumed (the caller
-    copies the rest as plain parameters)."""
+    """Fill every quantized module's buffers (a merged projection's parts concatenated first):
+    under gguf from the file's own quantized tensors (`get_quantized`), else by quantizing the
+    checkpoint tensors. Returns the checkpoint names consumed (the caller copies the rest as plain
+    parameters)."""
     sources = merged_sources(model)
     consumed: set[str] = set()
+    filled: set[int] = set()  # a tied lm_head shares the embedding's buffers: filled once
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(module, QuantLinear):
-            source = prefix + "weight"
-            if name == "lm_head" and getattr(model.config, "tie_word_embeddings", False):
-                source = "embed_tokens.weight"
-            parts = checkpoint_parts(get, names, sources, source, (module.out_features, module.in_features))
-            weight = torch.cat([t.to(device) for t in parts]) if len(parts) > 1 else parts[0].to(device)
-            _store(module, "", quantize(weight, module.kind, module.group_size))
+        if isinstance(module, (QuantLinear, QuantEmbedding)):
+            if module.qweight.data_ptr() in filled:
+                continue
+            filled.add(module.qweight.data_ptr())
+            source = _weight_source(model, name) if isinstance(module, QuantLinear) else prefix + "weight"
+            qw = module.quantized
+            shape = (qw.out_features, qw.in_features)
+            if recipe.mode == "gguf":
+                merged = concat_rows([get_quantized(src) if recipe.file_formats.get(src) else _quantize_fallback(get(src))
+                                      for src in source_names(sources, source)])
+                if merged.shape != shape:
+                    raise ModelLoadError(f"'{source}' (from {', '.join(source_names(sources, source))}) has shape "
+                                         f"{merged.shape}, expected {shape}")
+                _store(module, "", convert(merged, qw.format))
+            else:
+                parts = checkpoint_parts(get, names, sources, source, shape)
+                weight = torch.cat([t.to(device) for t in parts]) if len(parts) > 1 else parts[0].to(device)
+                fmt = qw.format
+                _store(module, "", quantize(weight, fmt.kind, fmt.group_size, fmt.scale_dtype))
+            # a tied lm_head reads the embedding's tensor but does not consume it
             consumed.update(source_names(sources, prefix + "weight"))
         elif isinstance(module, Experts) and module.kind is not None:
             for part in ("gate_up_proj", "down_proj"):
@@ -136,9 +214,16 @@ def fill_quantized_(
     return consumed
 
 
-def _store(module: nn.Module, prefix: str, qw) -> None:
+def _quantize_fallback(weight: torch.Tensor) -> QuantizedWeight:
+    """gguf: a tensor the file holds in float (or in a type without a mapping) -> GGUF_FALLBACK."""
+    return quantize(weight.float(), GGUF_FALLBACK.kind, 0, GGUF_FALLBACK.scale_dtype)
+
+
+def _store(module: nn.Module, prefix: str, qw: QuantizedWeight) -> None:
     getattr(module, f"{prefix}qweight").copy_(qw.qweight)
     getattr(module, f"{prefix}scales").copy_(qw.scales)
+    if qw.offsets is not None:
+        getattr(module, f"{prefix}offsets").copy_(qw.offsets)
 
 
 def unique_tensors(model: nn.Module) -> Iterator[torch.Tensor]:

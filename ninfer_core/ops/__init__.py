@@ -1,7 +1,8 @@
-"""Hot ops: each runs the CUDA extension's kernel when it applies, else its torch reference.
+"""Hot ops: each runs an extension's kernel when it applies (`ninfer_core._C` on CUDA,
+`ninfer_core._cpu` on the CPU), else its torch reference.
 
-Layers call these functions, never `ninfer_core._C` directly; `dispatch` holds the one rule
-that picks kernel or reference (NINFER_DISABLE_KERNELS=1 forces the references).
+Layers call these functions, never the extensions directly; `dispatch` holds the one rule that
+picks kernel or reference (NINFER_DISABLE_KERNELS=1 forces the references).
 """
 
 from .dispatch import kernels_available

@@ -1,6 +1,7 @@
 """Fused elementwise epilogues of a decode layer: SwiGLU's `silu(gate) * up` and the sigmoid gates
 (attention output gate, MoE shared-expert gate + residual add). Each is 2-3 torch kernels of a
-few µs on tiny tensors; a decode step is bound by kernel count, so one launch each (csrc/activation.cu).
+few µs on tiny tensors; a decode step is bound by kernel count, so one launch each (csrc/activation.cu;
+silu_mul also on the CPU, csrc/cpu/decode_ops.h, where each torch op costs microseconds of dispatch).
 
 The references below are the torch expressions the model used before, with their rounding: every
 intermediate is rounded to the input dtype, and the kernels round at the same points.
@@ -28,6 +29,11 @@ def sigmoid_mul_ref(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | Non
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     cols = x.shape[-1] // 2
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == 2 * cols
+            and dispatch.cpu_kernels_available()):  # csrc/cpu/decode_ops.h, fp32 math as the reference's
+        out = x.new_empty(*x.shape[:-1], cols)
+        dispatch.cpu_extension().silu_mul(out.data_ptr(), x.data_ptr(), x.numel() // max(x.shape[-1], 1), cols)
+        return out
     if not (dispatch.use_kernel(x) and x.is_contiguous() and x.shape[-1] == 2 * cols and x.numel() > 0):
         dispatch.fallback("silu_mul", x)
         return silu_mul_ref(x)

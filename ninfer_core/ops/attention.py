@@ -9,9 +9,11 @@ Query t of sequence b (cache index cache_lens[b] + t, its own k/v already writte
 indices 0 .. cache_lens[b] + t. `attention_ref` is the reference of both attention ops: masked
 SDPA over the whole gathered (dequantized) block table.
 
-  write_kv           CUDA kernel: one warp per (token, kv head), quantizing with the warp's absmax
+  write_kv           CUDA kernel: one warp per (token, kv head), quantizing with the warp's absmax;
+                     on the CPU (csrc/cpu/decode_ops.h) row copies into a cache of k's dtype
   decode_attention   T <= 16 (decode, speculative verify): split-K CUDA kernel
-                     (csrc/decode_attention.cu), reading 8-bit pages directly
+                     (csrc/decode_attention.cu), reading 8-bit pages directly; on the CPU an fp32
+                     online-softmax pass per (sequence, token, head) (csrc/cpu/decode_ops.h)
   prefill_attention  longer chunks: per sequence, contiguous K/V + SDPA with a lower-right
                      causal bias (fused flash / memory-efficient backends on the GPU)
 """
@@ -67,6 +69,12 @@ def write_kv_ref(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: to
 
 def write_kv(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v [B, T, Hkv, D] at the flat cache rows (page * page_size + row) `slot_mapping` [B, T]."""
+    if _cpu_fits(kv, k, v) and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous():
+        # row copies (csrc/cpu/decode_ops.h): the cache holds k's dtype, no scales
+        dispatch.cpu_extension().write_kv(kv.k.data_ptr(), kv.v.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                          slot_mapping.data_ptr(), slot_mapping.numel(),
+                                          k.shape[-1] * k.shape[-2] * k.element_size())
+        return
     if not (_kernel_fits(k, kv) and v.dtype == k.dtype and slot_mapping.device == k.device):
         dispatch.fallback("write_kv", k, kv.k)
         return write_kv_ref(kv, k, v, slot_mapping)
@@ -142,6 +150,10 @@ def decode_attention(
     """
     batch, num_new, heads, dim = q.shape
     kv_heads, page_size = kv.k.shape[2], kv.page_size
+    if (num_new <= DECODE_MAX_TOKENS and q.dtype == torch.float32 and _cpu_fits(kv, q) and heads % kv_heads == 0
+            and block_table.dtype == torch.int32 and cache_lens.dtype == torch.int64
+            and block_table.is_contiguous() and cache_lens.is_contiguous()):
+        return _cpu_decode_attention(q, kv, block_table, cache_lens, scale, out)
     if not (
         num_new <= DECODE_MAX_TOKENS
         and _kernel_fits(q, kv)
@@ -188,6 +200,19 @@ def decode_attention(
         kv_dtype=_kv_kind(kv, q.dtype),
         device=q.device.index,
         stream=dispatch.stream_handle(q),
+    )
+    return out
+
+
+def _cpu_decode_attention(q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor,
+                          scale: float, out: torch.Tensor | None) -> torch.Tensor:
+    """csrc/cpu/decode_ops.h: one pass of online softmax per (sequence, token, head), fp32."""
+    batch, num_new, heads, dim = q.shape
+    out = torch.empty_like(q) if out is None else _checked_out(out, q)
+    dispatch.cpu_extension().decode_attention(
+        out.data_ptr(), q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), block_table.data_ptr(), cache_lens.data_ptr(),
+        batch, num_new, heads, kv.k.shape[2], dim, kv.page_size, block_table.shape[1], float(scale),
+        dispatch.cpu_threads(),
     )
     return out
 
@@ -265,6 +290,18 @@ def _kv_kind(kv: KVLayer, dtype: torch.dtype) -> object | None:
     else:
         name = "NATIVE" if kv.k.dtype == dtype else None
     return None if name is None else getattr(dispatch.extension().KVDType, name)
+
+
+def _cpu_fits(kv: KVLayer, *xs: torch.Tensor) -> bool:
+    """Whether the CPU kernels take these activations with this cache: contiguous, on the CPU, the
+    cache in the activations' dtype (no fp8 / int8 scales)."""
+    return (
+        not kv.quantized
+        and all(x.device.type == "cpu" and x.dtype == kv.k.dtype and x.is_contiguous() for x in xs)
+        and kv.k.device.type == "cpu" and kv.v.dtype == kv.k.dtype and kv.k.is_contiguous() and kv.v.is_contiguous()
+        and xs[0].shape[-1] == kv.k.shape[-1]
+        and dispatch.cpu_kernels_available()
+    )
 
 
 def _kernel_fits(x: torch.Tensor, kv: KVLayer) -> bool:

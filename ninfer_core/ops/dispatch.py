@@ -1,9 +1,12 @@
-"""The one place that decides between the CUDA extension and the torch reference.
+"""The one place that decides between the compiled kernels and the torch reference.
 
-Rule: the compiled extension ninfer_core._C is importable, every tensor of the call is on a CUDA
-device with a kernel dtype (fp32 / fp16 / bf16), and NINFER_DISABLE_KERNELS is unset (or "0")
-=> kernel; otherwise the torch reference. A missing or broken extension is logged once at debug
-level and never raised: CPU-only installs simply run the references.
+Rule: NINFER_DISABLE_KERNELS is unset (or "0") and
+- every tensor of the call is on a CUDA device with a kernel dtype (fp32 / fp16 / bf16) and the
+  extension ninfer_core._C is importable => CUDA kernel;
+- every tensor is on the CPU and ninfer_core._cpu is importable => CPU kernel (csrc/cpu: the
+  quantized matmul, `ops/quant.py`);
+otherwise the torch reference. A missing or broken extension is logged once at debug level and
+never raised: an install without compiled code simply runs the references.
 
 A call on CUDA tensors that still runs a reference (a shape or dtype the kernel does not take)
 is slow without saying so: `fallback` logs it once per op, and NINFER_REQUIRE_KERNELS=1 makes it
@@ -27,14 +30,25 @@ REQUIRE_ENV = "NINFER_REQUIRE_KERNELS"
 _KERNEL_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
+def _load(name: str) -> ModuleType | None:
+    """A compiled extension module, or None (logged at debug level) when it was not built or cannot load."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        log.debug("%s unavailable, using torch reference ops instead: %s", name, exc)
+        return None
+
+
 @functools.cache
 def extension() -> ModuleType | None:
-    """The compiled `ninfer_core._C`, or None when it was not built or cannot load."""
-    try:
-        return importlib.import_module("ninfer_core._C")
-    except ImportError as exc:
-        log.debug("ninfer_core._C unavailable, using torch reference ops: %s", exc)
-        return None
+    """The compiled CUDA kernels `ninfer_core._C`, or None."""
+    return _load("ninfer_core._C")
+
+
+@functools.cache
+def cpu_extension() -> ModuleType | None:
+    """The compiled CPU kernels `ninfer_core._cpu`, or None."""
+    return _load("ninfer_core._cpu")
 
 
 def kernels_disabled() -> bool:
@@ -76,6 +90,21 @@ def fallback(op: str, activations: torch.Tensor, *tensors: torch.Tensor) -> None
 @functools.cache
 def _log_fallback_once(op: str) -> None:
     log.warning("%s runs its torch reference on CUDA tensors (no kernel for this shape / dtype): slow", op)
+
+
+def cpu_kernels_available() -> bool:
+    """True when CPU tensors would run on the CPU extension's kernels."""
+    return not kernels_disabled() and cpu_extension() is not None
+
+
+def use_cpu_kernel(*tensors: torch.Tensor) -> bool:
+    """Whether a call on these tensors goes to the CPU extension (see the module docstring)."""
+    return all(t.device.type == "cpu" for t in tensors) and cpu_kernels_available()
+
+
+def cpu_threads() -> int:
+    """Threads a CPU kernel runs on: torch's intra-op setting, so one knob sets both."""
+    return torch.get_num_threads()
 
 
 def kernel_dtype(t: torch.Tensor) -> object:

@@ -1,25 +1,37 @@
 """Weight-only quantization (int8, int4) and the quantized linear of the decode hot path.
 
-Formats (the fused MoE kernel reads the same layout, so they are fixed):
-  int8  qweight int8 [..., N, K], scales fp32 [..., N]: symmetric per output row,
-        scale = absmax(row) / 127, w = q * scale.
-  int4  qweight uint8 [..., N, K // 2], scales bf16 [..., N, K // G], G in {32, 64, 128}:
-        symmetric per group of G inputs, scale = absmax(group) / 7 rounded to bf16 before dividing
-        (so dequantization reproduces what quantization rounded to), q = clamp(round(w / scale),
-        -8, 7); byte j of a row holds element 2j in its low nibble and 2j + 1 in its high nibble,
-        each as q + 8. w = (nibble - 8) * scale.
-An all-zero row / group gets scale 1. Leading dims "..." are expert stacks [E, N, K].
+A quantized [..., N, K] weight is w[n, k] = code * scale + offset, with one scale (and offset) per
+group of G inputs of a row (`group_size`; int8 also allows 0: one per row):
+  int8  qweight int8 [..., N, K]; code = the byte; offset 0 unless offsets are given.
+  int4  qweight uint8 [..., N, K // 2]; byte j of a row holds input 2j in its low nibble and
+        2j + 1 in its high nibble; code = the nibble (0..15); offset -8 * scale unless offsets
+        are given (the symmetric grid: code = q + 8 for q in -8..7).
+  scales [..., N] (int8 per row) or [..., N, K // G] in fp32 / fp16 / bf16; offsets None or the
+  same shape and dtype. Leading dims "..." are expert stacks [E, N, K].
+Two families of formats use this:
+  GPU formats, made by `quantize` (csrc/quant_gemv.cu and the fused MoE kernel read them, so they
+    are fixed): int8 per row, fp32 scale = absmax(row) / 127; int4 symmetric per group of
+    G in {32, 64, 128}, scale = absmax(group) / 7 rounded to bf16 before dividing (so
+    dequantization reproduces what quantization rounded to), q = clamp(round(w / scale), -8, 7).
+    An all-zero row / group gets scale 1. `quantize(..., scale_dtype=torch.float16)` gives the
+    same grids with fp16 scales.
+  GGUF formats (weights/gguf_quant.py): llama.cpp's blocks as they are, fp16 scales, offsets
+    where the block has a minimum (Q4_1, Q4_K, ...), groups of 16 or 32.
+The CPU kernel (csrc/cpu/quant_matmul.h) runs every one of them; the CUDA kernels the GPU formats.
 
-`quant_linear` runs the csrc/quant_gemv.cu kernel for up to 16 rows on CUDA: it reads every weight
-byte once for all rows, which is what decode is bound by. Its int8 path is exact (products of
-int8 values, fp32 sums, the row scale applied in fp32); its int4 path multiplies each group's
-scale into the weights in the activation dtype (tensor cores take 16-bit operands), i.e. it
-computes with exactly `dequantize(qw, x.dtype)`, the weights the prefill path multiplies by.
-`quant_linear_ref` is the exact fp32 definition both are tested against.
+`quant_linear` runs, for up to 16 rows, csrc/quant_gemv.cu on CUDA or csrc/cpu on the CPU: they
+read every weight byte once for all rows, which is what decode is bound by. The CPU kernel and the
+CUDA int8 path are exact (products of the codes and fp32 activations, fp32 sums, scales applied in
+fp32); the CUDA int4 path multiplies each group's scale into the weights in the activation dtype
+(tensor cores take 16-bit operands), i.e. it computes with exactly `dequantize(qw, x.dtype)`, the
+weights the prefill path multiplies by. `quant_linear_ref` is the exact fp32 definition all are
+tested against.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,35 +43,99 @@ from . import dispatch
 
 GROUP_SIZES = (32, 64, 128)
 MAX_GEMV_ROWS = 16  # csrc/quant_gemv.h: kQuantGemvMaxRows
-_DTYPES = {"int8": (torch.int8, torch.float32), "int4": (torch.uint8, torch.bfloat16)}
+CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it a tiled dequantize + fp32 GEMM is faster
+# fp32 weight rows dequantized at once on the CPU: cache-sized, and few GEMM calls per weight
+# (each is a barrier of torch's thread pool, which a busy machine makes slow)
+CPU_PREFILL_TILE_BYTES = 8 << 20
+_CODES = {"int8": torch.int8, "int4": torch.uint8}
+_GPU_SCALES = {"int8": torch.float32, "int4": torch.bfloat16}  # `quantize`'s default scale dtypes
+_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CPU_SCALE_TYPES = [torch.float32, torch.float16, torch.bfloat16]  # csrc/cpu/quant_matmul.h: ScaleType
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """The layout of a quantized weight's tensors (what a recipe assigns to a module before the
+    weights exist). scale_dtype None: the GPU format's (fp32 for int8, bf16 for int4)."""
+
+    kind: str
+    group_size: int = 0
+    scale_dtype: torch.dtype | None = None
+    offsets: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in _CODES:
+            raise ValueError(f"unknown quantization kind {self.kind!r} (use 'int8' or 'int4')")
+        if self.scale_dtype is None:
+            object.__setattr__(self, "scale_dtype", _GPU_SCALES[self.kind])
 
 
 @dataclass
 class QuantizedWeight:
-    """A quantized [..., N, K] weight: its codes, its scales and (int4) its group size."""
+    """A quantized [..., N, K] weight: codes, scales, group size and optional offsets."""
 
     kind: Literal["int8", "int4"]
     qweight: torch.Tensor
     scales: torch.Tensor
-    group_size: int  # int4 group; 0 for int8
+    group_size: int  # 0: one scale per row (int8 only)
+    offsets: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in _DTYPES:
+        if self.kind not in _CODES:
             raise ValueError(f"unknown quantization kind {self.kind!r} (use 'int8' or 'int4')")
-        if (self.qweight.dtype, self.scales.dtype) != _DTYPES[self.kind]:
+        if self.qweight.dtype != _CODES[self.kind] or self.scales.dtype not in _SCALE_DTYPES:
             raise ValueError(
-                f"{self.kind} weights need {_DTYPES[self.kind]} codes / scales, "
+                f"{self.kind} weights need {_CODES[self.kind]} codes and float scales (codes / scales), "
                 f"got {self.qweight.dtype} / {self.scales.dtype}"
             )
         if self.kind == "int4":
             _check_group(self.group_size, self.in_features)
-            want = (*self.qweight.shape[:-1], self.in_features // self.group_size)
-        else:
-            want = self.qweight.shape[:-1]
+        elif self.group_size and self.in_features % self.group_size:
+            raise ValueError(f"int8: in_features {self.in_features} is not a multiple of group_size {self.group_size}")
+        want = self.qweight.shape[:-1]
+        if self.group_size:
+            want = (*want, self.in_features // self.group_size)
         if tuple(self.scales.shape) != tuple(want):
             raise ValueError(
                 f"{self.kind} scales have shape {tuple(self.scales.shape)}, expected {tuple(want)}"
             )
+        if self.offsets is not None and (self.offsets.shape, self.offsets.dtype) != (self.scales.shape, self.scales.dtype):
+            raise ValueError("offsets need the scales' shape and dtype")
+
+    @classmethod
+    def empty(cls, fmt: QuantFormat, out_features: int, in_features: int,
+              device: torch.device | str | None) -> QuantizedWeight:
+        """Uninitialised tensors of `fmt` for an [out_features, in_features] weight."""
+        if fmt.kind == "int4":
+            _check_group(fmt.group_size, in_features)
+        codes = (out_features, in_features // 2 if fmt.kind == "int4" else in_features)
+        scales = (out_features, in_features // fmt.group_size) if fmt.group_size else (out_features,)
+        return cls(
+            fmt.kind,
+            torch.empty(codes, dtype=_CODES[fmt.kind], device=device),
+            torch.empty(scales, dtype=fmt.scale_dtype, device=device),
+            fmt.group_size,
+            torch.empty(scales, dtype=fmt.scale_dtype, device=device) if fmt.offsets else None,
+        )
+
+    @property
+    def format(self) -> QuantFormat:
+        return QuantFormat(self.kind, self.group_size, self.scales.dtype, self.offsets is not None)
+
+    @functools.cached_property
+    def cpu_plan(self) -> tuple | None:
+        """The CPU kernel's weight arguments (csrc/cpu/bindings.cpp order), None when the kernel
+        cannot run this weight. Computed once: a decode step calls every weight, and Python
+        overhead is what a small model's step is made of."""
+        group = self.group_size or self.in_features
+        tensors = [t for t in (self.qweight, self.scales, self.offsets) if t is not None]
+        if not (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+                and group % (32 if self.kind == "int4" else 16) == 0
+                and self.in_features // group <= 4096):  # csrc/cpu/quant_kernels.h: kMaxGroups
+            return None
+        offsets = 0 if self.offsets is None else self.offsets.data_ptr()
+        return (self.qweight.data_ptr(), self.scales.data_ptr(), offsets, self.in_features, group,
+                self.kind == "int4", _CPU_SCALE_TYPES.index(self.scales.dtype))
 
     @property
     def out_features(self) -> int:
@@ -76,7 +152,7 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.offsets) if t is not None)
 
     @property
     def device(self) -> torch.device:
@@ -92,35 +168,45 @@ def _check_group(group_size: int, in_features: int) -> None:
         )
 
 
-def quantize(w: torch.Tensor, kind: str, group_size: int = 128) -> QuantizedWeight:
-    """Quantize w [..., N, K] on its own device (meta included: shapes only), fp32 math.
-    group_size applies to int4 only."""
+def quantize(
+    w: torch.Tensor, kind: str, group_size: int = 128, scale_dtype: torch.dtype | None = None
+) -> QuantizedWeight:
+    """Quantize w [..., N, K] on its own device (meta included: shapes only), fp32 math, to the
+    GPU formats (scales in `scale_dtype` if given). group_size applies to int4 only."""
     if w.dim() < 2:
         raise ValueError(f"quantize needs a [..., N, K] weight, got shape {tuple(w.shape)}")
-    wf = w.detach().float()
-    if kind == "int8":
-        amax = wf.abs().amax(-1)
-        scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-        q = torch.round(wf / scales[..., None]).clamp_(-127, 127).to(torch.int8)
-        return QuantizedWeight("int8", q, scales, 0)
-    if kind != "int4":
+    if kind not in _CODES:
         raise ValueError(f"unknown quantization kind {kind!r} (use 'int8' or 'int4')")
-    _check_group(group_size, w.shape[-1])
-    groups = wf.unflatten(-1, (-1, group_size))
+    if kind == "int4":
+        _check_group(group_size, w.shape[-1])
+    wf = w.detach().float()
+    groups = wf[..., None, :] if kind == "int8" else wf.unflatten(-1, (-1, group_size))
     amax = groups.abs().amax(-1)
-    scales = torch.where(amax > 0, amax / 7, torch.ones_like(amax)).to(torch.bfloat16)
-    q = torch.round(groups / scales.float()[..., None]).clamp_(-8, 7).add_(8).to(torch.uint8)
-    q = q.flatten(-2)
+    limit = 127 if kind == "int8" else 7
+    scales = torch.where(amax > 0, amax / limit, torch.ones_like(amax)).to(scale_dtype or _GPU_SCALES[kind])
+    # A scale rounded to zero in a narrow dtype still divides: the smallest one it holds.
+    scales = torch.where(scales > 0, scales, torch.full_like(scales, torch.finfo(scales.dtype).smallest_normal))
+    q = torch.round(groups / scales.float()[..., None])
+    if kind == "int8":
+        return QuantizedWeight("int8", q.clamp_(-127, 127).to(torch.int8).squeeze(-2), scales.squeeze(-1), 0)
+    q = q.clamp_(-8, 7).add_(8).to(torch.uint8).flatten(-2)
     return QuantizedWeight("int4", q[..., 0::2] | (q[..., 1::2] << 4), scales, group_size)
 
 
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The [..., N, K] weight in dtype: one pass of csrc/dequant.cu on CUDA (the prefill GEMMs
-    dequantize a layer's weights per call), `dequantize_ref` elsewhere; identical values."""
+    """The [..., N, K] weight in dtype: one pass of csrc/dequant.cu on CUDA (GPU formats) or of the
+    CPU kernel (the prefill GEMMs dequantize a layer's weights per call), `dequantize_ref`
+    elsewhere; identical values."""
+    if qw.device.type == "cpu" and qw.cpu_plan is not None and dispatch.cpu_kernels_available():
+        out = torch.empty(qw.shape, dtype=torch.float32)
+        rows = out.numel() // qw.in_features
+        dispatch.cpu_extension().dequantize(out.data_ptr(), rows, 0, rows, dispatch.cpu_threads(), *qw.cpu_plan)
+        return out.to(dtype)
     out_dtype_ok = dtype in (torch.float32, torch.float16, torch.bfloat16)
     k = qw.in_features
-    if not (out_dtype_ok and qw.device.type == "cuda" and dispatch.kernels_available() and k % 8 == 0
-            and qw.qweight.is_contiguous() and qw.scales.is_contiguous() and qw.qweight.data_ptr() % 8 == 0):
+    if not (out_dtype_ok and qw.device.type == "cuda" and dispatch.kernels_available() and _gpu_format(qw)
+            and k % 8 == 0 and qw.qweight.is_contiguous() and qw.scales.is_contiguous()
+            and qw.qweight.data_ptr() % 8 == 0):
         return dequantize_ref(qw, dtype)
     out = torch.empty(qw.shape, dtype=dtype, device=qw.device)
     dispatch.extension().dequant(
@@ -134,12 +220,21 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize_ref(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """Torch reference of `dequantize`: q * scale in fp32, rounded once to dtype."""
+    """Torch reference of `dequantize`: code * scale + offset in fp32 (a product, then a sum: what
+    the kernels compute), rounded once to dtype. The product is exact for 16-bit scales."""
     if qw.kind == "int8":
-        return qw.qweight.float().mul_(qw.scales[..., None]).to(dtype)
-    codes = torch.stack((qw.qweight & 15, qw.qweight >> 4), dim=-1).flatten(-2)
-    groups = codes.float().sub_(8).unflatten(-1, (-1, qw.group_size))  # in place: one fp32 copy
-    return groups.mul_(qw.scales.float()[..., None]).flatten(-2).to(dtype)
+        codes = qw.qweight.float()
+    else:
+        codes = torch.stack((qw.qweight & 15, qw.qweight >> 4), dim=-1).flatten(-2).float()
+        if qw.offsets is None:
+            codes = codes.sub_(8)  # the symmetric grid: offset -8 * scale
+    group = qw.group_size or qw.in_features
+    groups = codes.unflatten(-1, (-1, group))  # in place from here on: one fp32 copy
+    shape = (*groups.shape[:-1], 1)
+    groups.mul_(qw.scales.float().reshape(shape))
+    if qw.offsets is not None:
+        groups.add_(qw.offsets.float().reshape(shape))
+    return groups.flatten(-2).to(dtype)
 
 
 def quant_linear_ref(
@@ -147,7 +242,7 @@ def quant_linear_ref(
 ) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype; exact fp32 weights, fp32 accumulation."""
     _check_linear(x, qw, bias)
-    out = x.float() @ dequantize(qw, torch.float32).T
+    out = x.float() @ dequantize_ref(qw, torch.float32).T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
@@ -159,11 +254,16 @@ def quant_linear(
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, for a 2-D quantized weight."""
     _check_linear(x, qw, bias)
     rows = x.numel() // qw.in_features
+    cpu_kernel = x.device.type == "cpu" and qw.cpu_plan is not None and dispatch.cpu_kernels_available()
+    if cpu_kernel and rows > CPU_GEMV_ROWS:
+        return _cpu_tiled_linear(x.reshape(rows, qw.in_features), qw, bias).view(*x.shape[:-1], qw.out_features).to(x.dtype)
     if rows > MAX_GEMV_ROWS:
-        # Prefill: with many rows the product is compute-bound; cuBLAS's tensor-core GEMM on a
-        # transient dequantized copy beats any GEMV, and the copy costs two passes over the weight,
-        # small next to a long prompt's FLOPs.
+        # Prefill: with many rows the product is compute-bound; a GEMM (cuBLAS tensor cores, or
+        # the CPU's fp32 BLAS) on a transient dequantized copy beats any GEMV, and the copy costs
+        # two passes over the weight, small next to a long prompt's FLOPs.
         return F.linear(x, dequantize(qw, x.dtype), None if bias is None else bias.to(x.dtype))
+    if cpu_kernel:
+        return _cpu_matmul(x.reshape(rows, qw.in_features), qw, bias).view(*x.shape[:-1], qw.out_features).to(x.dtype)
     x2 = x.reshape(rows, qw.in_features).contiguous()
     if not _kernel_ok(x2, qw, bias):
         dispatch.fallback("quant_linear", x, qw.qweight)
@@ -173,11 +273,59 @@ def quant_linear(
     return out.view(*x.shape[:-1], qw.out_features)
 
 
+def _gpu_format(qw: QuantizedWeight) -> bool:
+    """Whether qw is one of the formats the CUDA kernels read (see the module docstring)."""
+    return qw.offsets is None and qw.scales.dtype == _GPU_SCALES[qw.kind] and (qw.kind == "int4" or not qw.group_size)
+
+
+def _cpu_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The CPU kernel: [M, N] fp32 = x [M, K] (as fp32) @ W^T (+ bias); qw.cpu_plan must be set."""
+    x = x.float().contiguous()
+    if bias is not None:
+        bias = bias.float().contiguous()
+    out = torch.empty(x.shape[0], qw.out_features)
+    dispatch.cpu_extension().quant_matmul(out.data_ptr(), x.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                          x.shape[0], qw.out_features, dispatch.cpu_threads(), *qw.cpu_plan)
+    return out
+
+
+def _cpu_tiled_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Prefill on the CPU: an fp32 GEMM over the weight dequantized a tile of rows at a time into a
+    buffer the cache holds, so the fp32 copy of the whole weight is never written out (for a 1.5B
+    model that would be 6 GB of writes per chunk)."""
+    x = x.float()
+    n, k = qw.out_features, qw.in_features
+    tile = min(n, max(16, CPU_PREFILL_TILE_BYTES // (4 * k)))
+    out_t = torch.empty(n, x.shape[0])  # W @ x^T: each tile's rows are contiguous rows of it
+    block = _tile_buffer(tile * k).view(tile, k)
+    for first in range(0, n, tile):
+        count = min(tile, n - first)
+        # one thread: torch's GEMM runs on its own pool, and two pools taking turns spin against
+        # each other on a busy machine; the dequantization is a tenth of the tile's time
+        dispatch.cpu_extension().dequantize(block.data_ptr(), n, first, count, 1, *qw.cpu_plan)
+        torch.mm(block[:count], x.T, out=out_t[first : first + count])
+    out = out_t.T
+    return (out if bias is None else out + bias.float()).contiguous()
+
+
+_tiles = threading.local()
+
+
+def _tile_buffer(numel: int) -> torch.Tensor:
+    """A reused fp32 buffer of at least `numel` values, one per thread (a fresh one per call would
+    be megabytes of page faults per GEMM)."""
+    buffer = getattr(_tiles, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _tiles.buffer = torch.empty(numel)
+    return buffer[:numel]
+
+
 def _kernel_ok(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> bool:
     """Whether the kernel covers this call (x is [M, K] contiguous); else the reference runs."""
     tensors = (x, qw.scales) if bias is None else (x, qw.scales, bias)
     return (
         dispatch.use_kernel(*tensors)
+        and _gpu_format(qw)
         and all(t.device == x.device for t in (qw.qweight, *tensors))
         and 1 <= x.shape[0] <= MAX_GEMV_ROWS
         and qw.qweight.is_contiguous()
@@ -223,67 +371,95 @@ def _check_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | Non
         )
 
 
-class QuantLinear(nn.Module):
-    """nn.Linear with a quantized weight. `qweight` / `scales` are buffers, so a model's
-    state_dict() is the quantized artifact and load_state_dict() restores it."""
+class _QuantizedBuffers(nn.Module):
+    """A module over one quantized weight: `qweight` / `scales` (/ `offsets`) are buffers, so a
+    model's state_dict() is the quantized artifact and load_state_dict() restores it."""
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qw: QuantizedWeight) -> None:
         super().__init__()
         if qw.qweight.dim() != 2:
-            raise ValueError(f"QuantLinear needs a 2-D weight, got shape {qw.shape}")
+            raise ValueError(f"{type(self).__name__} needs a 2-D weight, got shape {qw.shape}")
         self.kind, self.group_size = qw.kind, qw.group_size
-        self.in_features, self.out_features = qw.in_features, qw.out_features
         self.register_buffer("qweight", qw.qweight)
         self.register_buffer("scales", qw.scales)
+        self.register_buffer("offsets", qw.offsets)
+
+    @property
+    def quantized(self) -> QuantizedWeight:
+        """The quantized weight over this module's buffers (no copy), made again only when the
+        buffers were replaced (`to`, `to_empty`): it caches the CPU kernel's arguments."""
+        cached = self.__dict__.get("_quantized")
+        if cached is None or not (cached.qweight is self.qweight and cached.scales is self.scales
+                                  and cached.offsets is self.offsets):
+            cached = QuantizedWeight(self.kind, self.qweight, self.scales, self.group_size, self.offsets)
+            self.__dict__["_quantized"] = cached
+        return cached
+
+    def _format_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.group_size else ""
+        offsets = ", offsets" if self.offsets is not None else ""
+        return f"kind={self.kind}{group}, scales={str(self.scales.dtype).removeprefix('torch.')}{offsets}"
+
+
+class QuantLinear(_QuantizedBuffers):
+    """nn.Linear with a quantized weight."""
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__(qw)
+        self.in_features, self.out_features = qw.in_features, qw.out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kind: str, group_size: int = 128) -> QuantLinear:
+    def from_linear(
+        cls, linear: nn.Linear, kind: str, group_size: int = 128, scale_dtype: torch.dtype | None = None
+    ) -> QuantLinear:
         """Quantize a Linear's weight (a meta Linear gives a meta QuantLinear: shapes only)."""
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(quantize(linear.weight, kind, group_size), bias)
+        return cls(quantize(linear.weight, kind, group_size, scale_dtype), bias)
 
     @classmethod
     def empty(
         cls,
         in_features: int,
         out_features: int,
-        kind: str,
-        group_size: int,
+        fmt: QuantFormat,
         bias: bool,
         device: torch.device | str | None,
         dtype: torch.dtype,
     ) -> QuantLinear:
-        """Uninitialised buffers of the right shapes / dtypes, for load_state_dict to fill.
-        `dtype` is the bias's (the model dtype)."""
-        if kind not in _DTYPES:
-            raise ValueError(f"unknown quantization kind {kind!r} (use 'int8' or 'int4')")
-        codes_dtype, scales_dtype = _DTYPES[kind]
-        if kind == "int4":
-            _check_group(group_size, in_features)
-            codes = (out_features, in_features // 2)
-            scales = (out_features, in_features // group_size)
-        else:
-            group_size, codes, scales = 0, (out_features, in_features), (out_features,)
-        qw = QuantizedWeight(
-            kind,
-            torch.empty(codes, dtype=codes_dtype, device=device),
-            torch.empty(scales, dtype=scales_dtype, device=device),
-            group_size,
-        )
+        """Uninitialised buffers of `fmt`, for a fill or load_state_dict. `dtype` is the bias's
+        (the model dtype)."""
+        qw = QuantizedWeight.empty(fmt, out_features, in_features, device)
         return cls(qw, torch.empty(out_features, dtype=dtype, device=device) if bias else None)
-
-    @property
-    def quantized(self) -> QuantizedWeight:
-        """The quantized weight over this module's buffers (no copy)."""
-        return QuantizedWeight(self.kind, self.qweight, self.scales, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.quantized, self.bias)
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.kind == "int4" else ""
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"kind={self.kind}{group}, bias={self.bias is not None}"
-        )
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self._format_repr()}, "
+                f"bias={self.bias is not None}")
+
+
+class QuantEmbedding(_QuantizedBuffers):
+    """nn.Embedding over a quantized table (a GGUF's token_embd): a lookup dequantizes only the
+    rows it reads, so the table stays as compact as in the file. A tied lm_head is a QuantLinear
+    over the same buffers (`tied_head`)."""
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__(qw)
+        self.num_embeddings, self.embedding_dim = qw.out_features, qw.in_features
+        self.dtype = dtype  # of the embeddings returned
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        qw = self.quantized
+        rows = QuantizedWeight(qw.kind, qw.qweight[flat], qw.scales[flat], qw.group_size,
+                               None if qw.offsets is None else qw.offsets[flat])
+        return dequantize_ref(rows, self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def tied_head(self) -> QuantLinear:
+        """lm_head = the embedding table: a QuantLinear sharing this module's tensors."""
+        return QuantLinear(self.quantized)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self._format_repr()}"

@@ -49,6 +49,11 @@ def rmsnorm(
 ) -> torch.Tensor:
     """RMSNorm over the last dim of x. `out` (contiguous, may be x itself) receives the result."""
     _check(x, weight, out=out)
+    if _cpu_fits(x, weight):
+        out = torch.empty_like(x) if out is None else out
+        dispatch.cpu_extension().add_rmsnorm(out.data_ptr(), 0, x.data_ptr(), 0, weight.data_ptr(),
+                                             x.numel() // x.shape[-1], x.shape[-1], eps, zero_centered)
+        return out
     if not dispatch.use_kernel(x, weight):
         dispatch.fallback("rmsnorm", x, weight)
         return _into(out, rmsnorm_ref(x, weight, eps, zero_centered=zero_centered))
@@ -73,6 +78,13 @@ def add_rmsnorm(
     `residual_out=residual` updates the residual stream in place; `out=x` reuses x's memory.
     """
     _check(x, weight, residual=residual, out=out, residual_out=residual_out)
+    if _cpu_fits(x, residual, weight):
+        out = torch.empty_like(x) if out is None else out
+        residual_out = torch.empty_like(x) if residual_out is None else residual_out
+        dispatch.cpu_extension().add_rmsnorm(out.data_ptr(), residual_out.data_ptr(), x.data_ptr(), residual.data_ptr(),
+                                             weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+                                             zero_centered)
+        return out, residual_out
     if not dispatch.use_kernel(x, residual, weight):
         dispatch.fallback("add_rmsnorm", x, residual, weight)
         normed, summed = add_rmsnorm_ref(x, residual, weight, eps, zero_centered=zero_centered)
@@ -82,6 +94,13 @@ def add_rmsnorm(
     residual_out = torch.empty_like(x) if residual_out is None else residual_out
     _launch(out, residual_out, x, residual, weight, eps, zero_centered)
     return out, residual_out
+
+
+def _cpu_fits(*tensors: torch.Tensor) -> bool:
+    """The CPU kernel (csrc/cpu/decode_ops.h) takes contiguous fp32 tensors; it computes the
+    reference's fp32 math, where the reference's roundings to the input dtype are no-ops."""
+    return (tensors[0].device.type == "cpu" and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and dispatch.cpu_kernels_available())
 
 
 def _launch(

@@ -2,10 +2,11 @@
 
 A GGUF carries everything a model needs in one file: architecture metadata under `{arch}.*`
 keys, the tokenizer as token / merge arrays under `tokenizer.ggml.*`, the chat template, and
-tensors under llama.cpp's names, possibly quantized. We dequantize at load time with
-`gguf.quants.dequantize` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, K-quants, F16, BF16, F32) and hand the
-models the same canonical names a safetensors checkpoint gives (`layers.N.self_attn.q_proj.weight`),
-so a model's `load_weights` cannot tell the two formats apart.
+tensors under llama.cpp's names, possibly quantized. Tensors come by the same canonical names a
+safetensors checkpoint gives (`layers.N.self_attn.q_proj.weight`), so a model's `load_weights`
+cannot tell the two formats apart: `get` dequantizes them (`gguf.quants.dequantize`: Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, K-quants, F16, BF16, F32), and `get_quantized` hands the quantized ones over
+in our own formats without a second quantization (weights/gguf_quant.py: the CPU's compact path).
 
 Two llama.cpp conventions are undone here:
 - tensor shapes are stored in ggml order (fastest dimension first); the numpy views the reader
@@ -29,7 +30,9 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from ..config import MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ConfigFields, ModelConfig
 from ..errors import ModelLoadError
+from ..ops.quant import QuantFormat, QuantizedWeight
 from ..tokenizer import Tokenizer as NinferTokenizer
+from .gguf_quant import gguf_format, gguf_quantized
 
 if TYPE_CHECKING:
     import torch  # imported by `get`: `ninfer show` reads a GGUF's config without it
@@ -292,13 +295,31 @@ class GGUFCheckpoint:
         values = np.require(values, dtype=np.float32, requirements=["C", "W"])
         if values.size != int(np.prod(shape)):
             raise ModelLoadError(f"{self.path}: tensor '{t.name}' holds {values.size} values, shape says {shape}")
-        w = torch.from_numpy(values.reshape(shape))
+        w = self._unpermute(name, torch.from_numpy(values.reshape(shape)))
+        return w if dtype is None else w.to(dtype)
+
+    def quant_format(self, name: str) -> QuantFormat | None:
+        """The format `get_quantized` gives for a tensor, None when it has none (a float tensor, or
+        a block type without an exact mapping)."""
+        return gguf_format(self._tensor(name).tensor_type)
+
+    def get_quantized(self, name: str) -> QuantizedWeight:
+        """A quantized 2-D tensor in our format (`quant_format` must not be None), HF layout."""
+        t = self._tensor(name)
+        cols, rows = (int(s) for s in t.shape.tolist())
+        qw = gguf_quantized(t.data, t.tensor_type, rows, cols)
+        offsets = None if qw.offsets is None else self._unpermute(name, qw.offsets)
+        return QuantizedWeight(qw.kind, self._unpermute(name, qw.qweight), self._unpermute(name, qw.scales),
+                               qw.group_size, offsets)
+
+    def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Undo the converter's q / k row permutation (rows of any per-row tensor: values, codes, scales)."""
         if self.gguf_arch in _PERMUTED_QK_ARCHS and name.startswith("layers."):
             if ".self_attn.q_proj." in name:
-                w = unpermute_rotary_rows(w, self.config.num_heads)
-            elif ".self_attn.k_proj." in name:
-                w = unpermute_rotary_rows(w, self.config.num_kv_heads)
-        return w if dtype is None else w.to(dtype)
+                return unpermute_rotary_rows(rows, self.config.num_heads)
+            if ".self_attn.k_proj." in name:
+                return unpermute_rotary_rows(rows, self.config.num_kv_heads)
+        return rows
 
     # ---- tokenizer ------------------------------------------------------------------------------
 

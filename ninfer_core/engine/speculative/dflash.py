@@ -29,7 +29,7 @@ class DFlashDrafter(Drafter):
         self.target, self.model, self.cache, self.sampler = target, model, cache, sampler
         self.max_draft_tokens = config.block_size - 1
         self.capture_layers = tuple(config.target_layer_ids)
-        dtype = target.embed_tokens.weight.dtype
+        dtype = target.norm.weight.dtype  # the model dtype (the embedding table may be quantized)
         self.kv = KVPool(list(range(config.num_layers)), cache.num_pages, cache.page_size, config.num_kv_heads,
                          config.head_dim, dtype, cache.device)
         self.cache_bytes = self.kv.nbytes

@@ -1,0 +1,95 @@
+// pybind11 module ninfer_core._cpu: the CPU kernels (raw-pointer interface like ninfer_core._C;
+// call them through ninfer_core.ops). The GIL is released while a kernel runs.
+#include <pybind11/pybind11.h>
+
+#include "decode_ops.h"
+#include "quant_matmul.h"
+
+namespace py = pybind11;
+using ninfer::cpu::QuantWeight;
+using ninfer::cpu::ScaleType;
+
+PYBIND11_MODULE(_cpu, m) {
+  m.doc() = "ninfer CPU kernels: weight-only int8 / int4 matmul (csrc/cpu/quant_matmul.h) and the fp32 decode ops "
+            "around it (csrc/cpu/decode_ops.h)";
+  // Argument order: the call's own values first, then the weight's (ops/quant.py caches those).
+  m.def(
+      "quant_matmul",
+      [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t bias, std::int64_t m, std::int64_t n, int threads,
+         std::uintptr_t codes, std::uintptr_t scales, std::uintptr_t offsets, std::int64_t k, std::int64_t group,
+         bool int4, int scale_type) {
+        const QuantWeight w{codes, scales, offsets, n, k, group, int4, static_cast<ScaleType>(scale_type)};
+        ninfer::cpu::quant_matmul({w, out, x, bias, m, threads});
+      },
+      py::arg("out"), py::arg("x"), py::arg("bias"), py::arg("m"), py::arg("n"), py::arg("threads"),
+      py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("k"), py::arg("group"), py::arg("int4"),
+      py::arg("scale_type"), py::call_guard<py::gil_scoped_release>(),
+      "out[m, n] = x[m, k] @ W^T (+ bias), fp32; offsets / bias 0 for none; scale_type: ScaleType's value.");
+  m.def(
+      "dequantize",
+      [](std::uintptr_t out, std::int64_t n, std::int64_t first, std::int64_t count, int threads,
+         std::uintptr_t codes, std::uintptr_t scales, std::uintptr_t offsets, std::int64_t k, std::int64_t group,
+         bool int4, int scale_type) {
+        const QuantWeight w{codes, scales, offsets, n, k, group, int4, static_cast<ScaleType>(scale_type)};
+        ninfer::cpu::dequantize(w, first, count, out, threads);
+      },
+      py::arg("out"), py::arg("n"), py::arg("first"), py::arg("count"), py::arg("threads"), py::arg("codes"),
+      py::arg("scales"), py::arg("offsets"), py::arg("k"), py::arg("group"), py::arg("int4"), py::arg("scale_type"),
+      py::call_guard<py::gil_scoped_release>(), "out fp32 [count, k] = rows first.. of the dense weight [n, k].");
+  m.def(
+      "add_rmsnorm",
+      [](std::uintptr_t out, std::uintptr_t residual_out, std::uintptr_t x, std::uintptr_t residual,
+         std::uintptr_t weight, std::int64_t rows, std::int64_t hidden, float eps, bool zero_centered) {
+        ninfer::cpu::add_rmsnorm(reinterpret_cast<float*>(out), reinterpret_cast<float*>(residual_out),
+                                 reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(residual),
+                                 reinterpret_cast<const float*>(weight), rows, hidden, eps, zero_centered);
+      },
+      py::arg("out"), py::arg("residual_out"), py::arg("x"), py::arg("residual"), py::arg("weight"),
+      py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("zero_centered"),
+      "fp32 (residual add +) RMSNorm; residual = 0 for none. See csrc/cpu/decode_ops.h.");
+  m.def(
+      "silu_mul",
+      [](std::uintptr_t out, std::uintptr_t x, std::int64_t rows, std::int64_t cols) {
+        ninfer::cpu::silu_mul(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(x), rows, cols);
+      },
+      py::arg("out"), py::arg("x"), py::arg("rows"), py::arg("cols"), "fp32 silu(gate) * up.");
+  m.def(
+      "rotary",
+      [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t cos, std::uintptr_t sin, std::int64_t tokens,
+         std::int64_t heads, std::int64_t dim, std::int64_t rotary) {
+        ninfer::cpu::rotary(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(x),
+                            reinterpret_cast<const float*>(cos), reinterpret_cast<const float*>(sin), tokens, heads,
+                            dim, rotary);
+      },
+      py::arg("out"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("tokens"), py::arg("heads"),
+      py::arg("dim"), py::arg("rotary"), "fp32 rotate-half RoPE on the first `rotary` dims of each head.");
+  m.def(
+      "write_kv",
+      [](std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k, std::uintptr_t v, std::uintptr_t slots,
+         std::int64_t tokens, std::int64_t row_bytes) {
+        ninfer::cpu::write_kv(k_cache, v_cache, k, v, reinterpret_cast<const std::int64_t*>(slots), tokens, row_bytes);
+      },
+      py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("tokens"),
+      py::arg("row_bytes"), "Copy token rows to the flat cache rows `slots` (int64).");
+  m.def(
+      "decode_attention",
+      [](std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_cache, std::uintptr_t v_cache,
+         std::uintptr_t block_table, std::uintptr_t cache_lens, std::int64_t batch, std::int64_t num_new,
+         std::int64_t heads, std::int64_t kv_heads, std::int64_t dim, std::int64_t page_size,
+         std::int64_t table_width, float scale, int threads) {
+        ninfer::cpu::decode_attention({reinterpret_cast<float*>(out), reinterpret_cast<const float*>(q),
+                                       reinterpret_cast<const float*>(k_cache), reinterpret_cast<const float*>(v_cache),
+                                       reinterpret_cast<const std::int32_t*>(block_table),
+                                       reinterpret_cast<const std::int64_t*>(cache_lens), batch, num_new, heads,
+                                       kv_heads, dim, page_size, table_width, scale, threads});
+      },
+      py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+      py::arg("cache_lens"), py::arg("batch"), py::arg("num_new"), py::arg("heads"), py::arg("kv_heads"),
+      py::arg("dim"), py::arg("page_size"), py::arg("table_width"), py::arg("scale"), py::arg("threads"),
+      py::call_guard<py::gil_scoped_release>(),
+      "fp32 causal attention over a paged cache (int32 block table, int64 lengths). See csrc/cpu/decode_ops.h.");
+  m.def("use_isa", &ninfer::cpu::use_isa, py::arg("name"),
+        "Run the quant kernels with the best instruction set up to `name` (avx512, avx2, generic) this CPU has; "
+        "returns it. Not while a kernel runs.");
+  m.def("isa", &ninfer::cpu::isa, "The instruction set the kernels run with: avx512, avx2 or generic.");
+}

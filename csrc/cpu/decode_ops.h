@@ -1,0 +1,46 @@
+// The fp32 ops of a CPU decode step around the quantized matmuls: what the torch references in
+// ninfer_core/ops (rmsnorm.py, activation.py, attention.py) compute, in one call each. A small
+// model's decode step is made of ~60 such tiny ops per layer; each torch op costs microseconds of
+// dispatch, which is most of the step once the weights are compact.
+#pragma once
+
+#include <cstdint>
+
+namespace ninfer::cpu {
+
+// out = norm(s) with s = x (+ residual; then residual_out = s), rows of `hidden` fp32 values:
+// norm(v) = v * rstd * (1 + w) when zero_centered, else v * rstd * w; rstd = 1 / sqrt(mean(v^2) + eps).
+// out may alias x; residual_out may alias residual.
+void add_rmsnorm(float* out, float* residual_out, const float* x, const float* residual, const float* weight,
+                 std::int64_t rows, std::int64_t hidden, float eps, bool zero_centered);
+
+// out [rows, cols] = silu(x[:, :cols]) * x[:, cols:], x [rows, 2 * cols].
+void silu_mul(float* out, const float* x, std::int64_t rows, std::int64_t cols);
+
+// Rotate-half RoPE on the first `rotary` dims of each head: x, out [tokens, heads, dim]; cos, sin
+// [tokens, rotary]; dims from `rotary` on are copied. out may alias x.
+void rotary(float* out, const float* x, const float* cos, const float* sin, std::int64_t tokens, std::int64_t heads,
+            std::int64_t dim, std::int64_t rotary);
+
+// Rows of `row_bytes` bytes (one token's kv heads) to the flat cache rows `slots` of k / v.
+void write_kv(std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k, std::uintptr_t v,
+              const std::int64_t* slots, std::int64_t tokens, std::int64_t row_bytes);
+
+// Causal attention of `num_new` new tokens per sequence over a paged fp32 KV cache (the contract
+// of ops/attention.py decode_attention): q, out [batch, num_new, heads, dim]; cache
+// [pages, page_size, kv_heads, dim]; token i of sequence b in page block_table[b][i / page_size];
+// query t sees cache indices 0 .. cache_lens[b] + t.
+struct AttentionArgs {
+  float* out;
+  const float* q;
+  const float* k_cache;
+  const float* v_cache;
+  const std::int32_t* block_table;  // [batch, table_width]
+  const std::int64_t* cache_lens;   // [batch]
+  std::int64_t batch, num_new, heads, kv_heads, dim, page_size, table_width;
+  float scale;
+  int threads;
+};
+void decode_attention(const AttentionArgs& args);
+
+}  // namespace ninfer::cpu

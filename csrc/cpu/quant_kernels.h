@@ -1,0 +1,261 @@
+// The CPU quant kernels, written once over a vector type V. Each isa_*.cpp defines its V and
+// compiles this header with its instruction set; quant_matmul.cpp picks one at run time.
+//
+// V provides: F (W floats), zero, load, store, store_pairs (interleaved), splat, add, mul, fma, sum (horizontal), halves (W fp16 -> F),
+// bytes (W signed bytes -> F) and nibbles (W bytes -> their low and their high nibbles as two F).
+// The int4 loop reads 2W inputs per W code bytes: the W low nibbles are inputs 0, 2, .., 2W - 2
+// and the high ones 1, 3, .., 2W - 1, so x is first arranged to that order (`arrange`) and the
+// codes are never shuffled.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "quant_matmul.h"
+
+namespace ninfer::cpu {
+
+// One call's inputs once prepared by quant_matmul.cpp.
+struct Prepared {
+  const QuantWeight* w;
+  float* out;          // [m, n]
+  const float* x;      // [m, k], int4: arranged
+  const float* xsum;   // [m, k / group] sums of x per group (for the offsets)
+  const float* bias;   // [n] or null
+  std::int64_t m;
+};
+
+// The entry points of one instruction set.
+struct IsaKernels {
+  const char* name;
+  void (*arrange)(const float* x, std::int64_t m, std::int64_t k, float* dst);
+  void (*rows)(const Prepared& p, std::int64_t n0, std::int64_t n1);
+  void (*dequantize_rows)(const QuantWeight& w, float* out, std::int64_t n0, std::int64_t n1);
+};
+
+// Everything below has internal linkage on purpose: each isa_*.cpp compiles its own copy with its
+// own instruction set. A shared inline copy (a std:: container's, say) could be the one the linker
+// kept from the AVX-512 file and fault on an older CPU, so this code uses no library templates.
+namespace {
+
+constexpr std::int64_t kMaxGroups = 4096;  // scale groups per weight row (quant_matmul.cpp checks)
+
+inline std::int64_t lesser(std::int64_t a, std::int64_t b) { return a < b ? a : b; }
+
+// IEEE half -> float, exact (subnormals included): the tails the vector conversion leaves.
+inline float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000) << 16;
+  const std::uint32_t rest = h & 0x7fff;
+  float f;
+  if (rest >= 0x7c00) {  // inf / nan
+    const std::uint32_t bits = sign | 0x7f800000 | (rest & 0x3ff) << 13;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  const std::uint32_t bits = rest << 13;  // as a float, 2^-112 times the half's magnitude
+  std::memcpy(&f, &bits, 4);
+  f *= 0x1p112f;
+  return sign ? -f : f;
+}
+
+template <class V>
+struct Kernels {
+  using F = typename V::F;
+  static constexpr int W = V::W;
+
+  static void arrange(const float* x, std::int64_t m, std::int64_t k, float* dst) {
+    for (std::int64_t i = 0; i < m * k; i += 2 * W) {
+      for (int j = 0; j < W; ++j) {
+        dst[i + j] = x[i + 2 * j];
+        dst[i + W + j] = x[i + 2 * j + 1];
+      }
+    }
+  }
+
+  static float dot(const float* a, const float* b, std::int64_t count) {
+    F acc = V::zero();
+    std::int64_t i = 0;
+    for (; i + W <= count; i += W) acc = V::fma(V::load(a + i), V::load(b + i), acc);
+    float total = V::sum(acc);
+    for (; i < count; ++i) total += a[i] * b[i];
+    return total;
+  }
+
+  // count values of type `type` -> fp32.
+  static void to_float(std::uintptr_t src, ScaleType type, std::int64_t first, std::int64_t count, float* dst) {
+    if (type == ScaleType::F32) {
+      std::memcpy(dst, reinterpret_cast<const float*>(src) + first, count * sizeof(float));
+      return;
+    }
+    const auto* h = reinterpret_cast<const std::uint16_t*>(src) + first;
+    if (type == ScaleType::BF16) {
+      for (std::int64_t i = 0; i < count; ++i) {
+        const std::uint32_t bits = static_cast<std::uint32_t>(h[i]) << 16;
+        std::memcpy(dst + i, &bits, 4);
+      }
+      return;
+    }
+    std::int64_t i = 0;
+    for (; i + W <= count; i += W) V::store(dst + i, V::halves(h + i));
+    for (; i < count; ++i) dst[i] = half_to_float(h[i]);
+  }
+
+  // The scales and offsets (defaults filled in) of `rows` weight rows from n0, fp32 [rows][groups].
+  static void block_params(const QuantWeight& w, std::int64_t n0, std::int64_t rows, float* scale, float* offset) {
+    const std::int64_t count = rows * (w.k / w.group);
+    to_float(w.scales, w.scale_type, n0 * (w.k / w.group), count, scale);
+    if (w.offsets) {
+      to_float(w.offsets, w.scale_type, n0 * (w.k / w.group), count, offset);
+    } else {
+      const float by = w.int4 ? -8.0f : 0.0f;
+      for (std::int64_t i = 0; i < count; ++i) offset[i] = by * scale[i];
+    }
+  }
+
+  // acc[t] += group g of a weight row (its codes at `row`) . x[t], codes unscaled.
+  template <int T, bool Int4, int G>
+  static void group_dot(const QuantWeight& w, const std::uint8_t* row, std::int64_t g, const float* x, F* acc) {
+    const std::int64_t group = G ? G : w.group;
+    const float* xg = x + g * group;
+    for (std::int64_t c = 0; c < group; c += Int4 ? 2 * W : W) {
+      if constexpr (Int4) {
+        F lo, hi;
+        V::nibbles(row + (g * group + c) / 2, lo, hi);
+        for (int t = 0; t < T; ++t) {
+          acc[t] = V::fma(lo, V::load(xg + t * w.k + c), acc[t]);
+          acc[t] = V::fma(hi, V::load(xg + t * w.k + c + W), acc[t]);
+        }
+      } else {
+        const F q = V::bytes(reinterpret_cast<const std::int8_t*>(row) + g * group + c);
+        for (int t = 0; t < T; ++t) acc[t] = V::fma(q, V::load(xg + t * w.k + c), acc[t]);
+      }
+    }
+  }
+
+  // dots[t] = sum_k code[n][k] * scale[k / group] * x[t][k] for T rows of x: each code is decoded
+  // once for the T rows. One weight row at a time, in memory order: the hardware prefetcher
+  // follows one stream (rows side by side would be many short ones, half the bandwidth). G: the
+  // group size when it is a common one (the inner loop unrolls), 0 to read it from w.
+  template <int T, bool Int4, int G>
+  static void tile(const QuantWeight& w, const float* scale, std::int64_t n, const float* x, float* dots) {
+    const std::int64_t groups = w.k / (G ? G : w.group);
+    const auto* row = reinterpret_cast<const std::uint8_t*>(w.codes) + n * (Int4 ? w.k / 2 : w.k);
+    // Groups alternate between two sums per row, so that the scale FMA of a group does not wait
+    // for the previous group's.
+    F even[T], odd[T], acc[T];
+    for (int t = 0; t < T; ++t) even[t] = odd[t] = V::zero();
+    std::int64_t g = 0;
+    if constexpr (!Int4 && G == W) {  // one vector per group (Q6_K's 16): scale the codes instead
+      for (; g + 1 < groups; g += 2) {
+        const auto* codes = reinterpret_cast<const std::int8_t*>(row) + g * G;
+        const F q0 = V::mul(V::bytes(codes), V::splat(scale[g]));
+        const F q1 = V::mul(V::bytes(codes + G), V::splat(scale[g + 1]));
+        for (int t = 0; t < T; ++t) {
+          even[t] = V::fma(q0, V::load(x + t * w.k + g * G), even[t]);
+          odd[t] = V::fma(q1, V::load(x + t * w.k + g * G + G), odd[t]);
+        }
+      }
+    }
+    for (; g + 1 < groups; g += 2) {
+      for (int t = 0; t < T; ++t) acc[t] = V::zero();
+      group_dot<T, Int4, G>(w, row, g, x, acc);
+      const F s = V::splat(scale[g]);
+      for (int t = 0; t < T; ++t) even[t] = V::fma(acc[t], s, even[t]);
+      for (int t = 0; t < T; ++t) acc[t] = V::zero();
+      group_dot<T, Int4, G>(w, row, g + 1, x, acc);
+      const F s1 = V::splat(scale[g + 1]);
+      for (int t = 0; t < T; ++t) odd[t] = V::fma(acc[t], s1, odd[t]);
+    }
+    if (g < groups) {
+      for (int t = 0; t < T; ++t) acc[t] = V::zero();
+      group_dot<T, Int4, G>(w, row, g, x, acc);
+      const F s = V::splat(scale[g]);
+      for (int t = 0; t < T; ++t) even[t] = V::fma(acc[t], s, even[t]);
+    }
+    for (int t = 0; t < T; ++t) dots[t] = V::sum(V::add(even[t], odd[t]));
+  }
+
+  // Weight row n against x rows [m0, m0 + T): the dot products, the offsets and the bias.
+  template <int T, bool Int4, int G>
+  static void block(const Prepared& p, const float* scale, const float* offset, std::int64_t n, std::int64_t m0) {
+    const QuantWeight& w = *p.w;
+    const std::int64_t groups = w.k / w.group;
+    float dots[T];
+    tile<T, Int4, G>(w, scale, n, p.x + m0 * w.k, dots);
+    for (int t = 0; t < T; ++t) {
+      const float value = dots[t] + dot(offset, p.xsum + (m0 + t) * groups, groups);
+      p.out[(m0 + t) * w.n + n] = p.bias ? value + p.bias[n] : value;
+    }
+  }
+
+  template <bool Int4, int G>
+  static void rows_of(const Prepared& p, std::int64_t n0, std::int64_t n1) {
+    constexpr std::int64_t kChunk = 16;  // rows whose scales and offsets are converted at once
+    const std::int64_t groups = p.w->k / p.w->group;
+    // plain C allocation: no library template in this file (see above)
+    auto* scale = static_cast<float*>(std::malloc(2 * kChunk * groups * sizeof(float)));
+    float* offset = scale + kChunk * groups;
+    for (std::int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+      const std::int64_t c1 = lesser(n1, c0 + kChunk);
+      block_params(*p.w, c0, c1 - c0, scale, offset);  // vectorised over the chunk
+      for (std::int64_t n = c0; n < c1; ++n) {
+        const float *s = scale + (n - c0) * groups, *o = offset + (n - c0) * groups;
+        for (std::int64_t m0 = 0; m0 < p.m; m0 += 4) {
+          switch (lesser(4, p.m - m0)) {
+            case 1: block<1, Int4, G>(p, s, o, n, m0); break;
+            case 2: block<2, Int4, G>(p, s, o, n, m0); break;
+            case 3: block<3, Int4, G>(p, s, o, n, m0); break;
+            default: block<4, Int4, G>(p, s, o, n, m0); break;
+          }
+        }
+      }
+    }
+    std::free(scale);
+  }
+
+  static void rows(const Prepared& p, std::int64_t n0, std::int64_t n1) {
+    const std::int64_t group = p.w->group;
+    if (p.w->int4) return group == 32 ? rows_of<true, 32>(p, n0, n1) : rows_of<true, 0>(p, n0, n1);
+    if (group == 16) return rows_of<false, 16>(p, n0, n1);
+    if (group == 32) return rows_of<false, 32>(p, n0, n1);
+    return rows_of<false, 0>(p, n0, n1);
+  }
+
+  // Rows [n0, n1) of the dense weight into out (row n0 first): code * scale + offset, a product
+  // then a sum (the reference's two roundings).
+  static void dequantize_rows(const QuantWeight& w, float* out, std::int64_t n0, std::int64_t n1) {
+    const std::int64_t groups = w.k / w.group;
+    float scale[kMaxGroups], offset[kMaxGroups];
+    for (std::int64_t n = n0; n < n1; ++n) {
+      block_params(w, n, 1, scale, offset);
+      float* dst = out + (n - n0) * w.k;
+      for (std::int64_t g = 0; g < groups; ++g) {
+        const F s = V::splat(scale[g]), o = V::splat(offset[g]);
+        const std::int64_t begin = g * w.group, end = begin + w.group;
+        if (w.int4) {
+          const auto* codes = reinterpret_cast<const std::uint8_t*>(w.codes) + n * w.k / 2;
+          for (std::int64_t c = begin; c < end; c += 2 * W) {
+            F lo, hi;
+            V::nibbles(codes + c / 2, lo, hi);
+            V::store_pairs(dst + c, V::add(V::mul(lo, s), o), V::add(V::mul(hi, s), o));
+          }
+        } else {
+          const auto* codes = reinterpret_cast<const std::int8_t*>(w.codes) + n * w.k;
+          for (std::int64_t c = begin; c < end; c += W) V::store(dst + c, V::add(V::mul(V::bytes(codes + c), s), o));
+        }
+      }
+    }
+  }
+
+  static IsaKernels make(const char* name) { return {name, &arrange, &rows, &dequantize_rows}; }
+};
+
+}  // namespace
+
+// Defined by isa_*.cpp (the x86 ones only where the compiler targets x86).
+extern const IsaKernels kGenericKernels;
+extern const IsaKernels kAvx2Kernels;
+extern const IsaKernels kAvx512Kernels;
+
+}  // namespace ninfer::cpu

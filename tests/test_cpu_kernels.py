@@ -1,0 +1,204 @@
+"""ninfer_core._cpu (csrc/cpu): the quantized matmul and the fp32 decode ops, against float64 math
+and their torch references, on random inputs with NaN-poisoned outputs.
+
+The matmul runs on every instruction set this CPU has (AVX-512, AVX2, the portable copy), with
+every format the formats docstring of ops/quant.py allows: int8 per row / per group, int4 groups,
+offsets or not, fp32 / fp16 / bf16 scales, odd row counts, 1..16 activation rows, bias.
+Skipped where the extension is not built (NINFER_CPU=OFF, no compiler).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ninfer_core.cache.kv_pool import KVLayer
+from ninfer_core.ops import activation, attention, dispatch, quant, rope
+from ninfer_core.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+from ninfer_core.ops.quant import QuantizedWeight, dequantize, dequantize_ref, quant_linear, quantize
+
+pytestmark = pytest.mark.skipif(dispatch.cpu_extension() is None, reason="ninfer_core._cpu not built")
+
+ISAS = ["avx512", "avx2", "generic"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    ext = dispatch.cpu_extension()
+    best = ext.isa()
+    if ext.use_isa(request.param) != request.param:
+        ext.use_isa(best)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    ext.use_isa(best)
+
+
+def _weight(kind: str, n: int, k: int, group: int, scale_dtype: torch.dtype, offsets: bool, seed: int) -> QuantizedWeight:
+    """Random codes (every value, including the extremes) and scales / offsets of mixed magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "int4":
+        codes = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    else:
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    shape = (n, k // group) if group else (n,)
+    scales = (torch.rand(shape, generator=g) * torch.exp(torch.randn(shape, generator=g))).to(scale_dtype)
+    extra = torch.randn(shape, generator=g).to(scale_dtype) if offsets else None
+    return QuantizedWeight(kind, codes, scales, group, extra)
+
+
+def _weights64(qw: QuantizedWeight) -> torch.Tensor:
+    """The float64 weights of the format (ops/quant.py docstring), decoded independently."""
+    raw = qw.qweight.numpy()
+    if qw.kind == "int4":
+        codes = np.empty((raw.shape[0], raw.shape[1] * 2))
+        codes[:, 0::2], codes[:, 1::2] = raw & 15, raw >> 4
+    else:
+        codes = raw.astype(np.float64)
+    group = qw.group_size or codes.shape[1]
+    scale = np.repeat(qw.scales.double().numpy().reshape(codes.shape[0], -1), group, axis=1)
+    if qw.offsets is not None:
+        offset = np.repeat(qw.offsets.double().numpy().reshape(codes.shape[0], -1), group, axis=1)
+    else:
+        offset = -8 * scale if qw.kind == "int4" else 0
+    return torch.from_numpy(codes * scale + offset)
+
+
+FORMATS = [  # kind, group, scale dtype, offsets
+    ("int8", 0, torch.float32, False),  # the GPU int8 format
+    ("int4", 128, torch.bfloat16, False),  # the GPU int4 format
+    ("int4", 32, torch.float16, True),  # Q4_1 / Q4_K
+    ("int4", 32, torch.float16, False),  # Q4_0
+    ("int4", 64, torch.float32, True),
+    ("int8", 16, torch.float16, False),  # Q6_K
+    ("int8", 32, torch.float16, True),  # Q5_1 / Q5_K
+    ("int8", 48, torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f[0]}-g{f[1]}-{str(f[2])[6:]}{'-offsets' if f[3] else ''}")
+@pytest.mark.parametrize("rows", [1, 3, 5, 16])
+def test_quant_matmul_matches_float64(isa, fmt, rows):
+    kind, group, scale_dtype, offsets = fmt
+    k = 384 if group != 48 else 480
+    qw = _weight(kind, 37, k, group, scale_dtype, offsets, seed=rows)
+    g = torch.Generator().manual_seed(100 + rows)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(37, generator=g)
+    assert qw.cpu_plan is not None
+    out = torch.full((rows, 37), float("nan"))
+    dispatch.cpu_extension().quant_matmul(out.data_ptr(), x.data_ptr(), bias.data_ptr(), rows, 37, 1, *qw.cpu_plan)
+    exact = x.double() @ _weights64(qw).T + bias.double()
+    magnitude = (x.double().square() @ _weights64(qw).square().T).sqrt()  # the scale of fp32 summation error
+    assert not out.isnan().any()
+    assert ((out.double() - exact).abs() <= 1e-5 * magnitude + 1e-6 * exact.abs()).all()
+    # the public op: the same kernel, any leading dims, x in another dtype
+    torch.testing.assert_close(quant_linear(x.view(1, rows, k), qw, bias), out.view(1, rows, 37), rtol=0, atol=0)
+
+
+def test_threads_give_the_same_bits(isa):
+    qw = _weight("int4", 1000, 512, 32, torch.float16, True, seed=1)
+    x = torch.randn(4, 512)
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.full((4, 1000), float("nan"))
+        dispatch.cpu_extension().quant_matmul(out.data_ptr(), x.data_ptr(), 0, 4, 1000, threads, *qw.cpu_plan)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f[0]}-g{f[1]}-{str(f[2])[6:]}{'-offsets' if f[3] else ''}")
+def test_dequantize_kernel_is_the_reference_bit_for_bit(isa, fmt):
+    kind, group, scale_dtype, offsets = fmt
+    qw = _weight(kind, 45, 480 if group == 48 else 256, group, scale_dtype, offsets, seed=7)
+    assert qw.cpu_plan is not None
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize(qw, dtype), dequantize_ref(qw, dtype))
+    # code * scale + offset in fp32: the product exact for 16-bit scales, one rounding per operation
+    exact = _weights64(qw)
+    assert (dequantize_ref(qw, torch.float64) - exact).abs().max() <= 2**-23 * exact.abs().max()
+
+
+def test_many_rows_multiply_the_dequantized_weight(monkeypatch):
+    """Past CPU_GEMV_ROWS (prefill) the product is an fp32 GEMM over the dequantized weight, a tile
+    of weight rows at a time (here 256 rows: three tiles, the last one short)."""
+    monkeypatch.setattr(quant, "CPU_PREFILL_TILE_BYTES", 256 * 4 * 1024)
+    qw = _weight("int4", 600, 1024, 32, torch.float16, True, seed=3)
+    x, bias = torch.randn(2, 9, 1024), torch.randn(600)
+    torch.testing.assert_close(quant_linear(x, qw, bias),
+                               torch.nn.functional.linear(x, dequantize_ref(qw, torch.float32), bias), rtol=1e-4, atol=1e-4)
+
+
+def test_what_the_kernel_cannot_run_takes_the_reference(monkeypatch):
+    odd = quantize(torch.randn(8, 40), "int8")  # a 40-wide row is not whole vectors of 16
+    assert odd.cpu_plan is None
+    x = torch.randn(2, 40)
+    assert torch.equal(quant_linear(x, odd), quant.quant_linear_ref(x, odd))
+    qw = _weight("int4", 16, 64, 32, torch.float16, True, seed=2)
+    monkeypatch.setenv(dispatch.DISABLE_ENV, "1")
+    assert torch.equal(quant_linear(x.new_ones(1, 64), qw), quant.quant_linear_ref(x.new_ones(1, 64), qw))
+    with pytest.raises(ValueError, match="does not divide"):
+        dispatch.cpu_extension().quant_matmul(0, 0, 0, 1, 16, 1, *(qw.cpu_plan[:3] + (64, 48) + qw.cpu_plan[5:]))
+
+
+# ---------------------------------------------------------------- the fp32 decode ops
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_rmsnorm_kernels_match_reference(zero_centered):
+    g = torch.Generator().manual_seed(0)
+    x, residual, weight = (torch.randn(3, 576, generator=g) for _ in range(3))
+    normed, summed = add_rmsnorm(x, residual, weight[0], 1e-5, zero_centered=zero_centered)
+    ref_normed, ref_summed = add_rmsnorm_ref(x, residual, weight[0], 1e-5, zero_centered=zero_centered)
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(normed, ref_normed, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rmsnorm(x, weight[0], 1e-5, zero_centered=zero_centered),
+                               rmsnorm_ref(x, weight[0], 1e-5, zero_centered=zero_centered), rtol=1e-6, atol=1e-6)
+    inplace = x.clone()  # out = x, residual_out = residual: the decode layer's in-place form
+    res = residual.clone()
+    add_rmsnorm(inplace, res, weight[0], 1e-5, zero_centered=zero_centered, out=inplace, residual_out=res)
+    torch.testing.assert_close(inplace, ref_normed, rtol=1e-6, atol=1e-6)
+    assert torch.equal(res, ref_summed)
+
+
+def test_silu_mul_matches_reference():
+    x = torch.randn(2, 5, 3072) * 4
+    torch.testing.assert_close(activation.silu_mul(x), activation.silu_mul_ref(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])  # full and partial rotary
+def test_rotary_matches_reference(rotary_dim):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 5, 64, generator=g)
+    cos, sin = torch.randn(2, 3, rotary_dim, generator=g), torch.randn(2, 3, rotary_dim, generator=g)
+    torch.testing.assert_close(rope.apply_rotary(x, cos, sin), rope.apply_rotary_ref(x, cos, sin), rtol=1e-6, atol=1e-6)
+
+
+def _cache(pages: int = 12, page_size: int = 4, kv_heads: int = 2, dim: int = 64) -> KVLayer:
+    g = torch.Generator().manual_seed(2)
+    return KVLayer(torch.randn(pages, page_size, kv_heads, dim, generator=g),
+                   torch.randn(pages, page_size, kv_heads, dim, generator=g))
+
+
+def test_write_kv_copies_rows_to_their_slots():
+    kv, ref = _cache(), _cache()
+    k, v = torch.randn(2, 3, 2, 64), torch.randn(2, 3, 2, 64)
+    slots = torch.tensor([[5, 6, 7], [40, 41, 2]])
+    attention.write_kv(kv, k, v, slots)
+    attention.write_kv_ref(ref, k, v, slots)
+    assert torch.equal(kv.k, ref.k) and torch.equal(kv.v, ref.v)
+
+
+@pytest.mark.parametrize("num_new", [1, 4])  # decode, a speculative verify
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_matches_reference(num_new, threads, monkeypatch):
+    """GQA (6 query heads on 2 kv heads), two sequences of different lengths over scattered pages."""
+    monkeypatch.setattr(dispatch, "cpu_threads", lambda: threads)
+    kv = _cache()
+    q = torch.randn(2, num_new, 6, 64)
+    table = torch.tensor([[7, 2, 9, 0, 11, 4], [1, 3, 5, 6, 8, 10]], dtype=torch.int32)
+    lens = torch.tensor([13, 2])
+    out = torch.full_like(q, float("nan"))
+    attention.decode_attention(q, kv, table, lens, 0.125, out=out)
+    torch.testing.assert_close(out, attention.attention_ref(q, kv, table, lens, 0.125), rtol=1e-5, atol=1e-6)
