@@ -77,14 +77,19 @@ def _user_message(text: str, images: list[Path], videos: list[Path]) -> dict[str
     return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
 
 
-def _read_messages(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """A JSON list of OpenAI-style messages, or an object with `messages` (and `tools`)."""
+def _read_json(path: Path, what: str) -> Any:
+    """A JSON file's value; errors name `what` (e.g. "messages file")."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
-        raise NinferError(f"{path}: cannot read messages file ({e.strerror})") from None
+        raise NinferError(f"{path}: cannot read {what} ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise NinferError(f"{path}: not valid JSON ({e})") from None
+
+
+def _read_messages(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A JSON list of OpenAI-style messages, or an object with `messages` (and `tools`)."""
+    data = _read_json(path, "messages file")
     messages, tools = (data, None) if isinstance(data, list) else (data.get("messages"), data.get("tools"))
     if not isinstance(messages, list) or not messages:
         raise NinferError(f"{path}: expected a non-empty list of messages (or an object with 'messages')")
@@ -122,6 +127,21 @@ def _check_files(paths: list[Path], flag: str) -> None:
     for path in paths:
         if not path.is_file():
             raise NinferError(f"{flag} {path}: no such file")
+
+
+def _output_format(value: str | None) -> Any:
+    """--format: "json" (any JSON object) or a JSON Schema file -> the JsonOutput constraint."""
+    from ninfer_core.chat.constraints import JsonOutput
+
+    if value is None:
+        return None
+    if value == "json":
+        return JsonOutput(source="--format")
+    path = Path(value)
+    schema = _read_json(path, "the --format schema file (or give 'json')")
+    if not isinstance(schema, (dict, bool)):
+        raise NinferError(f"--format {path}: a JSON Schema is an object")
+    return JsonOutput(schema, source=f"--format {path}")
 
 
 def _stats_line(llm, r) -> str:
@@ -180,6 +200,9 @@ def run(
     prefix_cache: PrefixCacheOpt = True,
     prefix_cache_gb: PrefixCacheGbOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
+    output_format: Annotated[Optional[str], typer.Option(
+        "--format", help="Force the answer (after any reasoning) to be JSON: 'json' (any object) or a JSON Schema "
+                         "file.")] = None,
 ) -> None:
     """Answer one prompt (`ninfer run MODEL "PROMPT"`, --prompt, stdin, or --messages), streaming the answer."""
     import torch
@@ -221,8 +244,10 @@ def run(
             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, seed=seed,
             max_tokens=max_tokens, stop=list(stop or []), stop_token_ids=list(stop_token_id or []),
         )
+        constraint = _output_format(output_format)
         llm = LLM.load(model or default_model(), options)
-        request = ChatRequest(messages=chat_messages, sampling=sampling, tools=tools, enable_thinking=not no_thinking)
+        request = ChatRequest(messages=chat_messages, sampling=sampling, tools=tools, enable_thinking=not no_thinking,
+                              constraint=constraint)
         if json_out:
             print(json.dumps(llm.chat_result(request).to_json(), ensure_ascii=False))
             return

@@ -29,9 +29,12 @@ from .chat.output_parser import (
     ToolCallEnd,
     collect,
 )
+from .chat.constraints import ConstraintError, JsonOutput, OutputConstraint, structural_tag
 from .chat.reasoning import prompt_opens_reasoning
 from .chat.template import ChatTemplate, load_chat_template
 from .engine.cuda_graph import DecodeGraphs
+from .engine.grammar import Grammar, GrammarCompiler, GrammarError
+from .engine.logprobs import TokenLogprob
 from .engine.prefill_graph import PrefillGraphs
 from .engine.llm_engine import EngineStats, LLMEngine
 from .engine.request import GenerationRequest, SpecStats, StepOutput, Timings
@@ -107,6 +110,7 @@ class ChatResult:
     reasoning_tokens: int = 0  # generated tokens up to the end of the reasoning block
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     spec: SpecStats | None = None  # speculative decoding of this request (None: off)
+    logprobs: list[TokenLogprob] | None = None  # per answer token, when the request asked
 
     def to_json(self) -> dict[str, Any]:
         t = self.timings
@@ -133,9 +137,17 @@ class ChatFinished:
     result: ChatResult
 
 
+@dataclass(frozen=True)
+class LogprobsDelta:
+    """The logprobs of a step's answer tokens (requests with SamplingParams.logprobs), before the
+    text events of the same step."""
+
+    logprobs: list[TokenLogprob]
+
+
 ChatEvent = ReasoningDelta | ContentDelta | ToolCallEnd | ChatFinished
 # What ChatAssembler.feed yields: every parser event (tool calls stream as Start / ArgsDelta / End)
-ChatStreamEvent = ParserEvent | ChatFinished
+ChatStreamEvent = ParserEvent | LogprobsDelta | ChatFinished
 
 
 @dataclass
@@ -145,6 +157,7 @@ class ChatRequest:
     tools: Sequence[Mapping[str, Any]] | None = None
     enable_thinking: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    constraint: OutputConstraint | None = None  # the answer after the reasoning must match it
 
 
 def tool_call_json(index: int, name: str, arguments: str) -> dict[str, Any]:
@@ -162,6 +175,8 @@ class PreparedChat:
     tools: Sequence[Mapping[str, Any]] | None = None
     multimodal: MultimodalPrompt | None = None  # images / videos, their pads expanded in the ids
     checkpoints: tuple[int, ...] = ()  # where the last message starts: the next request may diverge there
+    grammar: Grammar | None = None  # the request's constraint, compiled
+    tool_calls: bool = True  # whether the output may hold tool calls (not under a JSON constraint)
 
 
 class ChatAssembler:
@@ -173,8 +188,10 @@ class ChatAssembler:
 
     def __init__(self, prepared: PreparedChat):
         self.prepared = prepared
-        self._parser = OutputParser(starts_in_reasoning=prepared.starts_in_reasoning, tools=prepared.tools)
+        self._parser = OutputParser(starts_in_reasoning=prepared.starts_in_reasoning, tools=prepared.tools,
+                                    tool_calls=prepared.tool_calls)
         self._parsed = ParsedOutput()
+        self.logprobs: list[TokenLogprob] | None = None
         self.token_ids: list[int] = []
         self.reasoning_tokens = 0  # generated tokens up to and including the one that closes </think>
         self._undecided = 0  # tokens fed while it was unknown whether the output opens with <think>
@@ -187,7 +204,11 @@ class ChatAssembler:
             events += self._parser.finish()
         self._count_reasoning(before, len(out.new_token_ids))
         collect(events, self._parsed)
-        return [*events, ChatFinished(self._result(out))] if out.finished else [*events]
+        logprobs = out.text_logprobs()
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + logprobs
+        head: list[ChatStreamEvent] = [LogprobsDelta(logprobs)] if logprobs else []
+        return [*head, *events, ChatFinished(self._result(out))] if out.finished else [*head, *events]
 
     def _count_reasoning(self, before: str, n: int) -> None:
         """The parser's phase before each token says whether the token was reasoning."""
@@ -213,6 +234,7 @@ class ChatAssembler:
             reasoning_tokens=self.reasoning_tokens,
             stop_reason=last.stop_reason,
             spec=last.spec,
+            logprobs=self.logprobs,
         )
 
 
@@ -277,6 +299,8 @@ class LLM:
             prefill_graphs=prefill_graphs,
             weights=loaded.recipe.label(loaded.dtype),
         )
+        # xgrammar is loaded by the first constrained request; the answer ends on the engine's end tokens
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size, self.engine.eos_ids)
         if device.type == "cuda":
             self.engine.warm_up()
 
@@ -292,6 +316,13 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def compile_constraint(self, constraint: OutputConstraint, *, reasoning: bool) -> Grammar:
+        """The grammar of a constraint (cached); ConstraintError names the request field at fault."""
+        try:
+            return self.grammars.compile(structural_tag(constraint, reasoning=reasoning))
+        except GrammarError as e:
+            raise ConstraintError(str(e), constraint.source) from None
 
     def render_prompt(self, request: ChatRequest, messages: Sequence[Mapping[str, Any]] | None = None) -> str:
         return self.template.render(
@@ -311,13 +342,17 @@ class LLM:
         ids, multimodal = self.tokenizer.encode(prompt), None
         if media:
             ids, multimodal = self.vision.prompt(ids, media, self.tokenizer.encode)
+        reasoning = prompt_opens_reasoning(prompt)
+        constraint = request.constraint
         return PreparedChat(
             prompt=prompt,
             prompt_token_ids=ids,
-            starts_in_reasoning=prompt_opens_reasoning(prompt),
+            starts_in_reasoning=reasoning,
             tools=request.tools,
             multimodal=multimodal,
             checkpoints=() if media else self._history_end(request, messages, prompt, ids),
+            grammar=None if constraint is None else self.compile_constraint(constraint, reasoning=reasoning),
+            tool_calls=not isinstance(constraint, JsonOutput),
         )
 
     def _history_end(self, request: ChatRequest, messages: Sequence[Mapping[str, Any]], prompt: str,
@@ -342,10 +377,11 @@ class LLM:
     def complete(
         self, prompt_token_ids: list[int], sampling: SamplingParams, multimodal: MultimodalPrompt | None = None,
         checkpoints: tuple[int, ...] = (),
+        grammar: Grammar | None = None,
     ) -> Iterator[StepOutput]:
-        """Raw token generation for one prompt (no template, no parsing)."""
+        """Raw token generation for one prompt (no template, no parsing); `grammar` constrains it."""
         request = GenerationRequest(prompt_token_ids=prompt_token_ids, sampling=sampling, multimodal=multimodal,
-                                    checkpoints=checkpoints)
+                                    checkpoints=checkpoints, grammar=grammar)
         yield from self.engine.generate([request])
 
     def chat(self, request: ChatRequest) -> Iterator[ChatEvent]:
@@ -353,7 +389,7 @@ class LLM:
         prepared = self.prepare_chat(request)
         assembler = ChatAssembler(prepared)
         for out in self.complete(prepared.prompt_token_ids, request.sampling, prepared.multimodal,
-                                 prepared.checkpoints):
+                                 prepared.checkpoints, prepared.grammar):
             for event in assembler.feed(out):
                 if isinstance(event, (ReasoningDelta, ContentDelta, ToolCallEnd, ChatFinished)):
                     yield event

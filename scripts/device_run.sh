@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench engine serve spec
+#   scripts/device_run.sh tests kernels bench engine serve spec grammar
 # Wheels for packages missing there travel in .whl/; `scripts/make_bench_model.py` writes the
 # weight-less exact-shape model directories (.bench/) that `serve` uses.
 set -uo pipefail
@@ -90,5 +90,10 @@ LIST
     for w in bf16 int4; do
       timeout 200 python3 scripts/bench_spec.py verify --repeats 8 --weights $w --json "$OUT/spec_verify_$w.json" 2>&1 | tail -12
     done ;;
+  grammar)
+    # the grammar mask per decode step at batch 1 and 8, against a plain step (issue 16)
+    [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
+    NINFER_REQUIRE_KERNELS=1 timeout 400 python3 scripts/bench_grammar.py .bench/qwen3.6-35b-a3b \
+      --json "$OUT/grammar_35b.json" 2>&1 | tail -6 ;;
   esac
 done

@@ -37,12 +37,25 @@ CHAT = {
         "type": "object", "properties": {"a": {"type": "integer"}}}}}],
     "tool_choice": "auto",
 }
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}, "b": {"type": "string", "maxLength": 3},
+                                          "c": {"enum": ["x", "y"]}}, "required": ["a"]}
+CHAT_STRUCTURED = {
+    "model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2,
+    "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}},
+    "chat_template_kwargs": {"enable_thinking": False},
+}
+CHAT_FORCED_TOOL = {
+    "model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": False,
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}],
+    "tool_choice": {"type": "function", "function": {"name": "f"}}, "stream": True,
+}
 CHAT_MEDIA = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [
     {"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
     {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/a.mp4"}}]}]}
 COMPLETION = {"model": "m", "prompt": "hello", "max_tokens": 3, "echo": True, "stop": "x", "logit_bias": {"1": -1},
               "seed": 3, "temperature": 0.7, "stream": False, "n": 1, "best_of": 1, "suffix": None}
-COMPLETION_IDS = {"prompt": [[1, 2, 3]], "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+COMPLETION_IDS = {"prompt": [[1, 2, 3]], "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True},
+                  "logprobs": 2}
 RESPONSE = {
     "model": "m", "max_output_tokens": 3, "instructions": "be brief", "store": False, "stream": False,
     "input": [
@@ -68,12 +81,22 @@ MESSAGE = {
     "tool_choice": {"type": "auto"}, "thinking": {"type": "disabled"},
 }
 COUNT = {k: v for k, v in MESSAGE.items() if k in ("model", "messages", "system", "tools", "thinking")}
+RESPONSE_STRUCTURED = {
+    "model": "m", "max_output_tokens": 3, "input": "hi", "store": False, "parallel_tool_calls": True,
+    "text": {"format": {"type": "json_schema", "name": "s", "schema": SCHEMA, "strict": True}},
+}
+MESSAGE_FORCED_TOOL = {
+    "model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}],
+    "tools": [{"name": "f", "input_schema": SCHEMA}], "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+}
 
 # (method, path, base body) of every POST endpoint
 ENDPOINTS = [
     ("/v1/chat/completions", CHAT), ("/v1/chat/completions", CHAT_MEDIA), ("/v1/completions", COMPLETION),
     ("/v1/completions", COMPLETION_IDS), ("/v1/responses", RESPONSE), ("/v1/messages", MESSAGE),
-    ("/v1/messages/count_tokens", COUNT),
+    ("/v1/messages/count_tokens", COUNT), ("/v1/chat/completions", CHAT_STRUCTURED),
+    ("/v1/chat/completions", CHAT_FORCED_TOOL), ("/v1/responses", RESPONSE_STRUCTURED),
+    ("/v1/messages", MESSAGE_FORCED_TOOL),
 ]
 
 
@@ -91,7 +114,8 @@ KNOWN_KEYS = sorted(set().union(*(_keys(body) for _, body in ENDPOINTS)) | {
 EDGE_INTS = [0, 1, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30]
 EDGE_TEXT = ["", "\ud800", "a\udfffb", "x" * 5000, "text", "image_url", "function", "tool", "user", "assistant",
              "data:image/png;base64,AA==", "data:,x", "file:///etc/passwd", "/etc/passwd", "http://169.254.169.254/",
-             "{", "{\"a\": [1, {}]}", "[]", "null", "NaN", "5", "auto", "none", "required", "enabled", "json_object"]
+             "{", "{\"a\": [1, {}]}", "[]", "null", "NaN", "5", "auto", "none", "required", "enabled", "json_object",
+             "json_schema", "string", "object", "integer", "^[a-z]+$", "(", "any"]
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.sampled_from(EDGE_INTS), st.integers(-(2**70), 2**70), st.integers(-3, 300),

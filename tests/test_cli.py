@@ -195,3 +195,19 @@ def test_bench_checkpoint_with_recipe(model_dir):
     out = json.loads(proc.stdout)
     assert out["weights"] == "int8-v2" and out["kv_dtype"] == "int8" and out["prefill"][0]["tokens"] == 16
     assert out["decode"][0]["tok_s"] > 0
+
+
+def test_run_format_forces_json(model_dir, tmp_path):
+    """--format json / --format SCHEMA.json: the random model's answer is JSON of the schema."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    for fmt, seed in ((str(tmp_path / "schema.json"), "1"), ("json", "0")):
+        proc = ninfer("run", str(model_dir[0]), "hi", "--format", fmt, "--seed", seed, "--temperature", "1",
+                      "--no-thinking", "--max-tokens", "600", "--device", "cpu", "--json")
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["finish_reason"] == "stop"
+        value = json.loads(out["text"])
+        assert isinstance(value, dict) and (fmt == "json" or 0 <= value["n"] <= 9)
+    assert_clean_error(ninfer("run", str(model_dir[0]), "hi", "--format", str(tmp_path / "nope.json")),
+                       "--format", "schema file")

@@ -306,15 +306,16 @@ def test_bad_requests_get_openai_error_bodies(server):
     assert_error(post(server, url, {"model": "m"}), 400, param="messages")
     assert_error(post(server, url, {"messages": HI, "temperature": -1}), 400)
     assert_error(post(server, url, {"messages": HI, "n": 2}), 400, param="n")
-    assert_error(post(server, url, {"messages": HI, "logprobs": True}), 400, param="logprobs")
-    assert_error(post(server, url, {"messages": HI, "response_format": {"type": "json_object"}}), 400)
+    assert_error(post(server, url, {"messages": HI, "top_logprobs": 2}), 400, param="top_logprobs")
+    assert_error(post(server, url, {"messages": HI, "response_format": {"type": "yaml"}}), 400,
+                 param="response_format.type")
     image = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
                                           {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
     assert_error(post(server, url, {"messages": image}), 400, "unsupported_content")
     assert "vocabulary" in assert_error(post(server, "/v1/completions", {"prompt": [1, 10**6]}), 400)["message"]
     assert_error(httpx.get(server.url + "/v1/nothing-here"), 404, "not_found")
     assert_error(httpx.get(server.url + url), 405, "method_not_allowed")
-    # accepted and ignored: n=1, user, parallel_tool_calls, unknown fields (logit_bias is honoured), text parts
+    # accepted and ignored: n=1, user, unknown fields (logit_bias and parallel_tool_calls are honoured), text parts
     ok = post(server, url, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                             "max_tokens": 2, "n": 1, "user": "u", "logit_bias": {"5": 1}, "parallel_tool_calls": True,
                             "prompt_cache_key": "k", "some_vendor_extra": {"x": 1}})

@@ -112,8 +112,12 @@ class _Section:
 
 
 class OutputParser:
-    def __init__(self, *, starts_in_reasoning: bool, tools: Sequence[Mapping[str, Any]] | None = None):
+    def __init__(self, *, starts_in_reasoning: bool, tools: Sequence[Mapping[str, Any]] | None = None,
+                 tool_calls: bool = True):
+        """`tool_calls` False: the answer is plain content even where it spells <tool_call> (a JSON
+        answer forced by a grammar holds no calls)."""
         self._types = parameter_types(tools)
+        self._call_tag = TOOL_CALL_OPEN if tool_calls else None
         self._mode = "reasoning" if starts_in_reasoning else "content"
         self._at_start = True  # an explicit leading <think> is still possible
         self._buf = ""
@@ -163,12 +167,13 @@ class OutputParser:
         if self._mode == "reasoning":
             return self._scan_text(events, THINK_CLOSE, self._reasoning, ReasoningDelta, final)
         if self._mode == "content":
-            return self._scan_text(events, TOOL_CALL_OPEN, self._content, ContentDelta, final)
+            return self._scan_text(events, self._call_tag, self._content, ContentDelta, final)
         return self._scan_call(events, final)
 
-    def _scan_text(self, events: list[ParserEvent], tag: str, section: _Section, kind: type, final: bool) -> bool:
-        pos = self._buf.find(tag)
-        if pos >= 0:
+    def _scan_text(self, events: list[ParserEvent], tag: str | None, section: _Section, kind: type,
+                   final: bool) -> bool:
+        pos = self._buf.find(tag) if tag is not None else -1
+        if tag is not None and pos >= 0:
             self._emit(events, section, kind, self._buf[:pos])
             section.boundary()
             self._buf = self._buf[pos + len(tag) :]
@@ -177,7 +182,7 @@ class OutputParser:
             else:
                 self._mode, self._call, self._call_started = "call", ToolCallBodyParser(self._types), False
             return True
-        keep = 0 if final else partial_suffix_len(self._buf, (tag,))
+        keep = 0 if final or tag is None else partial_suffix_len(self._buf, (tag,))
         self._emit(events, section, kind, self._buf[: len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep :]
         if final:

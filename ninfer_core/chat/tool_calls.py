@@ -32,10 +32,10 @@ from ..textscan import find_earliest
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-_FUNCTION_OPEN = "<function="
-_FUNCTION_CLOSE = "</function>"
-_PARAM_OPEN = "<parameter="
-_PARAM_CLOSE = "</parameter>"
+FUNCTION_OPEN = "<function="
+FUNCTION_CLOSE = "</function>"
+PARAM_OPEN = "<parameter="
+PARAM_CLOSE = "</parameter>"
 _FUNCTION_RE = re.compile(r"\s*<function=([^>\n]*)>")
 _PARAM_RE = re.compile(r"<parameter=([^>\n]*)>")
 
@@ -60,7 +60,7 @@ def parameter_types(tools: Sequence[Mapping[str, Any]] | None) -> ParamTypes:
             continue
         properties = _mapping(_mapping(function.get("parameters")).get("properties"))
         result[function["name"]] = {
-            name: types for name, schema in properties.items() if (types := _schema_types(schema))
+            name: types for name, schema in properties.items() if (types := schema_types(schema))
         }
     return result
 
@@ -73,14 +73,15 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def _schema_types(schema: Any) -> frozenset[str]:
+def schema_types(schema: Any) -> frozenset[str]:
+    """The JSON types a schema admits, read from type / anyOf / oneOf / enum / const (empty: any)."""
     if not isinstance(schema, Mapping):
         return frozenset()
     declared = schema.get("type")
     types = {t for t in ([declared] if isinstance(declared, str) else _list(declared)) if isinstance(t, str)}
     for key in ("anyOf", "oneOf"):
         for option in _list(schema.get(key)):
-            types |= _schema_types(option)
+            types |= schema_types(option)
     for value in [*_list(schema.get("enum")), *([schema["const"]] if "const" in schema else [])]:
         types.add(_json_type(value))
     return frozenset(types)
@@ -175,28 +176,28 @@ class ToolCallBodyParser:
                 self._pos += match.end()
                 self._mode = "params"
                 return True
-            if not _may_become(rest.lstrip(), _FUNCTION_OPEN):
+            if not _may_become(rest.lstrip(), FUNCTION_OPEN):
                 self._mode = "other"
             return False
         if self._mode != "params":
             return False
         body = rest.lstrip()
         skipped = len(rest) - len(body)
-        if body.startswith(_FUNCTION_CLOSE):
-            self._pos += skipped + len(_FUNCTION_CLOSE)
+        if body.startswith(FUNCTION_CLOSE):
+            self._pos += skipped + len(FUNCTION_CLOSE)
             self._mode = "done"
             return False
         match = _PARAM_RE.match(body)
         if match:
-            end = find_earliest(body, (_PARAM_CLOSE, _PARAM_OPEN, _FUNCTION_CLOSE), match.end())
+            end = find_earliest(body, (PARAM_CLOSE, PARAM_OPEN, FUNCTION_CLOSE), match.end())
             if end is None and not at_end:
                 return False  # the value is still streaming
             value_end = len(body) if end is None else end[0]
-            consumed = value_end + (len(_PARAM_CLOSE) if end is not None and end[1] == _PARAM_CLOSE else 0)
+            consumed = value_end + (len(PARAM_CLOSE) if end is not None and end[1] == PARAM_CLOSE else 0)
             self._pos += skipped + consumed
             out.append(self._fragment(match.group(1).strip(), body[match.end() : value_end]))
             return True
-        if not body or _may_become(body, _PARAM_OPEN) or _FUNCTION_CLOSE.startswith(body):
+        if not body or _may_become(body, PARAM_OPEN) or FUNCTION_CLOSE.startswith(body):
             return False
         # Stray text between parameters: skip to the next tag.
         next_tag = body.find("<", 1)

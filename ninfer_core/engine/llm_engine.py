@@ -9,8 +9,9 @@ The host never waits for the GPU in a plain decode step: step N+1 is launched (i
 are step N's sampled ids, still on the device) before step N's ids are read, so the CPU work of
 a step (scheduling, building inputs, stop checks, detokenizing, streaming) overlaps the GPU
 running the next one (SGLang's overlap scheduler). A step falls back to running alone when it
-needs the previous tokens on the host: speculative rounds, penalties, or a plan that may
-preempt. Sequences that stop get one wasted row in the already launched step.
+needs the previous tokens on the host: speculative rounds, grammar-constrained rows (a mask
+needs the previous token accepted by the grammar, engine/grammar.py), or a plan that may preempt.
+Sequences that stop get one wasted row in the already launched step.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from ..models.base import CausalLM, ForwardBatch, ForwardOutput
 from ..models.quantize import weight_bytes
 from ..stop_strings import StopStringFilter
 from ..tokenizer import Tokenizer
+from .grammar import constrain
+from .logprobs import LogprobRows, TokenLogprob, log_softmax_rows
 from .request import GenerationRequest, SpecStats, StepOutput
 from .penalties import PenaltyTables
 from .sampling import Sampler, SamplingParams
@@ -85,13 +88,15 @@ class EngineStats:
 @dataclass
 class LaunchedStep:
     """A plain step whose forward and sampling are queued on the device: the rows that sample
-    (`rows[i]` gets `tokens[i]`), their ids on the device and the copy to the host under way."""
+    (`rows[i]` gets `tokens[i]`), their ids on the device and the copy to the host under way
+    (with the logprobs of the rows that asked)."""
 
     plan: StepPlan
     rows: list[Sequence]
     tokens: torch.Tensor  # [R] int64 on the device (-1: the row's logits were not finite)
     host: torch.Tensor  # [R] the copy on the host (pinned on CUDA)
     done: torch.cuda.Event | None
+    logprobs: LogprobRows | None = None  # on the host once `done`
 
 
 class LLMEngine:
@@ -179,7 +184,8 @@ class LLMEngine:
                 raise NinferError(f"the media layout covers {covered} tokens but the prompt has {n}")
         params = request.sampling.with_defaults(self.defaults)
         request.sampling = params
-        draft_limit = self.speculator.limit(request) if self.speculator is not None else 0
+        # a constrained row needs its mask from the previous token: it never drafts
+        draft_limit = self.speculator.limit(request) if self.speculator is not None and request.grammar is None else 0
         room = self.max_context - n
         seq = Sequence(
             request=request,
@@ -188,6 +194,7 @@ class LLMEngine:
             stops=StopStringFilter(params.stop),
             generator=None if params.is_greedy else params.make_generator(self._generator_device()),
             max_new_tokens=min(params.max_tokens or room, room),
+            grammar=request.grammar.matcher() if request.grammar is not None else None,
         )
         if self.speculator is not None and draft_limit:
             seq.draft_limit = draft_limit
@@ -290,8 +297,10 @@ class LLMEngine:
         """Whether the next step can be launched before the last one's tokens are on the host."""
         if not self.overlap:
             return False
-        decoding = [s for s in self.scheduler.running if not s.finished and not s.in_prefill]
-        return not any(s.draft_limit for s in self.scheduler.running) and self.scheduler.can_grow(decoding)
+        running = self.scheduler.running
+        decoding = [s for s in running if not s.finished and not s.in_prefill]
+        constrained = any(s.grammar is not None and not s.finished for s in running)
+        return not constrained and not any(s.draft_limit for s in running) and self.scheduler.can_grow(decoding)
 
     def _speculating(self, plan: StepPlan) -> bool:
         return self.speculator is not None and any(s.draft_limit for s in plan.sequences)
@@ -318,20 +327,25 @@ class LLMEngine:
             seq.inflight += 1
         for seq in rows:
             seq.num_pending += 1
-        tokens = self._sample(rows, torch.cat(logits)) if rows else torch.empty(0, dtype=torch.long)
+        tokens, logprobs = self._sample(rows, torch.cat(logits)) if rows else (torch.empty(0, dtype=torch.long), None)
         if tokens.device.type != "cuda":
-            return LaunchedStep(plan, rows, tokens, tokens, None)
+            return LaunchedStep(plan, rows, tokens, tokens, None, logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
+        logprobs = logprobs.to_host() if logprobs is not None else None
         done = torch.cuda.Event()
         done.record()
-        return LaunchedStep(plan, rows, tokens, host, done)
+        return LaunchedStep(plan, rows, tokens, host, done, logprobs)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """One token per row on the device ([R] int64, -1 where the logits are not finite); the
-        penalties come from the device tables, so the newest tokens need not be on the host."""
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, LogprobRows | None]:
+        """One token per row on the device ([R] int64, -1 where the logits are not finite) and the
+        logprobs of the rows that ask for them (of the logits as they come: before the grammar
+        masks, the penalties and the sampler's transforms). Constrained rows are masked in place;
+        the penalties come from the device tables, so the newest tokens need not be on the host."""
         logits = logits.float()
         params = [s.request.sampling for s in seqs]
+        scores = log_softmax_rows(logits, [p.logprobs for p in params])
+        logits = constrain(logits, [s.grammar for s in seqs])
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         slots = None
         if penalised:
@@ -349,7 +363,7 @@ class LLMEngine:
                                      penalised=True)
         if penalised:
             tables.record(slots, tokens.index_select(0, index))
-        return tokens
+        return tokens, scores.pick(tokens) if scores is not None else None
 
     def _penalty_tables(self) -> PenaltyTables:
         if self._penalties is None:
@@ -361,15 +375,17 @@ class LLMEngine:
             step.done.synchronize()
         outputs = []
         now = time.perf_counter()
-        for seq, token in zip(step.rows, step.host.tolist()):
+        tokens = step.host.tolist()
+        logprobs = step.logprobs.entries(tokens) if step.logprobs is not None else {}
+        for row, (seq, token) in enumerate(zip(step.rows, tokens)):
             seq.num_pending -= 1
             if seq.finished:
                 continue
             if token < 0:
-                outputs.append(self._fail(seq, "the model produced logits that are NaN or infinite"))
+                outputs.append(self._fail_sampling(seq))
                 continue
             self._first_token(seq, now)
-            outputs.append(self._append(seq, [token]))
+            outputs.append(self._append(seq, [token], [logprobs[row]] if row in logprobs else None))
             self.scheduler.note_progress(seq)
         for chunk in step.plan.prefills:
             if chunk.last and chunk.seq.request.multimodal is not None:
@@ -411,11 +427,12 @@ class LLMEngine:
             batch, out = parts[0], outs[0]
             assert out.logits is not None
             kept = spec.judge(seqs, drafts, out.logits)
+            logprobs = self._verify_logprobs(seqs, kept, out.logits)
             if verify:
                 self._commit(batch, out, torch.tensor([len(k) for k in kept], dtype=torch.long, device=self.device))
-            for seq, draft, tokens in zip(seqs, drafts, kept):
+            for seq, draft, tokens, lps in zip(seqs, drafts, kept, logprobs):
                 seq.num_cached += len(tokens)
-                output = self._append(seq, tokens)
+                output = self._append(seq, tokens, lps)
                 spec.record(seq, output, draft, len(tokens))
                 outputs.append(output)
                 self.scheduler.note_progress(seq)
@@ -426,20 +443,25 @@ class LLMEngine:
         prefilled = list(zip(plan.prefills, parts[len(parts) - len(plan.prefills):],
                              outs[len(outs) - len(plan.prefills):]))
         sampled = [(c, o) for c, _, o in prefilled if c.last]
-        tokens = self._sample([c.seq for c, _ in sampled], torch.cat([o.logits[:, -1] for _, o in sampled])).tolist() \
-            if sampled else []
+        tokens: list[int] = []
+        first_logprobs: dict[int, TokenLogprob] = {}
+        if sampled:
+            ids, scores = self._sample([c.seq for c, _ in sampled], torch.cat([o.logits[:, -1] for _, o in sampled]))
+            tokens = ids.tolist()
+            first_logprobs = scores.entries(tokens) if scores is not None else {}
         now = time.perf_counter()
-        firsts = dict(zip([c.seq.request_id for c, _ in sampled], tokens))
+        firsts = {c.seq.request_id: (token, first_logprobs.get(row)) for row, ((c, _), token)
+                  in enumerate(zip(sampled, tokens))}
         self._prefilled(plan.prefills)
         for chunk, batch, out in prefilled:
             seq = chunk.seq
             if seq.request_id in firsts:
-                token = firsts[seq.request_id]
+                token, entry = firsts[seq.request_id]
                 if token < 0:
-                    outputs.append(self._fail(seq, "the model produced logits that are NaN or infinite"))
+                    outputs.append(self._fail_sampling(seq))
                     continue
                 self._first_token(seq, now)
-                outputs.append(self._append(seq, [token]))
+                outputs.append(self._append(seq, [token], [entry] if entry is not None else None))
                 if seq.request.multimodal is not None:
                     seq.request.multimodal.release()
             spec.observe_prefill(seq, batch, out)
@@ -447,6 +469,26 @@ class LLMEngine:
             seq.inflight += 1
         self._retire(plan.sequences)
         return outputs
+
+    @staticmethod
+    def _verify_logprobs(seqs: list[Sequence], kept: list[list[int]],
+                         logits: torch.Tensor) -> list[list[TokenLogprob] | None]:
+        """Per sequence of a verify, the logprobs of its kept tokens (token t was drawn from row t
+        of its logits [B, T, V]); None for sequences that did not ask."""
+        asking = [b for b, s in enumerate(seqs) if s.request.sampling.logprobs is not None]
+        out: list[list[TokenLogprob] | None] = [None] * len(seqs)
+        if not asking:
+            return out
+        ids = [t for b in asking for t in kept[b]]
+        scores = log_softmax_rows(torch.cat([logits[b, : len(kept[b])] for b in asking]),
+                                  [seqs[b].request.sampling.logprobs for b in asking for _ in kept[b]])
+        assert scores is not None
+        entries = scores.pick(torch.tensor(ids, device=logits.device)).entries(ids)
+        start = 0
+        for b in asking:
+            out[b] = [entries[start + t] for t in range(len(kept[b]))]
+            start += len(kept[b])
+        return out
 
     def _prefilled(self, chunks: list[PrefillChunk]) -> None:
         """Prompt chunks are in the cache (or queued): index their pages, and checkpoint the GDN
@@ -558,12 +600,15 @@ class LLMEngine:
         self._stats.prompt_tokens += len(seq.prompt_ids)
         self._stats.last_prefill_tok_s = seq.timings.prefill_tok_s
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> StepOutput:
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> StepOutput:
         """Record generated tokens (one, or a speculative round's run) in order until one stops the
-        sequence (the rest are dropped); return them with their text delta."""
+        sequence (the rest are dropped); return them with their text delta (and logprobs). A
+        constrained sequence's grammar accepts each token first."""
         taken: list[int] = []
         text = ""
         for token in tokens:
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                return self._fail(seq, f"token {token} does not match the request's grammar")
             taken.append(token)
             text += self._push(seq, token)
             if seq.finished:
@@ -582,6 +627,7 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             timings=seq.timings if seq.finished else None,
             spec=seq.spec if seq.finished else None,
+            logprobs=logprobs[: len(taken)] if logprobs is not None else None,
         )
 
     def _push(self, seq: Sequence, token: int) -> str:
@@ -589,7 +635,8 @@ class LLMEngine:
         seq.output_ids.append(token)
         self._stats.generated_tokens += 1
         params = seq.request.sampling
-        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+        done = seq.grammar is not None and seq.grammar.terminated  # the grammar took its stop token
+        if done or token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
             seq.finish_reason, seq.stop_reason = "stop", token
             return ""
         check = seq.stops.feed(seq.detokenizer.add(token))
@@ -598,6 +645,12 @@ class LLMEngine:
         elif len(seq.output_ids) >= seq.max_new_tokens:
             seq.finish_reason = "length"
         return check.text
+
+    def _fail_sampling(self, seq: Sequence) -> StepOutput:
+        """The row drew no token: its logits were not finite, or its grammar (with UTF-8) left none."""
+        if seq.grammar is not None:
+            return self._fail(seq, "no token fits the request's grammar here (or the logits were NaN / infinite)")
+        return self._fail(seq, "the model produced logits that are NaN or infinite")
 
     def _fail(self, seq: Sequence, message: str) -> StepOutput:
         """End one request with an error; the others in the batch go on."""

@@ -6,10 +6,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .logprobs import TokenLogprob
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     from ..models.multimodal import MultimodalPrompt
+    from .grammar import Grammar
 
 _ids = itertools.count()
 
@@ -26,6 +28,7 @@ class GenerationRequest:
     multimodal: MultimodalPrompt | None = None  # images / videos; their pads are expanded in prompt_token_ids
     draft_tokens: int | None = None  # speculative drafts per round: None = the engine's setting, 0 = off
     checkpoints: tuple[int, ...] = ()  # prompt positions worth a prefix-cache checkpoint (message starts)
+    grammar: Grammar | None = None  # the answer must match it (engine/grammar.py); such a request never drafts
 
 
 @dataclass
@@ -101,3 +104,11 @@ class StepOutput:
     accepted: int = 0  # of which accepted (new_token_ids holds them plus the target's own token)
     spec: SpecStats | None = None  # when finished: the request's speculative totals (None: not speculative)
     error: str | None = None  # finish_reason "error": what went wrong with this request (the others go on)
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked (SamplingParams.logprobs)
+
+    def text_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the new tokens that are text: all but an end-of-answer or stop id that
+        ended the request (OpenAI reports none for it)."""
+        if self.logprobs is None:
+            return []
+        return self.logprobs[:-1] if self.finished and isinstance(self.stop_reason, int) else self.logprobs

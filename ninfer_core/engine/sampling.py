@@ -36,6 +36,7 @@ import torch
 from ..config import GenerationDefaults
 from ..errors import NinferError
 from ..ops import sampling as sampling_ops
+from .logprobs import MAX_TOP_LOGPROBS
 from ..ops.sampling import draw_from_probs, min_p_keep, top_k_keep, top_p_keep
 
 __all__ = [  # the filters and the draw live in ops/sampling.py; re-exported for engine callers
@@ -104,6 +105,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (0..20); None = off
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -140,6 +142,9 @@ class SamplingParams:
                  f"logit_bias must map token ids in [0, 2**31) to numbers, got {bias!r:.200}")
         bad = next((v for v in bias.values() if not (_is_number(v) and low <= v <= high)), None)
         _require(bad is None, "logit_bias", f"logit_bias values must be in [{low:g}, {high:g}], got {bad!r}")
+        n = self.logprobs
+        _require(n is None or (_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS), "logprobs",
+                 f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), got {n!r}")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """The token ids this request names exist in a model's vocabulary (logit_bias would index past it)."""

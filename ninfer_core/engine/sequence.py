@@ -16,6 +16,7 @@ import torch
 from ..cache import SequenceCache
 from ..detokenizer import IncrementalDetokenizer
 from ..stop_strings import StopStringFilter
+from .grammar import GrammarMatcher
 from .request import GenerationRequest, SpecStats, Timings
 from .sampling import TokenHistory
 
@@ -41,6 +42,7 @@ class Sequence:
     stop_reason: str | int | None = None
     draft_limit: int = 0  # speculative drafts per round (0: plain decode)
     spec: SpecStats | None = None  # speculative totals, when draft_limit > 0
+    grammar: GrammarMatcher | None = None  # a constrained request: every answer token goes through it
 
     def __post_init__(self) -> None:
         self.prefill_len = self.prefill_len or len(self.request.prompt_token_ids)

@@ -28,6 +28,7 @@ from typing import Protocol
 from ..errors import ContextLengthError, NinferError
 from ..llm import LLM, ChatAssembler, ChatRequest, ChatStreamEvent, PreparedChat
 from ..models.multimodal import MultimodalPrompt
+from .grammar import Grammar
 from .llm_engine import EngineStats
 from .request import GenerationRequest, StepOutput
 from .sampling import SamplingParams
@@ -247,8 +248,10 @@ class EngineService:
     def submit(
         self, prompt_token_ids: list[int], sampling: SamplingParams, multimodal: MultimodalPrompt | None = None,
         checkpoints: tuple[int, ...] = (),
+        grammar: Grammar | None = None,
     ) -> TokenStream:
-        """Queue a raw token request; raises ContextLengthError / QueueFullError / SamplingParamError at once."""
+        """Queue a raw token request (`grammar`: constrained); raises ContextLengthError /
+        QueueFullError / SamplingParamError at once."""
         sampling.check_vocabulary(self.llm.loaded.config.vocab_size)  # else the batched step would fail on it
         n = len(prompt_token_ids)
         limit = self.context_limit
@@ -259,7 +262,8 @@ class EngineService:
                 prompt_tokens=n,
                 limit=limit,
             )
-        request = GenerationRequest(list(prompt_token_ids), sampling, multimodal=multimodal, checkpoints=checkpoints)
+        request = GenerationRequest(list(prompt_token_ids), sampling, multimodal=multimodal, checkpoints=checkpoints,
+                                    grammar=grammar)
         stream = TokenStream(self, request)
         with self._cond:
             if self._stop or self._thread is None:
@@ -274,7 +278,7 @@ class EngineService:
     def submit_chat(self, request: ChatRequest) -> ChatStream:
         prepared = self.llm.prepare_chat(request)
         return ChatStream(self.submit(prepared.prompt_token_ids, request.sampling, prepared.multimodal,
-                                      prepared.checkpoints), prepared)
+                                      prepared.checkpoints, grammar=prepared.grammar), prepared)
 
     def chat(self, request: ChatRequest) -> Iterator[ChatStreamEvent]:
         """Like LLM.chat, but through the shared engine (safe while other requests run)."""

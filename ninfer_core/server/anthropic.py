@@ -9,6 +9,8 @@ and message_stop.
 
 Thinking follows Anthropic's rule, not the model's default: off unless the request enables it
 (`thinking: {"type": "enabled" | "adaptive"}`), so a client reading `content[0].text` gets text.
+tool_choice `any` / `tool` are OpenAI's "required" / a named function: a grammar forces tool calls
+(one with `tool` or `disable_parallel_tool_use`), after the thinking when it is on.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..engine.sampling import SamplingParams
 from ..llm import ChatFinished, ChatRequest, ChatResult
 from .blocks import Block, BlockDelta, BlockSequencer, BlockStart, BlockStop, sequence_all
 from .body import read_model
-from .chat_input import chat_content, chat_request, content_text, sampling_params, select_tools
+from .chat_input import chat_content, chat_request, content_text, sampling_params, select_tools, tool_constraint
 from .errors import ApiError
 from .generation import Started, collect, lease, start, stream_response
 from .ids import new_id
@@ -139,14 +141,16 @@ def thinking_on(thinking: Thinking | None) -> bool:
 
 
 def build(body: MessagesRequest | CountTokensRequest) -> ChatRequest:
+    forced = body.tool_choice if isinstance(body, MessagesRequest) else None  # count_tokens: only the prompt
+    declared = select_tools(chat_tools(body.tools), tool_choice(forced))
+    constraint, sampling, kwargs = None, SamplingParams(), None
     if isinstance(body, MessagesRequest):
-        sampling = sampling_params(body, body.max_tokens, body.stop_sequences)
-        choice, kwargs = tool_choice(body.tool_choice), body.chat_template_kwargs
-    else:  # count_tokens: only the prompt matters
-        sampling, choice, kwargs = SamplingParams(), "auto", None
-    return chat_request(chat_messages(body.system, body.messages), sampling,
-                        tools=select_tools(chat_tools(body.tools), choice), template_kwargs=kwargs,
-                        enable_thinking=thinking_on(body.thinking))
+        sampling, kwargs = sampling_params(body, body.max_tokens, body.stop_sequences), body.chat_template_kwargs
+        single = forced is not None and bool(forced.disable_parallel_tool_use)
+        constraint = tool_constraint(declared, tool_choice(forced), named=forced is not None and forced.type == "tool",
+                                     parallel=not single)
+    return chat_request(chat_messages(body.system, body.messages), sampling, tools=declared, template_kwargs=kwargs,
+                        enable_thinking=thinking_on(body.thinking), constraint=constraint)
 
 
 # -- output -----------------------------------------------------------------------------------

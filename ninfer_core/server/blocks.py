@@ -15,7 +15,7 @@ from ..chat.output_parser import (
     ToolCallArgsDelta,
     ToolCallStart,
 )
-from ..llm import ChatFinished, ChatResult, ChatStreamEvent
+from ..llm import ChatFinished, ChatResult, ChatStreamEvent, LogprobsDelta
 
 Kind = Literal["reasoning", "text", "tool_call"]
 
@@ -57,6 +57,8 @@ class BlockSequencer:
         return self.blocks[-1] if self.blocks and not self.blocks[-1].done else None
 
     def feed(self, event: ChatStreamEvent) -> list[BlockEvent]:
+        if isinstance(event, LogprobsDelta):  # not part of any block (Chat Completions reports them)
+            return []
         if isinstance(event, ReasoningDelta):
             return self._text("reasoning", event.text)
         if isinstance(event, ContentDelta):

@@ -9,8 +9,10 @@ message as `{"type": kind, kind: MediaPart}`; before the request is submitted, m
 replaces each MediaPart by its MediaSource (fetching http(s) URLs), and LLM.prepare_chat does the rest.
 
 tool_choice: "none" drops the tools from the prompt; "auto" and "required" declare them all; a
-named function declares only that one. Nothing constrains decoding, so "required" / named are
-requests to the model, not guarantees.
+named function declares only that one. "required" and a named function are enforced: a grammar
+lets the answer be only tool calls (one, for a named function or parallel_tool_calls false),
+their arguments valid for the tools' schemas (chat/constraints.py). JSON response formats are
+enforced the same way, after the reasoning when the model thinks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..chat.constraints import JsonOutput, OutputConstraint, ToolCallOutput
 from ..engine.sampling import SamplingParams
 from ..llm import ChatRequest
 from ..media.limits import MediaError
@@ -146,7 +149,37 @@ def select_tools(tools: Sequence[Mapping[str, Any]] | None, choice: str | None) 
     return chosen
 
 
-def sampling_params(fields: SamplingFields, max_tokens: int | None, stop: str | list[str] | None) -> SamplingParams:
+def tool_constraint(tools: list[dict[str, Any]] | None, choice: str | None, *, named: bool,
+                    parallel: bool | None) -> ToolCallOutput | None:
+    """tool_choice "required" or a named function (`tools`: those select_tools declared) -> the
+    calls a grammar forces; None: the model decides."""
+    if not named and choice != "required":
+        return None
+    if not tools:
+        raise ApiError(400, "tool_choice 'required' needs at least one tool in 'tools'", param="tool_choice")
+    return ToolCallOutput(tools, single=named or parallel is False)
+
+
+def json_constraint(kind: str, schema: Any, where: str) -> JsonOutput | None:
+    """A response format (`where`: its field) -> the JSON a grammar forces; None for plain text."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonOutput(source=where)
+    if schema is None:
+        raise ApiError(400, f"{where}: a json_schema format needs its 'schema'", param=where)
+    return JsonOutput(schema, source=where)
+
+
+def one_constraint(json_output: JsonOutput | None, tools: ToolCallOutput | None) -> OutputConstraint | None:
+    if json_output is not None and tools is not None:
+        raise ApiError(400, f"{json_output.source} asks for JSON while tool_choice forces tool calls: choose one",
+                       param="tool_choice")
+    return json_output or tools
+
+
+def sampling_params(fields: SamplingFields, max_tokens: int | None, stop: str | list[str] | None,
+                    logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams, which checks every range (SamplingParamError names the field)."""
     return SamplingParams(
         temperature=fields.temperature,
@@ -162,6 +195,7 @@ def sampling_params(fields: SamplingFields, max_tokens: int | None, stop: str | 
         stop_token_ids=list(fields.stop_token_ids or []),
         ignore_eos=fields.ignore_eos,
         logit_bias=_logit_bias(fields.logit_bias or {}),
+        logprobs=logprobs,
     )
 
 
@@ -184,6 +218,7 @@ def chat_request(
     template_kwargs: Mapping[str, Any] | None = None,
     reasoning_effort: str | None = None,
     enable_thinking: bool | None = None,
+    constraint: OutputConstraint | None = None,
 ) -> ChatRequest:
     """The engine request; `enable_thinking` (when given) is the API's own thinking switch."""
     kwargs = dict(template_kwargs or {})
@@ -196,4 +231,4 @@ def chat_request(
         thinking = enable_thinking
     kwargs.pop("enable_thinking", None)
     return ChatRequest(messages=messages, sampling=sampling, tools=tools, enable_thinking=thinking,
-                       template_kwargs=kwargs)
+                       template_kwargs=kwargs, constraint=constraint)

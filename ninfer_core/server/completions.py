@@ -1,4 +1,7 @@
-"""POST /v1/completions: the legacy text-completion API (raw prompt, no chat template)."""
+"""POST /v1/completions: the legacy text-completion API (raw prompt, no chat template).
+
+`logprobs: N` reports each generated token's logprob and its N most likely alternatives (N <= 20;
+the prompt's own logprobs, asked with `echo`, are not computed)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from .chat_input import sampling_params
 from .errors import ApiError
 from .generation import Started, collect, start, stream_response
 from .ids import new_id
+from .logprobs import completion_logprobs
 from .schemas import CompletionRequest
 from .sse import DONE, sse
 
@@ -54,11 +58,11 @@ async def completions(request: Request) -> Response:
     for name, value in (("n", body.n), ("best_of", body.best_of)):
         if value not in (None, 1):
             raise ApiError(400, f"{name}={value} is not supported; this server returns one choice", param=name)
-    if body.logprobs is not None:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    if body.logprobs is not None and body.echo:
+        raise ApiError(400, "logprobs with echo (the prompt's logprobs) are not supported", param="logprobs")
     if body.suffix:
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
-    sampling = sampling_params(body, body.max_tokens, body.stop)
+    sampling = sampling_params(body, body.max_tokens, body.stop, logprobs=body.logprobs)
     prompt_text = ""
 
     def submit(service: EngineService) -> TokenStream:
@@ -70,22 +74,35 @@ async def completions(request: Request) -> Response:
     started = await start(request, body.model, submit)
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": started.model}
     echo = prompt_text if body.echo else ""
+    tokenizer = started.lease.service.llm.tokenizer
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _chunks(started, head, echo, include_usage)
+        chunks = _chunks(started, head, echo, include_usage, tokenizer if body.logprobs is not None else None)
         return stream_response(started, chunks, lambda err: sse({"error": err.error_object()}) + DONE)
     outputs: list[StepOutput] = await collect(request, started)
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = completion_logprobs(tokenizer, [e for o in outputs for e in o.text_logprobs()])
     return JSONResponse({
         **head,
-        "choices": [{"index": 0, "text": echo + "".join(o.text_delta for o in outputs), "logprobs": None,
+        "choices": [{"index": 0, "text": echo + "".join(o.text_delta for o in outputs), "logprobs": logprobs,
                      "finish_reason": outputs[-1].finish_reason}],
         "usage": usage(started.prompt_tokens, sum(len(o.new_token_ids) for o in outputs), outputs[-1]),
     })
 
 
-async def _chunks(started: Started, head: dict[str, Any], echo: str, include_usage: bool) -> AsyncIterator[bytes]:
-    def chunk(text: str, finish_reason: str | None) -> bytes:
-        data = {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+async def _chunks(started: Started, head: dict[str, Any], echo: str, include_usage: bool,
+                  tokenizer: Tokenizer | None) -> AsyncIterator[bytes]:
+    """`tokenizer`: given when the request asked for logprobs (each chunk carries its tokens')."""
+    offset = 0  # characters sent so far (the logprobs' text_offset)
+
+    def chunk(text: str, finish_reason: str | None, out: StepOutput | None = None) -> bytes:
+        nonlocal offset
+        logprobs = None
+        if tokenizer is not None and out is not None:
+            logprobs = completion_logprobs(tokenizer, out.text_logprobs(), offset)
+        offset += len(text)
+        data = {**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
         return sse({**data, "usage": None} if include_usage else data)
 
     if echo:
@@ -94,8 +111,8 @@ async def _chunks(started: Started, head: dict[str, Any], echo: str, include_usa
     async for out in started.events:
         generated += len(out.new_token_ids)
         last = out
-        if out.text_delta or out.finished:
-            yield chunk(out.text_delta, out.finish_reason if out.finished else None)
+        if out.text_delta or out.finished or (tokenizer is not None and out.text_logprobs()):
+            yield chunk(out.text_delta, out.finish_reason if out.finished else None, out)
     if include_usage:
         yield sse({**head, "choices": [], "usage": usage(started.prompt_tokens, generated, last)})
     yield DONE

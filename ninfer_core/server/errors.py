@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..chat.constraints import ConstraintError
 from ..chat.template import ChatTemplateError, ToolsNotSupportedError
 from ..engine.sampling import SamplingParamError
 from ..engine.service import QueueFullError, ServiceStoppedError
@@ -107,6 +108,8 @@ def _known_error(exc: BaseException) -> ApiError | None:
         return ApiError(400, str(exc), param="messages", code="invalid_media")
     if isinstance(exc, SamplingParamError):
         return ApiError(400, str(exc), param=exc.field, code="invalid_value")
+    if isinstance(exc, ConstraintError):
+        return ApiError(400, str(exc), param=exc.param, code="invalid_schema")
     if isinstance(exc, NinferError):
         return ApiError(400, str(exc))
     return None

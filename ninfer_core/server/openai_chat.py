@@ -5,7 +5,8 @@ first delta, reasoning in both `reasoning_content` (DeepSeek, llama.cpp) and `re
 Ollama), tool calls as deltas whose first fragment carries index, id, type and name with empty
 arguments and whose later fragments carry only the index and argument text, `finish_reason`
 `tool_calls` once a call was made, and with `stream_options.include_usage` a null `usage` on
-every chunk plus one final chunk with empty `choices` and the usage.
+every chunk plus one final chunk with empty `choices` and the usage. With `logprobs`, a step's
+token logprobs ride on the next chunk sent (every answer token, reasoning included, in order).
 """
 
 from __future__ import annotations
@@ -18,12 +19,23 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..chat.output_parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from ..llm import ChatFinished, ChatRequest, ChatResult
+from ..engine.logprobs import TokenLogprob
+from ..llm import ChatFinished, ChatRequest, ChatResult, LogprobsDelta
+from ..tokenizer import Tokenizer
 from .body import read_model
-from .chat_input import chat_content, chat_request, sampling_params, select_tools
+from .chat_input import (
+    chat_content,
+    chat_request,
+    json_constraint,
+    one_constraint,
+    sampling_params,
+    select_tools,
+    tool_constraint,
+)
 from .errors import ApiError
 from .generation import Started, collect, start, stream_response
 from .ids import new_id
+from .logprobs import chat_logprobs
 from .schemas import ChatCompletionRequest, plain
 from .sse import DONE, sse
 
@@ -34,22 +46,26 @@ SYSTEM_FINGERPRINT = "ninfer"
 def build_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     if body.n not in (None, 1):
         raise ApiError(400, f"n={body.n} is not supported; this server returns one choice (n=1)", param="n")
-    if body.logprobs or body.top_logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
-    format_type = body.response_format.type if body.response_format else "text"
-    if format_type != "text":
-        raise ApiError(400, f"response_format '{format_type}' is not supported (no constrained decoding yet)",
-                       param="response_format")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    fmt = body.response_format
+    json_output = json_constraint(fmt.type, fmt.json_schema.json_schema if fmt.json_schema else None,
+                                  "response_format") if fmt else None
     messages = []
     for i, message in enumerate(body.messages):
         m = plain(message)
         m["content"] = chat_content(m.get("content"), f"messages[{i}].content")
         messages.append(m)
     tools = plain(body.tools or [])
-    choice = body.tool_choice.function.name if hasattr(body.tool_choice, "function") else body.tool_choice
-    sampling = sampling_params(body, body.max_completion_tokens or body.max_tokens, body.stop)
-    return chat_request(messages, sampling, tools=select_tools(tools, choice),  # type: ignore[arg-type]
-                        template_kwargs=body.chat_template_kwargs, reasoning_effort=body.reasoning_effort)
+    named = hasattr(body.tool_choice, "function")
+    choice = body.tool_choice.function.name if named else body.tool_choice  # type: ignore[union-attr]
+    declared = select_tools(tools, choice)  # type: ignore[arg-type]
+    constraint = one_constraint(json_output, tool_constraint(declared, choice, named=named,  # type: ignore[arg-type]
+                                                             parallel=body.parallel_tool_calls))
+    sampling = sampling_params(body, body.max_completion_tokens or body.max_tokens, body.stop,
+                               logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    return chat_request(messages, sampling, tools=declared, template_kwargs=body.chat_template_kwargs,
+                        reasoning_effort=body.reasoning_effort, constraint=constraint)
 
 
 def chat_usage(result: ChatResult) -> dict[str, Any]:
@@ -95,35 +111,43 @@ async def chat_completions(request: Request) -> Response:
     completion_id, created = new_id("chatcmpl-"), int(time.time())
     model = started.model
     ids = ToolCallIds()
+    tokenizer = started.lease.service.llm.tokenizer
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _chunks(started, completion_id, created, model, ids, include_usage)
+        chunks = _chunks(started, completion_id, created, model, ids, include_usage, tokenizer)
         return stream_response(started, chunks, lambda err: sse({"error": err.error_object()}) + DONE)
     result: ChatResult = (await collect(request, started))[-1].result
+    logprobs = chat_logprobs(tokenizer, result.logprobs) if result.logprobs is not None else None
     return JSONResponse({
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [{"index": 0, "message": message_json(result, ids), "logprobs": None,
+        "choices": [{"index": 0, "message": message_json(result, ids), "logprobs": logprobs,
                      "finish_reason": result.finish_reason}],
         "usage": chat_usage(result),
     })
 
 
 async def _chunks(started: Started, completion_id: str, created: int, model: str, ids: ToolCallIds,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  include_usage: bool, tokenizer: Tokenizer) -> AsyncIterator[bytes]:
     head = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": SYSTEM_FINGERPRINT}
+    pending: list[TokenLogprob] = []  # logprobs not sent yet: they go with the next chunk
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        data = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        logprobs = chat_logprobs(tokenizer, pending) if pending else None
+        pending.clear()
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        data = {**head, "choices": [choice]}
         return sse({**data, "usage": None} if include_usage else data)
 
     yield chunk({"role": "assistant", "content": ""})
     async for event in started.events:
-        if isinstance(event, ReasoningDelta):
+        if isinstance(event, LogprobsDelta):
+            pending += event.logprobs
+        elif isinstance(event, ReasoningDelta):
             yield chunk({"reasoning_content": event.text, "reasoning": event.text})
         elif isinstance(event, ContentDelta):
             yield chunk({"content": event.text})

@@ -9,7 +9,9 @@ events (`response.created`, `response.output_item.added`, `response.output_text.
 `response.completed` or `response.incomplete`), each with a `sequence_number`.
 
 `previous_response_id` continues a stored conversation; `instructions` are not carried over
-from it (OpenAI's rule). Responses with `store: false` are not kept.
+from it (OpenAI's rule). Responses with `store: false` are not kept. `text.format` json_object /
+json_schema and tool_choice "required" / a named function are enforced by a grammar
+(chat_input.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from fastapi.responses import JSONResponse, Response
 from ..llm import ChatFinished, ChatRequest, ChatResult
 from .blocks import Block, BlockDelta, BlockEvent, BlockSequencer, BlockStart, BlockStop, sequence_all
 from .body import read_model
-from .chat_input import chat_content, chat_request, content_text, sampling_params, select_tools
+from .chat_input import (
+    chat_content,
+    chat_request,
+    content_text,
+    json_constraint,
+    one_constraint,
+    sampling_params,
+    select_tools,
+    tool_constraint,
+)
 from .errors import ApiError
 from .generation import Started, collect, start, stream_response
 from .ids import new_id
@@ -108,15 +119,16 @@ def build(body: ResponsesRequest, store: ResponseStore) -> tuple[ChatRequest, li
         history = previous.messages
     conversation = history + input_messages(body.input)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    format_type = body.text.format.type if body.text and body.text.format else "text"
-    if format_type != "text":
-        raise ApiError(400, f"text.format '{format_type}' is not supported (no constrained decoding yet)",
-                       param="text.format")
+    fmt = body.text.format if body.text else None
+    json_output = json_constraint(fmt.type, fmt.json_schema, "text.format") if fmt else None
+    choice = tool_choice_name(body.tool_choice)
+    declared = select_tools(chat_tools(body.tools), choice)
+    tools = tool_constraint(declared, choice, named=isinstance(body.tool_choice, ResponsesToolChoice),
+                            parallel=body.parallel_tool_calls)
     sampling = sampling_params(body, body.max_output_tokens, None)
-    chat = chat_request(system + conversation, sampling,
-                        tools=select_tools(chat_tools(body.tools), tool_choice_name(body.tool_choice)),
-                        template_kwargs=body.chat_template_kwargs,
-                        reasoning_effort=body.reasoning.effort if body.reasoning else None)
+    chat = chat_request(system + conversation, sampling, tools=declared, template_kwargs=body.chat_template_kwargs,
+                        reasoning_effort=body.reasoning.effort if body.reasoning else None,
+                        constraint=one_constraint(json_output, tools))
     return chat, conversation
 
 
@@ -165,13 +177,13 @@ class ResponseBuilder:
             "max_output_tokens": body.max_output_tokens,
             "model": self.model,
             "output": [self.item(b) for b in blocks],
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
             "store": body.store,
             "temperature": body.temperature,
             "top_p": body.top_p,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": plain(body.text.format) if body.text and body.text.format else {"type": "text"}},
             "tool_choice": plain(body.tool_choice) or "auto",
             "tools": plain(body.tools or []),
             "truncation": "disabled",

@@ -8,8 +8,8 @@ and unlike OpenAI (which answers 400 "Unrecognized request argument"): editors s
 extras and every new OpenAI release adds parameters (`prompt_cache_key`, `safety_identifier`,
 `verbosity`, ...), and refusing them would break clients for no gain. Known parameters we
 cannot honour are refused with a clear 400 instead of being silently dropped when ignoring
-them would change the answer (n > 1, logprobs, JSON response formats, an echo / suffix that
-is not plain). Nested objects keep their extra keys (`extra="allow"`: templates may read them).
+them would change the answer (n > 1, an echo / suffix that is not plain, prompt logprobs).
+Nested objects keep their extra keys (`extra="allow"`: templates may read them).
 
 Ranges of the sampling knobs are checked by the engine's SamplingParams (one place for every
 caller); the integers checked here are the ones that go nowhere near it (token counts, ids).
@@ -21,10 +21,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from ..engine.logprobs import MAX_TOP_LOGPROBS
 from .body import BadJson, parse_json
 
 TokenCount = Annotated[int, Field(ge=1, le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+JsonSchema = dict[str, Any] | bool
 
 
 def _json_object_text(text: str) -> str:
@@ -53,7 +56,7 @@ def plain(value: Any) -> Any:
     """A validated field as plain JSON data again (models -> dicts without their unset fields), for
     the code that hands messages to the chat template or echoes a request back."""
     if isinstance(value, BaseModel):
-        return value.model_dump(exclude_none=True)
+        return value.model_dump(exclude_none=True, by_alias=True)
     if isinstance(value, list):
         return [plain(v) for v in value]
     return value
@@ -136,8 +139,18 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Open):
+    """Chat Completions' response_format.json_schema (`schema` is a pydantic name: aliased)."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: JsonSchema | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Open):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatMessage(_Open):
@@ -162,8 +175,9 @@ class ChatCompletionRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     n: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
 
@@ -181,7 +195,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     n: int | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
 
 
 # -- OpenAI Responses ---------------------------------------------------------------------------
@@ -216,7 +230,13 @@ class Reasoning(_Open):
 
 
 class TextFormat(_Open):
-    type: str
+    """Responses' text.format: the json_schema fields sit beside `type`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: JsonSchema | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class TextOptions(_Open):
@@ -230,6 +250,7 @@ class ResponsesRequest(SamplingFields):
     previous_response_id: str | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_output_tokens: TokenCount | None = None
     stream: bool = False
     store: bool = True
@@ -271,6 +292,7 @@ class AnthropicTool(_Open):
 class AnthropicToolChoice(_Open):
     type: Literal["auto", "any", "tool", "none"] = "auto"
     name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class Thinking(_Open):

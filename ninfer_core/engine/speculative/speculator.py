@@ -11,7 +11,8 @@ A round (driven by `LLMEngine`, which alone appends tokens and advances or trunc
    penalties with the drafts counted as generated) decide the kept tokens (verify.py).
 4. The engine commits the kept prefix of the GDN state (rollback.py), appends the tokens, shows
    the drafter the kept rows (`observe`) and frees surplus pages; `record` counts the round.
-Sequences asking no drafts ride along as rows of width 1 (+ padding).
+Sequences asking no drafts ride along as rows of width 1 (+ padding); grammar-constrained
+sequences never draft (engine/grammar.py), and `judge` masks their single row like plain sampling.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from ...errors import NinferError
 from ...models.base import ForwardBatch, ForwardOutput
+from ..grammar import constrain
 from ..request import GenerationRequest, SpecStats, StepOutput
 from ..sampling import Sampler, TokenHistory
 from ..sequence import Sequence
@@ -103,19 +105,21 @@ class Speculator:
 
     def judge(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor) -> list[list[int]]:
         """The kept tokens per sequence from the target's logits [B, T, V]. Row t of a sequence is
-        judged with the history output + drafts[:t], exactly as plain decoding would see it."""
+        judged with the history output + drafts[:t], exactly as plain decoding would see it (a
+        constrained sequence's one row through its grammar mask)."""
         kept: list[list[int]] = [[] for _ in seqs]
         for greedy in (True, False):
             index = [b for b, s in enumerate(seqs) if s.request.sampling.is_greedy == greedy]
             if not index:
                 continue
-            rows, params, histories = [], [], []
+            rows, params, histories, matchers = [], [], [], []
             for b in index:
                 for t in range(len(drafts[b].tokens) + 1):
                     rows.append(logits[b, t])
                     params.append(seqs[b].request.sampling)
                     histories.append(TokenHistory(seqs[b].prompt_ids, seqs[b].output_ids + drafts[b].tokens[:t]))
-            stacked = torch.stack(rows).float()
+                    matchers.append(seqs[b].grammar)  # constrained sequences never draft: only t = 0
+            stacked = constrain(torch.stack(rows).float(), matchers)
             if greedy:  # the argmax of the penalised logits, no draws
                 targets = self.sampler.sample(stacked, params, histories, [None] * len(rows)).tolist()
             else:
