@@ -44,7 +44,7 @@ async def paste(pilot, text: str) -> None:
     event = events.Paste(text)
     event.set_sender(pilot.app)
     pilot.app._driver.send_message(event)
-    await pilot.pause(0.05)
+    await wait_until(pilot, lambda: text in pilot.app.focused.text, what="the pasted text")
 
 
 @pytest.mark.asyncio
@@ -58,7 +58,8 @@ async def test_a_pasted_multi_line_question_is_sent_whole(model_dir, ref_llm, ho
         one_line = prompt.outer_size.height
         await paste(pilot, CODE_QUESTION)
         assert prompt.text == CODE_QUESTION
-        assert prompt.outer_size.height == one_line + 3  # it grew with the four lines
+        # it grows with the four lines (on the next layout pass: wait for it, a slow CI box lags)
+        await wait_until(pilot, lambda: prompt.outer_size.height == one_line + 3, what="the prompt to grow")
         await press_now(pilot, "ctrl+j", "x")  # a new line, without sending
         assert prompt.text == CODE_QUESTION + "\nx" and not screen.chat.messages
         await press_now(pilot, "backspace", "backspace")
@@ -69,7 +70,8 @@ async def test_a_pasted_multi_line_question_is_sent_whole(model_dir, ref_llm, ho
         expected = reference(ref_llm, [{"role": "user", "content": CODE_QUESTION}])
         assert (reply.content, reply.reasoning) == (expected.text, expected.reasoning)
         await paste(pilot, "\n".join(f"line {i}" for i in range(30)))
-        assert prompt.outer_size.height == MAX_LINES + 2  # grows to a few lines, then scrolls
+        # grows to a few lines, then scrolls
+        await wait_until(pilot, lambda: prompt.outer_size.height == MAX_LINES + 2, what="the prompt to stop growing")
         assert prompt.max_scroll_y > 0
 
 
