@@ -12,6 +12,9 @@ dequantized at load, which was the CPU path before the compact weights); llama-b
 `depth` (-d) with the same thread count. Medians of the rounds and their ratio are printed. Only
 decode-sized and prefill-sized forwards are timed, never the load.
 
+Both run the compact weights with the CPU math NINFER_CPU_MATH selects (ops/dispatch.py: bf16 by
+default, int8, exact); the JSON records it.
+
 accuracy: the compact weights (`--weights auto`) against the exact fp32 path (`--dtype float32`,
 every tensor dequantized) teacher-forced over `tokens` tokens of prose and code: the decode path
 one token per forward (the CPU kernels), and the prefill path one forward for all tokens (the
@@ -64,7 +67,8 @@ def speed(args: argparse.Namespace) -> dict:
     model, config, dev, dtype, recipe = _build(setup)
     harness = _Harness(model, config, dev, dtype, setup)
     report = dict(model=str(args.model), weights=recipe.label(dtype), weight_bytes=weight_bytes(model),
-                  file_bytes=args.model.stat().st_size, isa=_isa(), cpu=platform.processor() or platform.machine(),
+                  file_bytes=args.model.stat().st_size, isa=_isa(), math=dispatch.cpu_math(),
+                  cpu=platform.processor() or platform.machine(),
                   torch=torch.__version__, date=time.strftime("%Y-%m-%d"), runs=[])
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -116,7 +120,8 @@ def accuracy(args: argparse.Namespace) -> dict:
     del exact
     compact = load_model(str(args.model), "cpu")
     report = dict(model=str(args.model), weights=compact.recipe.label(compact.dtype), tokens=len(ids),
-                  weight_bytes=weight_bytes(compact.model), file_bytes=args.model.stat().st_size, isa=_isa())
+                  weight_bytes=weight_bytes(compact.model), file_bytes=args.model.stat().st_size, isa=_isa(),
+                  math=dispatch.cpu_math())
     for path, one_by_one in (("decode", True), ("prefill", False)):
         ours = logits(compact, ids, one_by_one)
         kl = (reference.exp() * (reference - ours)).sum(-1)

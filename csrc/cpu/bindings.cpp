@@ -16,26 +16,28 @@ PYBIND11_MODULE(_cpu, m) {
   m.def(
       "quant_matmul",
       [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t bias, std::int64_t m, std::int64_t n, int threads,
-         std::uintptr_t codes, std::uintptr_t scales, std::uintptr_t offsets, std::int64_t k, std::int64_t group,
-         bool int4, int scale_type) {
+         bool int8_activations, std::uintptr_t codes, std::uintptr_t scales, std::uintptr_t offsets, std::int64_t k,
+         std::int64_t group, bool int4, int scale_type) {
         const QuantWeight w{codes, scales, offsets, n, k, group, int4, static_cast<ScaleType>(scale_type)};
-        ninfer::cpu::quant_matmul({w, out, x, bias, m, threads});
+        ninfer::cpu::quant_matmul({w, out, x, bias, m, threads, int8_activations});
       },
       py::arg("out"), py::arg("x"), py::arg("bias"), py::arg("m"), py::arg("n"), py::arg("threads"),
-      py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("k"), py::arg("group"), py::arg("int4"),
+      py::arg("int8_activations"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("k"), py::arg("group"), py::arg("int4"),
       py::arg("scale_type"), py::call_guard<py::gil_scoped_release>(),
-      "out[m, n] = x[m, k] @ W^T (+ bias), fp32; offsets / bias 0 for none; scale_type: ScaleType's value.");
+      "out[m, n] = x[m, k] @ W^T (+ bias), fp32; offsets / bias 0 for none; scale_type: ScaleType's value; "
+      "int8_activations: x quantized per block of 32 (csrc/cpu/quant_matmul.h).");
   m.def(
       "dequantize",
-      [](std::uintptr_t out, std::int64_t n, std::int64_t first, std::int64_t count, int threads,
+      [](std::uintptr_t out, std::int64_t n, std::int64_t first, std::int64_t count, bool bf16, int threads,
          std::uintptr_t codes, std::uintptr_t scales, std::uintptr_t offsets, std::int64_t k, std::int64_t group,
          bool int4, int scale_type) {
         const QuantWeight w{codes, scales, offsets, n, k, group, int4, static_cast<ScaleType>(scale_type)};
-        ninfer::cpu::dequantize(w, first, count, out, threads);
+        ninfer::cpu::dequantize(w, first, count, out, bf16, threads);
       },
-      py::arg("out"), py::arg("n"), py::arg("first"), py::arg("count"), py::arg("threads"), py::arg("codes"),
-      py::arg("scales"), py::arg("offsets"), py::arg("k"), py::arg("group"), py::arg("int4"), py::arg("scale_type"),
-      py::call_guard<py::gil_scoped_release>(), "out fp32 [count, k] = rows first.. of the dense weight [n, k].");
+      py::arg("out"), py::arg("n"), py::arg("first"), py::arg("count"), py::arg("bf16"), py::arg("threads"),
+      py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("k"), py::arg("group"), py::arg("int4"),
+      py::arg("scale_type"), py::call_guard<py::gil_scoped_release>(),
+      "out fp32 (bf16: bf16) [count, k] = rows first.. of the dense weight [n, k].");
   m.def(
       "add_rmsnorm",
       [](std::uintptr_t out, std::uintptr_t residual_out, std::uintptr_t x, std::uintptr_t residual,

@@ -1,7 +1,7 @@
 // The quant kernels with AVX2 + FMA + F16C (8 floats per vector). Compiled with -mavx2 -mfma -mf16c.
 #include <immintrin.h>
 
-#include "quant_kernels.h"
+#include "quant_kernels_a8.h"
 
 namespace ninfer::cpu {
 namespace {
@@ -17,6 +17,15 @@ struct Avx2 {
     const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);  // per 128-bit lane
     _mm256_storeu_ps(dst, _mm256_permute2f128_ps(a, b, 0x20));
     _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  static void store_bf16(std::uint16_t* p, F v) {  // round to nearest even; NaN -> 0x7fc0, as torch
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
   }
   static F splat(float v) { return _mm256_set1_ps(v); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
@@ -38,10 +47,38 @@ struct Avx2 {
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
   }
+
+  // int8-activation dot products (quant_kernels_a8.h): maddubs multiplies unsigned by signed
+  // bytes into saturating int16 pairs, which stay exact for |code| <= 128 and |x| <= 127.
+  using B = __m256i;
+  using I = __m256i;
+  using Idx = __m256i;
+  static constexpr bool kBiasedS8 = false;
+  static B bytes4(const std::uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void nibble_halves(const std::uint8_t* p, B& lo, B& hi) {
+    const __m256i b = bytes4(p), mask = _mm256_set1_epi8(15);
+    lo = _mm256_and_si256(b, mask);
+    hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+  }
+  static I izero() { return _mm256_setzero_si256(); }
+  static I pairs(__m256i products16) { return _mm256_madd_epi16(products16, _mm256_set1_epi16(1)); }
+  static I dot_u8(I acc, B u, const std::int8_t* x) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(u, xv)));
+  }
+  static I dot_s8(I acc, B w, const std::int8_t* x) {  // |w| . (x with w's sign)
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w))));
+  }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static Idx make_idx(const std::int32_t* lane_group) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane_group));
+  }
+  static F expand(const float* p, Idx idx) { return _mm256_permutevar8x32_ps(_mm256_loadu_ps(p), idx); }
 };
 
 }  // namespace
 
-const IsaKernels kAvx2Kernels = Kernels<Avx2>::make("avx2");
+const IsaKernels kAvx2Kernels = make_kernels<Avx2>("avx2");
 
 }  // namespace ninfer::cpu

@@ -1,7 +1,8 @@
-// The quant kernels with AVX-512F (16 floats per vector). Compiled with -mavx512f -mfma -mf16c.
+// The quant kernels with AVX-512 F / BW / VNNI (16 floats per vector). Compiled with -mavx512f
+// -mavx512bw -mavx512vnni -mfma -mf16c; quant_matmul.cpp picks it only where the CPU has all three.
 #include <immintrin.h>
 
-#include "quant_kernels.h"
+#include "quant_kernels_a8.h"
 
 namespace ninfer::cpu {
 namespace {
@@ -19,6 +20,13 @@ struct Avx512 {
     _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo, first, hi));
     _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo, second, hi));
   }
+  static void store_bf16(std::uint16_t* p, F v) {  // round to nearest even; NaN -> 0x7fc0, as torch
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
   static F splat(float v) { return _mm512_set1_ps(v); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -35,10 +43,29 @@ struct Avx512 {
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
   }
+
+  // int8-activation dot products (quant_kernels_a8.h)
+  using B = __m512i;
+  using I = __m512i;
+  using Idx = __m512i;
+  static constexpr bool kBiasedS8 = true;  // vpdpbusd multiplies unsigned by signed bytes
+  static B bytes4(const std::uint8_t* p) { return _mm512_loadu_si512(p); }
+  static void nibble_halves(const std::uint8_t* p, B& lo, B& hi) {
+    const __m512i b = _mm512_loadu_si512(p), mask = _mm512_set1_epi8(15);
+    lo = _mm512_and_si512(b, mask);
+    hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), mask);
+  }
+  static B flip(B b) { return _mm512_xor_si512(b, _mm512_set1_epi8(static_cast<char>(0x80))); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static I iload(const std::int32_t* p) { return _mm512_loadu_si512(p); }
+  static I dot_u8(I acc, B u, const std::int8_t* x) { return _mm512_dpbusd_epi32(acc, u, _mm512_loadu_si512(x)); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static Idx make_idx(const std::int32_t* lane_group) { return _mm512_loadu_si512(lane_group); }
+  static F expand(const float* p, Idx idx) { return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p)); }
 };
 
 }  // namespace
 
-const IsaKernels kAvx512Kernels = Kernels<Avx512>::make("avx512");
+const IsaKernels kAvx512Kernels = make_kernels<Avx512>("avx512");
 
 }  // namespace ninfer::cpu

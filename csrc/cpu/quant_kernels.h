@@ -1,7 +1,7 @@
 // The CPU quant kernels, written once over a vector type V. Each isa_*.cpp defines its V and
 // compiles this header with its instruction set; quant_matmul.cpp picks one at run time.
 //
-// V provides: F (W floats), zero, load, store, store_pairs (interleaved), splat, add, mul, fma, sum (horizontal), halves (W fp16 -> F),
+// V provides: F (W floats), zero, load, store, store_pairs (interleaved), store_bf16, splat, add, mul, fma, sum (horizontal), halves (W fp16 -> F),
 // bytes (W signed bytes -> F) and nibbles (W bytes -> their low and their high nibbles as two F).
 // The int4 loop reads 2W inputs per W code bytes: the W low nibbles are inputs 0, 2, .., 2W - 2
 // and the high ones 1, 3, .., 2W - 1, so x is first arranged to that order (`arrange`) and the
@@ -26,12 +26,28 @@ struct Prepared {
   std::int64_t m;
 };
 
+// One call's inputs for the int8-activation kernels (quant_kernels_a8.h), prepared by quant_matmul.cpp.
+struct PreparedA8 {
+  const QuantWeight* w;
+  float* out;                      // [m, n]
+  const std::int8_t* xq;           // [m, kpad] x quantized per block of 32 (int4: arranged per chunk)
+  std::int64_t kpad;               // k rounded up to whole chunks (zeros past k)
+  const float* xlane;              // [m, kpad / span] each lane's activation block scale
+  const std::int32_t* corr;        // [m, kpad / span] -128 * each lane's activation sum (biased int8 dots)
+  const std::int32_t* lane_group;  // [lanes] the group of lane i, counted from its chunk's first
+  const float* xsum;               // [m, k / group] exact sums of x per group (for the offsets)
+  const float* bias;               // [n] or null
+  std::int64_t m;
+};
+
 // The entry points of one instruction set.
 struct IsaKernels {
   const char* name;
+  int lanes;  // W: int32 lanes of the int8-activation dot products
   void (*arrange)(const float* x, std::int64_t m, std::int64_t k, float* dst);
   void (*rows)(const Prepared& p, std::int64_t n0, std::int64_t n1);
-  void (*dequantize_rows)(const QuantWeight& w, float* out, std::int64_t n0, std::int64_t n1);
+  void (*rows_a8)(const PreparedA8& p, std::int64_t n0, std::int64_t n1);
+  void (*dequantize_rows)(const QuantWeight& w, void* out, bool bf16, std::int64_t n0, std::int64_t n1);
 };
 
 // Everything below has internal linkage on purpose: each isa_*.cpp compiles its own copy with its
@@ -101,15 +117,18 @@ struct Kernels {
     for (; i < count; ++i) dst[i] = half_to_float(h[i]);
   }
 
-  // The scales and offsets (defaults filled in) of `rows` weight rows from n0, fp32 [rows][groups].
+  // Whether w's rows have offsets (given, or int4's default); an int8 weight without them adds none.
+  static bool has_offsets(const QuantWeight& w) { return w.offsets || w.int4; }
+
+  // The scales and offsets (defaults filled in; untouched without any) of `rows` weight rows from
+  // n0, fp32 [rows][groups].
   static void block_params(const QuantWeight& w, std::int64_t n0, std::int64_t rows, float* scale, float* offset) {
     const std::int64_t count = rows * (w.k / w.group);
     to_float(w.scales, w.scale_type, n0 * (w.k / w.group), count, scale);
     if (w.offsets) {
       to_float(w.offsets, w.scale_type, n0 * (w.k / w.group), count, offset);
-    } else {
-      const float by = w.int4 ? -8.0f : 0.0f;
-      for (std::int64_t i = 0; i < count; ++i) offset[i] = by * scale[i];
+    } else if (w.int4) {
+      for (std::int64_t i = 0; i < count; ++i) offset[i] = -8.0f * scale[i];
     }
   }
 
@@ -184,7 +203,7 @@ struct Kernels {
     float dots[T];
     tile<T, Int4, G>(w, scale, n, p.x + m0 * w.k, dots);
     for (int t = 0; t < T; ++t) {
-      const float value = dots[t] + dot(offset, p.xsum + (m0 + t) * groups, groups);
+      const float value = has_offsets(w) ? dots[t] + dot(offset, p.xsum + (m0 + t) * groups, groups) : dots[t];
       p.out[(m0 + t) * w.n + n] = p.bias ? value + p.bias[n] : value;
     }
   }
@@ -224,14 +243,17 @@ struct Kernels {
 
   // Rows [n0, n1) of the dense weight into out (row n0 first): code * scale + offset, a product
   // then a sum (the reference's two roundings).
-  static void dequantize_rows(const QuantWeight& w, float* out, std::int64_t n0, std::int64_t n1) {
+  // In bf16 (round to nearest even, torch's conversion), through one fp32 row: a bf16 GEMM
+  // takes the tile without a second pass over it.
+  static void dequantize_rows(const QuantWeight& w, void* out, bool bf16, std::int64_t n0, std::int64_t n1) {
     const std::int64_t groups = w.k / w.group;
     float scale[kMaxGroups], offset[kMaxGroups];
+    float* row = bf16 ? static_cast<float*>(std::malloc(w.k * sizeof(float))) : nullptr;
     for (std::int64_t n = n0; n < n1; ++n) {
       block_params(w, n, 1, scale, offset);
-      float* dst = out + (n - n0) * w.k;
+      float* dst = bf16 ? row : static_cast<float*>(out) + (n - n0) * w.k;
       for (std::int64_t g = 0; g < groups; ++g) {
-        const F s = V::splat(scale[g]), o = V::splat(offset[g]);
+        const F s = V::splat(scale[g]), o = has_offsets(w) ? V::splat(offset[g]) : V::zero();
         const std::int64_t begin = g * w.group, end = begin + w.group;
         if (w.int4) {
           const auto* codes = reinterpret_cast<const std::uint8_t*>(w.codes) + n * w.k / 2;
@@ -245,10 +267,13 @@ struct Kernels {
           for (std::int64_t c = begin; c < end; c += W) V::store(dst + c, V::add(V::mul(V::bytes(codes + c), s), o));
         }
       }
+      if (bf16) {
+        auto* narrow = static_cast<std::uint16_t*>(out) + (n - n0) * w.k;
+        for (std::int64_t c = 0; c < w.k; c += W) V::store_bf16(narrow + c, V::load(row + c));
+      }
     }
+    std::free(row);
   }
-
-  static IsaKernels make(const char* name) { return {name, &arrange, &rows, &dequantize_rows}; }
 };
 
 }  // namespace

@@ -26,7 +26,11 @@ struct QuantWeight {
   ScaleType scale_type;
 };
 
-// out[m][n] = sum_k x[m][k] * w[n][k] (+ bias[n]), fp32 activations and accumulation.
+// out[m][n] = sum_k x[m][k] * w[n][k] (+ bias[n]), fp32 activations and accumulation; or, with
+// int8_activations, x quantized to int8 per block of 32 inputs (scale absmax / 127, round half to
+// even) and the codes multiplied by it in integers (quant_kernels_a8.h): ~3x less arithmetic, the
+// error of llama.cpp's Q8 activations. Shapes those kernels do not cover (k not whole blocks of
+// 32, groups that straddle their chunks) run exactly.
 struct MatmulArgs {
   QuantWeight w;
   std::uintptr_t out;   // fp32 [m, n]
@@ -34,13 +38,15 @@ struct MatmulArgs {
   std::uintptr_t bias;  // fp32 [n], or 0
   std::int64_t m;
   int threads;  // the caller counts as one
+  bool int8_activations;
 };
 
 void quant_matmul(const MatmulArgs& args);
 
-// out fp32 [count, k] = rows [first, first + count) of w, the dense weight (prefill multiplies by
-// it with a GEMM, a tile of rows at a time).
-void dequantize(const QuantWeight& w, std::int64_t first, std::int64_t count, std::uintptr_t out, int threads);
+// out fp32 (or bf16) [count, k] = rows [first, first + count) of w, the dense weight (prefill
+// multiplies by it with a GEMM, a tile of rows at a time).
+void dequantize(const QuantWeight& w, std::int64_t first, std::int64_t count, std::uintptr_t out, bool bf16,
+                int threads);
 
 // The instruction set the kernels run with on this CPU: "avx512", "avx2" or "generic".
 // NINFER_CPU_ISA=avx2|generic picks a lower one.

@@ -8,6 +8,14 @@ Rule: NINFER_DISABLE_KERNELS is unset (or "0") and
 otherwise the torch reference. A missing or broken extension is logged once at debug level and
 never raised: an install without compiled code simply runs the references.
 
+Compact weights on the CPU, NINFER_CPU_MATH (KL to the exact path in docs/performance.md):
+  bf16 (default)  decode weight-only with fp32 activations; prefill GEMMs in bf16 where the CPU
+                  multiplies bf16 natively (2-4x torch's fp32 GEMM), fp32 elsewhere;
+  int8            also decode with activations quantized to int8 per block of 32, multiplied in
+                  integers (VNNI), as llama.cpp does: faster where decode is arithmetic-bound;
+  exact           fp32 activations everywhere (the tests that compare with references use it).
+`--dtype float32` runs every weight dequantized, the exact path the transformers tests compare.
+
 A call on CUDA tensors that still runs a reference (a shape or dtype the kernel does not take)
 is slow without saying so: `fallback` logs it once per op, and NINFER_REQUIRE_KERNELS=1 makes it
 an error (the GPU tests and benchmarks set it, so a silent fallback cannot pass for speed).
@@ -27,6 +35,8 @@ log = logging.getLogger(__name__)
 
 DISABLE_ENV = "NINFER_DISABLE_KERNELS"
 REQUIRE_ENV = "NINFER_REQUIRE_KERNELS"
+CPU_MATH_ENV = "NINFER_CPU_MATH"
+CPU_MATHS = ("bf16", "int8", "exact")
 _KERNEL_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -100,6 +110,23 @@ def cpu_kernels_available() -> bool:
 def use_cpu_kernel(*tensors: torch.Tensor) -> bool:
     """Whether a call on these tensors goes to the CPU extension (see the module docstring)."""
     return all(t.device.type == "cpu" for t in tensors) and cpu_kernels_available()
+
+
+def cpu_math() -> str:
+    """NINFER_CPU_MATH (see the module docstring); an unknown value is an error, not a silent default."""
+    value = os.environ.get(CPU_MATH_ENV) or CPU_MATHS[0]
+    if value not in CPU_MATHS:
+        raise ValueError(f"{CPU_MATH_ENV}={value!r}: use one of {', '.join(CPU_MATHS)}")
+    return value
+
+
+@functools.cache
+def cpu_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 / AMX), where torch's bf16 GEMM
+    is 2-4x its fp32 one; elsewhere bf16 is emulated and slower."""
+    cpu = torch.cpu
+    return bool(torch.backends.mkldnn.is_available()
+                and (cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()))
 
 
 def cpu_threads() -> int:

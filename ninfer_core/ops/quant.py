@@ -198,9 +198,10 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     CPU kernel (the prefill GEMMs dequantize a layer's weights per call), `dequantize_ref`
     elsewhere; identical values."""
     if qw.device.type == "cpu" and qw.cpu_plan is not None and dispatch.cpu_kernels_available():
-        out = torch.empty(qw.shape, dtype=torch.float32)
+        bf16 = dtype == torch.bfloat16
+        out = torch.empty(qw.shape, dtype=torch.bfloat16 if bf16 else torch.float32)
         rows = out.numel() // qw.in_features
-        dispatch.cpu_extension().dequantize(out.data_ptr(), rows, 0, rows, dispatch.cpu_threads(), *qw.cpu_plan)
+        dispatch.cpu_extension().dequantize(out.data_ptr(), rows, 0, rows, bf16, dispatch.cpu_threads(), *qw.cpu_plan)
         return out.to(dtype)
     out_dtype_ok = dtype in (torch.float32, torch.float16, torch.bfloat16)
     k = qw.in_features
@@ -219,15 +220,19 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def _codes(qw: QuantizedWeight) -> torch.Tensor:
+    """The codes [..., N, K] as stored: int8 bytes, or int4 nibbles 0..15 (uint8)."""
+    if qw.kind == "int8":
+        return qw.qweight
+    return torch.stack((qw.qweight & 15, qw.qweight >> 4), dim=-1).flatten(-2)
+
+
 def dequantize_ref(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """Torch reference of `dequantize`: code * scale + offset in fp32 (a product, then a sum: what
     the kernels compute), rounded once to dtype. The product is exact for 16-bit scales."""
-    if qw.kind == "int8":
-        codes = qw.qweight.float()
-    else:
-        codes = torch.stack((qw.qweight & 15, qw.qweight >> 4), dim=-1).flatten(-2).float()
-        if qw.offsets is None:
-            codes = codes.sub_(8)  # the symmetric grid: offset -8 * scale
+    codes = _codes(qw).float()
+    if qw.kind == "int4" and qw.offsets is None:
+        codes = codes.sub_(8)  # the symmetric grid: offset -8 * scale
     group = qw.group_size or qw.in_features
     groups = codes.unflatten(-1, (-1, group))  # in place from here on: one fp32 copy
     shape = (*groups.shape[:-1], 1)
@@ -248,22 +253,50 @@ def quant_linear_ref(
     return out.to(x.dtype)
 
 
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of 32) -> int8 codes [..., K] and fp32 scales [..., K / 32]: what the
+    CPU kernel's int8-activation path multiplies by (csrc/cpu/quant_matmul.h): per block of 32,
+    scale absmax / 127, code round-half-even(x * (127 / absmax)), in fp32 like the kernel."""
+    blocks = x.float().unflatten(-1, (-1, 32))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inv).to(torch.int8).flatten(-2), (amax / 127).squeeze(-1)
+
+
+def quant_linear_a8_ref(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Torch reference of the CPU kernel with int8 activations, in float64 -> [..., N]: the codes
+    times scales multiply the quantized activations; the offsets (minimums, int4's -8 * scale)
+    multiply the exact sums of x per group, as in the kernel."""
+    codes, block_scales = quantize_activations_ref(x)
+    xq = (codes.double().unflatten(-1, (-1, 32)) * block_scales.double()[..., None]).flatten(-2)
+    group = qw.group_size or qw.in_features
+    scales = qw.scales.double().reshape(qw.out_features, -1)
+    weight = (_codes(qw).double().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)
+    out = xq @ weight.T
+    offsets = qw.offsets.double() if qw.offsets is not None else -8 * scales if qw.kind == "int4" else None
+    if offsets is not None:
+        out = out + x.double().unflatten(-1, (-1, group)).sum(-1) @ offsets.reshape(qw.out_features, -1).T
+    return out if bias is None else out + bias.double()
+
+
 def quant_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, for a 2-D quantized weight."""
     _check_linear(x, qw, bias)
     rows = x.numel() // qw.in_features
-    cpu_kernel = x.device.type == "cpu" and qw.cpu_plan is not None and dispatch.cpu_kernels_available()
-    if cpu_kernel and rows > CPU_GEMV_ROWS:
-        return _cpu_tiled_linear(x.reshape(rows, qw.in_features), qw, bias).view(*x.shape[:-1], qw.out_features).to(x.dtype)
+    if x.device.type == "cpu" and qw.cpu_plan is not None and dispatch.cpu_kernels_available():
+        # a small model's decode step is ~120 of these calls: no work here beyond the kernel's
+        x2 = x.reshape(rows, qw.in_features)
+        out = (_cpu_tiled_linear if rows > CPU_GEMV_ROWS else _cpu_matmul)(x2, qw, bias).view(x.shape[:-1] + (-1,))
+        return out if out.dtype == x.dtype else out.to(x.dtype)
     if rows > MAX_GEMV_ROWS:
         # Prefill: with many rows the product is compute-bound; a GEMM (cuBLAS tensor cores, or
         # the CPU's fp32 BLAS) on a transient dequantized copy beats any GEMV, and the copy costs
         # two passes over the weight, small next to a long prompt's FLOPs.
         return F.linear(x, dequantize(qw, x.dtype), None if bias is None else bias.to(x.dtype))
-    if cpu_kernel:
-        return _cpu_matmul(x.reshape(rows, qw.in_features), qw, bias).view(*x.shape[:-1], qw.out_features).to(x.dtype)
     x2 = x.reshape(rows, qw.in_features).contiguous()
     if not _kernel_ok(x2, qw, bias):
         dispatch.fallback("quant_linear", x, qw.qweight)
@@ -280,43 +313,49 @@ def _gpu_format(qw: QuantizedWeight) -> bool:
 
 def _cpu_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The CPU kernel: [M, N] fp32 = x [M, K] (as fp32) @ W^T (+ bias); qw.cpu_plan must be set."""
-    x = x.float().contiguous()
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
     if bias is not None:
         bias = bias.float().contiguous()
     out = torch.empty(x.shape[0], qw.out_features)
     dispatch.cpu_extension().quant_matmul(out.data_ptr(), x.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                          x.shape[0], qw.out_features, dispatch.cpu_threads(), *qw.cpu_plan)
+                                          x.shape[0], qw.out_features, dispatch.cpu_threads(), dispatch.cpu_math() == "int8",
+                                          *qw.cpu_plan)
     return out
 
 
 def _cpu_tiled_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Prefill on the CPU: an fp32 GEMM over the weight dequantized a tile of rows at a time into a
-    buffer the cache holds, so the fp32 copy of the whole weight is never written out (for a 1.5B
-    model that would be 6 GB of writes per chunk)."""
-    x = x.float()
+    """Prefill on the CPU: a GEMM over the weight dequantized a tile of rows at a time into a
+    buffer the cache holds, so the dense copy of the whole weight is never written out (for a 1.5B
+    model that would be 6 GB of writes per chunk). In bf16 where the CPU multiplies it natively
+    (2-4x torch's fp32 GEMM; dispatch.py says when), else in fp32."""
+    dtype = torch.bfloat16 if dispatch.cpu_native_bf16() and dispatch.cpu_math() != "exact" else torch.float32
+    x = x.to(dtype)
     n, k = qw.out_features, qw.in_features
     tile = min(n, max(16, CPU_PREFILL_TILE_BYTES // (4 * k)))
-    out_t = torch.empty(n, x.shape[0])  # W @ x^T: each tile's rows are contiguous rows of it
-    block = _tile_buffer(tile * k).view(tile, k)
+    out_t = torch.empty(n, x.shape[0], dtype=dtype)  # W @ x^T: each tile's rows are contiguous rows of it
+    block = _tile_buffer(tile * k, dtype).view(tile, k)
     for first in range(0, n, tile):
         count = min(tile, n - first)
         # one thread: torch's GEMM runs on its own pool, and two pools taking turns spin against
         # each other on a busy machine; the dequantization is a tenth of the tile's time
-        dispatch.cpu_extension().dequantize(block.data_ptr(), n, first, count, 1, *qw.cpu_plan)
+        dispatch.cpu_extension().dequantize(block.data_ptr(), n, first, count, dtype == torch.bfloat16, 1,
+                                            *qw.cpu_plan)
         torch.mm(block[:count], x.T, out=out_t[first : first + count])
-    out = out_t.T
+    out = out_t.T.float()
     return (out if bias is None else out + bias.float()).contiguous()
 
 
 _tiles = threading.local()
 
 
-def _tile_buffer(numel: int) -> torch.Tensor:
-    """A reused fp32 buffer of at least `numel` values, one per thread (a fresh one per call would
-    be megabytes of page faults per GEMM)."""
-    buffer = getattr(_tiles, "buffer", None)
+def _tile_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused buffer of at least `numel` values of dtype, one per thread and dtype (a fresh one
+    per call would be megabytes of page faults per GEMM)."""
+    buffers = _tiles.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < numel:
-        buffer = _tiles.buffer = torch.empty(numel)
+        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
 
 
