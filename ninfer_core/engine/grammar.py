@@ -94,7 +94,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def compile(self, structural_tag: Mapping[str, Any]) -> Grammar:
-        key = json.dumps(structural_tag, sort_keys=True, ensure_ascii=False)
+        # not sorted: xgrammar writes an object's properties in the order the schema lists them
+        key = json.dumps(structural_tag, ensure_ascii=False)
         with self._lock:
             grammar = self._cache.get(key)
             if grammar is None:
