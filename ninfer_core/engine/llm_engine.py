@@ -18,6 +18,7 @@ preempt. Sequences that stop get one wasted row in the already launched step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -28,7 +29,7 @@ import torch
 from ..cache import CacheManager
 from ..config import GenerationDefaults, ModelConfig
 from ..detokenizer import IncrementalDetokenizer
-from ..errors import ContextLengthError, NinferError
+from ..errors import ContextLengthError, NinferError, logged_internal_error
 from ..models.base import CausalLM, ForwardBatch, ForwardOutput
 from ..models.quantize import weight_bytes
 from ..stop_strings import StopStringFilter
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from .prefill_graph import PrefillGraphs
     from ..models.vision import VisionTower
 
+log = logging.getLogger(__name__)
 
 # prompt lengths of the load-time warm-up: fused steps / short-prompt graphs, then eager chunks
 # whose MoE rows take each block size of the grouped kernels (ops/moe_triton.py)
@@ -613,7 +615,14 @@ class LLMEngine:
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> StepOutput:
         """Record generated tokens (one, or a speculative round's run) in order until one stops the
         sequence (the rest are dropped); return them with their text delta (and logprobs). A
-        constrained sequence's grammar accepts each token first."""
+        constrained sequence's grammar accepts each token first. A bug in one request's token
+        handling (grammar, detokenizer, stop strings) fails that request alone."""
+        try:
+            return self._record(seq, tokens, logprobs)
+        except Exception:  # noqa: BLE001 - whatever it was, the other requests of the batch go on
+            return self._fail(seq, logged_internal_error(log, f"request {seq.request_id} failed in the engine"))
+
+    def _record(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         taken: list[int] = []
         text = ""
         for token in tokens:
