@@ -218,4 +218,5 @@ def check_response(response: httpx.Response, stream_body: bytes | None = None) -
         if line.startswith("data: ") and line != "data: [DONE]":
             frame = json.loads(line[6:])
             error = frame.get("error") if isinstance(frame.get("error"), dict) else None
-            assert error is None or error.get("type") != "server_error", frame
+            # a 5xx error event: OpenAI's type, or Anthropic's on /v1/messages
+            assert error is None or error.get("type") not in ("server_error", "api_error"), frame

@@ -113,6 +113,16 @@ def test_compiled_grammars_are_cached_by_constraint(tiny) -> None:
         compiler.compile(structural_tag(JsonOutput({"type": "objectx"}), reasoning=False))
 
 
+def test_properties_come_in_the_schema_order(tiny) -> None:
+    """As OpenAI's strict mode: a schema that puts `reasoning` before `answer` gets it first."""
+    _, compiler = tiny
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+              "required": ["reasoning", "answer"]}
+    grammar = compiler.compile(structural_tag(JsonOutput(schema), reasoning=False))
+    assert grammar.matcher().raw.accept_string('{"reasoning": "x", "answer": 1}')
+    assert not grammar.matcher().raw.accept_string('{"answer": 1, "reasoning": "x"}')
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_json_schema_walks_validate(tiny, seed: int) -> None:
     tokenizer, compiler = tiny

@@ -1,5 +1,6 @@
-"""Constrained rows and logprobs inside the engine loop: with overlapped steps (a constrained row
-turns overlap off while it runs; free rows keep their tokens), and with speculative decoding
+"""Constrained rows and logprobs inside the engine loop: with overlapped steps (constrained rows
+keep them: their masks follow the previous step's tokens; every row gets the tokens of steps run
+one at a time), and with speculative decoding
 (constrained rows never draft and are masked in the verify; logprobs of accepted drafts equal those
 of plain decoding)."""
 
@@ -36,23 +37,33 @@ def assert_valid(llm, tokens: list[int]) -> None:
     jsonschema.validate(json.loads(llm.tokenizer.decode(tokens[:-1])), SCHEMA)
 
 
-def test_constrained_rows_turn_overlap_off_and_free_rows_keep_their_tokens(target):
+def test_constrained_rows_keep_overlapped_steps(target):
+    def generate(overlap: bool) -> tuple[list[list[int]], int]:
+        """Tokens of a free and a constrained request decoded together, and the steps that
+        returned with the next one in flight while the constrained one ran."""
+        llm = load(target)
+        llm.engine.overlap = overlap  # the GPU's overlapped steps, on the CPU
+        free = GenerationRequest(PROMPTS[1], greedy(N))
+        llm.engine.add_request(free)
+        first = llm.engine.step()
+        request = constrained(llm, seed=1)
+        llm.engine.add_request(request)
+        tokens: dict[str, list[int]] = {free.request_id: [t for out in first for t in out.new_token_ids],
+                                        request.request_id: []}
+        overlapped, done = 0, False
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                done = done or (out.request_id == request.request_id and out.finished)
+            overlapped += not done and llm.engine._launched is not None
+        assert_valid(llm, tokens[request.request_id])
+        return list(tokens.values()), overlapped
+
     plain = run(load(target), [GenerationRequest(PROMPTS[1], greedy(N))])
-    llm = load(target)
-    llm.engine.overlap = True  # the GPU's overlapped steps, on the CPU
-    free = GenerationRequest(PROMPTS[1], greedy(N))
-    llm.engine.add_request(free)
-    llm.engine.step()
-    assert llm.engine._may_overlap()
-    request = constrained(llm, seed=1)
-    llm.engine.add_request(request)
-    tokens: dict[str, list[int]] = {free.request_id: [], request.request_id: []}
-    for out in llm.engine.generate([]):
-        tokens[out.request_id] += out.new_token_ids
-        if not out.finished and out.request_id == request.request_id:
-            assert not llm.engine._may_overlap()
-    assert [tokens[free.request_id]] == list(plain.values())
-    assert_valid(llm, tokens[request.request_id])
+    serial, none = generate(overlap=False)
+    overlapped, count = generate(overlap=True)
+    assert none == 0 and count > N
+    assert overlapped == serial and overlapped[0] == list(plain.values())[0]
 
 
 def test_speculation_skips_constrained_rows_and_keeps_logprobs(target):

@@ -1,8 +1,9 @@
 """What a constrained answer must be, as an xgrammar structural tag (compiled by engine/grammar.py).
 
 - `JsonOutput` (response_format json_object / json_schema, `ninfer run --format`): one JSON value
-  of the schema (JSON mode: any object). Objects hold only the properties the schema names (as
-  OpenAI's strict mode); whitespace between tokens is free, at most MAX_WHITESPACE in a row.
+  of the schema (JSON mode: any object). Objects hold only the properties the schema names, in
+  its order (as OpenAI's strict mode); whitespace between tokens is free, at most MAX_WHITESPACE
+  in a row.
 - `ToolCallOutput` (tool_choice "required" / a named function, Anthropic "any" / "tool"): one or
   more calls (exactly one when `single`), nothing else, in Qwen's XML form exactly as the chat
   templates write it:  <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n

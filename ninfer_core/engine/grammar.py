@@ -10,9 +10,11 @@ tokens that leave the answer well-formed UTF-8 (utf8_mask.py: xgrammar's byte ma
 surrogates and overlong forms) and masks the row's logits on the device (ops/token_mask.py);
 unconstrained rows are not touched.
 
-The mask of a step needs the previous step's token accepted, so steps that hold constrained rows
-run synchronously (the engine does not overlap them, as with speculation); the bitmask is filled
-while the GPU runs the step's forward.
+The mask of a step needs the previous step's token accepted. The engine keeps its overlapped
+steps for constrained rows by ordering the host work (engine/llm_engine.py): step N+1's forward is
+queued, step N's tokens are read and accepted, then `constrain` fills the bitmask while that
+forward runs, so only the mask's copy and kernel lengthen a step (as long as the host work fits
+in the forward: scripts/bench_grammar.py measures both).
 
 xgrammar (and the transformers it imports) is loaded on the first constrained request.
 """
@@ -94,7 +96,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def compile(self, structural_tag: Mapping[str, Any]) -> Grammar:
-        key = json.dumps(structural_tag, sort_keys=True, ensure_ascii=False)
+        # not sorted: xgrammar writes an object's properties in the order the schema lists them
+        key = json.dumps(structural_tag, ensure_ascii=False)
         with self._lock:
             grammar = self._cache.get(key)
             if grammar is None:
@@ -138,17 +141,25 @@ def _batch_filler() -> Any:
     return xgrammar.BatchGrammarMatcher()
 
 
+def fill_bitmask(matchers: Sequence[GrammarMatcher | None], vocab: int,
+                 pin: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """The host half of `constrain`: a packed mask [R, words(vocab)] whose rows that have a matcher
+    hold the tokens their grammar and UTF-8 allow next (xgrammar fills them in one call), and
+    those rows. `pin`: page-locked, for an asynchronous copy to the GPU."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    bitmask = torch.empty((len(matchers), words(vocab)), dtype=torch.int32, pin_memory=pin)
+    live = [m for m in matchers if m is not None]
+    _batch_filler().batch_fill_next_token_bitmask([m.raw for m in live], bitmask, rows)
+    # numpy on the shared memory: torch's small ops cost ~10x more, and wake its thread pool
+    bitmask.numpy()[rows] &= live[0].utf8.masks[[m.utf8_state for m in live]]
+    return bitmask, rows
+
+
 def constrain(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> torch.Tensor:
     """Mask, in place, each row of logits [R, V] that has a matcher to the tokens its grammar
     allows next (the others are untouched); returns logits."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
+    if all(m is None for m in matchers):
         return logits
-    cuda = logits.device.type == "cuda"
-    bitmask = torch.empty((logits.shape[0], words(logits.shape[-1])), dtype=torch.int32, pin_memory=cuda)
-    live = [m for m in matchers if m is not None]
-    _batch_filler().batch_fill_next_token_bitmask([m.raw for m in live], bitmask, rows)
-    index = torch.tensor(rows)
-    bitmask[index] &= live[0].utf8.masks[torch.tensor([m.utf8_state for m in live])]
+    bitmask, rows = fill_bitmask(matchers, logits.shape[-1], pin=logits.device.type == "cuda")
     apply_token_mask(logits, bitmask.to(logits.device, non_blocking=True), rows)
     return logits

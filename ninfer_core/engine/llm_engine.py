@@ -8,14 +8,17 @@ then samples one token per row that asks for one. With a speculator the decode r
 The host never waits for the GPU in a plain decode step: step N+1 is launched (its input ids
 are step N's sampled ids, still on the device) before step N's ids are read, so the CPU work of
 a step (scheduling, building inputs, stop checks, detokenizing, streaming) overlaps the GPU
-running the next one (SGLang's overlap scheduler). A step falls back to running alone when it
-needs the previous tokens on the host: speculative rounds, grammar-constrained rows (a mask
-needs the previous token accepted by the grammar, engine/grammar.py), or a plan that may preempt.
-Sequences that stop get one wasted row in the already launched step.
+running the next one (SGLang's overlap scheduler). Grammar-constrained rows keep the overlap: a
+row's mask needs step N's token accepted by its grammar (engine/grammar.py), so such a step queues
+its forward, then completes step N (tokens accepted) and fills the masks while that forward runs,
+and only then queues the masking and sampling. A step falls back to running alone when it needs
+the previous tokens on the host before its forward: speculative rounds, or a plan that may
+preempt. Sequences that stop get one wasted row in the already launched step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -26,7 +29,7 @@ import torch
 from ..cache import CacheManager
 from ..config import GenerationDefaults, ModelConfig
 from ..detokenizer import IncrementalDetokenizer
-from ..errors import ContextLengthError, NinferError
+from ..errors import ContextLengthError, NinferError, logged_internal_error
 from ..models.base import CausalLM, ForwardBatch, ForwardOutput
 from ..models.quantize import weight_bytes
 from ..stop_strings import StopStringFilter
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
     from .prefill_graph import PrefillGraphs
     from ..models.vision import VisionTower
 
+log = logging.getLogger(__name__)
 
 # prompt lengths of the load-time warm-up: fused steps / short-prompt graphs, then eager chunks
 # whose MoE rows take each block size of the grouped kernels (ops/moe_triton.py)
@@ -248,7 +252,10 @@ class LLMEngine:
             assert self._launched is None
             outputs += self._speculative_step(plan)
         else:
-            launched = self._launch(plan)
+            rows, logits = self._launch_forward(plan)
+            if self._launched is not None and any(s.grammar is not None for s in rows):
+                outputs += self.sync()  # the masks need its tokens accepted: done while the forward runs
+            launched = self._launch_sampling(plan, rows, logits)
             if self._launched is not None:
                 outputs += self._complete(self._launched)
             self._launched = launched
@@ -299,15 +306,15 @@ class LLMEngine:
             return False
         running = self.scheduler.running
         decoding = [s for s in running if not s.finished and not s.in_prefill]
-        constrained = any(s.grammar is not None and not s.finished for s in running)
-        return not constrained and not any(s.draft_limit for s in running) and self.scheduler.can_grow(decoding)
+        return not any(s.draft_limit for s in running) and self.scheduler.can_grow(decoding)
 
     def _speculating(self, plan: StepPlan) -> bool:
         return self.speculator is not None and any(s.draft_limit for s in plan.sequences)
 
     # -- a plain step: launch, then complete -------------------------------------------------
 
-    def _launch(self, plan: StepPlan) -> LaunchedStep:
+    def _launch_forward(self, plan: StepPlan) -> tuple[list[Sequence], list[torch.Tensor]]:
+        """Queue the plan's forward; the rows that sample and their logits (not yet ready)."""
         parts: list[ForwardBatch] = []
         if plan.decodes:
             parts.append(self._decode_batch(plan.decodes, self._launched))
@@ -327,6 +334,10 @@ class LLMEngine:
             seq.inflight += 1
         for seq in rows:
             seq.num_pending += 1
+        return rows, logits
+
+    def _launch_sampling(self, plan: StepPlan, rows: list[Sequence], logits: list[torch.Tensor]) -> LaunchedStep:
+        """Queue the sampling of the forward's rows and the copy of their tokens to the host."""
         tokens, logprobs = self._sample(rows, torch.cat(logits)) if rows else (torch.empty(0, dtype=torch.long), None)
         if tokens.device.type != "cuda":
             return LaunchedStep(plan, rows, tokens, tokens, None, logprobs)
@@ -340,12 +351,13 @@ class LLMEngine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, LogprobRows | None]:
         """One token per row on the device ([R] int64, -1 where the logits are not finite) and the
         logprobs of the rows that ask for them (of the logits as they come: before the grammar
-        masks, the penalties and the sampler's transforms). Constrained rows are masked in place;
-        the penalties come from the device tables, so the newest tokens need not be on the host."""
+        masks, the penalties and the sampler's transforms). Constrained rows are masked in place
+        (a row whose sequence has ended meanwhile is wasted: not masked); the penalties come from
+        the device tables, so the newest tokens need not be on the host."""
         logits = logits.float()
         params = [s.request.sampling for s in seqs]
         scores = log_softmax_rows(logits, [p.logprobs for p in params])
-        logits = constrain(logits, [s.grammar for s in seqs])
+        logits = constrain(logits, [None if s.finished else s.grammar for s in seqs])
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         slots = None
         if penalised:
@@ -603,7 +615,14 @@ class LLMEngine:
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> StepOutput:
         """Record generated tokens (one, or a speculative round's run) in order until one stops the
         sequence (the rest are dropped); return them with their text delta (and logprobs). A
-        constrained sequence's grammar accepts each token first."""
+        constrained sequence's grammar accepts each token first. A bug in one request's token
+        handling (grammar, detokenizer, stop strings) fails that request alone."""
+        try:
+            return self._record(seq, tokens, logprobs)
+        except Exception:  # noqa: BLE001 - whatever it was, the other requests of the batch go on
+            return self._fail(seq, logged_internal_error(log, f"request {seq.request_id} failed in the engine"))
+
+    def _record(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         taken: list[int] = []
         text = ""
         for token in tokens:

@@ -103,7 +103,9 @@ class StepOutput:
     drafted: int = 0  # speculative drafts verified in this step
     accepted: int = 0  # of which accepted (new_token_ids holds them plus the target's own token)
     spec: SpecStats | None = None  # when finished: the request's speculative totals (None: not speculative)
-    error: str | None = None  # finish_reason "error": what went wrong with this request (the others go on)
+    # finish_reason "error": what went wrong with this request (the others go on); always the
+    # engine's fault (errors.EngineError): a request's own faults are refused by add_request
+    error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked (SamplingParams.logprobs)
 
     def text_logprobs(self) -> list[TokenLogprob]:

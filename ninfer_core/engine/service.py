@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from ..errors import ContextLengthError, NinferError
+from ..errors import ContextLengthError, EngineError, NinferError, logged_internal_error
 from ..llm import LLM, ChatAssembler, ChatRequest, ChatStreamEvent, PreparedChat
 from ..models.multimodal import MultimodalPrompt
 from .grammar import Grammar
@@ -321,8 +321,11 @@ class EngineService:
     def _add(self, stream: TokenStream) -> None:
         try:
             self.engine.add_request(stream.request)
-        except NinferError as e:
+        except NinferError as e:  # the request's fault
             self._post(stream, e)
+            return
+        except Exception:  # a bug: this request fails, the engine thread goes on
+            self._post(stream, EngineError(logged_internal_error(log, "adding a request to the engine failed")))
             return
         self._streams[stream.request_id] = stream
         prompt_tokens = len(stream.request.prompt_token_ids)
@@ -340,19 +343,20 @@ class EngineService:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:  # a bug in a step: fail the batch, keep serving the next ones
-            log.exception("engine step failed")
+        except Exception:  # a bug in a step: fail the batch, keep serving the next ones
+            message = logged_internal_error(log, "engine step failed")
             for request_id in list(self._streams):
                 self.engine.abort(request_id)
-                self._finish(request_id, NinferError(f"internal engine error: {e}"))
+                self._finish(request_id, EngineError(message))
             return
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             now = time.perf_counter()
-            if out.error is not None:
-                self._finish(out.request_id, NinferError(out.error))
+            if out.error is not None:  # the engine failed this request alone
+                log.error("request %s failed in the engine: %s", out.request_id, out.error)
+                self._finish(out.request_id, EngineError(out.error))
                 continue
             first = stream.last_output_at is None
             self._observe("tokens_generated", len(out.new_token_ids), first,

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..ops.token_mask import words
 
@@ -45,7 +44,7 @@ class Utf8Filter:
     `masks[s]`: the packed bitmask (ops/token_mask.py layout) of the tokens allowed from s."""
 
     next_state: np.ndarray  # [states, V] uint8
-    masks: torch.Tensor  # [states, words(V)] int32
+    masks: np.ndarray  # [states, words(V)] int32 (ANDed on the host: numpy, no torch op overhead)
 
     @classmethod
     def build(cls, vocab: Sequence[bytes]) -> Utf8Filter:
@@ -67,7 +66,7 @@ class Utf8Filter:
         padded = np.zeros((_STATES, words(len(vocab)) * 32), dtype=bool)
         padded[:, : len(vocab)] = allowed
         packed = np.packbits(padded, axis=1, bitorder="little").view("<i4")
-        return cls(next_state, torch.from_numpy(packed.astype(np.int32)))
+        return cls(next_state, packed.astype(np.int32))
 
     def advance(self, state: int, token: int) -> int:
         """The state after `token` (tokens past the vocabulary leave it as it is)."""

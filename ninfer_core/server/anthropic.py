@@ -198,7 +198,7 @@ async def messages(request: Request) -> Response:
     message_id, model, ids = new_id("msg_"), started.model, ToolUseIds()
     if body.stream:
         frames = _stream(started, message_id, model, ids)
-        return stream_response(started, frames, lambda err: sse(err.body(), event="error"))
+        return stream_response(started, frames, lambda err: sse(err.body(anthropic=True), event="error"))
     blocks, result = sequence_all(await collect(request, started))
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": model,

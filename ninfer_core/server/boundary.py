@@ -17,7 +17,7 @@ import logging
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import ApiError, to_api_error
+from .errors import ApiError, is_anthropic, to_api_error
 
 log = logging.getLogger(__name__)
 
@@ -47,4 +47,4 @@ class ErrorBoundary:
         except Exception as exc:
             if started:  # too late for a status: uvicorn logs it and closes the connection
                 raise
-            await to_api_error(exc).response()(scope, receive, send)
+            await to_api_error(exc).response(is_anthropic(scope["path"]))(scope, receive, send)

@@ -1,10 +1,12 @@
 """Every failure as an OpenAI-shaped body: {"error": {"message", "type", "param", "code"}}.
 
 Flat error bodies break openai-js clients, so even FastAPI's own 404 / 405 / validation errors
-are rewritten. Engine errors map to statuses here, in one place: context overflow is 400
-`context_length_exceeded` with the numbers in the message and in the error object, a full queue
-is 429 with Retry-After, a stopped or loading engine is 503. An unexpected exception (a bug) is a
-500 whose body says only that: its traceback is logged under an id the message names.
+are rewritten. Engine errors map to statuses here, in one place: the request's faults
+(NinferError) are 400s, context overflow `context_length_exceeded` with the numbers in the message
+and in the error object; a full queue is 429 with Retry-After, a stopped or loading engine is 503;
+the engine failing a request it had accepted (EngineError) is a 500 `server_error`. An unexpected
+exception (a bug) is a 500 whose body says only that: its traceback is logged under an id the
+message names. On the Anthropic routes a 5xx error's type is Anthropic's `api_error`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ..chat.constraints import ConstraintError
 from ..chat.template import ChatTemplateError, ToolsNotSupportedError
 from ..engine.sampling import SamplingParamError
 from ..engine.service import QueueFullError, ServiceStoppedError
-from ..errors import ContextLengthError, NinferError
+from ..errors import ContextLengthError, EngineError, NinferError
 from ..media.limits import MediaError
 from .ids import new_id
 
@@ -33,6 +35,13 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "inva
           404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error"}
 _CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_ANTHROPIC_TYPES = {"server_error": "api_error"}  # Anthropic's names where they differ from OpenAI's
+_ANTHROPIC_ROUTE = "/v1/messages"
+
+
+def is_anthropic(path: str) -> bool:
+    """Whether a request path is an Anthropic endpoint (its errors use Anthropic's type names)."""
+    return path == _ANTHROPIC_ROUTE or path.startswith(_ANTHROPIC_ROUTE + "/")
 
 
 def printable(text: str) -> str:
@@ -61,15 +70,17 @@ class ApiError(Exception):
         self.headers = headers or {}
         self.extra = extra or {}
 
-    def error_object(self) -> dict[str, Any]:
-        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}
+    def error_object(self, anthropic: bool = False) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPES.get(self.type, self.type) if anthropic else self.type
+        return {"message": self.message, "type": kind, "param": self.param, "code": self.code, **self.extra}
 
-    def body(self) -> dict[str, Any]:
-        """OpenAI's shape; the top-level `type` also makes it an Anthropic error body."""
-        return {"error": self.error_object(), "type": "error"}
+    def body(self, anthropic: bool = False) -> dict[str, Any]:
+        """OpenAI's shape; the top-level `type` also makes it an Anthropic error body (`anthropic`:
+        with Anthropic's name of the error type)."""
+        return {"error": self.error_object(anthropic), "type": "error"}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        return JSONResponse(self.body(anthropic), status_code=self.status, headers=self.headers)
 
 
 def to_api_error(exc: BaseException) -> ApiError:
@@ -100,6 +111,8 @@ def _known_error(exc: BaseException) -> ApiError | None:
         return ApiError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, ServiceStoppedError):
         return ApiError(503, str(exc), code="unavailable")
+    if isinstance(exc, EngineError):  # logged where it happened; its message is ours, safe to show
+        return ApiError(500, str(exc), code="internal_error")
     if isinstance(exc, ToolsNotSupportedError):
         return ApiError(400, str(exc), param="tools", code="tools_not_supported")
     if isinstance(exc, ChatTemplateError):
@@ -168,8 +181,8 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response(is_anthropic(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -179,12 +192,14 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        return ApiError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+        return ApiError(exc.status_code, message, headers=dict(exc.headers or {})).response(
+            is_anthropic(request.url.path))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response(is_anthropic(request.url.path))
 
     @app.exception_handler(NinferError)
-    async def _engine_error(_: Request, exc: NinferError) -> JSONResponse:
-        return to_api_error(exc).response()
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
+        return to_api_error(exc).response(is_anthropic(request.url.path))

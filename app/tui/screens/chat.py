@@ -19,7 +19,7 @@ from textual.message import Message as TextualMessage
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Label
 
-from ninfer_core.errors import ContextLengthError, NinferError
+from ninfer_core.errors import ContextLengthError, EngineError, NinferError
 from ninfer_core.llm import ChatRequest
 
 from ..backend import Backend, Generation, TurnDone, TurnResult
@@ -302,7 +302,7 @@ class ChatScreen(Screen):
                     buffer.add(event)
         except ContextLengthError as e:
             error = f"{e} — /clear starts a new chat"
-        except NinferError as e:
+        except (NinferError, EngineError) as e:  # one-line messages: the request's fault, or the engine's
             error = str(e)
         except Exception as e:  # noqa: BLE001 - a bug must not leave the chat stuck in "generating"
             error = f"internal error: {type(e).__name__}: {e}"
