@@ -2,6 +2,7 @@
 // call them through ninfer_core.ops). The GIL is released while a kernel runs.
 #include <pybind11/pybind11.h>
 
+#include "decode_layer.h"
 #include "decode_ops.h"
 #include "quant_matmul.h"
 
@@ -90,6 +91,46 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("dim"), py::arg("page_size"), py::arg("table_width"), py::arg("scale"), py::arg("threads"),
       py::call_guard<py::gil_scoped_release>(),
       "fp32 causal attention over a paged cache (int32 block table, int64 lengths). See csrc/cpu/decode_ops.h.");
+  // A linear as a tuple: (n, bias, codes, scales, offsets, k, group, int4, scale_type), ops/quant.py's cpu_plan after
+  // the output width and the bias pointer (0 for none).
+  const auto layer_linear = [](const py::tuple& t) {
+    const QuantWeight w{t[2].cast<std::uintptr_t>(), t[3].cast<std::uintptr_t>(), t[4].cast<std::uintptr_t>(),
+                        t[0].cast<std::int64_t>(),   t[5].cast<std::int64_t>(),   t[6].cast<std::int64_t>(),
+                        t[7].cast<bool>(),           static_cast<ScaleType>(t[8].cast<int>())};
+    return ninfer::cpu::LayerLinear{w, reinterpret_cast<const float*>(t[1].cast<std::uintptr_t>())};
+  };
+  m.def(
+      "decode_layer",
+      [layer_linear](const py::tuple& layer, const py::tuple& linears, const py::tuple& step) {
+        // layer: (input_norm, post_norm, q_norm, k_norm, eps, hidden, heads, kv_heads, head_dim, intermediate);
+        // linears: (qkv, o, gate_up, down); step: (x, residual, out, residual_out, cos, sin, k_cache, v_cache,
+        // slots, block_table, cache_lens, batch, num_new, page_size, table_width, scale, scratch, threads,
+        // int8_activations, rotary_dim). Pointers as ints, 0 for none.
+        const auto f = [](const py::handle& h) { return reinterpret_cast<float*>(h.cast<std::uintptr_t>()); };
+        const auto i64 = [](const py::handle& h) { return h.cast<std::int64_t>(); };
+        ninfer::cpu::DecodeLayerArgs a{};
+        a.input_norm = f(layer[0]), a.post_norm = f(layer[1]), a.q_norm = f(layer[2]), a.k_norm = f(layer[3]);
+        a.eps = layer[4].cast<float>();
+        a.hidden = i64(layer[5]), a.heads = i64(layer[6]), a.kv_heads = i64(layer[7]), a.head_dim = i64(layer[8]);
+        a.intermediate = i64(layer[9]);
+        a.qkv = layer_linear(linears[0]), a.o = layer_linear(linears[1]);
+        a.gate_up = layer_linear(linears[2]), a.down = layer_linear(linears[3]);
+        a.x = f(step[0]), a.residual = f(step[1]), a.out = f(step[2]), a.residual_out = f(step[3]);
+        a.cos = f(step[4]), a.sin = f(step[5]), a.k_cache = f(step[6]), a.v_cache = f(step[7]);
+        a.slots = reinterpret_cast<const std::int64_t*>(step[8].cast<std::uintptr_t>());
+        a.block_table = reinterpret_cast<const std::int32_t*>(step[9].cast<std::uintptr_t>());
+        a.cache_lens = reinterpret_cast<const std::int64_t*>(step[10].cast<std::uintptr_t>());
+        a.batch = i64(step[11]), a.num_new = i64(step[12]), a.page_size = i64(step[13]), a.table_width = i64(step[14]);
+        a.scale = step[15].cast<float>(), a.scratch = f(step[16]), a.threads = step[17].cast<int>();
+        a.int8_activations = step[18].cast<bool>(), a.rotary_dim = i64(step[19]);
+        py::gil_scoped_release release;
+        ninfer::cpu::decode_layer(a);
+      },
+      py::arg("layer"), py::arg("linears"), py::arg("step"),
+      "One Llama-family attention layer's decode step (csrc/cpu/decode_layer.h); tuples of ints / floats.");
+  m.def("decode_layer_scratch", &ninfer::cpu::decode_layer_scratch, py::arg("tokens"), py::arg("hidden"),
+        py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
+        "Floats of scratch decode_layer needs.");
   m.def("use_isa", &ninfer::cpu::use_isa, py::arg("name"),
         "Run the quant kernels with the best instruction set up to `name` (avx512, avx2, generic) this CPU has; "
         "returns it. Not while a kernel runs.");

@@ -26,6 +26,7 @@ from ..layers.mlp import MLP
 from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding
+from ..ops import cpu_layer
 from ..ops.quant import QuantEmbedding
 from .base import ForwardBatch, ForwardOutput
 
@@ -67,6 +68,10 @@ class DecoderLayer(nn.Module):
         The first layer gets the embeddings as `x` and no residual. With a MixedStep the rows of
         every part are flattened into x [N, hidden]: norms and the FFN run once over all of them
         (one read of the weights), the mixer per part."""
+        if x.device.type == "cpu" and isinstance(step, StepContext):
+            fused = cpu_layer.decode_layer(self, x, residual, step)  # the same, in one kernel call
+            if fused is not None:
+                return fused
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:

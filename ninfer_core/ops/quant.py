@@ -334,7 +334,7 @@ def _cpu_tiled_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor |
     n, k = qw.out_features, qw.in_features
     tile = min(n, max(16, CPU_PREFILL_TILE_BYTES // (4 * k)))
     out_t = torch.empty(n, x.shape[0], dtype=dtype)  # W @ x^T: each tile's rows are contiguous rows of it
-    block = _tile_buffer(tile * k, dtype).view(tile, k)
+    block = scratch_buffer(tile * k, dtype, "prefill tiles").view(tile, k)
     for first in range(0, n, tile):
         count = min(tile, n - first)
         # one thread: torch's GEMM runs on its own pool, and two pools taking turns spin against
@@ -346,16 +346,16 @@ def _cpu_tiled_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor |
     return (out if bias is None else out + bias.float()).contiguous()
 
 
-_tiles = threading.local()
+_scratch = threading.local()
 
 
-def _tile_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A reused buffer of at least `numel` values of dtype, one per thread and dtype (a fresh one
-    per call would be megabytes of page faults per GEMM)."""
-    buffers = _tiles.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(dtype)
+def scratch_buffer(numel: int, dtype: torch.dtype, purpose: str) -> torch.Tensor:
+    """A reused CPU buffer of at least `numel` values of dtype, one per thread and purpose (a
+    fresh one per call would be megabytes of page faults per GEMM, or an allocation per layer)."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get((purpose, dtype))
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
+        buffer = buffers[(purpose, dtype)] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
 
 

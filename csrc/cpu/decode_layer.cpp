@@ -1,0 +1,70 @@
+#include "decode_layer.h"
+
+#include <cstring>
+
+#include "decode_ops.h"
+
+namespace ninfer::cpu {
+namespace {
+
+void linear(const LayerLinear& l, float* out, const float* x, std::int64_t rows, const DecodeLayerArgs& a) {
+  quant_matmul({l.w, reinterpret_cast<std::uintptr_t>(out), reinterpret_cast<std::uintptr_t>(x),
+                reinterpret_cast<std::uintptr_t>(l.bias), rows, a.threads, a.int8_activations});
+}
+
+}  // namespace
+
+std::int64_t decode_layer_scratch(std::int64_t tokens, std::int64_t hidden, std::int64_t heads,
+                                  std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate) {
+  const std::int64_t q = heads * head_dim, kv = kv_heads * head_dim;
+  // normed, q|k|v, q, k, v, attention, o, gate|up, act
+  return tokens * (hidden + (q + 2 * kv) + q + 2 * kv + q + hidden + 3 * intermediate);
+}
+
+void decode_layer(const DecodeLayerArgs& a) {
+  const std::int64_t tokens = a.batch * a.num_new, q_width = a.heads * a.head_dim, kv_width = a.kv_heads * a.head_dim;
+  const std::int64_t qkv_width = q_width + 2 * kv_width;
+  float* normed = a.scratch;
+  float* qkv = normed + tokens * a.hidden;
+  float* q = qkv + tokens * qkv_width;
+  float* k = q + tokens * q_width;
+  float* v = k + tokens * kv_width;
+  float* attention = v + tokens * kv_width;
+  float* o = attention + tokens * q_width;
+  float* gate_up = o + tokens * a.hidden;
+  float* act = gate_up + tokens * 2 * a.intermediate;
+
+  // h = norm(x + residual); the stream so far to residual_out (layer 0: the embeddings)
+  if (a.residual) {
+    add_rmsnorm(normed, a.residual_out, a.x, a.residual, a.input_norm, tokens, a.hidden, a.eps, false);
+  } else {
+    std::memcpy(a.residual_out, a.x, tokens * a.hidden * sizeof(float));
+    add_rmsnorm(normed, nullptr, a.x, nullptr, a.input_norm, tokens, a.hidden, a.eps, false);
+  }
+  linear(a.qkv, qkv, normed, tokens, a);
+  for (std::int64_t t = 0; t < tokens; ++t) {  // [q | k | v] rows -> contiguous heads
+    const float* row = qkv + t * qkv_width;
+    std::memcpy(q + t * q_width, row, q_width * sizeof(float));
+    std::memcpy(k + t * kv_width, row + q_width, kv_width * sizeof(float));
+    std::memcpy(v + t * kv_width, row + q_width + kv_width, kv_width * sizeof(float));
+  }
+  if (a.q_norm) {
+    add_rmsnorm(q, nullptr, q, nullptr, a.q_norm, tokens * a.heads, a.head_dim, a.eps, false);
+    add_rmsnorm(k, nullptr, k, nullptr, a.k_norm, tokens * a.kv_heads, a.head_dim, a.eps, false);
+  }
+  rotary(q, q, a.cos, a.sin, tokens, a.heads, a.head_dim, a.rotary_dim);
+  rotary(k, k, a.cos, a.sin, tokens, a.kv_heads, a.head_dim, a.rotary_dim);
+  write_kv(reinterpret_cast<std::uintptr_t>(a.k_cache), reinterpret_cast<std::uintptr_t>(a.v_cache),
+           reinterpret_cast<std::uintptr_t>(k), reinterpret_cast<std::uintptr_t>(v), a.slots, tokens,
+           kv_width * static_cast<std::int64_t>(sizeof(float)));
+  decode_attention({attention, q, a.k_cache, a.v_cache, a.block_table, a.cache_lens, a.batch, a.num_new, a.heads,
+                    a.kv_heads, a.head_dim, a.page_size, a.table_width, a.scale, a.threads});
+  linear(a.o, o, attention, tokens, a);
+  // h = norm(o + stream); the stream goes on in residual_out
+  add_rmsnorm(normed, a.residual_out, o, a.residual_out, a.post_norm, tokens, a.hidden, a.eps, false);
+  linear(a.gate_up, gate_up, normed, tokens, a);
+  silu_mul(act, gate_up, tokens, a.intermediate);
+  linear(a.down, a.out, act, tokens, a);
+}
+
+}  // namespace ninfer::cpu

@@ -1,0 +1,53 @@
+// One attention decoder layer of a Llama-family model (Llama, SmolLM, Qwen2, Qwen3) decoding on the
+// CPU with compact weights, in one call: the ops of decode_ops.h and quant_matmul.h in the order
+// layers/attention.py and models/decoder.py run them. Why: a small model's decode step is ~10
+// Python-wrapped calls per layer at 10-25 us each, as much time as its matmuls (SmolLM2-135M:
+// ~6 of 19 ms); one call per layer leaves the arithmetic.
+#pragma once
+
+#include <cstdint>
+
+#include "quant_matmul.h"
+
+namespace ninfer::cpu {
+
+struct LayerLinear {
+  QuantWeight w;
+  const float* bias;  // [n] or null
+};
+
+struct DecodeLayerArgs {
+  // the layer
+  const float* input_norm;  // [hidden]
+  const float* post_norm;   // [hidden]
+  const float* q_norm;      // [head_dim] or null (Qwen3's per-head q / k norms)
+  const float* k_norm;
+  float eps;
+  LayerLinear qkv, o, gate_up, down;  // qkv: [q | k | v] rows; gate_up: [gate | up]
+  std::int64_t hidden, heads, kv_heads, head_dim, rotary_dim, intermediate;
+  // the step: tokens = batch * num_new rows
+  const float* x;         // [tokens, hidden] the previous layer's output (layer 0: the embeddings)
+  const float* residual;  // [tokens, hidden] or null on layer 0
+  float* out;             // [tokens, hidden] this layer's output
+  float* residual_out;    // [tokens, hidden] x + residual + attention: the stream after this layer's mixer
+  const float* cos;       // [tokens, rotary_dim]
+  const float* sin;
+  float* k_cache;  // [pages, page_size, kv_heads, head_dim] fp32
+  float* v_cache;
+  const std::int64_t* slots;         // [tokens] flat cache row of each new token
+  const std::int32_t* block_table;   // [batch, table_width]
+  const std::int64_t* cache_lens;    // [batch]
+  std::int64_t batch, num_new, page_size, table_width;
+  float scale;
+  float* scratch;  // decode_layer_scratch() floats
+  int threads;
+  bool int8_activations;
+};
+
+// Floats of scratch a call needs.
+std::int64_t decode_layer_scratch(std::int64_t tokens, std::int64_t hidden, std::int64_t heads,
+                                  std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate);
+
+void decode_layer(const DecodeLayerArgs& a);
+
+}  // namespace ninfer::cpu

@@ -1,0 +1,97 @@
+"""The fused CPU decode layer (csrc/cpu/decode_layer.h via ops/cpu_layer.py) against its reference,
+the layer's forward that calls the same kernels one at a time: compact GGUF models of the three
+Llama-family shapes (llama; qwen2 with a qkv bias; qwen3 with q/k norms and head_dim != hidden /
+heads), decode and verify-sized steps of two sequences at different lengths on small pages, the
+int8-activation math, and the real SmolLM2. Equal to the bit: the same ops on the same values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import Runner, hf_text_state_dict
+from test_gguf import QTYPES
+from test_llama import TINY_ARCHS, build_tiny_hf
+from tiny_gguf import GGUFModelSpec, write_gguf
+
+from ninfer_core.models.loader import _fill, build_model, load_model
+from ninfer_core.models.quantize import resolve_recipe
+from ninfer_core.ops import cpu_layer, dispatch
+from ninfer_core.weights.gguf_reader import open_gguf
+
+pytestmark = pytest.mark.skipif(dispatch.cpu_extension() is None, reason="ninfer_core._cpu not built")
+
+
+def compact_tiny(tmp_path, arch: str) -> torch.nn.Module:
+    """The tiny `arch` model of test_llama.py as a mixed-type GGUF, loaded with compact weights."""
+    hf = build_tiny_hf(arch)
+    c = hf.config
+    spec = GGUFModelSpec(arch=arch, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+                         intermediate_size=c.intermediate_size, num_heads=c.num_attention_heads,
+                         num_kv_heads=c.num_key_value_heads,
+                         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                         vocab_size=c.vocab_size, rope_theta=5000.0, rms_eps=1e-6)
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, spec, hf_text_state_dict(hf), QTYPES)
+    ckpt = open_gguf(path)
+    recipe = resolve_recipe("auto", torch.device("cpu"), torch.float32, 0,
+                            gguf_formats={n: ckpt.quant_format(n) for n in ckpt.names()})
+    model = build_model(ckpt.config, torch.device("cpu"), torch.float32, recipe)
+    _fill(model, ckpt, torch.float32, torch.device("cpu"), fp8_source=False, recipe=recipe)
+    return model.eval()
+
+
+def run_steps(model: torch.nn.Module, seed: int = 3) -> list[torch.Tensor]:
+    """Prompts in chunks of up to 7 tokens, then steps of 1 and 3 tokens of both sequences."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    a, b = (torch.randint(1, vocab, (n,), generator=g).tolist() for n in (24, 15))
+    runner = Runner(model, max_tokens=128, max_seqs=2, page_size=4)
+    seq_a, seq_b = runner.new_seq(), runner.new_seq()
+    outs = [runner.prefill(seq_a, a[:18], chunk=7), runner.prefill(seq_b, b[:9], chunk=4)]
+    for width in (1, 3, 1):
+        ids = torch.tensor([a[seq_a.length : seq_a.length + width], b[seq_b.length : seq_b.length + width]])
+        outs.append(runner.step([seq_a, seq_b], ids).logits)
+    return outs
+
+
+def fused_and_reference(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    calls = []
+    fused = cpu_layer.decode_layer
+
+    def counted(*args):
+        out = fused(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_layer, "decode_layer", counted)
+    ours = run_steps(model)
+    monkeypatch.setattr(cpu_layer, "decode_layer", lambda *args: None)
+    return ours, run_steps(model), sum(calls)
+
+
+@pytest.mark.parametrize("math", ["exact", "int8"])
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+def test_fused_layer_equals_the_layer_forward(tmp_path, monkeypatch, arch, math):
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, math)
+    model = compact_tiny(tmp_path, arch)
+    ours, reference, fused_calls = fused_and_reference(model, monkeypatch)
+    assert fused_calls == 2 * (3 + 3 + 3)  # both layers of every forward: 3 + 3 prompt chunks, 3 steps
+    for got, want in zip(ours, reference):
+        assert torch.equal(got, want)
+
+
+def test_layers_the_kernel_does_not_cover_run_their_forward(tmp_path, monkeypatch):
+    model = compact_tiny(tmp_path, "llama")
+    model.layers[1].self_attn.output_gate = True  # Qwen3.5's gated attention: not this kernel's
+    assert cpu_layer._make_plan(model.layers[1]) == ()
+    assert cpu_layer._make_plan(model.layers[0]) != ()
+    float_model = build_model(model.config, torch.device("cpu"), torch.float32)  # dense fp32 weights
+    assert cpu_layer._make_plan(float_model.layers[0]) == ()
+
+
+def test_smollm_decodes_the_same_fused(monkeypatch, smollm_path):
+    model = load_model(str(smollm_path), "cpu").model
+    ours, reference, fused_calls = fused_and_reference(model, monkeypatch)
+    assert fused_calls > 0
+    for got, want in zip(ours, reference):
+        assert torch.equal(got, want)
