@@ -2,7 +2,8 @@
 random Qwen3.5 MoE, CPU) and the real clients: a bad request fails alone, malformed input is a
 400 in the endpoint's shape (never a 500 with exception text), a client that leaves while queued
 gives its place back, every status is counted, foreign Host names and cross-site web pages are
-refused, logit_bias is honoured, an abandoned upload is no server error, and Ctrl-C / SIGTERM end every stream properly.
+refused, Anthropic errors carry Anthropic's type names, logit_bias is honoured, an abandoned upload
+is no server error, and Ctrl-C / SIGTERM end every stream properly.
 The image-cost test lives with the media server tests (test_server_media.py), the checkpoint
 tests with their loaders (test_config.py, test_gguf.py), the fuzzing in test_server_fuzz.py.
 """
@@ -319,6 +320,45 @@ def test_cors_origins_are_served_and_a_key_does_not_admit_others(model):
         handle.stop()
     assert OriginPolicy.for_server(["*"]).allows("https://evil.example")
     assert not OriginPolicy.for_server(None).allows("http://localhost.evil.example")
+
+
+# -- 5c. Anthropic's error types ----------------------------------------------------------------------------
+
+def test_anthropic_errors_carry_anthropics_type_names(model):
+    handle = ServerHandle.start(load_tiny_llm(model[0]), port=0, model_id="m", api_key="k", max_body_bytes=65536)
+    try:
+        def client(key: str = "k", **headers: str) -> anthropic.Anthropic:
+            return anthropic.Anthropic(base_url=handle.url, api_key=key, max_retries=0, default_headers=headers)
+
+        huge = [{"role": "user", "content": "x" * 100_000}]
+        calls = [(anthropic.AuthenticationError, client("wrong"), "m", HI, "authentication_error"),
+                 (anthropic.PermissionDeniedError, client(origin="https://evil.example"), "m", HI, "permission_error"),
+                 (anthropic.NotFoundError, client(), "claude-sonnet-4", HI, "not_found_error"),
+                 (anthropic.ContentTooLargeError, client(), "m", huge, "request_too_large"),
+                 (anthropic.BadRequestError, client(), "m", [], "invalid_request_error")]
+        for error_class, sdk, name, messages, kind in calls:
+            with pytest.raises(error_class) as err:
+                sdk.messages.create(model=name, max_tokens=2, messages=messages)
+            assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == kind, err.value.body
+
+        ok = {"model": "m", "max_tokens": 2, "messages": HI}
+        key = {"x-api-key": "k"}
+        raw = [("POST", MESSAGES, {"x-api-key": "wrong"}, ok, 401, "authentication_error"),
+               ("POST", MESSAGES, {**key, "origin": "null"}, ok, 403, "permission_error"),
+               ("POST", MESSAGES, {**key, "host": "attacker.example"}, ok, 403, "permission_error"),
+               ("POST", MESSAGES, key, {**ok, "model": "nope"}, 404, "not_found_error"),
+               ("POST", MESSAGES + "/nope", key, ok, 404, "not_found_error"),
+               ("GET", MESSAGES, key, None, 405, "invalid_request_error"),
+               ("POST", MESSAGES, key, {**ok, "messages": huge}, 413, "request_too_large"),
+               ("POST", MESSAGES + "/count_tokens", key, {**ok, "messages": huge}, 413, "request_too_large"),
+               ("POST", CHAT, {"x-api-key": "wrong"}, ok, 401, "invalid_request_error"),  # OpenAI's names stay
+               ("POST", CHAT, key, {**ok, "model": "nope"}, 404, "invalid_request_error")]
+        for method, path, headers, body, status, kind in raw:
+            response = httpx.request(method, handle.url + path, json=body, headers=headers, timeout=60)
+            assert response.status_code == status, (path, headers, response.text)
+            assert response.json()["type"] == "error" and response.json()["error"]["type"] == kind, response.text
+    finally:
+        handle.stop()
 
 
 # -- 6. logit_bias ----------------------------------------------------------------------------------------
