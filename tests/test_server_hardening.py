@@ -1,8 +1,9 @@
 """Regression tests of the server-hardening issue, each through a real server on loopback (tiny
 random Qwen3.5 MoE, CPU) and the real clients: a bad request fails alone, malformed input is a
 400 in the endpoint's shape (never a 500 with exception text), a client that leaves while queued
-gives its place back, every status is counted, foreign Host names are refused, logit_bias is
-honoured, an abandoned upload is no server error, and Ctrl-C / SIGTERM end every stream properly.
+gives its place back, every status is counted, foreign Host names and cross-site web pages are
+refused, Anthropic errors carry Anthropic's type names, logit_bias is honoured, an abandoned upload
+is no server error, and Ctrl-C / SIGTERM end every stream properly.
 The image-cost test lives with the media server tests (test_server_media.py), the checkpoint
 tests with their loaders (test_config.py, test_gguf.py), the fuzzing in test_server_fuzz.py.
 """
@@ -27,7 +28,7 @@ import openai
 import pytest
 
 from ninfer_core.server.app import ServerHandle
-from ninfer_core.server.hosts import HostPolicy
+from ninfer_core.server.hosts import HostPolicy, OriginPolicy
 from ninfer_core.server.stop_signals import StopSignals
 from server_harness import MAX_CONTEXT, load_tiny_llm, sse_json, wait_for, write_model
 
@@ -250,6 +251,114 @@ def test_foreign_host_names_are_refused(server, model):
     assert HostPolicy.for_server("0.0.0.0", None).allows("attacker.example")  # public on purpose
     assert not HostPolicy.for_server("0.0.0.0", ["llm.example"]).allows("attacker.example")
     assert HostPolicy.for_server("127.0.0.1", ["*"]).allows("attacker.example")
+
+
+# -- 5b. cross-site requests -------------------------------------------------------------------------------
+
+def simple_post(handle: ServerHandle, path: str, origin: str | None, **headers: str) -> httpx.Response:
+    """What a web page's fetch(url, {method: "POST", body}) sends: a text/plain body, which needs no
+    preflight, with the page's Origin (None: a client outside a browser, like curl -d)."""
+    body = json.dumps({"model": "m", "messages": HI, "max_tokens": 2})
+    origin_header = {} if origin is None else {"origin": origin}
+    return httpx.post(handle.url + path, content=body, timeout=60,
+                      headers={"content-type": "text/plain;charset=UTF-8", **origin_header, **headers})
+
+
+def assert_origin_refused(response: httpx.Response, origin: str) -> dict:
+    assert response.status_code == 403, response.text
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["code"] == "origin_not_allowed"
+    assert f"--cors-origin {origin}" in body["error"]["message"]
+    return body["error"]
+
+
+def test_cross_site_requests_are_refused_before_any_work(server, monkeypatch):
+    engine, added = server.service.llm.engine, []
+    add_request = engine.add_request
+
+    def counted_add_request(request):
+        added.append(request.request_id)
+        add_request(request)
+
+    monkeypatch.setattr(engine, "add_request", counted_add_request)
+    served = metric(server, CHAT, 200)
+    for origin in ("https://evil.example", "null", f"http://localhost.evil.example:{server.port}"):
+        assert_origin_refused(simple_post(server, CHAT, origin), origin)
+    assert_origin_refused(simple_post(server, MESSAGES, "https://evil.example"), "https://evil.example")
+    assert_origin_refused(httpx.get(server.url + "/v1/models", headers={"origin": "null"}), "null")  # every method
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:  # refused unread
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nOrigin: https://evil.example\r\n"
+                     b"Content-Type: text/plain\r\nContent-Length: 100000\r\n\r\n{")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 403")
+    assert added == [] and metric(server, CHAT, 200) == served  # no generation ever started
+
+    for origin in (f"http://localhost:{server.port}", f"http://127.0.0.1:{server.port}", "http://[::1]:5173", None):
+        response = simple_post(server, CHAT, origin)
+        assert response.status_code == 200, (origin, response.text)
+    assert len(added) == 4
+    preflight = {"Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST"}
+    ok = httpx.options(server.url + CHAT, headers=preflight)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://localhost:5173"
+
+
+def test_cors_origins_are_served_and_a_key_does_not_admit_others(model):
+    app = "https://app.example"
+    handle = ServerHandle.start(load_tiny_llm(model[0]), port=0, model_id="m", api_key="k", cors_origins=[app])
+    try:
+        key = {"authorization": "Bearer k"}
+        assert simple_post(handle, CHAT, app, **key).status_code == 200
+        assert simple_post(handle, CHAT, f"http://127.0.0.1:{handle.port}", **key).status_code == 200
+        assert simple_post(handle, CHAT, None, **key).status_code == 200
+        assert_origin_refused(simple_post(handle, CHAT, "https://evil.example", **key), "https://evil.example")
+        preflight = {"Origin": app, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"}
+        ok = httpx.options(handle.url + CHAT, headers=preflight)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == app
+        foreign = httpx.options(handle.url + CHAT, headers={**preflight, "Origin": "https://evil.example"})
+        assert foreign.status_code == 400 and "access-control-allow-origin" not in foreign.headers  # CORS's refusal
+    finally:
+        handle.stop()
+    assert OriginPolicy.for_server(["*"]).allows("https://evil.example")
+    assert not OriginPolicy.for_server(None).allows("http://localhost.evil.example")
+
+
+# -- 5c. Anthropic's error types ----------------------------------------------------------------------------
+
+def test_anthropic_errors_carry_anthropics_type_names(model):
+    handle = ServerHandle.start(load_tiny_llm(model[0]), port=0, model_id="m", api_key="k", max_body_bytes=65536)
+    try:
+        def client(key: str = "k", **headers: str) -> anthropic.Anthropic:
+            return anthropic.Anthropic(base_url=handle.url, api_key=key, max_retries=0, default_headers=headers)
+
+        huge = [{"role": "user", "content": "x" * 100_000}]
+        calls = [(anthropic.AuthenticationError, client("wrong"), "m", HI, "authentication_error"),
+                 (anthropic.PermissionDeniedError, client(origin="https://evil.example"), "m", HI, "permission_error"),
+                 (anthropic.NotFoundError, client(), "claude-sonnet-4", HI, "not_found_error"),
+                 (anthropic.ContentTooLargeError, client(), "m", huge, "request_too_large"),
+                 (anthropic.BadRequestError, client(), "m", [], "invalid_request_error")]
+        for error_class, sdk, name, messages, kind in calls:
+            with pytest.raises(error_class) as err:
+                sdk.messages.create(model=name, max_tokens=2, messages=messages)
+            assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == kind, err.value.body
+
+        ok = {"model": "m", "max_tokens": 2, "messages": HI}
+        key = {"x-api-key": "k"}
+        raw = [("POST", MESSAGES, {"x-api-key": "wrong"}, ok, 401, "authentication_error"),
+               ("POST", MESSAGES, {**key, "origin": "null"}, ok, 403, "permission_error"),
+               ("POST", MESSAGES, {**key, "host": "attacker.example"}, ok, 403, "permission_error"),
+               ("POST", MESSAGES, key, {**ok, "model": "nope"}, 404, "not_found_error"),
+               ("POST", MESSAGES + "/nope", key, ok, 404, "not_found_error"),
+               ("GET", MESSAGES, key, None, 405, "invalid_request_error"),
+               ("POST", MESSAGES, key, {**ok, "messages": huge}, 413, "request_too_large"),
+               ("POST", MESSAGES + "/count_tokens", key, {**ok, "messages": huge}, 413, "request_too_large"),
+               ("POST", CHAT, {"x-api-key": "wrong"}, ok, 401, "invalid_request_error"),  # OpenAI's names stay
+               ("POST", CHAT, key, {**ok, "model": "nope"}, 404, "invalid_request_error")]
+        for method, path, headers, body, status, kind in raw:
+            response = httpx.request(method, handle.url + path, json=body, headers=headers, timeout=60)
+            assert response.status_code == status, (path, headers, response.text)
+            assert response.json()["type"] == "error" and response.json()["error"]["type"] == kind, response.text
+    finally:
+        handle.stop()
 
 
 # -- 6. logit_bias ----------------------------------------------------------------------------------------

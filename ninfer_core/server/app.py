@@ -30,14 +30,11 @@ from .auth import ApiKeyMiddleware
 from .body import DEFAULT_MAX_BODY_BYTES
 from .boundary import ErrorBoundary
 from .errors import install_error_handlers
-from .hosts import HostCheck, HostPolicy
+from .hosts import LOCAL_ORIGINS, ClientCheck, HostPolicy, OriginPolicy
 from .media_fetch import MediaFetchLimits, MediaResolver
 from .metrics import RequestCounter, ServerMetrics
 from .model_pool import FixedNames, ModelNames, ModelPool, PoolOptions
 from .response_store import DEFAULT_MAX_RESPONSES, ResponseStore
-
-# browsers on this machine only, unless --cors-origin says otherwise
-LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 
 def create_app(
@@ -53,7 +50,8 @@ def create_app(
     hosts: HostPolicy | None = None,
 ) -> FastAPI:
     """`allow_local_media`: clients may name files on this machine (else data: and http(s) URLs only);
-    `hosts`: the Host names answered (hosts.py; default: a loopback server's)."""
+    `hosts`: the Host names answered (hosts.py; default: a loopback server's); `cors_origins`: the web
+    page origins served besides loopback ones (hosts.py), and the only ones CORS admits when given."""
     app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pool = pool
     app.state.inflight = set()  # engine streams of this app's requests (generation.py), for stop()
@@ -65,7 +63,7 @@ def create_app(
         app.include_router(module.router)
     install_error_handlers(app)
     # the last added is the outermost: count everything (500s included: the boundary answers them
-    # inside the counter), refuse foreign Host names first, answer preflights before the key check
+    # inside the counter), refuse foreign Host names and Origins first, answer preflights before the key check
     app.add_middleware(ErrorBoundary)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     origins = list(cors_origins or [])
@@ -79,7 +77,8 @@ def create_app(
         max_age=600,
     )
     app.add_middleware(RequestCounter, metrics=app.state.metrics)
-    app.add_middleware(HostCheck, policy=hosts or HostPolicy.for_server("127.0.0.1", None))
+    app.add_middleware(ClientCheck, hosts=hosts or HostPolicy.for_server("127.0.0.1", None),
+                       origins=OriginPolicy.for_server(cors_origins))
     return app
 
 

@@ -10,7 +10,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import ApiError
+from .errors import ApiError, is_anthropic
 
 PUBLIC_PATHS = frozenset({"/health"})
 
@@ -40,4 +40,5 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         message = "invalid API key" if keys else "missing API key (send 'Authorization: Bearer KEY' or 'x-api-key')"
-        await ApiError(401, message, headers={"WWW-Authenticate": "Bearer"}).response()(scope, receive, send)
+        error = ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
+        await error.response(is_anthropic(scope["path"]))(scope, receive, send)

@@ -43,7 +43,7 @@ class ErrorBoundary:
             log.debug("client disconnected before sending its whole request: %s %s", scope["method"], scope["path"])
             if not started:
                 error = ApiError(499, "the client closed the request", code="client_closed_request")
-                await error.response()(scope, receive, send)
+                await error.response(is_anthropic(scope["path"]))(scope, receive, send)
         except Exception as exc:
             if started:  # too late for a status: uvicorn logs it and closes the connection
                 raise

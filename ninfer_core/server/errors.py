@@ -6,7 +6,8 @@ are rewritten. Engine errors map to statuses here, in one place: the request's f
 and in the error object; a full queue is 429 with Retry-After, a stopped or loading engine is 503;
 the engine failing a request it had accepted (EngineError) is a 500 `server_error`. An unexpected
 exception (a bug) is a 500 whose body says only that: its traceback is logged under an id the
-message names. On the Anthropic routes a 5xx error's type is Anthropic's `api_error`.
+message names. On the Anthropic routes the error's type is Anthropic's name for its status
+(`authentication_error`, `not_found_error`, `api_error`, ...), which Anthropic clients switch on.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "inva
           404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error"}
 _CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-_ANTHROPIC_TYPES = {"server_error": "api_error"}  # Anthropic's names where they differ from OpenAI's
+# Anthropic's error type of every status the server answers on /v1/messages: Anthropic's own table, plus
+# 405 (wrong method) and 499 (client gone) as request errors and 503 (model loading / stopped) as api_error
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 499: "invalid_request_error", 500: "api_error", 503: "api_error"}
 _ANTHROPIC_ROUTE = "/v1/messages"
 
 
@@ -71,7 +76,9 @@ class ApiError(Exception):
         self.extra = extra or {}
 
     def error_object(self, anthropic: bool = False) -> dict[str, Any]:
-        kind = _ANTHROPIC_TYPES.get(self.type, self.type) if anthropic else self.type
+        kind = self.type
+        if anthropic:
+            kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
         return {"message": self.message, "type": kind, "param": self.param, "code": self.code, **self.extra}
 
     def body(self, anthropic: bool = False) -> dict[str, Any]:
