@@ -101,7 +101,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(help="Require this key (Bearer or x-api-key); unset: accept any.",
                                                    envvar=_env("API_KEY"))] = None,
     cors_origin: Annotated[Optional[list[str]], typer.Option(
-        help="Allowed browser origin (repeatable; '*' for any). Default: localhost origins. Requests from "
+        help="Allowed browser origin besides localhost pages (repeatable; '*' for any). Requests from "
              "web pages of other origins get 403.",
         envvar=_env("CORS_ORIGIN"))] = None,
     allowed_hosts: Annotated[Optional[list[str]], typer.Option(

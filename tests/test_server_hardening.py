@@ -314,6 +314,8 @@ def test_cors_origins_are_served_and_a_key_does_not_admit_others(model):
                      "Access-Control-Request-Headers": "authorization,content-type"}
         ok = httpx.options(handle.url + CHAT, headers=preflight)
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == app
+        local = httpx.options(handle.url + CHAT, headers={**preflight, "Origin": "http://localhost:5173"})
+        assert local.status_code == 200 and local.headers["access-control-allow-origin"] == "http://localhost:5173"
         foreign = httpx.options(handle.url + CHAT, headers={**preflight, "Origin": "https://evil.example"})
         assert foreign.status_code == 400 and "access-control-allow-origin" not in foreign.headers  # CORS's refusal
     finally:

@@ -51,7 +51,7 @@ def create_app(
 ) -> FastAPI:
     """`allow_local_media`: clients may name files on this machine (else data: and http(s) URLs only);
     `hosts`: the Host names answered (hosts.py; default: a loopback server's); `cors_origins`: the web
-    page origins served besides loopback ones (hosts.py), and the only ones CORS admits when given."""
+    page origins served besides loopback ones (hosts.py); CORS admits the same."""
     app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pool = pool
     app.state.inflight = set()  # engine streams of this app's requests (generation.py), for stop()
@@ -70,7 +70,7 @@ def create_app(
     app.add_middleware(
         CORSMiddleware,
         allow_origins=origins,
-        allow_origin_regex=None if origins else LOCAL_ORIGINS,
+        allow_origin_regex=LOCAL_ORIGINS,  # pages on this machine, as the Origin check (hosts.py) allows
         allow_methods=["*"],
         allow_headers=["*"],
         expose_headers=["Retry-After"],
