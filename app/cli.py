@@ -14,7 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ninfer_core import __version__
-from ninfer_core.errors import NinferError
+from ninfer_core.errors import EngineError, NinferError
 
 from . import bench_engine_cli, bench_serve, chat_cli, models_cli, ps_cli, serve_cli
 from .engine_flags import (
@@ -266,7 +266,7 @@ def run(
                 hint = busy_hint(torch.get_num_threads()) if llm.loaded.device.type == "cpu" else None
                 if hint:
                     typer.secho(hint, err=True, dim=True)
-    except NinferError as e:
+    except (NinferError, EngineError) as e:
         fail(str(e))
 
 

@@ -40,7 +40,7 @@ from .engine.llm_engine import EngineStats, LLMEngine
 from .engine.request import GenerationRequest, SpecStats, StepOutput, Timings
 from .engine.sampling import Sampler, SamplingParams
 from .engine.speculative import build_speculator
-from .errors import NinferError
+from .errors import EngineError, NinferError
 from .media.limits import MediaError
 from .media.sources import split_media
 from .models.loader import LoadedModel, load_model
@@ -379,10 +379,14 @@ class LLM:
         checkpoints: tuple[int, ...] = (),
         grammar: Grammar | None = None,
     ) -> Iterator[StepOutput]:
-        """Raw token generation for one prompt (no template, no parsing); `grammar` constrains it."""
+        """Raw token generation for one prompt (no template, no parsing); `grammar` constrains it.
+        Raises EngineError when the engine fails the request (as the service does)."""
         request = GenerationRequest(prompt_token_ids=prompt_token_ids, sampling=sampling, multimodal=multimodal,
                                     checkpoints=checkpoints, grammar=grammar)
-        yield from self.engine.generate([request])
+        for out in self.engine.generate([request]):
+            if out.error is not None:
+                raise EngineError(out.error)
+            yield out
 
     def chat(self, request: ChatRequest) -> Iterator[ChatEvent]:
         """Stream reasoning / content deltas and completed tool calls, then a ChatFinished."""

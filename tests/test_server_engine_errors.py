@@ -121,3 +121,34 @@ def test_a_request_the_engine_cannot_take_is_a_500_and_user_errors_stay_400(serv
     assert err.value.body["type"] == "invalid_request_error" and err.value.body["code"] == "context_length_exceeded"
     after = client.completions.create(model="m", prompt=[5, 17], max_tokens=4, extra_body={"ignore_eos": True})
     assert after.choices[0].finish_reason == "length"  # the engine thread goes on
+
+
+def test_in_process_callers_get_the_engine_error_and_the_cli_says_it(tmp_path_factory, monkeypatch):
+    """LLM.chat (the TUI's and `ninfer run`'s path, without the service) raises EngineError for a
+    failed request, the engine serves the next one, and `ninfer run` prints the error and exits 1."""
+    from typer.testing import CliRunner
+
+    from ninfer_app.cli import cli
+    from ninfer_core.engine.sampling import SamplingParams
+    from ninfer_core.errors import EngineError
+    from ninfer_core.llm import LLM, ChatRequest
+
+    llm = load_tiny_llm(write_model(tmp_path_factory, "tiny_engine_errors_llm")[0])
+    push = llm.engine._push
+
+    def broken_push(seq, token):
+        if FAIL in seq.request.sampling.stop:
+            raise RuntimeError("secret detail")
+        return push(seq, token)
+
+    monkeypatch.setattr(llm.engine, "_push", broken_push)
+    failing = ChatRequest(messages=HI, sampling=SamplingParams(temperature=0, max_tokens=8, stop=[FAIL]))
+    with pytest.raises(EngineError, match=r"internal engine error \(logged as err_[0-9a-f]+\)") as caught:
+        llm.chat_result(failing)
+    assert "secret" not in str(caught.value)
+    fine = llm.chat_result(ChatRequest(messages=HI, sampling=SamplingParams(temperature=0, max_tokens=8)))
+    assert fine.finish_reason in ("stop", "length") and fine.token_ids
+    monkeypatch.setattr(LLM, "load", classmethod(lambda cls, *args, **kwargs: llm))
+    result = CliRunner().invoke(cli, ["run", "--prompt", "Say hi", "--stop", FAIL, "--device", "cpu"])
+    assert result.exit_code == 1
+    assert "error: internal engine error (logged as err_" in result.output
