@@ -79,16 +79,29 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
     return Qwen3_5ForCausalLM if config.arch in QWEN_ARCHS else LlamaForCausalLM
 
 
+# torch.nn.init's in-place initialisers, which module constructors call (nn.Linear, nn.Embedding)
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
+                 "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")
+
+
 @contextmanager
 def _building_on(device: torch.device, dtype: torch.dtype):
-    """Create parameters directly on `device` in `dtype`."""
+    """Create parameters directly on `device` in `dtype`, without the constructors' random
+    initialisation: every weight is loaded (or `init_random_`-ed) afterwards, and initialising
+    costs seconds for a large model on the CPU, and on the meta device imports torch._dynamo
+    (torch's reference kernels: 2 s of every start)."""
     previous = torch.get_default_dtype()
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
     torch.set_default_dtype(dtype)
+    for name in _INITIALISERS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
     try:
         with device:
             yield
     finally:
         torch.set_default_dtype(previous)
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
 
 
 def build_model(
@@ -102,8 +115,10 @@ def build_model(
     with _building_on(torch.device("meta"), dtype):
         model = model_class(config)(config)
         apply_recipe_(model, recipe)
-    model = model.to_empty(device=device).eval()
-    model.tie_weights()  # to_empty gave a tied lm_head its own tensors
+    # Module.to_empty without its empty_like of meta tensors, which runs torch's Python reference
+    # ops (importing sympy: ~0.7 s of a start)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)).eval()
+    model.tie_weights()  # the copy gave a tied lm_head its own tensors
     return model
 
 

@@ -25,7 +25,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.kv_pool import KVLayer
 from . import dispatch
@@ -276,11 +275,23 @@ def _prefill_one(q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, b: int
         q[b].transpose(0, 1)[None],
         k.transpose(0, 1)[None],
         v.transpose(0, 1)[None],
-        attn_mask=causal_lower_right(num_new, length),
+        attn_mask=_causal_mask(num_new, length, q.device),
         scale=scale,
         enable_gqa=True,
     )
     out[b] = o[0].transpose(0, 1)
+
+
+def _causal_mask(num_new: int, length: int, device: torch.device) -> torch.Tensor:
+    """Query t sees keys 0 .. length - num_new + t. On CUDA as `causal_lower_right` (see
+    prefill_attention); on the CPU as a boolean [T, L] mask, which torch's CPU flash kernel takes,
+    and without importing torch.nn.attention.bias, which pulls in torch._dynamo: 2.4 s of every
+    CPU start."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(num_new, length)
+    return torch.ones(num_new, length, dtype=torch.bool, device=device).tril(length - num_new)
 
 
 def _kv_kind(kv: KVLayer, dtype: torch.dtype) -> object | None:
