@@ -26,7 +26,7 @@ from tiny_gguf import (
 from ninfer_core.errors import ModelLoadError, NinferError
 from ninfer_core.models import default_model
 from ninfer_core.models.default_model import default_model_path
-from ninfer_core.weights.gguf_reader import open_gguf
+from ninfer_core.weights.gguf_reader import FastGGUFReader, open_gguf
 
 TOKENIZER_CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -341,6 +341,41 @@ def test_absurd_headers_and_fields_are_one_line_errors_naming_them(tmp_path, tin
         open_gguf(tmp_path / "fields.gguf").config
     assert str(err.value) == (f"{tmp_path / 'fields.gguf'}: 'llama.embedding_length' must be an integer in "
                               f"[1, 1048576], got 'abc'")
+
+
+def _same_as_gguf_reader(path) -> None:
+    """FastGGUFReader reads every field and tensor as gguf's own GGUFReader does."""
+    ours, theirs = FastGGUFReader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+        assert ours.fields[key].types[0] == field.types[0], key
+    assert [(t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in theirs.tensors]
+
+
+def test_fast_reader_reads_what_gguf_reads(tmp_path, smollm_path, tiny_llama_gguf):
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.strings", ["", "a", "é中🙂", "x" * 300])
+    writer.add_array("test.ints", [3, -1, 7])
+    writer.add_array("test.floats", [0.5, -2.25])
+    writer.add_array("test.empty", [])
+    writer.add_array("test.bools", [True, False])
+    writer.add_string("test.string", "plain")
+    writer.add_uint32("test.scalar", 7)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    for file in (path, tiny_llama_gguf[0], smollm_path):
+        _same_as_gguf_reader(file)
+    assert FastGGUFReader(path).fields["test.strings"].contents() == ["", "a", "é中🙂", "x" * 300]
+    data = bytearray(path.read_bytes())  # the string array claims more strings than the file holds
+    at = data.index(b"test.strings") + len(b"test.strings") + 4 + 4
+    data[at : at + 8] = (10**6).to_bytes(8, "little")
+    (tmp_path / "short.gguf").write_bytes(data)
+    with pytest.raises(ValueError, match="runs past the file"):
+        FastGGUFReader(tmp_path / "short.gguf")
 
 
 def test_unsupported_arch_and_tokenizer(tmp_path, trained_vocab):
