@@ -19,8 +19,10 @@ from .engine_flags import (
     MaxContextOpt,
     PrefixCacheGbOpt,
     PrefixCacheOpt,
+    CpuMathOpt,
     ThreadsOpt,
     WeightsOpt,
+    apply_cpu_runtime,
     check_engine_options,
 )
 
@@ -54,12 +56,12 @@ def chat(
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")] = "auto",
     threads: ThreadsOpt = None,
+    cpu_math: CpuMathOpt = None,
     prefix_cache: PrefixCacheOpt = True,
     prefix_cache_gb: PrefixCacheGbOpt = None,
 ) -> None:
     """Chat in the terminal UI (local model, or a remote server with --endpoint)."""
     from ninfer_core.llm import EngineOptions
-    from ninfer_core.threads import apply_threads
 
     from .output import fail
 
@@ -69,7 +71,7 @@ def chat(
                            prefix_cache_gb=prefix_cache_gb)
     try:
         check_engine_options(engine)
-        apply_threads(threads)
+        apply_cpu_runtime(threads, cpu_math)
     except NinferError as e:
         fail(str(e))
     open_tui(model, image=[str(p) for p in image or []], endpoint=endpoint, api_key=api_key, engine=engine)

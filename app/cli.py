@@ -23,8 +23,10 @@ from .engine_flags import (
     MaxContextOpt,
     PrefixCacheGbOpt,
     PrefixCacheOpt,
+    CpuMathOpt,
     ThreadsOpt,
     WeightsOpt,
+    apply_cpu_runtime,
     check_engine_options,
     parse_int_list,
     parse_kv_capacity,
@@ -197,6 +199,7 @@ def run(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
+    cpu_math: CpuMathOpt = None,
     prefix_cache: PrefixCacheOpt = True,
     prefix_cache_gb: PrefixCacheGbOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
@@ -210,7 +213,7 @@ def run(
     from ninfer_core.chat.output_parser import ContentDelta, ReasoningDelta, ToolCallEnd
     from ninfer_core.engine.sampling import SamplingParams
     from ninfer_core.llm import LLM, ChatFinished, ChatRequest, EngineOptions
-    from ninfer_core.threads import apply_threads, busy_hint
+    from ninfer_core.threads import busy_hint
 
     try:
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
@@ -219,7 +222,7 @@ def run(
                                 draft_model=draft_model, adaptive_draft=adaptive_draft, prefix_cache=prefix_cache,
                                 prefix_cache_gb=prefix_cache_gb)
         check_engine_options(options)
-        apply_threads(threads)
+        apply_cpu_runtime(threads, cpu_math)
         if messages is not None and (prompt is not None or prompt_arg is not None):
             raise NinferError("give a prompt or --messages, not both")
         if prompt is None and prompt_arg is None and model is not None and " " in model and not Path(model).exists():
@@ -288,6 +291,7 @@ def bench(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
+    cpu_math: CpuMathOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Prefill and decode speed against the bandwidth roofline (a preset with random weights or a checkpoint)."""
@@ -296,10 +300,9 @@ def bench(
     if (synthetic is None) == (model is None):
         fail("give --model DIR or --synthetic PRESET (or a subcommand: `ninfer bench serve --help`)")
     from ninfer_core.bench import BenchSetup, run_bench
-    from ninfer_core.threads import apply_threads
 
     try:
-        apply_threads(threads)
+        apply_cpu_runtime(threads, cpu_math)
         setup = BenchSetup(
             model=synthetic or model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
             prefill_lengths=parse_int_list(prefill, "--prefill"), decode_contexts=parse_int_list(contexts, "--contexts"),

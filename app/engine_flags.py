@@ -23,10 +23,14 @@ KV_CAPACITY_HELP = ("KV cache tokens over all sequences: auto (GPU: the memory l
                     "CPU: max-context x sequences) or a number.")
 THREADS_HELP = (f"CPU threads for the model's math (default: ${THREADS_ENV}, else the physical cores this process "
                 "may use; on a machine busy with other work, fewer is faster: try 1).")
+CPU_MATH_HELP = ("CPU math of compact weights: bf16 (default: bf16 prefill GEMMs where the CPU has bf16 arithmetic, "
+                 "decode with fp32 activations), int8 (also int8 activations in decode, llama.cpp's way: faster on "
+                 "large models, less exact) or exact (fp32 throughout). Default: $NINFER_CPU_MATH, else bf16.")
 MAX_CONTEXT_HELP = "Context limit in tokens per sequence (prompt + answer); --ctx-size is the same flag."
 MAX_CONTEXT_FLAGS = ("--max-context", "--ctx-size")
 WeightsOpt = Annotated[str, typer.Option(help=WEIGHTS_HELP)]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help=THREADS_HELP)]
+CpuMathOpt = Annotated[Optional[str], typer.Option("--cpu-math", help=CPU_MATH_HELP)]
 MaxContextOpt = Annotated[Optional[int], typer.Option(*MAX_CONTEXT_FLAGS, help=MAX_CONTEXT_HELP)]
 KvDtypeOpt = Annotated[str, typer.Option(help=KV_DTYPE_HELP)]
 KvCapacityOpt = Annotated[str, typer.Option(help=KV_CAPACITY_HELP)]
@@ -93,3 +97,16 @@ def describe_engine(stats) -> str:
     return (f"weights {stats.weights or 'model dtype'} ({human_bytes(stats.weight_bytes)}), "
             f"KV {stats.kv_dtype} {stats.kv_capacity_tokens:,} tokens ({human_bytes(stats.kv_bytes)}), "
             f"CUDA graphs {'on' if stats.cuda_graphs else 'off'}, {prefix}")
+
+
+def apply_cpu_runtime(threads: int | None, cpu_math: str | None) -> int:
+    """--threads and --cpu-math for this process (checked: a bad value is a NinferError); the
+    threads in force."""
+    from ninfer_core.ops import dispatch
+    from ninfer_core.threads import apply_threads
+
+    try:
+        dispatch.set_cpu_math(cpu_math)
+    except ValueError as e:
+        raise NinferError(str(e)) from None
+    return apply_threads(threads)

@@ -25,8 +25,10 @@ from .engine_flags import (
     MAX_CONTEXT_HELP,
     PREFIX_CACHE_GB_HELP,
     PREFIX_CACHE_HELP,
+    CPU_MATH_HELP,
     THREADS_HELP,
     WEIGHTS_HELP,
+    apply_cpu_runtime,
     check_engine_options,
     describe_engine,
     parse_kv_capacity,
@@ -163,6 +165,7 @@ def serve(
         "--random-weights", help="Benchmark mode: config and tokenizer from MODEL, random weights.",
         envvar=_env("RANDOM_WEIGHTS"))] = False,
     threads: Annotated[Optional[int], typer.Option(help=THREADS_HELP)] = None,
+    cpu_math: Annotated[Optional[str], typer.Option("--cpu-math", help=CPU_MATH_HELP)] = None,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP,
                                                envvar=_env("PREFIX_CACHE"))] = True,
     prefix_cache_gb: Annotated[Optional[float], typer.Option(help=PREFIX_CACHE_GB_HELP,
@@ -176,7 +179,6 @@ def serve(
     from ninfer_core.server.app import ServerHandle
     from ninfer_core.server.media_fetch import MediaFetchLimits
     from ninfer_core.server.model_pool import CatalogNames, PoolOptions
-    from ninfer_core.threads import apply_threads
     from ninfer_core.server.stop_signals import StopSignals
 
     try:
@@ -192,7 +194,7 @@ def serve(
                                 prefix_cache_gb=prefix_cache_gb)
         check_engine_options(options)
         pool = PoolOptions(max_loaded=max_loaded, keep_alive_s=parse_keep_alive(keep_alive))
-        apply_threads(threads)
+        apply_cpu_runtime(threads, cpu_math)
         name, spec = startup_model(model or default_model())
         name = model_name or name
         handle = ServerHandle.start(lambda: LLM.load(spec, options), host, port, api_key=api_key,

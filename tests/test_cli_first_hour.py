@@ -105,6 +105,7 @@ def test_threads_flag_and_environment_are_applied(model_dir):
     (["--device", "gpu"], "unsupported device 'gpu'"),
     (["--spec", "dflash"], "--spec dflash needs --draft-model"),
     (["--ctx-size", "0"], "--max-context must be a positive number"),
+    (["--cpu-math", "fast"], "--cpu-math must be one of bf16, int8, exact, got 'fast'"),
 ])
 def test_bad_flags_are_reported_before_the_model_is_read(flags, needle):
     """The model does not exist: a flag error proves the flags were checked first (no 15 s load)."""

@@ -62,3 +62,16 @@ def test_an_unknown_cpu_math_is_an_error(monkeypatch):
     monkeypatch.setenv(dispatch.CPU_MATH_ENV, "fast")
     with pytest.raises(ValueError, match="NINFER_CPU_MATH='fast': use one of bf16, int8, exact"):
         dispatch.cpu_math()
+
+
+def test_the_cpu_math_flag_sets_it_for_the_process(monkeypatch):
+    from ninfer_app.engine_flags import apply_cpu_runtime
+    from ninfer_core.errors import NinferError
+
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "exact")
+    apply_cpu_runtime(None, None)  # no flag: the environment's stays
+    assert dispatch.cpu_math() == "exact"
+    apply_cpu_runtime(None, "int8")
+    assert dispatch.cpu_math() == "int8"
+    with pytest.raises(NinferError, match="--cpu-math must be one of bf16, int8, exact"):
+        apply_cpu_runtime(None, "fast")

@@ -8,7 +8,7 @@ Rule: NINFER_DISABLE_KERNELS is unset (or "0") and
 otherwise the torch reference. A missing or broken extension is logged once at debug level and
 never raised: an install without compiled code simply runs the references.
 
-Compact weights on the CPU, NINFER_CPU_MATH (KL to the exact path in docs/performance.md):
+Compact weights on the CPU, NINFER_CPU_MATH or `--cpu-math` (KL to the exact path in docs/performance.md):
   bf16 (default)  decode weight-only with fp32 activations; prefill GEMMs in bf16 where the CPU
                   multiplies bf16 natively (2-4x torch's fp32 GEMM), fp32 elsewhere;
   int8            also decode with activations quantized to int8 per block of 32, multiplied in
@@ -118,6 +118,15 @@ def cpu_math() -> str:
     if value not in CPU_MATHS:
         raise ValueError(f"{CPU_MATH_ENV}={value!r}: use one of {', '.join(CPU_MATHS)}")
     return value
+
+
+def set_cpu_math(value: str | None) -> None:
+    """`--cpu-math`: NINFER_CPU_MATH for this process (None leaves it as it is)."""
+    if value is None:
+        return
+    if value not in CPU_MATHS:
+        raise ValueError(f"--cpu-math must be one of {', '.join(CPU_MATHS)}, got '{value}'")
+    os.environ[CPU_MATH_ENV] = value
 
 
 @functools.cache
