@@ -22,7 +22,8 @@ The CPU kernel (csrc/cpu/quant_matmul.h) runs every one of them; the CUDA kernel
 `quant_linear` runs, for up to 16 rows, csrc/quant_gemv.cu on CUDA or csrc/cpu on the CPU: they
 read every weight byte once for all rows, which is what decode is bound by. The CPU kernel and the
 CUDA int8 path are exact (products of the codes and fp32 activations, fp32 sums, scales applied in
-fp32); the CUDA int4 path multiplies each group's scale into the weights in the activation dtype
+fp32), except with NINFER_CPU_MATH=int8, where the CPU kernel multiplies activations quantized per
+block of 32 (`quant_linear_a8_ref` is its reference); the CUDA int4 path multiplies each group's scale into the weights in the activation dtype
 (tensor cores take 16-bit operands), i.e. it computes with exactly `dequantize(qw, x.dtype)`, the
 weights the prefill path multiplies by. `quant_linear_ref` is the exact fp32 definition all are
 tested against.
@@ -328,7 +329,7 @@ def _cpu_tiled_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor |
     """Prefill on the CPU: a GEMM over the weight dequantized a tile of rows at a time into a
     buffer the cache holds, so the dense copy of the whole weight is never written out (for a 1.5B
     model that would be 6 GB of writes per chunk). In bf16 where the CPU multiplies it natively
-    (2-4x torch's fp32 GEMM; dispatch.py says when), else in fp32."""
+    and NINFER_CPU_MATH allows (2-4x torch's fp32 GEMM; dispatch.py), else in fp32."""
     dtype = torch.bfloat16 if dispatch.cpu_native_bf16() and dispatch.cpu_math() != "exact" else torch.float32
     x = x.to(dtype)
     n, k = qw.out_features, qw.in_features
