@@ -2,7 +2,9 @@
 // per block of 32 inputs, summed as integers four products at a time (AVX-512 VNNI vpdpbusd, AVX2
 // maddubs + madd, or plain C), then scaled per lane. Why: the exact kernels (quant_kernels.h)
 // convert every code to fp32 and spend ~8 vector operations per 32 weights, so decode on one core
-// is arithmetic-bound; integer dot products take ~3x fewer, which is what llama.cpp does too.
+// is arithmetic-bound; integer dot products take ~3x fewer (llama.cpp's way). Measured on Zen 4:
+// 1.3-1.8x the exact kernel with the weights in cache, little of it left when they stream from
+// DRAM (docs/performance.md, issue 18), so NINFER_CPU_MATH=int8 opts in.
 //
 // Layout. A chunk is W lanes of `span` inputs (int4: span 8, int8: span 4):
 //   int8: lane i sums inputs k0 + 4i .. k0 + 4i + 3, the codes as they are;
