@@ -94,3 +94,24 @@ def test_a_burst_of_mixed_prompts_leaves_no_kv_held(servers):
     stats = service.stats().engine
     assert stats.running == 0 and stats.kv_used_tokens == 0
     assert service.engine.cache.num_free_slots == service.engine.cache.max_seqs
+
+
+def test_a_responses_conversation_by_previous_response_id_hits_the_cache(servers):
+    """Turn 2 names turn 1 by `previous_response_id`: the server rebuilds the history, and its
+    prefix (system prompt, turn 1's question and answer) comes from the cache, same answer as a
+    server without it."""
+    answers = []
+    for server in servers:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        first = client.responses.create(model="m", max_output_tokens=6, temperature=0, instructions=SYSTEM,
+                                        input="Name a colour.")
+        second = client.responses.create(model="m", max_output_tokens=6, temperature=0, instructions=SYSTEM,
+                                         input="And another one?", previous_response_id=first.id)
+        answers.append((first.output_text, second.output_text, first.usage, second.usage))
+    (cached_first, cached_second, turn1, usage), (plain_first, plain_second, _, plain_usage) = answers
+    assert (cached_first, cached_second) == (plain_first, plain_second)
+    assert plain_usage.input_tokens_details.cached_tokens == 0
+    # the system prompt (12 x 6 tokens) at least, never turn 2's new message (Qwen's template drops
+    # turn 1's reasoning from turn 2's history, so turn 1's answer itself is not reused)
+    assert 72 <= usage.input_tokens_details.cached_tokens < usage.input_tokens
+    assert turn1.input_tokens < usage.input_tokens
