@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from .cache import CacheManager
 from .cache.manager import DEFAULT_PAGE_SIZE
+from .cache.prefix_cache import SPLIT_MIN
 from .cache.sizing import plan_cache
 from .cache.state_pool import state_bytes_per_slot
 from .chat.output_parser import (
@@ -165,6 +167,10 @@ def tool_call_json(index: int, name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+# an assistant answer no template alters, to find where an answer starts in a rendered history
+_PROBE = "ninfer-answer-probe"
+
+
 @dataclass(frozen=True)
 class PreparedChat:
     """A chat request turned into engine input: the prompt, its ids, and how the output starts."""
@@ -174,7 +180,7 @@ class PreparedChat:
     starts_in_reasoning: bool
     tools: Sequence[Mapping[str, Any]] | None = None
     multimodal: MultimodalPrompt | None = None  # images / videos, their pads expanded in the ids
-    checkpoints: tuple[int, ...] = ()  # where the last message starts: the next request may diverge there
+    checkpoints: tuple[int, ...] = ()  # where the next request may diverge: before the last message, the answer
     grammar: Grammar | None = None  # the request's constraint, compiled
     tool_calls: bool = True  # whether the output may hold tool calls (not under a JSON constraint)
 
@@ -350,7 +356,8 @@ class LLM:
             starts_in_reasoning=reasoning,
             tools=request.tools,
             multimodal=multimodal,
-            checkpoints=() if media else self._history_end(request, messages, prompt, ids),
+            checkpoints=() if media else (self._history_end(request, messages, prompt, ids)
+                                          + self._answer_start(request, messages, prompt, ids)),
             grammar=None if constraint is None else self.compile_constraint(constraint, reasoning=reasoning),
             tool_calls=not isinstance(constraint, JsonOutput),
         )
@@ -373,6 +380,30 @@ class LLM:
         head = self.tokenizer.encode(history)
         common = next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))
         return (common,) if 0 < common < len(ids) else ()
+
+    def _answer_start(self, request: ChatRequest, messages: Sequence[Mapping[str, Any]], prompt: str,
+                      ids: list[int]) -> tuple[int, ...]:
+        """The token position where the next turn's history will differ from this prompt: after the
+        assistant header, before what the generation prompt adds that the history does not keep
+        (Qwen's `<think>` opener: a thinking model's history drops the reasoning). The next turn
+        then resumes there, not before this turn's last message, which may be long (pasted code).
+        Short prompts skip it, as the scheduler's split of the last token (an extra step each)."""
+        if len(ids) < SPLIT_MIN:
+            return ()
+        try:
+            # the history of the next turn: this answer, then a new question after it
+            turn = self.template.render([*messages, {"role": "assistant", "content": _PROBE},
+                                         {"role": "user", "content": _PROBE}], tools=request.tools,
+                                        add_generation_prompt=False, enable_thinking=request.enable_thinking,
+                                        **request.template_kwargs)
+        except NinferError:
+            return ()
+        start = len(os.path.commonprefix([prompt, turn]))
+        if start == len(prompt) or _PROBE not in turn[start:]:
+            return ()
+        suffix = self.tokenizer.encode(prompt[start:])
+        # the suffix's own tokens must be the prompt's last ones (no merge across the boundary)
+        return (len(ids) - len(suffix),) if 0 < len(suffix) < len(ids) and ids[-len(suffix):] == suffix else ()
 
     def complete(
         self, prompt_token_ids: list[int], sampling: SamplingParams, multimodal: MultimodalPrompt | None = None,

@@ -191,3 +191,25 @@ def test_chat_requests_checkpoint_where_their_last_message_starts(model_dir):
     second = llm.chat_result(ChatRequest([system, {"role": "user", "content": "And of Spain, please?"}],
                                          sampling=greedy(4)))
     assert second.timings.cached_tokens == start
+
+
+def test_the_next_turn_resumes_at_the_answer_start(model_dir):
+    """A long chat prompt also asks for a checkpoint after its assistant header, before the
+    `<think>` opener the next turn's history drops: turn 2 recomputes only turn 1's answer and its
+    own question, not turn 1's long question; answers equal the cache-off engine's."""
+    from ninfer_core.llm import ChatRequest
+
+    cached, plain = make_llm(model_dir), make_llm(model_dir, cache=False)
+    question = {"role": "user", "content": "Please review this code: " + "x = x + 1\n" * 30}
+    first = ChatRequest([question], sampling=greedy(6))
+    prepared = cached.prepare_chat(first)
+    assert len(prepared.prompt_token_ids) >= 256
+    answer_start = prepared.checkpoints[-1]
+    assert cached.tokenizer.decode(prepared.prompt_token_ids[answer_start:]) == "<think>\n"
+    reply = cached.chat_result(first)
+    assert reply.token_ids == plain.chat_result(first).token_ids
+    turn2 = ChatRequest([question, {"role": "assistant", "content": reply.text or "ok"},
+                         {"role": "user", "content": "And now?"}], sampling=greedy(6))
+    second = cached.chat_result(turn2)
+    assert second.token_ids == plain.chat_result(turn2).token_ids
+    assert second.timings.cached_tokens == answer_start

@@ -161,10 +161,12 @@ class Scheduler:
         """Whether the prompt's last token goes in a chunk of its own: with the prefix cache, a long
         prompt is checkpointed one token before its end, so that sending it again (a regenerated
         answer, a retried request) finds all but that token cached; short prompts skip the extra
-        step (it costs one decode step of time to the first token)."""
+        step (it costs one decode step of time to the first token), and so do prompts with a
+        checkpoint of their own in their last page (a chat's answer start: sent again, it hits there)."""
         prefix = self.cache.prefix
         return (prefix is not None and seq.prefill_len >= prefix.split_min
-                and seq.num_cached < seq.prefill_len - 1)
+                and seq.num_cached < seq.prefill_len - 1
+                and not any(seq.prefill_len - prefix.page_size <= p < seq.prefill_len for p in seq.request.checkpoints))
 
     def _admit(self) -> None:
         """Move waiting sequences to running while a slot and their prompt's pages are free; a
