@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +168,19 @@ def tool_call_json(index: int, name: str, arguments: str) -> dict[str, Any]:
 
 # an assistant answer no template alters, to find where an answer starts in a rendered history
 _PROBE = "ninfer-answer-probe"
+
+
+def _common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items two strings or lists share, by bisection over slice comparisons:
+    done in C, where a Python loop over a long chat's ids or characters cost ~5-8 ms a request."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 @dataclass(frozen=True)
@@ -377,8 +389,7 @@ class LLM:
             return ()
         if not history or not prompt.startswith(history):
             return ()
-        head = self.tokenizer.encode(history)
-        common = next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))
+        common = _common_prefix_length(self.tokenizer.encode(history), ids)
         return (common,) if 0 < common < len(ids) else ()
 
     def _answer_start(self, request: ChatRequest, messages: Sequence[Mapping[str, Any]], prompt: str,
@@ -398,7 +409,7 @@ class LLM:
                                         **request.template_kwargs)
         except NinferError:
             return ()
-        start = len(os.path.commonprefix([prompt, turn]))
+        start = _common_prefix_length(prompt, turn)
         if start == len(prompt) or _PROBE not in turn[start:]:
             return ()
         suffix = self.tokenizer.encode(prompt[start:])
