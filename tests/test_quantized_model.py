@@ -232,3 +232,26 @@ def test_random_weights_take_the_recipe(model_dir):
     assert isinstance(a.model.lm_head, QuantLinear) and a.recipe.mode == "int8"
     logits = prefill_logits(a)
     assert torch.isfinite(logits).all() and torch.equal(logits, prefill_logits(b))
+
+
+def test_concurrent_model_builds_leave_torch_init_as_it_was():
+    """build_model skips the constructors' random init by swapping torch.nn.init's functions for a
+    while; builds on several threads (a server loading models on demand) must not leave them
+    swapped."""
+    import threading
+
+    from torch import nn
+
+    from ninfer_core.models.loader import _INITIALISERS, build_model
+    from ninfer_core.models.presets import preset
+
+    before = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    config = preset("tiny-qwen3.6-moe")
+    threads = [threading.Thread(target=build_model, args=(config, torch.device("meta"), torch.float32))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {name: getattr(nn.init, name) for name in _INITIALISERS} == before
+    assert torch.get_default_dtype() == torch.float32

@@ -6,6 +6,7 @@ every tensor is copied from the memory-mapped checkpoint one at a time.
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
 
 
 # torch.nn.init's in-place initialisers, which module constructors call (nn.Linear, nn.Embedding)
+_ONE_BUILD = threading.Lock()
 _INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
                  "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")
 
@@ -89,19 +91,22 @@ def _building_on(device: torch.device, dtype: torch.dtype):
     """Create parameters directly on `device` in `dtype`, without the constructors' random
     initialisation: every weight is loaded (or `init_random_`-ed) afterwards, and initialising
     costs seconds for a large model on the CPU, and on the meta device imports torch._dynamo
-    (torch's reference kernels: 2 s of every start)."""
-    previous = torch.get_default_dtype()
-    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
-    torch.set_default_dtype(dtype)
-    for name in _INITIALISERS:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        with device:
-            yield
-    finally:
-        torch.set_default_dtype(previous)
-        for name, function in saved.items():
-            setattr(nn.init, name, function)
+    (torch's reference kernels: 2 s of every start). Both the default dtype and nn.init are
+    process-wide: one build at a time (a server loads models on demand from several threads; two
+    overlapping builds could leave the no-op initialisers installed for good)."""
+    with _ONE_BUILD:
+        previous = torch.get_default_dtype()
+        saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+        torch.set_default_dtype(dtype)
+        for name in _INITIALISERS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        try:
+            with device:
+                yield
+        finally:
+            torch.set_default_dtype(previous)
+            for name, function in saved.items():
+                setattr(nn.init, name, function)
 
 
 def build_model(
