@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -135,21 +136,31 @@ class GrammarCompiler:
 
 
 @functools.cache
-def _batch_filler() -> Any:
+def _batch_filler(threads: int) -> Any:
     import xgrammar
 
-    return xgrammar.BatchGrammarMatcher()
+    return xgrammar.BatchGrammarMatcher(threads)
+
+
+def _fill_threads(rows: int) -> int:
+    """Rows are filled in parallel, one thread per row up to half the cores (xgrammar's "auto"):
+    one row's fill can take milliseconds (bounded strings: xgrammar issue #852, open in 0.2.9), and
+    several such rows in one thread would outlast the forward they hide behind."""
+    return max(1, min(rows, (os.cpu_count() or 2) // 2))
 
 
 def fill_bitmask(matchers: Sequence[GrammarMatcher | None], vocab: int,
                  pin: bool = False) -> tuple[torch.Tensor, list[int]]:
     """The host half of `constrain`: a packed mask [R, words(vocab)] whose rows that have a matcher
-    hold the tokens their grammar and UTF-8 allow next (xgrammar fills them in one call), and
+    hold the tokens their grammar and UTF-8 allow next (xgrammar fills them, in parallel), and
     those rows. `pin`: page-locked, for an asynchronous copy to the GPU."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     bitmask = torch.empty((len(matchers), words(vocab)), dtype=torch.int32, pin_memory=pin)
     live = [m for m in matchers if m is not None]
-    _batch_filler().batch_fill_next_token_bitmask([m.raw for m in live], bitmask, rows)
+    if len(live) == 1:  # waking a thread pool costs ~60 us: more than most single fills
+        live[0].raw.fill_next_token_bitmask(bitmask, rows[0])
+    else:
+        _batch_filler(_fill_threads(len(live))).batch_fill_next_token_bitmask([m.raw for m in live], bitmask, rows)
     # numpy on the shared memory: torch's small ops cost ~10x more, and wake its thread pool
     bitmask.numpy()[rows] &= live[0].utf8.masks[[m.utf8_state for m in live]]
     return bitmask, rows
