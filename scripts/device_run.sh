@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench engine serve spec grammar
+#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix
 # Wheels for packages missing there travel in .whl/; `scripts/make_bench_model.py` writes the
 # weight-less exact-shape model directories (.bench/) that `serve` uses.
 set -uo pipefail
@@ -74,6 +74,8 @@ LIST
     kill $server; wait $server; tail -5 "$OUT/serve.log" ;;
   moe)
     timeout 400 python3 scripts/bench_moe_triton.py --json "$OUT/moe_triton.json" 2>&1 | tail -12 ;;
+  chunk)
+    timeout 120 python3 scripts/bench_chunk_attention.py --json "$OUT/chunk_attention.json" 2>&1 | tail -8 ;;
   prefix)
     # issue 14: TTFT with the prefix cache on / off (chat to 32K tokens, agent with a 20K prefix)
     [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b

@@ -5,7 +5,8 @@ softmax per sequence) on caches with shuffled pages, the quantization error boun
 layer's decode / prefill paths against each other. `cuda` tests check the kernels (write_kv,
 split-K decode_attention) against the references and float64 on fresh random inputs with
 poisoned outputs and workspaces, mixed context lengths in one batch, and CUDA graph replay as
-the context grows; they need ninfer_core._C built.
+the context grows; they need ninfer_core._C built. The Triton chunk kernel (chunk_attention) is
+checked against float64 compiled on a GPU and in Triton's interpreter on the CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from ninfer_core.layers.attention import Attention, AttentionMetadata
 from ninfer_core.ops import dispatch
 from ninfer_core.ops.attention import (
     attention_ref,
+    chunk_attention,
+    chunk_tiles,
     decode_attention,
     dequantize_kv,
     prefill_attention,
@@ -375,3 +378,50 @@ def test_prefill_attention_matches_reference_on_gpu(kind):
     _close(out, expected, TOL)
     ref = attention_ref(case.q, case.kv, case.table, case.cache_lens, case.scale)
     assert _rel_l2(ref, expected) < REF_L2 and _rel_l2(out, ref) < REF_L2
+
+
+# ------------------------------------------------------------- Triton chunk attention kernel
+
+
+@pytest.fixture
+def chunk_device():
+    """cuda where a GPU is present (compiled kernels), else the CPU under Triton's interpreter."""
+    dispatch.triton_kernels.cache_clear()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dispatch.triton_kernels("chunk_attention_kernels") is None:
+        pytest.skip("triton cannot run here")
+    yield device
+    dispatch.triton_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("lens,num_new,heads,kv_heads,dim", [
+    ([0, 37, 700], 48, 16, 2, 256),  # the 35B's heads, mixed prefixes, one split per tile
+    ([300], 20, 6, 1, 128),  # a group of 6 padded to 8, a partial last tile
+    ([700], 8, 8, 1, 64),  # one program: the keys split across programs, then combined
+    ([5, 90], 33, 4, 4, 64),  # no grouping
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_chunk_kernel_matches_float64(chunk_device, lens, num_new, heads, kv_heads, dim, dtype):
+    if dtype == torch.bfloat16 and chunk_device == "cpu":
+        pytest.skip("Triton's interpreter misreads bf16 (numpy has none); compiled on a GPU it is tested")
+    case = Case(lens, num_new, heads, kv_heads, dim, None, dtype, chunk_device, seed=num_new + dim)
+    out = chunk_attention(case.q, case.kv, case.table, case.cache_lens, case.scale)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    _close(out, case.expected(), TOL)
+
+
+def test_chunk_kernel_splits_when_programs_are_few(chunk_device):
+    """The split-and-combine path is taken (and right) for one tile of one kv head over a long
+    prefix, and the single-pass path for many tiles: both against float64."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if chunk_device == "cuda" else 4
+    tiles = chunk_tiles(8, 64)
+    for num_new in (tiles.block_t, tiles.block_t * 4 * sms):
+        case = Case([1000], num_new, 8, 1, 64, None, torch.float16, chunk_device, seed=num_new)
+        _close(chunk_attention(case.q, case.kv, case.table, case.cache_lens, case.scale), case.expected(), TOL)
+
+
+def test_chunk_attention_without_triton_runs_rows_of_the_decode_path(monkeypatch):
+    """Where no Triton kernel applies, the chunk runs as rows of 16 tokens (fp32 on the CPU here)."""
+    monkeypatch.setattr(dispatch, "triton_kernels", lambda module: None)
+    case = Case([3, 40], 32, 4, 2, 16, None, torch.float32, "cpu", seed=3)
+    _close(chunk_attention(case.q, case.kv, case.table, case.cache_lens, case.scale), case.expected(), 1e-5)

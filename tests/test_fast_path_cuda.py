@@ -210,22 +210,42 @@ def test_mtp_graph_drafts_equal_eager_drafting(model_dir):
     assert all(graph == eager for graph, eager in rounds)
 
 
+def first_logits(llm: LLM, prompt: list[int], cached: int = 0) -> torch.Tensor:
+    """The logits of the prompt's last token, read as one chunk after `cached` tokens that come
+    from the prefix cache."""
+    engine = llm.engine
+    engine.add_request(GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=1)))
+    plan = engine.scheduler.schedule()
+    (chunk,) = plan.prefills
+    assert chunk.seq.num_cached == cached and chunk.last
+    out = engine._forward([engine._prefill_batch(chunk)])[0].logits[0, -1].float().clone()
+    engine.abort(chunk.seq.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return out
+
+
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
 def test_prefill_graph_logits_match_eager(model_dir, weights):
-    """The first token's logits after a prompt read by its padded chunk graph (attention 16 tokens
-    a row on the decode kernel, padding on the scratch page) against the eager read."""
-    def first_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-        engine = llm.engine
-        engine.add_request(GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=1)))
-        plan = engine.scheduler.schedule()
-        (chunk,) = plan.prefills
-        out = engine._forward([engine._prefill_batch(chunk)])[0].logits[0, -1].float().clone()
-        engine.abort(chunk.seq.request_id)
-        return out
-
+    """The first token's logits after a prompt read by its padded chunk graph (attention on the
+    Triton chunk kernel, padding on the scratch page) against the eager read."""
     graphs = load(model_dir, weights=weights)
     eager = load(model_dir, weights=weights, cuda_graphs=False)
     assert graphs.engine.prefill_graphs is not None and graphs.engine.prefill_graphs.buckets
     for prompt in PROMPTS:
         got, want = first_logits(graphs, prompt), first_logits(eager, prompt)
         assert (got - want).norm() / want.norm() < 2e-2
+
+
+def test_prefill_graph_continues_a_cached_prefix(model_dir):
+    """A prompt that repeats a cached 200-token prompt: its 40 new tokens go through a chunk graph
+    starting at the checkpoint (attention over the shared pages) and give the logits an eager
+    engine without the cache computes for the whole prompt."""
+    prefix = [(7 * i) % 290 + 5 for i in range(200)]
+    prompt = prefix + [(11 * i) % 290 + 5 for i in range(40)]
+    graphs = load(model_dir)
+    eager = load(model_dir, cuda_graphs=False, prefix_cache=False)
+    assert generate(graphs, [prefix], 1)  # checkpointed at the prompt's end
+    got = first_logits(graphs, prompt, cached=200)
+    want = first_logits(eager, prompt)
+    assert (got - want).norm() / want.norm() < 2e-2

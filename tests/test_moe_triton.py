@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from ninfer_core.ops import dispatch
 from ninfer_core.ops import moe as moe_ops
 from ninfer_core.ops import moe_triton
 from ninfer_core.ops.quant import dequantize_ref, quantize
@@ -47,7 +48,7 @@ def _triton(monkeypatch, device: str) -> None:
         assert os.environ.get("TRITON_INTERPRET") == "1", "conftest sets it before Triton is imported"
     elif not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    moe_triton._kernels.cache_clear()
+    dispatch.triton_kernels.cache_clear()
     if not moe_triton.available():
         pytest.skip("triton cannot run here")
 
@@ -55,7 +56,7 @@ def _triton(monkeypatch, device: str) -> None:
 @pytest.fixture(autouse=True)
 def _fresh_kernels():
     yield
-    moe_triton._kernels.cache_clear()
+    dispatch.triton_kernels.cache_clear()
 
 
 def _reference(x, gate_up, down, weights, ids) -> torch.Tensor:

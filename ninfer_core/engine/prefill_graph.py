@@ -6,7 +6,7 @@ work is ~18 ms. A chunk of one sequence with up to 512 tokens instead replays th
 smallest bucket that holds it (16, 32, 48, ... 512 tokens), captured at load. The chunk is
 padded to the bucket (`ForwardBatch.valid_tokens`): padding writes its KV to the scratch page,
 advances no GDN state (g = beta = 0) and is never attended to by real tokens; attention runs on
-the decode kernel, 16 tokens a row (`rows_attention`), so the lengths stay on the device and a
+`chunk_attention` (lengths on the device, a tensor-core Triton kernel on the GPU), so a
 chunk may continue a cached prefix. The logits are the last real token's.
 
 Chunks that carry media, drafter layers or several sequences (mixed steps) run eagerly, and so

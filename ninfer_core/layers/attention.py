@@ -24,7 +24,7 @@ from ..ops.attention import (
     DECODE_MAX_TOKENS,
     decode_attention,
     prefill_attention,
-    rows_attention,
+    chunk_attention,
     write_kv,
 )
 from .linear import MergedLinear
@@ -107,7 +107,7 @@ class Attention(nn.Module):
         if num_new <= DECODE_MAX_TOKENS:
             out = decode_attention(q, kv, meta.block_table, meta.cache_lens, self.scale)
         elif meta.padded:
-            out = rows_attention(q, kv, meta.block_table, meta.cache_lens, self.scale)
+            out = chunk_attention(q, kv, meta.block_table, meta.cache_lens, self.scale)
         else:
             out = prefill_attention(q, kv, meta.block_table, meta.cache_lens, self.scale, meta.host_cache_lens)
         if self.output_gate:

@@ -14,6 +14,8 @@ SDPA over the whole gathered (dequantized) block table.
   decode_attention   T <= 16 (decode, speculative verify): split-K CUDA kernel
                      (csrc/decode_attention.cu), reading 8-bit pages directly; on the CPU an fp32
                      online-softmax pass per (sequence, token, head) (csrc/cpu/decode_ops.h)
+  chunk_attention    a prompt chunk with its lengths on the device (CUDA graphs): a Triton
+                     tensor-core kernel, else rows of 16 tokens on decode_attention
   prefill_attention  longer chunks: per sequence, contiguous K/V + SDPA with a lower-right
                      causal bias (fused flash / memory-efficient backends on the GPU)
 """
@@ -21,6 +23,8 @@ SDPA over the whole gathered (dequantized) block table.
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +37,8 @@ DECODE_MAX_TOKENS = 16  # new tokens per sequence the decode kernel takes (specu
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 _HEAD_DIMS = (64, 128, 256)  # what the kernels are compiled for
 _KV_KINDS = {torch.float8_e4m3fn: "FP8", torch.int8: "INT8"}
+_CHUNK_HEAD_DIMS = (32, 64, 128, 256)  # tl.dot needs >= 16; powers of two for the tiles
+_LOG2E = 1.4426950408889634  # the chunk kernel's softmax runs in base 2
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,16 +222,75 @@ def _cpu_decode_attention(q: torch.Tensor, kv: KVLayer, block_table: torch.Tenso
     return out
 
 
-def rows_attention(
+def chunk_attention(
     q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """`prefill_attention`'s result by the decode kernel: a chunk of T = 16 * R tokens is R rows of
-    16 tokens of the same sequence, row i starting at cache index cache_lens + 16 i (its keys are
-    all in the cache already: the KV of the whole chunk is written first). Lengths stay on the
-    device and shapes depend on T only, so a CUDA graph captures it (prefill graphs)."""
+    """`prefill_attention`'s result with the lengths on the device, so a CUDA graph captures it
+    (prefill graphs: a prompt chunk, possibly after a cached prefix of any length).
+
+    On the GPU a Triton kernel (ops/chunk_attention_kernels.py) runs the chunk on tensor cores:
+    each program takes a tile of tokens x the query heads of one kv head against one split of the
+    keys, so a 384-token chunk over a 30K-token cached prefix is a few GEMM-shaped passes, where
+    the decode kernel (CUDA cores, 16 tokens a row, every row re-reading the prefix) took ~6 ms
+    a layer. Elsewhere (8-bit caches, other head sizes, no Triton) the chunk runs as rows of 16
+    tokens on `decode_attention` (`_rows_attention`). The splits depend on shapes only."""
+    kernels = dispatch.triton_kernels("chunk_attention_kernels")
+    batch, num_new, heads, dim = q.shape
+    kv_heads = kv.k.shape[2]
+    if not (kernels is not None and q.dtype in (torch.bfloat16, torch.float16) and kv.k.dtype == q.dtype
+            and dim in _CHUNK_HEAD_DIMS and heads % kv_heads == 0 and q.stride(-1) == 1
+            and kv.k.is_contiguous() and kv.v.is_contiguous() and kv.k.device == q.device):
+        return _rows_attention(q, kv, block_table, cache_lens, scale)
+    group = heads // kv_heads
+    tiles = chunk_tiles(group, dim)
+    grid_tokens = -(-num_new // tiles.block_t)
+    programs = grid_tokens * batch * kv_heads
+    splits = min(16, 1 << max(0, math.ceil(math.log2(max(1, 2 * (_num_sms(q.device) if q.is_cuda else 4) / programs)))))
+    table = block_table.to(torch.int32).contiguous()
+    lens = cache_lens.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    rows = batch * num_new * heads
+    part_o = torch.empty((splits * rows, dim) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((splits * rows, 2) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    kernels.chunk_attention[(grid_tokens, batch * kv_heads, splits)](
+        q, kv.k, kv.v, table, lens, out, part_o, part_ml, num_new, table.shape[1], scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2),
+        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=tiles.group_pad, HEAD_DIM=dim, PAGE=kv.page_size,
+        BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, SPLITS=splits, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    if splits > 1:
+        kernels.combine_splits[(rows,)](part_o, part_ml, out, rows, heads, num_new, out.stride(0), out.stride(1),
+                                        out.stride(2), HEAD_DIM=dim, SPLITS=splits)
+    return out
+
+
+@dataclass(frozen=True)
+class ChunkTiles:
+    """`chunk_attention`'s tiling: block_t tokens x group_pad heads = 64 query rows a program."""
+
+    group_pad: int
+    block_t: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def chunk_tiles(group: int, dim: int) -> ChunkTiles:
+    group_pad = 1 << max(0, (group - 1).bit_length())
+    return ChunkTiles(group_pad, max(1, 64 // group_pad), block_n=32 if dim > 128 else 64,
+                      num_warps=8 if dim > 128 else 4, num_stages=2)
+
+
+def _rows_attention(
+    q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A chunk of T = 16 * R tokens as R rows of 16 tokens of the same sequence on the decode
+    kernel, row i starting at cache index cache_lens + 16 i (its keys are all in the cache
+    already: the KV of the whole chunk is written first)."""
     batch, num_new, heads, dim = q.shape
     if num_new % DECODE_MAX_TOKENS:
-        raise ValueError(f"rows_attention: {num_new} tokens is not a multiple of {DECODE_MAX_TOKENS}")
+        raise ValueError(f"chunk attention by rows: {num_new} tokens is not a multiple of {DECODE_MAX_TOKENS}")
     rows = num_new // DECODE_MAX_TOKENS
     starts = torch.arange(0, num_new, DECODE_MAX_TOKENS, device=cache_lens.device)
     out = decode_attention(q.reshape(batch * rows, DECODE_MAX_TOKENS, heads, dim), kv,

@@ -102,6 +102,22 @@ def _log_fallback_once(op: str) -> None:
     log.warning("%s runs its torch reference on CUDA tensors (no kernel for this shape / dtype): slow", op)
 
 
+@functools.cache
+def triton_kernels(module: str) -> ModuleType | None:
+    """A module of Triton kernels (`ninfer_core.ops.<module>`), imported on first use, so that
+    TRITON_INTERPRET, read when triton.jit decorates, can be set by a test before; None where
+    kernels are disabled, Triton is missing, or neither a GPU nor the interpreter can run them."""
+    if kernels_disabled():
+        return None
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "") != "1":
+        return None
+    try:
+        return importlib.import_module(f"ninfer_core.ops.{module}")
+    except ImportError as exc:
+        log.debug("triton unavailable (%s): the torch paths run instead", exc)
+        return None
+
+
 def cpu_kernels_available() -> bool:
     """True when CPU tensors would run on the CPU extension's kernels."""
     return not kernels_disabled() and cpu_extension() is not None

@@ -23,17 +23,13 @@ first-sight cost).
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
+from . import dispatch
 from .quant import QuantizedWeight
-
-log = logging.getLogger(__name__)
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -135,16 +131,5 @@ def _launch(a: torch.Tensor, w: QuantizedWeight, out: torch.Tensor,
     )
 
 
-@functools.cache
 def _kernels() -> ModuleType | None:
-    """The jitted kernels (ops/moe_triton_kernels.py), imported on first use, so that
-    TRITON_INTERPRET, read when triton.jit decorates, can be set by a test before; None where
-    Triton is missing or neither a GPU nor the interpreter can run them."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "") != "1":
-        return None
-    try:
-        from . import moe_triton_kernels
-    except ImportError as exc:
-        log.debug("triton unavailable, quantized MoE prefill dequantizes per call: %s", exc)
-        return None
-    return moe_triton_kernels
+    return dispatch.triton_kernels("moe_triton_kernels")
