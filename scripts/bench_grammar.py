@@ -6,7 +6,8 @@
 
 Two realistic constraints: `json` (response_format json_schema: an order with nested objects, an
 array of objects, enums, numbers, a pattern, free text) and `tool_call` (tool_choice "required"
-over two tools: Qwen's XML call with raw, enum, pattern and JSON parameters). Per constraint and
+over two tools: Qwen's XML call with raw, enum, pattern and JSON parameters; `tool_call_unbounded`:
+the same without the one maxLength, to show what xgrammar's bounded strings cost). Per constraint and
 batch size B:
 - host (any machine): B matchers walk a valid answer of the constraint, tokenized by the real
   tokenizer (row i starts i/B of the way in; a finished row starts again). Per step `fill_us`:
@@ -106,7 +107,11 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 FLIGHTS_CALL = {"origin": "FRA", "destination": "NRT", "date": "2026-12-24", "passengers": {"adults": 2, "children": 1},
                 "cabin": "business", "flexible_days": 2,
                 "note": "Window seats together if possible; one passenger needs a vegetarian meal."}
-CONSTRAINTS: dict[str, OutputConstraint] = {"json": JsonOutput(ORDER), "tool_call": ToolCallOutput([FLIGHTS, WEATHER])}
+# the same tools without maxLength: xgrammar fills masks inside a length-bounded string slowly
+# (10-30 ms for some states: xgrammar issue #852), which random-weight answers wander into
+UNBOUNDED_WEATHER = json.loads(json.dumps(WEATHER).replace(', "maxLength": 40', ""))
+CONSTRAINTS: dict[str, OutputConstraint] = {"json": JsonOutput(ORDER), "tool_call": ToolCallOutput([FLIGHTS, WEATHER]),
+                                            "tool_call_unbounded": ToolCallOutput([FLIGHTS, UNBOUNDED_WEATHER])}
 STEP_MS = {1: 3.95, 8: 8.04}  # H200 decode step of the 35B-A3B shape (docs/performance.md, issue 13)
 PROMPT_TOKENS = 512
 
@@ -119,7 +124,8 @@ def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
 
 
 ANSWERS = {"json": json.dumps(ORDER_ANSWER, ensure_ascii=False, indent=1),
-           "tool_call": tool_call_text("search_flights", FLIGHTS_CALL)}
+           "tool_call": tool_call_text("search_flights", FLIGHTS_CALL),
+           "tool_call_unbounded": tool_call_text("search_flights", FLIGHTS_CALL)}
 
 
 def median_us(seconds: list[float]) -> float:

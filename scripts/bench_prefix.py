@@ -5,8 +5,10 @@
 - agent: one long shared prefix (system prompt + tools + context) and a short new message per
   call (issue 14: 20K-token prefix + 200 new tokens, 10 calls), TTFT p50.
 Prompts are random words through the chat template (the real path: template, tokenizer,
-checkpoint hints), answers greedy. The checkpoint memory is reported.
-    python3 scripts/bench_prefix.py .bench/qwen3.6-35b-a3b --random-weights --device cuda --json OUT
+checkpoint hints), answers greedy. The checkpoint memory is reported. `--profile` runs one more
+agent call under torch.profiler (CUDA): its TTFT against GPU busy time, the largest kernels and
+the host ops with the most self time.
+    python3 scripts/bench_prefix.py .bench/qwen3.6-35b-a3b --random-weights --device cuda [--profile] --json OUT
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ninfer_core.cache.prefix_cache import PrefixCache  # noqa: E402
 from ninfer_core.engine.sampling import SamplingParams  # noqa: E402
 from ninfer_core.llm import LLM, ChatRequest, EngineOptions  # noqa: E402
@@ -76,6 +79,7 @@ def main() -> None:
     parser.add_argument("--agent-prefix", type=int, default=20000)
     parser.add_argument("--agent-new", type=int, default=200)
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="profile one more agent call (CUDA)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     llm = LLM.load(args.model, EngineOptions(device=args.device, max_context=args.max_context,
@@ -99,8 +103,36 @@ def main() -> None:
               f"{statistics.median(r['ttft_ms'] for r in agent_rows[1:]):.0f} ms")
     print(f"checkpoints: {report['checkpoint_budget_bytes'] / 2**30:.2f} GiB budget, "
           f"{report['checkpoint_bytes_each'] / 2**20:.1f} MiB each; cache held {report['cached_bytes_on'] / 2**30:.2f} GiB")
+    if args.profile:
+        report["agent_profile"] = profile_agent_call(llm, args)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
+
+
+def profile_agent_call(llm: LLM, args: argparse.Namespace) -> dict:
+    """One more agent call (cache on, its prefix cached by the calls before; a new message, a
+    one-token answer) under the profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from profile_decode import kernel_rows, print_rows
+    from profile_prefill import cpu_rows
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        system = {"role": "system", "content": text(random.Random(2), llm, args.agent_prefix)}  # agent()'s
+        message = {"role": "user", "content": text(random.Random(99), llm, args.agent_new)}
+        ttft, prompt, cached, _ = ask(llm, [system, message], 1)
+        torch.cuda.synchronize()
+    row = dict(prompt_tokens=prompt, cached_tokens=cached, ttft_ms=ttft)
+    rows = kernel_rows(prof, 1)
+    busy = sum(r[0] for r in rows) / 1e3
+    print(f"== profiled agent call: TTFT {row['ttft_ms']:.1f} ms ({row['cached_tokens']} of {row['prompt_tokens']} "
+          f"cached), GPU busy {busy:.1f} ms in {sum(r[1] for r in rows):.0f} kernels")
+    print_rows(rows, top=15)
+    print("   host ops by self CPU time:")
+    for us, calls, name in cpu_rows(prof, top=12):
+        print(f"   {us / 1e3:8.2f} ms {calls:6d}x  {name[:90]}")
+    return dict(row, gpu_busy_ms=busy, top=[dict(us=u, calls=c, name=n) for u, c, n in rows[:20]])
 
 
 if __name__ == "__main__":
