@@ -80,7 +80,7 @@ LIST
     # issue 14: TTFT with the prefix cache on / off (chat to 32K tokens, agent with a 20K prefix)
     [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
     NINFER_REQUIRE_KERNELS=1 timeout 400 python3 scripts/bench_prefix.py .bench/qwen3.6-35b-a3b --random-weights \
-      --device cuda --json "$OUT/prefix_35b.json" 2>&1 | tail -6 ;;
+      --device cuda ${PREFIX_FLAGS:-} --json "$OUT/prefix_35b.json" 2>&1 | tail -40 ;;
   prefill)
     timeout 300 python3 scripts/profile_prefill.py qwen3.6-35b-a3b --lengths ${PREFILL_LENGTHS:-37,128,512} \
       --json "$OUT/prefill_35b.json" 2>&1 | tail -80 ;;
