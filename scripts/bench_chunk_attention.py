@@ -46,8 +46,7 @@ def main() -> None:
     device = torch.device("cuda")
     base = attn.chunk_tiles(HEADS // KV_HEADS, HEAD_DIM)
     variants = {"default": base, "n64": replace(base, block_n=64), "w8": replace(base, num_warps=8),
-                "s3": replace(base, num_stages=3), "n64s3": replace(base, block_n=64, num_stages=3),
-                "t16": replace(base, block_t=16)}
+                "s2": replace(base, num_stages=2), "t16": replace(base, block_t=16)}
     results = []
     for point in args.points.split(","):
         new, prefix = (int(x) for x in point.split(":"))

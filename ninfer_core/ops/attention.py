@@ -277,11 +277,12 @@ class ChunkTiles:
 
 
 def chunk_tiles(group: int, dim: int) -> ChunkTiles:
-    """H200, head_dim 256 (scripts/bench_chunk_attention.py, 2026-12-01): 4 warps ran 1.6x faster
-    than 8 (1.02 vs 1.66 ms for 384 tokens over a 29.7K prefix, 184 TFLOP/s)."""
+    """H200, head_dim 256 (scripts/bench_chunk_attention.py, 2026-12-01): 4 warps and 3 stages ran
+    fastest, 0.91 ms for 384 tokens over a 29.7K prefix (207 TFLOP/s; 8 warps 1.66 ms, 64-key
+    tiles 1.15 ms, 16-token tiles 2.35 ms)."""
     group_pad = 1 << max(0, (group - 1).bit_length())
     return ChunkTiles(group_pad, max(1, 64 // group_pad), block_n=32 if dim > 128 else 64, num_warps=4,
-                      num_stages=2)
+                      num_stages=3)
 
 
 def _rows_attention(
