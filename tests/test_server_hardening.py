@@ -237,8 +237,10 @@ def test_an_unexpected_error_is_a_counted_500_without_its_text(server, monkeypat
 
 def test_foreign_host_names_are_refused(server, model):
     url = server.url + "/v1/models"
+    counted = metric(server, "/v1/models", 403)
     refused = httpx.get(url, headers={"Host": "attacker.example", "Origin": "http://attacker.example"})
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "host_not_allowed"
+    assert metric(server, "/v1/models", 403) == counted + 1  # refusals show in /metrics
     assert "--allowed-hosts attacker.example" in refused.json()["error"]["message"]
     for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "app.localhost", "[::1]", "192.168.1.7"):
         assert httpx.get(url, headers={"Host": host}).status_code == 200, host
@@ -281,9 +283,10 @@ def test_cross_site_requests_are_refused_before_any_work(server, monkeypatch):
         add_request(request)
 
     monkeypatch.setattr(engine, "add_request", counted_add_request)
-    served = metric(server, CHAT, 200)
+    served, refused = metric(server, CHAT, 200), metric(server, CHAT, 403)
     for origin in ("https://evil.example", "null", f"http://localhost.evil.example:{server.port}"):
         assert_origin_refused(simple_post(server, CHAT, origin), origin)
+    assert metric(server, CHAT, 403) == refused + 3
     assert_origin_refused(simple_post(server, MESSAGES, "https://evil.example"), "https://evil.example")
     assert_origin_refused(httpx.get(server.url + "/v1/models", headers={"origin": "null"}), "null")  # every method
     with socket.create_connection((server.host, server.port), timeout=10) as sock:  # refused unread

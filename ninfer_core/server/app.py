@@ -63,7 +63,8 @@ def create_app(
         app.include_router(module.router)
     install_error_handlers(app)
     # the last added is the outermost: count everything (500s included: the boundary answers them
-    # inside the counter), refuse foreign Host names and Origins first, answer preflights before the key check
+    # inside the counter; the 403s of foreign Host names and Origins too), refuse those first, answer
+    # preflights before the key check
     app.add_middleware(ErrorBoundary)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     origins = list(cors_origins or [])
@@ -76,9 +77,9 @@ def create_app(
         expose_headers=["Retry-After"],
         max_age=600,
     )
-    app.add_middleware(RequestCounter, metrics=app.state.metrics)
     app.add_middleware(ClientCheck, hosts=hosts or HostPolicy.for_server("127.0.0.1", None),
                        origins=OriginPolicy.for_server(cors_origins))
+    app.add_middleware(RequestCounter, metrics=app.state.metrics)
     return app
 
 
