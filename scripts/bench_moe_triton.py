@@ -2,7 +2,7 @@
 layer (gate_up + down + combine) at several token counts for several tilings, against the
 dequantize + grouped-GEMM path it replaced and the decode kernels, with the effective bandwidth
 over the bytes of the hit experts' int4 codes and scales.
-    python3 scripts/bench_moe_triton.py [--tokens 16,37,128,512,2048,8192] [--quick] [--json OUT]
+    python3 scripts/bench_moe_triton.py [--tokens 16,37,128,512,2048,8192] [--json OUT]
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import argparse
 import itertools
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,22 +30,17 @@ def hit_bytes(ids: torch.Tensor, gate_up, down) -> int:
     return hit * per_expert
 
 
-def _name(cfg: moe_triton.TileConfig) -> str:
-    return f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + (" split" if cfg.split_nibbles else "")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="16,37,128,512,2048,8192")
-    parser.add_argument("--quick", action="store_true", help="the tiling in use and split-nibble variants only")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
     gate_up = quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02, "int4",
                        GROUP)
     down = quantize(torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * 0.02, "int4", GROUP)
-    configs = [moe_triton.TileConfig(n, k, w, s, split) for n, k, w, s, split in
-               itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (False, True))]
+    configs = [moe_triton.TileConfig(n, k, w, s) for n, k, w, s in
+               itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
     results = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -61,10 +55,6 @@ def main() -> None:
             row["decode_kernels_ms"] = cuda_median_ms(lambda: moe_ops._decode(x, plan, weights, ids, EXPERTS))
         block_m = moe_triton.block_m_for(tokens * TOP_K, EXPERTS)
         timings = {}
-        chosen = moe_triton.TILES[block_m]
-        if args.quick:  # the tiling in use, split or not, and a few split neighbours
-            configs = [chosen, replace(chosen, split_nibbles=True), replace(chosen, split_nibbles=True, num_warps=8),
-                       replace(chosen, split_nibbles=True, block_n=64 if chosen.block_n == 128 else 128)]
         for cfg in configs:
             def run(cfg=cfg):
                 aligned = moe_triton.align_by_expert(ids, EXPERTS, block_m)
@@ -74,15 +64,17 @@ def main() -> None:
             try:
                 out = run()
                 err = float((out.float() - ref.float()).norm() / ref.float().norm())
-                timings[_name(cfg)] = (cuda_median_ms(run), err)
+                timings[f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"] = (cuda_median_ms(run), err)
             except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is just skipped
-                timings[_name(cfg)] = (float("nan"), str(exc)[:80])
+                timings[f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"] = (float("nan"), str(exc)[:80])
         best = min((v[0], k) for k, v in timings.items() if v[0] == v[0])
-        row.update(block_m=block_m, best=best[1], best_ms=best[0], default_ms=timings[_name(chosen)][0],
+        default = f"{moe_triton.DEFAULT_TILES.block_n}x{moe_triton.DEFAULT_TILES.block_k} " \
+                  f"w{moe_triton.DEFAULT_TILES.num_warps} s{moe_triton.DEFAULT_TILES.num_stages}"
+        row.update(block_m=block_m, best=best[1], best_ms=best[0], default_ms=timings[default][0],
                    timings={k: v for k, v in timings.items()})
         results.append(row)
         print(f"tokens {tokens:5d} (BM {block_m}): dequant+grouped {row['dequant_grouped_ms']:.3f} ms, "
-              f"decode kernels {row.get('decode_kernels_ms', float('nan')):.3f} ms, triton in use "
+              f"decode kernels {row.get('decode_kernels_ms', float('nan')):.3f} ms, triton default "
               f"{row['default_ms']:.3f} ms, best {best[0]:.3f} ms [{best[1]}] = "
               f"{moved / best[0] / 1e6:.0f} GB/s over {moved / 1e6:.0f} MB, err {timings[best[1]][1]}")
     if args.json:

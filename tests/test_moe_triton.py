@@ -5,7 +5,6 @@ run in Triton's interpreter (TRITON_INTERPRET=1) where Triton is installed; on a
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -78,12 +77,8 @@ def _reference(x, gate_up, down, weights, ids) -> torch.Tensor:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", 0)])
 @pytest.mark.parametrize("tokens", [3, 37])
-@pytest.mark.parametrize("split_nibbles", [False, True])
-def test_grouped_quantized_experts_match_float64(monkeypatch, device, kind, group, tokens, split_nibbles):
+def test_grouped_quantized_experts_match_float64(monkeypatch, device, kind, group, tokens):
     _triton(monkeypatch, device)
-    if split_nibbles:
-        tiles = {m: replace(t, split_nibbles=True) for m, t in moe_triton.TILES.items()}
-        monkeypatch.setattr(moe_triton, "TILES", tiles)
     gen = torch.Generator().manual_seed(tokens + group)
     experts, hidden, inter, top_k = 8, 128, 64, 3
     gate_up = quantize(torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1, kind, group or 128)

@@ -70,7 +70,6 @@ class TileConfig:
     block_k: int = 64  # capped at the int4 group size
     num_warps: int = 4
     num_stages: int = 3
-    split_nibbles: bool = False  # int4: even / odd input columns in two dots (no nibble interleave)
 
 
 DEFAULT_TILES = TileConfig()
@@ -127,8 +126,7 @@ def _launch(a: torch.Tensor, w: QuantizedWeight, out: torch.Tensor,
         out.shape[0], rows_per_a, n, w.in_features, a.stride(0), w.qweight.stride(0), w.qweight.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(0), n if gate_up else 0,
         GATE_UP=gate_up, INT4=w.kind == "int4", GROUP=max(w.group_size, 1),
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, SPLIT_NIBBLES=tiles.split_nibbles,
-        num_warps=tiles.num_warps,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
 

@@ -23,24 +23,12 @@ def _weight_tile(w_ptr, s_ptr, rows, k0, k, stride_wn, stride_sn,
         scale = tl.load(s_ptr + rows * stride_sn).to(tl.float32)
     return tl.trans((codes * scale[:, None]).to(dtype))
 
-@triton.jit
-def _nibble_tiles(w_ptr, s_ptr, rows, k0, k, stride_wn, stride_sn,
-                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """The even and odd columns k0.. of int4 weight rows `rows`, dequantized: two [BLOCK_K / 2, BLOCK_N]."""
-    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_ptr + rows[:, None] * stride_wn + half[None, :], mask=half[None, :] < k // 2, other=136)
-    scale = tl.load(s_ptr + rows * stride_sn + k0 // GROUP).to(tl.float32)[:, None]
-    low = (((packed & 15).to(tl.float32) - 8.0) * scale).to(dtype)
-    high = (((packed >> 4).to(tl.float32) - 8.0) * scale).to(dtype)
-    return tl.trans(low), tl.trans(high)
-
-
 @triton.jit(do_not_specialize=["num_slots"])  # one compiled kernel for every token count
 def grouped_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, experts_ptr, used_ptr,
                  num_slots, rows_per_a, n, k, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                  up_offset,
                  GATE_UP: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(n, BLOCK_N)
     pid_m = pid // tiles_n
@@ -59,28 +47,14 @@ def grouped_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, experts_ptr, used_ptr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
-        if INT4 and SPLIT_NIBBLES:
-            # even columns of x against the low nibbles, odd against the high: two dots of half the
-            # depth instead of interleaving the nibbles into one tile (a register shuffle per tile)
-            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            x_mask = valid[:, None] & (even[None, :] < k)
-            x_even = tl.load(a_ptr + a_rows[:, None] * stride_am + even[None, :], mask=x_mask, other=0.0)
-            x_odd = tl.load(a_ptr + a_rows[:, None] * stride_am + even[None, :] + 1, mask=x_mask, other=0.0)
-            low, high = _nibble_tiles(w_base, s_base, rows, k0, k, stride_wn, stride_sn, GROUP, BLOCK_K, dtype)
-            acc = tl.dot(x_odd, high, tl.dot(x_even, low, acc))
-            if GATE_UP:
-                low, high = _nibble_tiles(w_base, s_base, rows + up_offset, k0, k, stride_wn, stride_sn, GROUP,
-                                          BLOCK_K, dtype)
-                acc_up = tl.dot(x_odd, high, tl.dot(x_even, low, acc_up))
-        else:
-            kk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :], mask=valid[:, None] & (kk[None, :] < k),
-                        other=0.0)
-            acc += tl.dot(x, _weight_tile(w_base, s_base, rows, k0, k, stride_wn, stride_sn, INT4, GROUP, BLOCK_K,
-                                          dtype))
-            if GATE_UP:
-                acc_up += tl.dot(x, _weight_tile(w_base, s_base, rows + up_offset, k0, k, stride_wn, stride_sn, INT4,
-                                                 GROUP, BLOCK_K, dtype))
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :], mask=valid[:, None] & (kk[None, :] < k),
+                    other=0.0)
+        acc += tl.dot(x, _weight_tile(w_base, s_base, rows, k0, k, stride_wn, stride_sn, INT4, GROUP, BLOCK_K,
+                                      dtype))
+        if GATE_UP:
+            acc_up += tl.dot(x, _weight_tile(w_base, s_base, rows + up_offset, k0, k, stride_wn, stride_sn, INT4,
+                                             GROUP, BLOCK_K, dtype))
     if GATE_UP:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     mask = valid[:, None] & (cols[None, :] < n)
