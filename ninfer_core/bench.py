@@ -30,6 +30,7 @@ from .cache import CacheManager
 from .cache.manager import DEFAULT_PAGE_SIZE
 from .config import ModelConfig
 from .engine.cuda_graph import DecodeGraphs
+from .engine.graph_capture import capture
 from .errors import NinferError
 from .hub.fit import count_params
 from .layers.moe import Experts
@@ -252,6 +253,19 @@ class _Harness:
         return DecodeRun(batch=batch, context=context, ms_per_step=seconds * 1e3, tok_s=batch / seconds,
                          bytes_per_step=moved, gb_s=moved / seconds / 1e9,
                          roofline_fraction=moved / seconds / bandwidth if math.isfinite(bandwidth) else float("nan"))
+
+
+def graph_replay_ms(fn: Callable[[], object], replays: int = 20) -> float:
+    """Mean milliseconds of one replay of a CUDA graph of fn: kernel time without launch overhead."""
+    graph, _ = capture(fn)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def cuda_median_ms(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) -> float:

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer_core.cache import KVPool
-from ninfer_core.engine.graph_capture import capture
+from ninfer_core.bench import graph_replay_ms
 from ninfer_core.ops import dispatch
 from ninfer_core.ops.attention import decode_attention, write_kv
 
@@ -52,15 +52,7 @@ def bench_point(batch: int, context: int, kv_dtype: str, replays: int) -> dict:
         for kv in kvs:
             decode_attention(q, kv, table, lens, HEAD_DIM**-0.5, out=out)
 
-    graph, _ = capture(step)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / (replays * layers)
+    seconds = graph_replay_ms(step, replays) / 1e3 / layers
     moved = kv_bytes + 2 * q.numel() * q.element_size()
     splits = dispatch.extension().decode_attention_max_splits(
         batch=batch, num_new=1, num_heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE,

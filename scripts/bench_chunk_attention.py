@@ -20,22 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer_core.cache import KVPool  # noqa: E402
-from ninfer_core.engine.graph_capture import capture  # noqa: E402
+from ninfer_core.bench import graph_replay_ms  # noqa: E402
 from ninfer_core.ops import attention as attn  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 2, 256, 16
-
-
-def timed_ms(fn, replays: int = 20) -> float:
-    graph, _ = capture(fn, None)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 def main() -> None:
@@ -63,13 +51,13 @@ def main() -> None:
         flops = new * (prefix + new / 2) * HEADS * HEAD_DIM * 4
         row = {"new": new, "prefix": prefix}
         rows_out = attn._rows_attention(q, kv, table, lens, scale)
-        row["rows_ms"] = timed_ms(lambda: attn._rows_attention(q, kv, table, lens, scale))
+        row["rows_ms"] = graph_replay_ms(lambda: attn._rows_attention(q, kv, table, lens, scale))
         row["rows_err"] = ((rows_out.double() - ref).norm() / ref.norm()).item()
         for name, tiles in variants.items():
             attn.chunk_tiles = lambda group, dim, tiles=tiles: tiles
             try:
                 out = attn.chunk_attention(q, kv, table, lens, scale)
-                row[f"{name}_ms"] = timed_ms(lambda: attn.chunk_attention(q, kv, table, lens, scale))
+                row[f"{name}_ms"] = graph_replay_ms(lambda: attn.chunk_attention(q, kv, table, lens, scale))
             except Exception as exc:  # noqa: BLE001 - a tiling that does not fit (shared memory) is skipped
                 print(f"{name}: {str(exc)[:120]}")
                 row[f"{name}_ms"], row[f"{name}_err"], row[f"{name}_tflops"] = float("inf"), None, 0.0

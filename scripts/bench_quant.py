@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ninfer_core.engine.graph_capture import capture  # noqa: E402
+from ninfer_core.bench import graph_replay_ms  # noqa: E402
 from ninfer_core.ops import dispatch, quant  # noqa: E402
 
 # (name, N, K): Qwen3.6-35B-A3B attention / shared expert / lm_head, Qwen3.6-27B MLP, tiny heads.
@@ -48,15 +48,7 @@ def seconds_per_call(call: Callable[[int], object], copies: int, iters: int) -> 
         for i in range(copies):
             call(i)
 
-    graph, _ = capture(calls)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (iters * copies)
+    return graph_replay_ms(calls, iters) / 1e3 / copies
 
 
 def copy_gbps() -> float:
