@@ -159,9 +159,11 @@ def sync_free_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
 
 def decode_kernel_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
     """The most tokens the decode kernels take; past it a grouped path reads each hit expert once.
-    (On the H200 at the 35B shape the decode kernels still win at 37 tokens, 0.45 vs 0.69 ms a
-    layer, and the grouped int4 kernels from 128: 0.78 vs 1.6 ms for dequantize + grouped GEMM:
-    scripts/bench_moe_triton.py.)"""
+    (On the H200 at the 35B shape, timed eagerly, the decode kernels won at 37 tokens, 0.45 vs
+    0.69 ms a layer, and the grouped int4 kernels from 128: 0.78 vs 1.6 ms for dequantize +
+    grouped GEMM: scripts/bench_moe_triton.py. In the engine's prefill graphs a 128-token prompt
+    reaches its first token sooner than a 37-token one, 29 vs 32 ms, so the crossover may be
+    lower there: the bench now times both in graphs, to be measured.)"""
     quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
     return QUANTIZED_DECODE_MAX_TOKENS if quantized else DECODE_MAX_TOKENS
 
