@@ -69,7 +69,7 @@ def assert_server_error(error: dict, kind: str = "server_error") -> None:
     assert "secret" not in error["message"] and "RuntimeError" not in error["message"], error
 
 
-def test_a_failed_request_is_a_500_and_the_one_beside_it_completes(server, client, running_at_failures):
+def test_a_failed_request_is_a_500_and_the_one_beside_it_completes(server, client, running_at_failures, caplog):
     alone = client.completions.create(**FREE).choices[0].text
     beside: dict[str, str] = {}
     thread = threading.Thread(target=lambda: beside.update(text=client.completions.create(**FREE).choices[0].text))
@@ -100,6 +100,8 @@ def test_a_failed_request_is_a_500_and_the_one_beside_it_completes(server, clien
     thread.join(60)
     assert beside["text"] == alone  # decoded in the same steps as the failures, untouched
     assert len(running_at_failures) == 5 and min(running_at_failures) >= 2
+    failures = [r for r in caplog.records if "failed in the engine" in r.getMessage()]
+    assert len(failures) == 5 and all(r.exc_info for r in failures)  # each once, with its traceback
 
 
 def test_a_request_the_engine_cannot_take_is_a_500_and_user_errors_stay_400(server, client, monkeypatch):

@@ -620,7 +620,8 @@ class LLMEngine:
         try:
             return self._record(seq, tokens, logprobs)
         except Exception:  # noqa: BLE001 - whatever it was, the other requests of the batch go on
-            return self._fail(seq, logged_internal_error(log, f"request {seq.request_id} failed in the engine"))
+            return self._fail(seq, logged_internal_error(log, f"request {seq.request_id} failed in the engine"),
+                              logged=True)
 
     def _record(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         taken: list[int] = []
@@ -671,8 +672,11 @@ class LLMEngine:
             return self._fail(seq, "no token fits the request's grammar here (or the logits were NaN / infinite)")
         return self._fail(seq, "the model produced logits that are NaN or infinite")
 
-    def _fail(self, seq: Sequence, message: str) -> StepOutput:
-        """End one request with an error; the others in the batch go on."""
+    def _fail(self, seq: Sequence, message: str, logged: bool = False) -> StepOutput:
+        """End one request with an error, logged once (`logged`: with its traceback already); the
+        others in the batch go on."""
+        if not logged:
+            log.warning("request %s failed in the engine: %s", seq.request_id, message)
         seq.finish_reason = "error"
         self._finish_timings(seq)
         return StepOutput(request_id=seq.request_id, new_token_ids=[], text_delta="", finished=True,

@@ -354,8 +354,7 @@ class EngineService:
             if stream is None:
                 continue
             now = time.perf_counter()
-            if out.error is not None:  # the engine failed this request alone
-                log.error("request %s failed in the engine: %s", out.request_id, out.error)
+            if out.error is not None:  # the engine failed this request alone (and logged why)
                 self._finish(out.request_id, EngineError(out.error))
                 continue
             first = stream.last_output_at is None
