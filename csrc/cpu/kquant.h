@@ -1,5 +1,6 @@
 // GGUF K-quant weights (Q4_K, Q6_K) kept as the file's super-blocks, and their decode matmul with
-// int8 activations (llama.cpp's q8_K idea). Why: widening them to our int4 / int8 group formats
+// int8 activations (llama.cpp's q8_K idea, with a scale per 32 inputs: kquant_kernels.h). Why:
+// widening them to our int4 / int8 group formats
 // (weights/gguf_quant.py) made a Q4_K_M model 1.21x its file and decode read 1.35 GB a token
 // where llama.cpp reads 1.0 (docs/performance.md, issue 18); these read the file's bytes.
 //
@@ -55,9 +56,9 @@ struct KQuantWeight {
   KQuantPart part[kMaxParts];
 };
 
-// out[m][n] = sum_k x[m][k] * w[n][k] (+ bias[n]) with x quantized to int8 per block of 256 inputs
-// (scale absmax / 127, round half to even: ops/kquant.py quantize_activations_ref) and multiplied
-// in integers; the block scales, d and dmin in fp32.
+// out[m][n] = sum_k x[m][k] * w[n][k] (+ bias[n]) with x quantized to int8 per group of 32 inputs
+// (scale absmax / 127, round half to even: ops/quant.py quantize_activations_ref) and multiplied
+// in integers; the activation scales, d and dmin in fp32.
 struct KQuantMatmulArgs {
   KQuantWeight w;
   std::uintptr_t out;   // fp32 [m, n]

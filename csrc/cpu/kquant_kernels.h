@@ -1,16 +1,20 @@
 // The K-quant kernels (kquant.h), written once over a vector type V like quant_kernels.h; each
 // isa_*.cpp compiles them with its instruction set.
 //
-// Decode: a pack's 16 rows at once against T activation rows quantized to int8 per super-block.
+// Decode: a pack's 16 rows at once against T activation rows quantized to int8 per 32 inputs.
 // Four code bytes of a row sit in one int32 lane, and the four activations they multiply are the
 // same for every row, so one vector of codes meets one broadcast activation word: integer dot
-// products of 4 (AVX-512 VNNI vpdpbusd; AVX2 maddubs + madd; plain C) summed per sub-block, then
-// times the rows' integer sub-block scales (one vector multiply per sub-block and 16 rows), and
-// per super-block times d (and dmin) and the activation scale in fp32. The minimums (Q4_K) and
-// Q6_K's -32 multiply the activations' sums per sub-block, which are computed once per call.
+// products of 4 (AVX-512 VNNI vpdpbusd; AVX2 maddubs + madd; plain C) summed per sub-block, times
+// the rows' integer sub-block scales (one vector multiply per sub-block and 16 rows), then per
+// 32 inputs converted to fp32 and times d and the activation scale. Q6_K's -32 multiplies the
+// activation codes' sums per 16 (in integers, before the scale), Q4_K's minimums the quantized
+// activations' sums per 32; both are computed once per call.
 // Why this shape, measured on Zen 4 (docs/performance.md, issue 18, third pass): the codes are
-// read as one sequential stream, ~0.1 vector operation per weight byte, so the memory stream,
-// not the arithmetic, sets the pace.
+// read as one sequential stream at ~0.1 vector operation per weight byte (~30 GB/s from the L2,
+// DRAM gives ~20), so the memory stream, not the arithmetic, sets the pace. One activation scale
+// per 32 inputs rather than llama.cpp's per 256: Qwen2.5's few huge activation channels then
+// coarsen 1/48 of the values instead of a third (decode KL 1e-3 instead of 2e-2), for ~10% more
+// arithmetic and no measurable speed.
 //
 // V provides, beyond quant_kernels.h / quant_kernels_a8.h: with_high<S> (lo | (qh shifted left by
 // S, right by -S, in 16-bit lanes) & 0x30: a six-bit code from its low nibble and two high bits),
@@ -33,11 +37,15 @@ struct KQuantSpan {
   const std::uint8_t* data;
 };
 
-// x quantized per super-block: codes, scales (absmax / 127) and sums of the codes per 16.
+constexpr std::int64_t kActivationBlock = 32;  // inputs per activation scale
+
+// x quantized per group of 32 inputs: codes, scales (absmax / 127), the codes' sums per 16 (Q6_K's
+// -32) and the quantized values' sums per 32 (Q4_K's minimums).
 struct ActivationsQ8K {
-  const std::int8_t* q;      // [m, k]
-  const float* d;            // [m, k / 256]
-  const std::int32_t* sums;  // [m, k / 16]
+  const std::int8_t* q;        // [m, k]
+  const float* d;              // [m, k / 32]
+  const std::int32_t* sums16;  // [m, k / 16]
+  const float* sums32;         // [m, k / 32]
 };
 
 struct PreparedKQ {
@@ -87,7 +95,7 @@ struct KQuantKernels {
   // out[t][r] = row r of the pack at `pack` . x rows m0 + t (T of them), without bias.
   template <int T>
   static void q4k_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
-    const std::int64_t blocks = p.k / kSuperBlock;
+    const std::int64_t blocks = p.k / kSuperBlock, groups = p.k / kActivationBlock;
     F acc[kHalves][T];
     for (auto& row : acc)
       for (auto& a : row) a = V::zero();
@@ -96,8 +104,10 @@ struct KQuantKernels {
       q4k_scales(pack, sm);
       const std::uint8_t* qs = pack + 256;
       for (int h = 0; h < kHalves; ++h) {
-        I isum[T], msum[T];
-        for (int t = 0; t < T; ++t) isum[t] = msum[t] = V::izero();
+        const auto* d16 = reinterpret_cast<const std::uint16_t*>(pack) + W * h;
+        const F d = V::halves(d16), dmin = V::halves(d16 + kPackRows);
+        F mins[T];
+        for (int t = 0; t < T; ++t) mins[t] = V::zero();
         for (int sub = 0; sub < 4; ++sub) {  // inputs 64 sub .. 64 sub + 63: sub-blocks 2 sub, 2 sub + 1
           I lo_dot[T], hi_dot[T];
           for (int t = 0; t < T; ++t) lo_dot[t] = hi_dot[t] = V::izero();
@@ -111,22 +121,17 @@ struct KQuantKernels {
             }
           }
           const I sc_lo = V::widen_u8(sm + 32 * sub + W * h), sc_hi = V::widen_u8(sm + 32 * sub + 16 + W * h);
-          for (int t = 0; t < T; ++t) isum[t] = V::iadd(isum[t], V::iadd(V::imul(lo_dot[t], sc_lo), V::imul(hi_dot[t], sc_hi)));
-        }
-        for (int j = 0; j < 8; ++j) {
-          const I m = V::widen_u8(sm + 128 + 16 * j + W * h);
-          for (int t = 0; t < T; ++t) {
-            const std::int32_t* s = p.x.sums + (m0 + t) * (p.k / 16) + b * 16 + 2 * j;
-            msum[t] = V::iadd(msum[t], V::imul(m, V::isplat(s[0] + s[1])));
+          for (int t = 0; t < T; ++t) {  // below 2^24: exact in fp32
+            const float* xd = p.x.d + (m0 + t) * groups + b * 8 + 2 * sub;
+            acc[h][t] = V::fma(V::to_float(V::imul(lo_dot[t], sc_lo)), V::mul(d, V::splat(xd[0])), acc[h][t]);
+            acc[h][t] = V::fma(V::to_float(V::imul(hi_dot[t], sc_hi)), V::mul(d, V::splat(xd[1])), acc[h][t]);
           }
         }
-        const auto* d16 = reinterpret_cast<const std::uint16_t*>(pack) + W * h;
-        const F d = V::halves(d16), dmin = V::halves(d16 + kPackRows);
-        for (int t = 0; t < T; ++t) {
-          const float xd = p.x.d[(m0 + t) * blocks + b];
-          acc[h][t] = V::fma(V::mul(d, V::splat(xd)), V::to_float(isum[t]), acc[h][t]);
-          acc[h][t] = V::fma(V::mul(dmin, V::splat(-xd)), V::to_float(msum[t]), acc[h][t]);
+        for (int j = 0; j < 8; ++j) {
+          const F m = V::to_float(V::widen_u8(sm + 128 + 16 * j + W * h));
+          for (int t = 0; t < T; ++t) mins[t] = V::fma(m, V::splat(p.x.sums32[(m0 + t) * groups + b * 8 + j]), mins[t]);
         }
+        for (int t = 0; t < T; ++t) acc[h][t] = V::fma(V::mul(dmin, V::splat(-1.0f)), mins[t], acc[h][t]);
       }
     }
     for (int h = 0; h < kHalves; ++h)
@@ -135,7 +140,7 @@ struct KQuantKernels {
 
   template <int T>
   static void q6k_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
-    const std::int64_t blocks = p.k / kSuperBlock;
+    const std::int64_t blocks = p.k / kSuperBlock, groups = p.k / kActivationBlock;
     F acc[kHalves][T];
     for (auto& row : acc)
       for (auto& a : row) a = V::zero();
@@ -143,9 +148,11 @@ struct KQuantKernels {
       const auto* sc = reinterpret_cast<const std::int8_t*>(pack + 32);
       const std::uint8_t* steps = pack + 288;
       for (int h = 0; h < kHalves; ++h) {
-        I isum[T];
-        for (int t = 0; t < T; ++t) isum[t] = V::izero();
+        const F d = V::halves(reinterpret_cast<const std::uint16_t*>(pack) + W * h);
         for (int half = 0; half < 2; ++half) {
+          I isum[4][T];  // [q]: sub-blocks 8 half + 2 q and + 1, activation group 4 half + q
+          for (auto& row : isum)
+            for (auto& a : row) a = V::izero();
           for (int cg = 0; cg < 2; ++cg) {  // steps 4 cg .. 4 cg + 3: sub-blocks 8 half + 2 q + cg
             I dot[4][T];
             for (auto& row : dot)
@@ -163,15 +170,17 @@ struct KQuantKernels {
               const int s = 8 * half + 2 * q + cg;
               const I scale = V::widen_s8(sc + 16 * s + W * h);
               for (int t = 0; t < T; ++t) {
-                const std::int32_t bias = 32 * p.x.sums[(m0 + t) * (p.k / 16) + b * 16 + s];  // the codes' -32
-                isum[t] = V::iadd(isum[t], V::imul(V::isub(dot[q][t], V::isplat(bias)), scale));
+                const std::int32_t bias = 32 * p.x.sums16[(m0 + t) * (p.k / 16) + b * 16 + s];  // the codes' -32
+                isum[q][t] = V::iadd(isum[q][t], V::imul(V::isub(dot[q][t], V::isplat(bias)), scale));
               }
             }
           }
-        }
-        const F d = V::halves(reinterpret_cast<const std::uint16_t*>(pack) + W * h);
-        for (int t = 0; t < T; ++t) {
-          acc[h][t] = V::fma(V::mul(d, V::splat(p.x.d[(m0 + t) * blocks + b])), V::to_float(isum[t]), acc[h][t]);
+          for (int q = 0; q < 4; ++q) {
+            for (int t = 0; t < T; ++t) {  // |isum| <= 2 * 16 * 64 * 127 * 128: exact in fp32
+              const float xd = p.x.d[(m0 + t) * groups + b * 8 + 4 * half + q];
+              acc[h][t] = V::fma(V::to_float(isum[q][t]), V::mul(d, V::splat(xd)), acc[h][t]);
+            }
+          }
         }
       }
     }
@@ -217,22 +226,24 @@ struct KQuantKernels {
     }
   }
 
-  // One row of x (k values) quantized per super-block: codes, scales and sums per 16 (kquant.h).
-  static void quantize(const float* x, std::int64_t k, std::int8_t* q, float* d, std::int32_t* sums) {
-    for (std::int64_t b = 0; b < k / kSuperBlock; ++b) {
-      const float* xb = x + b * kSuperBlock;
+  // One row of x (k values) quantized per group of 32 (kquant.h): codes, scales, the codes' sums
+  // per 16 and the quantized values' sums per 32 (scale times the codes' sum).
+  static void quantize(const float* x, std::int64_t k, std::int8_t* q, float* d, std::int32_t* sums16, float* sums32) {
+    for (std::int64_t g = 0; g < k / kActivationBlock; ++g) {
+      const float* xg = x + g * kActivationBlock;
       F amax = V::zero();
-      for (int i = 0; i < kSuperBlock; i += W) amax = V::vmax(amax, V::vabs(V::load(xb + i)));
+      for (int i = 0; i < kActivationBlock; i += W) amax = V::vmax(amax, V::vabs(V::load(xg + i)));
       const float top = V::hmax(amax);
-      d[b] = top / 127.0f;
-      const F inv = V::splat(top > 0 ? 127.0f / top : 0.0f);  // ops/kquant.py quantize_activations_ref: the same
-      std::int8_t* qb = q + b * kSuperBlock;
-      for (int i = 0; i < kSuperBlock; i += W) V::store_i8(qb + i, V::round_to_int(V::mul(V::load(xb + i), inv)));
-      for (int s = 0; s < kSuperBlock / 16; ++s) {
+      d[g] = top / 127.0f;
+      const F inv = V::splat(top > 0 ? 127.0f / top : 0.0f);  // ops/quant.py quantize_activations_ref: the same
+      std::int8_t* qg = q + g * kActivationBlock;
+      for (int i = 0; i < kActivationBlock; i += W) V::store_i8(qg + i, V::round_to_int(V::mul(V::load(xg + i), inv)));
+      for (int s = 0; s < 2; ++s) {
         std::int32_t sum = 0;
-        for (int i = 0; i < 16; ++i) sum += qb[16 * s + i];
-        sums[b * 16 + s] = sum;
+        for (int i = 0; i < 16; ++i) sum += qg[16 * s + i];
+        sums16[2 * g + s] = sum;
       }
+      sums32[g] = d[g] * static_cast<float>(sums16[2 * g] + sums16[2 * g + 1]);
     }
   }
 

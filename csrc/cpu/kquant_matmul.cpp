@@ -50,17 +50,18 @@ std::int64_t kquant_rows(const KQuantWeight& w) {
 void kquant_matmul(const KQuantMatmulArgs& a) {
   const std::vector<KQuantSpan> parts = spans(a.w);
   const IsaKernels& impl = active_kernels();
-  const std::int64_t k = a.w.k, blocks = k / kSuperBlock;
+  const std::int64_t k = a.w.k, groups = k / kActivationBlock;
   std::vector<std::int8_t> q(a.m * k);
-  std::vector<float> d(a.m * blocks);
-  std::vector<std::int32_t> sums(a.m * (k / 16));
+  std::vector<float> d(a.m * groups), sums32(a.m * groups);
+  std::vector<std::int32_t> sums16(a.m * (k / 16));
   const auto* x = reinterpret_cast<const float*>(a.x);
   for (std::int64_t t = 0; t < a.m; ++t) {
-    impl.kquant_quantize(x + t * k, k, q.data() + t * k, d.data() + t * blocks, sums.data() + t * (k / 16));
+    impl.kquant_quantize(x + t * k, k, q.data() + t * k, d.data() + t * groups, sums16.data() + t * (k / 16),
+                         sums32.data() + t * groups);
   }
   const KQuantSpan& last = parts.back();
   const std::int64_t packs = last.pack0 + (last.rows + kPackRows - 1) / kPackRows;
-  const PreparedKQ p{parts.data(), a.w.parts, k, last.row0 + last.rows, {q.data(), d.data(), sums.data()},
+  const PreparedKQ p{parts.data(), a.w.parts, k, last.row0 + last.rows, {q.data(), d.data(), sums16.data(), sums32.data()},
                      reinterpret_cast<float*>(a.out), reinterpret_cast<const float*>(a.bias), a.m};
   const std::int64_t per_task = packs_per_task(packs, a.threads), tasks = (packs + per_task - 1) / per_task;
   parallel_for(tasks, a.threads, [&](std::int64_t t) {

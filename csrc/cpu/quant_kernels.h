@@ -54,7 +54,8 @@ struct IsaKernels {
   // K-quant blocks (kquant.h): packs [g0, g1) of a matmul, one activation row quantized per
   // super-block, rows [r0, r1) of a part dequantized
   void (*kquant_rows)(const PreparedKQ& p, std::int64_t g0, std::int64_t g1);
-  void (*kquant_quantize)(const float* x, std::int64_t k, std::int8_t* q, float* d, std::int32_t* sums);
+  void (*kquant_quantize)(const float* x, std::int64_t k, std::int8_t* q, float* d, std::int32_t* sums16,
+                          float* sums32);
   void (*kquant_dequantize_rows)(const KQuantSpan& s, std::int64_t k, std::int64_t r0, std::int64_t r1, void* out,
                                  bool bf16);
 };

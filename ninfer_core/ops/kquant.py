@@ -6,7 +6,8 @@ its parts: the block type and rows of each tensor stacked along the output rows 
 a Q4_K_M file holds Q4_K q and k and a Q6_K v). Resident bytes are the file's (plus zero rows that
 round each part up to 16). `kquant_linear` is the one place that picks how it multiplies:
   decode (up to CPU_GEMV_ROWS rows) with NINFER_CPU_MATH bf16 (the default) or int8: the CPU
-      kernels, x quantized to int8 per 256 inputs as llama.cpp's q8_K (`kquant_linear_a8_ref`);
+      kernels, x quantized to int8 per 32 inputs (`kquant_linear_a8_ref`; per 256 as llama.cpp's
+      q8_K cost Qwen2.5-1.5B 18x the KL for no measurable speed, docs/performance.md);
   prefill, or NINFER_CPU_MATH=exact: a GEMM over tiles dequantized to bf16 / fp32
       (ops/quant.py cpu_tiled_linear), the fp32 values gguf-py's dequantization gives;
   without the CPU extension, or off the CPU: `kquant_linear_ref`, fp32 x @ dequantize_ref(w).T.
@@ -152,12 +153,12 @@ def kquant_linear_ref(x: torch.Tensor, w: KQuantWeight, bias: torch.Tensor | Non
 
 
 def kquant_linear_a8_ref(x: torch.Tensor, w: KQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference of the CPU decode kernel, in float64 -> [..., N]: x quantized per 256 inputs
+    """Torch reference of the CPU decode kernel, in float64 -> [..., N]: x quantized per 32 inputs
     (ops/quant.py quantize_activations_ref) times the weights. The kernel sums the integer products
     exactly and applies d, dmin and the activation scales in fp32; the weights here are gguf-py's
     fp32 values, within 2^-24 of the exact ones."""
-    codes, scales = quantize_activations_ref(x, SUPER_BLOCK)
-    xq = (codes.double().unflatten(-1, (-1, SUPER_BLOCK)) * scales.double()[..., None]).flatten(-2)
+    codes, scales = quantize_activations_ref(x)
+    xq = (codes.double().unflatten(-1, (-1, 32)) * scales.double()[..., None]).flatten(-2)
     out = xq @ dequantize_ref(w, torch.float64).T
     return out if bias is None else out + bias.double()
 

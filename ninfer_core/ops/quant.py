@@ -255,12 +255,12 @@ def quant_linear_ref(
     return out.to(x.dtype)
 
 
-def quantize_activations_ref(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] (K a multiple of `block`) -> int8 codes [..., K] and fp32 scales [..., K / block]:
-    what the CPU kernels' int8-activation paths multiply by, per block of 32 (csrc/cpu/quant_matmul.h)
-    or of 256 (the K-quant kernels, csrc/cpu/kquant.h): scale absmax / 127, code
-    round-half-even(x * (127 / absmax)), in fp32 like the kernels."""
-    blocks = x.float().unflatten(-1, (-1, block))
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of 32) -> int8 codes [..., K] and fp32 scales [..., K / 32]: what the
+    CPU kernels' int8-activation paths multiply by (csrc/cpu/quant_matmul.h, csrc/cpu/kquant.h):
+    per block of 32, scale absmax / 127, code round-half-even(x * (127 / absmax)), in fp32 like
+    the kernels."""
+    blocks = x.float().unflatten(-1, (-1, 32))
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     return torch.round(blocks * inv).to(torch.int8).flatten(-2), (amax / 127).squeeze(-1)
