@@ -254,17 +254,22 @@ struct KQuantKernels {
     const std::int64_t blocks = k / kSuperBlock, bytes = kPackRows * block_bytes(s.type);
     alignas(64) float values[kSuperBlock];
     alignas(64) std::uint8_t sm[256];
+    alignas(64) std::uint8_t codes[kPackRows][kSuperBlock];
     for (std::int64_t r = r0; r < r1;) {
       const std::int64_t pack = r / kPackRows, end = lesser(r1, (pack + 1) * kPackRows);
       for (std::int64_t b = 0; b < blocks; ++b) {
         const std::uint8_t* block = s.data + (pack * blocks + b) * bytes;
-        if (s.type == BlockType::Q4_K) q4k_scales(block, sm);
+        if (s.type == BlockType::Q4_K) {
+          q4k_scales(block, sm);
+        } else {
+          q6k_codes(block, codes);
+        }
         for (std::int64_t row = r; row < end; ++row) {
           const int lane = static_cast<int>(row % kPackRows);
           if (s.type == BlockType::Q4_K) {
             q4k_row(block, sm, lane, values);
           } else {
-            q6k_row(block, lane, values);
+            q6k_row(block, codes[lane], lane, values);
           }
           const std::int64_t at = (row - r0) * k + b * kSuperBlock;
           if (bf16) {
@@ -297,25 +302,32 @@ struct KQuantKernels {
     }
   }
 
-  // Row `lane` of a Q6_K block: (d * sc) * (q - 32), as gguf-py.
-  static void q6k_row(const std::uint8_t* block, int lane, float* values) {
-    const float d = half_to_float(reinterpret_cast<const std::uint16_t*>(block)[lane]);
-    const auto* sc = reinterpret_cast<const std::int8_t*>(block + 32);
-    std::int8_t q[kSuperBlock];
+  // The six-bit codes (0..63) of a Q6_K block's 16 rows, row-major: decoded as the matmul decodes
+  // them, four codes of a row to a word.
+  static void q6k_codes(const std::uint8_t* block, std::uint8_t (*codes)[kSuperBlock]) {
+    alignas(64) std::uint8_t v[4][4 * W];
     for (int half = 0; half < 2; ++half) {
       for (int c = 0; c < 8; ++c) {
-        const std::uint8_t* step = block + 288 + (8 * half + c) * 192 + 4 * lane;
-        for (int i = 0; i < 4; ++i) {
-          const int a = step[i], b = step[64 + i], h = step[128 + i], l = 128 * half + 4 * c + i;
-          q[l] = static_cast<std::int8_t>(((a & 15) | (h & 3) << 4) - 32);
-          q[l + 32] = static_cast<std::int8_t>(((b & 15) | (h >> 2 & 3) << 4) - 32);
-          q[l + 64] = static_cast<std::int8_t>(((a >> 4) | (h >> 4 & 3) << 4) - 32);
-          q[l + 96] = static_cast<std::int8_t>(((b >> 4) | (h >> 6) << 4) - 32);
+        for (int h = 0; h < kHalves; ++h) {
+          const std::uint8_t* step = block + 288 + (8 * half + c) * 192 + 4 * W * h;
+          B words[4];
+          six_bits(step, step + 64, step + 128, words);
+          for (int q = 0; q < 4; ++q) V::store_bytes(v[q], words[q]);
+          for (int q = 0; q < 4; ++q)
+            for (int r = 0; r < W; ++r) std::memcpy(codes[W * h + r] + 128 * half + 32 * q + 4 * c, v[q] + 4 * r, 4);
         }
       }
     }
+  }
+
+  // Row `lane` of a Q6_K block (its codes decoded): (d * sc) * (q - 32), as gguf-py.
+  static void q6k_row(const std::uint8_t* block, const std::uint8_t* codes, int lane, float* values) {
+    const float d = half_to_float(reinterpret_cast<const std::uint16_t*>(block)[lane]);
+    const auto* sc = reinterpret_cast<const std::int8_t*>(block + 32);
+    const auto* q = reinterpret_cast<const std::int8_t*>(codes);  // codes < 64: the same as signed bytes
     for (int i = 0; i < kSuperBlock; i += W) {
-      V::store(values + i, V::mul(V::splat(d * static_cast<float>(sc[16 * (i / 16) + lane])), V::bytes(q + i)));
+      const F centred = V::add(V::bytes(q + i), V::splat(-32.0f));  // exact
+      V::store(values + i, V::mul(V::splat(d * static_cast<float>(sc[16 * (i / 16) + lane])), centred));
     }
   }
 };
