@@ -23,7 +23,7 @@ from test_cpu_kernels import isa  # noqa: F401  (the fixture: every instruction 
 from test_cpu_layer import fused_and_reference
 from test_gguf_kquants import random_fp16_bits
 from test_gguf_quant import _prefill_logits, decode_logits, random_blocks
-from tiny_gguf import GGUFModelSpec, reference_dequantize, write_encoded_gguf
+from tiny_gguf import GGUFModelSpec, gguf_name, reference_dequantize, write_encoded_gguf
 
 from ninfer_core.models.loader import _fill, build_model
 from ninfer_core.models.quantize import QuantRecipe, resolve_recipe
@@ -314,6 +314,33 @@ def test_a_kquant_model_runs_like_the_fp32_path(tmp_path, monkeypatch, arch, tie
         kl = (want.exp() * (want - ours)).sum(-1)
         assert 0 < kl.max() < 1e-2
         assert torch.equal(ours.argmax(-1), want.argmax(-1))
+
+
+def test_a_kquant_part_merged_with_another_type_is_mapped(tmp_path):
+    """q in Q8_0 beside Q4_K k and Q6_K v: q|k|v takes the parts' common mapped format
+    (weights/gguf_quant.py; the K-quant scales rounded once to fp16), gate|up stays blocks."""
+    path = tmp_path / "mixed.gguf"
+    write_kquant_model(path, "qwen2", tied=False)
+    reader = gguf.GGUFReader(path)
+    encoded = {}
+    ckpt = open_gguf(path)
+    for name in ckpt.names():
+        t = next(t for t in reader.tensors if t.name == gguf_name(name))
+        data = np.array(t.data)
+        if name.endswith("q_proj.weight"):  # the same values, re-encoded as Q8_0
+            encoded[name] = (Q.Q8_0, gguf.quants.quantize(ckpt.get(name).numpy(), Q.Q8_0))
+        else:
+            encoded[name] = (t.tensor_type, data.reshape(len(data), -1) if data.dtype == np.uint8 else data)
+    write_encoded_gguf(tmp_path / "q8.gguf", SPEC, encoded)
+    compact, reference = load_both(tmp_path / "q8.gguf")
+    layer = compact.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.linear, quant.QuantLinear)
+    assert layer.self_attn.qkv_proj.linear.quantized.format == quant.QuantFormat("int8", 16, torch.float16, True)
+    assert isinstance(layer.mlp.gate_up_proj.linear, KQuantLinear)
+    ids = [3, 17, 9, 5, 31]
+    config = open_gguf(tmp_path / "q8.gguf").config
+    torch.testing.assert_close(_prefill_logits(compact, config, ids), _prefill_logits(reference, config, ids),
+                               rtol=1e-3, atol=1e-3)
 
 
 @needs_kernels
