@@ -231,6 +231,8 @@ def test_a_weight_checks_its_bytes():
         KQuantWeight(torch.zeros(0, dtype=torch.uint8), (("q4_k", 16),), 300)
     with pytest.raises(ValueError, match="K-quant parts"):
         KQuantFormat((("q5_k", 16),))
+    with pytest.raises(ValueError, match="K-quant parts"):
+        KQuantFormat((("q4_k", 16),) * 9)
 
 
 # ---- a model ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ namespace {
 // A K-quant weight from ops/kquant.py's cpu_plan: (data, k, block types, rows per part).
 KQuantWeight kquant_weight(std::uintptr_t data, std::int64_t k, const py::tuple& types, const py::tuple& rows) {
   if (types.size() != rows.size() || types.size() < 1 || types.size() > ninfer::cpu::kMaxParts) {
-    throw std::invalid_argument("kquant: 1 to 4 parts, one block type and row count each");
+    throw std::invalid_argument("kquant: 1 to 8 parts, one block type and row count each");
   }
   KQuantWeight w{data, k, static_cast<int>(types.size()), {}};
   for (std::size_t i = 0; i < types.size(); ++i) {

@@ -37,7 +37,7 @@ namespace ninfer::cpu {
 
 constexpr std::int64_t kPackRows = 16;
 constexpr std::int64_t kSuperBlock = 256;  // inputs per super-block (QK_K)
-constexpr int kMaxParts = 4;
+constexpr int kMaxParts = 8;  // ops/kquant.py MAX_PARTS
 
 enum class BlockType : int { Q4_K = 12, Q6_K = 14 };  // ggml's type ids
 

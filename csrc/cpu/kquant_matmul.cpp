@@ -14,7 +14,7 @@ namespace {
 // The parts of w resolved: first output row, first pack, data; checked.
 std::vector<KQuantSpan> spans(const KQuantWeight& w) {
   if (w.k <= 0 || w.k % kSuperBlock) throw std::invalid_argument("kquant: k must be a positive multiple of 256");
-  if (w.parts < 1 || w.parts > kMaxParts) throw std::invalid_argument("kquant: 1 to 4 parts");
+  if (w.parts < 1 || w.parts > kMaxParts) throw std::invalid_argument("kquant: 1 to 8 parts");
   std::vector<KQuantSpan> out;
   const auto* data = reinterpret_cast<const std::uint8_t*>(w.data);
   std::int64_t row0 = 0, pack0 = 0;

@@ -14,7 +14,7 @@ sensitive, so they keep int8):
         divide the input width; bf16 scales), the rest int8;
   gguf  (`auto` for a GGUF file on the CPU) each Linear and the embedding table keep the file's
         own quantization: Q4_K / Q6_K matrices their blocks as they are (ops/kquant.py; a merged
-        projection of such parts stacks them, whatever their mix), other types mapped to our
+        projection of up to 8 such parts stacks them, whatever their mix), other types mapped to our
         formats without a second grid (weights/gguf_quant.py), a merged projection in its parts'
         common format (ops/quant_convert.py; a K-quant part beside another type is mapped too);
         tensors without a mapping (float, Q2_K, Q3_K, IQ*) are quantized to int8 per row with
@@ -38,7 +38,7 @@ from ..errors import ModelLoadError, NinferError
 from ..layers.linear import checkpoint_parts, merged_sources, source_names
 from ..layers.moe import Experts, SparseMoE
 from ..ops import dispatch
-from ..ops.kquant import KQuantEmbedding, KQuantFormat, KQuantLinear
+from ..ops.kquant import MAX_PARTS, KQuantEmbedding, KQuantFormat, KQuantLinear
 from ..ops.quant import QuantEmbedding, QuantFormat, QuantizedWeight, QuantLinear, quantize
 from ..ops.quant_convert import common_format, concat_rows, convert
 from ..weights.kquant_layout import BLOCK_TYPES, pack_rows
@@ -84,7 +84,9 @@ class QuantRecipe:
         if self.mode == "gguf":
             formats = [self.file_format(src) for src in sources]
             if all(isinstance(f, KQuantFormat) for f in formats):
-                return KQuantFormat(tuple(part for f in formats for part in f.parts))
+                parts = tuple(part for f in formats for part in f.parts)
+                if len(parts) <= MAX_PARTS:
+                    return KQuantFormat(parts)
             return common_format([_mapped(f) for f in formats], linear.in_features)
         if not self.quantized or router or linear.out_features < MIN_QUANT_OUT_FEATURES:
             return None

@@ -27,6 +27,8 @@ from ..weights.kquant_layout import BLOCK_TYPES, PACK_ROWS, SUPER_BLOCK, packed_
 from . import dispatch
 from .quant import CPU_GEMV_ROWS, cpu_tiled_linear, quantize_activations_ref
 
+MAX_PARTS = 8  # csrc/cpu/kquant.h kMaxParts: a merged projection of more runs its parts mapped
+
 
 @dataclass(frozen=True)
 class KQuantFormat:
@@ -35,8 +37,9 @@ class KQuantFormat:
     parts: tuple[tuple[str, int], ...]
 
     def __post_init__(self) -> None:
-        if not self.parts or any(block not in BLOCK_TYPES or rows <= 0 for block, rows in self.parts):
-            raise ValueError(f"K-quant parts must be (one of {sorted(BLOCK_TYPES)}, rows > 0), got {self.parts}")
+        if not 0 < len(self.parts) <= MAX_PARTS or any(block not in BLOCK_TYPES or rows <= 0 for block, rows in self.parts):
+            raise ValueError(f"K-quant parts must be 1 to {MAX_PARTS} (one of {sorted(BLOCK_TYPES)}, rows > 0), "
+                             f"got {self.parts}")
 
     @property
     def rows(self) -> int:
@@ -81,7 +84,7 @@ class KQuantWeight:
     @functools.cached_property
     def cpu_plan(self) -> tuple | None:
         """The CPU kernels' weight arguments (csrc/cpu/bindings.cpp), None where they cannot run it."""
-        if not (self.blocks.device.type == "cpu" and self.blocks.is_contiguous()) or len(self.parts) > 4:
+        if not (self.blocks.device.type == "cpu" and self.blocks.is_contiguous()):
             return None
         return (self.blocks.data_ptr(), self.in_features, tuple(int(BLOCK_TYPES[b][0]) for b, _ in self.parts),
                 tuple(rows for _, rows in self.parts))
