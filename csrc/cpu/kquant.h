@@ -75,7 +75,4 @@ void kquant_matmul(const KQuantMatmulArgs& args);
 void kquant_dequantize(const KQuantWeight& w, std::int64_t first, std::int64_t count, std::uintptr_t out, bool bf16,
                        int threads);
 
-// Output rows of w (the parts' rows, unpadded).
-std::int64_t kquant_rows(const KQuantWeight& w);
-
 }  // namespace ninfer::cpu

@@ -41,12 +41,6 @@ std::int64_t packs_per_task(std::int64_t packs, int threads) {
 
 }  // namespace
 
-std::int64_t kquant_rows(const KQuantWeight& w) {
-  std::int64_t rows = 0;
-  for (const KQuantSpan& s : spans(w)) rows += s.rows;
-  return rows;
-}
-
 void kquant_matmul(const KQuantMatmulArgs& a) {
   const std::vector<KQuantSpan> parts = spans(a.w);
   const IsaKernels& impl = active_kernels();
