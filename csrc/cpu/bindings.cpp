@@ -2,13 +2,33 @@
 // call them through ninfer_core.ops). The GIL is released while a kernel runs.
 #include <pybind11/pybind11.h>
 
+#include <stdexcept>
+
 #include "decode_layer.h"
 #include "decode_ops.h"
+#include "kquant.h"
 #include "quant_matmul.h"
 
 namespace py = pybind11;
+using ninfer::cpu::KQuantWeight;
 using ninfer::cpu::QuantWeight;
 using ninfer::cpu::ScaleType;
+
+namespace {
+
+// A K-quant weight from ops/kquant.py's cpu_plan: (data, k, block types, rows per part).
+KQuantWeight kquant_weight(std::uintptr_t data, std::int64_t k, const py::tuple& types, const py::tuple& rows) {
+  if (types.size() != rows.size() || types.size() < 1 || types.size() > ninfer::cpu::kMaxParts) {
+    throw std::invalid_argument("kquant: 1 to 8 parts, one block type and row count each");
+  }
+  KQuantWeight w{data, k, static_cast<int>(types.size()), {}};
+  for (std::size_t i = 0; i < types.size(); ++i) {
+    w.part[i] = {static_cast<ninfer::cpu::BlockType>(types[i].cast<int>()), rows[i].cast<std::int64_t>()};
+  }
+  return w;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
   m.doc() = "ninfer CPU kernels: weight-only int8 / int4 matmul (csrc/cpu/quant_matmul.h) and the fp32 decode ops "
@@ -39,6 +59,28 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("k"), py::arg("group"), py::arg("int4"),
       py::arg("scale_type"), py::call_guard<py::gil_scoped_release>(),
       "out fp32 (bf16: bf16) [count, k] = rows first.. of the dense weight [n, k].");
+  m.def(
+      "kquant_matmul",
+      [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t bias, std::int64_t m, int threads, std::uintptr_t data,
+         std::int64_t k, const py::tuple& types, const py::tuple& rows) {
+        const KQuantWeight w = kquant_weight(data, k, types, rows);
+        py::gil_scoped_release release;
+        ninfer::cpu::kquant_matmul({w, out, x, bias, m, threads});
+      },
+      py::arg("out"), py::arg("x"), py::arg("bias"), py::arg("m"), py::arg("threads"), py::arg("data"), py::arg("k"),
+      py::arg("types"), py::arg("rows"),
+      "out[m, n] = x[m, k] @ W^T (+ bias) over packed K-quant blocks, x quantized per 256 (csrc/cpu/kquant.h).");
+  m.def(
+      "kquant_dequantize",
+      [](std::uintptr_t out, std::int64_t first, std::int64_t count, bool bf16, int threads, std::uintptr_t data,
+         std::int64_t k, const py::tuple& types, const py::tuple& rows) {
+        const KQuantWeight w = kquant_weight(data, k, types, rows);
+        py::gil_scoped_release release;
+        ninfer::cpu::kquant_dequantize(w, first, count, out, bf16, threads);
+      },
+      py::arg("out"), py::arg("first"), py::arg("count"), py::arg("bf16"), py::arg("threads"), py::arg("data"),
+      py::arg("k"), py::arg("types"), py::arg("rows"),
+      "out fp32 (bf16: bf16) [count, k] = rows first.. of a packed K-quant weight, gguf-py's values.");
   m.def(
       "add_rmsnorm",
       [](std::uintptr_t out, std::uintptr_t residual_out, std::uintptr_t x, std::uintptr_t residual,
@@ -91,13 +133,22 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("dim"), py::arg("page_size"), py::arg("table_width"), py::arg("scale"), py::arg("threads"),
       py::call_guard<py::gil_scoped_release>(),
       "fp32 causal attention over a paged cache (int32 block table, int64 lengths). See csrc/cpu/decode_ops.h.");
-  // A linear as a tuple: (n, bias, codes, scales, offsets, k, group, int4, scale_type), ops/quant.py's cpu_plan after
-  // the output width and the bias pointer (0 for none).
+  // A linear as a tuple (n, bias, kquant, plan): the output width, the bias pointer (0 for none), and the weight's
+  // cpu_plan, ops/quant.py's (codes, scales, offsets, k, group, int4, scale_type) or with kquant ops/kquant.py's.
   const auto layer_linear = [](const py::tuple& t) {
-    const QuantWeight w{t[2].cast<std::uintptr_t>(), t[3].cast<std::uintptr_t>(), t[4].cast<std::uintptr_t>(),
-                        t[0].cast<std::int64_t>(),   t[5].cast<std::int64_t>(),   t[6].cast<std::int64_t>(),
-                        t[7].cast<bool>(),           static_cast<ScaleType>(t[8].cast<int>())};
-    return ninfer::cpu::LayerLinear{w, reinterpret_cast<const float*>(t[1].cast<std::uintptr_t>())};
+    ninfer::cpu::LayerLinear l{};
+    l.bias = reinterpret_cast<const float*>(t[1].cast<std::uintptr_t>());
+    l.kquant = t[2].cast<bool>();
+    const auto plan = t[3].cast<py::tuple>();
+    if (l.kquant) {
+      l.kw = kquant_weight(plan[0].cast<std::uintptr_t>(), plan[1].cast<std::int64_t>(), plan[2].cast<py::tuple>(),
+                           plan[3].cast<py::tuple>());
+    } else {
+      l.w = {plan[0].cast<std::uintptr_t>(), plan[1].cast<std::uintptr_t>(), plan[2].cast<std::uintptr_t>(),
+             t[0].cast<std::int64_t>(),      plan[3].cast<std::int64_t>(),   plan[4].cast<std::int64_t>(),
+             plan[5].cast<bool>(),           static_cast<ScaleType>(plan[6].cast<int>())};
+    }
+    return l;
   };
   m.def(
       "decode_layer",

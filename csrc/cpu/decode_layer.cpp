@@ -8,8 +8,13 @@ namespace ninfer::cpu {
 namespace {
 
 void linear(const LayerLinear& l, float* out, const float* x, std::int64_t rows, const DecodeLayerArgs& a) {
-  quant_matmul({l.w, reinterpret_cast<std::uintptr_t>(out), reinterpret_cast<std::uintptr_t>(x),
-                reinterpret_cast<std::uintptr_t>(l.bias), rows, a.threads, a.int8_activations});
+  const auto out_p = reinterpret_cast<std::uintptr_t>(out), x_p = reinterpret_cast<std::uintptr_t>(x);
+  const auto bias_p = reinterpret_cast<std::uintptr_t>(l.bias);
+  if (l.kquant) {
+    kquant_matmul({l.kw, out_p, x_p, bias_p, rows, a.threads});
+  } else {
+    quant_matmul({l.w, out_p, x_p, bias_p, rows, a.threads, a.int8_activations});
+  }
 }
 
 }  // namespace

@@ -7,12 +7,15 @@
 
 #include <cstdint>
 
+#include "kquant.h"
 #include "quant_matmul.h"
 
 namespace ninfer::cpu {
 
 struct LayerLinear {
+  bool kquant;      // kw (K-quant blocks, int8 activations) rather than w
   QuantWeight w;
+  KQuantWeight kw;
   const float* bias;  // [n] or null
 };
 

@@ -1,7 +1,7 @@
 // The quant kernels with AVX2 + FMA + F16C (8 floats per vector). Compiled with -mavx2 -mfma -mf16c.
 #include <immintrin.h>
 
-#include "quant_kernels_a8.h"
+#include "isa_kernels.h"
 
 namespace ninfer::cpu {
 namespace {
@@ -75,6 +75,37 @@ struct Avx2 {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane_group));
   }
   static F expand(const float* p, Idx idx) { return _mm256_permutevar8x32_ps(_mm256_loadu_ps(p), idx); }
+
+  // K-quant kernels (kquant_kernels.h)
+  template <int S>
+  static B with_high(B lo, B qh) {
+    const __m256i shifted = S > 0 ? _mm256_slli_epi16(qh, S) : S < 0 ? _mm256_srli_epi16(qh, -S) : qh;
+    return _mm256_or_si256(lo, _mm256_and_si256(shifted, _mm256_set1_epi8(0x30)));
+  }
+  static void store_bytes(std::uint8_t* p, B b) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b); }
+  static I dot_u8_word(I acc, B u, const std::int8_t* x) {  // codes <= 63: the int16 pairs cannot saturate
+    std::int32_t word;
+    std::memcpy(&word, x, 4);
+    return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(u, _mm256_set1_epi32(word))));
+  }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I isplat(std::int32_t v) { return _mm256_set1_epi32(v); }
+  static I widen_u8(const std::uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I widen_s8(const std::int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static F vabs(F v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+  static F vmax(F a, F b) { return _mm256_max_ps(a, b); }
+  static float hmax(F v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static I round_to_int(F v) { return _mm256_cvtps_epi32(v); }  // the default rounding: half to even
+  static void store_i8(std::int8_t* p, I v) {
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
+  }
 };
 
 }  // namespace

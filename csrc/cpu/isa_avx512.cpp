@@ -2,7 +2,7 @@
 // -mavx512bw -mavx512vnni -mfma -mf16c; quant_matmul.cpp picks it only where the CPU has all three.
 #include <immintrin.h>
 
-#include "quant_kernels_a8.h"
+#include "isa_kernels.h"
 
 namespace ninfer::cpu {
 namespace {
@@ -62,6 +62,30 @@ struct Avx512 {
   static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static Idx make_idx(const std::int32_t* lane_group) { return _mm512_loadu_si512(lane_group); }
   static F expand(const float* p, Idx idx) { return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p)); }
+
+  // K-quant kernels (kquant_kernels.h)
+  template <int S>
+  static B with_high(B lo, B qh) {  // lo | (qh << S) & 0x30 in one ternary-logic op
+    const __m512i shifted = S > 0 ? _mm512_slli_epi16(qh, S) : S < 0 ? _mm512_srli_epi16(qh, -S) : qh;
+    return _mm512_ternarylogic_epi32(lo, shifted, _mm512_set1_epi8(0x30), 0xF8);
+  }
+  static void store_bytes(std::uint8_t* p, B b) { _mm512_storeu_si512(p, b); }
+  static I dot_u8_word(I acc, B u, const std::int8_t* x) {
+    std::int32_t word;
+    std::memcpy(&word, x, 4);
+    return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(word));
+  }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I isplat(std::int32_t v) { return _mm512_set1_epi32(v); }
+  static I widen_u8(const std::uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I widen_s8(const std::int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F vabs(F v) { return _mm512_abs_ps(v); }
+  static F vmax(F a, F b) { return _mm512_max_ps(a, b); }
+  static float hmax(F v) { return _mm512_reduce_max_ps(v); }
+  static I round_to_int(F v) { return _mm512_cvtps_epi32(v); }  // the default rounding: half to even
+  static void store_i8(std::int8_t* p, I v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v)); }
 };
 
 }  // namespace

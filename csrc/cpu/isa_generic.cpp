@@ -1,6 +1,6 @@
 // The quant kernels in portable C++ (8-float arrays the compiler vectorizes as it can): every CPU
 // without AVX2, and the reference the x86 paths are tested beside.
-#include "quant_kernels_a8.h"
+#include "isa_kernels.h"
 
 namespace ninfer::cpu {
 namespace {
@@ -114,6 +114,69 @@ struct Generic {
     F r;
     for (int i = 0; i < W; ++i) r.v[i] = p[idx.v[i]];
     return r;
+  }
+
+  // K-quant kernels (kquant_kernels.h)
+  template <int S>
+  static B with_high(B lo, B qh) {
+    for (int i = 0; i < 4 * W; ++i) {
+      const int shifted = S > 0 ? qh.b[i] << S : S < 0 ? qh.b[i] >> -S : qh.b[i];
+      lo.b[i] = static_cast<std::uint8_t>(lo.b[i] | (shifted & 0x30));
+    }
+    return lo;
+  }
+  static void store_bytes(std::uint8_t* p, B b) { std::memcpy(p, b.b, sizeof b.b); }
+  static I dot_u8_word(I acc, B u, const std::int8_t* x) {
+    for (int i = 0; i < 4 * W; ++i) acc.v[i / 4] += u.b[i] * x[i % 4];
+    return acc;
+  }
+  static I iadd(I a, I b) {
+    for (int i = 0; i < W; ++i) a.v[i] += b.v[i];
+    return a;
+  }
+  static I isub(I a, I b) {
+    for (int i = 0; i < W; ++i) a.v[i] -= b.v[i];
+    return a;
+  }
+  static I imul(I a, I b) {
+    for (int i = 0; i < W; ++i) a.v[i] *= b.v[i];
+    return a;
+  }
+  static I isplat(std::int32_t v) {
+    I r;
+    for (int i = 0; i < W; ++i) r.v[i] = v;
+    return r;
+  }
+  static I widen_u8(const std::uint8_t* p) {
+    I r;
+    for (int i = 0; i < W; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static I widen_s8(const std::int8_t* p) {
+    I r;
+    for (int i = 0; i < W; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static F vabs(F a) {
+    for (int i = 0; i < W; ++i) a.v[i] = a.v[i] < 0 ? -a.v[i] : a.v[i];
+    return a;
+  }
+  static F vmax(F a, F b) {
+    for (int i = 0; i < W; ++i) a.v[i] = a.v[i] < b.v[i] ? b.v[i] : a.v[i];
+    return a;
+  }
+  static float hmax(F a) {
+    float m = a.v[0];
+    for (int i = 1; i < W; ++i) m = m < a.v[i] ? a.v[i] : m;
+    return m;
+  }
+  static I round_to_int(F a) {  // half to even: adding 1.5 * 2^23 rounds |v| < 2^22 in the float sum
+    I r;
+    for (int i = 0; i < W; ++i) r.v[i] = static_cast<std::int32_t>((a.v[i] + 12582912.0f) - 12582912.0f);
+    return r;
+  }
+  static void store_i8(std::int8_t* p, I a) {
+    for (int i = 0; i < W; ++i) p[i] = static_cast<std::int8_t>(a.v[i]);
   }
 };
 

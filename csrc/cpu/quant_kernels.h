@@ -40,7 +40,10 @@ struct PreparedA8 {
   std::int64_t m;
 };
 
-// The entry points of one instruction set.
+struct PreparedKQ;  // kquant_kernels.h
+struct KQuantSpan;
+
+// The entry points of one instruction set (isa_kernels.h fills them in).
 struct IsaKernels {
   const char* name;
   int lanes;  // W: int32 lanes of the int8-activation dot products
@@ -48,6 +51,13 @@ struct IsaKernels {
   void (*rows)(const Prepared& p, std::int64_t n0, std::int64_t n1);
   void (*rows_a8)(const PreparedA8& p, std::int64_t n0, std::int64_t n1);
   void (*dequantize_rows)(const QuantWeight& w, void* out, bool bf16, std::int64_t n0, std::int64_t n1);
+  // K-quant blocks (kquant.h): packs [g0, g1) of a matmul, one activation row quantized per
+  // super-block, rows [r0, r1) of a part dequantized
+  void (*kquant_rows)(const PreparedKQ& p, std::int64_t g0, std::int64_t g1);
+  void (*kquant_quantize)(const float* x, std::int64_t k, std::int8_t* q, float* d, std::int32_t* sums16,
+                          float* sums32);
+  void (*kquant_dequantize_rows)(const KQuantSpan& s, std::int64_t k, std::int64_t r0, std::int64_t r1, void* out,
+                                 bool bf16);
 };
 
 // Everything below has internal linkage on purpose: each isa_*.cpp compiles its own copy with its
@@ -282,5 +292,8 @@ struct Kernels {
 extern const IsaKernels kGenericKernels;
 extern const IsaKernels kAvx2Kernels;
 extern const IsaKernels kAvx512Kernels;
+
+// The instruction set the kernels run with, picked once per process (quant_matmul.cpp).
+const IsaKernels& active_kernels();
 
 }  // namespace ninfer::cpu

@@ -128,11 +128,5 @@ struct A8Kernels {
   }
 };
 
-// The entry points of instruction set V.
-template <class V>
-IsaKernels make_kernels(const char* name) {
-  return {name, V::W, &Kernels<V>::arrange, &Kernels<V>::rows, &A8Kernels<V>::rows, &Kernels<V>::dequantize_rows};
-}
-
 }  // namespace
 }  // namespace ninfer::cpu

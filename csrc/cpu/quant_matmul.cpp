@@ -51,16 +51,6 @@ const IsaKernels* pick(const std::string& name) {
 
 std::atomic<const IsaKernels*> chosen{nullptr};
 
-const IsaKernels& kernels() {
-  const IsaKernels* k = chosen.load();
-  if (!k) {
-    const char* env = std::getenv("NINFER_CPU_ISA");
-    k = pick(env ? env : "");
-    chosen.store(k);
-  }
-  return *k;
-}
-
 void check(const QuantWeight& w) {
   if (w.n <= 0 || w.k <= 0 || w.group <= 0 || w.k % w.group) {
     throw std::invalid_argument("quant kernel: group " + std::to_string(w.group) + " does not divide k " +
@@ -155,7 +145,7 @@ void over_rows(const QuantWeight& w, int threads, const Rows& rows) {
 void quant_matmul(const MatmulArgs& a) {
   const QuantWeight& w = a.w;
   check(w);
-  const IsaKernels& impl = kernels();
+  const IsaKernels& impl = active_kernels();
   const auto* x = reinterpret_cast<const float*>(a.x);
   const std::vector<float> xsum = group_sums(w, x, a.m);
   auto* out = reinterpret_cast<float*>(a.out);
@@ -180,7 +170,7 @@ void dequantize(const QuantWeight& w, std::int64_t first, std::int64_t count, st
                 int threads) {
   check(w);
   if (first < 0 || count < 0 || first + count > w.n) throw std::invalid_argument("dequantize: rows out of range");
-  const IsaKernels& impl = kernels();
+  const IsaKernels& impl = active_kernels();
   auto* dst = reinterpret_cast<char*>(out);
   const std::int64_t row_bytes = w.k * (bf16 ? 2 : 4);
   const std::int64_t per_task = rows_per_task(count, threads), tasks = (count + per_task - 1) / per_task;
@@ -190,7 +180,17 @@ void dequantize(const QuantWeight& w, std::int64_t first, std::int64_t count, st
   });
 }
 
-const char* isa() { return kernels().name; }
+const IsaKernels& active_kernels() {
+  const IsaKernels* k = chosen.load();
+  if (!k) {
+    const char* env = std::getenv("NINFER_CPU_ISA");
+    k = pick(env ? env : "");
+    chosen.store(k);
+  }
+  return *k;
+}
+
+const char* isa() { return active_kernels().name; }
 
 const char* use_isa(const char* name) {
   chosen.store(pick(name));

@@ -27,6 +27,7 @@ from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding
 from ..ops import cpu_layer
+from ..ops.kquant import KQuantEmbedding
 from ..ops.quant import QuantEmbedding
 from .base import ForwardBatch, ForwardOutput
 
@@ -133,11 +134,11 @@ class DecoderModel(nn.Module):
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding table: the same Parameter, or for a quantized table
-        (`QuantEmbedding`) a QuantLinear over its buffers, unless a recipe gave lm_head its own
+        (`QuantEmbedding`, `KQuantEmbedding`) a linear over its buffers, unless a recipe gave lm_head its own
         quantized copy. Again after `to_empty()`, which unties them."""
         if not self.config.tie_word_embeddings:
             return
-        if isinstance(self.embed_tokens, QuantEmbedding):
+        if isinstance(self.embed_tokens, (QuantEmbedding, KQuantEmbedding)):
             self.lm_head = self.embed_tokens.tied_head()
         elif type(self.lm_head) is nn.Linear:
             self.lm_head.weight = self.embed_tokens.weight

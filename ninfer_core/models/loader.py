@@ -170,7 +170,7 @@ def _fill(
 
     names = tensors.names()
     consumed = fill_quantized_(model, get_exact if fp8_source else get, names, device, recipe,
-                               getattr(tensors, "get_quantized", None))
+                               getattr(tensors, "get_quantized", None), getattr(tensors, "get_blocks", None))
     model.load_weights(get, names - consumed)
 
 

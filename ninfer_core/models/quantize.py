@@ -13,9 +13,12 @@ sensitive, so they keep int8):
   int4  routed experts and dense-MLP projections int4 (group 128, or 64 / 32 where 128 does not
         divide the input width; bf16 scales), the rest int8;
   gguf  (`auto` for a GGUF file on the CPU) each Linear and the embedding table keep the file's
-        own quantization, mapped to our formats without a second grid (weights/gguf_quant.py); a
-        merged projection takes its parts' common format (ops/quant_convert.py); tensors without
-        a mapping (float, Q2_K, Q3_K, IQ*) are quantized to int8 per row with fp16 scales.
+        own quantization: Q4_K / Q6_K matrices their blocks as they are (ops/kquant.py; a merged
+        projection of up to 8 such parts stacks them, whatever their mix), other types mapped to our
+        formats without a second grid (weights/gguf_quant.py), a merged projection in its parts'
+        common format (ops/quant_convert.py; a K-quant part beside another type is mapped too);
+        tensors without a mapping (float, Q2_K, Q3_K, IQ*) are quantized to int8 per row with
+        fp16 scales.
 Small projections (< 64 outputs) and the router with the shared-expert gate (one merged Linear)
 stay in the model dtype under int8 / int4: their bytes do not matter and routing is sensitive to
 them. GDN a/b are rows of the merged GDN input projection (`layers/linear.py`) and share its int8
@@ -27,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,8 +38,10 @@ from ..errors import ModelLoadError, NinferError
 from ..layers.linear import checkpoint_parts, merged_sources, source_names
 from ..layers.moe import Experts, SparseMoE
 from ..ops import dispatch
+from ..ops.kquant import MAX_PARTS, KQuantEmbedding, KQuantFormat, KQuantLinear
 from ..ops.quant import QuantEmbedding, QuantFormat, QuantizedWeight, QuantLinear, quantize
 from ..ops.quant_convert import common_format, concat_rows, convert
+from ..weights.kquant_layout import BLOCK_TYPES, pack_rows
 
 WEIGHT_MODES = ("auto", "bf16", "int8", "int4")
 MIN_QUANT_OUT_FEATURES = 64
@@ -56,7 +62,7 @@ GGUF_FALLBACK = QuantFormat("int8", 0, torch.float16)
 class QuantRecipe:
     mode: str  # "bf16" (none) | "int8" | "int4" | "gguf"
     # gguf: each checkpoint tensor's own format (None: none; it gets GGUF_FALLBACK)
-    file_formats: Mapping[str, QuantFormat | None] = field(default_factory=dict, compare=False)
+    file_formats: Mapping[str, QuantFormat | KQuantFormat | None] = field(default_factory=dict, compare=False)
 
     @property
     def quantized(self) -> bool:
@@ -71,11 +77,17 @@ class QuantRecipe:
         """What the weights are, for reports: the recipe key, or the model dtype when unquantized."""
         return self.key if self.quantized else str(dtype).removeprefix("torch.")
 
-    def linear_format(self, name: str, linear: nn.Linear, router: bool, sources: list[str]) -> QuantFormat | None:
+    def linear_format(self, name: str, linear: nn.Linear, router: bool,
+                      sources: list[str]) -> QuantFormat | KQuantFormat | None:
         """The format of one Linear (`sources`: the checkpoint tensors behind its weight), None to
         keep it in the model dtype."""
         if self.mode == "gguf":
-            return common_format([self.file_format(src) for src in sources], linear.in_features)
+            formats = [self.file_format(src) for src in sources]
+            if all(isinstance(f, KQuantFormat) for f in formats):
+                parts = tuple(part for f in formats for part in f.parts)
+                if len(parts) <= MAX_PARTS:
+                    return KQuantFormat(parts)
+            return common_format([_mapped(f) for f in formats], linear.in_features)
         if not self.quantized or router or linear.out_features < MIN_QUANT_OUT_FEATURES:
             return None
         dense_ffn = ".mlp." in name and ".shared_expert." not in name
@@ -84,11 +96,11 @@ class QuantRecipe:
             return QuantFormat("int4", group)
         return QuantFormat("int8")
 
-    def file_format(self, name: str) -> QuantFormat:
+    def file_format(self, name: str) -> QuantFormat | KQuantFormat:
         """gguf: the format a checkpoint tensor takes."""
         return self.file_formats.get(name) or GGUF_FALLBACK
 
-    def embedding_format(self) -> QuantFormat | None:
+    def embedding_format(self) -> QuantFormat | KQuantFormat | None:
         """The embedding table's format: the file's under gguf (None: float in the file), else none."""
         return self.file_formats.get("embed_tokens.weight") if self.mode == "gguf" else None
 
@@ -101,6 +113,16 @@ class QuantRecipe:
         return "int8", 0
 
 
+def _mapped(fmt: QuantFormat | KQuantFormat) -> QuantFormat:
+    """A K-quant tensor merged with a part of another type: its blocks mapped to our formats
+    (weights/gguf_quant.py) like that part's."""
+    if isinstance(fmt, QuantFormat):
+        return fmt
+    from ..weights.gguf_quant import gguf_format
+
+    return gguf_format(BLOCK_TYPES[fmt.parts[0][0]][0])
+
+
 def resolve_recipe(
     mode: str,
     device: torch.device,
@@ -108,7 +130,7 @@ def resolve_recipe(
     params: int,
     *,
     exact: bool = False,
-    gguf_formats: Mapping[str, QuantFormat | None] | None = None,
+    gguf_formats: Mapping[str, QuantFormat | KQuantFormat | None] | None = None,
 ) -> QuantRecipe:
     """`auto` on a GPU: int4 for a half-precision model of at least AUTO_MIN_PARAMS parameters with
     our kernels (the fast decode path); otherwise the model dtype: a float32 model was asked for
@@ -147,7 +169,10 @@ def apply_recipe_(model: nn.Module, recipe: QuantRecipe) -> None:
                                            source_names(sources, _weight_source(model, full)))
                 if fmt is None:
                     continue
-                if child.weight.is_meta:  # the load path: buffers of the format, filled later
+                if isinstance(fmt, KQuantFormat):  # only a GGUF's blocks fill it: the load path
+                    quantized = KQuantLinear.empty(child.in_features, fmt, child.bias is not None,
+                                                   child.weight.device, child.weight.dtype)
+                elif child.weight.is_meta:  # the load path: buffers of the format, filled later
                     quantized = QuantLinear.empty(child.in_features, child.out_features, fmt, child.bias is not None,
                                                   child.weight.device, child.weight.dtype)
                 else:  # a materialised (random-weight) model: its weights quantized now
@@ -155,8 +180,11 @@ def apply_recipe_(model: nn.Module, recipe: QuantRecipe) -> None:
                 setattr(module, child_name, quantized)
     embed = model.embed_tokens
     if (fmt := recipe.embedding_format()) is not None and isinstance(embed, nn.Embedding):
-        qw = QuantizedWeight.empty(fmt, embed.num_embeddings, embed.embedding_dim, embed.weight.device)
-        model.embed_tokens = QuantEmbedding(qw, embed.weight.dtype)
+        if isinstance(fmt, KQuantFormat):
+            model.embed_tokens = KQuantEmbedding.empty(fmt, embed.embedding_dim, embed.weight.device, embed.weight.dtype)
+        else:
+            qw = QuantizedWeight.empty(fmt, embed.num_embeddings, embed.embedding_dim, embed.weight.device)
+            model.embed_tokens = QuantEmbedding(qw, embed.weight.dtype)
         model.tie_weights()
 
 
@@ -175,24 +203,29 @@ def fill_quantized_(
     device: torch.device,
     recipe: QuantRecipe,
     get_quantized: Callable[[str], QuantizedWeight] | None = None,
+    get_blocks: Callable[[str], np.ndarray] | None = None,
 ) -> set[str]:
     """Fill every quantized module's buffers (a merged projection's parts concatenated first):
-    under gguf from the file's own quantized tensors (`get_quantized`), else by quantizing the
-    checkpoint tensors. Returns the checkpoint names consumed (the caller copies the rest as plain
-    parameters)."""
+    under gguf from the file's own quantized tensors (`get_quantized`, and `get_blocks` for the
+    K-quant blocks kept as they are), else by quantizing the checkpoint tensors. Returns the
+    checkpoint names consumed (the caller copies the rest as plain parameters)."""
     sources = merged_sources(model)
     consumed: set[str] = set()
     filled: set[int] = set()  # a tied lm_head shares the embedding's buffers: filled once
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(module, (QuantLinear, QuantEmbedding)):
-            if module.qweight.data_ptr() in filled:
+        kquant = isinstance(module, (KQuantLinear, KQuantEmbedding))
+        if kquant or isinstance(module, (QuantLinear, QuantEmbedding)):
+            first = (module.blocks if kquant else module.qweight).data_ptr()
+            if first in filled:
                 continue
-            filled.add(module.qweight.data_ptr())
-            source = _weight_source(model, name) if isinstance(module, QuantLinear) else prefix + "weight"
+            filled.add(first)
+            source = _weight_source(model, name) if isinstance(module, (QuantLinear, KQuantLinear)) else prefix + "weight"
             qw = module.quantized
             shape = (qw.out_features, qw.in_features)
-            if recipe.mode == "gguf":
+            if kquant:
+                module.blocks.copy_(torch.from_numpy(_packed(get_blocks, source_names(sources, source), qw.parts)))
+            elif recipe.mode == "gguf":
                 merged = concat_rows([get_quantized(src) if recipe.file_formats.get(src) else _quantize_fallback(get(src))
                                       for src in source_names(sources, source)])
                 if merged.shape != shape:
@@ -212,6 +245,17 @@ def fill_quantized_(
                                                                          module.group_size))
                 consumed.add(prefix + part)
     return consumed
+
+
+def _packed(get_blocks: Callable[[str], np.ndarray], names: list[str], parts: tuple[tuple[str, int], ...]) -> np.ndarray:
+    """The packed bytes of a K-quant module whose parts are the file tensors `names`."""
+    packed = []
+    for src, (block, rows) in zip(names, parts, strict=True):
+        blocks = get_blocks(src)
+        if len(blocks) != rows:
+            raise ModelLoadError(f"tensor '{src}' has {len(blocks)} rows, expected {rows}")
+        packed.append(pack_rows(blocks, block))
+    return np.concatenate(packed)
 
 
 def _quantize_fallback(weight: torch.Tensor) -> QuantizedWeight:

@@ -5,7 +5,8 @@ and layers/mlp.py), which calls the same CPU kernels one at a time from Python; 
 runs them in the same order on the same values, so the two agree to the bit. `decode_layer`
 returns None whenever a layer or a step is not the plain case the kernel covers: Llama-family
 attention (no output gate, plain RMSNorms, optional q/k norms and qkv bias), a dense MLP, compact
-weights the CPU kernel runs, an fp32 cache without scales, up to 16 new tokens per sequence.
+weights the CPU kernels run (K-quant blocks only with the bf16 / int8 maths: exact math multiplies
+them dequantized), an fp32 cache without scales, up to 16 new tokens per sequence.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from . import dispatch
 from .attention import DECODE_MAX_TOKENS
+from .kquant import KQuantLinear
 from .quant import QuantLinear, scratch_buffer
 
 if TYPE_CHECKING:
@@ -29,8 +31,9 @@ def decode_layer(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the layer's output, the residual stream after its mixer) like DecoderLayer.forward, or None."""
     plan = _layer_plan(layer)
-    if not plan or not dispatch.cpu_kernels_available():
-        return None
+    math = dispatch.cpu_math()
+    if not plan or not dispatch.cpu_kernels_available() or (plan[2] and math == "exact"):
+        return None  # exact math multiplies K-quant weights dequantized (ops/kquant.py): the layer's forward
     batch, num_new, hidden = x.shape
     kv, meta = step.cache.kv.layer(layer.layer_idx), step.attn
     tensors = (x, step.cos, step.sin) if residual is None else (x, residual, step.cos, step.sin)
@@ -51,7 +54,7 @@ def decode_layer(
         step.cos.data_ptr(), step.sin.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), meta.slot_mapping.data_ptr(),
         meta.block_table.data_ptr(), meta.cache_lens.data_ptr(), batch, num_new, kv.page_size,
         meta.block_table.shape[1], float(attn.scale), scratch.data_ptr(), dispatch.cpu_threads(),
-        dispatch.cpu_math() == "int8", step.cos.shape[-1]))
+        math == "int8", step.cos.shape[-1]))
     return out, residual_out
 
 
@@ -76,16 +79,16 @@ def _make_plan(layer: DecoderLayer) -> tuple:
         norms += [attn.q_norm, attn.k_norm]
     linears = [attn.qkv_proj.linear, attn.o_proj, mlp.gate_up_proj.linear, mlp.down_proj]
     if (attn.output_gate or any(n.zero_centered or not _fp32(n.weight) for n in norms)
-            or not all(isinstance(m, QuantLinear) and m.quantized.cpu_plan is not None for m in linears)
+            or not all(isinstance(m, (QuantLinear, KQuantLinear)) and m.quantized.cpu_plan is not None for m in linears)
             or any(m.bias is not None and not _fp32(m.bias) for m in linears)
             or len({n.eps for n in norms}) != 1):
         return _NO_PLAN
-    weights = tuple((m.out_features, 0 if m.bias is None else m.bias.data_ptr(), *m.quantized.cpu_plan)
-                    for m in linears)
+    weights = tuple((m.out_features, 0 if m.bias is None else m.bias.data_ptr(), isinstance(m, KQuantLinear),
+                     m.quantized.cpu_plan) for m in linears)
     q_norm, k_norm = (0, 0) if attn.q_norm is None else (attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr())
     return ((layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), q_norm,
              k_norm, float(layer.input_layernorm.eps), mlp.down_proj.out_features, attn.num_heads, attn.num_kv_heads,
-             attn.head_dim, mlp.down_proj.in_features), weights)
+             attn.head_dim, mlp.down_proj.in_features), weights, any(isinstance(m, KQuantLinear) for m in linears))
 
 
 def _fp32(t: torch.Tensor) -> bool:

@@ -9,11 +9,14 @@ otherwise the torch reference. A missing or broken extension is logged once at d
 never raised: an install without compiled code simply runs the references.
 
 Compact weights on the CPU, NINFER_CPU_MATH or `--cpu-math` (KL to the exact path in docs/performance.md):
-  bf16 (default)  decode weight-only with fp32 activations; prefill GEMMs in bf16 where the CPU
-                  multiplies bf16 natively (2-4x torch's fp32 GEMM), fp32 elsewhere;
-  int8            also decode with activations quantized to int8 per block of 32, multiplied in
-                  integers (VNNI), as llama.cpp does: faster where decode is arithmetic-bound;
-  exact           fp32 activations everywhere (the tests that compare with references use it).
+  bf16 (default)  decode weight-only with fp32 activations, except GGUF K-quant blocks (Q4_K,
+                  Q6_K: ops/kquant.py), whose decode quantizes activations to int8 per 32 inputs
+                  as llama.cpp does; prefill GEMMs in bf16 where the CPU multiplies bf16 natively
+                  (2-4x torch's fp32 GEMM), fp32 elsewhere;
+  int8            also decode the other formats with activations quantized to int8 per block of
+                  32, multiplied in integers (VNNI): faster where decode is arithmetic-bound;
+  exact           fp32 activations everywhere (the tests that compare with references use it);
+                  K-quant blocks are multiplied dequantized, gguf-py's fp32 values.
 `--dtype float32` runs every weight dequantized, the exact path the transformers tests compare.
 
 A call on CUDA tensors that still runs a reference (a shape or dtype the kernel does not take)

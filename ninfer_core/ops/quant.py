@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -256,8 +257,9 @@ def quant_linear_ref(
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (K a multiple of 32) -> int8 codes [..., K] and fp32 scales [..., K / 32]: what the
-    CPU kernel's int8-activation path multiplies by (csrc/cpu/quant_matmul.h): per block of 32,
-    scale absmax / 127, code round-half-even(x * (127 / absmax)), in fp32 like the kernel."""
+    CPU kernels' int8-activation paths multiply by (csrc/cpu/quant_matmul.h, csrc/cpu/kquant.h):
+    per block of 32, scale absmax / 127, code round-half-even(x * (127 / absmax)), in fp32 like
+    the kernels."""
     blocks = x.float().unflatten(-1, (-1, 32))
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
@@ -326,25 +328,35 @@ def _cpu_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None)
 
 
 def _cpu_tiled_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Prefill on the CPU: a GEMM over the weight dequantized a tile of rows at a time into a
-    buffer the cache holds, so the dense copy of the whole weight is never written out (for a 1.5B
-    model that would be 6 GB of writes per chunk). In bf16 where the CPU multiplies it natively
-    and NINFER_CPU_MATH allows (2-4x torch's fp32 GEMM; dispatch.py), else in fp32."""
+    """Prefill of a compact weight on the CPU (`cpu_tiled_linear` over the C++ dequantization)."""
+    def dequantize_tile(out: int, first: int, count: int, bf16: bool) -> None:
+        dispatch.cpu_extension().dequantize(out, qw.out_features, first, count, bf16, 1, *qw.cpu_plan)
+
+    return cpu_tiled_linear(x, qw.out_features, dequantize_tile, bias)
+
+
+def cpu_tiled_linear(x: torch.Tensor, n: int, dequantize_tile: Callable[[int, int, int, bool], None],
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> fp32 [M, n] on the CPU, W dequantized a tile of rows at a time
+    (`dequantize_tile(out pointer, first row, rows, bf16)`) into a buffer the cache holds, so the
+    dense copy of the whole weight is never written out (for a 1.5B model that would be 6 GB of
+    writes per chunk). In bf16 where the CPU multiplies it natively and NINFER_CPU_MATH allows
+    (2-4x torch's fp32 GEMM; dispatch.py), else in fp32. Tiles are whole 16-row packs, which the
+    K-quant layout (ops/kquant.py) dequantizes without decoding a pack's scales twice."""
     dtype = torch.bfloat16 if dispatch.cpu_native_bf16() and dispatch.cpu_math() != "exact" else torch.float32
     x = x.to(dtype)
-    n, k = qw.out_features, qw.in_features
-    tile = min(n, max(16, CPU_PREFILL_TILE_BYTES // (4 * k)))
-    out_t = torch.empty(n, x.shape[0], dtype=dtype)  # W @ x^T: each tile's rows are contiguous rows of it
+    k = x.shape[-1]
+    tile = min(n, max(16, CPU_PREFILL_TILE_BYTES // (4 * k) // 16 * 16))
+    out = torch.empty(x.shape[0], n, dtype=dtype)  # each tile's product lands in its columns (row stride n)
     block = scratch_buffer(tile * k, dtype, "prefill tiles").view(tile, k)
     for first in range(0, n, tile):
         count = min(tile, n - first)
         # one thread: torch's GEMM runs on its own pool, and two pools taking turns spin against
-        # each other on a busy machine; the dequantization is a tenth of the tile's time
-        dispatch.cpu_extension().dequantize(block.data_ptr(), n, first, count, dtype == torch.bfloat16, 1,
-                                            *qw.cpu_plan)
-        torch.mm(block[:count], x.T, out=out_t[first : first + count])
-    out = out_t.T.float()
-    return (out if bias is None else out + bias.float()).contiguous()
+        # each other on a busy machine; the dequantization is a fifth of the tile's time
+        dequantize_tile(block.data_ptr(), first, count, dtype == torch.bfloat16)
+        torch.mm(x, block[:count].T, out=out[:, first : first + count])
+    out = out.float()
+    return out if bias is None else out + bias.float()
 
 
 _scratch = threading.local()

@@ -35,6 +35,7 @@ from ..tokenizer import Tokenizer as NinferTokenizer
 if TYPE_CHECKING:  # torch (through ops / gguf_quant) is imported by the tensor readers only:
     import torch  # `ninfer ls` / `show` read a GGUF's config without it
 
+    from ..ops.kquant import KQuantFormat
     from ..ops.quant import QuantFormat, QuantizedWeight
 
 # GGUF `general.architecture` -> ModelConfig.arch. Only these share llama's decoder layout.
@@ -330,12 +331,30 @@ class GGUFCheckpoint:
         w = self._unpermute(name, torch.from_numpy(values.reshape(shape)))
         return w if dtype is None else w.to(dtype)
 
-    def quant_format(self, name: str) -> QuantFormat | None:
-        """The format `get_quantized` gives for a tensor, None when it has none (a float tensor, or
-        a block type without an exact mapping)."""
+    def quant_format(self, name: str) -> QuantFormat | KQuantFormat | None:
+        """The format a tensor keeps on the CPU: a Q4_K / Q6_K matrix its blocks as they are
+        (`get_blocks`), other types the format `get_quantized` gives; None when it has none (a
+        float tensor, or a block type without an exact mapping)."""
+        from ..ops.kquant import KQuantFormat
         from .gguf_quant import gguf_format
+        from .kquant_layout import block_type
 
-        return gguf_format(self._tensor(name).tensor_type)
+        t = self._tensor(name)
+        block = block_type(t.tensor_type)
+        if block is not None and len(t.shape) == 2:
+            return KQuantFormat(((block, int(t.shape[1])),))
+        return gguf_format(t.tensor_type)
+
+    def get_blocks(self, name: str) -> np.ndarray:
+        """A quantized matrix's blocks as the file holds them, [rows, bytes per row] (uint8), rows in
+        HF order."""
+        t = self._tensor(name)
+        blocks = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # a view of the read-only map
+        if not self._permuted(name):
+            return blocks
+        import torch
+
+        return self._unpermute(name, torch.from_numpy(blocks.copy())).numpy()
 
     def get_quantized(self, name: str) -> QuantizedWeight:
         """A quantized 2-D tensor in our format (`quant_format` must not be None), HF layout."""
@@ -349,14 +368,17 @@ class GGUFCheckpoint:
         return QuantizedWeight(qw.kind, self._unpermute(name, qw.qweight), self._unpermute(name, qw.scales),
                                qw.group_size, offsets)
 
+    def _permuted(self, name: str) -> bool:
+        """Whether the converter permuted this tensor's rows (llama's q / k)."""
+        return (self.gguf_arch in _PERMUTED_QK_ARCHS and name.startswith("layers.")
+                and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name))
+
     def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """Undo the converter's q / k row permutation (rows of any per-row tensor: values, codes, scales)."""
-        if self.gguf_arch in _PERMUTED_QK_ARCHS and name.startswith("layers."):
-            if ".self_attn.q_proj." in name:
-                return unpermute_rotary_rows(rows, self.config.num_heads)
-            if ".self_attn.k_proj." in name:
-                return unpermute_rotary_rows(rows, self.config.num_kv_heads)
-        return rows
+        if not self._permuted(name):
+            return rows
+        heads = self.config.num_heads if ".self_attn.q_proj." in name else self.config.num_kv_heads
+        return unpermute_rotary_rows(rows, heads)
 
     # ---- tokenizer ------------------------------------------------------------------------------
 

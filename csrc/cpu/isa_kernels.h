@@ -1,0 +1,25 @@
+// The entry points of instruction set V: every kernel family compiled with it. Included by the
+// isa_*.cpp files only, each after defining its V.
+#pragma once
+
+#include "kquant_kernels.h"
+#include "quant_kernels_a8.h"
+
+namespace ninfer::cpu {
+namespace {
+
+template <class V>
+IsaKernels make_kernels(const char* name) {
+  return {name,
+          V::W,
+          &Kernels<V>::arrange,
+          &Kernels<V>::rows,
+          &A8Kernels<V>::rows,
+          &Kernels<V>::dequantize_rows,
+          &KQuantKernels<V>::rows,
+          &KQuantKernels<V>::quantize,
+          &KQuantKernels<V>::dequantize_rows};
+}
+
+}  // namespace
+}  // namespace ninfer::cpu
