@@ -20,6 +20,7 @@ from server_harness import load_tiny_llm, sse_events, wait_for, write_model
 
 FAIL = "@@fail@@"  # a stop string that marks the requests the patched engine fails
 HI = [{"role": "user", "content": "Say hi"}]
+GREEDY = {"temperature": 0}  # the failing requests: deterministic answers that reach their third token
 FREE = {"model": "m", "prompt": [5, 17, 42, 99], "max_tokens": 160, "temperature": 0,
         "extra_body": {"ignore_eos": True}}  # decodes beside the failing requests
 
@@ -76,24 +77,25 @@ def test_a_failed_request_is_a_500_and_the_one_beside_it_completes(server, clien
     thread.start()
     wait_for(lambda: server.service.stats().engine.running >= 1, what="the free request in the engine")
 
-    frames = stream_frames(server, "/v1/chat/completions", {"model": "m", "messages": HI, "stop": [FAIL]})
+    frames = stream_frames(server, "/v1/chat/completions", {"model": "m", "messages": HI, "stop": [FAIL], **GREEDY})
     assert frames[-1] == (None, "[DONE]")
     assert_server_error(json.loads(frames[-2][1])["error"])
     assert any(json.loads(data).get("choices") for _, data in frames[:-2])  # it had streamed its first tokens
 
     with pytest.raises(openai.InternalServerError) as err:
-        client.chat.completions.create(model="m", messages=HI, stop=[FAIL])
+        client.chat.completions.create(model="m", messages=HI, stop=[FAIL], **GREEDY)
     assert err.value.status_code == 500
     assert_server_error(err.value.body)
 
-    response = post(server, "/v1/messages", {"model": "m", "max_tokens": 64, "messages": HI, "stop_sequences": [FAIL]})
+    response = post(server, "/v1/messages",
+                    {"model": "m", "max_tokens": 64, "messages": HI, "stop_sequences": [FAIL], **GREEDY})
     assert response.status_code == 500 and response.json()["type"] == "error"
     assert_server_error(response.json()["error"], "api_error")
     with pytest.raises(anthropic.InternalServerError):
         anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0).messages.create(
-            model="m", max_tokens=64, messages=HI, stop_sequences=[FAIL])
+            model="m", max_tokens=64, messages=HI, stop_sequences=[FAIL], extra_body=GREEDY)
     events = stream_frames(server, "/v1/messages", {"model": "m", "max_tokens": 64, "messages": HI,
-                                                    "stop_sequences": [FAIL]})
+                                                    "stop_sequences": [FAIL], **GREEDY})
     assert events[-1][0] == "error"
     assert_server_error(json.loads(events[-1][1])["error"], "api_error")
 
@@ -114,7 +116,8 @@ def test_a_request_the_engine_cannot_take_is_a_500_and_user_errors_stay_400(serv
         add(request)
 
     monkeypatch.setattr(engine, "add_request", broken_add)
-    response = post(server, "/v1/chat/completions", {"model": "m", "messages": HI, "stop": [FAIL], "stream": True})
+    response = post(server, "/v1/chat/completions",
+                    {"model": "m", "messages": HI, "stop": [FAIL], "stream": True, **GREEDY})
     assert response.status_code == 500
     assert_server_error(response.json()["error"])
 
