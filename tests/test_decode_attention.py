@@ -410,6 +410,17 @@ def test_chunk_kernel_matches_float64(chunk_device, lens, num_new, heads, kv_hea
     _close(out, case.expected(), TOL)
 
 
+@pytest.mark.parametrize("num_new", [24, 64])  # on the CPU: keys split, then one pass per tile
+def test_chunk_kernel_takes_a_strided_query(chunk_device, num_new):
+    """q as the gated layer has it before rotary, a view of [query | gate] per head: the output
+    is still written where each query's row is."""
+    case = Case([40], num_new, 8, 2, 64, None, torch.float16, chunk_device, seed=11)
+    query_gate = torch.cat([case.q, torch.full_like(case.q, float("nan"))], dim=-1)
+    view = query_gate[..., :64]
+    assert not view.is_contiguous()
+    _close(chunk_attention(view, case.kv, case.table, case.cache_lens, case.scale), case.expected(), TOL)
+
+
 def test_chunk_kernel_splits_when_programs_are_few(chunk_device):
     """The split-and-combine path is taken (and right) for one tile of one kv head over a long
     prefix, and the single-pass path for many tiles: both against float64."""

@@ -238,14 +238,16 @@ def chunk_attention(
     batch, num_new, heads, dim = q.shape
     kv_heads = kv.k.shape[2]
     if not (kernels is not None and q.dtype in (torch.bfloat16, torch.float16) and kv.k.dtype == q.dtype
-            and dim in _CHUNK_HEAD_DIMS and heads % kv_heads == 0 and q.stride(-1) == 1
+            and dim in _CHUNK_HEAD_DIMS and heads % kv_heads == 0
             and kv.k.is_contiguous() and kv.v.is_contiguous() and kv.k.device == q.device):
         return _rows_attention(q, kv, block_table, cache_lens, scale)
+    q = q.contiguous()  # the kernel stores the output with q's strides
     group = heads // kv_heads
     tiles = chunk_tiles(group, dim)
     grid_tokens = -(-num_new // tiles.block_t)
     programs = grid_tokens * batch * kv_heads
-    splits = min(16, 1 << max(0, math.ceil(math.log2(max(1, 2 * (_num_sms(q.device) if q.is_cuda else 4) / programs)))))
+    sms = _num_sms(q.device) if q.is_cuda else 4  # the interpreter: any count
+    splits = min(16, 1 << max(0, math.ceil(math.log2(max(1, 2 * sms / programs)))))
     table = block_table.to(torch.int32).contiguous()
     lens = cache_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
