@@ -109,7 +109,7 @@ def kquant_linear(x: torch.Tensor, w: KQuantWeight, bias: torch.Tensor | None = 
 
 
 def _cpu_matmul(x: torch.Tensor, w: KQuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The CPU decode kernel: fp32 [M, N] = x [M, K] (quantized per 256) @ W^T (+ bias)."""
+    """The CPU decode kernel: fp32 [M, N] = x [M, K] (quantized per 32 inputs) @ W^T (+ bias)."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
     if bias is not None:
