@@ -26,6 +26,18 @@ void bind_moe(py::module_& m) {
       "Softmax top-k routing, one warp per token. See csrc/moe.h.");
 
   m.def(
+      "moe_align",
+      [](std::uintptr_t sorted_slots, std::uintptr_t block_experts, std::uintptr_t used,
+         std::uintptr_t ids, std::int64_t slots, std::int64_t experts, int block_m,
+         std::int64_t capacity, int device, std::uintptr_t stream) {
+        moe_align({sorted_slots, block_experts, used, ids, slots, experts, block_m, capacity,
+                   device, stream});
+      },
+      py::arg("sorted_slots"), py::arg("block_experts"), py::arg("used"), py::arg("ids"),
+      py::arg("slots"), py::arg("experts"), py::arg("block_m"), py::arg("capacity"),
+      py::arg("device"), py::arg("stream"),
+      "Group (token, slot) pairs by expert in blocks of block_m, on the device. See csrc/moe.h.");
+  m.def(
       "moe_decode",
       [](std::uintptr_t out, std::uintptr_t h, std::uintptr_t x, std::uintptr_t weights,
          std::uintptr_t ids, std::uintptr_t gate_up, std::uintptr_t gate_up_scales,

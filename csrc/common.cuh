@@ -26,7 +26,9 @@ inline cudaStream_t as_stream(std::uintptr_t handle) {
   return reinterpret_cast<cudaStream_t>(handle);
 }
 
-inline bool is_aligned(std::uintptr_t ptr, std::size_t bytes) { return ptr % bytes == 0; }
+__host__ __device__ inline bool is_aligned(std::uintptr_t ptr, std::size_t bytes) {
+  return ptr % bytes == 0;
+}
 
 // Makes `device` current for a launch and restores the caller's device (torch's notion of the
 // current device is the CUDA runtime's, so it must be left as it was).

@@ -38,8 +38,20 @@ __device__ __forceinline__ float4 quad(const float* xs, int c, int q) {
   return reinterpret_cast<const float4*>(xs + c * kVec)[(q + c) % kQuads];
 }
 
+// 16 bytes per thread and load when src allows (one round trip for a 2048-wide bf16 row; an
+// element per load made the weight loads wait for n / blockDim dependent round trips).
 template <int kVec, typename T>
 __device__ __forceinline__ void stage(float* dst, const T* __restrict__ src, int n) {
+  constexpr int kPer = 16 / sizeof(T);
+  if (n % kPer == 0 && is_aligned(reinterpret_cast<std::uintptr_t>(src), 16)) {
+    for (int v = threadIdx.x; v < n / kPer; v += blockDim.x) {
+      const Vec<T, kPer> packed = reinterpret_cast<const Vec<T, kPer>*>(src)[v];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) dst[swizzle<kVec>(v * kPer + j)] = to_float(packed.v[j]);
+    }
+    return;
+  }
+#pragma unroll 4
   for (int p = threadIdx.x; p < n; p += blockDim.x) dst[swizzle<kVec>(p)] = to_float(src[p]);
 }
 
@@ -342,6 +354,48 @@ __global__ void __launch_bounds__(32)
   }
 }
 
+// One block: the slots of ids [slots] grouped by expert in blocks of block_m positions (see
+// moe.h). Counts and cursors live in shared memory; a slot's place inside its expert's rows is
+// the order of the atomics (any order gives the same results: each slot's output is its own).
+__global__ void __launch_bounds__(1024)
+    align_kernel(int* __restrict__ sorted_slots, int* __restrict__ block_experts,
+                 int* __restrict__ used, const int* __restrict__ ids, int slots, int experts,
+                 int block_m, int capacity) {
+  extern __shared__ int counts[];  // [experts], then the cursors [experts]
+  int* cursor = counts + experts;
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
+  for (int p = threadIdx.x; p < capacity; p += blockDim.x) sorted_slots[p] = slots;
+  __syncthreads();
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+    const int e = ids[s];
+    if (e >= 0 && e < experts) atomicAdd(&counts[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // experts is small (<= 4096): a serial scan beats a parallel one here
+    int run = 0;
+    for (int e = 0; e < experts; ++e) {
+      cursor[e] = run;
+      run += (counts[e] + block_m - 1) / block_m * block_m;
+    }
+    *used = run;
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < capacity / block_m; b += blockDim.x) {
+    // the last expert whose rows start at or before block b (blocks past *used: the last expert)
+    int lo = 0, hi = experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (cursor[mid] <= b * block_m) lo = mid; else hi = mid - 1;
+    }
+    block_experts[b] = lo;
+  }
+  __syncthreads();
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+    const int e = ids[s];
+    if (e >= 0 && e < experts) sorted_slots[atomicAdd(&cursor[e], 1)] = s;
+  }
+}
+
 // ---------------------------------------------------------------- launchers
 
 int element_size(DType dtype) {
@@ -465,6 +519,24 @@ void moe_route(const MoeRouteArgs& a) {
   if (a.tokens == 0) return;
   DeviceGuard guard(a.device);
   by_dtype(a.dtype, "moe_route", [&](auto t) { launch_route<decltype(t)>(a); });
+}
+
+void moe_align(const MoeAlignArgs& a) {
+  if (a.experts < 1 || a.experts > 4096 || a.slots < 0 || a.slots > (1LL << 30) ||
+      (a.block_m != 8 && a.block_m != 16 && a.block_m != 32 && a.block_m != 64) ||
+      a.capacity < moe_align_capacity(a.slots, a.experts, a.block_m) || a.capacity % a.block_m) {
+    throw std::invalid_argument("moe_align: slots " + std::to_string(a.slots) + " / experts " +
+                                std::to_string(a.experts) + " / block_m " +
+                                std::to_string(a.block_m) + " / capacity " +
+                                std::to_string(a.capacity) + " out of range");
+  }
+  DeviceGuard guard(a.device);
+  align_kernel<<<1, 1024, 2 * sizeof(int) * a.experts, as_stream(a.stream)>>>(
+      reinterpret_cast<int*>(a.sorted_slots), reinterpret_cast<int*>(a.block_experts),
+      reinterpret_cast<int*>(a.used), reinterpret_cast<const int*>(a.ids),
+      static_cast<int>(a.slots), static_cast<int>(a.experts), a.block_m,
+      static_cast<int>(a.capacity));
+  check_launch("moe align kernel launch");
 }
 
 void moe_decode(const MoeDecodeArgs& a) {

@@ -25,6 +25,36 @@ struct MoeRouteArgs {
 
 void moe_route(const MoeRouteArgs& args);
 
+// The (token, slot) pairs of ids [slots] (int32, e.g. [tokens, top_k] flattened) grouped by
+// expert for the grouped GEMMs, on the device (no host sync):
+//   sorted_slots int32 [capacity]: expert 0's slot ids, padded with `slots` to a multiple of
+//                 block_m, then expert 1's, ...; the rest up to capacity is padding too;
+//   block_experts int32 [capacity / block_m]: the expert of each block of positions (past
+//                 *used: the last expert);  used int32 [1]: the positions in use.
+// An id outside [0, experts) is left out. capacity >= moe_align_capacity(...): the most blocks
+// any routing needs, so shapes never depend on the routing.
+struct MoeAlignArgs {
+  std::uintptr_t sorted_slots;
+  std::uintptr_t block_experts;
+  std::uintptr_t used;
+  std::uintptr_t ids;
+  std::int64_t slots;
+  std::int64_t experts;
+  int block_m;  // 8, 16, 32 or 64
+  std::int64_t capacity;
+  int device;
+  std::uintptr_t stream;
+};
+
+// sum over experts of ceil(count / block_m) <= (slots + hit * (block_m - 1)) / block_m, with at
+// most min(experts, slots) experts hit.
+inline std::int64_t moe_align_capacity(std::int64_t slots, std::int64_t experts, int block_m) {
+  const std::int64_t hit = slots < experts ? slots : experts;
+  return (slots + hit * (block_m - 1)) / block_m * block_m;
+}
+
+void moe_align(const MoeAlignArgs& args);
+
 // How a fused expert tensor [E, N, K] is stored (the formats of ninfer_core/ops/quant.py).
 enum class ExpertKind : int {
   Dense = 0,  // weight: [E, N, K] in the activation dtype; scales: 0

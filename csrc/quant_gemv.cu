@@ -16,6 +16,14 @@
 // one MMA hold different groups when group_size < 128.
 // fp32 activations run on CUDA cores with exact fp32 weights; the four lanes of a row then add
 // their sums with shuffles and the same epilogue writes the result.
+//
+// The same kernel is the grouped MoE GEMV (`moe_grouped_gemv`): block y takes one block of
+// slots that share an expert (moe_align's layout), offsets the weights to that expert, gathers
+// the slots' x rows as its B columns and scatters its outputs to the slots' rows. For gate_up a
+// warp's 16 A rows are 8 gate rows and the 8 matching up rows, so each lane's C fragment holds
+// the gate and up sums of the same output: SiLU(gate) * up is the epilogue. So every expert hit
+// by a batch is read once per block of its slots (the decode kernels of csrc/moe.cu read it once
+// per slot), which is what verify rounds, batched decode and short prompts need.
 #include <array>
 #include <atomic>
 #include <type_traits>
@@ -248,23 +256,53 @@ __device__ __forceinline__ void chunk_fp32(float (&sum)[2][8 * kTiles], const ui
 template <typename T, int kTiles>
 constexpr int kMinBlocks = std::is_same_v<T, float> ? 1 : (kTiles == 1 ? 3 : 2);
 
-// kTiles: n8 tiles of x rows (1: m <= 8, 2: m <= 16).
-template <typename T, bool kInt4, int kTiles>
+// What a block's rows and columns are: a plain GEMV, or one slot block of a grouped MoE GEMV.
+enum class Layout { Dense, GateUp, Down };
+
+// Grouped layouts only (moe_align's output; see quant_gemv.h).
+struct Grouping {
+  const int* sorted_slots;   // [blocks * 8 kTiles] slot ids, padding = num_slots
+  const int* block_experts;  // [blocks]
+  const int* used;           // [1] slot positions in use: blocks at or past it exit at once
+  int num_slots;
+  int rows_per_x;            // x row of slot s: s / rows_per_x
+  std::int64_t expert_rows;  // weight rows per expert
+};
+
+// kTiles: n8 tiles of x rows (1: m <= 8, 2: m <= 16, 4: grouped blocks of 32 slots).
+template <typename T, bool kInt4, int kTiles, Layout kLayout = Layout::Dense>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
-                      const T* __restrict__ bias, int m, int n, int k, int group_size, int split) {
+                      const T* __restrict__ bias, int m, int n, int k, int group_size, int split,
+                      Grouping grouping) {
   constexpr bool kTensorCores = !std::is_same_v<T, float>;
+  constexpr bool kGrouped = kLayout != Layout::Dense;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int part = warp % split;  // this warp's share of its tile's chunks
   const std::int64_t tile = static_cast<std::int64_t>(blockIdx.x) * (kWarps / split) + warp / split;
-  const std::int64_t rows[2] = {tile * kTileRows + g, tile * kTileRows + g + 8};
-  const bool live[2] = {rows[0] < n, rows[1] < n};
   const int row_bytes = kInt4 ? k / 2 : k;
-  const int chunks = (row_bytes + kChunkBytes - 1) / kChunkBytes;
   const int groups = kInt4 ? k / group_size : 0;
-  // Row g + 8 lies 8 rows past row g: one base pointer per array (fewer registers).
+  // A rows g and g + 8 of the warp's tile: 16 consecutive weight rows, or for gate_up output g
+  // of an 8-wide tile as its gate row and its up row (n rows further).
+  const std::int64_t pair = kLayout == Layout::GateUp ? n : 8;
+  const std::int64_t rows[2] = {tile * (kLayout == Layout::GateUp ? 8 : kTileRows) + g,
+                                tile * (kLayout == Layout::GateUp ? 8 : kTileRows) + g + pair};
+  const bool live[2] = {rows[0] < n, kLayout == Layout::GateUp ? rows[0] < n : rows[1] < n};
+  const int chunks = (row_bytes + kChunkBytes - 1) / kChunkBytes;
+  const int* block_slots = nullptr;
+  if constexpr (kGrouped) {  // the whole block exits together (before any barrier)
+    const int b = blockIdx.y;
+    if (b * 8 * kTiles >= __ldg(grouping.used)) return;
+    const std::int64_t expert_rows = grouping.expert_rows * __ldg(grouping.block_experts + b);
+    qweight += expert_rows * row_bytes;
+    scales = kInt4 ? static_cast<const void*>(static_cast<const std::uint16_t*>(scales) +
+                                              expert_rows * groups)
+                   : static_cast<const void*>(static_cast<const float*>(scales) + expert_rows);
+    block_slots = grouping.sorted_slots + static_cast<std::int64_t>(b) * 8 * kTiles;
+  }
+  // Row g + pair lies pair rows past row g: one base pointer per array (fewer registers).
   const std::int64_t base = live[0] ? rows[0] : 0;
   const std::uint8_t* wbase = qweight + base * row_bytes;
   const std::uint16_t* sbase = static_cast<const std::uint16_t*>(scales) + base * groups;
@@ -273,9 +311,16 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
   bool x_live[kTiles];
 #pragma unroll
   for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
-    const int row = 8 * tile_m + g;
-    x_live[tile_m] = row < m;
-    xr[tile_m] = x + static_cast<std::int64_t>(x_live[tile_m] ? row : 0) * k;
+    int row = 8 * tile_m + g;
+    if constexpr (kGrouped) {
+      const int slot = __ldg(block_slots + row);
+      x_live[tile_m] = slot < grouping.num_slots;
+      row = x_live[tile_m] ? slot / grouping.rows_per_x : 0;
+    } else {
+      x_live[tile_m] = row < m;
+      row = x_live[tile_m] ? row : 0;
+    }
+    xr[tile_m] = x + static_cast<std::int64_t>(row) * k;
   }
 
   // One step = kUnroll chunks; the next step's weights are loaded before this step computes, so
@@ -290,9 +335,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const bool pred = live[r] && in;
-        q[u][r] = load16<true>(wbase + r * 8 * row_bytes + (in ? off : 0), pred);
+        q[u][r] = load16<true>(wbase + r * pair * row_bytes + (in ? off : 0), pred);
         if constexpr (kInt4) {
-          sc[u][r] = load2(sbase + r * 8 * groups + (in ? 2 * off / group_size : 0), pred);
+          sc[u][r] = load2(sbase + r * pair * groups + (in ? 2 * off / group_size : 0), pred);
         }
       }
     }
@@ -364,43 +409,76 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
     }
   }
 
-  // C fragment entry i of n8 tile tile_m: weight row g (i < 2) or g + 8, x row 8 tile_m + 2t + i % 2.
+  // C fragment entry i of n8 tile tile_m: A row g (i < 2) or g + pair, x row 8 tile_m + 2t + i % 2.
 #pragma unroll
   for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const std::int64_t row = rows[i >> 1];
+      if (!kInt4 && live[i >> 1]) {
+        acc[tile_m][i] *= __ldg(static_cast<const float*>(scales) + rows[i >> 1]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
       const int xrow = 8 * tile_m + 2 * t + (i & 1);
-      if (!live[i >> 1] || xrow >= m) continue;
-      float v = acc[tile_m][i];
-      if constexpr (!kInt4) v *= __ldg(static_cast<const float*>(scales) + row);
-      if (bias != nullptr) v += to_float(bias[row]);
-      out[static_cast<std::int64_t>(xrow) * n + row] = from_float<T>(v);
+      std::int64_t out_row = xrow;  // the row of out this entry belongs to
+      if constexpr (kGrouped) {
+        out_row = __ldg(block_slots + xrow);
+        if (out_row >= grouping.num_slots) continue;
+      } else if (xrow >= m) {
+        continue;
+      }
+      if (!live[i >> 1]) continue;
+      if constexpr (kLayout == Layout::GateUp) {
+        if (i >= 2) continue;  // entries 2, 3 are the up sums of entries 0, 1
+        // The reference's roundings: linear, silu and the product each in T.
+        const float gate = to_float(from_float<T>(acc[tile_m][i]));
+        const float act = to_float(from_float<T>(gate / (1.0f + expf(-gate))));
+        const float up = to_float(from_float<T>(acc[tile_m][i + 2]));
+        out[out_row * n + rows[0]] = from_float<T>(act * up);
+      } else {
+        float v = acc[tile_m][i];
+        if (bias != nullptr) v += to_float(bias[rows[i >> 1]]);
+        out[out_row * n + rows[i >> 1]] = from_float<T>(v);
+      }
     }
   }
 }
 
-template <typename T, bool kInt4, int kTiles>
-void launch(const QuantGemvArgs& a, int split) {
-  const std::int64_t tiles = (a.n + kTileRows - 1) / kTileRows;
+// Weight-row tiles of one warp: 16 rows, or 8 outputs (gate + up rows) for gate_up.
+std::int64_t row_tiles(std::int64_t n, Layout layout) {
+  const int rows = layout == Layout::GateUp ? 8 : kTileRows;
+  return (n + rows - 1) / rows;
+}
+
+template <typename T, bool kInt4, int kTiles, Layout kLayout>
+void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
   const int tiles_per_block = kWarps / split;
-  const auto blocks = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);
-  quant_gemv_kernel<T, kInt4, kTiles><<<blocks, kWarps * 32, 0, as_stream(a.stream)>>>(
+  const std::int64_t tiles = row_tiles(a.n, kLayout);
+  const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
+  quant_gemv_kernel<T, kInt4, kTiles, kLayout><<<grid, kWarps * 32, 0, as_stream(a.stream)>>>(
       reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
       reinterpret_cast<const std::uint8_t*>(a.qweight), reinterpret_cast<const void*>(a.scales),
       reinterpret_cast<const T*>(a.bias), static_cast<int>(a.m), static_cast<int>(a.n),
-      static_cast<int>(a.k), a.group_size, split);
+      static_cast<int>(a.k), a.group_size, split, grouping);
   check_launch("quant_gemv kernel launch");
 }
 
-template <typename T>
-void launch_typed(const QuantGemvArgs& a, int split) {
-  const bool wide = a.m > 8;
-  if (a.int4) {
-    wide ? launch<T, true, 2>(a, split) : launch<T, true, 1>(a, split);
-  } else {
-    wide ? launch<T, false, 2>(a, split) : launch<T, false, 1>(a, split);
-  }
+template <typename T, Layout kLayout>
+void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks = 1,
+                  Grouping grouping = {}) {
+  const auto pick = [&](auto int4) {
+    constexpr bool kInt4 = decltype(int4)::value;
+    switch (tiles) {
+      case 1: launch<T, kInt4, 1, kLayout>(a, split, slot_blocks, grouping); break;
+      case 2: launch<T, kInt4, 2, kLayout>(a, split, slot_blocks, grouping); break;
+      default:
+        if constexpr (kLayout != Layout::Dense) {
+          launch<T, kInt4, 4, kLayout>(a, split, slot_blocks, grouping);
+        }
+    }
+  };
+  a.int4 ? pick(std::true_type{}) : pick(std::false_type{});
 }
 
 // SMs of a device, queried once per process (so graph captures after a warm-up query nothing).
@@ -420,9 +498,9 @@ int sm_count(int device) {
 
 // Warps per tile (1, 2, 4 or 8): K is split until the grid has ~kWarpsPerSm warps per SM, as
 // long as every warp keeps at least kUnroll chunks (small n with large k: N = 1 .. 256 rows).
-int choose_split(const QuantGemvArgs& a) {
+// `tiles`: the warp tiles of the whole grid.
+int choose_split(const QuantGemvArgs& a, std::int64_t tiles) {
   const int sms = sm_count(a.device);
-  const std::int64_t tiles = (a.n + kTileRows - 1) / kTileRows;
   const std::int64_t chunks = ((a.int4 ? a.k / 2 : a.k) + kChunkBytes - 1) / kChunkBytes;
   int split = 1;
   while (split < kWarps && tiles * split < static_cast<std::int64_t>(kWarpsPerSm) * sms &&
@@ -432,12 +510,8 @@ int choose_split(const QuantGemvArgs& a) {
   return split;
 }
 
-}  // namespace
-
-void quant_gemv(const QuantGemvArgs& a) {
-  const auto fail = [](const std::string& why) {
-    throw std::invalid_argument("quant_gemv: " + why);
-  };
+void check_args(const QuantGemvArgs& a, const std::string& op) {
+  const auto fail = [&](const std::string& why) { throw std::invalid_argument(op + ": " + why); };
   if (a.m < 1 || a.m > kQuantGemvMaxRows) {
     fail("rows m=" + std::to_string(a.m) + " must be in 1.." + std::to_string(kQuantGemvMaxRows));
   }
@@ -461,14 +535,64 @@ void quant_gemv(const QuantGemvArgs& a) {
     fail("x and qweight must be 16-byte aligned, out / bias / scales aligned to their elements");
   }
   if (a.out == 0 || a.x == 0 || a.qweight == 0 || a.scales == 0) fail("null pointer");
+}
+
+}  // namespace
+
+void quant_gemv(const QuantGemvArgs& a) {
+  check_args(a, "quant_gemv");
   DeviceGuard guard(a.device);
-  const int split = choose_split(a);
+  const int split = choose_split(a, row_tiles(a.n, Layout::Dense));
+  const int tiles = a.m > 8 ? 2 : 1;
   switch (a.dtype) {
-    case DType::F32: launch_typed<float>(a, split); break;
-    case DType::F16: launch_typed<__half>(a, split); break;
-    case DType::BF16: launch_typed<__nv_bfloat16>(a, split); break;
-    default: fail("unsupported dtype");
+    case DType::F32: launch_typed<float, Layout::Dense>(a, split, tiles); break;
+    case DType::F16: launch_typed<__half, Layout::Dense>(a, split, tiles); break;
+    case DType::BF16: launch_typed<__nv_bfloat16, Layout::Dense>(a, split, tiles); break;
+    default: throw std::invalid_argument("quant_gemv: unsupported dtype");
   }
+}
+
+void moe_grouped_gemv(const GroupedGemvArgs& g) {
+  const auto fail = [](const std::string& why) {
+    throw std::invalid_argument("moe_grouped_gemv: " + why);
+  };
+  const QuantGemvArgs& a = g.gemv;
+  if (g.block_m != 8 && g.block_m != 16 && g.block_m != 32) {
+    fail("block_m must be 8, 16 or 32, got " + std::to_string(g.block_m));
+  }
+  if (a.dtype != DType::F16 && a.dtype != DType::BF16) fail("activations must be fp16 or bf16");
+  if (a.bias != 0) fail("no bias");
+  if (g.blocks < 0 || g.blocks > 65535 || g.num_slots < 1 || g.num_slots > (1LL << 31) - 1 ||
+      g.rows_per_x < 1) {
+    fail("blocks " + std::to_string(g.blocks) + " / slots " + std::to_string(g.num_slots) +
+         " / rows_per_x " + std::to_string(g.rows_per_x) + " out of range");
+  }
+  if (g.sorted_slots == 0 || g.block_experts == 0 || g.used == 0 ||
+      !is_aligned(g.sorted_slots, 4) || !is_aligned(g.block_experts, 4) || !is_aligned(g.used, 4)) {
+    fail("sorted_slots, block_experts and used must be int32 device pointers");
+  }
+  QuantGemvArgs checked = a;
+  checked.m = 1;  // the slots are checked above
+  check_args(checked, "moe_grouped_gemv");
+  if (g.blocks == 0) return;
+  const Layout layout = g.gate_up ? Layout::GateUp : Layout::Down;
+  const Grouping grouping{reinterpret_cast<const int*>(g.sorted_slots),
+                          reinterpret_cast<const int*>(g.block_experts),
+                          reinterpret_cast<const int*>(g.used), static_cast<int>(g.num_slots),
+                          g.rows_per_x, g.gate_up ? 2 * a.n : a.n};
+  DeviceGuard guard(a.device);
+  const int split = choose_split(a, row_tiles(a.n, layout) * g.blocks);
+  const int tiles = g.block_m / 8;
+  const auto blocks = static_cast<unsigned>(g.blocks);
+  const auto go = [&](auto type) {
+    using T = decltype(type);
+    if (g.gate_up) {
+      launch_typed<T, Layout::GateUp>(a, split, tiles, blocks, grouping);
+    } else {
+      launch_typed<T, Layout::Down>(a, split, tiles, blocks, grouping);
+    }
+  };
+  a.dtype == DType::F16 ? go(__half{}) : go(__nv_bfloat16{});
 }
 
 }  // namespace ninfer

@@ -36,6 +36,28 @@ struct QuantGemvArgs {
 
 void quant_gemv(const QuantGemvArgs& args);
 
+// The same GEMV over MoE experts grouped by moe_align (csrc/moe.h): slot block b (block_m slots of
+// expert block_experts[b]; positions at or past *used are idle) multiplies its slots' x rows by
+// that expert's weight [expert_rows, k], gemv.qweight / gemv.scales being [E, expert_rows, ...]
+// in the formats above. fp16 / bf16 activations, no bias; gemv.m is unused.
+//   gate_up (expert_rows = 2 n):  out[s, i] = round(round(silu(round(g))) * round(u)),
+//                                 g = gate row i . x[s / rows_per_x], u = up row n + i . x[...]
+//   down    (expert_rows = n):    out[s, i] = row i . x[s / rows_per_x]
+// Every real slot's row of out is written once; the weights of an expert are read once per block.
+struct GroupedGemvArgs {
+  QuantGemvArgs gemv;           // out [num_slots, n], x, qweight, scales, n, k, format, stream
+  std::uintptr_t sorted_slots;  // int32 [blocks * block_m]; padding entries hold num_slots
+  std::uintptr_t block_experts; // int32 [blocks]
+  std::uintptr_t used;          // int32 [1]
+  std::int64_t blocks;
+  int block_m;                  // 8, 16 or 32
+  std::int64_t num_slots;
+  int rows_per_x;
+  bool gate_up;
+};
+
+void moe_grouped_gemv(const GroupedGemvArgs& args);
+
 // The dense weight [rows, k] in dtype from int8 / int4 codes (formats above): w = q * scale in
 // fp32, rounded once (csrc/dequant.cu). Needs k % 8 == 0, out 16-byte and qweight 8-byte aligned.
 struct DequantArgs {

@@ -1,11 +1,12 @@
-"""The grouped quantized MoE kernels (ops/moe_triton.py) at the 35B-A3B expert shape: time per
-layer (grouping + gate_up + down + combine) at several token counts for several tilings, against
-the dequantize + grouped-GEMM path it replaced and the decode kernels, with the effective
-bandwidth over the bytes of the hit experts' int4 codes and scales. The grouped and decode
-kernels are timed as CUDA graph replays, as the engine runs them (prefill graphs, decode steps),
-so the host's launches (~15 small ops for the grouping) are not counted; until 2026-12-01 they
-were timed eagerly. The dequantizing path syncs with the host and is timed eagerly.
-    python3 scripts/bench_moe_triton.py [--tokens 16,37,128,512,2048,8192] [--json OUT]
+"""The routed experts of one MoE layer at the 35B-A3B expert shape (E=256, k=8, H=2048, I=512,
+int4 g128): time per layer of every quantized path at several token counts, as CUDA graph
+replays (the engine runs them in decode and prefill graphs): the decode kernels (csrc/moe.cu,
+each (token, expert) pair read once), the grouped GEMV at each slot-block size (csrc/quant_gemv.cu
+over ops/moe_align.py), the Triton grouped GEMMs (ops/moe_triton.py; `--sweep` tries 16 tilings),
+and the dequantize + grouped-GEMM path they replaced (it syncs: timed eagerly). Effective
+bandwidth is over the bytes of the hit experts' int4 codes and scales; errors are relative L2
+against the dequantizing path.
+    python3 scripts/bench_moe_triton.py [--tokens 1,8,37,128,512,2048] [--sweep] [--json OUT]
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ninfer_core.bench import cuda_median_ms, graph_replay_ms  # noqa: E402
 from ninfer_core.ops import moe as moe_ops  # noqa: E402
 from ninfer_core.ops import moe_triton  # noqa: E402
+from ninfer_core.ops.moe_align import align_by_expert  # noqa: E402
 from ninfer_core.ops.quant import quantize  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, TOP_K, GROUP = 256, 2048, 512, 8, 128
+TOKENS = "1,2,4,8,16,24,37,48,64,96,128,256,512,1024,2048,8192"
 
 
 def hit_bytes(ids: torch.Tensor, gate_up, down) -> int:
@@ -33,17 +36,31 @@ def hit_bytes(ids: torch.Tensor, gate_up, down) -> int:
     return hit * per_expert
 
 
+def triton_path(x, gate_up, down, weights, ids, cfg: moe_triton.TileConfig):
+    tokens = x.shape[0]
+    block_m = moe_triton.block_m_for(tokens * TOP_K, EXPERTS)
+    aligned = align_by_expert(ids, EXPERTS, block_m)
+    h = moe_triton.moe_gate_up(x, gate_up, aligned, TOP_K, block_m, cfg)
+    y = moe_triton.moe_down(h, down, aligned, block_m, cfg)
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, TOP_K, -1)).squeeze(1)
+
+
+def timed(fn, ref: torch.Tensor) -> tuple[float, float]:
+    out = fn()
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    return graph_replay_ms(fn), err
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="16,37,128,512,2048,8192")
+    parser.add_argument("--tokens", default=TOKENS)
+    parser.add_argument("--sweep", action="store_true", help="time 16 Triton tilings, not just the table's")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
     gate_up = quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02, "int4",
                        GROUP)
     down = quantize(torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * 0.02, "int4", GROUP)
-    configs = [moe_triton.TileConfig(n, k, w, s) for n, k, w, s in
-               itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
     results = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -51,35 +68,34 @@ def main() -> None:
         weights, ids = moe_ops.moe_route(logits, TOP_K, True)
         moved = hit_bytes(ids, gate_up, down)
         ref = moe_ops.moe_experts_grouped(x, gate_up, down, weights, ids)
-        row = {"tokens": tokens, "hit_bytes": moved, "dequant_grouped_ms": cuda_median_ms(
-            lambda: moe_ops.moe_experts_grouped(x, gate_up, down, weights, ids))}
-        if tokens <= moe_ops.QUANTIZED_DECODE_MAX_TOKENS:
-            plan = moe_ops._decode_plan(x, gate_up, down, weights, ids, max_tokens=moe_ops.QUANTIZED_DECODE_MAX_TOKENS)
-            row["decode_kernels_ms"] = graph_replay_ms(lambda: moe_ops._decode(x, plan, weights, ids, EXPERTS))
+        paths: dict[str, tuple[float, float | str]] = {}
+        if tokens <= 2048:
+            paths["dequant_grouped"] = (cuda_median_ms(lambda: moe_ops.moe_experts_grouped(x, gate_up, down, weights,
+                                                                                          ids)), 0.0)
+        if tokens <= 128:
+            plan = moe_ops._decode_plan(x, gate_up, down, weights, ids, max_tokens=tokens)
+            paths["decode_kernels"] = timed(lambda: moe_ops._decode(x, plan, weights, ids, EXPERTS), ref)
+        if tokens <= 2048:
+            for block_m in (8, 16, 32):
+                paths[f"grouped_gemv_bm{block_m}"] = timed(
+                    lambda b=block_m: moe_ops.moe_experts_grouped_gemv(x, gate_up, down, weights, ids, b), ref)
         block_m = moe_triton.block_m_for(tokens * TOP_K, EXPERTS)
-        timings = {}
+        configs = [moe_triton.TILES[block_m]]
+        if args.sweep:
+            configs += [moe_triton.TileConfig(n, k, w, s) for n, k, w, s in
+                        itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
         for cfg in configs:
-            def run(cfg=cfg):
-                aligned = moe_triton.align_by_expert(ids, EXPERTS, block_m)
-                h = moe_triton.moe_gate_up(x, gate_up, aligned, TOP_K, block_m, cfg)
-                y = moe_triton.moe_down(h, down, aligned, block_m, cfg)
-                return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, TOP_K, -1)).squeeze(1)
+            name = f"triton_bm{block_m}_{cfg.block_n}x{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
             try:
-                out = run()
-                err = float((out.float() - ref.float()).norm() / ref.float().norm())
-                timings[f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"] = (graph_replay_ms(run), err)
+                paths[name] = timed(lambda cfg=cfg: triton_path(x, gate_up, down, weights, ids, cfg), ref)
             except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is just skipped
-                timings[f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"] = (float("nan"), str(exc)[:80])
-        best = min((v[0], k) for k, v in timings.items() if v[0] == v[0])
-        default = f"{moe_triton.DEFAULT_TILES.block_n}x{moe_triton.DEFAULT_TILES.block_k} " \
-                  f"w{moe_triton.DEFAULT_TILES.num_warps} s{moe_triton.DEFAULT_TILES.num_stages}"
-        row.update(block_m=block_m, best=best[1], best_ms=best[0], default_ms=timings[default][0],
-                   timings={k: v for k, v in timings.items()})
-        results.append(row)
-        print(f"tokens {tokens:5d} (BM {block_m}): dequant+grouped {row['dequant_grouped_ms']:.3f} ms, "
-              f"decode kernels {row.get('decode_kernels_ms', float('nan')):.3f} ms, triton default "
-              f"{row['default_ms']:.3f} ms, best {best[0]:.3f} ms [{best[1]}] = "
-              f"{moved / best[0] / 1e6:.0f} GB/s over {moved / 1e6:.0f} MB, err {timings[best[1]][1]}")
+                paths[name] = (float("nan"), str(exc)[:80])
+        best_ms, best = min((v[0], k) for k, v in paths.items() if v[0] == v[0])
+        results.append({"tokens": tokens, "hit_bytes": moved, "best": best, "best_ms": best_ms,
+                        "paths": {k: {"ms": v[0], "err": v[1]} for k, v in paths.items()}})
+        listing = ", ".join(f"{k} {v[0]:.3f}" for k, v in paths.items())
+        print(f"tokens {tokens:5d}: best {best} {best_ms:.3f} ms = {moved / best_ms / 1e6:.0f} GB/s over "
+              f"{moved / 1e6:.0f} MB (err {paths[best][1]}) | {listing}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -320,9 +320,7 @@ def _decode_check(
     weights, routed = _routing(tokens, num_experts, top_k, device="cuda", dtype=dtype, seed=tokens)
     ids = routed if ids is None else ids
     x = _inputs(tokens, hidden, device="cuda", dtype=dtype, seed=tokens)
-    quantized = fmt in ("int8", "int4")
-    limit = moe.QUANTIZED_DECODE_MAX_TOKENS if quantized else moe.DECODE_MAX_TOKENS  # the kernels' own limit
-    plan = moe._decode_plan(x, gate_up, down, weights, ids, max_tokens=limit)
+    plan = moe._decode_plan(x, gate_up, down, weights, ids, max_tokens=tokens)  # the kernels' own limits
     assert plan is not None, "the decode kernels do not cover this"
     with _poisoned_allocations():
         out = moe._decode(x, plan, weights, ids, gate_up.shape[0])
@@ -393,6 +391,78 @@ def test_decode_step_replays_in_cuda_graph(cuda_kernels, fmt):
     for seed in (1, 2):
         x.copy_(_inputs(4, 2048, device="cuda", seed=seed))
         logits.copy_(_distinct_logits(4, 256, torch.bfloat16, "cuda", seed=seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        weights, ids = moe.moe_route_ref(logits, 8, True)
+        _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), TOL[torch.bfloat16])
+
+
+def _grouped_gemv_check(tokens, num_experts, top_k, hidden, inter, fmt, *, dtype=torch.bfloat16, group=128,
+                        ids=None, block_m=None):
+    if dtype == torch.bfloat16:
+        gate_up, down = _cached_experts(num_experts, hidden, inter, fmt, group)
+    else:
+        gate_up, down = _experts(num_experts, hidden, inter, fmt, device="cuda", dtype=dtype, group=group)
+    weights, routed = _routing(tokens, num_experts, top_k, device="cuda", dtype=dtype, seed=tokens)
+    ids = routed if ids is None else ids
+    x = _inputs(tokens, hidden, device="cuda", dtype=dtype, seed=tokens)
+    assert moe.grouped_gemv_fits(x, gate_up, down)
+    with _poisoned_allocations():
+        out = moe.moe_experts_grouped_gemv(x, gate_up, down, weights, ids, block_m)
+    assert out.dtype == dtype and out.shape == x.shape and not out.isnan().any()
+    _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), TOL[dtype])
+    rows = list(range(tokens)) if tokens <= 40 else [0, 1, tokens // 2, tokens - 1]
+    _assert_close(out[rows], _expected(x, gate_up, down, weights, ids, rows=rows), TOL[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("block_m", [None, 8, 16, 32])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 37, 300])
+def test_grouped_gemv_matches_reference(cuda_kernels, tokens, block_m, fmt):
+    """The 35B expert shape; every slot-block size at every token count (several blocks per expert)."""
+    _grouped_gemv_check(tokens, 256, 8, 2048, 512, fmt, block_m=block_m)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [32, 64])
+def test_grouped_gemv_other_dtypes_groups_and_shapes(cuda_kernels, fmt, dtype, group):
+    """fp16, int4 groups of 32 / 64, small and odd shapes (tiles past the row ends)."""
+    _grouped_gemv_check(11, 16, 4, 384, 96, fmt, dtype=dtype, group=group)
+    _grouped_gemv_check(5, 8, 2, 64, 32, fmt, dtype=dtype, group=32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_grouped_gemv_all_tokens_on_the_same_experts(cuda_kernels, fmt):
+    """64 slots per expert: several full blocks of one expert."""
+    ids = torch.tensor([[5, 0, 255, 17, 3, 128, 64, 200]] * 64, dtype=torch.int32, device="cuda")
+    _grouped_gemv_check(64, 256, 8, 2048, 512, fmt, ids=ids, block_m=16)
+
+
+@pytest.mark.cuda
+def test_moe_experts_takes_the_grouped_gemv_and_replays_it_in_a_graph(cuda_kernels, monkeypatch):
+    gate_up, down = _cached_experts(256, 2048, 512, "int4", 128)
+    tokens = moe.QUANTIZED_DECODE_MAX_TOKENS + 1
+    assert tokens <= moe.GROUPED_GEMV_MAX_TOKENS
+    calls = []
+    real = moe.moe_experts_grouped_gemv
+    monkeypatch.setattr(moe, "moe_experts_grouped_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = _inputs(tokens, 2048, device="cuda", seed=1)
+    logits = _distinct_logits(tokens, 256, torch.bfloat16, "cuda", seed=1)
+
+    def step():
+        weights, ids = moe.moe_route(logits, 8, True)
+        return moe.moe_experts(x, gate_up, down, weights, ids)
+
+    graph, out = capture(step)
+    assert calls, "moe_experts did not take the grouped GEMV"
+    for seed in (2, 3):
+        x.copy_(_inputs(tokens, 2048, device="cuda", seed=seed))
+        logits.copy_(_distinct_logits(tokens, 256, torch.bfloat16, "cuda", seed=seed))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()

@@ -3,12 +3,18 @@
 Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate rows first) and
 `down` [E, H, I], as bf16/fp16/fp32 tensors or as int8/int4 `QuantizedWeight`s (ops/quant.py).
 
-`moe_experts` takes one of four paths:
-  decode    CUDA, N <= 16 tokens (64 with int8 / int4 experts): our two GEMV kernels (csrc/moe.cu). Expert ids stay on the device, so a decode step never
-            syncs with the host and is captured by CUDA graphs.
+`moe_experts` takes one of five paths:
+  decode    CUDA, N <= 16 tokens (QUANTIZED_DECODE_MAX_TOKENS with int8 / int4 experts): our two
+            GEMV kernels (csrc/moe.cu), each (token, expert) pair's weights read once. Expert ids
+            stay on the device, so a decode step never syncs with the host and is captured by
+            CUDA graphs.
+  grouped gemv   CUDA, int8 / int4 experts, up to GROUPED_GEMV_MAX_TOKENS: the slots grouped by
+            expert on the device (ops/moe_align.py), then the quant GEMV kernel per slot block
+            (csrc/quant_gemv.cu, tensor cores, SwiGLU in the gate_up epilogue): each hit expert
+            is read once per block of its slots. Verify rounds, batched decode, short prompts.
   grouped quantized   CUDA + Triton, int8 / int4 experts, larger N: grouped GEMMs that dequantize
-            in registers (ops/moe_triton.py), each hit expert read once per block of its rows;
-            no host sync at any N.
+            in registers (ops/moe_triton.py), tensor-core tiles for many rows per expert; no
+            host sync at any N.
   grouped   CUDA, larger N otherwise (prefill): the (token, slot) pairs sorted by expert and one
             grouped GEMM per projection (`moe_experts_grouped`).
   reference CPU, or NINFER_DISABLE_KERNELS=1: the loop over hit experts (`moe_experts_ref`).
@@ -24,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, moe_triton
+from .moe_align import align_by_expert
 from .quant import QuantizedWeight, dequantize
 
 log = logging.getLogger(__name__)
@@ -35,7 +42,9 @@ ExpertTensor = torch.Tensor | QuantizedWeight
 # int4 pairs are 2-4x fewer bytes and the grouped path would first dequantize, so the kernels
 # stay ahead up to the engine's largest decode graph bucket (and keep those graphs sync-free).
 DECODE_MAX_TOKENS = 16
-QUANTIZED_DECODE_MAX_TOKENS = 64
+QUANTIZED_DECODE_MAX_TOKENS = 8
+# Token counts up to which quantized experts take the grouped GEMV (past the decode kernels).
+GROUPED_GEMV_MAX_TOKENS = 512
 ROUTE_MAX_TOKENS = 64  # decode batches: one routing kernel instead of torch's four ops
 SYNC_FREE_UNLIMITED = 1 << 30
 _MAX_TOP_K = 64  # csrc/moe.cu's limits
@@ -131,6 +140,8 @@ def moe_experts(
     plan = _decode_plan(x, gate_up, down, weights, ids)
     if plan is not None:
         return _decode(x, plan, weights, ids, gate_up.shape[0])
+    if ids.shape[0] <= GROUPED_GEMV_MAX_TOKENS and grouped_gemv_fits(x, gate_up, down):
+        return moe_experts_grouped_gemv(x, gate_up, down, weights, ids)
     if _grouped_quantized(x, gate_up, down):
         return moe_triton.moe_experts_grouped_quantized(x, gate_up, down, weights, ids)
     return moe_experts_grouped(x, gate_up, down, weights, ids)
@@ -154,7 +165,7 @@ def sync_free_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
     quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
     if quantized and moe_triton.available():
         return SYNC_FREE_UNLIMITED
-    return QUANTIZED_DECODE_MAX_TOKENS if quantized else DECODE_MAX_TOKENS
+    return max(QUANTIZED_DECODE_MAX_TOKENS, GROUPED_GEMV_MAX_TOKENS) if quantized else DECODE_MAX_TOKENS
 
 
 def decode_kernel_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
@@ -292,6 +303,54 @@ def _decode(
         stream=dispatch.stream_handle(x),
     )
     return out
+
+
+# ---------------------------------------------------------------- grouped GEMV
+
+
+def grouped_gemv_fits(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor) -> bool:
+    """Whether the grouped GEMV kernel takes these experts: int8 / int4 in the CUDA formats
+    (int4 groups of 32-128), fp16 / bf16 activations on the device."""
+    hidden, inter = x.shape[1], down.shape[2]
+    if not (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)):
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16) or not dispatch.use_kernel(x):
+        return False
+    plans = _kernel_weights(gate_up, x, hidden), _kernel_weights(down, x, inter)
+    return all(p is not None and p[3] <= 128 for p in plans)
+
+
+def grouped_gemv_block_m(slots: int, num_experts: int) -> int:
+    """Slots per block (8, 16 or 32): about the slots an expert gets, so few blocks are padding."""
+    per_expert = slots / num_experts
+    return 8 if per_expert <= 2 else 16 if per_expert <= 12 else 32
+
+
+def moe_experts_grouped_gemv(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor,
+                             ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+    """The grouped GEMV path of `moe_experts` (see the module docstring): x [N, H] -> [N, H]."""
+    tokens, top_k = ids.shape
+    experts, slots = gate_up.shape[0], tokens * top_k
+    block_m = block_m or grouped_gemv_block_m(slots, experts)
+    aligned = align_by_expert(ids, experts, block_m)
+    x = x.contiguous()
+    h = torch.empty(slots, down.shape[2], dtype=x.dtype, device=x.device)
+    _grouped_gemv(h, x, gate_up, aligned, block_m, rows_per_x=top_k, gate_up=True)
+    y = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemv(y, h, down, aligned, block_m, rows_per_x=1, gate_up=False)
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, top_k, -1)).squeeze(1)
+
+
+def _grouped_gemv(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight, aligned: tuple[torch.Tensor, ...],
+                  block_m: int, rows_per_x: int, gate_up: bool) -> None:
+    sorted_slots, block_experts, used = aligned
+    dispatch.extension().moe_grouped_gemv(
+        out=out.data_ptr(), x=x.data_ptr(), qweight=w.qweight.data_ptr(), scales=w.scales.data_ptr(),
+        sorted_slots=sorted_slots.data_ptr(), block_experts=block_experts.data_ptr(), used=used.data_ptr(),
+        blocks=block_experts.numel(), block_m=block_m, num_slots=out.shape[0], rows_per_x=rows_per_x,
+        gate_up=gate_up, n=out.shape[1], k=x.shape[1], group_size=w.group_size, int4=w.kind == "int4",
+        dtype=dispatch.kernel_dtype(x), device=x.device.index, stream=dispatch.stream_handle(x),
+    )
 
 
 # ---------------------------------------------------------------- grouped GEMM

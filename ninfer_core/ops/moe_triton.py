@@ -1,7 +1,7 @@
 """Grouped MoE GEMMs over int4 / int8 expert weights, dequantized in registers (Triton).
 
 The prefill-sized path of `moe_experts` for quantized experts (ops/moe.py): the N * k (token,
-slot) pairs are grouped by expert in blocks of BLOCK_M rows (`align_by_expert`, device ops only),
+slot) pairs are grouped by expert in blocks of BLOCK_M rows (ops/moe_align.py, on the device),
 and each program multiplies one block of rows by one tile of its expert's weights, reading the
 packed codes and scales and dequantizing them in registers. Every hit expert's weights are read
 once per block of its rows, never written back dequantized (the path it replaces dequantized
@@ -29,32 +29,8 @@ from types import ModuleType
 import torch
 
 from . import dispatch
+from .moe_align import Aligned, align_by_expert
 from .quant import QuantizedWeight
-
-
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor]:
-    """Group the slots of ids [N, k] by expert in blocks of `block_m` rows, on the device, no sync.
-
-    Returns (sorted_slots [C], block_experts [C / block_m], used [1]): slot ids (n * k + j) of
-    expert 0's rows, padded with the invalid id N * k to a multiple of block_m, then expert 1's,
-    ...; the expert of each block; the number of positions used (the rest: padding blocks). C is
-    the fixed worst case N * k + E * (block_m - 1), rounded up to block_m, so shapes never depend
-    on the routing."""
-    flat = ids.reshape(-1).long()
-    slots = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = torch.sort(flat, stable=True).indices
-    by_expert = flat[order]
-    rank = torch.arange(slots, device=ids.device) - (counts.cumsum(0) - counts)[by_expert]
-    capacity = -(-(slots + num_experts * (block_m - 1)) // block_m) * block_m
-    sorted_slots = torch.full((capacity,), slots, dtype=torch.int32, device=ids.device)
-    sorted_slots[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
-    starts = torch.arange(0, capacity, block_m, device=ids.device)
-    block_experts = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_slots, block_experts, ends[-1:]
 
 
 def available() -> bool:
@@ -78,7 +54,7 @@ DEFAULT_TILES = TileConfig()
 TILES = {16: TileConfig(128, 128, 4, 3), 32: TileConfig(64, 128, 4, 3), 64: TileConfig(64, 64, 4, 3)}
 
 
-def moe_gate_up(x: torch.Tensor, gate_up: QuantizedWeight, aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+def moe_gate_up(x: torch.Tensor, gate_up: QuantizedWeight, aligned: Aligned,
                 top_k: int, block_m: int, tiles: TileConfig = DEFAULT_TILES) -> torch.Tensor:
     """h [N * k, I] = silu(x[n] @ gate[e]^T) * (x[n] @ up[e]^T) per slot (x [N, H], gate_up [E, 2I, H])."""
     inter = gate_up.out_features // 2
@@ -87,7 +63,7 @@ def moe_gate_up(x: torch.Tensor, gate_up: QuantizedWeight, aligned: tuple[torch.
     return out
 
 
-def moe_down(h: torch.Tensor, down: QuantizedWeight, aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+def moe_down(h: torch.Tensor, down: QuantizedWeight, aligned: Aligned,
              block_m: int, tiles: TileConfig = DEFAULT_TILES) -> torch.Tensor:
     """y [N * k, H] = h[slot] @ down[e]^T per slot (h [N * k, I], down [E, H, I]), unweighted."""
     out = torch.empty(h.shape[0], down.out_features, dtype=h.dtype, device=h.device)
@@ -113,7 +89,7 @@ def block_m_for(slots: int, num_experts: int) -> int:
 
 
 def _launch(a: torch.Tensor, w: QuantizedWeight, out: torch.Tensor,
-            aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows_per_a: int, n: int, block_m: int,
+            aligned: Aligned, rows_per_a: int, n: int, block_m: int,
             tiles: TileConfig, gate_up: bool) -> None:
     kernels = _kernels()
     assert kernels is not None, "Triton is not available"

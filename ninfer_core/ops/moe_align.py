@@ -1,0 +1,76 @@
+"""The (token, slot) pairs of a routing grouped by expert, for the grouped MoE GEMMs.
+
+Both grouped quantized paths (the CUDA grouped GEMV in ops/moe.py and the Triton GEMMs in
+ops/moe_triton.py) take blocks of `block_m` positions that share one expert. The grouping runs
+on the device with no host sync, so forwards that contain it are captured by CUDA graphs; its
+shapes depend only on the slot count (`align_capacity`), never on the routing. On CUDA it is one
+kernel (csrc/moe.cu, `moe_align`); the torch reference below is ~12 ops with a sort.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+
+Aligned = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # sorted_slots, block_experts, used
+
+
+def align_capacity(slots: int, num_experts: int, block_m: int) -> int:
+    """Positions any routing of `slots` pairs needs: sum_e ceil(count_e / block_m) * block_m, at
+    most (slots + hit * (block_m - 1)) rounded down to block_m, with hit <= min(experts, slots)."""
+    hit = min(slots, num_experts)
+    return (slots + hit * (block_m - 1)) // block_m * block_m
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
+    """Group the slots of ids [N, k] by expert in blocks of `block_m` positions, no host sync.
+
+    Returns (sorted_slots [C] int32, block_experts [C / block_m] int32, used [1] int32): the slot
+    ids (n * k + j) of expert 0's rows padded with the invalid id N * k to a multiple of block_m,
+    then expert 1's, ...; the expert of each block (the last expert past `used`); the number of
+    positions in use (the rest: padding blocks). C = `align_capacity`. Inside an expert's rows
+    the order is free (each slot's output is its own): the kernel's follows its atomics."""
+    if ids.device.type == "cuda" and dispatch.kernels_available():
+        return _align_kernel(ids, num_experts, block_m)
+    return align_by_expert_ref(ids, num_experts, block_m)
+
+
+def align_by_expert_ref(ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
+    """Torch reference of `align_by_expert` (any device; slots in ascending order per expert)."""
+    flat = ids.reshape(-1).long()
+    slots = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.sort(flat, stable=True).indices
+    by_expert = flat[order]
+    rank = torch.arange(slots, device=ids.device) - (counts.cumsum(0) - counts)[by_expert]
+    capacity = align_capacity(slots, num_experts, block_m)
+    sorted_slots = torch.full((capacity,), slots, dtype=torch.int32, device=ids.device)
+    sorted_slots[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, capacity, block_m, device=ids.device)
+    block_experts = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_slots, block_experts, ends[-1:].to(torch.int32)
+
+
+def _align_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
+    ids = ids.reshape(-1).to(torch.int32).contiguous()
+    slots = ids.numel()
+    capacity = align_capacity(slots, num_experts, block_m)
+    sorted_slots = torch.empty(capacity, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
+    used = torch.empty(1, dtype=torch.int32, device=ids.device)
+    dispatch.extension().moe_align(
+        sorted_slots=sorted_slots.data_ptr(),
+        block_experts=block_experts.data_ptr(),
+        used=used.data_ptr(),
+        ids=ids.data_ptr(),
+        slots=slots,
+        experts=num_experts,
+        block_m=block_m,
+        capacity=capacity,
+        device=ids.device.index,
+        stream=torch.cuda.current_stream(ids.device).cuda_stream,
+    )
+    return sorted_slots, block_experts, used
