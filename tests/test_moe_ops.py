@@ -431,7 +431,7 @@ def test_grouped_gemv_matches_reference(cuda_kernels, tokens, block_m, fmt):
 @pytest.mark.parametrize("group", [32, 64])
 def test_grouped_gemv_other_dtypes_groups_and_shapes(cuda_kernels, fmt, dtype, group):
     """fp16, int4 groups of 32 / 64, small and odd shapes (tiles past the row ends)."""
-    _grouped_gemv_check(11, 16, 4, 384, 96, fmt, dtype=dtype, group=group)
+    _grouped_gemv_check(11, 16, 4, 384, 128, fmt, dtype=dtype, group=group)
     _grouped_gemv_check(5, 8, 2, 64, 32, fmt, dtype=dtype, group=32)
 
 

@@ -38,12 +38,14 @@ log = logging.getLogger(__name__)
 ExpertTensor = torch.Tensor | QuantizedWeight
 
 # Token counts up to which the decode kernels run: they read each (token, expert) pair's weights
-# once, the grouped path each hit expert once. bf16 experts turn to the grouped GEMM early; int8 /
-# int4 pairs are 2-4x fewer bytes and the grouped path would first dequantize, so the kernels
-# stay ahead up to the engine's largest decode graph bucket (and keep those graphs sync-free).
+# once, the grouped paths each hit expert once per block of its slots. bf16 experts turn to the
+# grouped GEMM at 16 tokens. Quantized experts (H200, 35B shape, one layer as graph replays,
+# scripts/bench_moe_triton.py): decode kernels 14.5 / 44 / 83 us at 1 / 4 / 8 tokens against the
+# grouped GEMV's 36 / 57 / 83 us (its grouping and combine are two more launches); past 8 tokens
+# the grouped GEMV wins (37 tokens: 181 vs 346 us, 128: 251 vs 1,172), and past 512 the Triton
+# tiles (1,024 tokens: 748 vs 815 us).
 DECODE_MAX_TOKENS = 16
 QUANTIZED_DECODE_MAX_TOKENS = 8
-# Token counts up to which quantized experts take the grouped GEMV (past the decode kernels).
 GROUPED_GEMV_MAX_TOKENS = 512
 ROUTE_MAX_TOKENS = 64  # decode batches: one routing kernel instead of torch's four ops
 SYNC_FREE_UNLIMITED = 1 << 30
@@ -169,12 +171,8 @@ def sync_free_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
 
 
 def decode_kernel_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
-    """The most tokens the decode kernels take; past it a grouped path reads each hit expert once.
-    (On the H200 at the 35B shape, timed eagerly, the decode kernels won at 37 tokens, 0.45 vs
-    0.69 ms a layer, and the grouped int4 kernels from 128: 0.78 vs 1.6 ms for dequantize +
-    grouped GEMM: scripts/bench_moe_triton.py. In the engine's prefill graphs a 128-token prompt
-    reaches its first token sooner than a 37-token one, 29 vs 32 ms, so the crossover may be
-    lower there: the bench now times both in graphs, to be measured.)"""
+    """The most tokens the decode kernels take; past it a grouped path reads each hit expert once
+    per block of its slots (the crossover is measured above DECODE_MAX_TOKENS)."""
     quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
     return QUANTIZED_DECODE_MAX_TOKENS if quantized else DECODE_MAX_TOKENS
 
@@ -321,9 +319,11 @@ def grouped_gemv_fits(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor
 
 
 def grouped_gemv_block_m(slots: int, num_experts: int) -> int:
-    """Slots per block (8, 16 or 32): about the slots an expert gets, so few blocks are padding."""
+    """Slots per block (8, 16 or 32) for the slots an expert gets on average: smaller blocks pad
+    less, larger ones read an expert fewer times. (H200, 35B shape: 8 is fastest to 4 slots an
+    expert, 16 at 8, 16 and 32 tie at 16: scripts/bench_moe_triton.py.)"""
     per_expert = slots / num_experts
-    return 8 if per_expert <= 2 else 16 if per_expert <= 12 else 32
+    return 8 if per_expert <= 6 else 16 if per_expert <= 24 else 32
 
 
 def moe_experts_grouped_gemv(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor,
