@@ -1,5 +1,6 @@
 // ninfer_core._C.gdn_steps: fused Gated DeltaNet steps (decode, verify, commit; gdn_decode.cu).
 #include "bind.h"
+#include "gdn_conv.h"
 #include "gdn_decode.h"
 
 namespace py = pybind11;
@@ -29,6 +30,20 @@ void bind_gdn(py::module_& m) {
       py::arg("conv_kernel"), py::arg("q_scale"), py::arg("eps"), py::arg("dtype"),
       py::arg("device"), py::arg("stream"),
       "Fused GDN steps (conv, delta rule, gated RMSNorm over T tokens); see csrc/gdn_decode.h.");
+  m.def(
+      "gdn_conv_prefill",
+      [](std::uintptr_t out, std::uintptr_t qkv, std::uintptr_t conv_pool, std::uintptr_t slots,
+         std::uintptr_t valid, std::uintptr_t weight, std::int64_t qkv_stride_b,
+         std::int64_t qkv_stride_t, std::int64_t batch, std::int64_t tokens,
+         std::int64_t channels, int taps, DType dtype, int device, std::uintptr_t stream) {
+        gdn_conv_prefill({out, qkv, conv_pool, slots, valid, weight, qkv_stride_b, qkv_stride_t,
+                          batch, tokens, channels, taps, dtype, device, stream});
+      },
+      py::arg("out"), py::arg("qkv"), py::arg("conv_pool"), py::arg("slots"), py::arg("valid"),
+      py::arg("weight"), py::arg("qkv_stride_b"), py::arg("qkv_stride_t"), py::arg("batch"),
+      py::arg("tokens"), py::arg("channels"), py::arg("taps"), py::arg("dtype"),
+      py::arg("device"), py::arg("stream"),
+      "GDN prefill conv + SiLU advancing the pooled conv state; see csrc/gdn_conv.h.");
 }
 
 }  // namespace ninfer

@@ -371,13 +371,24 @@ __global__ void __launch_bounds__(1024)
     if (e >= 0 && e < experts) atomicAdd(&counts[e], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // experts is small (<= 4096): a serial scan beats a parallel one here
-    int run = 0;
-    for (int e = 0; e < experts; ++e) {
+  if (threadIdx.x < 32) {  // exclusive scan of the padded counts: lane i owns a run of experts
+    const int lane = threadIdx.x;
+    const int per_lane = (experts + 31) / 32;
+    const int first = lane * per_lane, last = min(first + per_lane, experts);
+    int own = 0;
+    for (int e = first; e < last; ++e) own += (counts[e] + block_m - 1) / block_m * block_m;
+    int inclusive = own;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int before = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += before;
+    }
+    int run = inclusive - own;
+    for (int e = first; e < last; ++e) {
       cursor[e] = run;
       run += (counts[e] + block_m - 1) / block_m * block_m;
     }
-    *used = run;
+    if (lane == 31) *used = inclusive;
   }
   __syncthreads();
   for (int b = threadIdx.x; b < capacity / block_m; b += blockDim.x) {

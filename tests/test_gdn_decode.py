@@ -186,7 +186,9 @@ def test_reference_is_the_layer_t1_path(dtype):
     conv_pool, state_pool, slots = case["conv_pool"], case["state_pool"], case["slots"]
     x = torch.randn(3, 1, 48).to(dtype)
     with torch.no_grad():
-        want, want_conv, want_state = layer._mix(x, conv_pool[slots], state_pool[slots], gated_delta_rule_recurrent)
+        want_pool = conv_pool.clone()
+        want, want_state = layer._mix(x, want_pool, slots, state_pool[slots], delta_rule=gated_delta_rule_recurrent)
+        want_conv = want_pool[slots]
         before_conv, before_state = conv_pool.clone(), state_pool.clone()
         got = layer(x, conv_pool, state_pool, slots)
     assert torch.equal(got, want)
@@ -593,3 +595,72 @@ def test_prefill_selection_on_cuda(fla_available):
     got = gdn_ops.gated_delta_rule_prefill(*bf16)
     assert got[0].dtype == torch.bfloat16
     assert all(torch.equal(x, y) for x, y in zip(got, gdn_ops.gated_delta_rule_fla(*bf16), strict=True))
+
+
+# ---------------------------------------------------------------- prefill conv (csrc/gdn_conv.cu)
+
+
+def _conv_case(batch: int, tokens: int, channels: int, taps: int, dtype: torch.dtype, seed: int):
+    """Pool of 5 slots, `batch` of them used (not in order), qkv a slice of a wider projection."""
+    g = torch.Generator().manual_seed(seed)
+    wide = (torch.randint(-24, 25, (batch, tokens, channels + 40), generator=g) / 16).to(dtype).cuda()
+    pool = (torch.randint(-24, 25, (5, channels, taps - 1), generator=g) / 16).to(dtype).cuda()
+    weight = (torch.randint(-16, 17, (channels, taps), generator=g) / 32).to(dtype).cuda()
+    slots = torch.tensor([3, 0, 4][:batch], device="cuda")
+    return wide[..., 8 : 8 + channels], pool, slots, weight
+
+
+def _conv64(qkv, state, weight, valid):
+    """float64: out[b, t, c] = silu(sum_j w[c, j] window[c, t + j]); new state ends at valid[b]."""
+    window = torch.cat((state.double(), qkv.double().transpose(1, 2)), dim=-1)
+    taps = weight.shape[-1]
+    out = sum(weight.double()[None, :, j, None] * window[:, :, j : j + qkv.shape[1]] for j in range(taps))
+    out = F.silu(out).transpose(1, 2)
+    new = torch.stack([window[b, :, n : n + taps - 1] for b, n in enumerate(valid.tolist())])
+    return out, new
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("tokens,taps,padded", [(1, 4, False), (3, 4, True), (64, 4, False), (65, 2, True),
+                                                (200, 8, True), (517, 4, False)])
+def test_conv_prefill_kernel_matches_reference_and_float64(cuda_kernels, dtype, tokens, taps, padded):
+    batch, channels = 3, 200
+    qkv, pool, slots, weight = _conv_case(batch, tokens, channels, taps, dtype, seed=tokens + taps)
+    valid = torch.tensor([tokens, 0, max(tokens - 2, 1)][:batch], device="cuda") if padded else None
+    counts = valid if padded else torch.full((batch,), tokens, device="cuda")
+    want64, want_state = _conv64(qkv, pool[slots], weight, counts)
+    ref_pool = pool.clone()
+    ref = gdn_ops.conv_prefill_ref(qkv, ref_pool, slots, weight, valid)
+    before = pool.clone()
+    got = gdn_ops.conv_prefill(qkv, pool, slots, weight, valid)
+    assert got.dtype == dtype and got.shape == (batch, tokens, channels) and got.is_contiguous()
+    assert torch.equal(pool, ref_pool)  # state entries are copies of inputs: exact
+    assert torch.equal(pool[slots].double(), want_state)
+    untouched = [1, 2]
+    assert torch.equal(pool[untouched], before[untouched])
+    ulp = torch.finfo(dtype).eps * (8 if dtype == torch.float32 else 1)
+    # exact conv sums (multiples of 1/512), so only SiLU's fp32 rounding and the final rounding differ
+    torch.testing.assert_close(got.double(), want64, rtol=ulp, atol=ulp)
+    torch.testing.assert_close(got, ref, rtol=ulp, atol=ulp)
+
+
+@pytest.mark.cuda
+def test_conv_prefill_replays_in_cuda_graph(cuda_kernels):
+    qkv, pool, slots, weight = _conv_case(2, 48, 256, 4, torch.bfloat16, seed=1)
+    valid = torch.tensor([48, 30], device="cuda")
+    start = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    gdn_ops.conv_prefill(qkv, pool.clone(), slots, weight, valid)  # warm-up outside the graph
+    with torch.cuda.graph(graph):
+        got = gdn_ops.conv_prefill(qkv, pool, slots, weight, valid)
+    for seed in (2, 3):
+        fresh, _, _, _ = _conv_case(2, 48, 256, 4, torch.bfloat16, seed=seed)
+        qkv.copy_(fresh)
+        pool.copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_pool = start.clone()
+        ref = gdn_ops.conv_prefill_ref(qkv, ref_pool, slots, weight, valid)
+        assert torch.equal(pool, ref_pool)
+        torch.testing.assert_close(got, ref, rtol=torch.finfo(torch.bfloat16).eps, atol=1e-3)

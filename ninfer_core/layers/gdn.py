@@ -69,13 +69,20 @@ def conv_qkv_heads(
 
     qkv [B, T, C] -> q, k [B, T, Hk, dk], v [B, T, Hv, dv] (qkv's dtype), new conv state.
     """
-    batch, num_new, _ = qkv.shape
-    key_dim = num_k_heads * head_k_dim
     mixed, conv_state = causal_conv1d_silu(qkv, conv_state, weight)
+    return (*qkv_heads(mixed, num_k_heads, head_k_dim, head_v_dim, compute), conv_state)
+
+
+def qkv_heads(
+    mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int, compute: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv output [B, T, C] as per-head q, k (l2-normalised in `compute`, q scaled by dk^-1/2), v."""
+    batch, num_new, _ = mixed.shape
+    key_dim = num_k_heads * head_k_dim
     q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
     q = l2norm(q.reshape(batch, num_new, num_k_heads, head_k_dim).to(compute)) * head_k_dim**-0.5
     k = l2norm(k.reshape(batch, num_new, num_k_heads, head_k_dim).to(compute))
-    return q, k, v.reshape(batch, num_new, -1, head_v_dim), conv_state
+    return q, k, v.reshape(batch, num_new, -1, head_v_dim)
 
 
 def conv_state_after(conv_state: torch.Tensor, qkv: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -239,9 +246,7 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = self.in_proj(x[:, 0])
             out = gdn_ops.gdn_decode_step(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
             return self.out_proj(out)[:, None]
-        out, conv_state, state = self._mix(x, conv_pool[slots], state_pool[slots], gdn_ops.gated_delta_rule_prefill,
-                                           valid_tokens)
-        conv_pool[slots] = conv_state
+        out, state = self._mix(x, conv_pool, slots, state_pool[slots], valid_tokens)
         state_pool[slots] = state
         return out
 
@@ -262,26 +267,24 @@ class GatedDeltaNet(nn.Module):
         gdn_ops.gdn_commit(record.qkv, record.a, record.b, conv_pool, state_pool, slots, counts, self.weights)
 
     def _mix(
-        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, delta_rule: Callable[..., tuple],
+        self, x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, state: torch.Tensor,
         valid_tokens: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer from given states: (output, new conv state, new recurrent state). Padding
-        tokens (past valid_tokens) get g = beta = 0, which leaves the recurrent state as it is,
-        and the conv state ends at the last real token."""
+        delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_ops.gated_delta_rule_prefill,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's prefill: (output, new recurrent state); the conv states of `slots` advance
+        in the pool. Padding tokens (past valid_tokens) get g = beta = 0, which leaves the
+        recurrent state as it is, and the conv state ends at the last real token."""
         batch, num_new, _ = x.shape
         qkv, z, b, a = self.in_proj(x)
-        q, k, v, final_conv = conv_qkv_heads(
-            qkv, conv_state, self.conv1d.weight[:, 0], self.num_k_heads, self.head_k_dim, self.head_v_dim, state.dtype
-        )
+        mixed = gdn_ops.conv_prefill(qkv, conv_pool, slots, self.conv1d.weight[:, 0], valid_tokens)
+        q, k, v = qkv_heads(mixed, self.num_k_heads, self.head_k_dim, self.head_v_dim, state.dtype)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         if valid_tokens is not None:
             real = (torch.arange(num_new, device=x.device)[None, :] < valid_tokens[:, None])[..., None]
             g, beta = g * real, beta * real
-            final_conv = conv_state_after(conv_state, qkv, valid_tokens)
-        conv_state = final_conv
         out, state = delta_rule(q, k, v, g, beta, state)
 
         z = z.reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
         out = self.norm(out.to(x.dtype), z)
         out = self.out_proj(out.reshape(batch, num_new, self.value_dim))
-        return out, conv_state, state
+        return out, state

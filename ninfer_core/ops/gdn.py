@@ -248,6 +248,40 @@ def _steps(
     return out
 
 
+def conv_prefill(qkv: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                 valid: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill chunk's causal conv + SiLU, qkv [B, T, C] -> [B, T, C]; the conv states of `slots`
+    advance in the pool through each row's first valid[b] tokens (all T without `valid`). One
+    kernel on CUDA (csrc/gdn_conv.cu), else `conv_prefill_ref`."""
+    taps = weight.shape[-1]
+    if not (dispatch.use_kernel(qkv, conv_pool, weight) and qkv.dtype == conv_pool.dtype == weight.dtype
+            and 2 <= taps <= _MAX_CONV_KERNEL and conv_pool.is_contiguous() and slots.dtype == torch.int64
+            and (valid is None or valid.dtype == torch.int64)):
+        dispatch.fallback("gdn conv_prefill", qkv, conv_pool, weight)
+        return conv_prefill_ref(qkv, conv_pool, slots, weight, valid)
+    batch, tokens, channels = qkv.shape
+    qkv, stride_t = _rows(qkv)
+    out = torch.empty(batch, tokens, channels, dtype=qkv.dtype, device=qkv.device)
+    slots = slots.contiguous()
+    valid = None if valid is None else valid.contiguous()
+    dispatch.extension().gdn_conv_prefill(
+        out=out.data_ptr(), qkv=qkv.data_ptr(), conv_pool=conv_pool.data_ptr(), slots=slots.data_ptr(),
+        valid=0 if valid is None else valid.data_ptr(), weight=weight.contiguous().data_ptr(),
+        qkv_stride_b=tokens * stride_t, qkv_stride_t=stride_t, batch=batch, tokens=tokens, channels=channels,
+        taps=taps, dtype=dispatch.kernel_dtype(qkv), device=qkv.device.index, stream=dispatch.stream_handle(qkv),
+    )
+    return out
+
+
+def conv_prefill_ref(qkv: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of `conv_prefill` (any device)."""
+    conv_state = conv_pool[slots]
+    mixed, final = gdn_layer.causal_conv1d_silu(qkv, conv_state, weight)
+    conv_pool[slots] = final if valid is None else gdn_layer.conv_state_after(conv_state, qkv, valid)
+    return mixed
+
+
 def gated_delta_rule_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,7 +47,6 @@ ExpertTensor = torch.Tensor | QuantizedWeight
 DECODE_MAX_TOKENS = 16
 QUANTIZED_DECODE_MAX_TOKENS = 8
 GROUPED_GEMV_MAX_TOKENS = 512
-ROUTE_MAX_TOKENS = 64  # decode batches: one routing kernel instead of torch's four ops
 SYNC_FREE_UNLIMITED = 1 << 30
 _MAX_TOP_K = 64  # csrc/moe.cu's limits
 _MAX_SHARED_BYTES = 48 * 1024
@@ -75,12 +74,10 @@ def moe_route(
     """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k] int32).
 
     Softmax over all experts in fp32, the top k in descending order, optionally rescaled to sum
-    to 1, rounded to the logits' dtype. Decode-sized batches run one warp per token; prefill
-    keeps the reference, whose launch cost is noise there.
+    to 1, rounded to the logits' dtype. One warp per token, at every token count (torch's
+    softmax + topk + renormalization cost a 512-token prompt 14 us a layer in topk alone).
     """
     tokens, experts = logits.shape
-    if tokens > ROUTE_MAX_TOKENS:  # prefill: the reference by design
-        return moe_route_ref(logits, top_k, renormalize)
     if not (dispatch.use_kernel(logits) and 1 <= top_k <= experts and 4 * (experts + top_k) <= _MAX_SHARED_BYTES):
         dispatch.fallback("moe_route", logits)
         return moe_route_ref(logits, top_k, renormalize)
@@ -327,7 +324,7 @@ def grouped_gemv_block_m(slots: int, num_experts: int) -> int:
 
 
 def moe_experts_grouped_gemv(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor,
-                             ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+                             ids: torch.Tensor, block_m: int | None = None, unroll: int = 2) -> torch.Tensor:
     """The grouped GEMV path of `moe_experts` (see the module docstring): x [N, H] -> [N, H]."""
     tokens, top_k = ids.shape
     experts, slots = gate_up.shape[0], tokens * top_k
@@ -335,21 +332,21 @@ def moe_experts_grouped_gemv(x: torch.Tensor, gate_up: QuantizedWeight, down: Qu
     aligned = align_by_expert(ids, experts, block_m)
     x = x.contiguous()
     h = torch.empty(slots, down.shape[2], dtype=x.dtype, device=x.device)
-    _grouped_gemv(h, x, gate_up, aligned, block_m, rows_per_x=top_k, gate_up=True)
+    _grouped_gemv(h, x, gate_up, aligned, block_m, unroll, rows_per_x=top_k, gate_up=True)
     y = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemv(y, h, down, aligned, block_m, rows_per_x=1, gate_up=False)
+    _grouped_gemv(y, h, down, aligned, block_m, unroll, rows_per_x=1, gate_up=False)
     return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, top_k, -1)).squeeze(1)
 
 
 def _grouped_gemv(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight, aligned: tuple[torch.Tensor, ...],
-                  block_m: int, rows_per_x: int, gate_up: bool) -> None:
+                  block_m: int, unroll: int, rows_per_x: int, gate_up: bool) -> None:
     sorted_slots, block_experts, used = aligned
     dispatch.extension().moe_grouped_gemv(
         out=out.data_ptr(), x=x.data_ptr(), qweight=w.qweight.data_ptr(), scales=w.scales.data_ptr(),
         sorted_slots=sorted_slots.data_ptr(), block_experts=block_experts.data_ptr(), used=used.data_ptr(),
         blocks=block_experts.numel(), block_m=block_m, num_slots=out.shape[0], rows_per_x=rows_per_x,
         gate_up=gate_up, n=out.shape[1], k=x.shape[1], group_size=w.group_size, int4=w.kind == "int4",
-        dtype=dispatch.kernel_dtype(x), device=x.device.index, stream=dispatch.stream_handle(x),
+        dtype=dispatch.kernel_dtype(x), device=x.device.index, stream=dispatch.stream_handle(x), unroll=unroll,
     )
 
 

@@ -1,0 +1,102 @@
+// Causal depthwise conv + SiLU of a GDN prefill chunk, reading and advancing the conv state in its
+// pool (see gdn_conv.h). One thread per channel walks a span of tokens with the last K inputs in
+// registers, so each input is read once from memory (plus K-1 at the span's start) and each output
+// written once; the torch path instead concatenates state and inputs, converts them to fp32, runs a
+// cuDNN depthwise conv, applies SiLU, converts back and gathers the new state (~8 kernels a layer).
+#include <string>
+
+#include "common.cuh"
+#include "gdn_conv.h"
+
+namespace ninfer {
+namespace {
+
+constexpr int kThreads = 128;  // channels per block
+constexpr int kSpan = 64;      // tokens per block
+constexpr int kMaxTaps = 8;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    conv_prefill_kernel(T* __restrict__ out, const T* __restrict__ qkv, T* __restrict__ conv_pool,
+                        const std::int64_t* __restrict__ slots,
+                        const std::int64_t* __restrict__ valid, const T* __restrict__ weight,
+                        std::int64_t stride_b, std::int64_t stride_t, int tokens, int channels,
+                        int taps) {
+  const int c = blockIdx.x * kThreads + threadIdx.x;
+  if (c >= channels) return;
+  const int b = blockIdx.z;
+  const int t0 = blockIdx.y * kSpan;
+  const T* x = qkv + b * stride_b + c;
+  T* state = conv_pool + (slots[b] * channels + c) * (taps - 1);
+  // input at position p of [state | tokens]: p < 0 is state entry p + K-1
+  const auto input = [&](int p) { return to_float(p < 0 ? state[p + taps - 1] : x[p * stride_t]); };
+
+  float w[kMaxTaps];
+  float window[kMaxTaps];
+#pragma unroll
+  for (int j = 0; j < kMaxTaps; ++j) {
+    w[j] = j < taps ? to_float(weight[c * taps + j]) : 0.0f;
+    window[j] = j < taps - 1 ? input(t0 - (taps - 1) + j) : 0.0f;
+  }
+  const int t1 = min(t0 + kSpan, tokens);
+  T* y = out + (static_cast<std::int64_t>(b) * tokens) * channels + c;
+  for (int t = t0; t < t1; ++t) {
+    window[taps - 1] = input(t);
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxTaps; ++j) {
+      if (j < taps) acc = fmaf(w[j], window[j], acc);
+    }
+    y[static_cast<std::int64_t>(t) * channels] = from_float<T>(acc / (1.0f + expf(-acc)));
+#pragma unroll
+    for (int j = 0; j + 1 < kMaxTaps; ++j) window[j] = window[j + 1];
+  }
+  if (blockIdx.y == 0) {  // the new state: the K-1 inputs before position n (this thread's channel)
+    const int n = valid != nullptr ? static_cast<int>(valid[b]) : tokens;
+    float next[kMaxTaps - 1];
+#pragma unroll
+    for (int j = 0; j < kMaxTaps - 1; ++j) next[j] = j < taps - 1 ? input(n - (taps - 1) + j) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxTaps - 1; ++j) {
+      if (j < taps - 1) state[j] = from_float<T>(next[j]);
+    }
+  }
+}
+
+template <typename T>
+void launch(const GdnConvArgs& a) {
+  const dim3 grid(static_cast<unsigned>((a.channels + kThreads - 1) / kThreads),
+                  static_cast<unsigned>((a.tokens + kSpan - 1) / kSpan),
+                  static_cast<unsigned>(a.batch));
+  conv_prefill_kernel<T><<<grid, kThreads, 0, as_stream(a.stream)>>>(
+      reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.qkv),
+      reinterpret_cast<T*>(a.conv_pool), reinterpret_cast<const std::int64_t*>(a.slots),
+      reinterpret_cast<const std::int64_t*>(a.valid), reinterpret_cast<const T*>(a.weight),
+      a.qkv_stride_b, a.qkv_stride_t, static_cast<int>(a.tokens), static_cast<int>(a.channels),
+      a.taps);
+  check_launch("gdn conv prefill kernel launch");
+}
+
+}  // namespace
+
+void gdn_conv_prefill(const GdnConvArgs& a) {
+  if (a.taps < 2 || a.taps > kMaxTaps || a.batch < 1 || a.batch > 65535 || a.tokens < 1 ||
+      a.tokens > (1 << 30) || a.channels < 1 || a.channels > (1 << 24)) {
+    throw std::invalid_argument("gdn_conv_prefill: batch " + std::to_string(a.batch) + " / tokens " +
+                                std::to_string(a.tokens) + " / channels " +
+                                std::to_string(a.channels) + " / taps " + std::to_string(a.taps) +
+                                " out of range");
+  }
+  if (a.out == 0 || a.qkv == 0 || a.conv_pool == 0 || a.slots == 0 || a.weight == 0) {
+    throw std::invalid_argument("gdn_conv_prefill: null pointer");
+  }
+  DeviceGuard guard(a.device);
+  switch (a.dtype) {
+    case DType::F32: launch<float>(a); break;
+    case DType::F16: launch<__half>(a); break;
+    case DType::BF16: launch<__nv_bfloat16>(a); break;
+    default: throw std::invalid_argument("gdn_conv_prefill: unsupported dtype");
+  }
+}
+
+}  // namespace ninfer
