@@ -269,11 +269,12 @@ class GatedDeltaNet(nn.Module):
     def _mix(
         self, x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, state: torch.Tensor,
         valid_tokens: torch.Tensor | None = None,
-        delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_ops.gated_delta_rule_prefill,
+        delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's prefill: (output, new recurrent state); the conv states of `slots` advance
         in the pool. Padding tokens (past valid_tokens) get g = beta = 0, which leaves the
-        recurrent state as it is, and the conv state ends at the last real token."""
+        recurrent state as it is, and the conv state ends at the last real token. `delta_rule`:
+        the chunked prefill unless given (a test passes the recurrent form)."""
         batch, num_new, _ = x.shape
         qkv, z, b, a = self.in_proj(x)
         mixed = gdn_ops.conv_prefill(qkv, conv_pool, slots, self.conv1d.weight[:, 0], valid_tokens)
@@ -282,7 +283,7 @@ class GatedDeltaNet(nn.Module):
         if valid_tokens is not None:
             real = (torch.arange(num_new, device=x.device)[None, :] < valid_tokens[:, None])[..., None]
             g, beta = g * real, beta * real
-        out, state = delta_rule(q, k, v, g, beta, state)
+        out, state = (delta_rule or gdn_ops.gated_delta_rule_prefill)(q, k, v, g, beta, state)
 
         z = z.reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
         out = self.norm(out.to(x.dtype), z)
