@@ -26,17 +26,17 @@ void bind_quant(py::module_& module) {
          std::uintptr_t sorted_slots, std::uintptr_t block_experts, std::uintptr_t used,
          std::int64_t blocks, int block_m, std::int64_t num_slots, int rows_per_x, bool gate_up,
          std::int64_t n, std::int64_t k, int group_size, bool int4, DType dtype, int device,
-         std::uintptr_t stream, int unroll) {
+         std::uintptr_t stream) {
         moe_grouped_gemv({{out, x, qweight, scales, 0, 0, n, k, group_size, int4, dtype, device,
                            stream},
                           sorted_slots, block_experts, used, blocks, block_m, num_slots,
-                          rows_per_x, gate_up, unroll});
+                          rows_per_x, gate_up});
       },
       py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"),
       py::arg("sorted_slots"), py::arg("block_experts"), py::arg("used"), py::arg("blocks"),
       py::arg("block_m"), py::arg("num_slots"), py::arg("rows_per_x"), py::arg("gate_up"),
       py::arg("n"), py::arg("k"), py::arg("group_size"), py::arg("int4"), py::arg("dtype"),
-      py::arg("device"), py::arg("stream"), py::arg("unroll") = 2,
+      py::arg("device"), py::arg("stream"),
       "The quant GEMV over MoE experts grouped by moe_align: gate_up (+ SwiGLU) or down per "
       "slot. See csrc/quant_gemv.h.");
   module.def(

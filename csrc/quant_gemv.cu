@@ -36,7 +36,8 @@ namespace {
 
 constexpr int kTileRows = 16;    // weight rows per warp: the M of one m16n8k16 MMA
 constexpr int kChunkBytes = 64;  // bytes of each row per warp step: 16 per lane, 4 lanes per row
-constexpr int kDenseUnroll = 2;  // chunks whose loads a warp has in flight together (plain GEMV)
+constexpr int kUnroll = 2;       // chunks whose loads a warp has in flight together (4: slower for
+                                 // every grouped MoE size on the H200)
 constexpr int kWarps = 8;        // warps per block
 constexpr int kWarpsPerSm = 16;  // split K until the grid has about this many warps per SM
 
@@ -270,8 +271,7 @@ struct Grouping {
 };
 
 // kTiles: n8 tiles of x rows (1: m <= 8, 2: m <= 16, 4: grouped blocks of 32 slots).
-// kUnroll: chunks whose loads a warp has in flight together.
-template <typename T, bool kInt4, int kTiles, Layout kLayout, int kUnroll>
+template <typename T, bool kInt4, int kTiles, Layout kLayout>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
@@ -452,12 +452,12 @@ std::int64_t row_tiles(std::int64_t n, Layout layout) {
   return (n + rows - 1) / rows;
 }
 
-template <typename T, bool kInt4, int kTiles, Layout kLayout, int kUnroll>
+template <typename T, bool kInt4, int kTiles, Layout kLayout>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
   const int tiles_per_block = kWarps / split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
-  quant_gemv_kernel<T, kInt4, kTiles, kLayout, kUnroll><<<grid, kWarps * 32, 0, as_stream(a.stream)>>>(
+  quant_gemv_kernel<T, kInt4, kTiles, kLayout><<<grid, kWarps * 32, 0, as_stream(a.stream)>>>(
       reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
       reinterpret_cast<const std::uint8_t*>(a.qweight), reinterpret_cast<const void*>(a.scales),
       reinterpret_cast<const T*>(a.bias), static_cast<int>(a.m), static_cast<int>(a.n),
@@ -465,17 +465,17 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
   check_launch("quant_gemv kernel launch");
 }
 
-template <typename T, Layout kLayout, int kUnroll = kDenseUnroll>
+template <typename T, Layout kLayout>
 void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks = 1,
                   Grouping grouping = {}) {
   const auto pick = [&](auto int4) {
     constexpr bool kInt4 = decltype(int4)::value;
     switch (tiles) {
-      case 1: launch<T, kInt4, 1, kLayout, kUnroll>(a, split, slot_blocks, grouping); break;
-      case 2: launch<T, kInt4, 2, kLayout, kUnroll>(a, split, slot_blocks, grouping); break;
+      case 1: launch<T, kInt4, 1, kLayout>(a, split, slot_blocks, grouping); break;
+      case 2: launch<T, kInt4, 2, kLayout>(a, split, slot_blocks, grouping); break;
       default:
         if constexpr (kLayout != Layout::Dense) {
-          launch<T, kInt4, 4, kLayout, kUnroll>(a, split, slot_blocks, grouping);
+          launch<T, kInt4, 4, kLayout>(a, split, slot_blocks, grouping);
         }
     }
   };
@@ -498,14 +498,14 @@ int sm_count(int device) {
 }
 
 // Warps per tile (1, 2, 4 or 8): K is split until the grid has ~kWarpsPerSm warps per SM, as
-// long as every warp keeps at least `unroll` chunks (small n with large k: N = 1 .. 256 rows).
+// long as every warp keeps at least kUnroll chunks (small n with large k: N = 1 .. 256 rows).
 // `tiles`: the warp tiles of the whole grid.
-int choose_split(const QuantGemvArgs& a, std::int64_t tiles, int unroll = kDenseUnroll) {
+int choose_split(const QuantGemvArgs& a, std::int64_t tiles) {
   const int sms = sm_count(a.device);
   const std::int64_t chunks = ((a.int4 ? a.k / 2 : a.k) + kChunkBytes - 1) / kChunkBytes;
   int split = 1;
   while (split < kWarps && tiles * split < static_cast<std::int64_t>(kWarpsPerSm) * sms &&
-         2LL * split * unroll <= chunks) {
+         2LL * split * kUnroll <= chunks) {
     split *= 2;
   }
   return split;
@@ -561,7 +561,6 @@ void moe_grouped_gemv(const GroupedGemvArgs& g) {
   if (g.block_m != 8 && g.block_m != 16 && g.block_m != 32) {
     fail("block_m must be 8, 16 or 32, got " + std::to_string(g.block_m));
   }
-  if (g.unroll != 2 && g.unroll != 4) fail("unroll must be 2 or 4, got " + std::to_string(g.unroll));
   if (a.dtype != DType::F16 && a.dtype != DType::BF16) fail("activations must be fp16 or bf16");
   if (a.bias != 0) fail("no bias");
   if (g.blocks < 0 || g.blocks > 65535 || g.num_slots < 1 || g.num_slots > (1LL << 31) - 1 ||
@@ -583,21 +582,16 @@ void moe_grouped_gemv(const GroupedGemvArgs& g) {
                           reinterpret_cast<const int*>(g.used), static_cast<int>(g.num_slots),
                           g.rows_per_x, g.gate_up ? 2 * a.n : a.n};
   DeviceGuard guard(a.device);
-  const int split = choose_split(a, row_tiles(a.n, layout) * g.blocks, g.unroll);
+  const int split = choose_split(a, row_tiles(a.n, layout) * g.blocks);
   const int tiles = g.block_m / 8;
   const auto blocks = static_cast<unsigned>(g.blocks);
   const auto go = [&](auto type) {
     using T = decltype(type);
-    const auto with_unroll = [&](auto unroll) {
-      constexpr int kUnroll = decltype(unroll)::value;
-      if (g.gate_up) {
-        launch_typed<T, Layout::GateUp, kUnroll>(a, split, tiles, blocks, grouping);
-      } else {
-        launch_typed<T, Layout::Down, kUnroll>(a, split, tiles, blocks, grouping);
-      }
-    };
-    g.unroll == 4 ? with_unroll(std::integral_constant<int, 4>{})
-                  : with_unroll(std::integral_constant<int, 2>{});
+    if (g.gate_up) {
+      launch_typed<T, Layout::GateUp>(a, split, tiles, blocks, grouping);
+    } else {
+      launch_typed<T, Layout::Down>(a, split, tiles, blocks, grouping);
+    }
   };
   a.dtype == DType::F16 ? go(__half{}) : go(__nv_bfloat16{});
 }

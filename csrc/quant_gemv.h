@@ -54,7 +54,6 @@ struct GroupedGemvArgs {
   std::int64_t num_slots;
   int rows_per_x;
   bool gate_up;
-  int unroll;                   // 16-byte loads a lane has in flight per weight row: 2 or 4
 };
 
 void moe_grouped_gemv(const GroupedGemvArgs& args);

@@ -76,10 +76,9 @@ def main() -> None:
             plan = moe_ops._decode_plan(x, gate_up, down, weights, ids, max_tokens=tokens)
             paths["decode_kernels"] = timed(lambda: moe_ops._decode(x, plan, weights, ids, EXPERTS), ref)
         if tokens <= 2048:
-            for block_m, unroll in itertools.product((8, 16, 32), (2, 4)):
-                paths[f"grouped_gemv_bm{block_m}_u{unroll}"] = timed(
-                    lambda b=block_m, u=unroll: moe_ops.moe_experts_grouped_gemv(x, gate_up, down, weights, ids, b, u),
-                    ref)
+            for block_m in (8, 16, 32):
+                paths[f"grouped_gemv_bm{block_m}"] = timed(
+                    lambda b=block_m: moe_ops.moe_experts_grouped_gemv(x, gate_up, down, weights, ids, b), ref)
         block_m = moe_triton.block_m_for(tokens * TOP_K, EXPERTS)
         configs = [moe_triton.TILES[block_m]]
         if args.sweep:

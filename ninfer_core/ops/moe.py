@@ -40,12 +40,12 @@ ExpertTensor = torch.Tensor | QuantizedWeight
 # Token counts up to which the decode kernels run: they read each (token, expert) pair's weights
 # once, the grouped paths each hit expert once per block of its slots. bf16 experts turn to the
 # grouped GEMM at 16 tokens. Quantized experts (H200, 35B shape, one layer as graph replays,
-# scripts/bench_moe_triton.py): decode kernels 14.5 / 44 / 83 us at 1 / 4 / 8 tokens against the
-# grouped GEMV's 36 / 57 / 83 us (its grouping and combine are two more launches); past 8 tokens
-# the grouped GEMV wins (37 tokens: 181 vs 346 us, 128: 251 vs 1,172), and past 512 the Triton
-# tiles (1,024 tokens: 748 vs 815 us).
+# scripts/bench_moe_triton.py): decode kernels 14.5 / 24 / 44 / 63 / 82 us at 1 / 2 / 4 / 6 / 8
+# tokens against the grouped GEMV's 36 / 28 / 43 / 54 / 70 us (its grouping and combine are two
+# more launches); past 4 tokens the grouped GEMV wins (37 tokens: 174 vs 345 us, 128: 238 vs
+# 1,169), and past 512 the Triton tiles (1,024 tokens: 748 vs 815 us).
 DECODE_MAX_TOKENS = 16
-QUANTIZED_DECODE_MAX_TOKENS = 8
+QUANTIZED_DECODE_MAX_TOKENS = 4
 GROUPED_GEMV_MAX_TOKENS = 512
 SYNC_FREE_UNLIMITED = 1 << 30
 _MAX_TOP_K = 64  # csrc/moe.cu's limits
@@ -324,7 +324,7 @@ def grouped_gemv_block_m(slots: int, num_experts: int) -> int:
 
 
 def moe_experts_grouped_gemv(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor,
-                             ids: torch.Tensor, block_m: int | None = None, unroll: int = 2) -> torch.Tensor:
+                             ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
     """The grouped GEMV path of `moe_experts` (see the module docstring): x [N, H] -> [N, H]."""
     tokens, top_k = ids.shape
     experts, slots = gate_up.shape[0], tokens * top_k
@@ -332,21 +332,21 @@ def moe_experts_grouped_gemv(x: torch.Tensor, gate_up: QuantizedWeight, down: Qu
     aligned = align_by_expert(ids, experts, block_m)
     x = x.contiguous()
     h = torch.empty(slots, down.shape[2], dtype=x.dtype, device=x.device)
-    _grouped_gemv(h, x, gate_up, aligned, block_m, unroll, rows_per_x=top_k, gate_up=True)
+    _grouped_gemv(h, x, gate_up, aligned, block_m, rows_per_x=top_k, gate_up=True)
     y = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemv(y, h, down, aligned, block_m, unroll, rows_per_x=1, gate_up=False)
+    _grouped_gemv(y, h, down, aligned, block_m, rows_per_x=1, gate_up=False)
     return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, top_k, -1)).squeeze(1)
 
 
 def _grouped_gemv(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight, aligned: tuple[torch.Tensor, ...],
-                  block_m: int, unroll: int, rows_per_x: int, gate_up: bool) -> None:
+                  block_m: int, rows_per_x: int, gate_up: bool) -> None:
     sorted_slots, block_experts, used = aligned
     dispatch.extension().moe_grouped_gemv(
         out=out.data_ptr(), x=x.data_ptr(), qweight=w.qweight.data_ptr(), scales=w.scales.data_ptr(),
         sorted_slots=sorted_slots.data_ptr(), block_experts=block_experts.data_ptr(), used=used.data_ptr(),
         blocks=block_experts.numel(), block_m=block_m, num_slots=out.shape[0], rows_per_x=rows_per_x,
         gate_up=gate_up, n=out.shape[1], k=x.shape[1], group_size=w.group_size, int4=w.kind == "int4",
-        dtype=dispatch.kernel_dtype(x), device=x.device.index, stream=dispatch.stream_handle(x), unroll=unroll,
+        dtype=dispatch.kernel_dtype(x), device=x.device.index, stream=dispatch.stream_handle(x),
     )
 
 

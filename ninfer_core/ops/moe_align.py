@@ -71,6 +71,6 @@ def _align_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
         block_m=block_m,
         capacity=capacity,
         device=ids.device.index,
-        stream=torch.cuda.current_stream(ids.device).cuda_stream,
+        stream=dispatch.stream_handle(ids),
     )
     return sorted_slots, block_experts, used
