@@ -80,8 +80,9 @@ def test_quantized_experts_are_sync_free_at_any_size_with_triton():
     gate_up = quantize(torch.randn(8, 128, 128, device="cuda") * 0.1, "int4", 32)
     down = quantize(torch.randn(8, 128, 64, device="cuda") * 0.1, "int4", 32)
     assert moe_ops.sync_free_tokens(gate_up, down) == moe_ops.SYNC_FREE_UNLIMITED
-    assert moe_ops.decode_kernel_tokens(gate_up, down) == moe_ops.QUANTIZED_DECODE_MAX_TOKENS
     x = torch.randn(100, 128, device="cuda", dtype=torch.bfloat16)
+    assert moe_ops.decode_kernel_tokens(x, gate_up, down) == moe_ops.QUANTIZED_DECODE_MAX_TOKENS
+    assert moe_ops.decode_kernel_tokens(x.float(), gate_up, down) == moe_ops.QUANTIZED_DECODE_ALONE_TOKENS
     weights, ids = moe_ops.moe_route(torch.randn(100, 8, device="cuda", dtype=torch.bfloat16), 2, True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

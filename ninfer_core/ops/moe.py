@@ -47,6 +47,9 @@ ExpertTensor = torch.Tensor | QuantizedWeight
 DECODE_MAX_TOKENS = 16
 QUANTIZED_DECODE_MAX_TOKENS = 4
 GROUPED_GEMV_MAX_TOKENS = 512
+# Quantized experts the grouped GEMV does not take (fp32 activations): the decode kernels go on to
+# the engine's largest decode graph bucket, sync-free.
+QUANTIZED_DECODE_ALONE_TOKENS = 64
 SYNC_FREE_UNLIMITED = 1 << 30
 _MAX_TOP_K = 64  # csrc/moe.cu's limits
 _MAX_SHARED_BYTES = 48 * 1024
@@ -164,14 +167,15 @@ def sync_free_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
     quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
     if quantized and moe_triton.available():
         return SYNC_FREE_UNLIMITED
-    return max(QUANTIZED_DECODE_MAX_TOKENS, GROUPED_GEMV_MAX_TOKENS) if quantized else DECODE_MAX_TOKENS
+    return max(QUANTIZED_DECODE_ALONE_TOKENS, GROUPED_GEMV_MAX_TOKENS) if quantized else DECODE_MAX_TOKENS
 
 
-def decode_kernel_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
+def decode_kernel_tokens(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor) -> int:
     """The most tokens the decode kernels take; past it a grouped path reads each hit expert once
-    per block of its slots (the crossover is measured above DECODE_MAX_TOKENS)."""
-    quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
-    return QUANTIZED_DECODE_MAX_TOKENS if quantized else DECODE_MAX_TOKENS
+    per block of its slots (the crossovers are measured above DECODE_MAX_TOKENS)."""
+    if not (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)):
+        return DECODE_MAX_TOKENS
+    return QUANTIZED_DECODE_MAX_TOKENS if grouped_gemv_fits(x, gate_up, down) else QUANTIZED_DECODE_ALONE_TOKENS
 
 
 def moe_experts_grouped(
@@ -226,7 +230,7 @@ def _decode_plan(
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], down.shape[2]
     fits = (
-        tokens <= (decode_kernel_tokens(gate_up, down) if max_tokens is None else max_tokens)
+        tokens <= (decode_kernel_tokens(x, gate_up, down) if max_tokens is None else max_tokens)
         and 1 <= top_k <= _MAX_TOP_K
         and 4 * hidden <= _MAX_SHARED_BYTES
         and 8 * top_k + 4 * top_k * inter <= _MAX_SHARED_BYTES
