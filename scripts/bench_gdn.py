@@ -91,7 +91,8 @@ def bench_decode(batch: int) -> dict:
     result: dict = {"batch": batch, "bytes_per_call": decode_bytes(batch)}
     first = layers[0]
     tokens = [first[n][:, None] for n in ("qkv", "a", "b", "z")]
-    if gdn_ops._kernel_applies(*tokens, first["conv_pool"], first["state_pool"], first["slots"], None, first["w"]):
+    step = gdn_ops.GDNStepInputs(*tokens, first["conv_pool"], first["state_pool"], first["slots"])
+    if gdn_ops._kernel_applies(step, first["w"]):
         graph, _ = capture(kernel_step)
         result["kernel_graph_us"] = cuda_median_ms(graph.replay, repeats=50) * per_call
         result["kernel_eager_us"] = cuda_median_ms(kernel_step, repeats=20) * per_call

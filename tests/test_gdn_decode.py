@@ -226,6 +226,39 @@ def test_op_on_cpu_is_the_reference(monkeypatch):
     assert torch.equal(case["state_pool"], ref["state_pool"]) and torch.equal(case["conv_pool"], ref["conv_pool"])
 
 
+def test_kernel_call_passes_each_tensor_in_its_place(monkeypatch):
+    """The CUDA branch of the dispatch, run on the CPU against a stand-in extension that records
+    the call: every pointer, stride and size reaches the binding argument it belongs to (a swap
+    here would only show as wrong numbers on a GPU)."""
+    calls = []
+    fake = SimpleNamespace(gdn_steps=lambda **kw: calls.append(kw), DType=SimpleNamespace(BF16="bf16"))
+    monkeypatch.setattr(dispatch, "extension", lambda: fake)
+    monkeypatch.setattr(dispatch, "stream_handle", lambda t: 7)
+    monkeypatch.setattr(dispatch, "kernel_dtype", lambda t: "bf16")
+    monkeypatch.setattr(gdn_ops, "_kernel_applies", lambda step, w: True)
+    case = make_case(SMALL_ODD, 2, torch.bfloat16, tokens=3)
+    counts = torch.tensor([1, 3])
+    gdn_ops.gdn_commit(case["qkv"], case["a"], case["b"], case["conv_pool"], case["state_pool"], case["slots"],
+                       counts, case["w"])
+    out = gdn_ops.gdn_verify(case["qkv"], case["a"], case["b"], case["z"], case["conv_pool"], case["state_pool"],
+                             case["slots"], case["w"])
+    commit, verify = calls
+    for kw in calls:
+        for name in ("qkv", "a", "b", "conv_pool", "state_pool"):
+            assert kw[name] == case[name].data_ptr(), name
+        w = case["w"]
+        assert (kw["conv_weight"], kw["A_log"], kw["dt_bias"], kw["norm_weight"]) == tuple(
+            t.data_ptr() for t in (w.conv_weight, w.A_log, w.dt_bias, w.norm_weight))
+        assert (kw["batch"], kw["num_tokens"], kw["num_k_heads"], kw["num_v_heads"]) == (2, 3, 2, 6)
+        assert (kw["head_k_dim"], kw["head_v_dim"], kw["conv_kernel"]) == (SMALL_ODD[2], SMALL_ODD[3], SMALL_ODD[4])
+        assert kw["qkv_stride"] == case["qkv"].shape[-1] and kw["ab_stride"] == case["a"].shape[-1]
+        assert kw["stream"] == 7 and kw["dtype"] == "bf16"
+    assert commit["write_state"] and commit["out"] == 0 and commit["z"] == 0
+    assert commit["counts"] == counts.data_ptr() and verify["counts"] == 0
+    assert not verify["write_state"] and verify["out"] == out.data_ptr() and verify["z"] == case["z"].data_ptr()
+    assert verify["z_stride"] == case["z"].shape[-1]
+
+
 def test_bad_shapes_raise():
     case = make_case(SMALL_ODD, 2, torch.float32)
     with pytest.raises(ValueError, match="qkv width"):
@@ -320,7 +353,7 @@ def cuda_kernels(monkeypatch):
 def _kernel_args(case: dict) -> tuple:
     """_kernel_applies' arguments for a one-token case."""
     qkv, a, b, z = (case[n][:, None] for n in ("qkv", "a", "b", "z"))
-    return qkv, a, b, z, case["conv_pool"], case["state_pool"], case["slots"], None, case["w"]
+    return gdn_ops.GDNStepInputs(qkv, a, b, z, case["conv_pool"], case["state_pool"], case["slots"]), case["w"]
 
 
 def _check_step(case: dict, before: dict, out: torch.Tensor, ref_case: dict, ref_out: torch.Tensor) -> None:

@@ -69,33 +69,38 @@ class GDNWeights:
     head_v_dim: int
 
 
-def gdn_steps_ref(
-    qkv: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    z: torch.Tensor | None,
-    conv_pool: torch.Tensor,
-    state_pool: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor | None,
-    write_state: bool,
-    w: GDNWeights,
-) -> torch.Tensor | None:
+@dataclass(frozen=True)
+class GDNStepInputs:
+    """The tensors of one fused-step call (shapes checked in `_check`): T new tokens of B sequences."""
+
+    qkv: torch.Tensor  # [B, T, C] pre-conv projections
+    a: torch.Tensor  # [B, T, Hv] (in_proj_a)
+    b: torch.Tensor  # [B, T, Hv] (in_proj_b)
+    z: torch.Tensor | None  # [B, T, Hv*dv] the norm's gate; None: no output (commit)
+    conv_pool: torch.Tensor  # [S, C, K-1]
+    state_pool: torch.Tensor  # [S, Hv, dk, dv] fp32
+    slots: torch.Tensor  # [B] distinct
+    counts: torch.Tensor | None = None  # [B] tokens row b advances through (a device tensor); None: all T
+
+
+def gdn_steps_ref(step: GDNStepInputs, write_state: bool, w: GDNWeights) -> torch.Tensor | None:
     """Torch reference of the fused steps (any device, any float dtype); `_steps` has the contract.
     Composes the functions of layers/gdn.py and layers/norm.py exactly as `GatedDeltaNet` does.
     Partial advances (counts) keep the state after every token and pick each row's: one pass and
     no host sync (CUDA graphs capture it too)."""
+    qkv, conv_pool, state_pool, slots, counts = step.qkv, step.conv_pool, step.state_pool, step.slots, step.counts
     batch, num_tokens, _ = qkv.shape
     conv_state, state = conv_pool[slots], state_pool[slots]
     q, k, v, final_conv = gdn_layer.conv_qkv_heads(
         qkv, conv_state, w.conv_weight, w.num_k_heads, w.head_k_dim, w.head_v_dim, state_pool.dtype
     )
-    g, beta = gdn_layer.gdn_gates(a, b, w.A_log, w.dt_bias)
+    g, beta = gdn_layer.gdn_gates(step.a, step.b, w.A_log, w.dt_bias)
     partial = write_state and counts is not None
     o, states = gdn_layer.gated_delta_rule_recurrent(q, k, v, g, beta, state, every_state=partial)
     out = None
-    if z is not None:
-        out = gated_rms_norm(o.to(qkv.dtype), z.reshape(batch, num_tokens, -1, w.head_v_dim), w.norm_weight, w.eps)
+    if step.z is not None:
+        out = gated_rms_norm(o.to(qkv.dtype), step.z.reshape(batch, num_tokens, -1, w.head_v_dim), w.norm_weight,
+                             w.eps)
         out = out.reshape(batch, num_tokens, -1)
     if not write_state:
         return out
@@ -113,7 +118,8 @@ def gdn_decode_step_ref(
     state_pool: torch.Tensor, slots: torch.Tensor, w: GDNWeights,
 ) -> torch.Tensor:
     """Torch reference of `gdn_decode_step`."""
-    out = gdn_steps_ref(qkv[:, None], a[:, None], b[:, None], z[:, None], conv_pool, state_pool, slots, None, True, w)
+    step = GDNStepInputs(qkv[:, None], a[:, None], b[:, None], z[:, None], conv_pool, state_pool, slots)
+    out = gdn_steps_ref(step, True, w)
     assert out is not None
     return out[:, 0]
 
@@ -130,8 +136,8 @@ def gdn_decode_step(
     """
     if out is not None:
         _check_out(out, z, "gdn_decode_step")
-    value = _steps("gdn_decode_step", qkv[:, None], a[:, None], b[:, None], z[:, None], conv_pool, state_pool,
-                   slots, None, True, w, None if out is None else out[:, None])
+    step = GDNStepInputs(qkv[:, None], a[:, None], b[:, None], z[:, None], conv_pool, state_pool, slots)
+    value = _steps("gdn_decode_step", step, True, w, None if out is None else out[:, None])
     assert value is not None
     return value[:, 0] if out is None else out
 
@@ -141,7 +147,7 @@ def gdn_verify_ref(
     state_pool: torch.Tensor, slots: torch.Tensor, w: GDNWeights,
 ) -> torch.Tensor:
     """Torch reference of `gdn_verify`."""
-    out = gdn_steps_ref(qkv, a, b, z, conv_pool, state_pool, slots, None, False, w)
+    out = gdn_steps_ref(GDNStepInputs(qkv, a, b, z, conv_pool, state_pool, slots), False, w)
     assert out is not None
     return out
 
@@ -153,7 +159,7 @@ def gdn_verify(
     """Speculative verification: qkv [B, T, C], a / b [B, T, Hv], z [B, T, Hv*dv] of T <= 16 tokens
     -> gated_rms_norm(o, z) [B, T, Hv*dv], token t seeing the state advanced through tokens
     0..t; the pools stay as they are (`gdn_commit` keeps the accepted prefix later)."""
-    out = _steps("gdn_verify", qkv, a, b, z, conv_pool, state_pool, slots, None, False, w, None)
+    out = _steps("gdn_verify", GDNStepInputs(qkv, a, b, z, conv_pool, state_pool, slots), False, w, None)
     assert out is not None
     return out
 
@@ -163,7 +169,7 @@ def gdn_commit_ref(
     slots: torch.Tensor, counts: torch.Tensor, w: GDNWeights,
 ) -> None:
     """Torch reference of `gdn_commit`."""
-    gdn_steps_ref(qkv, a, b, None, conv_pool, state_pool, slots, counts, True, w)
+    gdn_steps_ref(GDNStepInputs(qkv, a, b, None, conv_pool, state_pool, slots, counts), True, w)
 
 
 def gdn_commit(
@@ -172,40 +178,29 @@ def gdn_commit(
 ) -> None:
     """After a verify: advance row b's pools through its first counts[b] tokens (a device int64
     tensor [B], read on the device: no host sync, so a CUDA graph can replay it)."""
-    _steps("gdn_commit", qkv, a, b, None, conv_pool, state_pool, slots, counts, True, w, None)
+    _steps("gdn_commit", GDNStepInputs(qkv, a, b, None, conv_pool, state_pool, slots, counts), True, w, None)
 
 
-def _steps(
-    name: str,
-    qkv: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    z: torch.Tensor | None,
-    conv_pool: torch.Tensor,
-    state_pool: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor | None,
-    write_state: bool,
-    w: GDNWeights,
-    out: torch.Tensor | None,
-) -> torch.Tensor | None:
+def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
+           out: torch.Tensor | None) -> torch.Tensor | None:
     """The one dispatch place of the fused steps: the kernel where it applies, else the reference.
     Rows advance through counts[b] tokens (all T when None) if write_state; with z the outputs of
     all T tokens are returned (into `out` [B, T, Hv*dv] when given)."""
-    _check(name, qkv, a, b, z, conv_pool, state_pool, slots, counts, w)
-    if not _kernel_applies(qkv, a, b, z, conv_pool, state_pool, slots, counts, w):
-        dispatch.fallback(name, qkv, state_pool)
-        value = gdn_steps_ref(qkv, a, b, z, conv_pool, state_pool, slots, counts, write_state, w)
+    _check(name, step, w)
+    if not _kernel_applies(step, w):
+        dispatch.fallback(name, step.qkv, step.state_pool)
+        value = gdn_steps_ref(step, write_state, w)
         return value if out is None or value is None else out.copy_(value)
-    qkv, qkv_stride = _rows(qkv)
-    a, ab_stride = _rows(a)
-    b, b_stride = _rows(b)
+    qkv, qkv_stride = _rows(step.qkv)
+    a, ab_stride = _rows(step.a)
+    b, b_stride = _rows(step.b)
+    conv_pool, state_pool, z = step.conv_pool, step.state_pool, step.z
     if b_stride != ab_stride:
         a, b = a.contiguous(), b.contiguous()
         ab_stride = a.shape[-1]
     params = [t.contiguous() for t in (w.conv_weight, w.A_log, w.dt_bias, w.norm_weight)]
-    slots = slots.long().contiguous()
-    counts = None if counts is None else counts.long().contiguous()
+    slots = step.slots.long().contiguous()
+    counts = None if step.counts is None else step.counts.long().contiguous()
     batch, num_tokens, channels = qkv.shape
     num_v_heads = a.shape[2]
     z_stride = 0
@@ -321,19 +316,10 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t.contiguous(), t.shape[-1]
 
 
-def _kernel_applies(
-    qkv: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    z: torch.Tensor | None,
-    conv_pool: torch.Tensor,
-    state_pool: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor | None,
-    w: GDNWeights,
-) -> bool:
-    model_dtype = [t for t in (qkv, a, b, z, conv_pool, w.conv_weight, w.A_log, w.dt_bias, w.norm_weight)
-                   if t is not None]
+def _kernel_applies(step: GDNStepInputs, w: GDNWeights) -> bool:
+    qkv, state_pool, conv_pool, slots, counts = step.qkv, step.state_pool, step.conv_pool, step.slots, step.counts
+    model_dtype = [t for t in (qkv, step.a, step.b, step.z, conv_pool, w.conv_weight, w.A_log, w.dt_bias,
+                               w.norm_weight) if t is not None]
     return (
         dispatch.use_kernel(*model_dtype, state_pool)
         and all(t.dtype == qkv.dtype and t.device == qkv.device for t in model_dtype)
@@ -385,19 +371,9 @@ def _check_out(out: torch.Tensor, like: torch.Tensor, name: str) -> None:
                          f"on {like.device}")
 
 
-def _check(
-    name: str,
-    qkv: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    z: torch.Tensor | None,
-    conv_pool: torch.Tensor,
-    state_pool: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor | None,
-    w: GDNWeights,
-) -> None:
+def _check(name: str, step: GDNStepInputs, w: GDNWeights) -> None:
     """Shapes must agree on every path: a kernel given wrong ones would write out of bounds."""
+    qkv, a, b, z, conv_pool = step.qkv, step.a, step.b, step.z, step.conv_pool
     if qkv.dim() != 3 or a.dim() != 3 or conv_pool.dim() != 3 or w.conv_weight.dim() != 2:
         raise ValueError(f"{name}: qkv, a need a token axis ([B, T, C], [B, T, Hv]), conv_pool 3 dims, "
                          "conv_weight 2")
@@ -412,8 +388,8 @@ def _check(
         "a": (a, (batch, num_tokens, num_v_heads)),
         "b": (b, (batch, num_tokens, num_v_heads)),
         "conv_pool": (conv_pool, (num_slots, channels, taps - 1)),
-        "state_pool": (state_pool, (num_slots, num_v_heads, dk, dv)),
-        "slots": (slots, (batch,)),
+        "state_pool": (step.state_pool, (num_slots, num_v_heads, dk, dv)),
+        "slots": (step.slots, (batch,)),
         "conv_weight": (w.conv_weight, (channels, taps)),
         "A_log": (w.A_log, (num_v_heads,)),
         "dt_bias": (w.dt_bias, (num_v_heads,)),
@@ -421,8 +397,8 @@ def _check(
     }
     if z is not None:
         expected["z"] = (z, (batch, num_tokens, num_v_heads * dv))
-    if counts is not None:
-        expected["counts"] = (counts, (batch,))
+    if step.counts is not None:
+        expected["counts"] = (step.counts, (batch,))
     for key, (t, shape) in expected.items():
         if tuple(t.shape) != shape:
             raise ValueError(f"{name}: {key} has shape {tuple(t.shape)}, expected {shape}")
