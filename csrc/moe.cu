@@ -534,7 +534,7 @@ void moe_route(const MoeRouteArgs& a) {
 
 void moe_align(const MoeAlignArgs& a) {
   if (a.experts < 1 || a.experts > 4096 || a.slots < 0 || a.slots > (1LL << 30) ||
-      (a.block_m != 8 && a.block_m != 16 && a.block_m != 32 && a.block_m != 64) ||
+      (a.block_m != 8 && a.block_m != 16 && a.block_m != 32 && a.block_m != 64 && a.block_m != 128) ||
       a.capacity < moe_align_capacity(a.slots, a.experts, a.block_m) || a.capacity % a.block_m) {
     throw std::invalid_argument("moe_align: slots " + std::to_string(a.slots) + " / experts " +
                                 std::to_string(a.experts) + " / block_m " +

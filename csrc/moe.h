@@ -40,7 +40,7 @@ struct MoeAlignArgs {
   std::uintptr_t ids;
   std::int64_t slots;
   std::int64_t experts;
-  int block_m;  // 8, 16, 32 or 64
+  int block_m;  // 8, 16, 32, 64 or 128
   std::int64_t capacity;
   int device;
   std::uintptr_t stream;

@@ -36,9 +36,8 @@ def hit_bytes(ids: torch.Tensor, gate_up, down) -> int:
     return hit * per_expert
 
 
-def triton_path(x, gate_up, down, weights, ids, cfg: moe_triton.TileConfig):
+def triton_path(x, gate_up, down, weights, ids, cfg: moe_triton.TileConfig, block_m: int):
     tokens = x.shape[0]
-    block_m = moe_triton.block_m_for(tokens * TOP_K, EXPERTS)
     aligned = align_by_expert(ids, EXPERTS, block_m)
     h = moe_triton.moe_gate_up(x, gate_up, aligned, TOP_K, block_m, cfg)
     y = moe_triton.moe_down(h, down, aligned, block_m, cfg)
@@ -55,6 +54,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default=TOKENS)
     parser.add_argument("--sweep", action="store_true", help="time 16 Triton tilings, not just the table's")
+    parser.add_argument("--triton-block-m", default="", help="rows per block of the Triton path to time besides "
+                        "the engine's choice, e.g. 64,128 (tilings: the table's, or the sweep's)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -79,17 +80,17 @@ def main() -> None:
             for block_m in (8, 16, 32):
                 paths[f"grouped_gemv_bm{block_m}"] = timed(
                     lambda b=block_m: moe_ops.moe_experts_grouped_gemv(x, gate_up, down, weights, ids, b), ref)
-        block_m = moe_triton.block_m_for(tokens * TOP_K, EXPERTS)
-        configs = [moe_triton.TILES[block_m]]
-        if args.sweep:
-            configs += [moe_triton.TileConfig(n, k, w, s) for n, k, w, s in
-                        itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
-        for cfg in configs:
-            name = f"triton_bm{block_m}_{cfg.block_n}x{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
-            try:
-                paths[name] = timed(lambda cfg=cfg: triton_path(x, gate_up, down, weights, ids, cfg), ref)
-            except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is just skipped
-                paths[name] = (float("nan"), str(exc)[:80])
+        chosen = moe_triton.block_m_for(tokens * TOP_K, EXPERTS)
+        sweep = [moe_triton.TileConfig(n, k, w, s) for n, k, w, s in
+                 itertools.product((64, 128), (64, 128), (4, 8), (3, 4))] if args.sweep else []
+        for block_m in dict.fromkeys([chosen, *(int(b) for b in args.triton_block_m.split(",") if b)]):
+            for cfg in ([moe_triton.TILES[block_m]] if block_m in moe_triton.TILES else []) + sweep:
+                name = f"triton_bm{block_m}_{cfg.block_n}x{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
+                try:
+                    paths[name] = timed(lambda c=cfg, b=block_m: triton_path(x, gate_up, down, weights, ids, c, b),
+                                        ref)
+                except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is just skipped
+                    paths[name] = (float("nan"), str(exc)[:80])
         best_ms, best = min((v[0], k) for k, v in paths.items() if v[0] == v[0])
         results.append({"tokens": tokens, "hit_bytes": moved, "best": best, "best_ms": best_ms,
                         "paths": {k: {"ms": v[0], "err": v[1]} for k, v in paths.items()}})

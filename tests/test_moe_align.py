@@ -12,7 +12,7 @@ from ninfer_core.ops import dispatch
 from ninfer_core.ops.moe_align import align_by_expert, align_by_expert_ref, align_capacity
 
 CASES = [(1, 1, 4, 16), (7, 2, 6, 16), (40, 8, 16, 32), (300, 8, 64, 64), (1, 8, 256, 8), (8, 8, 256, 8),
-         (48, 8, 256, 16), (512, 8, 256, 32), (4096, 8, 256, 64)]
+         (48, 8, 256, 16), (512, 8, 256, 32), (4096, 8, 256, 64), (8192, 8, 256, 128)]
 
 
 def _ids(tokens: int, top_k: int, experts: int, device: str = "cpu", seed: int = 0) -> torch.Tensor:
