@@ -50,6 +50,17 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
+// launch(T{}) with the element type T of `dtype`; `op` names the caller in the error.
+template <typename Launch>
+void by_dtype(DType dtype, const char* op, Launch&& launch) {
+  switch (dtype) {
+    case DType::F32: launch(float{}); break;
+    case DType::F16: launch(__half{}); break;
+    case DType::BF16: launch(__nv_bfloat16{}); break;
+    default: throw std::invalid_argument(std::string(op) + ": unsupported dtype");
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ float to_float(T v);
 template <>

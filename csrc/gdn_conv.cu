@@ -91,12 +91,7 @@ void gdn_conv_prefill(const GdnConvArgs& a) {
     throw std::invalid_argument("gdn_conv_prefill: null pointer");
   }
   DeviceGuard guard(a.device);
-  switch (a.dtype) {
-    case DType::F32: launch<float>(a); break;
-    case DType::F16: launch<__half>(a); break;
-    case DType::BF16: launch<__nv_bfloat16>(a); break;
-    default: throw std::invalid_argument("gdn_conv_prefill: unsupported dtype");
-  }
+  by_dtype(a.dtype, "gdn_conv_prefill", [&](auto t) { launch<decltype(t)>(a); });
 }
 
 }  // namespace ninfer

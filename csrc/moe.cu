@@ -508,16 +508,6 @@ void launch_route(const MoeRouteArgs& a) {
   check_launch("moe route kernel launch");
 }
 
-template <typename Launch>
-void by_dtype(DType dtype, const char* op, Launch&& launch) {
-  switch (dtype) {
-    case DType::F32: launch(float{}); break;
-    case DType::F16: launch(__half{}); break;
-    case DType::BF16: launch(__nv_bfloat16{}); break;
-    default: throw std::invalid_argument(std::string(op) + ": unsupported dtype");
-  }
-}
-
 }  // namespace
 
 void moe_route(const MoeRouteArgs& a) {
