@@ -1,6 +1,7 @@
 // Fused elementwise epilogues (csrc/activation.h); torch references in ninfer_core/ops/activation.py.
 #include "activation.h"
 #include "common.cuh"
+#include "launch.cuh"
 
 namespace ninfer {
 namespace {
@@ -12,6 +13,7 @@ __device__ __forceinline__ T rounded(float v) {
 
 template <typename T>
 __global__ void silu_mul_kernel(T* __restrict__ out, const T* __restrict__ x, std::int64_t rows, std::int64_t cols) {
+  enter_kernel();
   const std::int64_t total = rows * cols;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
@@ -25,6 +27,7 @@ __global__ void silu_mul_kernel(T* __restrict__ out, const T* __restrict__ x, st
 template <typename T>
 __global__ void sigmoid_mul_kernel(T* out, const T* x, const T* __restrict__ gate, const T* add, std::int64_t rows,
                                    std::int64_t cols, std::int64_t gate_stride, int gate_cols) {
+  enter_kernel();
   const std::int64_t total = rows * cols;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
@@ -48,28 +51,23 @@ void silu_mul(const SiluMulArgs& a) {
   DeviceGuard guard(a.device);
   const cudaStream_t stream = as_stream(a.stream);
   const int blocks = blocks_for(a.rows * a.cols);
+  const auto go = [&](auto type) {
+    using T = decltype(type);
+    launch_kernel("silu_mul kernel launch", silu_mul_kernel<T>, blocks, 256, 0, stream,
+                  reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x), a.rows, a.cols);
+  };
   switch (a.dtype) {
-    case DType::F32:
-      silu_mul_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<float*>(a.out), reinterpret_cast<const float*>(a.x),
-                                                  a.rows, a.cols);
-      break;
-    case DType::F16:
-      silu_mul_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<__half*>(a.out),
-                                                  reinterpret_cast<const __half*>(a.x), a.rows, a.cols);
-      break;
-    case DType::BF16:
-      silu_mul_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<__nv_bfloat16*>(a.out),
-                                                  reinterpret_cast<const __nv_bfloat16*>(a.x), a.rows, a.cols);
-      break;
+    case DType::F32: go(float{}); break;
+    case DType::F16: go(__half{}); break;
+    case DType::BF16: go(__nv_bfloat16{}); break;
   }
-  check_launch("silu_mul kernel launch");
 }
 
 template <typename T>
 void launch_sigmoid_mul(const SigmoidMulArgs& a, cudaStream_t stream) {
-  sigmoid_mul_kernel<<<blocks_for(a.rows * a.cols), 256, 0, stream>>>(
-      reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.gate),
-      reinterpret_cast<const T*>(a.add), a.rows, a.cols, a.gate_stride, a.gate_cols);
+  launch_kernel("sigmoid_mul kernel launch", sigmoid_mul_kernel<T>, blocks_for(a.rows * a.cols), 256, 0, stream,
+                reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.gate),
+                reinterpret_cast<const T*>(a.add), a.rows, a.cols, a.gate_stride, a.gate_cols);
 }
 
 void sigmoid_mul(const SigmoidMulArgs& a) {
@@ -82,7 +80,6 @@ void sigmoid_mul(const SigmoidMulArgs& a) {
     case DType::F16: launch_sigmoid_mul<__half>(a, stream); break;
     case DType::BF16: launch_sigmoid_mul<__nv_bfloat16>(a, stream); break;
   }
-  check_launch("sigmoid_mul kernel launch");
 }
 
 }  // namespace ninfer

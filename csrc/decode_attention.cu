@@ -20,6 +20,7 @@
 
 #include "common.cuh"
 #include "decode_attention.h"
+#include "launch.cuh"
 
 namespace ninfer {
 namespace {
@@ -186,6 +187,7 @@ __device__ __forceinline__ void store_chunk(T* dst, const uint4& raw, float scal
 template <typename T, KVDType KV, int D, int MT>
 __global__ void __launch_bounds__(kThreads, MT == 1 ? 2 : 1)
     decode_attention_kernel(const Params p) {
+  enter_kernel();
   using C = typename CacheElem<T, KV>::type;
   constexpr int kChunkElems = 16 / sizeof(C);
   constexpr int kChunksPerRow = D / kChunkElems;
@@ -495,6 +497,7 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
     decode_attention_reduce_kernel(const Params p, int head_dim) {
+  enter_kernel();
   const int rg = blockIdx.y % p.rows;
   const int kvh = blockIdx.y / p.rows;
   const int b = blockIdx.z;
@@ -556,12 +559,11 @@ void launch_attention(const Params& p, int batch, cudaStream_t stream) {
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
              "decode_attention: shared memory size");
   const dim3 grid(p.max_splits, p.kv_heads * p.row_chunks, batch);
-  kernel<<<grid, kThreads, bytes, stream>>>(p);
-  check_launch("decode_attention kernel launch");
+  launch_kernel("decode_attention kernel launch", kernel, grid, kThreads, bytes, stream, p);
   if (p.max_splits > 1) {
     const dim3 reduce_grid(D / kReduceCols, p.rows * p.kv_heads, batch);
-    decode_attention_reduce_kernel<T><<<reduce_grid, kReduceThreads, p.max_splits * sizeof(float), stream>>>(p, D);
-    check_launch("decode_attention reduce kernel launch");
+    launch_kernel("decode_attention reduce kernel launch", decode_attention_reduce_kernel<T>, reduce_grid,
+                  kReduceThreads, p.max_splits * sizeof(float), stream, p, D);
   }
 }
 
@@ -615,6 +617,7 @@ constexpr int kWriteWarps = 4;
 // One warp per (token, kv head): copy, or quantize with the vector's absmax (warp-reduced).
 template <typename T, KVDType KV, int D>
 __global__ void __launch_bounds__(32 * kWriteWarps) write_kv_kernel(const WriteParams w) {
+  enter_kernel();
   constexpr int kEpl = D / 32;  // elements per lane
   using C = typename CacheElem<T, KV>::type;
   const std::int64_t pair = static_cast<std::int64_t>(blockIdx.x) * kWriteWarps + threadIdx.y;
@@ -662,13 +665,13 @@ template <typename T, KVDType KV>
 void launch_write(const WriteParams& w, int head_dim, cudaStream_t stream) {
   const dim3 block(32, kWriteWarps);
   const dim3 grid(static_cast<unsigned>((w.pairs + kWriteWarps - 1) / kWriteWarps));
+  const char* what = "write_kv kernel launch";
   switch (head_dim) {
-    case 64: write_kv_kernel<T, KV, 64><<<grid, block, 0, stream>>>(w); break;
-    case 128: write_kv_kernel<T, KV, 128><<<grid, block, 0, stream>>>(w); break;
-    case 256: write_kv_kernel<T, KV, 256><<<grid, block, 0, stream>>>(w); break;
+    case 64: launch_kernel(what, write_kv_kernel<T, KV, 64>, grid, block, 0, stream, w); break;
+    case 128: launch_kernel(what, write_kv_kernel<T, KV, 128>, grid, block, 0, stream, w); break;
+    case 256: launch_kernel(what, write_kv_kernel<T, KV, 256>, grid, block, 0, stream, w); break;
     default: throw std::invalid_argument("write_kv: head_dim must be 64, 128 or 256");
   }
-  check_launch("write_kv kernel launch");
 }
 
 template <typename T>

@@ -2,6 +2,7 @@
 // (MoE grouped GEMM, QuantLinear with many rows). One pass: read the codes once, write the
 // values once; the torch reference (ops/quant.py dequantize) makes several fp32 passes.
 #include "common.cuh"
+#include "launch.cuh"
 #include "quant_gemv.h"
 
 namespace ninfer {
@@ -13,6 +14,7 @@ template <typename T, bool kInt4>
 __global__ void dequant_kernel(T* __restrict__ out, const std::uint8_t* __restrict__ qweight,
                                const void* __restrict__ scales, std::int64_t rows, std::int64_t k,
                                int group_size) {
+  enter_kernel();
   const std::int64_t total = rows * k / 8;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
@@ -49,12 +51,8 @@ void launch(const DequantArgs& a, cudaStream_t stream) {
   auto* out = reinterpret_cast<T*>(a.out);
   const auto* q = reinterpret_cast<const std::uint8_t*>(a.qweight);
   const auto* s = reinterpret_cast<const void*>(a.scales);
-  if (a.int4) {
-    dequant_kernel<T, true><<<blocks, threads, 0, stream>>>(out, q, s, a.rows, a.k, a.group_size);
-  } else {
-    dequant_kernel<T, false><<<blocks, threads, 0, stream>>>(out, q, s, a.rows, a.k, a.group_size);
-  }
-  check_launch("dequant kernel launch");
+  launch_kernel("dequant kernel launch", a.int4 ? dequant_kernel<T, true> : dequant_kernel<T, false>, blocks,
+                threads, 0, stream, out, q, s, a.rows, a.k, a.group_size);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include "common.cuh"
 #include "gdn_conv.h"
+#include "launch.cuh"
 
 namespace ninfer {
 namespace {
@@ -22,6 +23,7 @@ __global__ void __launch_bounds__(kThreads)
                         const std::int64_t* __restrict__ valid, const T* __restrict__ weight,
                         std::int64_t stride_b, std::int64_t stride_t, int tokens, int channels,
                         int taps) {
+  enter_kernel();
   const int c = blockIdx.x * kThreads + threadIdx.x;
   if (c >= channels) return;
   const int b = blockIdx.z;
@@ -68,13 +70,12 @@ void launch(const GdnConvArgs& a) {
   const dim3 grid(static_cast<unsigned>((a.channels + kThreads - 1) / kThreads),
                   static_cast<unsigned>((a.tokens + kSpan - 1) / kSpan),
                   static_cast<unsigned>(a.batch));
-  conv_prefill_kernel<T><<<grid, kThreads, 0, as_stream(a.stream)>>>(
-      reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.qkv),
-      reinterpret_cast<T*>(a.conv_pool), reinterpret_cast<const std::int64_t*>(a.slots),
-      reinterpret_cast<const std::int64_t*>(a.valid), reinterpret_cast<const T*>(a.weight),
-      a.qkv_stride_b, a.qkv_stride_t, static_cast<int>(a.tokens), static_cast<int>(a.channels),
-      a.taps);
-  check_launch("gdn conv prefill kernel launch");
+  launch_kernel("gdn conv prefill kernel launch", conv_prefill_kernel<T>, grid, kThreads, 0,
+                as_stream(a.stream), reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.qkv),
+                reinterpret_cast<T*>(a.conv_pool), reinterpret_cast<const std::int64_t*>(a.slots),
+                reinterpret_cast<const std::int64_t*>(a.valid), reinterpret_cast<const T*>(a.weight),
+                a.qkv_stride_b, a.qkv_stride_t, static_cast<int>(a.tokens), static_cast<int>(a.channels),
+                a.taps);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "common.cuh"
+#include "launch.cuh"
 #include "gdn_decode.h"
 
 namespace ninfer {
@@ -67,6 +68,7 @@ __global__ void __launch_bounds__(kMaxHeadDim)
                     std::int64_t qkv_stride, int num_tokens, bool has_out, bool write_state, int num_k_heads,
                     int num_v_heads, int head_k_dim, int head_v_dim, int channels, int taps,
                     float q_scale) {
+  enter_kernel();
   const int seg = blockIdx.x;
   const int b = blockIdx.y;
   const bool is_key = seg < 2 * num_k_heads;  // block-uniform, so group_sum below is safe
@@ -136,6 +138,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                          std::int64_t z_stride, int num_tokens, bool write_state,
                          int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim,
                          float eps) {
+  enter_kernel();
   __shared__ float q_s[kMaxHeadDim];
   __shared__ float k_s[kMaxHeadDim];
   __shared__ bool last;
@@ -262,23 +265,20 @@ void launch(const GdnStepsArgs& a) {
   auto* done = reinterpret_cast<unsigned*>(act + a.batch * a.num_tokens * channels);
 
   const dim3 conv_grid(2 * a.num_k_heads + a.num_v_heads, static_cast<unsigned>(a.batch));
-  gdn_conv_kernel<T><<<conv_grid, std::max(a.head_k_dim, a.head_v_dim), 0, stream>>>(
-      act, done, reinterpret_cast<T*>(a.conv_pool), reinterpret_cast<const T*>(a.qkv),
-      reinterpret_cast<const T*>(a.conv_weight), slots, counts, a.qkv_stride, a.num_tokens, a.out != 0,
-      a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim, channels,
-      a.conv_kernel, a.q_scale);
-  check_launch("gdn conv kernel launch");
+  launch_kernel("gdn conv kernel launch", gdn_conv_kernel<T>, conv_grid, std::max(a.head_k_dim, a.head_v_dim), 0,
+                stream, act, done, reinterpret_cast<T*>(a.conv_pool), reinterpret_cast<const T*>(a.qkv),
+                reinterpret_cast<const T*>(a.conv_weight), slots, counts, a.qkv_stride, a.num_tokens, a.out != 0,
+                a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim, channels, a.conv_kernel,
+                a.q_scale);
 
   const dim3 grid(static_cast<unsigned>(a.batch * a.num_v_heads * (a.head_v_dim / kBlockCols)));
   auto kernel = a.head_k_dim <= 8 * kRowLanes ? gdn_recurrent_kernel<T, 8> : gdn_recurrent_kernel<T, 16>;
-  kernel<<<grid, kWarps * 32, 0, stream>>>(
-      reinterpret_cast<T*>(a.out), reinterpret_cast<float*>(a.state_pool), act, done,
-      reinterpret_cast<const T*>(a.a), reinterpret_cast<const T*>(a.b),
-      reinterpret_cast<const T*>(a.z), reinterpret_cast<const T*>(a.A_log),
-      reinterpret_cast<const T*>(a.dt_bias), reinterpret_cast<const T*>(a.norm_weight), slots,
-      counts, a.ab_stride, a.z_stride, a.num_tokens, a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim,
-      a.head_v_dim, a.eps);
-  check_launch("gdn recurrent kernel launch");
+  launch_kernel("gdn recurrent kernel launch", kernel, grid, kWarps * 32, 0, stream, reinterpret_cast<T*>(a.out),
+                reinterpret_cast<float*>(a.state_pool), act, done, reinterpret_cast<const T*>(a.a),
+                reinterpret_cast<const T*>(a.b), reinterpret_cast<const T*>(a.z), reinterpret_cast<const T*>(a.A_log),
+                reinterpret_cast<const T*>(a.dt_bias), reinterpret_cast<const T*>(a.norm_weight), slots, counts,
+                a.ab_stride, a.z_stride, a.num_tokens, a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim,
+                a.head_v_dim, a.eps);
 }
 
 bool head_dim_ok(int d) { return d >= 32 && d <= kMaxHeadDim && d % 32 == 0; }

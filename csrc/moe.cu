@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common.cuh"
+#include "launch.cuh"
 #include "moe.h"
 
 namespace ninfer {
@@ -196,6 +197,7 @@ template <typename T, typename W>
 __global__ void __launch_bounds__(kThreads)
     gate_up_kernel(T* __restrict__ h, const T* __restrict__ x, const int* __restrict__ ids, W w,
                    int top_k, int hidden, int inter, int experts) {
+  enter_kernel();
   extern __shared__ float4 smem[];
   float* xs = reinterpret_cast<float*>(smem);
   const int pair = blockIdx.y;
@@ -252,6 +254,7 @@ __global__ void __launch_bounds__(kThreads)
     down_kernel(T* __restrict__ out, const T* __restrict__ h, const void* __restrict__ weights,
                 DType weights_dtype, const int* __restrict__ ids, W w, int top_k, int hidden,
                 int inter, int experts) {
+  enter_kernel();
   extern __shared__ float4 smem[];
   const int n = blockIdx.y;
   const int span = top_k * inter;
@@ -303,6 +306,7 @@ template <typename T>
 __global__ void __launch_bounds__(32)
     route_kernel(T* __restrict__ weights, int* __restrict__ ids, const T* __restrict__ logits,
                  int experts, int top_k, bool renormalize) {
+  enter_kernel();
   extern __shared__ float probs[];
   float* chosen = probs + experts;
   const int lane = threadIdx.x;
@@ -361,6 +365,7 @@ __global__ void __launch_bounds__(1024)
     align_kernel(int* __restrict__ sorted_slots, int* __restrict__ block_experts,
                  int* __restrict__ used, const int* __restrict__ ids, int slots, int experts,
                  int block_m, int capacity) {
+  enter_kernel();
   extern __shared__ int counts[];  // [experts], then the cursors [experts]
   int* cursor = counts + experts;
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
@@ -483,29 +488,27 @@ void launch_decode(const MoeDecodeArgs& a) {
   const dim3 gate_up_grid((inter + kWarps - 1) / kWarps, static_cast<unsigned>(a.tokens * top_k));
   const std::size_t gate_up_smem = sizeof(float) * hidden;
   with_weights<T>(a.gate_up, hidden, [&](auto w) {
-    gate_up_kernel<T, decltype(w)><<<gate_up_grid, kThreads, gate_up_smem, stream>>>(
-        h, reinterpret_cast<const T*>(a.x), ids, w, top_k, hidden, inter, experts);
+    launch_kernel("moe gate_up kernel launch", gate_up_kernel<T, decltype(w)>, gate_up_grid, kThreads,
+                  gate_up_smem, stream, h, reinterpret_cast<const T*>(a.x), ids, w, top_k, hidden, inter,
+                  experts);
   });
-  check_launch("moe gate_up kernel launch");
 
   const dim3 down_grid((hidden + kWarps - 1) / kWarps, static_cast<unsigned>(a.tokens));
   const std::size_t down_smem = sizeof(float) * top_k * (inter + 2);
   with_weights<T>(a.down, inter, [&](auto w) {
-    down_kernel<T, decltype(w)><<<down_grid, kThreads, down_smem, stream>>>(
-        reinterpret_cast<T*>(a.out), h, reinterpret_cast<const void*>(a.weights),
-        a.weights_dtype, ids, w, top_k, hidden, inter, experts);
+    launch_kernel("moe down kernel launch", down_kernel<T, decltype(w)>, down_grid, kThreads, down_smem, stream,
+                  reinterpret_cast<T*>(a.out), static_cast<const T*>(h), reinterpret_cast<const void*>(a.weights),
+                  a.weights_dtype, ids, w, top_k, hidden, inter, experts);
   });
-  check_launch("moe down kernel launch");
 }
 
 template <typename T>
 void launch_route(const MoeRouteArgs& a) {
   const std::size_t smem = sizeof(float) * (a.experts + a.top_k);
-  route_kernel<T><<<static_cast<unsigned>(a.tokens), 32, smem, as_stream(a.stream)>>>(
-      reinterpret_cast<T*>(a.weights), reinterpret_cast<int*>(a.ids),
-      reinterpret_cast<const T*>(a.logits), static_cast<int>(a.experts), static_cast<int>(a.top_k),
-      a.renormalize);
-  check_launch("moe route kernel launch");
+  launch_kernel("moe route kernel launch", route_kernel<T>, static_cast<unsigned>(a.tokens), 32, smem,
+                as_stream(a.stream), reinterpret_cast<T*>(a.weights), reinterpret_cast<int*>(a.ids),
+                reinterpret_cast<const T*>(a.logits), static_cast<int>(a.experts), static_cast<int>(a.top_k),
+                a.renormalize);
 }
 
 }  // namespace
@@ -532,12 +535,10 @@ void moe_align(const MoeAlignArgs& a) {
                                 std::to_string(a.capacity) + " out of range");
   }
   DeviceGuard guard(a.device);
-  align_kernel<<<1, 1024, 2 * sizeof(int) * a.experts, as_stream(a.stream)>>>(
-      reinterpret_cast<int*>(a.sorted_slots), reinterpret_cast<int*>(a.block_experts),
-      reinterpret_cast<int*>(a.used), reinterpret_cast<const int*>(a.ids),
-      static_cast<int>(a.slots), static_cast<int>(a.experts), a.block_m,
-      static_cast<int>(a.capacity));
-  check_launch("moe align kernel launch");
+  launch_kernel("moe align kernel launch", align_kernel, 1, 1024, 2 * sizeof(int) * a.experts,
+                as_stream(a.stream), reinterpret_cast<int*>(a.sorted_slots), reinterpret_cast<int*>(a.block_experts),
+                reinterpret_cast<int*>(a.used), reinterpret_cast<const int*>(a.ids), static_cast<int>(a.slots),
+                static_cast<int>(a.experts), a.block_m, static_cast<int>(a.capacity));
 }
 
 void moe_decode(const MoeDecodeArgs& a) {

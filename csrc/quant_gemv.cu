@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "launch.cuh"
 #include "quant_gemv.h"
 
 namespace ninfer {
@@ -294,6 +295,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
   const int chunks = (row_bytes + kChunkBytes - 1) / kChunkBytes;
   const int* block_slots = nullptr;
   if constexpr (kGrouped) {  // the whole block exits together (before any barrier)
+    enter_kernel();  // the slot blocks come from the kernel before
     const int b = blockIdx.y;
     if (b * 8 * kTiles >= __ldg(grouping.used)) return;
     const std::int64_t expert_rows = grouping.expert_rows * __ldg(grouping.block_experts + b);
@@ -348,6 +350,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
   float sum[2][8 * kTiles] = {};  // fp32 path: per (weight row, x row), this lane's k only
   const int stride = split * kUnroll;
   load_step(part * kUnroll);
+  // A plain GEMV's first weights are on their way before it waits for x (programmatic dependent
+  // launch: the previous kernel may still be running; weights are never written).
+  if constexpr (!kGrouped) enter_kernel();
   for (int c = part * kUnroll; c < chunks; c += stride) {
     uint4 cur[kUnroll][2];
     std::uint16_t cur_sc[kUnroll][2];
@@ -457,12 +462,11 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
   const int tiles_per_block = kWarps / split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
-  quant_gemv_kernel<T, kInt4, kTiles, kLayout><<<grid, kWarps * 32, 0, as_stream(a.stream)>>>(
-      reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
-      reinterpret_cast<const std::uint8_t*>(a.qweight), reinterpret_cast<const void*>(a.scales),
-      reinterpret_cast<const T*>(a.bias), static_cast<int>(a.m), static_cast<int>(a.n),
-      static_cast<int>(a.k), a.group_size, split, grouping);
-  check_launch("quant_gemv kernel launch");
+  launch_kernel("quant_gemv kernel launch", quant_gemv_kernel<T, kInt4, kTiles, kLayout>, grid, kWarps * 32, 0,
+                as_stream(a.stream), reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
+                reinterpret_cast<const std::uint8_t*>(a.qweight), reinterpret_cast<const void*>(a.scales),
+                reinterpret_cast<const T*>(a.bias), static_cast<int>(a.m), static_cast<int>(a.n),
+                static_cast<int>(a.k), a.group_size, split, grouping);
 }
 
 template <typename T, Layout kLayout>

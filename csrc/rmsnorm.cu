@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "common.cuh"
+#include "launch.cuh"
 
 namespace ninfer {
 namespace {
@@ -15,6 +16,7 @@ template <typename T, typename W, int V, bool kResidual>
 __global__ void rmsnorm_kernel(T* out, T* residual_out, const T* x, const T* residual,
                                const W* __restrict__ weight, std::int64_t rows, int hidden,
                                float eps, bool zero_centered) {
+  enter_kernel();
   using TV = Vec<T, V>;
   using WV = Vec<W, V>;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -77,14 +79,14 @@ void launch(const RmsNormArgs& a) {
   const auto* weight = reinterpret_cast<const W*>(a.weight);
   const cudaStream_t stream = as_stream(a.stream);
   if (a.residual != 0) {
-    rmsnorm_kernel<T, W, V, true><<<grid, block, 0, stream>>>(
-        out, reinterpret_cast<T*>(a.residual_out), x, reinterpret_cast<const T*>(a.residual),
-        weight, a.rows, hidden, a.eps, a.zero_centered);
+    launch_kernel("rmsnorm kernel launch", rmsnorm_kernel<T, W, V, true>, grid, block, 0, stream, out,
+                  reinterpret_cast<T*>(a.residual_out), x, reinterpret_cast<const T*>(a.residual), weight,
+                  a.rows, hidden, a.eps, a.zero_centered);
   } else {
-    rmsnorm_kernel<T, W, V, false><<<grid, block, 0, stream>>>(
-        out, nullptr, x, nullptr, weight, a.rows, hidden, a.eps, a.zero_centered);
+    launch_kernel("rmsnorm kernel launch", rmsnorm_kernel<T, W, V, false>, grid, block, 0, stream, out,
+                  static_cast<T*>(nullptr), x, static_cast<const T*>(nullptr), weight, a.rows, hidden, a.eps,
+                  a.zero_centered);
   }
-  check_launch("rmsnorm kernel launch");
 }
 
 // 16-byte accesses when every row start is 16-byte aligned, else one element at a time.

@@ -27,6 +27,7 @@
 #include <string>
 
 #include "common.cuh"
+#include "launch.cuh"
 
 namespace ninfer {
 namespace {
@@ -492,6 +493,7 @@ __device__ Kept candidate_path(const Row& r, Shared& s, int n, int k, float top_
 
 template <int VEC>
 __global__ void __launch_bounds__(kThreads) sampling_kernel(const Params p) {
+  enter_kernel();
   __shared__ Shared s;
   const int row = blockIdx.x;
   const std::int64_t offset = static_cast<std::int64_t>(row) * p.vocab;
@@ -585,9 +587,8 @@ void launch(const SamplingArgs& a, float scale) {
                  static_cast<int>(a.vocab),
                  a.max_candidates,
                  scale};
-  sampling_kernel<VEC>
-      <<<static_cast<unsigned>(a.rows), kThreads, 0, as_stream(a.stream)>>>(p);
-  check_launch("sampling kernel launch");
+  launch_kernel("sampling kernel launch", sampling_kernel<VEC>, static_cast<unsigned>(a.rows), kThreads, 0,
+                as_stream(a.stream), p);
 }
 
 }  // namespace

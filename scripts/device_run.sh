@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix
+#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl
 # Wheels for packages missing there travel in .whl/; `scripts/make_bench_model.py` writes the
 # weight-less exact-shape model directories (.bench/) that `serve` uses.
 set -uo pipefail
@@ -72,6 +72,17 @@ LIST
         --synthetic 6 --prompt-tokens ${TTFT_PROMPT:-512} --max-tokens 8 $sampling --out "$OUT/serve_ttft_$name.json" 2>&1 | tail -4
     done
     kill $server; wait $server; tail -5 "$OUT/serve.log" ;;
+  pdl)
+    # programmatic dependent launch off / on, alternating (csrc/launch.cuh; NINFER_PDL=0 turns it off)
+    for round in 1 2; do
+      for pdl in 0 1; do
+        NINFER_PDL=$pdl timeout 200 python3 -m ninfer_app bench --synthetic qwen3.6-35b-a3b --device cuda --json \
+          --prefill 512 --contexts 4k --batches 1,8 > "$OUT/pdl${pdl}_round$round.json" 2> "$OUT/pdl${pdl}.err"
+        echo "== pdl $pdl round $round: rc $? $(tail -c 400 "$OUT/pdl${pdl}_round$round.json")"
+      done
+    done
+    NINFER_PDL=1 timeout 200 python3 scripts/profile_decode.py qwen3.6-35b-a3b > "$OUT/pdl_profile.txt" 2>&1
+    head -12 "$OUT/pdl_profile.txt" ;;
   moe)
     timeout 400 python3 scripts/bench_moe_triton.py ${MOE_TOKENS:+--tokens $MOE_TOKENS} --json "$OUT/moe_triton.json" \
       2>&1 | tail -16 ;;

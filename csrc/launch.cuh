@@ -1,0 +1,81 @@
+// Kernel launches with programmatic dependent launch (PDL, sm_90+). A decode step is hundreds of
+// kernels of a few microseconds each; with PDL the next kernel is scheduled while the current one
+// still runs, reads what no kernel writes (weights) ahead, and waits only for its real inputs, so
+// its launch latency and the first loads' latency hide behind the current kernel's work.
+// The contract, for every kernel started with `launch_kernel`: before it reads anything an earlier
+// kernel wrote, and before it writes anything (an earlier kernel may still read it), it calls
+// `wait_for_inputs()`; `enter_kernel()` does that first thing. Without PDL (older GPUs,
+// NINFER_PDL=0) both are no-ops and launches are ordinary. Inside CUDA graphs the dependency
+// becomes a programmatic edge (CUDA 12.3+).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "common.cuh"
+
+namespace ninfer {
+
+// Blocks until the previous kernel in the stream has finished and its writes are visible.
+__device__ __forceinline__ void wait_for_inputs() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel in the stream be scheduled (it still waits for this one to finish).
+__device__ __forceinline__ void start_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The first statement of a kernel that needs its inputs at once.
+__device__ __forceinline__ void enter_kernel() {
+  wait_for_inputs();
+  start_dependents();
+}
+
+// PDL on the current device: sm_90+ unless NINFER_PDL=0 (read once per process).
+inline bool pdl_enabled() {
+  static const bool allowed = [] {
+    const char* value = std::getenv("NINFER_PDL");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  if (!allowed) return false;
+  static std::array<std::atomic<int>, 64> majors{};  // compute capability major + 1; 0: not asked
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 0 || device >= static_cast<int>(majors.size())) return false;
+  int major = majors[device].load(std::memory_order_relaxed) - 1;
+  if (major < 0) {
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+               "cudaDeviceGetAttribute");
+    majors[device].store(major + 1, std::memory_order_relaxed);
+  }
+  return major >= 9;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with PDL where it is on; errors raise, naming
+// `what`.
+template <typename... Params, typename... Args>
+void launch_kernel(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
+                   std::size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  const bool pdl = pdl_enabled();
+  config.attrs = pdl ? &attribute : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), what);
+}
+
+}  // namespace ninfer
