@@ -109,12 +109,7 @@ void norm_rotary(const NormRotaryArgs& a) {
   }
   if (a.batch == 0) return;
   DeviceGuard guard(a.device);
-  switch (a.dtype) {
-    case DType::F32: launch_dim<float>(a); break;
-    case DType::F16: launch_dim<__half>(a); break;
-    case DType::BF16: launch_dim<__nv_bfloat16>(a); break;
-    default: throw std::invalid_argument("norm_rotary: unsupported dtype");
-  }
+  by_dtype(a.dtype, "norm_rotary", [&](auto t) { launch_dim<decltype(t)>(a); });
 }
 
 }  // namespace ninfer
