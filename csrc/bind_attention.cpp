@@ -2,6 +2,7 @@
 // attention over the paged cache. See decode_attention.h for the argument contracts.
 #include "bind.h"
 #include "decode_attention.h"
+#include "rope.h"
 
 namespace py = pybind11;
 
@@ -49,6 +50,23 @@ void bind_attention(py::module_& m) {
         py::arg("num_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("page_size"),
         py::arg("table_width"), py::arg("num_sms"),
         "Splits the decode_attention grid and workspace are sized for (fixed by the table width).");
+  m.def(
+      "norm_rotary",
+      [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t weight, std::uintptr_t cos,
+         std::uintptr_t sin, std::int64_t batch, std::int64_t tokens, std::int64_t heads,
+         std::int64_t stride_b, std::int64_t stride_t, std::int64_t stride_h,
+         std::int64_t cs_stride_b, std::int64_t cs_stride_t, int head_dim, int rotary_dim,
+         float eps, bool zero_centered, DType dtype, int device, std::uintptr_t stream) {
+        norm_rotary({out, x, weight, cos, sin, batch, tokens, heads, stride_b, stride_t, stride_h,
+                     cs_stride_b, cs_stride_t, head_dim, rotary_dim, eps, zero_centered, dtype,
+                     device, stream});
+      },
+      py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("cos"), py::arg("sin"),
+      py::arg("batch"), py::arg("tokens"), py::arg("heads"), py::arg("stride_b"),
+      py::arg("stride_t"), py::arg("stride_h"), py::arg("cs_stride_b"), py::arg("cs_stride_t"),
+      py::arg("head_dim"), py::arg("rotary_dim"), py::arg("eps"), py::arg("zero_centered"),
+      py::arg("dtype"), py::arg("device"), py::arg("stream"),
+      "Head RMSNorm (optional) + rotate-half RoPE in one kernel. See csrc/rope.h.");
 }
 
 }  // namespace ninfer

@@ -27,9 +27,9 @@ from ..ops.attention import (
     chunk_attention,
     write_kv,
 )
+from ..ops.rope import norm_rotary
 from .linear import MergedLinear
 from .norm import RMSNorm
-from .rope import apply_rotary
 
 
 @dataclass
@@ -100,8 +100,10 @@ class Attention(nn.Module):
         k = k.view(batch, num_new, self.num_kv_heads, self.head_dim)
         v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = norm_rotary(q, cos, sin, self.q_norm.weight, self.q_norm.eps, self.q_norm.zero_centered)
+            k = norm_rotary(k, cos, sin, self.k_norm.weight, self.k_norm.eps, self.k_norm.zero_centered)
+        else:
+            q, k = norm_rotary(q, cos, sin), norm_rotary(k, cos, sin)
 
         write_kv(kv, k, v, meta.slot_mapping)
         if num_new <= DECODE_MAX_TOKENS:

@@ -2,7 +2,8 @@
 
 `apply_rotary_ref` is the torch expression; on the CPU a contiguous fp32 call runs
 csrc/cpu/decode_ops.h instead (the ~10 torch ops of the expression cost more than the math in a
-decode step). On the GPU the expression runs inside the CUDA graph.
+decode step). `norm_rotary` is the attention layer's whole q / k path, the head RMSNorm then the
+rotary: one kernel on CUDA (csrc/rope.cu), ~7 torch ops per tensor otherwise.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
+from .rmsnorm import rmsnorm
 
 
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -30,4 +32,36 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     out = torch.empty_like(x)
     dispatch.cpu_extension().rotary(out.data_ptr(), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                     x.shape[0] * x.shape[1], x.shape[2], x.shape[3], cos.shape[-1])
+    return out
+
+
+def norm_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
+                    eps: float = 1e-6, zero_centered: bool = False) -> torch.Tensor:
+    """`apply_rotary(rmsnorm(x, weight))`, or the rotary alone without a weight (any device)."""
+    normed = x if weight is None else rmsnorm(x, weight, eps, zero_centered=zero_centered)
+    return apply_rotary(normed, cos, sin)
+
+
+def norm_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
+                eps: float = 1e-6, zero_centered: bool = False) -> torch.Tensor:
+    """x [B, T, H, D] (last axis contiguous: slices of a merged projection are read in place) ->
+    a contiguous [B, T, H, D]: `norm_rotary_ref`, in one kernel on CUDA where it applies."""
+    batch, tokens, heads, dim = x.shape
+    rotary = cos.shape[-1]
+    tensors = (x, cos, sin) if weight is None else (x, cos, sin, weight)
+    fits = (dispatch.use_kernel(*tensors) and all(t.dtype == x.dtype for t in tensors)
+            and dim in (64, 128, 256) and 0 < rotary <= dim and rotary % 2 == 0 and (rotary // 2) % (dim // 32) == 0
+            and cos.shape == sin.shape == (batch, tokens, rotary) and cos.stride() == sin.stride()
+            and x.stride(-1) == cos.stride(-1) == 1 and (weight is None or weight.is_contiguous()))
+    if not fits:
+        dispatch.fallback("norm_rotary", x, cos, sin)
+        return norm_rotary_ref(x, cos, sin, weight, eps, zero_centered)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dispatch.extension().norm_rotary(
+        out=out.data_ptr(), x=x.data_ptr(), weight=0 if weight is None else weight.data_ptr(), cos=cos.data_ptr(),
+        sin=sin.data_ptr(), batch=batch, tokens=tokens, heads=heads, stride_b=x.stride(0), stride_t=x.stride(1),
+        stride_h=x.stride(2), cs_stride_b=cos.stride(0), cs_stride_t=cos.stride(1), head_dim=dim, rotary_dim=rotary,
+        eps=float(eps), zero_centered=zero_centered, dtype=dispatch.kernel_dtype(x), device=x.device.index,
+        stream=dispatch.stream_handle(x),
+    )
     return out
