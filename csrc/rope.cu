@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common.cuh"
+#include "launch.cuh"
 #include "rope.h"
 
 namespace ninfer {
@@ -20,6 +21,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
                        std::int64_t stride_b, std::int64_t stride_t, std::int64_t stride_h,
                        std::int64_t cs_stride_b, std::int64_t cs_stride_t, int rotary_dim, float eps,
                        bool zero_centered, std::int64_t vectors) {
+  enter_kernel();
   constexpr int kDim = 32 * kPer;
   const std::int64_t vec = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.y;
   if (vec >= vectors) return;  // a whole warp leaves together
@@ -72,13 +74,11 @@ void launch(const NormRotaryArgs& a) {
   const std::int64_t vectors = a.batch * a.tokens * a.heads;
   const dim3 block(32, kWarpsPerBlock);
   const dim3 grid(static_cast<unsigned>((vectors + kWarpsPerBlock - 1) / kWarpsPerBlock));
-  norm_rotary_kernel<T, kPer><<<grid, block, 0, as_stream(a.stream)>>>(
-      reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
-      reinterpret_cast<const T*>(a.weight), reinterpret_cast<const T*>(a.cos),
-      reinterpret_cast<const T*>(a.sin), static_cast<int>(a.tokens), static_cast<int>(a.heads),
-      a.stride_b, a.stride_t, a.stride_h, a.cs_stride_b, a.cs_stride_t, a.rotary_dim, a.eps,
-      a.zero_centered, vectors);
-  check_launch("norm_rotary kernel launch");
+  launch_kernel("norm_rotary kernel launch", norm_rotary_kernel<T, kPer>, grid, block, 0, as_stream(a.stream),
+                reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.weight),
+                reinterpret_cast<const T*>(a.cos), reinterpret_cast<const T*>(a.sin), static_cast<int>(a.tokens),
+                static_cast<int>(a.heads), a.stride_b, a.stride_t, a.stride_h, a.cs_stride_b, a.cs_stride_t,
+                a.rotary_dim, a.eps, a.zero_centered, vectors);
 }
 
 template <typename T>
