@@ -73,7 +73,7 @@ LIST
     done
     kill $server; wait $server; tail -5 "$OUT/serve.log" ;;
   moe)
-    timeout 400 python3 scripts/bench_moe_triton.py ${MOE_TOKENS:+--tokens $MOE_TOKENS} --json "$OUT/moe_triton.json" \
+    timeout 400 python3 scripts/bench_moe_triton.py ${MOE_TOKENS:+--tokens $MOE_TOKENS} ${MOE_FLAGS:-} --json "$OUT/moe_triton.json" \
       2>&1 | tail -16 ;;
   chunk)
     timeout 120 python3 scripts/bench_chunk_attention.py --json "$OUT/chunk_attention.json" 2>&1 | tail -8 ;;
