@@ -84,7 +84,7 @@ LIST
     NINFER_PDL=1 timeout 200 python3 scripts/profile_decode.py qwen3.6-35b-a3b > "$OUT/pdl_profile.txt" 2>&1
     head -12 "$OUT/pdl_profile.txt" ;;
   moe)
-    timeout 400 python3 scripts/bench_moe_triton.py ${MOE_TOKENS:+--tokens $MOE_TOKENS} --json "$OUT/moe_triton.json" \
+    timeout 400 python3 scripts/bench_moe_triton.py ${MOE_TOKENS:+--tokens $MOE_TOKENS} ${MOE_FLAGS:-} --json "$OUT/moe_triton.json" \
       2>&1 | tail -16 ;;
   chunk)
     timeout 120 python3 scripts/bench_chunk_attention.py --json "$OUT/chunk_attention.json" 2>&1 | tail -8 ;;
