@@ -18,7 +18,7 @@ void bind_quant(py::module_& module) {
       py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias"),
       py::arg("m"), py::arg("n"), py::arg("k"), py::arg("group_size"), py::arg("int4"),
       py::arg("dtype"), py::arg("device"), py::arg("stream"),
-      "out[m, n] = x[m, k] @ W^T (+ bias) for int8 / int4 W, m <= 16; bias=0 for none. "
+      "out[m, n] = x[m, k] @ W^T (+ bias) for int8 / int4 W, m <= 1024; bias=0 for none. "
       "See csrc/quant_gemv.h.");
   module.def(
       "moe_grouped_gemv",

@@ -1,4 +1,4 @@
-// Weight-only int8 / int4 GEMV for decode (m <= 16 activation rows). Decode is bound by reading
+// Weight-only int8 / int4 GEMV for decode and short prefills. Decode is bound by reading
 // the weights, so every weight byte is loaded once, with 16-byte streaming loads, for all m rows.
 //
 // Work split: a warp owns a tile of 16 weight rows and walks K in chunks of 64 bytes per row
@@ -294,6 +294,12 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
   const bool live[2] = {rows[0] < n, kLayout == Layout::GateUp ? rows[0] < n : rows[1] < n};
   const int chunks = (row_bytes + kChunkBytes - 1) / kChunkBytes;
   const int* block_slots = nullptr;
+  if constexpr (!kGrouped) {  // block y: rows 8 kTiles y .. of x and out (m > 16: short prefills)
+    const int row0 = blockIdx.y * 8 * kTiles;
+    x += static_cast<std::int64_t>(row0) * k;
+    out += static_cast<std::int64_t>(row0) * n;
+    m -= row0;
+  }
   if constexpr (kGrouped) {  // the whole block exits together (before any barrier)
     enter_kernel();  // the slot blocks come from the kernel before
     const int b = blockIdx.y;
@@ -547,12 +553,13 @@ void check_args(const QuantGemvArgs& a, const std::string& op) {
 void quant_gemv(const QuantGemvArgs& a) {
   check_args(a, "quant_gemv");
   DeviceGuard guard(a.device);
-  const int split = choose_split(a, row_tiles(a.n, Layout::Dense));
   const int tiles = a.m > 8 ? 2 : 1;
+  const auto row_blocks = static_cast<unsigned>((a.m + 8 * tiles - 1) / (8 * tiles));
+  const int split = choose_split(a, row_tiles(a.n, Layout::Dense) * row_blocks);
   switch (a.dtype) {
-    case DType::F32: launch_typed<float, Layout::Dense>(a, split, tiles); break;
-    case DType::F16: launch_typed<__half, Layout::Dense>(a, split, tiles); break;
-    case DType::BF16: launch_typed<__nv_bfloat16, Layout::Dense>(a, split, tiles); break;
+    case DType::F32: launch_typed<float, Layout::Dense>(a, split, tiles, row_blocks); break;
+    case DType::F16: launch_typed<__half, Layout::Dense>(a, split, tiles, row_blocks); break;
+    case DType::BF16: launch_typed<__nv_bfloat16, Layout::Dense>(a, split, tiles, row_blocks); break;
     default: throw std::invalid_argument("quant_gemv: unsupported dtype");
   }
 }

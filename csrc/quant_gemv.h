@@ -1,4 +1,4 @@
-// Weight-only int8 / int4 GEMV for decode: out[m, n] = x[m, k] @ W^T (+ bias) for m <= 16 rows.
+// Weight-only int8 / int4 GEMV: out[m, n] = x[m, k] @ W^T (+ bias), decode and short prefills.
 // Plain C++ (no CUDA or torch types): tensors travel as raw device pointers.
 #pragma once
 
@@ -8,7 +8,9 @@
 
 namespace ninfer {
 
-inline constexpr int kQuantGemvMaxRows = 16;
+// Rows go 16 per block (along grid y), each block reading the weight once (after the first, mostly
+// from L2): decode batches, and short prompt chunks instead of a dequantized copy + GEMM.
+inline constexpr int kQuantGemvMaxRows = 1024;
 
 // Weight formats (ninfer_core/ops/quant.py):
 //   int8: qweight int8 [n, k], scales fp32 [n]; w = q * scale.
@@ -16,7 +18,7 @@ inline constexpr int kQuantGemvMaxRows = 16;
 //         high nibble, each stored as q + 8; scales bf16 [n, k / group_size]; w = q * scale.
 // Accumulation is fp32. int8 is exact up to summation order; the int4 path rounds q * scale to
 // the activation dtype for fp16 / bf16 (the weights dequantize(qw, x.dtype) gives), and is exact
-// for fp32. Limits (std::invalid_argument otherwise): 1 <= m <= 16; int8: k % 16 == 0;
+// for fp32. Limits (std::invalid_argument otherwise): 1 <= m <= 1024; int8: k % 16 == 0;
 // int4: group_size in {32, 64, 128}, k % group_size == 0; x and qweight 16-byte aligned.
 struct QuantGemvArgs {
   std::uintptr_t out;      // [m, n] in dtype

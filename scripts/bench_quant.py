@@ -1,12 +1,13 @@
-"""Decode GEMV timings on a GPU: csrc/quant_gemv.cu (int8, int4 group 128) against bf16 F.linear
-of the same shape, for 1 and 8 activation rows.
+"""GEMV timings on a GPU: csrc/quant_gemv.cu (int8, int4 group 128) against bf16 F.linear of the same
+shape, and against the prefill path (a dequantized copy + F.linear), for 1 and 8 activation rows or
+`--rows` (e.g. 16,32,64,128: where the GEMV should hand over to the dequantizing GEMM).
 
 Every call is replayed from a CUDA graph (no launch overhead, like the engine's decode graphs) and
 the calls cycle through enough copies of the weight to keep it out of L2, so GB/s is the DRAM
 traffic of the weight (codes + scales; bf16: 2 bytes a weight). `copy_gbps` (a device-to-device
 copy: read + write) is the practical ceiling to compare with.
 
-    python3 scripts/bench_quant.py [--json OUT.json] [--iters 30]
+    python3 scripts/bench_quant.py OUT.json [--iters 30] [--rows 1,8]
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ SHAPES = [
     ("n32", 32, 2048),
     ("n256", 256, 2048),
 ]
-ROWS = (1, 8)
 KINDS = ("int8", "int4")
 
 
@@ -63,7 +63,7 @@ def copies_for(nbytes: int) -> int:
     return max(2, min(64, math.ceil(4 * l2 / nbytes)))
 
 
-def bench_shape(name: str, n: int, k: int, iters: int) -> list[dict]:
+def bench_shape(name: str, n: int, k: int, iters: int, rows_list: tuple[int, ...]) -> list[dict]:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     dense_copies = copies_for(w.nbytes)
     dense = [w] + [w.clone() for _ in range(dense_copies - 1)]
@@ -76,17 +76,20 @@ def bench_shape(name: str, n: int, k: int, iters: int) -> list[dict]:
             quant.QuantizedWeight(kind, qw.qweight.clone(), qw.scales.clone(), qw.group_size)
             for _ in range(copies - 1)
         ]
-        for rows in ROWS:
+        for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             assert quant._kernel_ok(x, qw, None), "the kernel does not cover this call"
-            t = seconds_per_call(lambda i, x=x, ws=weights: quant.quant_linear(x, ws[i]), copies, iters)
+            out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+            t = seconds_per_call(lambda i, x=x, o=out, ws=weights: quant._gemv(o, x, ws[i], None), copies, iters)
             t_dense = seconds_per_call(lambda i, x=x: F.linear(x, dense[i]), dense_copies, iters)
+            t_dequant = seconds_per_call(lambda i, x=x, ws=weights: F.linear(x, quant.dequantize(ws[i], x.dtype)),
+                                         copies, iters)
             results.append({
                 "name": name, "n": n, "k": k, "rows": rows, "kind": kind,
                 "group_size": qw.group_size, "weight_bytes": nbytes,
                 "us": t * 1e6, "gbps": nbytes / t / 1e9,
                 "bf16_us": t_dense * 1e6, "bf16_gbps": w.nbytes / t_dense / 1e9,
-                "speedup_vs_bf16": t_dense / t,
+                "speedup_vs_bf16": t_dense / t, "dequant_gemm_us": t_dequant * 1e6,
             })
     return results
 
@@ -95,6 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="JSON results")
     parser.add_argument("--iters", type=int, default=30, help="graph replays per measurement")
+    parser.add_argument("--rows", default="1,8", help="activation rows, comma-separated")
     args = parser.parse_args()
     if not torch.cuda.is_available() or dispatch.extension() is None:
         raise SystemExit("needs a CUDA GPU and the built extension ninfer_core._C")
@@ -102,14 +106,14 @@ def main() -> None:
     ceiling = copy_gbps()
     print(f"{device}: device copy {ceiling:.0f} GB/s")
     print(f"{'shape':<14}{'N x K':>14}{'M':>3} {'kind':<5}{'us':>9}{'GB/s':>8}"
-          f"{'bf16 us':>9}{'GB/s':>8}{'x bf16':>8}")
+          f"{'bf16 us':>9}{'GB/s':>8}{'x bf16':>8}{'deq+GEMM':>9}")
     results = []
     for name, n, k in SHAPES:
-        for r in bench_shape(name, n, k, args.iters):
+        for r in bench_shape(name, n, k, args.iters, tuple(int(v) for v in args.rows.split(","))):
             results.append(r)
             print(f"{name:<14}{f'{n}x{k}':>14}{r['rows']:>3} {r['kind']:<5}{r['us']:>9.2f}"
                   f"{r['gbps']:>8.0f}{r['bf16_us']:>9.2f}{r['bf16_gbps']:>8.0f}"
-                  f"{r['speedup_vs_bf16']:>8.2f}")
+                  f"{r['speedup_vs_bf16']:>8.2f}{r['dequant_gemm_us']:>9.2f}")
     if args.out:
         args.out.write_text(json.dumps(
             {"device": device, "copy_gbps": ceiling, "results": results}, indent=1) + "\n")

@@ -300,7 +300,7 @@ def test_cpu_tensors_never_call_the_cuda_extension(monkeypatch):
 # ---------------------------------------------------------------- GPU: the CUDA kernel
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-ROWS = [1, 2, 3, 8, 16]
+ROWS = [1, 2, 3, 8, 16, 17, 40, 64]  # past 16: blocks of 16 rows along the grid's y
 # (N, K, int4 group): one row; 64-wide K (half a chunk per int4 row); odd N; rows of 5 / 2.5
 # chunks; K split across 8 warps; N large enough for one warp per tile; the 27B MLP shapes.
 SHAPES = [
@@ -363,6 +363,21 @@ def test_kernel_matches_reference(cuda_kernels, shape, kind, dtype, rows):
     else:
         _assert_close(out, exact, OUT_RTOL[dtype], OUT_ATOL[dtype])
     assert torch.equal(quant_linear(x, qw, bias), out)  # the public op runs the same kernel
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [65, 300, 1024])
+def test_kernel_takes_up_to_1024_rows(cuda_kernels, kind, rows):
+    """Past quant_linear's GEMV rows (it takes the dequantized GEMM there) the kernel itself still
+    covers prefill-sized blocks: the bench compares the two there."""
+    qw, w64 = _cuda_weight(kind, 1000, 320, 32 if kind == "int4" else 0)
+    x = _cuda_x(rows, 320, seed=rows, dtype=torch.bfloat16)
+    assert quant._kernel_ok(x, qw, None)
+    out = _poisoned(rows, 1000, torch.bfloat16)
+    quant._gemv(out, x, qw, None)
+    assert not out.isnan().any(), "the kernel left outputs unwritten"
+    _assert_close(out, _expected(x, w64, None), OUT_RTOL[torch.bfloat16], ROUNDED_W_ATOL[torch.bfloat16])
 
 
 @pytest.mark.cuda

@@ -44,7 +44,13 @@ from torch import nn
 from . import dispatch
 
 GROUP_SIZES = (32, 64, 128)
-MAX_GEMV_ROWS = 16  # csrc/quant_gemv.h: kQuantGemvMaxRows
+KERNEL_MAX_ROWS = 1024  # csrc/quant_gemv.h: kQuantGemvMaxRows (16 rows a block)
+# Rows up to which quant_linear multiplies the quantized weight directly (the CUDA kernel; on the
+# CPU without its kernels, the reference); past it a dequantized copy + GEMM, compute-bound
+# prefill. On CUDA the GEMV kernel reads the weight once per 16 rows, mostly from L2, against the
+# copy's write + read of twice the bytes: its crossover is to be measured (bench_quant.py --rows).
+MAX_GEMV_ROWS = 16
+CUDA_MAX_GEMV_ROWS = 64
 CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it a tiled dequantize + fp32 GEMM is faster
 # fp32 weight rows dequantized at once on the CPU: cache-sized, and few GEMM calls per weight
 # (each is a barrier of torch's thread pool, which a busy machine makes slow)
@@ -295,7 +301,7 @@ def quant_linear(
         x2 = x.reshape(rows, qw.in_features)
         out = (_cpu_tiled_linear if rows > CPU_GEMV_ROWS else _cpu_matmul)(x2, qw, bias).view(x.shape[:-1] + (-1,))
         return out if out.dtype == x.dtype else out.to(x.dtype)
-    if rows > MAX_GEMV_ROWS:
+    if rows > (CUDA_MAX_GEMV_ROWS if x.device.type == "cuda" else MAX_GEMV_ROWS):
         # Prefill: with many rows the product is compute-bound; a GEMM (cuBLAS tensor cores, or
         # the CPU's fp32 BLAS) on a transient dequantized copy beats any GEMV, and the copy costs
         # two passes over the weight, small next to a long prompt's FLOPs.
@@ -379,7 +385,7 @@ def _kernel_ok(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) 
         dispatch.use_kernel(*tensors)
         and _gpu_format(qw)
         and all(t.device == x.device for t in (qw.qweight, *tensors))
-        and 1 <= x.shape[0] <= MAX_GEMV_ROWS
+        and 1 <= x.shape[0] <= KERNEL_MAX_ROWS
         and qw.qweight.is_contiguous()
         and qw.scales.is_contiguous()
         and (qw.kind == "int4" or qw.in_features % 16 == 0)  # whole 16-byte loads per row
