@@ -247,3 +247,20 @@ def test_decode_attention_matches_reference(num_new, threads, monkeypatch):
     out = torch.full_like(q, float("nan"))
     attention.decode_attention(q, kv, table, lens, 0.125, out=out)
     torch.testing.assert_close(out, attention.attention_ref(q, kv, table, lens, 0.125), rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul_prefill_rows_take_torch(monkeypatch):
+    """The CPU kernel takes decode-sized row counts; a prefill's rows go to torch's vectorized ops."""
+    real = dispatch.cpu_extension()
+    calls = []
+
+    class Recording:
+        def silu_mul(self, *args):
+            calls.append(args[2])
+            return real.silu_mul(*args)
+
+    monkeypatch.setattr(dispatch, "cpu_extension", lambda: Recording())
+    small, large = torch.randn(activation.CPU_KERNEL_MAX_ROWS, 64), torch.randn(activation.CPU_KERNEL_MAX_ROWS + 1, 64)
+    torch.testing.assert_close(activation.silu_mul(small), activation.silu_mul_ref(small), rtol=1e-6, atol=1e-6)
+    assert torch.equal(activation.silu_mul(large), activation.silu_mul_ref(large))
+    assert calls == [activation.CPU_KERNEL_MAX_ROWS]

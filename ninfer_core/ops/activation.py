@@ -27,12 +27,18 @@ def sigmoid_mul_ref(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | Non
     return y
 
 
+# Rows up to which the CPU kernel runs: it saves torch's dispatch on a decode step's few rows, but
+# its scalar exp is 5x slower than torch's vectorized one on a prefill's (128 x 1536: 0.67 vs 0.13 ms).
+CPU_KERNEL_MAX_ROWS = 16
+
+
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     cols = x.shape[-1] // 2
+    rows = x.numel() // max(x.shape[-1], 1)
     if (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == 2 * cols
-            and dispatch.cpu_kernels_available()):  # csrc/cpu/decode_ops.h, fp32 math as the reference's
+            and rows <= CPU_KERNEL_MAX_ROWS and dispatch.cpu_kernels_available()):  # csrc/cpu/decode_ops.h
         out = x.new_empty(*x.shape[:-1], cols)
-        dispatch.cpu_extension().silu_mul(out.data_ptr(), x.data_ptr(), x.numel() // max(x.shape[-1], 1), cols)
+        dispatch.cpu_extension().silu_mul(out.data_ptr(), x.data_ptr(), rows, cols)
         return out
     if not (dispatch.use_kernel(x) and x.is_contiguous() and x.shape[-1] == 2 * cols and x.numel() > 0):
         dispatch.fallback("silu_mul", x)
