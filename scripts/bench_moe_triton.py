@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ninfer_core.bench import cuda_median_ms, graph_replay_ms  # noqa: E402
 from ninfer_core.ops import moe as moe_ops  # noqa: E402
 from ninfer_core.ops import moe_triton  # noqa: E402
-from ninfer_core.ops.moe_align import align_by_expert  # noqa: E402
+from ninfer_core.ops.moe_align import align_by_expert, combine_slots  # noqa: E402
 from ninfer_core.ops.quant import quantize  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, TOP_K, GROUP = 256, 2048, 512, 8, 128
@@ -37,11 +37,10 @@ def hit_bytes(ids: torch.Tensor, gate_up, down) -> int:
 
 
 def triton_path(x, gate_up, down, weights, ids, cfg: moe_triton.TileConfig, block_m: int):
-    tokens = x.shape[0]
     aligned = align_by_expert(ids, EXPERTS, block_m)
     h = moe_triton.moe_gate_up(x, gate_up, aligned, TOP_K, block_m, cfg)
     y = moe_triton.moe_down(h, down, aligned, block_m, cfg)
-    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, TOP_K, -1)).squeeze(1)
+    return combine_slots(weights, y)
 
 
 def timed(fn, ref: torch.Tensor) -> tuple[float, float]:

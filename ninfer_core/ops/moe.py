@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, moe_triton
-from .moe_align import align_by_expert
+from .moe_align import Aligned, align_by_expert, combine_slots
 from .quant import QuantizedWeight, dequantize
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ def moe_experts_grouped(
     token's k expert outputs are weighted and summed by one bmm (fp32 accumulation, no atomics).
     """
     _check(x, gate_up, down, weights, ids)
-    tokens, top_k = ids.shape
+    top_k = ids.shape[1]
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
     experts = torch.arange(gate_up.shape[0], dtype=sorted_ids.dtype, device=ids.device)
     ends = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
@@ -207,9 +207,7 @@ def moe_experts_grouped(
     gu = _expert_matmul(x[order // top_k], gate_up, ends, bounds)
     inter = gu.shape[1] // 2
     y = _expert_matmul(F.silu(gu[:, :inter]) * gu[:, inter:], down, ends, bounds)
-    pairs = torch.empty_like(y).index_copy_(0, order, y)  # back in (token, slot) order
-    pairs = pairs.view(tokens, top_k, -1)
-    return torch.bmm(weights.to(y.dtype).unsqueeze(1), pairs).squeeze(1)
+    return combine_slots(weights, torch.empty_like(y).index_copy_(0, order, y))  # back in (token, slot) order
 
 
 # ---------------------------------------------------------------- decode kernels
@@ -339,10 +337,10 @@ def moe_experts_grouped_gemv(x: torch.Tensor, gate_up: QuantizedWeight, down: Qu
     _grouped_gemv(h, x, gate_up, aligned, block_m, rows_per_x=top_k, gate_up=True)
     y = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemv(y, h, down, aligned, block_m, rows_per_x=1, gate_up=False)
-    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, top_k, -1)).squeeze(1)
+    return combine_slots(weights, y)
 
 
-def _grouped_gemv(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight, aligned: tuple[torch.Tensor, ...],
+def _grouped_gemv(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight, aligned: Aligned,
                   block_m: int, rows_per_x: int, gate_up: bool) -> None:
     sorted_slots, block_experts, used = aligned
     dispatch.extension().moe_grouped_gemv(

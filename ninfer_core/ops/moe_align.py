@@ -54,6 +54,13 @@ def align_by_expert_ref(ids: torch.Tensor, num_experts: int, block_m: int) -> Al
     return sorted_slots, block_experts, ends[-1:].to(torch.int32)
 
 
+def combine_slots(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """out [N, H] = sum_j weights[n, j] * y[n * k + j]: each token's k slot outputs (y [N * k, H],
+    in (token, slot) order) weighted and summed by one bmm (fp32 accumulation, no atomics)."""
+    tokens, top_k = weights.shape
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, top_k, -1)).squeeze(1)
+
+
 def _align_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
     ids = ids.reshape(-1).to(torch.int32).contiguous()
     slots = ids.numel()

@@ -29,7 +29,7 @@ from types import ModuleType
 import torch
 
 from . import dispatch
-from .moe_align import Aligned, align_by_expert
+from .moe_align import Aligned, align_by_expert, combine_slots
 from .quant import QuantizedWeight
 
 
@@ -79,7 +79,7 @@ def moe_experts_grouped_quantized(x: torch.Tensor, gate_up: QuantizedWeight, dow
     tiles = TILES[block_m]
     aligned = align_by_expert(ids, gate_up.shape[0], block_m)
     y = moe_down(moe_gate_up(x, gate_up, aligned, top_k, block_m, tiles), down, aligned, block_m, tiles)
-    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, top_k, -1)).squeeze(1)
+    return combine_slots(weights, y)
 
 
 def block_m_for(slots: int, num_experts: int) -> int:
