@@ -408,14 +408,16 @@ def test_kernel_replays_in_cuda_graph(cuda_kernels, kind, group_size, rows):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_17_rows_take_the_dequantized_linear(cuda_kernels, monkeypatch, dtype):
+def test_rows_past_the_gemv_limit_take_the_dequantized_linear(cuda_kernels, monkeypatch, dtype):
+    rows = quant.CUDA_MAX_GEMV_ROWS + 1
+
     def no_kernel(*args):
-        raise AssertionError("the GEMV kernel ran for more than 16 rows")
+        raise AssertionError(f"the GEMV kernel ran for {rows} rows")
 
     monkeypatch.setattr(quant, "_gemv", no_kernel)
     qw, _ = _cuda_weight("int4", 256, 2048, 128)
     bias = _cuda_x(256, seed=5, dtype=dtype)
-    for shape in ((17, 2048), (1, 17, 2048)):
+    for shape in ((rows, 2048), (1, rows, 2048)):
         x = _cuda_x(*shape, seed=6, dtype=dtype)
         out = quant_linear(x, qw, bias)
         assert out.shape == (*shape[:-1], 256)
@@ -450,9 +452,10 @@ def test_leading_dims_and_unsupported_calls(cuda_kernels, monkeypatch):
 @pytest.mark.cuda
 def test_kernel_rejects_what_it_cannot_run(cuda_kernels):
     qw, _ = _cuda_weight("int4", 256, 2048, 128)
-    x = _cuda_x(17, 2048, seed=12, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="rows m=17"):
-        quant._gemv(_poisoned(17, 256, torch.bfloat16), x, qw, None)
+    rows = quant.KERNEL_MAX_ROWS + 1
+    x = _cuda_x(rows, 2048, seed=12, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"rows m={rows} must be in 1..{quant.KERNEL_MAX_ROWS}"):
+        quant._gemv(_poisoned(rows, 256, torch.bfloat16), x, qw, None)
 
 
 @pytest.mark.cuda
