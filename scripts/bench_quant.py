@@ -7,7 +7,7 @@ the calls cycle through enough copies of the weight to keep it out of L2, so GB/
 traffic of the weight (codes + scales; bf16: 2 bytes a weight). `copy_gbps` (a device-to-device
 copy: read + write) is the practical ceiling to compare with.
 
-    python3 scripts/bench_quant.py OUT.json [--iters 30] [--rows 1,8]
+    python3 scripts/bench_quant.py OUT.json [--iters 30] [--rows 1,8] [--shapes qkv,o_proj]
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="JSON results")
     parser.add_argument("--iters", type=int, default=30, help="graph replays per measurement")
     parser.add_argument("--rows", default="1,8", help="activation rows, comma-separated")
+    parser.add_argument("--shapes", default="", help="shape names to time, comma-separated (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available() or dispatch.extension() is None:
         raise SystemExit("needs a CUDA GPU and the built extension ninfer_core._C")
@@ -108,7 +109,8 @@ def main() -> None:
     print(f"{'shape':<14}{'N x K':>14}{'M':>3} {'kind':<5}{'us':>9}{'GB/s':>8}"
           f"{'bf16 us':>9}{'GB/s':>8}{'x bf16':>8}{'deq+GEMM':>9}")
     results = []
-    for name, n, k in SHAPES:
+    picked = set(args.shapes.split(",")) if args.shapes else {name for name, _, _ in SHAPES}
+    for name, n, k in (shape for shape in SHAPES if shape[0] in picked):
         for r in bench_shape(name, n, k, args.iters, tuple(int(v) for v in args.rows.split(","))):
             results.append(r)
             print(f"{name:<14}{f'{n}x{k}':>14}{r['rows']:>3} {r['kind']:<5}{r['us']:>9.2f}"

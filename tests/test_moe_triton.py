@@ -53,7 +53,7 @@ def _reference(x, gate_up, down, weights, ids) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", 0)])
-@pytest.mark.parametrize("tokens", [3, 37])
+@pytest.mark.parametrize("tokens", [3, 37, 200])  # blocks of 16, 16 and 128 rows (block_m_for)
 def test_grouped_quantized_experts_match_float64(monkeypatch, device, kind, group, tokens):
     _triton(monkeypatch, device)
     gen = torch.Generator().manual_seed(tokens + group)

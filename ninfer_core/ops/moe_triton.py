@@ -50,8 +50,10 @@ class TileConfig:
 
 DEFAULT_TILES = TileConfig()
 # per rows-per-block: the fastest tiling measured at the 35B expert shape on the H200
-# (scripts/bench_moe_triton.py, 2026-12-01): 128 / 512 tokens (BM 16), 2048 / 8192 (BM 64)
-TILES = {16: TileConfig(128, 128, 4, 3), 32: TileConfig(64, 128, 4, 3), 64: TileConfig(64, 64, 4, 3)}
+# (scripts/bench_moe_triton.py --sweep): 128 / 512 tokens (BM 16, 2026-12-01); 2,048 / 8,192 tokens
+# (BM 128, 2026-12-02: 0.91 / 2.16 ms a layer against 0.93 / 2.55 with BM 64, each dequantized
+# weight tile serves twice the rows)
+TILES = {16: TileConfig(128, 128, 4, 3), 32: TileConfig(64, 128, 4, 3), 128: TileConfig(64, 64, 8, 3)}
 
 
 def moe_gate_up(x: torch.Tensor, gate_up: QuantizedWeight, aligned: Aligned,
@@ -85,7 +87,7 @@ def moe_experts_grouped_quantized(x: torch.Tensor, gate_up: QuantizedWeight, dow
 def block_m_for(slots: int, num_experts: int) -> int:
     """Rows per block: about the rows an expert gets, so few blocks are mostly padding."""
     per_expert = slots / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 128
 
 
 def _launch(a: torch.Tensor, w: QuantizedWeight, out: torch.Tensor,

@@ -48,9 +48,11 @@ KERNEL_MAX_ROWS = 1024  # csrc/quant_gemv.h: kQuantGemvMaxRows (16 rows a block)
 # Rows up to which quant_linear multiplies the quantized weight directly (the CUDA kernel; on the
 # CPU without its kernels, the reference); past it a dequantized copy + GEMM, compute-bound
 # prefill. On CUDA the GEMV kernel reads the weight once per 16 rows, mostly from L2, against the
-# copy's write + read of twice the bytes: its crossover is to be measured (bench_quant.py --rows).
+# copy's write + read of twice the bytes: measured on the H200 (bench_quant.py --rows, 2026-12-02),
+# the GEMV wins at every shape up to 32 rows (qkv 8192 x 2048 int8: 15.1 vs 22.1 us) and loses at
+# the large ones from 48-64 (qkv at 64 rows: 25.0 vs 22.4 us; the 27B MLP down at 64: 169 vs 123).
 MAX_GEMV_ROWS = 16
-CUDA_MAX_GEMV_ROWS = 64
+CUDA_MAX_GEMV_ROWS = 32
 CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it a tiled dequantize + fp32 GEMM is faster
 # fp32 weight rows dequantized at once on the CPU: cache-sized, and few GEMM calls per weight
 # (each is a barrier of torch's thread pool, which a busy machine makes slow)

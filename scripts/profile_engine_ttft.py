@@ -1,0 +1,51 @@
+"""Where an engine TTFT goes beyond one forward: wall time against GPU busy time per prompt length,
+through the engine loop (scheduler, prompt chunks, prefix-cache checkpoints, sampling), with the
+largest kernels and the host ops by self CPU time. Compare with `profile_prefill.py` (one forward).
+    python3 scripts/profile_engine_ttft.py .bench/qwen3.6-35b-a3b --lengths 2048,8192 [--prefill-chunk 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ninfer_core.bench_engine import _Runner  # noqa: E402
+from ninfer_core.llm import LLM, EngineOptions  # noqa: E402
+from profile_decode import kernel_rows, print_rows  # noqa: E402
+from profile_prefill import cpu_rows  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--lengths", default="2048,8192")
+    parser.add_argument("--prefill-chunk", type=int, default=None)
+    parser.add_argument("--no-prefix-cache", action="store_true")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    llm = LLM.load(args.model, EngineOptions(device="cuda", random_weights=True, max_context=max(lengths) + 64,
+                                             prefill_chunk=args.prefill_chunk,
+                                             prefix_cache=not args.no_prefix_cache))
+    runner = _Runner(llm.engine, seed=0)
+    for length in lengths:
+        times = [runner.ttft_ms(length) for _ in range(3)]
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            profiled = runner.ttft_ms(length)
+        rows = kernel_rows(prof, 1)
+        busy = sum(r[0] for r in rows) / 1e3
+        print(f"== engine TTFT {length} (chunk {llm.engine.prefill_chunk}): {', '.join(f'{t:.1f}' for t in times)} ms; "
+              f"profiled {profiled:.1f} ms, GPU busy {busy:.1f} ms in {sum(r[1] for r in rows):.0f} kernels")
+        print_rows(rows, top=14)
+        print("   host ops by self CPU time:")
+        for us, calls, name in cpu_rows(prof, top=14):
+            print(f"   {us / 1e3:8.2f} ms {calls:6d}x  {name[:90]}")
+
+
+if __name__ == "__main__":
+    main()
