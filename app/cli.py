@@ -188,7 +188,7 @@ def run(
     no_thinking: Annotated[bool, typer.Option("--no-thinking", help="Answer without reasoning.")] = False,
     chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file to use instead.")] = None,
     max_context: MaxContextOpt = None,
-    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill chunk in tokens (default 4096 GPU, 1024 CPU).")] = None,
+    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill chunk in tokens (default 8192 on GPUs of 48+ GiB, else 4096; 1024 CPU).")] = None,
     weights: WeightsOpt = "auto",
     kv_dtype: KvDtypeOpt = "auto",
     kv_capacity: KvCapacityOpt = "auto",

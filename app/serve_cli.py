@@ -127,7 +127,7 @@ def serve(
     kv_capacity: Annotated[str, typer.Option(help=KV_CAPACITY_HELP, envvar=_env("KV_CAPACITY"))] = "auto",
     kv_dtype: Annotated[str, typer.Option(help=KV_DTYPE_HELP, envvar=_env("KV_DTYPE"))] = "auto",
     weights: Annotated[str, typer.Option(help=WEIGHTS_HELP, envvar=_env("WEIGHTS"))] = "auto",
-    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill chunk in tokens (default 4096 GPU, 1024 CPU).",
+    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill chunk in tokens (default 8192 on GPUs of 48+ GiB, else 4096; 1024 CPU).",
                                                          envvar=_env("PREFILL_CHUNK"))] = None,
     chat_template: Annotated[Optional[Path], typer.Option(help="Jinja chat template file for the startup model "
                                                                "(it, --spec and the draft flags apply to it alone).",

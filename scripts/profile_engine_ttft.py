@@ -1,6 +1,6 @@
 """Where an engine TTFT goes beyond one forward: wall time against GPU busy time per prompt length,
 through the engine loop (scheduler, prompt chunks, prefix-cache checkpoints, sampling), with the
-largest kernels and the host ops by self CPU time. Compare with `profile_prefill.py` (one forward).
+largest kernels, the host ops by self CPU time and the peak memory above the loaded engine. Compare with `profile_prefill.py` (one forward).
     python3 scripts/profile_engine_ttft.py .bench/qwen3.6-35b-a3b --lengths 2048,8192 [--prefill-chunk 8192]
 """
 
@@ -34,13 +34,18 @@ def main() -> None:
                                              prefix_cache=not args.no_prefix_cache))
     runner = _Runner(llm.engine, seed=0)
     for length in lengths:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         times = [runner.ttft_ms(length) for _ in range(3)]
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             profiled = runner.ttft_ms(length)
         rows = kernel_rows(prof, 1)
         busy = sum(r[0] for r in rows) / 1e3
         print(f"== engine TTFT {length} (chunk {llm.engine.prefill_chunk}): {', '.join(f'{t:.1f}' for t in times)} ms; "
-              f"profiled {profiled:.1f} ms, GPU busy {busy:.1f} ms in {sum(r[1] for r in rows):.0f} kernels")
+              f"profiled {profiled:.1f} ms, GPU busy {busy:.1f} ms in {sum(r[1] for r in rows):.0f} kernels; "
+              f"peak activations {peak:.0f} MiB")
         print_rows(rows, top=14)
         print("   host ops by self CPU time:")
         for us, calls, name in cpu_rows(prof, top=14):
