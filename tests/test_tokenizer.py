@@ -150,6 +150,22 @@ def test_detokenizer_never_splits_a_character(qwen_tokenizer: Tokenizer) -> None
         assert all("\ufffd" not in d for d in deltas), text
 
 
+def test_token_bytes_of_every_id_match_decode(qwen_tokenizer: Tokenizer) -> None:
+    """Bytes per id, looked up on first use: every whole-character piece of the real vocabulary
+    decodes to what tokenizers' own decode gives, added tokens to their content, others to b""."""
+    tok = qwen_tokenizer
+    whole = 0
+    for token_id in range(tok.vocab_size):
+        text = tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            whole += 1
+            assert tok.token_bytes(token_id).decode() == text, token_id
+    assert whole > 0.9 * tok.vocab_size
+    assert tok.token_bytes(-1) == tok.token_bytes(tok.vocab_size) == b""
+    rocket = b"".join(tok.token_bytes(i) for i in tok.encode("🚀"))
+    assert rocket.decode() == "🚀"
+
+
 def test_detokenizer_holds_emoji_split_across_tokens(qwen_tokenizer: Tokenizer) -> None:
     ids = qwen_tokenizer.encode("🧑🏽‍🚀!")
     assert len(ids) > 4  # the emoji really is split into byte pieces
