@@ -257,14 +257,15 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Block (row tile, token): warp r computes out[token, r] over the token's k experts at once, the
-// k down rows laid end to end as one row of k * inter elements against h[token] (k * inter). As
-// in gate_up, the first loads (their expert ids read from global memory) precede the staging.
+// k down rows laid end to end as one row of k * inter elements against h[token] (k * inter). The
+// first loads (their expert ids read from global memory) go out before the kernel waits for
+// gate_up, the kernel launched just before it (programmatic dependent launch): the ids and
+// weights come from the routing before that, already complete.
 template <typename T, typename W>
 __global__ void __launch_bounds__(kThreads)
     down_kernel(T* __restrict__ out, const T* __restrict__ h, const void* __restrict__ weights,
                 DType weights_dtype, const int* __restrict__ ids, W w, int top_k, int hidden,
                 int inter, int experts) {
-  enter_kernel();
   extern __shared__ float4 smem[];
   const int n = blockIdx.y;
   const int span = top_k * inter;
@@ -296,6 +297,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   };
   load(lane);
+  enter_kernel();  // h is gate_up's output
   stage<W::kVec>(hs, h + static_cast<std::int64_t>(n) * span, span);
   for (int jj = threadIdx.x; jj < top_k; jj += blockDim.x) {
     slot_weight[jj] = load_float(weights, n * top_k + jj, weights_dtype);
