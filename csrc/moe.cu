@@ -192,7 +192,9 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Block (row tile, pair): warp i computes gate row i and up row i of the pair's expert and
-// writes h[pair, i] with the reference's roundings (linear, silu and product each in T).
+// writes h[pair, i] with the reference's roundings (linear, silu and product each in T). The
+// first kUnroll vectors of both rows are requested before x is staged, so the staging runs under
+// their DRAM latency (at the 35B shape they are all of the row).
 template <typename T, typename W>
 __global__ void __launch_bounds__(kThreads)
     gate_up_kernel(T* __restrict__ h, const T* __restrict__ x, const int* __restrict__ ids, W w,
@@ -201,33 +203,37 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ float4 smem[];
   float* xs = reinterpret_cast<float*>(smem);
   const int pair = blockIdx.y;
-  stage<W::kVec>(xs, x + static_cast<std::int64_t>(pair / top_k) * hidden, hidden);
-  __syncthreads();
   const int lane = threadIdx.x & 31;
   const int i = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (i >= inter) return;
   const int e = ids[pair];
+  const bool live = i < inter && e >= 0 && e < experts;  // uniform over the warp
+  const std::int64_t gate_row = live ? static_cast<std::int64_t>(e) * 2 * inter + i : 0;
+  const std::int64_t up_row = gate_row + inter;
+  const int nvec = hidden / W::kVec;
+  uint4 wg[kUnroll];
+  uint4 wu[kUnroll];
+  float sg[kUnroll];
+  float su[kUnroll];
+  const auto load = [&](int c0) {
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int c = c0 + 32 * k;
+      if (live && c < nvec) {
+        wg[k] = w.load(gate_row, c);
+        wu[k] = w.load(up_row, c);
+        sg[k] = w.scale(gate_row, c);
+        su[k] = w.scale(up_row, c);
+      }
+    }
+  };
+  load(lane);
+  stage<W::kVec>(xs, x + static_cast<std::int64_t>(pair / top_k) * hidden, hidden);
+  __syncthreads();
+  if (i >= inter) return;
   float g = 0.0f;
   float u = 0.0f;
-  if (e >= 0 && e < experts) {  // uniform over the block
-    const std::int64_t gate_row = static_cast<std::int64_t>(e) * 2 * inter + i;
-    const std::int64_t up_row = gate_row + inter;
-    const int nvec = hidden / W::kVec;
-    for (int c0 = lane; c0 < nvec; c0 += 32 * kUnroll) {
-      uint4 wg[kUnroll];
-      uint4 wu[kUnroll];
-      float sg[kUnroll];
-      float su[kUnroll];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        const int c = c0 + 32 * k;
-        if (c < nvec) {
-          wg[k] = w.load(gate_row, c);
-          wu[k] = w.load(up_row, c);
-          sg[k] = w.scale(gate_row, c);
-          su[k] = w.scale(up_row, c);
-        }
-      }
+  if (live) {
+    for (int c0 = lane;;) {
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int c = c0 + 32 * k;
@@ -236,6 +242,9 @@ __global__ void __launch_bounds__(kThreads)
           u = fmaf(su[k], w.dot(wu[k], xs, c), u);
         }
       }
+      c0 += 32 * kUnroll;
+      if (c0 >= nvec) break;
+      load(c0);
     }
     g = warp_sum(g);
     u = warp_sum(u);
@@ -248,53 +257,62 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Block (row tile, token): warp r computes out[token, r] over the token's k experts at once, the
-// k down rows laid end to end as one row of k * inter elements against h[token] (k * inter).
+// k down rows laid end to end as one row of k * inter elements against h[token] (k * inter). The
+// first loads (their expert ids read from global memory) go out before the kernel waits for
+// gate_up, the kernel launched just before it (programmatic dependent launch): the ids and
+// weights come from the routing before that, already complete.
 template <typename T, typename W>
 __global__ void __launch_bounds__(kThreads)
     down_kernel(T* __restrict__ out, const T* __restrict__ h, const void* __restrict__ weights,
                 DType weights_dtype, const int* __restrict__ ids, W w, int top_k, int hidden,
                 int inter, int experts) {
-  enter_kernel();
   extern __shared__ float4 smem[];
   const int n = blockIdx.y;
   const int span = top_k * inter;
   float* hs = reinterpret_cast<float*>(smem);
   float* slot_weight = hs + span;
-  int* slot_expert = reinterpret_cast<int*>(slot_weight + top_k);  // -1: contributes nothing
-  stage<W::kVec>(hs, h + static_cast<std::int64_t>(n) * span, span);
-  for (int j = threadIdx.x; j < top_k; j += blockDim.x) {
-    const int e = ids[n * top_k + j];
-    slot_expert[j] = e >= 0 && e < experts ? e : -1;
-    slot_weight[j] = load_float(weights, n * top_k + j, weights_dtype);
-  }
-  __syncthreads();
   const int lane = threadIdx.x & 31;
   const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (r >= hidden) return;
   const int row_vecs = inter / W::kVec;
   const int nvec = top_k * row_vecs;
   int j = lane / row_vecs;  // slot and chunk of the flattened vector index t, advanced with t
   int c = lane % row_vecs;
-  float acc = 0.0f;
-  for (int t0 = lane; t0 < nvec; t0 += 32 * kUnroll) {
-    uint4 v[kUnroll];
-    float s[kUnroll];
-    bool live[kUnroll];
+  uint4 v[kUnroll];
+  float s[kUnroll];
+  int slot[kUnroll];
+  bool live[kUnroll];
+  const auto load = [&](int t0) {
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-      const int e = t0 + 32 * k < nvec ? slot_expert[j] : -1;
-      live[k] = e >= 0;
+      int e = -1;
+      if (r < hidden && t0 + 32 * k < nvec) e = __ldg(ids + n * top_k + j);
+      live[k] = e >= 0 && e < experts;  // an id outside [0, experts) contributes nothing
+      slot[k] = j;
       if (live[k]) {
         const std::int64_t row = static_cast<std::int64_t>(e) * hidden + r;
         v[k] = w.load(row, c);
-        s[k] = slot_weight[j] * w.scale(row, c);
+        s[k] = w.scale(row, c);
       }
       for (c += 32; c >= row_vecs; c -= row_vecs) ++j;
     }
+  };
+  load(lane);
+  enter_kernel();  // h is gate_up's output
+  stage<W::kVec>(hs, h + static_cast<std::int64_t>(n) * span, span);
+  for (int jj = threadIdx.x; jj < top_k; jj += blockDim.x) {
+    slot_weight[jj] = load_float(weights, n * top_k + jj, weights_dtype);
+  }
+  __syncthreads();
+  if (r >= hidden) return;
+  float acc = 0.0f;
+  for (int t0 = lane;;) {
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-      if (live[k]) acc = fmaf(s[k], w.dot(v[k], hs, t0 + 32 * k), acc);
+      if (live[k]) acc = fmaf(slot_weight[slot[k]] * s[k], w.dot(v[k], hs, t0 + 32 * k), acc);
     }
+    t0 += 32 * kUnroll;
+    if (t0 >= nvec) break;
+    load(t0);
   }
   acc = warp_sum(acc);
   if (lane == 0) out[static_cast<std::int64_t>(n) * hidden + r] = from_float<T>(acc);

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.activation import sigmoid_mul
 from ..ops.moe import ExpertTensor, moe_experts, moe_route, sync_free_tokens
 from ..ops.quant import QuantizedWeight, quantize
 from .linear import MergedLinear
@@ -94,5 +93,5 @@ class SparseMoE(nn.Module):
         weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
         out = moe_experts(x, self.experts.gate_up, self.experts.down, weights, ids)
         if self.shared_expert is not None:
-            out = sigmoid_mul(self.shared_expert(x), shared_gate[0], add=out)
+            out = self.shared_expert.gated(x, shared_gate[0], out)
         return out.reshape(shape)
