@@ -7,6 +7,7 @@
 // memory and every product is accumulated in fp32.
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "common.cuh"
 #include "launch.cuh"
@@ -191,24 +192,27 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Block (row tile, pair): warp i computes gate row i and up row i of the pair's expert and
-// writes h[pair, i] with the reference's roundings (linear, silu and product each in T). The
-// first kUnroll vectors of both rows are requested before x is staged, so the staging runs under
-// their DRAM latency (at the 35B shape they are all of the row).
+// No shared expert in a decode step (the kernels' WS type); never loaded from.
+struct NoShared {
+  static constexpr int kVec = 16;
+};
+
+template <typename WS>
+inline constexpr bool kHasShared = !std::is_same_v<WS, NoShared>;
+
+// One block's gate_up rows of one expert: warp i computes output i (gate row gate_row + i, up row
+// gate_row + rows + i) and writes h_row[i] with the reference's roundings (linear, silu and
+// product each in T); a dead expert writes 0. The first kUnroll vectors of both rows are
+// requested before x is staged, so the staging runs under their DRAM latency (at the 35B shape
+// they are all of the row).
 template <typename T, typename W>
-__global__ void __launch_bounds__(kThreads)
-    gate_up_kernel(T* __restrict__ h, const T* __restrict__ x, const int* __restrict__ ids, W w,
-                   int top_k, int hidden, int inter, int experts) {
-  enter_kernel();
-  extern __shared__ float4 smem[];
-  float* xs = reinterpret_cast<float*>(smem);
-  const int pair = blockIdx.y;
+__device__ __forceinline__ void gate_up_rows(T* h_row, const T* x_row, const W& w, std::int64_t gate_row,
+                                             int rows, bool expert_live, int hidden, float* xs) {
   const int lane = threadIdx.x & 31;
   const int i = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const int e = ids[pair];
-  const bool live = i < inter && e >= 0 && e < experts;  // uniform over the warp
-  const std::int64_t gate_row = live ? static_cast<std::int64_t>(e) * 2 * inter + i : 0;
-  const std::int64_t up_row = gate_row + inter;
+  const bool live = expert_live && i < rows;  // uniform over the warp
+  const std::int64_t g_row = live ? gate_row + i : 0;
+  const std::int64_t u_row = g_row + rows;
   const int nvec = hidden / W::kVec;
   uint4 wg[kUnroll];
   uint4 wu[kUnroll];
@@ -219,17 +223,17 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < kUnroll; ++k) {
       const int c = c0 + 32 * k;
       if (live && c < nvec) {
-        wg[k] = w.load(gate_row, c);
-        wu[k] = w.load(up_row, c);
-        sg[k] = w.scale(gate_row, c);
-        su[k] = w.scale(up_row, c);
+        wg[k] = w.load(g_row, c);
+        wu[k] = w.load(u_row, c);
+        sg[k] = w.scale(g_row, c);
+        su[k] = w.scale(u_row, c);
       }
     }
   };
   load(lane);
-  stage<W::kVec>(xs, x + static_cast<std::int64_t>(pair / top_k) * hidden, hidden);
+  stage<W::kVec>(xs, x_row, hidden);
   __syncthreads();
-  if (i >= inter) return;
+  if (i >= rows) return;
   float g = 0.0f;
   float u = 0.0f;
   if (live) {
@@ -252,25 +256,56 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) {
     const float gate = round_to<T>(g);
     const float act = round_to<T>(gate / (1.0f + expf(-gate)));
-    h[static_cast<std::int64_t>(pair) * inter + i] = from_float<T>(act * round_to<T>(u));
+    h_row[i] = from_float<T>(act * round_to<T>(u));
   }
+}
+
+// Block (row tile, y): y < routed_pairs is the (token, slot) pair y's expert, into h[token, slot];
+// past it, the shared expert of token y - routed_pairs (WS weights [2 shared_inter, hidden]),
+// into h[token, top_k] (h rows are h_stride = top_k * inter + shared_inter long).
+template <typename T, typename W, typename WS>
+__global__ void __launch_bounds__(kThreads)
+    gate_up_kernel(T* __restrict__ h, const T* __restrict__ x, const int* __restrict__ ids, W w, WS ws,
+                   int routed_pairs, int top_k, int hidden, int inter, int experts, int shared_inter,
+                   int h_stride) {
+  enter_kernel();
+  extern __shared__ float4 smem[];
+  float* xs = reinterpret_cast<float*>(smem);
+  const int y = blockIdx.y;
+  if (kHasShared<WS> && y >= routed_pairs) {
+    if constexpr (kHasShared<WS>) {
+      const int n = y - routed_pairs;
+      gate_up_rows<T>(h + static_cast<std::int64_t>(n) * h_stride + top_k * inter,
+                      x + static_cast<std::int64_t>(n) * hidden, ws, 0, shared_inter, true, hidden, xs);
+    }
+    return;
+  }
+  const int n = y / top_k;
+  const int e = ids[y];
+  gate_up_rows<T>(h + static_cast<std::int64_t>(n) * h_stride + (y % top_k) * inter,
+                  x + static_cast<std::int64_t>(n) * hidden, w, static_cast<std::int64_t>(e) * 2 * inter, inter,
+                  e >= 0 && e < experts, hidden, xs);
 }
 
 // Block (row tile, token): warp r computes out[token, r] over the token's k experts at once, the
 // k down rows laid end to end as one row of k * inter elements against h[token] (k * inter). The
 // first loads (their expert ids read from global memory) go out before the kernel waits for
 // gate_up, the kernel launched just before it (programmatic dependent launch): the ids and
-// weights come from the routing before that, already complete.
-template <typename T, typename W>
+// weights come from the routing before that, already complete. With a shared expert the warp
+// also takes its down row r (WS [hidden, shared_inter]) against h[token, top_k] and ends as the
+// composition would: round(round(routed) + round(round(shared) * round(sigmoid(gate[token])))).
+template <typename T, typename W, typename WS>
 __global__ void __launch_bounds__(kThreads)
     down_kernel(T* __restrict__ out, const T* __restrict__ h, const void* __restrict__ weights,
-                DType weights_dtype, const int* __restrict__ ids, W w, int top_k, int hidden,
-                int inter, int experts) {
+                DType weights_dtype, const int* __restrict__ ids, W w, WS ws, int top_k, int hidden,
+                int inter, int experts, int shared_inter, int h_stride, const T* __restrict__ shared_gate,
+                std::int64_t gate_stride) {
   extern __shared__ float4 smem[];
   const int n = blockIdx.y;
   const int span = top_k * inter;
   float* hs = reinterpret_cast<float*>(smem);
-  float* slot_weight = hs + span;
+  float* hs_shared = hs + span;
+  float* slot_weight = hs_shared + (kHasShared<WS> ? shared_inter : 0);
   const int lane = threadIdx.x & 31;
   const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int row_vecs = inter / W::kVec;
@@ -296,9 +331,26 @@ __global__ void __launch_bounds__(kThreads)
       for (c += 32; c >= row_vecs; c -= row_vecs) ++j;
     }
   };
+  const int shared_vecs = kHasShared<WS> ? shared_inter / WS::kVec : 0;
+  uint4 sv[kUnroll];
+  float ss[kUnroll];
+  const auto load_shared = [&](int c0) {
+    if constexpr (kHasShared<WS>) {
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (r < hidden && c0 + 32 * k < shared_vecs) {
+          sv[k] = ws.load(r, c0 + 32 * k);
+          ss[k] = ws.scale(r, c0 + 32 * k);
+        }
+      }
+    }
+  };
   load(lane);
+  load_shared(lane);
   enter_kernel();  // h is gate_up's output
-  stage<W::kVec>(hs, h + static_cast<std::int64_t>(n) * span, span);
+  const T* h_row = h + static_cast<std::int64_t>(n) * h_stride;
+  stage<W::kVec>(hs, h_row, span);
+  if constexpr (kHasShared<WS>) stage<WS::kVec>(hs_shared, h_row + span, shared_inter);
   for (int jj = threadIdx.x; jj < top_k; jj += blockDim.x) {
     slot_weight[jj] = load_float(weights, n * top_k + jj, weights_dtype);
   }
@@ -315,6 +367,22 @@ __global__ void __launch_bounds__(kThreads)
     load(t0);
   }
   acc = warp_sum(acc);
+  if constexpr (kHasShared<WS>) {
+    float shared = 0.0f;
+    for (int c0 = lane;;) {
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (c0 + 32 * k < shared_vecs) shared = fmaf(ss[k], ws.dot(sv[k], hs_shared, c0 + 32 * k), shared);
+      }
+      c0 += 32 * kUnroll;
+      if (c0 >= shared_vecs) break;
+      load_shared(c0);
+    }
+    shared = warp_sum(shared);
+    const float g = to_float(shared_gate[n * gate_stride]);
+    const float gate = round_to<T>(1.0f / (1.0f + expf(-g)));
+    acc = round_to<T>(acc) + round_to<T>(round_to<T>(shared) * gate);
+  }
   if (lane == 0) out[static_cast<std::int64_t>(n) * hidden + r] = from_float<T>(acc);
 }
 
@@ -493,30 +561,67 @@ void with_weights(const ExpertWeights& ew, int cols, Launch&& launch) {
   }
 }
 
+// The shared expert's weights as a kernel type (int8 / int4; moe_decode checked it), or NoShared.
+template <typename Launch>
+void with_shared(const ExpertWeights& ew, int cols, Launch&& launch) {
+  if (ew.weight == 0) {
+    launch(NoShared{});
+  } else if (ew.kind == ExpertKind::Int8) {
+    launch(Int8Weights{reinterpret_cast<const uint4*>(ew.weight), reinterpret_cast<const float*>(ew.scales),
+                       cols / Int8Weights::kVec});
+  } else {
+    int shift = 0;
+    while ((32 << shift) < ew.group_size) ++shift;
+    launch(Int4Weights{reinterpret_cast<const uint4*>(ew.weight), reinterpret_cast<const __nv_bfloat16*>(ew.scales),
+                       cols / Int4Weights::kVec, cols / ew.group_size, shift});
+  }
+}
+
+// Shared experts ride along with 16-bit activations and quantized routed experts only (every
+// quantized recipe); other combinations instantiate the kernels without one.
+template <typename T, typename W, typename Launch>
+void with_shared_for(const ExpertWeights& ew, int cols, Launch&& launch) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<W, DenseWeights<T>>) {
+    launch(NoShared{});
+  } else {
+    with_shared(ew, cols, launch);
+  }
+}
+
 template <typename T>
 void launch_decode(const MoeDecodeArgs& a) {
   const int top_k = static_cast<int>(a.top_k);
   const int hidden = static_cast<int>(a.hidden);
   const int inter = static_cast<int>(a.inter);
   const int experts = static_cast<int>(a.experts);
+  const int shared_inter = static_cast<int>(a.shared_inter);
+  const int h_stride = top_k * inter + shared_inter;
+  const int routed_pairs = static_cast<int>(a.tokens) * top_k;
   const cudaStream_t stream = as_stream(a.stream);
   auto* h = reinterpret_cast<T*>(a.h);
   const auto* ids = reinterpret_cast<const int*>(a.ids);
+  const auto* gate = reinterpret_cast<const T*>(a.shared_gate);
 
-  const dim3 gate_up_grid((inter + kWarps - 1) / kWarps, static_cast<unsigned>(a.tokens * top_k));
+  const dim3 gate_up_grid((std::max(inter, shared_inter) + kWarps - 1) / kWarps,
+                          static_cast<unsigned>(routed_pairs + (shared_inter > 0 ? a.tokens : 0)));
   const std::size_t gate_up_smem = sizeof(float) * hidden;
   with_weights<T>(a.gate_up, hidden, [&](auto w) {
-    launch_kernel("moe gate_up kernel launch", gate_up_kernel<T, decltype(w)>, gate_up_grid, kThreads,
-                  gate_up_smem, stream, h, reinterpret_cast<const T*>(a.x), ids, w, top_k, hidden, inter,
-                  experts);
+    with_shared_for<T, decltype(w)>(a.shared_gate_up, hidden, [&](auto ws) {
+      launch_kernel("moe gate_up kernel launch", gate_up_kernel<T, decltype(w), decltype(ws)>, gate_up_grid,
+                    kThreads, gate_up_smem, stream, h, reinterpret_cast<const T*>(a.x), ids, w, ws, routed_pairs,
+                    top_k, hidden, inter, experts, shared_inter, h_stride);
+    });
   });
 
   const dim3 down_grid((hidden + kWarps - 1) / kWarps, static_cast<unsigned>(a.tokens));
-  const std::size_t down_smem = sizeof(float) * top_k * (inter + 2);
+  const std::size_t down_smem = sizeof(float) * (top_k * (inter + 2) + shared_inter);
   with_weights<T>(a.down, inter, [&](auto w) {
-    launch_kernel("moe down kernel launch", down_kernel<T, decltype(w)>, down_grid, kThreads, down_smem, stream,
-                  reinterpret_cast<T*>(a.out), static_cast<const T*>(h), reinterpret_cast<const void*>(a.weights),
-                  a.weights_dtype, ids, w, top_k, hidden, inter, experts);
+    with_shared_for<T, decltype(w)>(a.shared_down, shared_inter, [&](auto ws) {
+      launch_kernel("moe down kernel launch", down_kernel<T, decltype(w), decltype(ws)>, down_grid, kThreads,
+                    down_smem, stream, reinterpret_cast<T*>(a.out), static_cast<const T*>(h),
+                    reinterpret_cast<const void*>(a.weights), a.weights_dtype, ids, w, ws, top_k, hidden, inter,
+                    experts, shared_inter, h_stride, gate, a.shared_gate_stride);
+    });
   });
 }
 
@@ -561,7 +666,7 @@ void moe_align(const MoeAlignArgs& a) {
 
 void moe_decode(const MoeDecodeArgs& a) {
   // Shared memory: x (4 * hidden bytes) in gate_up, h + slot weights / ids (4 * top_k * (inter
-  // + 2)) in down.
+  // + 2)) and the shared expert's h (4 * shared_inter) in down.
   if (a.top_k < 1 || a.top_k > kMaxTopK || a.experts < 1 || a.hidden < 1 || a.inter < 1 ||
       a.tokens < 0 || a.tokens * a.top_k > 65535 || 4 * a.hidden > kMaxSharedBytes ||
       4 * a.top_k * (a.inter + 2) > kMaxSharedBytes) {
@@ -571,6 +676,23 @@ void moe_decode(const MoeDecodeArgs& a) {
   }
   check_weights(a.gate_up, a.hidden, a.dtype, "gate_up");
   check_weights(a.down, a.inter, a.dtype, "down");
+  if (a.shared_inter != 0) {
+    const auto fail = [](const std::string& why) { throw std::invalid_argument("moe_decode: shared expert: " + why); };
+    if (a.shared_inter < 0 || 4 * (a.top_k * (a.inter + 2) + a.shared_inter) > kMaxSharedBytes) {
+      fail("shared_inter " + std::to_string(a.shared_inter) + " out of range");
+    }
+    if (a.dtype == DType::F32 || a.gate_up.kind == ExpertKind::Dense || a.down.kind == ExpertKind::Dense) {
+      fail("needs fp16 / bf16 activations and quantized routed experts");
+    }
+    for (const ExpertWeights* w : {&a.shared_gate_up, &a.shared_down}) {
+      if (w->weight == 0 || w->kind == ExpertKind::Dense) fail("int8 / int4 weights needed");
+    }
+    if (a.shared_gate == 0 || a.shared_gate_stride < 1 || !is_aligned(a.shared_gate, 2)) {
+      fail("needs its gate logits (stride >= 1, aligned)");
+    }
+    check_weights(a.shared_gate_up, a.hidden, a.dtype, "shared gate_up");
+    check_weights(a.shared_down, a.shared_inter, a.dtype, "shared down");
+  }
   if (a.tokens == 0) return;
   DeviceGuard guard(a.device);
   by_dtype(a.dtype, "moe_decode", [&](auto t) { launch_decode<decltype(t)>(a); });

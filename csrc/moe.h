@@ -95,6 +95,16 @@ struct MoeDecodeArgs {
   DType weights_dtype;
   int device;
   std::uintptr_t stream;
+  // A shared expert (shared_inter > 0; fp16 / bf16 x, quantized routed experts, int8 / int4
+  // weights) rides along: its gate_up rows in extra gate_up blocks, into h[n, top_k] (h rows are
+  // then top_k * inter + shared_inter long), its down row beside the routed ones, and
+  //   out[n] = round(round(routed) + round(round(shared_down @ h_s) * round(sigmoid(g[n]))))
+  // with g[n] = shared_gate[n * shared_gate_stride]: the roundings of the composed kernels.
+  ExpertWeights shared_gate_up = {};  // [2 * shared_inter, hidden]
+  ExpertWeights shared_down = {};     // [hidden, shared_inter]
+  std::int64_t shared_inter = 0;
+  std::uintptr_t shared_gate = 0;     // [tokens] logits in dtype
+  std::int64_t shared_gate_stride = 0;
 };
 
 void moe_decode(const MoeDecodeArgs& args);

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from ninfer_core.engine.graph_capture import capture
 from ninfer_core.layers.moe import Experts
 from ninfer_core.ops import dispatch, moe
-from ninfer_core.ops.quant import QuantizedWeight, quantize
+from ninfer_core.ops.activation import sigmoid_mul, silu_mul
+from ninfer_core.ops.quant import QuantizedWeight, dequantize, quant_linear, quantize
 
 FORMATS = ["bf16", "int8", "int4"]
 
@@ -335,6 +336,72 @@ def _decode_check(
 def test_decode_kernels_match_reference(cuda_kernels, tokens, num_experts, top_k, dims, fmt):
     hidden, inter = dims
     _decode_check(tokens, num_experts, top_k, hidden, inter, fmt, group=min(128, inter))
+
+
+def _shared_expert(hidden, inter, fmt, tokens, dtype, seed):
+    """A quantized shared expert [2I, H] / [H, I] and its gate logits as the last column of a
+    router-shaped output (row stride 257)."""
+    g = torch.Generator("cuda").manual_seed(seed)
+    gate_up = torch.randn(2 * inter, hidden, generator=g, device="cuda") / math.sqrt(hidden)
+    down = torch.randn(hidden, inter, generator=g, device="cuda") / math.sqrt(inter)
+    router = torch.randn(tokens, 257, generator=g, device="cuda").to(dtype)
+    group = min(128, inter)
+    return moe.SharedExpert(quantize(gate_up, fmt, group), quantize(down, fmt, group), router[:, 256:])
+
+
+def _shared64(x, shared) -> torch.Tensor:
+    """float64: sigmoid(gate) * down @ (silu(g) * u), [g | u] = gate_up @ x."""
+    gu, dn = (_expert64(QuantizedWeight(w.kind, w.qweight[None], w.scales[None], w.group_size), 0)
+              for w in (shared.gate_up, shared.down))
+    v = x.double() @ gu.T
+    inter = dn.shape[1]
+    return torch.sigmoid(shared.gate.double()) * ((F.silu(v[:, :inter]) * v[:, inter:]) @ dn.T)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt, shared_fmt", [("int4", "int8"), ("int4", "int4"), ("int8", "int8")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dims", [(64, 32, 64), (2048, 512, 512), (256, 64, 128)], ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("tokens", [1, 3, 4])
+def test_decode_kernels_take_the_shared_expert(cuda_kernels, tokens, dims, dtype, fmt, shared_fmt):
+    """moe_experts_with_shared: the shared expert's rows ride along in the decode kernels; equal to
+    the composition (routed experts, then the shared MLP gated and added) up to fp32 summation
+    order, and close to float64."""
+    hidden, inter, shared_inter = dims
+    gate_up, down = _experts(16, hidden, inter, fmt, device="cuda", dtype=dtype, group=min(128, inter))
+    weights, ids = _routing(tokens, 16, 4, device="cuda", dtype=dtype, seed=tokens)
+    x = _inputs(tokens, hidden, device="cuda", dtype=dtype, seed=tokens)
+    shared = _shared_expert(hidden, shared_inter, shared_fmt, tokens, dtype, seed=tokens + hidden)
+    with _poisoned_allocations():
+        out = moe.moe_experts_with_shared(x, gate_up, down, weights, ids, shared)
+    assert out is not None and out.dtype == dtype and out.shape == x.shape and not out.isnan().any()
+    routed = moe.moe_experts(x, gate_up, down, weights, ids)
+    composed = sigmoid_mul(silu_mul(quant_linear(x, shared.gate_up)) @ dequantize(shared.down, dtype).T,
+                           shared.gate, add=routed)
+    _assert_close(out, composed, TOL[dtype])
+    _assert_close(out, _expected(x, gate_up, down, weights, ids) + _shared64(x, shared), TOL[dtype])
+
+
+@pytest.mark.cuda
+def test_decode_kernels_leave_what_they_do_not_take_to_the_composition(cuda_kernels):
+    """None (the caller composes) for fp32 activations, bf16 experts, a batch past the decode
+    kernels and a gate of the wrong shape."""
+    hidden, inter = 64, 32
+    shared = _shared_expert(hidden, 64, "int8", 2, torch.bfloat16, seed=1)
+    weights, ids = _routing(2, 8, 2, device="cuda", seed=2)
+    x = _inputs(2, hidden, device="cuda")
+    quantized = _experts(8, hidden, inter, "int4", device="cuda", group=32)
+    dense = _experts(8, hidden, inter, "bf16", device="cuda")
+    assert moe.moe_experts_with_shared(x, *quantized, weights, ids, shared) is not None
+    assert moe.moe_experts_with_shared(x, *dense, weights, ids, shared) is None
+    assert moe.moe_experts_with_shared(x.float(), *quantized, weights.float(), ids, shared) is None
+    wide = moe.SharedExpert(shared.gate_up, shared.down, shared.gate.expand(2, 2))
+    assert moe.moe_experts_with_shared(x, *quantized, weights, ids, wide) is None
+    many = moe.QUANTIZED_DECODE_MAX_TOKENS + 1
+    w_many, ids_many = _routing(many, 8, 2, device="cuda")
+    gate_many = _shared_expert(hidden, 64, "int8", many, torch.bfloat16, seed=3)
+    assert moe.moe_experts_with_shared(_inputs(many, hidden, device="cuda"), *quantized, w_many, ids_many,
+                                       gate_many) is None
 
 
 @pytest.mark.cuda

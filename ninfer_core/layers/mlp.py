@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..ops.activation import sigmoid_mul, silu_mul
-from ..ops.quant import QuantLinear, quant_linear_gated, quant_swiglu
+from ..ops.quant import QuantizedWeight, QuantLinear, quant_linear_gated, quant_swiglu
 from .linear import MergedLinear
 
 
@@ -28,6 +28,15 @@ class MLP(nn.Module):
         if isinstance(self.down_proj, QuantLinear):
             return quant_linear_gated(h, self.down_proj.quantized, gate, add, self.down_proj.bias)
         return sigmoid_mul(self.down_proj(h), gate, add=add)
+
+    def quantized(self) -> tuple[QuantizedWeight, QuantizedWeight] | None:
+        """(gate_up [2I, H], down [H, I]) when both are quantized without a bias, for kernels that
+        take the whole MLP (the MoE decode kernels' shared expert); else None."""
+        gate_up, down = self.gate_up_proj.linear, self.down_proj
+        if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) and gate_up.bias is None \
+                and down.bias is None:
+            return gate_up.quantized, down.quantized
+        return None
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, in the gate_up projection's epilogue where its weights are quantized."""

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.moe import ExpertTensor, moe_experts, moe_route, sync_free_tokens
+from ..ops.moe import ExpertTensor, SharedExpert, moe_experts, moe_experts_with_shared, moe_route, sync_free_tokens
 from ..ops.quant import QuantizedWeight, quantize
 from .linear import MergedLinear
 from .mlp import MLP
@@ -91,7 +91,14 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         router_logits, *shared_gate = self.gates(x)  # shared_gate: [] without a shared expert
         weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
-        out = moe_experts(x, self.experts.gate_up, self.experts.down, weights, ids)
-        if self.shared_expert is not None:
-            out = self.shared_expert.gated(x, shared_gate[0], out)
+        gate_up, down = self.experts.gate_up, self.experts.down
+        if self.shared_expert is None:
+            return moe_experts(x, gate_up, down, weights, ids).reshape(shape)
+        # A decode step's shared expert rides along in the routed experts' kernels where they
+        # take it; else its own GEMVs, the gate and the sum in their epilogues.
+        parts = self.shared_expert.quantized()
+        out = None if parts is None else moe_experts_with_shared(x, gate_up, down, weights, ids,
+                                                                 SharedExpert(*parts, shared_gate[0]))
+        if out is None:
+            out = self.shared_expert.gated(x, shared_gate[0], moe_experts(x, gate_up, down, weights, ids))
         return out.reshape(shape)

@@ -7,7 +7,8 @@ Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate ro
   decode    CUDA, N <= 16 tokens (QUANTIZED_DECODE_MAX_TOKENS with int8 / int4 experts): our two
             GEMV kernels (csrc/moe.cu), each (token, expert) pair's weights read once. Expert ids
             stay on the device, so a decode step never syncs with the host and is captured by
-            CUDA graphs.
+            CUDA graphs. `moe_experts_with_shared` adds a quantized shared expert to the same two
+            launches (its gate, and the sum with the routed experts, in the down epilogue).
   grouped gemv   CUDA, int8 / int4 experts, up to GROUPED_GEMV_MAX_TOKENS: the slots grouped by
             expert on the device (ops/moe_align.py), then the quant GEMV kernel per slot block
             (csrc/quant_gemv.cu, tensor cores, SwiGLU in the gate_up epilogue): each hit expert
@@ -25,11 +26,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from . import dispatch, moe_triton
+from .activation import row_view
 from .moe_align import Aligned, align_by_expert, combine_slots
 from .quant import QuantizedWeight, dequantize
 
@@ -149,6 +152,44 @@ def moe_experts(
     return moe_experts_grouped(x, gate_up, down, weights, ids)
 
 
+@dataclass(frozen=True)
+class SharedExpert:
+    """A shared expert beside the routed ones, adding sigmoid(gate) * down @ swiglu(gate_up @ x)."""
+
+    gate_up: QuantizedWeight  # [2 I, H], gate rows first
+    down: QuantizedWeight  # [H, I]
+    gate: torch.Tensor  # [N, 1] logits (any row stride: a column of the router's output)
+
+
+def moe_experts_with_shared(
+    x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor, weights: torch.Tensor, ids: torch.Tensor,
+    shared: SharedExpert,
+) -> torch.Tensor | None:
+    """`moe_experts` plus the shared expert in the decode kernels' two launches (its rows ride
+    along with the routed experts' instead of four launches of their own), with the roundings of
+    the composition; None where the decode kernels do not take them (fp16 / bf16 x, quantized
+    experts, a decode-sized batch): the caller then composes `moe_experts` and the shared expert."""
+    _check(x, gate_up, down, weights, ids)
+    if x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16) or not all(
+            isinstance(w, QuantizedWeight) for w in (gate_up, down, shared.gate_up, shared.down)):
+        return None
+    plan = _decode_plan(x, gate_up, down, weights, ids)
+    hidden, inter = x.shape[1], shared.down.in_features
+    gate = row_view(shared.gate, 1) if shared.gate.shape == (x.shape[0], 1) else None
+    fits = (
+        plan is not None
+        and shared.gate_up.shape == (2 * inter, hidden)
+        and shared.down.shape == (hidden, inter)
+        and gate is not None
+        and gate.dtype == x.dtype
+        and 4 * (ids.shape[1] * (down.shape[2] + 2) + inter) <= _MAX_SHARED_BYTES
+    )
+    shared_plan = (_kernel_weights(shared.gate_up, x, hidden), _kernel_weights(shared.down, x, inter)) if fits else None
+    if shared_plan is None or None in shared_plan:
+        return None
+    return _decode(x, plan, weights, ids, gate_up.shape[0], (shared_plan[0], shared_plan[1], inter, gate))
+
+
 def _grouped_quantized(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor) -> bool:
     """Whether the Triton grouped kernels take these experts (int8 / int4 of one kind, fp16 / bf16 x)."""
     return (
@@ -266,7 +307,9 @@ def _decode(
     weights: torch.Tensor,
     ids: torch.Tensor,
     experts: int,
+    shared: tuple[_KernelWeights, _KernelWeights, int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """`shared`: the shared expert's gate_up / down, its intermediate size and gate logit rows."""
     (gu, gu_scales, gu_kind, gu_group), (dn, dn_scales, dn_kind, dn_group) = plan
     tokens, top_k = ids.shape
     inter = gu.shape[1] // 2
@@ -274,7 +317,18 @@ def _decode(
     x, weights = x.contiguous(), weights.contiguous()
     ids = ids.to(torch.int32).contiguous()
     out = torch.empty_like(x)
-    h = torch.empty(tokens, top_k, inter, dtype=x.dtype, device=x.device)  # kernel 1 -> kernel 2
+    shared_inter = 0 if shared is None else shared[2]
+    h = torch.empty(tokens, top_k * inter + shared_inter, dtype=x.dtype, device=x.device)  # kernel 1 -> kernel 2
+    extra = {}
+    if shared is not None:
+        (sgu, sgu_scales, sgu_kind, sgu_group), (sdn, sdn_scales, sdn_kind, sdn_group), _, gate = shared
+        extra = dict(
+            shared_gate_up=sgu.data_ptr(), shared_gate_up_scales=sgu_scales.data_ptr(),
+            shared_gate_up_kind=getattr(ext.ExpertKind, sgu_kind), shared_gate_up_group_size=sgu_group,
+            shared_down=sdn.data_ptr(), shared_down_scales=sdn_scales.data_ptr(),
+            shared_down_kind=getattr(ext.ExpertKind, sdn_kind), shared_down_group_size=sdn_group,
+            shared_inter=shared_inter, shared_gate=gate.data_ptr(), shared_gate_stride=gate.stride(0),
+        )
     ext.moe_decode(
         out=out.data_ptr(),
         h=h.data_ptr(),
@@ -298,6 +352,7 @@ def _decode(
         weights_dtype=dispatch.kernel_dtype(weights),
         device=x.device.index,
         stream=dispatch.stream_handle(x),
+        **extra,
     )
     return out
 
