@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -336,6 +337,37 @@ def _decode_check(
 def test_decode_kernels_match_reference(cuda_kernels, tokens, num_experts, top_k, dims, fmt):
     hidden, inter = dims
     _decode_check(tokens, num_experts, top_k, hidden, inter, fmt, group=min(128, inter))
+
+
+def test_shared_expert_call_passes_each_tensor_in_its_place(monkeypatch):
+    """moe_experts_with_shared's CUDA branch on the CPU against a stand-in extension that records
+    the call: the shared expert's weights, formats, size and gate column reach their arguments."""
+    calls = []
+    kinds = SimpleNamespace(INT8="int8", INT4="int4", DENSE="dense")
+    fake = SimpleNamespace(moe_decode=lambda **kw: calls.append(kw), ExpertKind=kinds,
+                           DType=SimpleNamespace(BF16="bf16"))
+    monkeypatch.setattr(dispatch, "extension", lambda: fake)
+    monkeypatch.setattr(dispatch, "use_kernel", lambda *tensors: True)
+    monkeypatch.setattr(dispatch, "stream_handle", lambda t: 7)
+    monkeypatch.setattr(dispatch, "kernel_dtype", lambda t: "bf16")
+    hidden, inter, shared_inter = 64, 32, 96
+    gate_up, down = _experts(8, hidden, inter, "int4", group=32)
+    weights, ids = _routing(2, 8, 2)
+    x = _inputs(2, hidden)
+    router = torch.randn(2, 9).to(torch.bfloat16)
+    shared = moe.SharedExpert(quantize(torch.randn(2 * shared_inter, hidden), "int8"),
+                              quantize(torch.randn(hidden, shared_inter), "int4", 32), router[:, 8:])
+    out = moe.moe_experts_with_shared(x, gate_up, down, weights, ids, shared)
+    (kw,) = calls
+    assert out.shape == x.shape and kw["out"] == out.data_ptr() and kw["x"] == x.data_ptr()
+    assert (kw["gate_up"], kw["down"], kw["gate_up_kind"], kw["down_group_size"]) == (
+        gate_up.qweight.data_ptr(), down.qweight.data_ptr(), "int4", 32)
+    assert (kw["shared_gate_up"], kw["shared_gate_up_scales"], kw["shared_gate_up_kind"]) == (
+        shared.gate_up.qweight.data_ptr(), shared.gate_up.scales.data_ptr(), "int8")
+    assert (kw["shared_down"], kw["shared_down_scales"], kw["shared_down_kind"], kw["shared_down_group_size"]) == (
+        shared.down.qweight.data_ptr(), shared.down.scales.data_ptr(), "int4", 32)
+    assert (kw["shared_inter"], kw["shared_gate"], kw["shared_gate_stride"]) == (shared_inter, router[:, 8:].data_ptr(), 9)
+    assert (kw["tokens"], kw["top_k"], kw["hidden"], kw["inter"], kw["experts"]) == (2, 2, hidden, inter, 8)
 
 
 def _shared_expert(hidden, inter, fmt, tokens, dtype, seed):

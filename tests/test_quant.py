@@ -10,6 +10,7 @@ and check which rows take the dequantize + F.linear path; they need ninfer_core.
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -405,6 +406,35 @@ def test_kernel_replays_in_cuda_graph(cuda_kernels, kind, group_size, rows):
         graph.replay()
         torch.cuda.synchronize()
         _assert_close(out, _expected(x, w64, bias), OUT_RTOL[dtype], tol)
+
+
+def test_epilogue_calls_pass_each_tensor_in_its_place(monkeypatch):
+    """The CUDA branch of quant_swiglu / quant_linear_gated, run on the CPU against a stand-in
+    extension that records the call: the SwiGLU's output width, the gate's pointer and row stride
+    (a strided column of a merged output) and the added tensor reach their binding arguments."""
+    calls = []
+    fake = SimpleNamespace(quant_gemv=lambda **kw: calls.append(kw), DType=SimpleNamespace(BF16="bf16"))
+    monkeypatch.setattr(dispatch, "extension", lambda: fake)
+    monkeypatch.setattr(dispatch, "use_kernel", lambda *tensors: True)
+    monkeypatch.setattr(dispatch, "stream_handle", lambda t: 7)
+    monkeypatch.setattr(dispatch, "kernel_dtype", lambda t: "bf16")
+    qw = quantize(_randn(64, 32, seed=1), "int8")
+    x = _randn(3, 32, seed=2, dtype=torch.bfloat16)
+    out = quant.quant_swiglu(x, qw)
+    assert out.shape == (3, 32)
+    merged = _randn(3, 257, seed=3, dtype=torch.bfloat16)
+    add = _randn(3, 64, seed=4, dtype=torch.bfloat16)
+    gated = quant.quant_linear_gated(x, qw, merged[:, 256:], add)
+    assert gated.shape == (3, 64)
+    swiglu, gate = calls
+    for kw in calls:
+        assert (kw["x"], kw["qweight"], kw["scales"], kw["m"], kw["k"]) == (
+            x.data_ptr(), qw.qweight.data_ptr(), qw.scales.data_ptr(), 3, 32)
+        assert kw["stream"] == 7 and kw["dtype"] == "bf16" and kw["bias"] == 0 and not kw["int4"]
+    assert swiglu["gate_up"] and swiglu["n"] == 32 and swiglu["out"] == out.data_ptr()
+    assert swiglu["gate"] == swiglu["add"] == 0
+    assert not gate["gate_up"] and gate["n"] == 64 and gate["out"] == gated.data_ptr()
+    assert (gate["gate"], gate["gate_stride"], gate["add"]) == (merged[:, 256:].data_ptr(), 257, add.data_ptr())
 
 
 def _must_not_run(name: str):

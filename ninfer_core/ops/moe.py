@@ -170,7 +170,7 @@ def moe_experts_with_shared(
     the composition; None where the decode kernels do not take them (fp16 / bf16 x, quantized
     experts, a decode-sized batch): the caller then composes `moe_experts` and the shared expert."""
     _check(x, gate_up, down, weights, ids)
-    if x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16) or not all(
+    if not dispatch.use_kernel(x) or x.dtype not in (torch.float16, torch.bfloat16) or not all(
             isinstance(w, QuantizedWeight) for w in (gate_up, down, shared.gate_up, shared.down)):
         return None
     plan = _decode_plan(x, gate_up, down, weights, ids)

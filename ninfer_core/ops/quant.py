@@ -349,7 +349,7 @@ def quant_linear_gated(x: torch.Tensor, qw: QuantizedWeight, gate: torch.Tensor,
 def _epilogue_rows(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x as the [M, K] rows of a GEMV with an epilogue, or None where quant_linear's own path is
     the one to take: the CPU, prefill-sized row counts, a call the kernel does not cover."""
-    if x.device.type != "cuda" or x.dim() == 0 or x.shape[-1] != qw.in_features or qw.qweight.dim() != 2:
+    if x.dim() == 0 or x.shape[-1] != qw.in_features or qw.qweight.dim() != 2:
         return None
     rows = x.numel() // qw.in_features
     if not 1 <= rows <= CUDA_MAX_GEMV_ROWS:
