@@ -66,7 +66,7 @@ LIST
     for _ in $(seq 1 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && grep -q ready "$OUT/serve.log" && break; sleep 1; done
     for sampling in ${SERVE_SAMPLING:---greedy --no-greedy}; do
       name=${sampling#--}
-      timeout 200 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode saturation --concurrency 1,8 \
+      timeout 200 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode saturation --concurrency 1,8 --interval 0.2 \
         --prompt-tokens 512 --max-tokens 256 $sampling --out "$OUT/serve_sat_$name.json" 2>&1 | tail -8
       timeout 120 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode corpus --concurrency 1 \
         --synthetic 6 --prompt-tokens ${TTFT_PROMPT:-512} --max-tokens 8 $sampling --out "$OUT/serve_ttft_$name.json" 2>&1 | tail -4
