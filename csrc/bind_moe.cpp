@@ -26,6 +26,20 @@ void bind_moe(py::module_& m) {
       "Softmax top-k routing, one warp per token. See csrc/moe.h.");
 
   m.def(
+      "moe_router",
+      [](std::uintptr_t logits, std::uintptr_t weights, std::uintptr_t ids, std::uintptr_t done,
+         std::uintptr_t x, std::uintptr_t w, std::int64_t tokens, std::int64_t hidden, std::int64_t rows,
+         std::int64_t experts, std::int64_t top_k, bool renormalize, DType dtype, int device,
+         std::uintptr_t stream) {
+        moe_router({logits, weights, ids, done, x, w, tokens, hidden, rows, experts, top_k, renormalize, dtype,
+                    device, stream});
+      },
+      py::arg("logits"), py::arg("weights"), py::arg("ids"), py::arg("done"), py::arg("x"), py::arg("w"),
+      py::arg("tokens"), py::arg("hidden"), py::arg("rows"), py::arg("experts"), py::arg("top_k"),
+      py::arg("renormalize"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
+      "A decode step's router GEMV + softmax top-k in one launch. See csrc/moe.h.");
+
+  m.def(
       "moe_align",
       [](std::uintptr_t sorted_slots, std::uintptr_t block_experts, std::uintptr_t used,
          std::uintptr_t ids, std::int64_t slots, std::int64_t experts, int block_m,

@@ -386,21 +386,19 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) out[static_cast<std::int64_t>(n) * hidden + r] = from_float<T>(acc);
 }
 
-// One warp per token: softmax in fp32 into shared memory, then top_k rounds of a warp argmax
-// (ties to the lower id); each winner is knocked out with -1 (probabilities are >= 0).
+// One warp routes one token: softmax of its logits row in fp32 into probs (experts + top_k
+// floats of shared memory), then top_k rounds of a warp argmax (ties to the lower id); each
+// winner is knocked out with -1 (probabilities are >= 0). The row is read through L2 (__ldcg):
+// the router kernel's last block reads rows other blocks wrote.
 template <typename T>
-__global__ void __launch_bounds__(32)
-    route_kernel(T* __restrict__ weights, int* __restrict__ ids, const T* __restrict__ logits,
-                 int experts, int top_k, bool renormalize) {
-  enter_kernel();
-  extern __shared__ float probs[];
+__device__ __forceinline__ void route_token(T* __restrict__ weights, int* __restrict__ ids, const T* row,
+                                            float* probs, std::int64_t token, int experts, int top_k,
+                                            bool renormalize) {
   float* chosen = probs + experts;
-  const int lane = threadIdx.x;
-  const std::int64_t token = blockIdx.x;
-  const T* row = logits + token * experts;
+  const int lane = threadIdx.x & 31;
   float top = -INFINITY;
   for (int i = lane; i < experts; i += 32) {
-    probs[i] = to_float(row[i]);
+    probs[i] = to_float(__ldcg(row + i));
     top = fmaxf(top, probs[i]);
   }
   top = warp_max(top);
@@ -442,6 +440,88 @@ __global__ void __launch_bounds__(32)
   for (int j = lane; j < top_k; j += 32) {
     weights[token * top_k + j] = from_float<T>(renormalize ? chosen[j] / total : chosen[j]);
   }
+}
+
+// One warp per token (route_token).
+template <typename T>
+__global__ void __launch_bounds__(32)
+    route_kernel(T* __restrict__ weights, int* __restrict__ ids, const T* __restrict__ logits,
+                 int experts, int top_k, bool renormalize) {
+  enter_kernel();
+  extern __shared__ float probs[];
+  const std::int64_t token = blockIdx.x;
+  route_token(weights, ids, logits + token * experts, probs, token, experts, top_k, renormalize);
+}
+
+// The router of a decode step in one launch: warp r of the grid computes logits row r (the
+// router's rows, then extra ones such as the shared expert's gate) for every token, rounded to T
+// as the GEMM's output is; the block that finishes last routes each token over the first
+// `experts` rows (route_token) and resets the `done` counter for the next launch / replay.
+constexpr int kRouterWarps = 4;  // small blocks: the ~1 MB of router rows spreads over the SMs
+constexpr int kRouterMaxTokens = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kRouterWarps * 32)
+    router_kernel(T* logits, T* __restrict__ weights, int* __restrict__ ids, unsigned* done,
+                  const T* __restrict__ x, const T* __restrict__ w, int tokens, int hidden, int rows,
+                  int experts, int top_k, bool renormalize) {
+  extern __shared__ float probs[];  // kRouterWarps x (experts + top_k), for the last block
+  __shared__ bool last;
+  constexpr int kPer = 8;  // elements of a 16-byte vector
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int r = blockIdx.x * kRouterWarps + warp;
+  const int nvec = hidden / kPer;
+  const bool live = r < rows;  // uniform over the warp
+  uint4 wv[kUnroll];
+  const auto load = [&](int c0) {
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int c = c0 + 32 * k;
+      if (live && c < nvec) wv[k] = __ldg(reinterpret_cast<const uint4*>(w + static_cast<std::int64_t>(r) * hidden) + c);
+    }
+  };
+  load(lane);  // the router's rows are constant: they load before the wait for x
+  enter_kernel();
+  float acc[kRouterMaxTokens] = {};
+  if (live) {
+    for (int c0 = lane;;) {
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int c = c0 + 32 * k;
+        if (c < nvec) {
+          const Vec<T, kPer> wt = *reinterpret_cast<const Vec<T, kPer>*>(&wv[k]);
+#pragma unroll
+          for (int n = 0; n < kRouterMaxTokens; ++n) {
+            if (n < tokens) {
+              const Vec<T, kPer> xt = reinterpret_cast<const Vec<T, kPer>*>(x + static_cast<std::int64_t>(n) * hidden)[c];
+#pragma unroll
+              for (int i = 0; i < kPer; ++i) acc[n] = fmaf(to_float(wt.v[i]), to_float(xt.v[i]), acc[n]);
+            }
+          }
+        }
+      }
+      c0 += 32 * kUnroll;
+      if (c0 >= nvec) break;
+      load(c0);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < kRouterMaxTokens; ++n) {
+    const float v = warp_sum(acc[n]);
+    if (live && lane == 0 && n < tokens) logits[static_cast<std::int64_t>(n) * rows + r] = from_float<T>(v);
+  }
+  __threadfence();  // this block's logits are visible before it counts itself done
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int n = warp; n < tokens; n += kRouterWarps) {
+    route_token(weights, ids, logits + static_cast<std::int64_t>(n) * rows, probs + warp * (experts + top_k), n,
+                experts, top_k, renormalize);
+  }
+  if (threadIdx.x == 0) *done = 0;
 }
 
 // One block: the slots of ids [slots] grouped by expert in blocks of block_m positions (see
@@ -634,7 +714,37 @@ void launch_route(const MoeRouteArgs& a) {
                 a.renormalize);
 }
 
+template <typename T>
+void launch_router(const MoeRouterArgs& a) {
+  const std::size_t smem = sizeof(float) * kRouterWarps * (a.experts + a.top_k);
+  const auto blocks = static_cast<unsigned>((a.rows + kRouterWarps - 1) / kRouterWarps);
+  launch_kernel("moe router kernel launch", router_kernel<T>, blocks, kRouterWarps * 32, smem, as_stream(a.stream),
+                reinterpret_cast<T*>(a.logits), reinterpret_cast<T*>(a.weights), reinterpret_cast<int*>(a.ids),
+                reinterpret_cast<unsigned*>(a.done), reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.w),
+                static_cast<int>(a.tokens), static_cast<int>(a.hidden), static_cast<int>(a.rows),
+                static_cast<int>(a.experts), static_cast<int>(a.top_k), a.renormalize);
+}
+
 }  // namespace
+
+void moe_router(const MoeRouterArgs& a) {
+  const auto fail = [](const std::string& why) { throw std::invalid_argument("moe_router: " + why); };
+  if (a.tokens < 1 || a.tokens > kRouterMaxTokens) fail("tokens " + std::to_string(a.tokens) + " not in 1..4");
+  if (a.experts < 1 || a.top_k < 1 || a.top_k > a.experts || a.rows < a.experts || a.rows > (1 << 20) ||
+      4 * kRouterWarps * (a.experts + a.top_k) > kMaxSharedBytes) {
+    fail("rows " + std::to_string(a.rows) + " / experts " + std::to_string(a.experts) + " / top_k " +
+         std::to_string(a.top_k) + " out of range");
+  }
+  if (a.dtype == DType::F32) fail("needs fp16 / bf16");
+  if (a.hidden < 8 || a.hidden % 8 != 0 || !is_aligned(a.x, 16) || !is_aligned(a.w, 16)) {
+    fail("hidden must be a multiple of 8, x and w 16-byte aligned");
+  }
+  if (a.logits == 0 || a.weights == 0 || a.ids == 0 || !is_aligned(a.done, 4) || a.done == 0) fail("null pointer");
+  DeviceGuard guard(a.device);
+  by_dtype(a.dtype, "moe_router", [&](auto t) {
+    if constexpr (!std::is_same_v<decltype(t), float>) launch_router<decltype(t)>(a);
+  });
+}
 
 void moe_route(const MoeRouteArgs& a) {
   if (a.experts < 1 || a.top_k < 1 || a.top_k > a.experts ||

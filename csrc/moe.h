@@ -25,6 +25,30 @@ struct MoeRouteArgs {
 
 void moe_route(const MoeRouteArgs& args);
 
+// The router of a decode step (1..4 tokens, fp16 / bf16) in one launch: logits [tokens, rows] =
+// x [tokens, hidden] @ w [rows, hidden]^T (fp32 sums rounded to dtype; rows past `experts` are
+// extra outputs such as a shared expert's gate), then moe_route over the first `experts` columns.
+// `done`: a uint32 counter that is 0 before the launch and 0 after it (its last block resets it).
+struct MoeRouterArgs {
+  std::uintptr_t logits;
+  std::uintptr_t weights;
+  std::uintptr_t ids;
+  std::uintptr_t done;
+  std::uintptr_t x;
+  std::uintptr_t w;
+  std::int64_t tokens;
+  std::int64_t hidden;
+  std::int64_t rows;
+  std::int64_t experts;
+  std::int64_t top_k;
+  bool renormalize;
+  DType dtype;
+  int device;
+  std::uintptr_t stream;
+};
+
+void moe_router(const MoeRouterArgs& args);
+
 // The (token, slot) pairs of ids [slots] (int32, e.g. [tokens, top_k] flattened) grouped by
 // expert for the grouped GEMMs, on the device (no host sync):
 //   sorted_slots int32 [capacity]: expert 0's slot ids, padded with `slots` to a multiple of

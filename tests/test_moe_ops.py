@@ -307,6 +307,66 @@ def test_route_kernel_with_ties(cuda_kernels):
     torch.testing.assert_close(weights, ref_w, rtol=0.008, atol=1e-5)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("shape", [(256, 257, 2048, 8), (8, 8, 64, 2), (64, 66, 520, 4)], ids=str)
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_router_kernel_matches_the_gemm_and_route(cuda_kernels, tokens, shape, renormalize, dtype):
+    """moe_router: the logits (extra rows past the experts included) within an ulp of the float64
+    product and of cuBLAS, the routing that of moe_route over the kernel's own logits, the
+    completion counter back at 0 after every launch and graph replay."""
+    experts, rows, hidden, top_k = shape
+    g = torch.Generator("cuda").manual_seed(tokens + rows)
+    x = _inputs(tokens, hidden, device="cuda", dtype=dtype, seed=rows)
+    w = (torch.randn(rows, hidden, generator=g, device="cuda") / math.sqrt(hidden)).to(dtype)
+    with _poisoned_allocations():
+        logits, weights, ids = moe.moe_router(x, w, experts, top_k, renormalize)
+    eps = torch.finfo(dtype).eps
+    exact = x.double() @ w.double().T
+    for want in (exact, F.linear(x, w).double()):
+        torch.testing.assert_close(logits.double(), want, rtol=eps, atol=eps * exact.abs().max().item())
+    ref_w, ref_ids = moe.moe_route_ref(logits[:, :experts], top_k, renormalize)
+    probs = torch.softmax(logits[:, :experts].double(), dim=-1)
+    assert torch.equal(probs.gather(1, ids.long()), probs.gather(1, ref_ids.long()))  # ties in any order
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    torch.testing.assert_close(weights, ref_w, rtol=eps, atol=eps * 1e-3)
+    done = moe._router_done[(x.device, w.data_ptr())]
+    assert done.item() == 0
+    graph, out = capture(lambda: moe.moe_router(x, w, experts, top_k, renormalize))
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert done.item() == 0
+        assert all(torch.equal(a, b) for a, b in zip(out, (logits, weights, ids)))
+
+
+def test_router_call_passes_each_tensor_in_its_place(monkeypatch):
+    """moe_router's kernel call on the CPU against a recording stand-in extension; and the cases
+    it leaves to the GEMM + moe_route."""
+    calls = []
+    fake = SimpleNamespace(moe_router=lambda **kw: calls.append(kw), DType=SimpleNamespace(BF16="bf16"))
+    monkeypatch.setattr(dispatch, "extension", lambda: fake)
+    monkeypatch.setattr(dispatch, "use_kernel", lambda *tensors: True)
+    monkeypatch.setattr(dispatch, "stream_handle", lambda t: 7)
+    monkeypatch.setattr(dispatch, "kernel_dtype", lambda t: "bf16")
+    x = _inputs(3, 64)
+    w = torch.randn(9, 64).to(torch.bfloat16)
+    logits, weights, ids = moe.moe_router(x, w, 8, 2, True)
+    (kw,) = calls
+    assert (kw["logits"], kw["weights"], kw["ids"], kw["x"], kw["w"]) == tuple(
+        t.data_ptr() for t in (logits, weights, ids, x, w))
+    assert (kw["tokens"], kw["hidden"], kw["rows"], kw["experts"], kw["top_k"], kw["renormalize"]) == (
+        3, 64, 9, 8, 2, True)
+    assert logits.shape == (3, 9) and weights.shape == ids.shape == (3, 2) and kw["stream"] == 7
+    assert kw["done"] == moe._router_done[(x.device, w.data_ptr())].data_ptr()
+    many = moe.ROUTER_KERNEL_MAX_TOKENS + 1
+    assert moe.moe_router(_inputs(many, 64), w, 8, 2, True) is None
+    assert moe.moe_router(x.float(), w.float(), 8, 2, True) is None
+    assert moe.moe_router(x, w, 10, 2, True) is None  # more experts than rows
+    assert len(calls) == 1
+
+
 def _decode_check(
     tokens, num_experts, top_k, hidden, inter, fmt, *, dtype=torch.bfloat16, group=128, ids=None
 ):

@@ -1,5 +1,8 @@
 """Mixture-of-experts ops: softmax top-k routing and the routed experts' SwiGLU FFN.
 
+Routing: `moe_route` over router logits (one warp per token, any count); for a decode step
+`moe_router` also computes the logits, the router GEMV and the top-k in one launch.
+
 Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate rows first) and
 `down` [E, H, I], as bf16/fp16/fp32 tensors or as int8/int4 `QuantizedWeight`s (ops/quant.py).
 
@@ -103,6 +106,53 @@ def moe_route(
         stream=dispatch.stream_handle(logits),
     )
     return weights, ids
+
+
+# Tokens up to which `moe_router` runs the router as one kernel (csrc/moe.cu: kRouterMaxTokens)
+ROUTER_KERNEL_MAX_TOKENS = 4
+_router_done: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def moe_router(
+    x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A decode step's router in one launch instead of a GEMM and `moe_route`: (logits [N, R] =
+    x @ weight^T, where rows past `experts` are extra outputs such as the shared expert's gate;
+    weights, ids of `moe_route` over the first `experts` columns). None where the kernel does not
+    apply (the caller runs the GEMM and `moe_route`): past ROUTER_KERNEL_MAX_TOKENS tokens, fp32,
+    shapes it does not take."""
+    tokens, hidden = x.shape
+    rows = weight.shape[0]
+    fits = (
+        1 <= tokens <= ROUTER_KERNEL_MAX_TOKENS
+        and dispatch.use_kernel(x, weight)
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and weight.shape[1] == hidden
+        and hidden % 8 == 0
+        and 1 <= top_k <= experts <= rows
+        and 16 * (experts + top_k) <= _MAX_SHARED_BYTES
+        and x.is_contiguous() and weight.is_contiguous()
+        and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+    )
+    if not fits:
+        return None
+    # The kernel's completion counter: one per router weight, so engines never share one; it is
+    # 0 between launches (the last block resets it), and its address stays fixed for CUDA graphs.
+    key = (x.device, weight.data_ptr())
+    done = _router_done.get(key)
+    if done is None:
+        done = _router_done[key] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    logits = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=x.dtype, device=x.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    dispatch.extension().moe_router(
+        logits=logits.data_ptr(), weights=weights.data_ptr(), ids=ids.data_ptr(), done=done.data_ptr(),
+        x=x.data_ptr(), w=weight.data_ptr(), tokens=tokens, hidden=hidden, rows=rows, experts=experts,
+        top_k=top_k, renormalize=renormalize, dtype=dispatch.kernel_dtype(x), device=x.device.index,
+        stream=dispatch.stream_handle(x),
+    )
+    return logits, weights, ids
 
 
 # ---------------------------------------------------------------- experts
