@@ -76,6 +76,29 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None,
     return error
 
 
+# -- the wire ---------------------------------------------------------------------------------------
+
+
+def test_connections_send_small_writes_at_once(server):
+    """Every accepted connection has Nagle's algorithm off (TCP_NODELAY), so a streamed token is
+    not held back waiting for the client's delayed ACK of the previous write (~40 ms each time on
+    a keep-alive connection). Checked on the server's own sockets while a stream is open, on the
+    second request of one connection."""
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
+        for _ in range(2):
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+                state = server._server.server_state  # uvicorn's open connections (its protocol objects)
+                wait_for(lambda: bool(state.connections), timeout=5, what="an open connection")
+                flags = [c.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                         for c in list(state.connections)]
+                assert flags and all(flags), flags
+                assert list(lines)[-2:] == ["data: [DONE]", ""]
+
+
 # -- endpoints ------------------------------------------------------------------------------------
 
 def test_health_and_models(server, client):
