@@ -32,6 +32,7 @@ from ninfer_core.layers.gdn import (
 )
 from ninfer_core.ops import dispatch
 from ninfer_core.ops import gdn as gdn_ops
+from kernel_stub import record_kernel_calls
 
 torch.set_num_threads(1)  # small tensors: thread start-up dominates and cores are shared
 
@@ -230,11 +231,7 @@ def test_kernel_call_passes_each_tensor_in_its_place(monkeypatch):
     """The CUDA branch of the dispatch, run on the CPU against a stand-in extension that records
     the call: every pointer, stride and size reaches the binding argument it belongs to (a swap
     here would only show as wrong numbers on a GPU)."""
-    calls = []
-    fake = SimpleNamespace(gdn_steps=lambda **kw: calls.append(kw), DType=SimpleNamespace(BF16="bf16"))
-    monkeypatch.setattr(dispatch, "extension", lambda: fake)
-    monkeypatch.setattr(dispatch, "stream_handle", lambda t: 7)
-    monkeypatch.setattr(dispatch, "kernel_dtype", lambda t: "bf16")
+    calls = record_kernel_calls(monkeypatch, "gdn_steps")
     monkeypatch.setattr(gdn_ops, "_kernel_applies", lambda step, w: True)
     case = make_case(SMALL_ODD, 2, torch.bfloat16, tokens=3)
     counts = torch.tensor([1, 3])
