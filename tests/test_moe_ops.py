@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from ninfer_core.layers.moe import Experts
 from ninfer_core.ops import dispatch, moe
 from ninfer_core.ops.activation import sigmoid_mul, silu_mul
 from ninfer_core.ops.quant import QuantizedWeight, dequantize, quant_linear, quantize
+from kernel_stub import record_kernel_calls
 
 FORMATS = ["bf16", "int8", "int4"]
 
@@ -344,12 +344,7 @@ def test_router_kernel_matches_the_gemm_and_route(cuda_kernels, tokens, shape, r
 def test_router_call_passes_each_tensor_in_its_place(monkeypatch):
     """moe_router's kernel call on the CPU against a recording stand-in extension; and the cases
     it leaves to the GEMM + moe_route."""
-    calls = []
-    fake = SimpleNamespace(moe_router=lambda **kw: calls.append(kw), DType=SimpleNamespace(BF16="bf16"))
-    monkeypatch.setattr(dispatch, "extension", lambda: fake)
-    monkeypatch.setattr(dispatch, "use_kernel", lambda *tensors: True)
-    monkeypatch.setattr(dispatch, "stream_handle", lambda t: 7)
-    monkeypatch.setattr(dispatch, "kernel_dtype", lambda t: "bf16")
+    calls = record_kernel_calls(monkeypatch, "moe_router")
     x = _inputs(3, 64)
     w = torch.randn(9, 64).to(torch.bfloat16)
     logits, weights, ids = moe.moe_router(x, w, 8, 2, True)
@@ -402,14 +397,7 @@ def test_decode_kernels_match_reference(cuda_kernels, tokens, num_experts, top_k
 def test_shared_expert_call_passes_each_tensor_in_its_place(monkeypatch):
     """moe_experts_with_shared's CUDA branch on the CPU against a stand-in extension that records
     the call: the shared expert's weights, formats, size and gate column reach their arguments."""
-    calls = []
-    kinds = SimpleNamespace(INT8="int8", INT4="int4", DENSE="dense")
-    fake = SimpleNamespace(moe_decode=lambda **kw: calls.append(kw), ExpertKind=kinds,
-                           DType=SimpleNamespace(BF16="bf16"))
-    monkeypatch.setattr(dispatch, "extension", lambda: fake)
-    monkeypatch.setattr(dispatch, "use_kernel", lambda *tensors: True)
-    monkeypatch.setattr(dispatch, "stream_handle", lambda t: 7)
-    monkeypatch.setattr(dispatch, "kernel_dtype", lambda t: "bf16")
+    calls = record_kernel_calls(monkeypatch, "moe_decode")
     hidden, inter, shared_inter = 64, 32, 96
     gate_up, down = _experts(8, hidden, inter, "int4", group=32)
     weights, ids = _routing(2, 8, 2)

@@ -10,7 +10,6 @@ and check which rows take the dequantize + F.linear path; they need ninfer_core.
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,6 +29,7 @@ from ninfer_core.ops.quant import (
     quant_linear_ref,
     quantize,
 )
+from kernel_stub import record_kernel_calls
 
 torch.set_num_threads(2)
 
@@ -412,12 +412,7 @@ def test_epilogue_calls_pass_each_tensor_in_its_place(monkeypatch):
     """The CUDA branch of quant_swiglu / quant_linear_gated, run on the CPU against a stand-in
     extension that records the call: the SwiGLU's output width, the gate's pointer and row stride
     (a strided column of a merged output) and the added tensor reach their binding arguments."""
-    calls = []
-    fake = SimpleNamespace(quant_gemv=lambda **kw: calls.append(kw), DType=SimpleNamespace(BF16="bf16"))
-    monkeypatch.setattr(dispatch, "extension", lambda: fake)
-    monkeypatch.setattr(dispatch, "use_kernel", lambda *tensors: True)
-    monkeypatch.setattr(dispatch, "stream_handle", lambda t: 7)
-    monkeypatch.setattr(dispatch, "kernel_dtype", lambda t: "bf16")
+    calls = record_kernel_calls(monkeypatch, "quant_gemv")
     qw = quantize(_randn(64, 32, seed=1), "int8")
     x = _randn(3, 32, seed=2, dtype=torch.bfloat16)
     out = quant.quant_swiglu(x, qw)
