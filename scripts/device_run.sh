@@ -2,8 +2,9 @@
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
 #   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl
-# Wheels for packages missing there travel in .whl/; `scripts/make_bench_model.py` writes the
-# weight-less exact-shape model directories (.bench/) that `serve` uses.
+# Wheels for packages missing there travel in .whl/ (pytest-xdist + execnet, py-spy, xgrammar, ...);
+# `scripts/make_bench_model.py` writes the weight-less exact-shape model directories (.bench/)
+# that `serve` uses.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -27,8 +28,11 @@ for step in "$@"; do
   echo "== step $step"
   case $step in
   tests)
+    # pytest-xdist (its wheel and execnet's in .whl/) runs TEST_WORKERS processes on the one GPU
+    workers=""
+    python3 -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-4}"
     timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors \
-      ${TESTS:-tests/} 2>&1 | tee "$OUT/pytest_cuda.log" | grep -vE "^(SKIPPED|PASSED)" | tail -60 ;;
+      $workers ${TESTS:-tests/} 2>&1 | tee "$OUT/pytest_cuda.log" | grep -vE "^(SKIPPED|PASSED)" | tail -60 ;;
   kernels)
     for k in quant moe gdn attention sampling; do
       timeout 300 python3 scripts/bench_$k.py "$OUT/kernel_$k.json" > "$OUT/kernel_$k.log" 2>&1
