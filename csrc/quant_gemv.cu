@@ -556,12 +556,8 @@ void quant_gemv(const QuantGemvArgs& a) {
   const int tiles = a.m > 8 ? 2 : 1;
   const auto row_blocks = static_cast<unsigned>((a.m + 8 * tiles - 1) / (8 * tiles));
   const int split = choose_split(a, row_tiles(a.n, Layout::Dense) * row_blocks);
-  switch (a.dtype) {
-    case DType::F32: launch_typed<float, Layout::Dense>(a, split, tiles, row_blocks); break;
-    case DType::F16: launch_typed<__half, Layout::Dense>(a, split, tiles, row_blocks); break;
-    case DType::BF16: launch_typed<__nv_bfloat16, Layout::Dense>(a, split, tiles, row_blocks); break;
-    default: throw std::invalid_argument("quant_gemv: unsupported dtype");
-  }
+  by_dtype(a.dtype, "quant_gemv",
+           [&](auto t) { launch_typed<decltype(t), Layout::Dense>(a, split, tiles, row_blocks); });
 }
 
 void moe_grouped_gemv(const GroupedGemvArgs& g) {
