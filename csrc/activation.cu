@@ -56,11 +56,7 @@ void silu_mul(const SiluMulArgs& a) {
     launch_kernel("silu_mul kernel launch", silu_mul_kernel<T>, blocks, 256, 0, stream,
                   reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x), a.rows, a.cols);
   };
-  switch (a.dtype) {
-    case DType::F32: go(float{}); break;
-    case DType::F16: go(__half{}); break;
-    case DType::BF16: go(__nv_bfloat16{}); break;
-  }
+  by_dtype(a.dtype, "silu_mul", go);
 }
 
 template <typename T>
@@ -75,11 +71,7 @@ void sigmoid_mul(const SigmoidMulArgs& a) {
   if (a.gate_cols != 1 && a.gate_cols != a.cols) throw std::invalid_argument("sigmoid_mul: gate_cols must be 1 or cols");
   DeviceGuard guard(a.device);
   const cudaStream_t stream = as_stream(a.stream);
-  switch (a.dtype) {
-    case DType::F32: launch_sigmoid_mul<float>(a, stream); break;
-    case DType::F16: launch_sigmoid_mul<__half>(a, stream); break;
-    case DType::BF16: launch_sigmoid_mul<__nv_bfloat16>(a, stream); break;
-  }
+  by_dtype(a.dtype, "sigmoid_mul", [&](auto t) { launch_sigmoid_mul<decltype(t)>(a, stream); });
 }
 
 }  // namespace ninfer

@@ -19,9 +19,6 @@ inline void check_cuda(cudaError_t err, const char* what) {
   }
 }
 
-// Launch errors (bad configuration, no kernel image for this GPU) surface here, not later.
-inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
-
 inline cudaStream_t as_stream(std::uintptr_t handle) {
   return reinterpret_cast<cudaStream_t>(handle);
 }

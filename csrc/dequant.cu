@@ -65,11 +65,7 @@ void dequant(const DequantArgs& a) {
   if (!is_aligned(a.out, 16) || !is_aligned(a.qweight, 8)) throw std::invalid_argument("dequant: misaligned pointers");
   DeviceGuard guard(a.device);
   const cudaStream_t stream = as_stream(a.stream);
-  switch (a.dtype) {
-    case DType::F32: launch<float>(a, stream); break;
-    case DType::F16: launch<__half>(a, stream); break;
-    case DType::BF16: launch<__nv_bfloat16>(a, stream); break;
-  }
+  by_dtype(a.dtype, "dequant", [&](auto t) { launch<decltype(t)>(a, stream); });
 }
 
 }  // namespace ninfer

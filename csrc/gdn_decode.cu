@@ -316,12 +316,7 @@ void gdn_steps(const GdnStepsArgs& a) {
   }
   if (a.batch == 0) return;
   DeviceGuard guard(a.device);
-  switch (a.dtype) {
-    case DType::F32: launch<float>(a); break;
-    case DType::F16: launch<__half>(a); break;
-    case DType::BF16: launch<__nv_bfloat16>(a); break;
-    default: throw std::invalid_argument("gdn_steps: unsupported dtype");
-  }
+  by_dtype(a.dtype, "gdn_steps", [&](auto t) { launch<decltype(t)>(a); });
 }
 
 }  // namespace ninfer

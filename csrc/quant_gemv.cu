@@ -590,20 +590,14 @@ void quant_gemv(const QuantGemvArgs& a) {
   const int tiles = a.m > 8 ? 2 : 1;
   const auto row_blocks = static_cast<unsigned>((a.m + 8 * tiles - 1) / (8 * tiles));
   const int split = choose_split(a, row_tiles(a.n, layout) * row_blocks);
-  const auto go = [&](auto type) {
+  by_dtype(a.dtype, "quant_gemv", [&](auto type) {
     using T = decltype(type);
     if (a.gate_up) {
       launch_typed<T, Layout::GateUp, false>(a, split, tiles, row_blocks);
     } else {
       launch_typed<T, Layout::Dense, false>(a, split, tiles, row_blocks);
     }
-  };
-  switch (a.dtype) {
-    case DType::F32: go(float{}); break;
-    case DType::F16: go(__half{}); break;
-    case DType::BF16: go(__nv_bfloat16{}); break;
-    default: throw std::invalid_argument("quant_gemv: unsupported dtype");
-  }
+  });
 }
 
 void moe_grouped_gemv(const GroupedGemvArgs& g) {

@@ -126,12 +126,7 @@ void rmsnorm(const RmsNormArgs& a) {
   }
   if (a.rows == 0) return;
   DeviceGuard guard(a.device);
-  switch (a.dtype) {
-    case DType::F32: launch_weight<float>(a); break;
-    case DType::F16: launch_weight<__half>(a); break;
-    case DType::BF16: launch_weight<__nv_bfloat16>(a); break;
-    default: throw std::invalid_argument("rmsnorm: unsupported dtype");
-  }
+  by_dtype(a.dtype, "rmsnorm", [&](auto t) { launch_weight<decltype(t)>(a); });
 }
 
 }  // namespace ninfer

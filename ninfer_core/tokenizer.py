@@ -119,9 +119,11 @@ class Tokenizer:
         cached = self._bytes_of.get(token_id)
         if cached is None:
             added = self._added.get(token_id)
-            piece = None if added is not None or token_id < 0 else self.backend.id_to_token(token_id)
-            cached = added.content.encode() if added is not None else b"" if piece is None else \
-                self._piece_bytes(piece)
+            if added is not None:
+                cached = added.content.encode()
+            else:
+                piece = self.backend.id_to_token(token_id) if token_id >= 0 else None
+                cached = b"" if piece is None else self._piece_bytes(piece)
             self._bytes_of[token_id] = cached
         return cached
 

@@ -110,8 +110,9 @@ def main() -> None:
           f"{'bf16 us':>9}{'GB/s':>8}{'x bf16':>8}{'deq+GEMM':>9}")
     results = []
     picked = set(args.shapes.split(",")) if args.shapes else {name for name, _, _ in SHAPES}
+    rows = tuple(int(v) for v in args.rows.split(","))
     for name, n, k in (shape for shape in SHAPES if shape[0] in picked):
-        for r in bench_shape(name, n, k, args.iters, tuple(int(v) for v in args.rows.split(","))):
+        for r in bench_shape(name, n, k, args.iters, rows):
             results.append(r)
             print(f"{name:<14}{f'{n}x{k}':>14}{r['rows']:>3} {r['kind']:<5}{r['us']:>9.2f}"
                   f"{r['gbps']:>8.0f}{r['bf16_us']:>9.2f}{r['bf16_gbps']:>8.0f}"

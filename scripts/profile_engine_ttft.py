@@ -1,6 +1,7 @@
 """Where an engine TTFT goes beyond one forward: wall time against GPU busy time per prompt length,
 through the engine loop (scheduler, prompt chunks, prefix-cache checkpoints, sampling), with the
-largest kernels, the host ops by self CPU time and the peak memory above the loaded engine. Compare with `profile_prefill.py` (one forward).
+largest kernels, the host ops by self CPU time and the peak memory above the loaded engine.
+Compare with `profile_prefill.py` (one forward).
     python3 scripts/profile_engine_ttft.py .bench/qwen3.6-35b-a3b --lengths 2048,8192 [--prefill-chunk 8192]
 """
 
