@@ -8,13 +8,15 @@ must be identical whatever else shares the steps.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.engine.scheduler import StepPlan
-from ninfer_core.llm import LLM, EngineOptions
+from ninfer_core.llm import LLM, EngineOptions, default_prefill_chunk
 from ninfer_core.models.decoder import DecoderModel
 from tiny_model_dir import write_tiny_model_dir
 
@@ -225,6 +227,39 @@ def test_penalty_tables_equal_the_host_reference():
     logits = torch.randn(rows, vocab, generator=gen) * 3
     expected = apply_penalties(logits, params, [TokenHistory(p, o) for p, o in zip(prompts, outputs)])
     assert torch.equal(tables.apply(logits, slots, params), expected)
+
+
+def test_warm_up_runs_a_whole_chunk_then_each_length_alone_then_together(model_dir, monkeypatch):
+    """The prompts go in as batches run to completion one after another: one of a whole prefill
+    chunk (capped by the context), each length alone, then all of them together."""
+    llm = make_llm(model_dir, prefill_chunk=100)
+    engine = llm.engine
+    batches: list[list[int]] = [[]]
+    add, generate = engine.add_request, engine.generate
+
+    def recording_add(request):
+        batches[-1].append(len(request.prompt_token_ids))
+        add(request)
+
+    def recording_generate(requests):
+        batches.append([])
+        return generate(requests)
+
+    monkeypatch.setattr(engine, "add_request", recording_add)
+    monkeypatch.setattr(engine, "generate", recording_generate)
+    engine.warm_up((5, 40, 300))
+    capped = min(300, engine.max_context - 3)  # prompts leave room for their answers
+    assert capped < 300
+    assert batches[:-1] == [[100], [5], [40], [capped], [5, 40, capped]]
+
+
+def test_default_prefill_chunk_follows_the_gpu_memory(monkeypatch):
+    """8,192 tokens a forward on GPUs of 48 GiB or more, 4,096 below, 1,024 on the CPU."""
+    assert default_prefill_chunk(torch.device("cpu")) == 1024
+    for gib, chunk in ((24, 4096), (47, 4096), (48, 8192), (141, 8192)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device, gib=gib: SimpleNamespace(total_memory=gib << 30))
+        assert default_prefill_chunk(torch.device("cuda", 0)) == chunk
 
 
 @pytest.mark.parametrize("spec", [None, "ngram"])
