@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(kThreads)
     shared = warp_sum(shared);
     const float g = to_float(shared_gate[n * gate_stride]);
     const float gate = round_to<T>(1.0f / (1.0f + expf(-g)));
-    acc = round_to<T>(acc) + round_to<T>(round_to<T>(shared) * gate);
+    acc = round_to<T>(acc) + round_to<T>(__fmul_rn(round_to<T>(shared), gate));
   }
   if (lane == 0) out[static_cast<std::int64_t>(n) * hidden + r] = from_float<T>(acc);
 }

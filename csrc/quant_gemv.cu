@@ -472,7 +472,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
         if (gate != nullptr) {  // csrc/activation.cu's sigmoid_mul roundings
           const float g = to_float(gate[out_row * epilogue.gate_stride]);
           const float s = to_float(from_float<T>(1.0f / (1.0f + expf(-g))));
-          v = to_float(from_float<T>(to_float(from_float<T>(v)) * s));
+          v = to_float(from_float<T>(__fmul_rn(to_float(from_float<T>(v)), s)));
         }
         if (add != nullptr) v = to_float(add[at]) + to_float(from_float<T>(v));
         out[at] = from_float<T>(v);

@@ -364,7 +364,10 @@ def test_kernel_matches_reference(cuda_kernels, shape, kind, dtype, rows):
         _assert_close(out, exact, OUT_RTOL[dtype], ROUNDED_W_ATOL[dtype])
     else:
         _assert_close(out, exact, OUT_RTOL[dtype], OUT_ATOL[dtype])
-    assert torch.equal(quant_linear(x, qw, bias), out)  # the public op runs the same kernel
+    if rows <= quant.CUDA_MAX_GEMV_ROWS:
+        assert torch.equal(quant_linear(x, qw, bias), out)  # the public op runs the same kernel
+    else:  # past the crossover the public op dequantizes and runs the GEMM
+        _assert_close(quant_linear(x, qw, bias), exact, OUT_RTOL[dtype], ROUNDED_W_ATOL[dtype])
 
 
 @pytest.mark.cuda
@@ -447,7 +450,7 @@ def test_swiglu_epilogue_equals_linear_then_silu_mul(cuda_kernels, monkeypatch, 
     quant_linear + the silu_mul kernel (same sums, same roundings), close to float64 math."""
     inter, k = 1024, 2048
     qw, w64 = _cuda_weight(kind, 2 * inter, k, group)
-    x = _cuda_x(rows, k, seed=rows + 31, dtype=dtype)
+    x = _cuda_x(rows, k, seed=rows + 31, dtype=dtype) / 4  # SiLU(gate) * up stays within float16
     composed = silu_mul(quant_linear(x, qw))
     monkeypatch.setattr(quant, "silu_mul", _must_not_run("silu_mul"))
     fused = quant.quant_swiglu(x[None], qw)
