@@ -34,7 +34,9 @@ __global__ void sigmoid_mul_kernel(T* out, const T* x, const T* __restrict__ gat
     const std::int64_t r = i / cols, c = i - r * cols;
     const float g = to_float(gate[r * gate_stride + (gate_cols == 1 ? 0 : c)]);
     const float s = to_float(rounded<T>(1.0f / (1.0f + expf(-g))));
-    float v = to_float(rounded<T>(to_float(x[i]) * s));
+    // __fmul_rn: never contracted into an FMA with the add (quant_gemv's and moe's epilogues
+    // round the same way, and their results must equal this kernel's bit for bit)
+    float v = to_float(rounded<T>(__fmul_rn(to_float(x[i]), s)));
     if (add != nullptr) v = to_float(add[i]) + v;
     out[i] = rounded<T>(v);
   }

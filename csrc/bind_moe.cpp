@@ -26,6 +26,20 @@ void bind_moe(py::module_& m) {
       "Softmax top-k routing, one warp per token. See csrc/moe.h.");
 
   m.def(
+      "moe_router",
+      [](std::uintptr_t logits, std::uintptr_t weights, std::uintptr_t ids, std::uintptr_t done,
+         std::uintptr_t x, std::uintptr_t w, std::int64_t tokens, std::int64_t hidden, std::int64_t rows,
+         std::int64_t experts, std::int64_t top_k, bool renormalize, DType dtype, int device,
+         std::uintptr_t stream) {
+        moe_router({logits, weights, ids, done, x, w, tokens, hidden, rows, experts, top_k, renormalize, dtype,
+                    device, stream});
+      },
+      py::arg("logits"), py::arg("weights"), py::arg("ids"), py::arg("done"), py::arg("x"), py::arg("w"),
+      py::arg("tokens"), py::arg("hidden"), py::arg("rows"), py::arg("experts"), py::arg("top_k"),
+      py::arg("renormalize"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
+      "A decode step's router GEMV + softmax top-k in one launch. See csrc/moe.h.");
+
+  m.def(
       "moe_align",
       [](std::uintptr_t sorted_slots, std::uintptr_t block_experts, std::uintptr_t used,
          std::uintptr_t ids, std::int64_t slots, std::int64_t experts, int block_m,
@@ -45,20 +59,30 @@ void bind_moe(py::module_& m) {
          std::uintptr_t down_scales, ExpertKind down_kind, int down_group_size,
          std::int64_t tokens, std::int64_t top_k, std::int64_t hidden, std::int64_t inter,
          std::int64_t experts, DType dtype, DType weights_dtype, int device,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, std::uintptr_t shared_gate_up, std::uintptr_t shared_gate_up_scales,
+         ExpertKind shared_gate_up_kind, int shared_gate_up_group_size, std::uintptr_t shared_down,
+         std::uintptr_t shared_down_scales, ExpertKind shared_down_kind, int shared_down_group_size,
+         std::int64_t shared_inter, std::uintptr_t shared_gate, std::int64_t shared_gate_stride) {
         moe_decode({out, h, x, weights, ids,
                     {gate_up, gate_up_scales, gate_up_kind, gate_up_group_size},
                     {down, down_scales, down_kind, down_group_size}, tokens, top_k, hidden, inter,
-                    experts, dtype, weights_dtype, device, stream});
+                    experts, dtype, weights_dtype, device, stream,
+                    {shared_gate_up, shared_gate_up_scales, shared_gate_up_kind, shared_gate_up_group_size},
+                    {shared_down, shared_down_scales, shared_down_kind, shared_down_group_size},
+                    shared_inter, shared_gate, shared_gate_stride});
       },
       py::arg("out"), py::arg("h"), py::arg("x"), py::arg("weights"), py::arg("ids"),
       py::arg("gate_up"), py::arg("gate_up_scales"), py::arg("gate_up_kind"),
       py::arg("gate_up_group_size"), py::arg("down"), py::arg("down_scales"),
       py::arg("down_kind"), py::arg("down_group_size"), py::arg("tokens"), py::arg("top_k"),
       py::arg("hidden"), py::arg("inter"), py::arg("experts"), py::arg("dtype"),
-      py::arg("weights_dtype"), py::arg("device"), py::arg("stream"),
+      py::arg("weights_dtype"), py::arg("device"), py::arg("stream"), py::arg("shared_gate_up") = 0,
+      py::arg("shared_gate_up_scales") = 0, py::arg("shared_gate_up_kind") = ExpertKind::Int8,
+      py::arg("shared_gate_up_group_size") = 0, py::arg("shared_down") = 0, py::arg("shared_down_scales") = 0,
+      py::arg("shared_down_kind") = ExpertKind::Int8, py::arg("shared_down_group_size") = 0,
+      py::arg("shared_inter") = 0, py::arg("shared_gate") = 0, py::arg("shared_gate_stride") = 0,
       "Routed experts of a few tokens: gate_up GEMV + SwiGLU, then down GEMV summed over the "
-      "experts. See csrc/moe.h.");
+      "experts, optionally with a gated shared expert. See csrc/moe.h.");
 }
 
 }  // namespace ninfer

@@ -7,6 +7,7 @@
 // memory and every product is accumulated in fp32.
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "common.cuh"
 #include "launch.cuh"
@@ -191,43 +192,52 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Block (row tile, pair): warp i computes gate row i and up row i of the pair's expert and
-// writes h[pair, i] with the reference's roundings (linear, silu and product each in T).
+// No shared expert in a decode step (the kernels' WS type); never loaded from.
+struct NoShared {
+  static constexpr int kVec = 16;
+};
+
+template <typename WS>
+inline constexpr bool kHasShared = !std::is_same_v<WS, NoShared>;
+
+// One block's gate_up rows of one expert: warp i computes output i (gate row gate_row + i, up row
+// gate_row + rows + i) and writes h_row[i] with the reference's roundings (linear, silu and
+// product each in T); a dead expert writes 0. The first kUnroll vectors of both rows are
+// requested before x is staged, so the staging runs under their DRAM latency (at the 35B shape
+// they are all of the row).
 template <typename T, typename W>
-__global__ void __launch_bounds__(kThreads)
-    gate_up_kernel(T* __restrict__ h, const T* __restrict__ x, const int* __restrict__ ids, W w,
-                   int top_k, int hidden, int inter, int experts) {
-  enter_kernel();
-  extern __shared__ float4 smem[];
-  float* xs = reinterpret_cast<float*>(smem);
-  const int pair = blockIdx.y;
-  stage<W::kVec>(xs, x + static_cast<std::int64_t>(pair / top_k) * hidden, hidden);
-  __syncthreads();
+__device__ __forceinline__ void gate_up_rows(T* h_row, const T* x_row, const W& w, std::int64_t gate_row,
+                                             int rows, bool expert_live, int hidden, float* xs) {
   const int lane = threadIdx.x & 31;
   const int i = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (i >= inter) return;
-  const int e = ids[pair];
+  const bool live = expert_live && i < rows;  // uniform over the warp
+  const std::int64_t g_row = live ? gate_row + i : 0;
+  const std::int64_t u_row = g_row + rows;
+  const int nvec = hidden / W::kVec;
+  uint4 wg[kUnroll];
+  uint4 wu[kUnroll];
+  float sg[kUnroll];
+  float su[kUnroll];
+  const auto load = [&](int c0) {
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int c = c0 + 32 * k;
+      if (live && c < nvec) {
+        wg[k] = w.load(g_row, c);
+        wu[k] = w.load(u_row, c);
+        sg[k] = w.scale(g_row, c);
+        su[k] = w.scale(u_row, c);
+      }
+    }
+  };
+  load(lane);
+  stage<W::kVec>(xs, x_row, hidden);
+  __syncthreads();
+  if (i >= rows) return;
   float g = 0.0f;
   float u = 0.0f;
-  if (e >= 0 && e < experts) {  // uniform over the block
-    const std::int64_t gate_row = static_cast<std::int64_t>(e) * 2 * inter + i;
-    const std::int64_t up_row = gate_row + inter;
-    const int nvec = hidden / W::kVec;
-    for (int c0 = lane; c0 < nvec; c0 += 32 * kUnroll) {
-      uint4 wg[kUnroll];
-      uint4 wu[kUnroll];
-      float sg[kUnroll];
-      float su[kUnroll];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        const int c = c0 + 32 * k;
-        if (c < nvec) {
-          wg[k] = w.load(gate_row, c);
-          wu[k] = w.load(up_row, c);
-          sg[k] = w.scale(gate_row, c);
-          su[k] = w.scale(up_row, c);
-        }
-      }
+  if (live) {
+    for (int c0 = lane;;) {
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int c = c0 + 32 * k;
@@ -236,6 +246,9 @@ __global__ void __launch_bounds__(kThreads)
           u = fmaf(su[k], w.dot(wu[k], xs, c), u);
         }
       }
+      c0 += 32 * kUnroll;
+      if (c0 >= nvec) break;
+      load(c0);
     }
     g = warp_sum(g);
     u = warp_sum(u);
@@ -243,78 +256,149 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) {
     const float gate = round_to<T>(g);
     const float act = round_to<T>(gate / (1.0f + expf(-gate)));
-    h[static_cast<std::int64_t>(pair) * inter + i] = from_float<T>(act * round_to<T>(u));
+    h_row[i] = from_float<T>(act * round_to<T>(u));
   }
 }
 
+// Block (row tile, y): y < routed_pairs is the (token, slot) pair y's expert, into h[token, slot];
+// past it, the shared expert of token y - routed_pairs (WS weights [2 shared_inter, hidden]),
+// into h[token, top_k] (h rows are h_stride = top_k * inter + shared_inter long).
+template <typename T, typename W, typename WS>
+__global__ void __launch_bounds__(kThreads)
+    gate_up_kernel(T* __restrict__ h, const T* __restrict__ x, const int* __restrict__ ids, W w, WS ws,
+                   int routed_pairs, int top_k, int hidden, int inter, int experts, int shared_inter,
+                   int h_stride) {
+  enter_kernel();
+  extern __shared__ float4 smem[];
+  float* xs = reinterpret_cast<float*>(smem);
+  const int y = blockIdx.y;
+  if (kHasShared<WS> && y >= routed_pairs) {
+    if constexpr (kHasShared<WS>) {
+      const int n = y - routed_pairs;
+      gate_up_rows<T>(h + static_cast<std::int64_t>(n) * h_stride + top_k * inter,
+                      x + static_cast<std::int64_t>(n) * hidden, ws, 0, shared_inter, true, hidden, xs);
+    }
+    return;
+  }
+  const int n = y / top_k;
+  const int e = ids[y];
+  gate_up_rows<T>(h + static_cast<std::int64_t>(n) * h_stride + (y % top_k) * inter,
+                  x + static_cast<std::int64_t>(n) * hidden, w, static_cast<std::int64_t>(e) * 2 * inter, inter,
+                  e >= 0 && e < experts, hidden, xs);
+}
+
 // Block (row tile, token): warp r computes out[token, r] over the token's k experts at once, the
-// k down rows laid end to end as one row of k * inter elements against h[token] (k * inter).
-template <typename T, typename W>
+// k down rows laid end to end as one row of k * inter elements against h[token] (k * inter). The
+// first loads (their expert ids read from global memory) go out before the kernel waits for
+// gate_up, the kernel launched just before it (programmatic dependent launch): the ids and
+// weights come from the routing before that, already complete. With a shared expert the warp
+// also takes its down row r (WS [hidden, shared_inter]) against h[token, top_k] and ends as the
+// composition would: round(round(routed) + round(round(shared) * round(sigmoid(gate[token])))).
+template <typename T, typename W, typename WS>
 __global__ void __launch_bounds__(kThreads)
     down_kernel(T* __restrict__ out, const T* __restrict__ h, const void* __restrict__ weights,
-                DType weights_dtype, const int* __restrict__ ids, W w, int top_k, int hidden,
-                int inter, int experts) {
-  enter_kernel();
+                DType weights_dtype, const int* __restrict__ ids, W w, WS ws, int top_k, int hidden,
+                int inter, int experts, int shared_inter, int h_stride, const T* __restrict__ shared_gate,
+                std::int64_t gate_stride) {
   extern __shared__ float4 smem[];
   const int n = blockIdx.y;
   const int span = top_k * inter;
   float* hs = reinterpret_cast<float*>(smem);
-  float* slot_weight = hs + span;
-  int* slot_expert = reinterpret_cast<int*>(slot_weight + top_k);  // -1: contributes nothing
-  stage<W::kVec>(hs, h + static_cast<std::int64_t>(n) * span, span);
-  for (int j = threadIdx.x; j < top_k; j += blockDim.x) {
-    const int e = ids[n * top_k + j];
-    slot_expert[j] = e >= 0 && e < experts ? e : -1;
-    slot_weight[j] = load_float(weights, n * top_k + j, weights_dtype);
-  }
-  __syncthreads();
+  float* hs_shared = hs + span;
+  float* slot_weight = hs_shared + (kHasShared<WS> ? shared_inter : 0);
   const int lane = threadIdx.x & 31;
   const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (r >= hidden) return;
   const int row_vecs = inter / W::kVec;
   const int nvec = top_k * row_vecs;
   int j = lane / row_vecs;  // slot and chunk of the flattened vector index t, advanced with t
   int c = lane % row_vecs;
-  float acc = 0.0f;
-  for (int t0 = lane; t0 < nvec; t0 += 32 * kUnroll) {
-    uint4 v[kUnroll];
-    float s[kUnroll];
-    bool live[kUnroll];
+  uint4 v[kUnroll];
+  float s[kUnroll];
+  int slot[kUnroll];
+  bool live[kUnroll];
+  const auto load = [&](int t0) {
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-      const int e = t0 + 32 * k < nvec ? slot_expert[j] : -1;
-      live[k] = e >= 0;
+      int e = -1;
+      if (r < hidden && t0 + 32 * k < nvec) e = __ldg(ids + n * top_k + j);
+      live[k] = e >= 0 && e < experts;  // an id outside [0, experts) contributes nothing
+      slot[k] = j;
       if (live[k]) {
         const std::int64_t row = static_cast<std::int64_t>(e) * hidden + r;
         v[k] = w.load(row, c);
-        s[k] = slot_weight[j] * w.scale(row, c);
+        s[k] = w.scale(row, c);
       }
       for (c += 32; c >= row_vecs; c -= row_vecs) ++j;
     }
+  };
+  const int shared_vecs = kHasShared<WS> ? shared_inter / WS::kVec : 0;
+  uint4 sv[kUnroll];
+  float ss[kUnroll];
+  const auto load_shared = [&](int c0) {
+    if constexpr (kHasShared<WS>) {
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (r < hidden && c0 + 32 * k < shared_vecs) {
+          sv[k] = ws.load(r, c0 + 32 * k);
+          ss[k] = ws.scale(r, c0 + 32 * k);
+        }
+      }
+    }
+  };
+  load(lane);
+  load_shared(lane);
+  enter_kernel();  // h is gate_up's output
+  const T* h_row = h + static_cast<std::int64_t>(n) * h_stride;
+  stage<W::kVec>(hs, h_row, span);
+  if constexpr (kHasShared<WS>) stage<WS::kVec>(hs_shared, h_row + span, shared_inter);
+  for (int jj = threadIdx.x; jj < top_k; jj += blockDim.x) {
+    slot_weight[jj] = load_float(weights, n * top_k + jj, weights_dtype);
+  }
+  __syncthreads();
+  if (r >= hidden) return;
+  float acc = 0.0f;
+  for (int t0 = lane;;) {
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-      if (live[k]) acc = fmaf(s[k], w.dot(v[k], hs, t0 + 32 * k), acc);
+      if (live[k]) acc = fmaf(slot_weight[slot[k]] * s[k], w.dot(v[k], hs, t0 + 32 * k), acc);
     }
+    t0 += 32 * kUnroll;
+    if (t0 >= nvec) break;
+    load(t0);
   }
   acc = warp_sum(acc);
+  if constexpr (kHasShared<WS>) {
+    float shared = 0.0f;
+    for (int c0 = lane;;) {
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (c0 + 32 * k < shared_vecs) shared = fmaf(ss[k], ws.dot(sv[k], hs_shared, c0 + 32 * k), shared);
+      }
+      c0 += 32 * kUnroll;
+      if (c0 >= shared_vecs) break;
+      load_shared(c0);
+    }
+    shared = warp_sum(shared);
+    const float g = to_float(shared_gate[n * gate_stride]);
+    const float gate = round_to<T>(1.0f / (1.0f + expf(-g)));
+    acc = round_to<T>(acc) + round_to<T>(__fmul_rn(round_to<T>(shared), gate));
+  }
   if (lane == 0) out[static_cast<std::int64_t>(n) * hidden + r] = from_float<T>(acc);
 }
 
-// One warp per token: softmax in fp32 into shared memory, then top_k rounds of a warp argmax
-// (ties to the lower id); each winner is knocked out with -1 (probabilities are >= 0).
+// One warp routes one token: softmax of its logits row in fp32 into probs (experts + top_k
+// floats of shared memory), then top_k rounds of a warp argmax (ties to the lower id); each
+// winner is knocked out with -1 (probabilities are >= 0). The row is read through L2 (__ldcg):
+// the router kernel's last block reads rows other blocks wrote.
 template <typename T>
-__global__ void __launch_bounds__(32)
-    route_kernel(T* __restrict__ weights, int* __restrict__ ids, const T* __restrict__ logits,
-                 int experts, int top_k, bool renormalize) {
-  enter_kernel();
-  extern __shared__ float probs[];
+__device__ __forceinline__ void route_token(T* __restrict__ weights, int* __restrict__ ids, const T* row,
+                                            float* probs, std::int64_t token, int experts, int top_k,
+                                            bool renormalize) {
   float* chosen = probs + experts;
-  const int lane = threadIdx.x;
-  const std::int64_t token = blockIdx.x;
-  const T* row = logits + token * experts;
+  const int lane = threadIdx.x & 31;
   float top = -INFINITY;
   for (int i = lane; i < experts; i += 32) {
-    probs[i] = to_float(row[i]);
+    probs[i] = to_float(__ldcg(row + i));
     top = fmaxf(top, probs[i]);
   }
   top = warp_max(top);
@@ -356,6 +440,88 @@ __global__ void __launch_bounds__(32)
   for (int j = lane; j < top_k; j += 32) {
     weights[token * top_k + j] = from_float<T>(renormalize ? chosen[j] / total : chosen[j]);
   }
+}
+
+// One warp per token (route_token).
+template <typename T>
+__global__ void __launch_bounds__(32)
+    route_kernel(T* __restrict__ weights, int* __restrict__ ids, const T* __restrict__ logits,
+                 int experts, int top_k, bool renormalize) {
+  enter_kernel();
+  extern __shared__ float probs[];
+  const std::int64_t token = blockIdx.x;
+  route_token(weights, ids, logits + token * experts, probs, token, experts, top_k, renormalize);
+}
+
+// The router of a decode step in one launch: warp r of the grid computes logits row r (the
+// router's rows, then extra ones such as the shared expert's gate) for every token, rounded to T
+// as the GEMM's output is; the block that finishes last routes each token over the first
+// `experts` rows (route_token) and resets the `done` counter for the next launch / replay.
+constexpr int kRouterWarps = 4;  // small blocks: the ~1 MB of router rows spreads over the SMs
+constexpr int kRouterMaxTokens = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kRouterWarps * 32)
+    router_kernel(T* logits, T* __restrict__ weights, int* __restrict__ ids, unsigned* done,
+                  const T* __restrict__ x, const T* __restrict__ w, int tokens, int hidden, int rows,
+                  int experts, int top_k, bool renormalize) {
+  extern __shared__ float probs[];  // kRouterWarps x (experts + top_k), for the last block
+  __shared__ bool last;
+  constexpr int kPer = 8;  // elements of a 16-byte vector
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int r = blockIdx.x * kRouterWarps + warp;
+  const int nvec = hidden / kPer;
+  const bool live = r < rows;  // uniform over the warp
+  uint4 wv[kUnroll];
+  const auto load = [&](int c0) {
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int c = c0 + 32 * k;
+      if (live && c < nvec) wv[k] = __ldg(reinterpret_cast<const uint4*>(w + static_cast<std::int64_t>(r) * hidden) + c);
+    }
+  };
+  load(lane);  // the router's rows are constant: they load before the wait for x
+  enter_kernel();
+  float acc[kRouterMaxTokens] = {};
+  if (live) {
+    for (int c0 = lane;;) {
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int c = c0 + 32 * k;
+        if (c < nvec) {
+          const Vec<T, kPer> wt = *reinterpret_cast<const Vec<T, kPer>*>(&wv[k]);
+#pragma unroll
+          for (int n = 0; n < kRouterMaxTokens; ++n) {
+            if (n < tokens) {
+              const Vec<T, kPer> xt = reinterpret_cast<const Vec<T, kPer>*>(x + static_cast<std::int64_t>(n) * hidden)[c];
+#pragma unroll
+              for (int i = 0; i < kPer; ++i) acc[n] = fmaf(to_float(wt.v[i]), to_float(xt.v[i]), acc[n]);
+            }
+          }
+        }
+      }
+      c0 += 32 * kUnroll;
+      if (c0 >= nvec) break;
+      load(c0);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < kRouterMaxTokens; ++n) {
+    const float v = warp_sum(acc[n]);
+    if (live && lane == 0 && n < tokens) logits[static_cast<std::int64_t>(n) * rows + r] = from_float<T>(v);
+  }
+  __threadfence();  // this block's logits are visible before it counts itself done
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int n = warp; n < tokens; n += kRouterWarps) {
+    route_token(weights, ids, logits + static_cast<std::int64_t>(n) * rows, probs + warp * (experts + top_k), n,
+                experts, top_k, renormalize);
+  }
+  if (threadIdx.x == 0) *done = 0;
 }
 
 // One block: the slots of ids [slots] grouped by expert in blocks of block_m positions (see
@@ -475,30 +641,67 @@ void with_weights(const ExpertWeights& ew, int cols, Launch&& launch) {
   }
 }
 
+// The shared expert's weights as a kernel type (int8 / int4; moe_decode checked it), or NoShared.
+template <typename Launch>
+void with_shared(const ExpertWeights& ew, int cols, Launch&& launch) {
+  if (ew.weight == 0) {
+    launch(NoShared{});
+  } else if (ew.kind == ExpertKind::Int8) {
+    launch(Int8Weights{reinterpret_cast<const uint4*>(ew.weight), reinterpret_cast<const float*>(ew.scales),
+                       cols / Int8Weights::kVec});
+  } else {
+    int shift = 0;
+    while ((32 << shift) < ew.group_size) ++shift;
+    launch(Int4Weights{reinterpret_cast<const uint4*>(ew.weight), reinterpret_cast<const __nv_bfloat16*>(ew.scales),
+                       cols / Int4Weights::kVec, cols / ew.group_size, shift});
+  }
+}
+
+// Shared experts ride along with 16-bit activations and quantized routed experts only (every
+// quantized recipe); other combinations instantiate the kernels without one.
+template <typename T, typename W, typename Launch>
+void with_shared_for(const ExpertWeights& ew, int cols, Launch&& launch) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<W, DenseWeights<T>>) {
+    launch(NoShared{});
+  } else {
+    with_shared(ew, cols, launch);
+  }
+}
+
 template <typename T>
 void launch_decode(const MoeDecodeArgs& a) {
   const int top_k = static_cast<int>(a.top_k);
   const int hidden = static_cast<int>(a.hidden);
   const int inter = static_cast<int>(a.inter);
   const int experts = static_cast<int>(a.experts);
+  const int shared_inter = static_cast<int>(a.shared_inter);
+  const int h_stride = top_k * inter + shared_inter;
+  const int routed_pairs = static_cast<int>(a.tokens) * top_k;
   const cudaStream_t stream = as_stream(a.stream);
   auto* h = reinterpret_cast<T*>(a.h);
   const auto* ids = reinterpret_cast<const int*>(a.ids);
+  const auto* gate = reinterpret_cast<const T*>(a.shared_gate);
 
-  const dim3 gate_up_grid((inter + kWarps - 1) / kWarps, static_cast<unsigned>(a.tokens * top_k));
+  const dim3 gate_up_grid((std::max(inter, shared_inter) + kWarps - 1) / kWarps,
+                          static_cast<unsigned>(routed_pairs + (shared_inter > 0 ? a.tokens : 0)));
   const std::size_t gate_up_smem = sizeof(float) * hidden;
   with_weights<T>(a.gate_up, hidden, [&](auto w) {
-    launch_kernel("moe gate_up kernel launch", gate_up_kernel<T, decltype(w)>, gate_up_grid, kThreads,
-                  gate_up_smem, stream, h, reinterpret_cast<const T*>(a.x), ids, w, top_k, hidden, inter,
-                  experts);
+    with_shared_for<T, decltype(w)>(a.shared_gate_up, hidden, [&](auto ws) {
+      launch_kernel("moe gate_up kernel launch", gate_up_kernel<T, decltype(w), decltype(ws)>, gate_up_grid,
+                    kThreads, gate_up_smem, stream, h, reinterpret_cast<const T*>(a.x), ids, w, ws, routed_pairs,
+                    top_k, hidden, inter, experts, shared_inter, h_stride);
+    });
   });
 
   const dim3 down_grid((hidden + kWarps - 1) / kWarps, static_cast<unsigned>(a.tokens));
-  const std::size_t down_smem = sizeof(float) * top_k * (inter + 2);
+  const std::size_t down_smem = sizeof(float) * (top_k * (inter + 2) + shared_inter);
   with_weights<T>(a.down, inter, [&](auto w) {
-    launch_kernel("moe down kernel launch", down_kernel<T, decltype(w)>, down_grid, kThreads, down_smem, stream,
-                  reinterpret_cast<T*>(a.out), static_cast<const T*>(h), reinterpret_cast<const void*>(a.weights),
-                  a.weights_dtype, ids, w, top_k, hidden, inter, experts);
+    with_shared_for<T, decltype(w)>(a.shared_down, shared_inter, [&](auto ws) {
+      launch_kernel("moe down kernel launch", down_kernel<T, decltype(w), decltype(ws)>, down_grid, kThreads,
+                    down_smem, stream, reinterpret_cast<T*>(a.out), static_cast<const T*>(h),
+                    reinterpret_cast<const void*>(a.weights), a.weights_dtype, ids, w, ws, top_k, hidden, inter,
+                    experts, shared_inter, h_stride, gate, a.shared_gate_stride);
+    });
   });
 }
 
@@ -511,7 +714,37 @@ void launch_route(const MoeRouteArgs& a) {
                 a.renormalize);
 }
 
+template <typename T>
+void launch_router(const MoeRouterArgs& a) {
+  const std::size_t smem = sizeof(float) * kRouterWarps * (a.experts + a.top_k);
+  const auto blocks = static_cast<unsigned>((a.rows + kRouterWarps - 1) / kRouterWarps);
+  launch_kernel("moe router kernel launch", router_kernel<T>, blocks, kRouterWarps * 32, smem, as_stream(a.stream),
+                reinterpret_cast<T*>(a.logits), reinterpret_cast<T*>(a.weights), reinterpret_cast<int*>(a.ids),
+                reinterpret_cast<unsigned*>(a.done), reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.w),
+                static_cast<int>(a.tokens), static_cast<int>(a.hidden), static_cast<int>(a.rows),
+                static_cast<int>(a.experts), static_cast<int>(a.top_k), a.renormalize);
+}
+
 }  // namespace
+
+void moe_router(const MoeRouterArgs& a) {
+  const auto fail = [](const std::string& why) { throw std::invalid_argument("moe_router: " + why); };
+  if (a.tokens < 1 || a.tokens > kRouterMaxTokens) fail("tokens " + std::to_string(a.tokens) + " not in 1..4");
+  if (a.experts < 1 || a.top_k < 1 || a.top_k > a.experts || a.rows < a.experts || a.rows > (1 << 20) ||
+      4 * kRouterWarps * (a.experts + a.top_k) > kMaxSharedBytes) {
+    fail("rows " + std::to_string(a.rows) + " / experts " + std::to_string(a.experts) + " / top_k " +
+         std::to_string(a.top_k) + " out of range");
+  }
+  if (a.dtype == DType::F32) fail("needs fp16 / bf16");
+  if (a.hidden < 8 || a.hidden % 8 != 0 || !is_aligned(a.x, 16) || !is_aligned(a.w, 16)) {
+    fail("hidden must be a multiple of 8, x and w 16-byte aligned");
+  }
+  if (a.logits == 0 || a.weights == 0 || a.ids == 0 || !is_aligned(a.done, 4) || a.done == 0) fail("null pointer");
+  DeviceGuard guard(a.device);
+  by_dtype(a.dtype, "moe_router", [&](auto t) {
+    if constexpr (!std::is_same_v<decltype(t), float>) launch_router<decltype(t)>(a);
+  });
+}
 
 void moe_route(const MoeRouteArgs& a) {
   if (a.experts < 1 || a.top_k < 1 || a.top_k > a.experts ||
@@ -543,7 +776,7 @@ void moe_align(const MoeAlignArgs& a) {
 
 void moe_decode(const MoeDecodeArgs& a) {
   // Shared memory: x (4 * hidden bytes) in gate_up, h + slot weights / ids (4 * top_k * (inter
-  // + 2)) in down.
+  // + 2)) and the shared expert's h (4 * shared_inter) in down.
   if (a.top_k < 1 || a.top_k > kMaxTopK || a.experts < 1 || a.hidden < 1 || a.inter < 1 ||
       a.tokens < 0 || a.tokens * a.top_k > 65535 || 4 * a.hidden > kMaxSharedBytes ||
       4 * a.top_k * (a.inter + 2) > kMaxSharedBytes) {
@@ -553,6 +786,23 @@ void moe_decode(const MoeDecodeArgs& a) {
   }
   check_weights(a.gate_up, a.hidden, a.dtype, "gate_up");
   check_weights(a.down, a.inter, a.dtype, "down");
+  if (a.shared_inter != 0) {
+    const auto fail = [](const std::string& why) { throw std::invalid_argument("moe_decode: shared expert: " + why); };
+    if (a.shared_inter < 0 || 4 * (a.top_k * (a.inter + 2) + a.shared_inter) > kMaxSharedBytes) {
+      fail("shared_inter " + std::to_string(a.shared_inter) + " out of range");
+    }
+    if (a.dtype == DType::F32 || a.gate_up.kind == ExpertKind::Dense || a.down.kind == ExpertKind::Dense) {
+      fail("needs fp16 / bf16 activations and quantized routed experts");
+    }
+    for (const ExpertWeights* w : {&a.shared_gate_up, &a.shared_down}) {
+      if (w->weight == 0 || w->kind == ExpertKind::Dense) fail("int8 / int4 weights needed");
+    }
+    if (a.shared_gate == 0 || a.shared_gate_stride < 1 || !is_aligned(a.shared_gate, 2)) {
+      fail("needs its gate logits (stride >= 1, aligned)");
+    }
+    check_weights(a.shared_gate_up, a.hidden, a.dtype, "shared gate_up");
+    check_weights(a.shared_down, a.shared_inter, a.dtype, "shared down");
+  }
   if (a.tokens == 0) return;
   DeviceGuard guard(a.device);
   by_dtype(a.dtype, "moe_decode", [&](auto t) { launch_decode<decltype(t)>(a); });

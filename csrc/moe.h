@@ -25,6 +25,30 @@ struct MoeRouteArgs {
 
 void moe_route(const MoeRouteArgs& args);
 
+// The router of a decode step (1..4 tokens, fp16 / bf16) in one launch: logits [tokens, rows] =
+// x [tokens, hidden] @ w [rows, hidden]^T (fp32 sums rounded to dtype; rows past `experts` are
+// extra outputs such as a shared expert's gate), then moe_route over the first `experts` columns.
+// `done`: a uint32 counter that is 0 before the launch and 0 after it (its last block resets it).
+struct MoeRouterArgs {
+  std::uintptr_t logits;
+  std::uintptr_t weights;
+  std::uintptr_t ids;
+  std::uintptr_t done;
+  std::uintptr_t x;
+  std::uintptr_t w;
+  std::int64_t tokens;
+  std::int64_t hidden;
+  std::int64_t rows;
+  std::int64_t experts;
+  std::int64_t top_k;
+  bool renormalize;
+  DType dtype;
+  int device;
+  std::uintptr_t stream;
+};
+
+void moe_router(const MoeRouterArgs& args);
+
 // The (token, slot) pairs of ids [slots] (int32, e.g. [tokens, top_k] flattened) grouped by
 // expert for the grouped GEMMs, on the device (no host sync):
 //   sorted_slots int32 [capacity]: expert 0's slot ids, padded with `slots` to a multiple of
@@ -95,6 +119,16 @@ struct MoeDecodeArgs {
   DType weights_dtype;
   int device;
   std::uintptr_t stream;
+  // A shared expert (shared_inter > 0; fp16 / bf16 x, quantized routed experts, int8 / int4
+  // weights) rides along: its gate_up rows in extra gate_up blocks, into h[n, top_k] (h rows are
+  // then top_k * inter + shared_inter long), its down row beside the routed ones, and
+  //   out[n] = round(round(routed) + round(round(shared_down @ h_s) * round(sigmoid(g[n]))))
+  // with g[n] = shared_gate[n * shared_gate_stride]: the roundings of the composed kernels.
+  ExpertWeights shared_gate_up = {};  // [2 * shared_inter, hidden]
+  ExpertWeights shared_down = {};     // [hidden, shared_inter]
+  std::int64_t shared_inter = 0;
+  std::uintptr_t shared_gate = 0;     // [tokens] logits in dtype
+  std::int64_t shared_gate_stride = 0;
 };
 
 void moe_decode(const MoeDecodeArgs& args);

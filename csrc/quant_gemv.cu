@@ -17,6 +17,10 @@
 // fp32 activations run on CUDA cores with exact fp32 weights; the four lanes of a row then add
 // their sums with shuffles and the same epilogue writes the result.
 //
+// A plain GEMV may also take the gate_up layout below (one dense SwiGLU MLP's gate and up rows)
+// or end with a sigmoid gate and an added tensor (quant_gemv.h): the elementwise kernel that
+// would follow is folded into the epilogue, one launch fewer.
+//
 // The same kernel is the grouped MoE GEMV (`moe_grouped_gemv`): block y takes one block of
 // slots that share an expert (moe_align's layout), offsets the weights to that expert, gathers
 // the slots' x rows as its B columns and scatters its outputs to the slots' rows. For gate_up a
@@ -258,7 +262,7 @@ __device__ __forceinline__ void chunk_fp32(float (&sum)[2][8 * kTiles], const ui
 template <typename T, int kTiles>
 constexpr int kMinBlocks = std::is_same_v<T, float> ? 1 : (kTiles == 1 ? 3 : 2);
 
-// What a block's rows and columns are: a plain GEMV, or one slot block of a grouped MoE GEMV.
+// A warp's weight rows: 16 consecutive ones (Dense, Down), or 8 gate rows and their 8 up rows.
 enum class Layout { Dense, GateUp, Down };
 
 // Grouped layouts only (moe_align's output; see quant_gemv.h).
@@ -271,15 +275,26 @@ struct Grouping {
   std::int64_t expert_rows;  // weight rows per expert
 };
 
+// The plain GEMV's epilogue inputs (quant_gemv.h): all null for the grouped layouts.
+struct Epilogue {
+  const void* bias;   // [n]
+  const void* gate;   // [m] logits, gate_stride apart
+  std::int64_t gate_stride;
+  const void* add;    // [m, n]
+};
+
 // kTiles: n8 tiles of x rows (1: m <= 8, 2: m <= 16, 4: grouped blocks of 32 slots).
-template <typename T, bool kInt4, int kTiles, Layout kLayout>
+// kGrouped: one slot block of a grouped MoE GEMV per block y (else rows 8 kTiles y.. of x).
+template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
-                      const T* __restrict__ bias, int m, int n, int k, int group_size, int split,
+                      Epilogue epilogue, int m, int n, int k, int group_size, int split,
                       Grouping grouping) {
   constexpr bool kTensorCores = !std::is_same_v<T, float>;
-  constexpr bool kGrouped = kLayout != Layout::Dense;
+  const T* bias = static_cast<const T*>(epilogue.bias);
+  const T* gate = static_cast<const T*>(epilogue.gate);
+  const T* add = static_cast<const T*>(epilogue.add);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int part = warp % split;  // this warp's share of its tile's chunks
@@ -298,6 +313,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
     const int row0 = blockIdx.y * 8 * kTiles;
     x += static_cast<std::int64_t>(row0) * k;
     out += static_cast<std::int64_t>(row0) * n;
+    if (gate != nullptr) gate += row0 * epilogue.gate_stride;
+    if (add != nullptr) add += static_cast<std::int64_t>(row0) * n;
     m -= row0;
   }
   if constexpr (kGrouped) {  // the whole block exits together (before any barrier)
@@ -449,9 +466,16 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
         const float up = to_float(from_float<T>(acc[tile_m][i + 2]));
         out[out_row * n + rows[0]] = from_float<T>(act * up);
       } else {
+        const std::int64_t at = out_row * n + rows[i >> 1];
         float v = acc[tile_m][i];
         if (bias != nullptr) v += to_float(bias[rows[i >> 1]]);
-        out[out_row * n + rows[i >> 1]] = from_float<T>(v);
+        if (gate != nullptr) {  // csrc/activation.cu's sigmoid_mul roundings
+          const float g = to_float(gate[out_row * epilogue.gate_stride]);
+          const float s = to_float(from_float<T>(1.0f / (1.0f + expf(-g))));
+          v = to_float(from_float<T>(__fmul_rn(to_float(from_float<T>(v)), s)));
+        }
+        if (add != nullptr) v = to_float(add[at]) + to_float(from_float<T>(v));
+        out[at] = from_float<T>(v);
       }
     }
   }
@@ -463,29 +487,31 @@ std::int64_t row_tiles(std::int64_t n, Layout layout) {
   return (n + rows - 1) / rows;
 }
 
-template <typename T, bool kInt4, int kTiles, Layout kLayout>
+template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
   const int tiles_per_block = kWarps / split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
-  launch_kernel("quant_gemv kernel launch", quant_gemv_kernel<T, kInt4, kTiles, kLayout>, grid, kWarps * 32, 0,
-                as_stream(a.stream), reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
-                reinterpret_cast<const std::uint8_t*>(a.qweight), reinterpret_cast<const void*>(a.scales),
-                reinterpret_cast<const T*>(a.bias), static_cast<int>(a.m), static_cast<int>(a.n),
-                static_cast<int>(a.k), a.group_size, split, grouping);
+  const Epilogue epilogue{reinterpret_cast<const void*>(a.bias), reinterpret_cast<const void*>(a.gate),
+                          a.gate_stride, reinterpret_cast<const void*>(a.add)};
+  launch_kernel("quant_gemv kernel launch", quant_gemv_kernel<T, kInt4, kTiles, kLayout, kGrouped>, grid,
+                kWarps * 32, 0, as_stream(a.stream), reinterpret_cast<T*>(a.out),
+                reinterpret_cast<const T*>(a.x), reinterpret_cast<const std::uint8_t*>(a.qweight),
+                reinterpret_cast<const void*>(a.scales), epilogue, static_cast<int>(a.m),
+                static_cast<int>(a.n), static_cast<int>(a.k), a.group_size, split, grouping);
 }
 
-template <typename T, Layout kLayout>
-void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks = 1,
+template <typename T, Layout kLayout, bool kGrouped>
+void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks,
                   Grouping grouping = {}) {
   const auto pick = [&](auto int4) {
     constexpr bool kInt4 = decltype(int4)::value;
     switch (tiles) {
-      case 1: launch<T, kInt4, 1, kLayout>(a, split, slot_blocks, grouping); break;
-      case 2: launch<T, kInt4, 2, kLayout>(a, split, slot_blocks, grouping); break;
+      case 1: launch<T, kInt4, 1, kLayout, kGrouped>(a, split, slot_blocks, grouping); break;
+      case 2: launch<T, kInt4, 2, kLayout, kGrouped>(a, split, slot_blocks, grouping); break;
       default:
-        if constexpr (kLayout != Layout::Dense) {
-          launch<T, kInt4, 4, kLayout>(a, split, slot_blocks, grouping);
+        if constexpr (kGrouped) {
+          launch<T, kInt4, 4, kLayout, kGrouped>(a, split, slot_blocks, grouping);
         }
     }
   };
@@ -552,12 +578,26 @@ void check_args(const QuantGemvArgs& a, const std::string& op) {
 
 void quant_gemv(const QuantGemvArgs& a) {
   check_args(a, "quant_gemv");
+  const auto fail = [](const std::string& why) { throw std::invalid_argument("quant_gemv: " + why); };
+  const std::size_t elem = a.dtype == DType::F32 ? 4 : 2;
+  if (a.gate_up && (a.bias != 0 || a.gate != 0 || a.add != 0)) fail("gate_up takes no bias, gate or add");
+  if (a.gate != 0 && (a.gate_stride < 1 || !is_aligned(a.gate, elem))) {
+    fail("gate needs gate_stride >= 1 and alignment to its elements");
+  }
+  if (!is_aligned(a.add, elem)) fail("add must be aligned to its elements");
   DeviceGuard guard(a.device);
+  const Layout layout = a.gate_up ? Layout::GateUp : Layout::Dense;
   const int tiles = a.m > 8 ? 2 : 1;
   const auto row_blocks = static_cast<unsigned>((a.m + 8 * tiles - 1) / (8 * tiles));
-  const int split = choose_split(a, row_tiles(a.n, Layout::Dense) * row_blocks);
-  by_dtype(a.dtype, "quant_gemv",
-           [&](auto t) { launch_typed<decltype(t), Layout::Dense>(a, split, tiles, row_blocks); });
+  const int split = choose_split(a, row_tiles(a.n, layout) * row_blocks);
+  by_dtype(a.dtype, "quant_gemv", [&](auto type) {
+    using T = decltype(type);
+    if (a.gate_up) {
+      launch_typed<T, Layout::GateUp, false>(a, split, tiles, row_blocks);
+    } else {
+      launch_typed<T, Layout::Dense, false>(a, split, tiles, row_blocks);
+    }
+  });
 }
 
 void moe_grouped_gemv(const GroupedGemvArgs& g) {
@@ -595,9 +635,9 @@ void moe_grouped_gemv(const GroupedGemvArgs& g) {
   const auto go = [&](auto type) {
     using T = decltype(type);
     if (g.gate_up) {
-      launch_typed<T, Layout::GateUp>(a, split, tiles, blocks, grouping);
+      launch_typed<T, Layout::GateUp, true>(a, split, tiles, blocks, grouping);
     } else {
-      launch_typed<T, Layout::Down>(a, split, tiles, blocks, grouping);
+      launch_typed<T, Layout::Down, true>(a, split, tiles, blocks, grouping);
     }
   };
   a.dtype == DType::F16 ? go(__half{}) : go(__nv_bfloat16{});

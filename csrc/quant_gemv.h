@@ -20,6 +20,13 @@ inline constexpr int kQuantGemvMaxRows = 1024;
 // the activation dtype for fp16 / bf16 (the weights dequantize(qw, x.dtype) gives), and is exact
 // for fp32. Limits (std::invalid_argument otherwise): 1 <= m <= 1024; int8: k % 16 == 0;
 // int4: group_size in {32, 64, 128}, k % group_size == 0; x and qweight 16-byte aligned.
+// Two epilogues fold the elementwise kernel that would follow into the GEMV (ops/quant.py):
+//   gate_up: W is [2n, k] = [gate; up], out[m, i] = round(round(silu(round(g))) * round(u)) with
+//            g = gate row i . x[m], u = up row i . x[m] (a SwiGLU MLP's first half; no bias);
+//   gate / add: out[m, i] = round(add[m, i] + round(round(v) * round(sigmoid(gate[m * gate_stride]))))
+//            with v the plain output (the shared expert's down projection, its sigmoid gate and
+//            the routed experts' sum); add may be 0 alone or with gate.
+// Both give exactly the roundings of the separate kernels (csrc/activation.cu).
 struct QuantGemvArgs {
   std::uintptr_t out;      // [m, n] in dtype
   std::uintptr_t x;        // [m, k] in dtype, contiguous
@@ -34,6 +41,10 @@ struct QuantGemvArgs {
   DType dtype;
   int device;
   std::uintptr_t stream;  // cudaStream_t as an integer (torch's Stream.cuda_stream)
+  bool gate_up = false;          // W is [2n, k]: SwiGLU epilogue
+  std::uintptr_t gate = 0;       // [m] logits in dtype, gate_stride elements apart; 0 for none
+  std::int64_t gate_stride = 0;
+  std::uintptr_t add = 0;        // [m, n] in dtype, contiguous; 0 for none
 };
 
 void quant_gemv(const QuantGemvArgs& args);

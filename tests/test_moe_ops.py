@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from ninfer_core.engine.graph_capture import capture
 from ninfer_core.layers.moe import Experts
 from ninfer_core.ops import dispatch, moe
-from ninfer_core.ops.quant import QuantizedWeight, quantize
+from ninfer_core.ops.activation import sigmoid_mul, silu_mul
+from ninfer_core.ops.quant import QuantizedWeight, dequantize, quant_linear, quantize
+from kernel_stub import record_kernel_calls
 
 FORMATS = ["bf16", "int8", "int4"]
 
@@ -305,6 +307,61 @@ def test_route_kernel_with_ties(cuda_kernels):
     torch.testing.assert_close(weights, ref_w, rtol=0.008, atol=1e-5)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("shape", [(256, 257, 2048, 8), (8, 8, 64, 2), (64, 66, 520, 4)], ids=str)
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_router_kernel_matches_the_gemm_and_route(cuda_kernels, tokens, shape, renormalize, dtype):
+    """moe_router: the logits (extra rows past the experts included) within an ulp of the float64
+    product and of cuBLAS, the routing that of moe_route over the kernel's own logits, the
+    completion counter back at 0 after every launch and graph replay."""
+    experts, rows, hidden, top_k = shape
+    g = torch.Generator("cuda").manual_seed(tokens + rows)
+    x = _inputs(tokens, hidden, device="cuda", dtype=dtype, seed=rows)
+    w = (torch.randn(rows, hidden, generator=g, device="cuda") / math.sqrt(hidden)).to(dtype)
+    with _poisoned_allocations():
+        logits, weights, ids = moe.moe_router(x, w, experts, top_k, renormalize)
+    eps = torch.finfo(dtype).eps
+    exact = x.double() @ w.double().T
+    for want in (exact, F.linear(x, w).double()):
+        torch.testing.assert_close(logits.double(), want, rtol=eps, atol=eps * exact.abs().max().item())
+    ref_w, ref_ids = moe.moe_route_ref(logits[:, :experts], top_k, renormalize)
+    probs = torch.softmax(logits[:, :experts].double(), dim=-1)
+    assert torch.equal(probs.gather(1, ids.long()), probs.gather(1, ref_ids.long()))  # ties in any order
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    torch.testing.assert_close(weights, ref_w, rtol=eps, atol=eps * 1e-3)
+    done = moe._router_done[(x.device, w.data_ptr())]
+    assert done.item() == 0
+    graph, out = capture(lambda: moe.moe_router(x, w, experts, top_k, renormalize))
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert done.item() == 0
+        assert all(torch.equal(a, b) for a, b in zip(out, (logits, weights, ids)))
+
+
+def test_router_call_passes_each_tensor_in_its_place(monkeypatch):
+    """moe_router's kernel call on the CPU against a recording stand-in extension; and the cases
+    it leaves to the GEMM + moe_route."""
+    calls = record_kernel_calls(monkeypatch, "moe_router")
+    x = _inputs(3, 64)
+    w = torch.randn(9, 64).to(torch.bfloat16)
+    logits, weights, ids = moe.moe_router(x, w, 8, 2, True)
+    (kw,) = calls
+    assert (kw["logits"], kw["weights"], kw["ids"], kw["x"], kw["w"]) == tuple(
+        t.data_ptr() for t in (logits, weights, ids, x, w))
+    assert (kw["tokens"], kw["hidden"], kw["rows"], kw["experts"], kw["top_k"], kw["renormalize"]) == (
+        3, 64, 9, 8, 2, True)
+    assert logits.shape == (3, 9) and weights.shape == ids.shape == (3, 2) and kw["stream"] == 7
+    assert kw["done"] == moe._router_done[(x.device, w.data_ptr())].data_ptr()
+    many = moe.ROUTER_KERNEL_MAX_TOKENS + 1
+    assert moe.moe_router(_inputs(many, 64), w, 8, 2, True) is None
+    assert moe.moe_router(x.float(), w.float(), 8, 2, True) is None
+    assert moe.moe_router(x, w, 10, 2, True) is None  # more experts than rows
+    assert len(calls) == 1
+
+
 def _decode_check(
     tokens, num_experts, top_k, hidden, inter, fmt, *, dtype=torch.bfloat16, group=128, ids=None
 ):
@@ -335,6 +392,96 @@ def _decode_check(
 def test_decode_kernels_match_reference(cuda_kernels, tokens, num_experts, top_k, dims, fmt):
     hidden, inter = dims
     _decode_check(tokens, num_experts, top_k, hidden, inter, fmt, group=min(128, inter))
+
+
+def test_shared_expert_call_passes_each_tensor_in_its_place(monkeypatch):
+    """moe_experts_with_shared's CUDA branch on the CPU against a stand-in extension that records
+    the call: the shared expert's weights, formats, size and gate column reach their arguments."""
+    calls = record_kernel_calls(monkeypatch, "moe_decode")
+    hidden, inter, shared_inter = 64, 32, 96
+    gate_up, down = _experts(8, hidden, inter, "int4", group=32)
+    weights, ids = _routing(2, 8, 2)
+    x = _inputs(2, hidden)
+    router = torch.randn(2, 9).to(torch.bfloat16)
+    shared = moe.SharedExpert(quantize(torch.randn(2 * shared_inter, hidden), "int8"),
+                              quantize(torch.randn(hidden, shared_inter), "int4", 32), router[:, 8:])
+    out = moe.moe_experts_with_shared(x, gate_up, down, weights, ids, shared)
+    (kw,) = calls
+    assert out.shape == x.shape and kw["out"] == out.data_ptr() and kw["x"] == x.data_ptr()
+    assert (kw["gate_up"], kw["down"], kw["gate_up_kind"], kw["down_group_size"]) == (
+        gate_up.qweight.data_ptr(), down.qweight.data_ptr(), "int4", 32)
+    assert (kw["shared_gate_up"], kw["shared_gate_up_scales"], kw["shared_gate_up_kind"]) == (
+        shared.gate_up.qweight.data_ptr(), shared.gate_up.scales.data_ptr(), "int8")
+    assert (kw["shared_down"], kw["shared_down_scales"], kw["shared_down_kind"], kw["shared_down_group_size"]) == (
+        shared.down.qweight.data_ptr(), shared.down.scales.data_ptr(), "int4", 32)
+    assert (kw["shared_inter"], kw["shared_gate"], kw["shared_gate_stride"]) == (shared_inter, router[:, 8:].data_ptr(), 9)
+    assert (kw["tokens"], kw["top_k"], kw["hidden"], kw["inter"], kw["experts"]) == (2, 2, hidden, inter, 8)
+
+
+def _shared_expert(hidden, inter, fmt, tokens, dtype, seed):
+    """A quantized shared expert [2I, H] / [H, I] and its gate logits as the last column of a
+    router-shaped output (row stride 257)."""
+    g = torch.Generator("cuda").manual_seed(seed)
+    gate_up = torch.randn(2 * inter, hidden, generator=g, device="cuda") / math.sqrt(hidden)
+    down = torch.randn(hidden, inter, generator=g, device="cuda") / math.sqrt(inter)
+    router = torch.randn(tokens, 257, generator=g, device="cuda").to(dtype)
+    group = min(128, inter)
+    return moe.SharedExpert(quantize(gate_up, fmt, group), quantize(down, fmt, group), router[:, 256:])
+
+
+def _shared64(x, shared) -> torch.Tensor:
+    """float64: sigmoid(gate) * down @ (silu(g) * u), [g | u] = gate_up @ x."""
+    gu, dn = (_expert64(QuantizedWeight(w.kind, w.qweight[None], w.scales[None], w.group_size), 0)
+              for w in (shared.gate_up, shared.down))
+    v = x.double() @ gu.T
+    inter = dn.shape[1]
+    return torch.sigmoid(shared.gate.double()) * ((F.silu(v[:, :inter]) * v[:, inter:]) @ dn.T)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt, shared_fmt", [("int4", "int8"), ("int4", "int4"), ("int8", "int8")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dims", [(64, 32, 64), (2048, 512, 512), (256, 64, 128)], ids=lambda d: "x".join(map(str, d)))
+@pytest.mark.parametrize("tokens", [1, 3, 4])
+def test_decode_kernels_take_the_shared_expert(cuda_kernels, tokens, dims, dtype, fmt, shared_fmt):
+    """moe_experts_with_shared: the shared expert's rows ride along in the decode kernels; equal to
+    the composition (routed experts, then the shared MLP gated and added) up to fp32 summation
+    order, and close to float64."""
+    hidden, inter, shared_inter = dims
+    gate_up, down = _experts(16, hidden, inter, fmt, device="cuda", dtype=dtype, group=min(128, inter))
+    weights, ids = _routing(tokens, 16, 4, device="cuda", dtype=dtype, seed=tokens)
+    x = _inputs(tokens, hidden, device="cuda", dtype=dtype, seed=tokens)
+    shared = _shared_expert(hidden, shared_inter, shared_fmt, tokens, dtype, seed=tokens + hidden)
+    with _poisoned_allocations():
+        out = moe.moe_experts_with_shared(x, gate_up, down, weights, ids, shared)
+    assert out is not None and out.dtype == dtype and out.shape == x.shape and not out.isnan().any()
+    routed = moe.moe_experts(x, gate_up, down, weights, ids)
+    composed = sigmoid_mul(silu_mul(quant_linear(x, shared.gate_up)) @ dequantize(shared.down, dtype).T,
+                           shared.gate, add=routed)
+    _assert_close(out, composed, TOL[dtype])
+    _assert_close(out, _expected(x, gate_up, down, weights, ids) + _shared64(x, shared), TOL[dtype])
+
+
+@pytest.mark.cuda
+def test_decode_kernels_leave_what_they_do_not_take_to_the_composition(cuda_kernels):
+    """None (the caller composes) for fp32 activations, bf16 experts, a batch past the decode
+    kernels and a gate of the wrong shape."""
+    hidden, inter = 64, 32
+    shared = _shared_expert(hidden, 64, "int8", 2, torch.bfloat16, seed=1)
+    weights, ids = _routing(2, 8, 2, device="cuda", seed=2)
+    x = _inputs(2, hidden, device="cuda")
+    quantized = _experts(8, hidden, inter, "int4", device="cuda", group=32)
+    dense = _experts(8, hidden, inter, "bf16", device="cuda")
+    assert moe.moe_experts_with_shared(x, *quantized, weights, ids, shared) is not None
+    assert moe.moe_experts_with_shared(x, *dense, weights, ids, shared) is None
+    assert moe.moe_experts_with_shared(x.float(), *quantized, weights.float(), ids, shared) is None
+    wide = moe.SharedExpert(shared.gate_up, shared.down, shared.gate.expand(2, 2))
+    assert moe.moe_experts_with_shared(x, *quantized, weights, ids, wide) is None
+    many = moe.QUANTIZED_DECODE_MAX_TOKENS + 1
+    w_many, ids_many = _routing(many, 8, 2, device="cuda")
+    gate_many = _shared_expert(hidden, 64, "int8", many, torch.bfloat16, seed=3)
+    assert moe.moe_experts_with_shared(_inputs(many, hidden, device="cuda"), *quantized, w_many, ids_many,
+                                       gate_many) is None
 
 
 @pytest.mark.cuda
@@ -469,16 +616,18 @@ def test_moe_experts_takes_the_grouped_gemv_and_replays_it_in_a_graph(cuda_kerne
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_grouped_path_matches_reference(cuda_kernels, fmt):
-    """N = 300 (prefill): sorted pairs + torch._grouped_mm on sm90+; float64 on a few tokens."""
+def test_grouped_path_matches_reference(cuda_kernels, monkeypatch, fmt):
+    """N = 300 (prefill): sorted pairs + torch._grouped_mm on sm90+ (int4: the Triton kernels);
+    float64 on a few tokens."""
     gate_up, down = _cached_experts(256, 2048, 512, fmt, 128)
     weights, ids = _routing(300, 256, 8, device="cuda", seed=300)
     x = _inputs(300, 2048, device="cuda", seed=300)
     assert moe._decode_plan(x, gate_up, down, weights, ids) is None
+    monkeypatch.setattr(moe, "_grouped_mm_works", None)  # this call finds out, whatever ran before
     with _poisoned_allocations():
         out = moe.moe_experts(x, gate_up, down, weights, ids)
     assert not out.isnan().any()
-    if torch.cuda.get_device_capability() >= (9, 0):
+    if not moe._grouped_quantized(x, gate_up, down) and torch.cuda.get_device_capability() >= (9, 0):
         assert moe._grouped_mm_works, "torch._grouped_mm should run on sm90+"
     _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), TOL[torch.bfloat16])
     rows = [0, 1, 2, 150, 299]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer_core.ops import dispatch, quant
+from ninfer_core.ops.activation import sigmoid_mul, silu_mul
 from ninfer_core.ops.quant import (
     QuantFormat,
     QuantizedWeight,
@@ -28,6 +29,7 @@ from ninfer_core.ops.quant import (
     quant_linear_ref,
     quantize,
 )
+from kernel_stub import record_kernel_calls
 
 torch.set_num_threads(2)
 
@@ -362,7 +364,10 @@ def test_kernel_matches_reference(cuda_kernels, shape, kind, dtype, rows):
         _assert_close(out, exact, OUT_RTOL[dtype], ROUNDED_W_ATOL[dtype])
     else:
         _assert_close(out, exact, OUT_RTOL[dtype], OUT_ATOL[dtype])
-    assert torch.equal(quant_linear(x, qw, bias), out)  # the public op runs the same kernel
+    if rows <= quant.CUDA_MAX_GEMV_ROWS:
+        assert torch.equal(quant_linear(x, qw, bias), out)  # the public op runs the same kernel
+    else:  # past the crossover the public op dequantizes and runs the GEMM
+        _assert_close(quant_linear(x, qw, bias), exact, OUT_RTOL[dtype], ROUNDED_W_ATOL[dtype])
 
 
 @pytest.mark.cuda
@@ -404,6 +409,91 @@ def test_kernel_replays_in_cuda_graph(cuda_kernels, kind, group_size, rows):
         graph.replay()
         torch.cuda.synchronize()
         _assert_close(out, _expected(x, w64, bias), OUT_RTOL[dtype], tol)
+
+
+def test_epilogue_calls_pass_each_tensor_in_its_place(monkeypatch):
+    """The CUDA branch of quant_swiglu / quant_linear_gated, run on the CPU against a stand-in
+    extension that records the call: the SwiGLU's output width, the gate's pointer and row stride
+    (a strided column of a merged output) and the added tensor reach their binding arguments."""
+    calls = record_kernel_calls(monkeypatch, "quant_gemv")
+    qw = quantize(_randn(64, 32, seed=1), "int8")
+    x = _randn(3, 32, seed=2, dtype=torch.bfloat16)
+    out = quant.quant_swiglu(x, qw)
+    assert out.shape == (3, 32)
+    merged = _randn(3, 257, seed=3, dtype=torch.bfloat16)
+    add = _randn(3, 64, seed=4, dtype=torch.bfloat16)
+    gated = quant.quant_linear_gated(x, qw, merged[:, 256:], add)
+    assert gated.shape == (3, 64)
+    swiglu, gate = calls
+    for kw in calls:
+        assert (kw["x"], kw["qweight"], kw["scales"], kw["m"], kw["k"]) == (
+            x.data_ptr(), qw.qweight.data_ptr(), qw.scales.data_ptr(), 3, 32)
+        assert kw["stream"] == 7 and kw["dtype"] == "bf16" and kw["bias"] == 0 and not kw["int4"]
+    assert swiglu["gate_up"] and swiglu["n"] == 32 and swiglu["out"] == out.data_ptr()
+    assert swiglu["gate"] == swiglu["add"] == 0
+    assert not gate["gate_up"] and gate["n"] == 64 and gate["out"] == gated.data_ptr()
+    assert (gate["gate"], gate["gate_stride"], gate["add"]) == (merged[:, 256:].data_ptr(), 257, add.data_ptr())
+
+
+def _must_not_run(name: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{name} ran: the epilogue was not folded into the GEMV")
+    return refuse
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 16, 32])
+def test_swiglu_epilogue_equals_linear_then_silu_mul(cuda_kernels, monkeypatch, kind, group, dtype, rows):
+    """quant_swiglu: one GEMV over [gate; up] with SiLU(gate) * up as its epilogue gives exactly
+    quant_linear + the silu_mul kernel (same sums, same roundings), close to float64 math."""
+    inter, k = 1024, 2048
+    qw, w64 = _cuda_weight(kind, 2 * inter, k, group)
+    x = _cuda_x(rows, k, seed=rows + 31, dtype=dtype) / 4  # SiLU(gate) * up stays within float16
+    composed = silu_mul(quant_linear(x, qw))
+    monkeypatch.setattr(quant, "silu_mul", _must_not_run("silu_mul"))
+    fused = quant.quant_swiglu(x[None], qw)
+    assert fused.shape == (1, rows, inter)
+    assert torch.equal(fused[0], composed)
+    gate, up = (x.double() @ w64.T.double()).split(inter, dim=-1)
+    exact = F.silu(gate) * up
+    assert ((fused[0].double() - exact).norm() / exact.norm()).item() < {torch.float32: 1e-5}.get(dtype, 2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 64)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 16, 32])
+def test_gated_epilogue_equals_linear_then_sigmoid_mul(cuda_kernels, monkeypatch, kind, group, dtype, rows):
+    """quant_linear_gated: add + sigmoid(gate) * (x @ W^T) in the GEMV's epilogue, the gate a
+    strided column of a merged projection's output (the MoE router's last column), gives exactly
+    quant_linear + the sigmoid_mul kernel; and the bias goes in before the gate."""
+    n, k = 2048, 512
+    qw, _ = _cuda_weight(kind, n, k, group)
+    x = _cuda_x(rows, k, seed=rows + 41, dtype=dtype)
+    merged = _cuda_x(rows, 257, seed=rows + 42, dtype=dtype)
+    gate = merged[:, 256:]  # [rows, 1], rows 257 elements apart
+    add = _cuda_x(rows, n, seed=rows + 43, dtype=dtype)
+    bias = _cuda_x(n, seed=44, dtype=dtype)
+    composed = [sigmoid_mul(quant_linear(x, qw, b), gate, add=add) for b in (None, bias)]
+    monkeypatch.setattr(quant, "sigmoid_mul", _must_not_run("sigmoid_mul"))
+    for b, want in zip((None, bias), composed):
+        assert torch.equal(quant.quant_linear_gated(x, qw, gate, add, b), want)
+
+
+@pytest.mark.cuda
+def test_epilogues_past_the_gemv_limit_compose(cuda_kernels, monkeypatch):
+    """Prefill-sized rows keep quant_linear's dequantized GEMM, then the elementwise kernel."""
+    rows, dtype = quant.CUDA_MAX_GEMV_ROWS + 1, torch.bfloat16
+    qw, _ = _cuda_weight("int4", 512, 256, 128)
+    x = _cuda_x(rows, 256, seed=51, dtype=dtype)
+    gate, add = _cuda_x(rows, 1, seed=52, dtype=dtype), _cuda_x(rows, 512, seed=53, dtype=dtype)
+    want_swiglu = silu_mul(quant_linear(x, qw))
+    want_gated = sigmoid_mul(quant_linear(x, qw), gate, add=add)
+    monkeypatch.setattr(quant, "_gemv", _must_not_run("the GEMV kernel"))
+    assert torch.equal(quant.quant_swiglu(x, qw), want_swiglu)
+    assert torch.equal(quant.quant_linear_gated(x, qw, gate, add), want_gated)
 
 
 @pytest.mark.cuda

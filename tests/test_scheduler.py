@@ -229,9 +229,10 @@ def test_penalty_tables_equal_the_host_reference():
     assert torch.equal(tables.apply(logits, slots, params), expected)
 
 
-def test_warm_up_runs_a_whole_chunk_then_each_length_alone_then_together(model_dir, monkeypatch):
+def test_warm_up_runs_a_whole_chunk_then_each_length_alone_then_mixed(model_dir, monkeypatch):
     """The prompts go in as batches run to completion one after another: one of a whole prefill
-    chunk (capped by the context), each length alone, then all of them together."""
+    chunk (capped by the context), each length alone, then all of them together, then all but the
+    longest."""
     llm = make_llm(model_dir, prefill_chunk=100)
     engine = llm.engine
     batches: list[list[int]] = [[]]
@@ -250,7 +251,7 @@ def test_warm_up_runs_a_whole_chunk_then_each_length_alone_then_together(model_d
     engine.warm_up((5, 40, 300))
     capped = min(300, engine.max_context - 3)  # prompts leave room for their answers
     assert capped < 300
-    assert batches[:-1] == [[100], [5], [40], [capped], [5, 40, capped]]
+    assert batches[:-1] == [[100], [5], [40], [capped], [5, 40, capped], [5, 40]]
 
 
 def test_default_prefill_chunk_follows_the_gpu_memory(monkeypatch):

@@ -277,14 +277,16 @@ class LLMEngine:
         """Run a few throw-away prompts through every path a request can take (fused steps, chunked
         GDN and attention prefill, the MoE decode kernels and grouped GEMM, sampling with and
         without penalties), so that first-use costs (Triton autotuning, kernel loading, cuBLAS
-        plans) are paid at load, not by the first user. Each length runs alone (the MoE's Triton
-        block size follows a step's token count), then all together (mixed steps). A prompt of one
+        plans) are paid at load, not by the first user. Each length runs alone, then all together
+        and all but the longest together (mixed steps run eagerly, and the MoE's Triton block size
+        follows a step's token count: 1,345 and 3,345 tokens take different ones). A prompt of one
         whole prefill chunk goes first: the caching allocator then holds the largest activations a
         step can need (H200, 35B-A3B: a first 8K prompt after load took 21 ms longer than later ones)."""
         vocab = self.config.vocab_size
         generator = torch.Generator().manual_seed(0)
         longest = min(self.prefill_chunk, self.max_context - 3)
-        for batch in ((longest,), *((n,) for n in lengths), tuple(lengths)):
+        lengths = tuple(lengths)
+        for batch in ((longest,), *((n,) for n in lengths), lengths, lengths[:-1]):
             for i, n in enumerate(min(n, self.max_context - 3) for n in batch):
                 params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True) if i % 2 else SamplingParams(
                     temperature=1.0, top_p=0.9, presence_penalty=0.5, max_tokens=2, ignore_eos=True, seed=0)

@@ -2,8 +2,10 @@
 
 Eagerly, a prompt chunk of the 35B launches ~4,400 kernels and its host time (Python, launches,
 Triton's argument binding) is several times the GPU's: ~150 ms for a 37-token prompt whose GPU
-work is ~18 ms. A chunk of one sequence with up to 512 tokens instead replays the graph of the
-smallest bucket that holds it (16, 32, 48, ... 512 tokens), captured at load. The chunk is
+work is ~18 ms. A chunk of one sequence with up to 2,048 tokens instead replays the graph of the
+smallest bucket that holds it (16, 32, 48, ... 512, 768, ... 2,048 tokens), captured at load. Past
+512 tokens the eager path is still host-bound (2,048 tokens: 86 ms of GPU work, 100-150 ms of wall
+time on the H200), and the buckets are at most 1.5x apart, so padding costs less than the host did. The chunk is
 padded to the bucket (`ForwardBatch.valid_tokens`): padding writes its KV to the scratch page,
 advances no GDN state (g = beta = 0) and is never attended to by real tokens; attention runs on
 `chunk_attention` (lengths on the device, a tensor-core Triton kernel on the GPU), so a
@@ -26,7 +28,7 @@ from ..errors import NinferError
 from ..models.base import CausalLM, ForwardBatch, ForwardOutput
 from .graph_capture import capture, graph_row_limit
 
-BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 @dataclass
@@ -43,7 +45,7 @@ class PrefillGraphs:
             raise ValueError("prefill graphs need a cache built with scratch=True (padding writes its scratch page)")
         self.model, self.cache, self.pool = model, manager.cache, pool
         limit = graph_row_limit(model)
-        self.buckets = tuple(b for b in BUCKETS if limit is None or b <= limit)
+        self.buckets = tuple(b for b in BUCKETS if (limit is None or b <= limit) and b <= max_context)
         self.pad_kv_row = manager.scratch_page * manager.page_size
         self.max_pages = math.ceil(max_context / manager.page_size)
         device = manager.device

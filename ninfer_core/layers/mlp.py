@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.activation import silu_mul
+from ..ops.activation import sigmoid_mul, silu_mul
+from ..ops.quant import QuantizedWeight, QuantLinear, quant_linear_gated, quant_swiglu
 from .linear import MergedLinear
 
 
@@ -18,4 +19,28 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj.linear(x)))
+        return self.down_proj(self._swiglu(x))
+
+    def gated(self, x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+        """add + sigmoid(gate) * self(x): a shared expert's output gate and the routed experts' sum,
+        in the down projection's epilogue where its weights are quantized (decode sizes, CUDA)."""
+        h = self._swiglu(x)
+        if isinstance(self.down_proj, QuantLinear):
+            return quant_linear_gated(h, self.down_proj.quantized, gate, add, self.down_proj.bias)
+        return sigmoid_mul(self.down_proj(h), gate, add=add)
+
+    def quantized(self) -> tuple[QuantizedWeight, QuantizedWeight] | None:
+        """(gate_up [2I, H], down [H, I]) when both are quantized without a bias, for kernels that
+        take the whole MLP (the MoE decode kernels' shared expert); else None."""
+        gate_up, down = self.gate_up_proj.linear, self.down_proj
+        if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) and gate_up.bias is None \
+                and down.bias is None:
+            return gate_up.quantized, down.quantized
+        return None
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, in the gate_up projection's epilogue where its weights are quantized."""
+        linear = self.gate_up_proj.linear
+        if isinstance(linear, QuantLinear) and linear.bias is None:
+            return quant_swiglu(x, linear.quantized)
+        return silu_mul(linear(x))

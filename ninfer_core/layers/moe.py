@@ -12,8 +12,15 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.activation import sigmoid_mul
-from ..ops.moe import ExpertTensor, moe_experts, moe_route, sync_free_tokens
+from ..ops.moe import (
+    ExpertTensor,
+    SharedExpert,
+    moe_experts,
+    moe_experts_with_shared,
+    moe_route,
+    moe_router,
+    sync_free_tokens,
+)
 from ..ops.quant import QuantizedWeight, quantize
 from .linear import MergedLinear
 from .mlp import MLP
@@ -90,9 +97,30 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        weights, ids, shared_gate = self._route(x)
+        gate_up, down = self.experts.gate_up, self.experts.down
+        if self.shared_expert is None:
+            return moe_experts(x, gate_up, down, weights, ids).reshape(shape)
+        # A decode step's shared expert rides along in the routed experts' kernels where they
+        # take it; else its own GEMVs, the gate and the sum in their epilogues.
+        parts = self.shared_expert.quantized()
+        out = None if parts is None else moe_experts_with_shared(x, gate_up, down, weights, ids,
+                                                                 SharedExpert(*parts, shared_gate[0]))
+        if out is None:
+            out = self.shared_expert.gated(x, shared_gate[0], moe_experts(x, gate_up, down, weights, ids))
+        return out.reshape(shape)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """(weights, ids, [the shared expert's gate logits] or []): a decode step's router GEMV and
+        top-k in one kernel where it applies, else the GEMM and `moe_route`."""
+        linear = self.gates.linear
+        fused = None
+        if type(linear) is nn.Linear and linear.bias is None:
+            fused = moe_router(x, linear.weight, self.gates.parts["gate"], self.top_k, self.renormalize)
+        if fused is not None:
+            logits, weights, ids = fused
+            _, *shared_gate = self.gates.split(logits)
+            return weights, ids, shared_gate
         router_logits, *shared_gate = self.gates(x)  # shared_gate: [] without a shared expert
         weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
-        out = moe_experts(x, self.experts.gate_up, self.experts.down, weights, ids)
-        if self.shared_expert is not None:
-            out = sigmoid_mul(self.shared_expert(x), shared_gate[0], add=out)
-        return out.reshape(shape)
+        return weights, ids, shared_gate

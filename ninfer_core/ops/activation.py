@@ -53,12 +53,12 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     cols = x.shape[-1]
     tensors = (x, gate) if add is None else (x, gate, add)
-    gate_rows = _rows(gate, 1 if gate.shape[-1] == 1 else cols)
+    gate_rows = row_view(gate, 1 if gate.shape[-1] == 1 else cols)
     if gate_rows is None and dispatch.use_kernel(gate):
         # rows a fixed stride apart is what the kernel reads; a gate split out of a batch of
         # merged projections is not (per head, then per token): one small copy beats the reference
         gate = gate.contiguous()
-        gate_rows = _rows(gate, 1 if gate.shape[-1] == 1 else cols)
+        gate_rows = row_view(gate, 1 if gate.shape[-1] == 1 else cols)
     fits = (
         dispatch.use_kernel(*tensors)
         and len({t.dtype for t in tensors}) == 1
@@ -81,7 +81,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = 
     return out
 
 
-def _rows(gate: torch.Tensor, cols: int) -> torch.Tensor | None:
+def row_view(gate: torch.Tensor, cols: int) -> torch.Tensor | None:
     """gate as [rows, cols] with unit column stride and one row stride, without a copy (None: no such view)."""
     try:
         rows = gate.view(-1, cols)

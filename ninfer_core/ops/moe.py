@@ -1,5 +1,8 @@
 """Mixture-of-experts ops: softmax top-k routing and the routed experts' SwiGLU FFN.
 
+Routing: `moe_route` over router logits (one warp per token, any count); for a decode step
+`moe_router` also computes the logits, the router GEMV and the top-k in one launch.
+
 Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate rows first) and
 `down` [E, H, I], as bf16/fp16/fp32 tensors or as int8/int4 `QuantizedWeight`s (ops/quant.py).
 
@@ -7,7 +10,8 @@ Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate ro
   decode    CUDA, N <= 16 tokens (QUANTIZED_DECODE_MAX_TOKENS with int8 / int4 experts): our two
             GEMV kernels (csrc/moe.cu), each (token, expert) pair's weights read once. Expert ids
             stay on the device, so a decode step never syncs with the host and is captured by
-            CUDA graphs.
+            CUDA graphs. `moe_experts_with_shared` adds a quantized shared expert to the same two
+            launches (its gate, and the sum with the routed experts, in the down epilogue).
   grouped gemv   CUDA, int8 / int4 experts, up to GROUPED_GEMV_MAX_TOKENS: the slots grouped by
             expert on the device (ops/moe_align.py), then the quant GEMV kernel per slot block
             (csrc/quant_gemv.cu, tensor cores, SwiGLU in the gate_up epilogue): each hit expert
@@ -25,11 +29,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from . import dispatch, moe_triton
+from .activation import row_view
 from .moe_align import Aligned, align_by_expert, combine_slots
 from .quant import QuantizedWeight, dequantize
 
@@ -102,6 +108,53 @@ def moe_route(
     return weights, ids
 
 
+# Tokens up to which `moe_router` runs the router as one kernel (csrc/moe.cu: kRouterMaxTokens)
+ROUTER_KERNEL_MAX_TOKENS = 4
+_router_done: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def moe_router(
+    x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A decode step's router in one launch instead of a GEMM and `moe_route`: (logits [N, R] =
+    x @ weight^T, where rows past `experts` are extra outputs such as the shared expert's gate;
+    weights, ids of `moe_route` over the first `experts` columns). None where the kernel does not
+    apply (the caller runs the GEMM and `moe_route`): past ROUTER_KERNEL_MAX_TOKENS tokens, fp32,
+    shapes it does not take."""
+    tokens, hidden = x.shape
+    rows = weight.shape[0]
+    fits = (
+        1 <= tokens <= ROUTER_KERNEL_MAX_TOKENS
+        and dispatch.use_kernel(x, weight)
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and weight.shape[1] == hidden
+        and hidden % 8 == 0
+        and 1 <= top_k <= experts <= rows
+        and 16 * (experts + top_k) <= _MAX_SHARED_BYTES
+        and x.is_contiguous() and weight.is_contiguous()
+        and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+    )
+    if not fits:
+        return None
+    # The kernel's completion counter: one per router weight, so engines never share one; it is
+    # 0 between launches (the last block resets it), and its address stays fixed for CUDA graphs.
+    key = (x.device, weight.data_ptr())
+    done = _router_done.get(key)
+    if done is None:
+        done = _router_done[key] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    logits = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=x.dtype, device=x.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    dispatch.extension().moe_router(
+        logits=logits.data_ptr(), weights=weights.data_ptr(), ids=ids.data_ptr(), done=done.data_ptr(),
+        x=x.data_ptr(), w=weight.data_ptr(), tokens=tokens, hidden=hidden, rows=rows, experts=experts,
+        top_k=top_k, renormalize=renormalize, dtype=dispatch.kernel_dtype(x), device=x.device.index,
+        stream=dispatch.stream_handle(x),
+    )
+    return logits, weights, ids
+
+
 # ---------------------------------------------------------------- experts
 
 
@@ -147,6 +200,44 @@ def moe_experts(
     if _grouped_quantized(x, gate_up, down):
         return moe_triton.moe_experts_grouped_quantized(x, gate_up, down, weights, ids)
     return moe_experts_grouped(x, gate_up, down, weights, ids)
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """A shared expert beside the routed ones, adding sigmoid(gate) * down @ swiglu(gate_up @ x)."""
+
+    gate_up: QuantizedWeight  # [2 I, H], gate rows first
+    down: QuantizedWeight  # [H, I]
+    gate: torch.Tensor  # [N, 1] logits (any row stride: a column of the router's output)
+
+
+def moe_experts_with_shared(
+    x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor, weights: torch.Tensor, ids: torch.Tensor,
+    shared: SharedExpert,
+) -> torch.Tensor | None:
+    """`moe_experts` plus the shared expert in the decode kernels' two launches (its rows ride
+    along with the routed experts' instead of four launches of their own), with the roundings of
+    the composition; None where the decode kernels do not take them (fp16 / bf16 x, quantized
+    experts, a decode-sized batch): the caller then composes `moe_experts` and the shared expert."""
+    _check(x, gate_up, down, weights, ids)
+    if not dispatch.use_kernel(x) or x.dtype not in (torch.float16, torch.bfloat16) or not all(
+            isinstance(w, QuantizedWeight) for w in (gate_up, down, shared.gate_up, shared.down)):
+        return None
+    plan = _decode_plan(x, gate_up, down, weights, ids)
+    hidden, inter = x.shape[1], shared.down.in_features
+    gate = row_view(shared.gate, 1) if shared.gate.shape == (x.shape[0], 1) else None
+    fits = (
+        plan is not None
+        and shared.gate_up.shape == (2 * inter, hidden)
+        and shared.down.shape == (hidden, inter)
+        and gate is not None
+        and gate.dtype == x.dtype
+        and 4 * (ids.shape[1] * (down.shape[2] + 2) + inter) <= _MAX_SHARED_BYTES
+    )
+    shared_plan = (_kernel_weights(shared.gate_up, x, hidden), _kernel_weights(shared.down, x, inter)) if fits else None
+    if shared_plan is None or None in shared_plan:
+        return None
+    return _decode(x, plan, weights, ids, gate_up.shape[0], (shared_plan[0], shared_plan[1], inter, gate))
 
 
 def _grouped_quantized(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor) -> bool:
@@ -266,7 +357,9 @@ def _decode(
     weights: torch.Tensor,
     ids: torch.Tensor,
     experts: int,
+    shared: tuple[_KernelWeights, _KernelWeights, int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """`shared`: the shared expert's gate_up / down, its intermediate size and gate logit rows."""
     (gu, gu_scales, gu_kind, gu_group), (dn, dn_scales, dn_kind, dn_group) = plan
     tokens, top_k = ids.shape
     inter = gu.shape[1] // 2
@@ -274,7 +367,18 @@ def _decode(
     x, weights = x.contiguous(), weights.contiguous()
     ids = ids.to(torch.int32).contiguous()
     out = torch.empty_like(x)
-    h = torch.empty(tokens, top_k, inter, dtype=x.dtype, device=x.device)  # kernel 1 -> kernel 2
+    shared_inter = 0 if shared is None else shared[2]
+    h = torch.empty(tokens, top_k * inter + shared_inter, dtype=x.dtype, device=x.device)  # kernel 1 -> kernel 2
+    extra = {}
+    if shared is not None:
+        (sgu, sgu_scales, sgu_kind, sgu_group), (sdn, sdn_scales, sdn_kind, sdn_group), _, gate = shared
+        extra = dict(
+            shared_gate_up=sgu.data_ptr(), shared_gate_up_scales=sgu_scales.data_ptr(),
+            shared_gate_up_kind=getattr(ext.ExpertKind, sgu_kind), shared_gate_up_group_size=sgu_group,
+            shared_down=sdn.data_ptr(), shared_down_scales=sdn_scales.data_ptr(),
+            shared_down_kind=getattr(ext.ExpertKind, sdn_kind), shared_down_group_size=sdn_group,
+            shared_inter=shared_inter, shared_gate=gate.data_ptr(), shared_gate_stride=gate.stride(0),
+        )
     ext.moe_decode(
         out=out.data_ptr(),
         h=h.data_ptr(),
@@ -298,6 +402,7 @@ def _decode(
         weights_dtype=dispatch.kernel_dtype(weights),
         device=x.device.index,
         stream=dispatch.stream_handle(x),
+        **extra,
     )
     return out
 

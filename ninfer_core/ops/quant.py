@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dispatch
+from .activation import row_view, sigmoid_mul, silu_mul
 
 GROUP_SIZES = (32, 64, 128)
 KERNEL_MAX_ROWS = 1024  # csrc/quant_gemv.h: kQuantGemvMaxRows (16 rows a block)
@@ -317,6 +318,46 @@ def quant_linear(
     return out.view(*x.shape[:-1], qw.out_features)
 
 
+def quant_swiglu(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) -> [..., I] for qw = [gate; up] ([2I, K]): a SwiGLU MLP's
+    first half. At decode sizes on CUDA one GEMV with the SwiGLU as its epilogue (a launch fewer
+    than quant_linear + silu_mul, whose roundings it keeps); else that composition."""
+    x2 = _epilogue_rows(x, qw, None)
+    if x2 is None or qw.out_features % 2:
+        return silu_mul(quant_linear(x, qw))
+    out = torch.empty(x2.shape[0], qw.out_features // 2, dtype=x.dtype, device=x.device)
+    _gemv(out, x2, qw, None, gate_up=True)
+    return out.view(*x.shape[:-1], qw.out_features // 2)
+
+
+def quant_linear_gated(x: torch.Tensor, qw: QuantizedWeight, gate: torch.Tensor, add: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """add + sigmoid(gate) * (x @ W^T (+ bias)), gate [..., 1] (any row stride: a column split off
+    a merged projection), add [..., N]: a shared expert's down projection, its output gate and the
+    routed experts' sum. At decode sizes on CUDA one GEMV with that epilogue (a launch fewer than
+    quant_linear + sigmoid_mul, whose roundings it keeps); else that composition."""
+    x2 = _epilogue_rows(x, qw, bias)
+    gate_rows = row_view(gate, 1) if gate.shape == (*x.shape[:-1], 1) else None
+    if (x2 is None or gate_rows is None or gate.dtype != x.dtype or add.dtype != x.dtype
+            or add.shape != (*x.shape[:-1], qw.out_features) or not add.is_contiguous()):
+        return sigmoid_mul(quant_linear(x, qw, bias), gate, add=add)
+    out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
+    _gemv(out, x2, qw, bias, gate=gate_rows, add=add)
+    return out.view(add.shape)
+
+
+def _epilogue_rows(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x as the [M, K] rows of a GEMV with an epilogue, or None where quant_linear's own path is
+    the one to take: the CPU, prefill-sized row counts, a call the kernel does not cover."""
+    if x.dim() == 0 or x.shape[-1] != qw.in_features or qw.qweight.dim() != 2:
+        return None
+    rows = x.numel() // qw.in_features
+    if not 1 <= rows <= CUDA_MAX_GEMV_ROWS:
+        return None
+    x2 = x.reshape(rows, qw.in_features).contiguous()
+    return x2 if _kernel_ok(x2, qw, bias) else None
+
+
 def _gpu_format(qw: QuantizedWeight) -> bool:
     """Whether qw is one of the formats the CUDA kernels read (see the module docstring)."""
     return qw.offsets is None and qw.scales.dtype == _GPU_SCALES[qw.kind] and (qw.kind == "int4" or not qw.group_size)
@@ -398,9 +439,11 @@ def _kernel_ok(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) 
 
 
 def _gemv(
-    out: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
+    out: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, *,
+    gate_up: bool = False, gate: torch.Tensor | None = None, add: torch.Tensor | None = None,
 ) -> None:
-    """The kernel call: out [M, N] = x [M, K] @ W^T (+ bias); `_kernel_ok` must hold."""
+    """The kernel call: out [M, N] = x [M, K] @ W^T (+ bias), or an epilogue's output (gate_up:
+    N = rows / 2; gate: [M, 1] rows, add: [M, N]); `_kernel_ok` must hold."""
     dispatch.extension().quant_gemv(
         out=out.data_ptr(),
         x=x.data_ptr(),
@@ -408,13 +451,17 @@ def _gemv(
         scales=qw.scales.data_ptr(),
         bias=0 if bias is None else bias.data_ptr(),
         m=x.shape[0],
-        n=qw.out_features,
+        n=qw.out_features // 2 if gate_up else qw.out_features,
         k=qw.in_features,
         group_size=qw.group_size,
         int4=qw.kind == "int4",
         dtype=dispatch.kernel_dtype(x),
         device=x.device.index,
         stream=dispatch.stream_handle(x),
+        gate_up=gate_up,
+        gate=0 if gate is None else gate.data_ptr(),
+        gate_stride=0 if gate is None else gate.stride(0),
+        add=0 if add is None else add.data_ptr(),
     )
 
 
