@@ -20,6 +20,7 @@ constexpr int kWarps = 8;  // one output row per warp, 8 rows per block
 constexpr int kThreads = 32 * kWarps;
 constexpr int kUnroll = 4;  // 16-byte loads in flight per lane and weight row
 constexpr int kMaxTopK = 64;
+constexpr int kMaxRouteExperts = 512;  // routing holds a token's probabilities in a warp's registers
 constexpr int kMaxSharedBytes = 48 * 1024;
 
 // ---------------------------------------------------------------- activations in shared memory
@@ -386,59 +387,70 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) out[static_cast<std::int64_t>(n) * hidden + r] = from_float<T>(acc);
 }
 
-// One warp routes one token: softmax of its logits row in fp32 into probs (experts + top_k
-// floats of shared memory), then top_k rounds of a warp argmax (ties to the lower id); each
-// winner is knocked out with -1 (probabilities are >= 0). The row is read through L2 (__ldcg):
-// the router kernel's last block reads rows other blocks wrote.
+// One warp routes one token: softmax of its logits row in fp32, then top_k rounds of a warp
+// argmax (ties to the lower id); each winner is knocked out with -1 (probabilities are >= 0).
+// Expert i lives in register i / 32 of lane i % 32, so a round is a few register compares and two
+// warp reductions (__reduce_*_sync, sm_80+): one warp walking the row in shared memory took
+// ~5 us a token, latency-bound. Non-negative floats order as their bits, so the max of the bits
+// is the max probability; the min over the lanes holding it gives the lowest id. The row is read
+// through L2 (__ldcg): the router kernel's last block reads rows other blocks wrote.
+constexpr int kRoutePerLane = kMaxRouteExperts / 32;
+
 template <typename T>
 __device__ __forceinline__ void route_token(T* __restrict__ weights, int* __restrict__ ids, const T* row,
-                                            float* probs, std::int64_t token, int experts, int top_k,
-                                            bool renormalize) {
-  float* chosen = probs + experts;
+                                            std::int64_t token, int experts, int top_k, bool renormalize) {
   const int lane = threadIdx.x & 31;
+  float p[kRoutePerLane];
   float top = -INFINITY;
-  for (int i = lane; i < experts; i += 32) {
-    probs[i] = to_float(__ldcg(row + i));
-    top = fmaxf(top, probs[i]);
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) {
+    const int i = lane + 32 * j;
+    p[j] = i < experts ? to_float(__ldcg(row + i)) : -INFINITY;
+    top = fmaxf(top, p[j]);
   }
   top = warp_max(top);
   float sum = 0.0f;
-  for (int i = lane; i < experts; i += 32) {
-    probs[i] = expf(probs[i] - top);
-    sum += probs[i];
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) {
+    if (lane + 32 * j < experts) {
+      p[j] = expf(p[j] - top);
+      sum += p[j];
+    }
   }
   sum = warp_sum(sum);
-  for (int i = lane; i < experts; i += 32) probs[i] /= sum;
-  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) p[j] = lane + 32 * j < experts ? p[j] / sum : -1.0f;
+  float mine[kMaxTopK / 32] = {};  // lane l keeps the winners of rounds l, l + 32
   float total = 0.0f;
-  for (int j = 0; j < top_k; ++j) {
+  for (int k = 0; k < top_k; ++k) {
     float best = -1.0f;
     int arg = experts;
-    for (int i = lane; i < experts; i += 32) {
-      if (probs[i] > best) {
-        best = probs[i];
-        arg = i;
+#pragma unroll
+    for (int j = 0; j < kRoutePerLane; ++j) {
+      if (p[j] > best) {
+        best = p[j];
+        arg = lane + 32 * j;
       }
+    }
+    const unsigned top_bits = __reduce_max_sync(0xffffffffu, __float_as_uint(fmaxf(best, 0.0f)));
+    const int win = static_cast<int>(
+        __reduce_min_sync(0xffffffffu, __float_as_uint(fmaxf(best, 0.0f)) == top_bits ? arg : experts));
+    const float won = __uint_as_float(top_bits);
+#pragma unroll
+    for (int j = 0; j < kRoutePerLane; ++j) {
+      if (lane + 32 * j == win) p[j] = -1.0f;
     }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-      const int other_arg = __shfl_xor_sync(0xffffffffu, arg, offset);
-      if (other > best || (other == best && other_arg < arg)) {
-        best = other;
-        arg = other_arg;
-      }
+    for (int m = 0; m < kMaxTopK / 32; ++m) {
+      if (k == lane + 32 * m) mine[m] = won;
     }
-    if (arg < experts && lane == arg % 32) probs[arg] = -1.0f;
-    if (lane == 0) {
-      chosen[j] = best;
-      ids[token * top_k + j] = arg;
-    }
-    total += best;
-    __syncwarp();
+    if (lane == 0) ids[token * top_k + k] = win;
+    total += won;
   }
-  for (int j = lane; j < top_k; j += 32) {
-    weights[token * top_k + j] = from_float<T>(renormalize ? chosen[j] / total : chosen[j]);
+#pragma unroll
+  for (int m = 0; m < kMaxTopK / 32; ++m) {
+    const int k = lane + 32 * m;
+    if (k < top_k) weights[token * top_k + k] = from_float<T>(renormalize ? mine[m] / total : mine[m]);
   }
 }
 
@@ -448,9 +460,8 @@ __global__ void __launch_bounds__(32)
     route_kernel(T* __restrict__ weights, int* __restrict__ ids, const T* __restrict__ logits,
                  int experts, int top_k, bool renormalize) {
   enter_kernel();
-  extern __shared__ float probs[];
   const std::int64_t token = blockIdx.x;
-  route_token(weights, ids, logits + token * experts, probs, token, experts, top_k, renormalize);
+  route_token(weights, ids, logits + token * experts, token, experts, top_k, renormalize);
 }
 
 // The router of a decode step in one launch: warp r of the grid computes logits row r (the
@@ -459,13 +470,13 @@ __global__ void __launch_bounds__(32)
 // `experts` rows (route_token) and resets the `done` counter for the next launch / replay.
 constexpr int kRouterWarps = 4;  // small blocks: the ~1 MB of router rows spreads over the SMs
 constexpr int kRouterMaxTokens = 4;
+constexpr int kRouterUnroll = 8;  // a 2048-wide bf16 row in one batch of loads per lane (one round trip)
 
 template <typename T>
 __global__ void __launch_bounds__(kRouterWarps * 32)
     router_kernel(T* logits, T* __restrict__ weights, int* __restrict__ ids, unsigned* done,
                   const T* __restrict__ x, const T* __restrict__ w, int tokens, int hidden, int rows,
                   int experts, int top_k, bool renormalize) {
-  extern __shared__ float probs[];  // kRouterWarps x (experts + top_k), for the last block
   __shared__ bool last;
   constexpr int kPer = 8;  // elements of a 16-byte vector
   const int lane = threadIdx.x & 31;
@@ -473,10 +484,10 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
   const int r = blockIdx.x * kRouterWarps + warp;
   const int nvec = hidden / kPer;
   const bool live = r < rows;  // uniform over the warp
-  uint4 wv[kUnroll];
+  uint4 wv[kRouterUnroll];
   const auto load = [&](int c0) {
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
+    for (int k = 0; k < kRouterUnroll; ++k) {
       const int c = c0 + 32 * k;
       if (live && c < nvec) wv[k] = __ldg(reinterpret_cast<const uint4*>(w + static_cast<std::int64_t>(r) * hidden) + c);
     }
@@ -487,7 +498,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
   if (live) {
     for (int c0 = lane;;) {
 #pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
+      for (int k = 0; k < kRouterUnroll; ++k) {
         const int c = c0 + 32 * k;
         if (c < nvec) {
           const Vec<T, kPer> wt = *reinterpret_cast<const Vec<T, kPer>*>(&wv[k]);
@@ -501,7 +512,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
           }
         }
       }
-      c0 += 32 * kUnroll;
+      c0 += 32 * kRouterUnroll;
       if (c0 >= nvec) break;
       load(c0);
     }
@@ -518,8 +529,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
   if (!last) return;
   __threadfence();
   for (int n = warp; n < tokens; n += kRouterWarps) {
-    route_token(weights, ids, logits + static_cast<std::int64_t>(n) * rows, probs + warp * (experts + top_k), n,
-                experts, top_k, renormalize);
+    route_token(weights, ids, logits + static_cast<std::int64_t>(n) * rows, n, experts, top_k, renormalize);
   }
   if (threadIdx.x == 0) *done = 0;
 }
@@ -707,8 +717,7 @@ void launch_decode(const MoeDecodeArgs& a) {
 
 template <typename T>
 void launch_route(const MoeRouteArgs& a) {
-  const std::size_t smem = sizeof(float) * (a.experts + a.top_k);
-  launch_kernel("moe route kernel launch", route_kernel<T>, static_cast<unsigned>(a.tokens), 32, smem,
+  launch_kernel("moe route kernel launch", route_kernel<T>, static_cast<unsigned>(a.tokens), 32, 0,
                 as_stream(a.stream), reinterpret_cast<T*>(a.weights), reinterpret_cast<int*>(a.ids),
                 reinterpret_cast<const T*>(a.logits), static_cast<int>(a.experts), static_cast<int>(a.top_k),
                 a.renormalize);
@@ -716,9 +725,8 @@ void launch_route(const MoeRouteArgs& a) {
 
 template <typename T>
 void launch_router(const MoeRouterArgs& a) {
-  const std::size_t smem = sizeof(float) * kRouterWarps * (a.experts + a.top_k);
   const auto blocks = static_cast<unsigned>((a.rows + kRouterWarps - 1) / kRouterWarps);
-  launch_kernel("moe router kernel launch", router_kernel<T>, blocks, kRouterWarps * 32, smem, as_stream(a.stream),
+  launch_kernel("moe router kernel launch", router_kernel<T>, blocks, kRouterWarps * 32, 0, as_stream(a.stream),
                 reinterpret_cast<T*>(a.logits), reinterpret_cast<T*>(a.weights), reinterpret_cast<int*>(a.ids),
                 reinterpret_cast<unsigned*>(a.done), reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.w),
                 static_cast<int>(a.tokens), static_cast<int>(a.hidden), static_cast<int>(a.rows),
@@ -730,8 +738,8 @@ void launch_router(const MoeRouterArgs& a) {
 void moe_router(const MoeRouterArgs& a) {
   const auto fail = [](const std::string& why) { throw std::invalid_argument("moe_router: " + why); };
   if (a.tokens < 1 || a.tokens > kRouterMaxTokens) fail("tokens " + std::to_string(a.tokens) + " not in 1..4");
-  if (a.experts < 1 || a.top_k < 1 || a.top_k > a.experts || a.rows < a.experts || a.rows > (1 << 20) ||
-      4 * kRouterWarps * (a.experts + a.top_k) > kMaxSharedBytes) {
+  if (a.experts < 1 || a.experts > kMaxRouteExperts || a.top_k < 1 || a.top_k > std::min<std::int64_t>(a.experts, kMaxTopK) ||
+      a.rows < a.experts || a.rows > (1 << 20)) {
     fail("rows " + std::to_string(a.rows) + " / experts " + std::to_string(a.experts) + " / top_k " +
          std::to_string(a.top_k) + " out of range");
   }
@@ -747,8 +755,8 @@ void moe_router(const MoeRouterArgs& a) {
 }
 
 void moe_route(const MoeRouteArgs& a) {
-  if (a.experts < 1 || a.top_k < 1 || a.top_k > a.experts ||
-      4 * (a.experts + a.top_k) > kMaxSharedBytes || a.tokens < 0 || a.tokens > (1LL << 31) - 1) {
+  if (a.experts < 1 || a.experts > kMaxRouteExperts || a.top_k < 1 || a.top_k > std::min<std::int64_t>(a.experts, kMaxTopK) ||
+      a.tokens < 0 || a.tokens > (1LL << 31) - 1) {
     throw std::invalid_argument("moe_route: tokens " + std::to_string(a.tokens) + " / experts " +
                                 std::to_string(a.experts) + " / top_k " + std::to_string(a.top_k) +
                                 " out of range");

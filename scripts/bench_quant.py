@@ -26,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer_core.bench import graph_replay_ms  # noqa: E402
 from ninfer_core.ops import dispatch, quant  # noqa: E402
 
-# (name, N, K): Qwen3.6-35B-A3B attention / shared expert / lm_head, Qwen3.6-27B MLP, tiny heads.
+# (name, N, K): Qwen3.6-35B-A3B attention / GDN in_proj / shared expert / lm_head, Qwen3.6-27B MLP, tiny heads.
 SHAPES = [
     ("o_proj", 2048, 4096),
     ("qkv", 8192, 2048),
+    ("gdn_in_proj", 12352, 2048),
     ("shared_up", 512, 2048),
     ("shared_down", 2048, 512),
     ("lm_head", 248320, 2048),

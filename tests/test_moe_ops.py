@@ -276,7 +276,7 @@ def _route_uses_kernel(logits, top_k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize(
-    "shape", [(1, 8, 2), (5, 64, 8), (16, 256, 8), (64, 256, 8), (3, 300, 1), (2, 512, 10), (300, 256, 8),
+    "shape", [(1, 8, 2), (5, 64, 8), (16, 256, 8), (64, 256, 8), (3, 300, 1), (2, 512, 10), (4, 128, 40), (300, 256, 8),
               (2048, 256, 8)], ids=str
 )
 def test_route_kernel_matches_reference(cuda_kernels, dtype, renormalize, shape):

@@ -58,6 +58,7 @@ GROUPED_GEMV_MAX_TOKENS = 512
 QUANTIZED_DECODE_ALONE_TOKENS = 64
 SYNC_FREE_UNLIMITED = 1 << 30
 _MAX_TOP_K = 64  # csrc/moe.cu's limits
+_MAX_ROUTE_EXPERTS = 512  # a token's probabilities in one warp's registers
 _MAX_SHARED_BYTES = 48 * 1024
 _DEQUANT_CHUNK_BYTES = 256 << 20  # grouped path: experts dequantized per chunk of this size
 _grouped_mm_works: bool | None = None  # torch._grouped_mm, tried at first use
@@ -87,7 +88,7 @@ def moe_route(
     softmax + topk + renormalization cost a 512-token prompt 14 us a layer in topk alone).
     """
     tokens, experts = logits.shape
-    if not (dispatch.use_kernel(logits) and 1 <= top_k <= experts and 4 * (experts + top_k) <= _MAX_SHARED_BYTES):
+    if not (dispatch.use_kernel(logits) and 1 <= top_k <= min(experts, _MAX_TOP_K) and experts <= _MAX_ROUTE_EXPERTS):
         dispatch.fallback("moe_route", logits)
         return moe_route_ref(logits, top_k, renormalize)
     logits = logits.contiguous()
@@ -130,8 +131,8 @@ def moe_router(
         and weight.dtype == x.dtype
         and weight.shape[1] == hidden
         and hidden % 8 == 0
-        and 1 <= top_k <= experts <= rows
-        and 16 * (experts + top_k) <= _MAX_SHARED_BYTES
+        and 1 <= top_k <= min(experts, _MAX_TOP_K)
+        and experts <= min(rows, _MAX_ROUTE_EXPERTS)
         and x.is_contiguous() and weight.is_contiguous()
         and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
     )
