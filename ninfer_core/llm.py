@@ -333,6 +333,10 @@ class LLM:
         self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size, self.engine.eos_ids)
         if device.type == "cuda":
             self.engine.warm_up()
+        try:  # the chat path's first-use costs (compiling Qwen's template: ~20 ms) at load, not in a request
+            self.prepare_chat(ChatRequest(messages=[{"role": "user", "content": "hi"}]))
+        except NinferError:
+            pass  # a template that cannot render fails each chat request with its own message
 
     @classmethod
     def load(cls, model: str | None = None, options: EngineOptions | None = None) -> LLM:

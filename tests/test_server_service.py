@@ -44,6 +44,29 @@ def test_service_chat_equals_llm_chat(model_dir):
     assert not any(isinstance(e, Admitted) for e in events)
 
 
+def test_first_start_warms_the_engine_thread_and_forgets_it(model_dir, monkeypatch):
+    """start() returns after a throw-away request ran in the engine thread (its per-thread state is
+    then made before the first user's request), once per service; counters and prefix cache show
+    nothing of it, and answers are unchanged."""
+    llm = load_tiny_llm(model_dir)
+    expected = [t for o in llm.complete(PROMPTS[0], greedy(6)) for t in o.new_token_ids]
+    llm.engine.cache.forget_prefixes()
+    ran_in: list[str] = []
+    warm_thread = llm.engine.warm_thread
+    monkeypatch.setattr(llm.engine, "warm_thread", lambda: (ran_in.append(threading.current_thread().name), warm_thread()))
+    service = EngineService(llm)
+    service.start()
+    assert ran_in == ["ninfer-engine"]
+    stats = llm.engine.stats()
+    assert (stats.requests_finished, stats.prompt_tokens, stats.generated_tokens, stats.decode_steps) == (0, 0, 0, 0)
+    assert llm.engine.cache.prefix_cached_bytes == 0
+    assert tokens_of(service.submit(PROMPTS[0], greedy(6))) == expected
+    service.stop()
+    service.start()  # a restart keeps its counters: no second throw-away request
+    assert ran_in == ["ninfer-engine"]
+    service.stop()
+
+
 def test_kv_capacity_admission_queues_instead_of_failing(model_dir):
     """A cache too small for every answer at once: requests wait or are preempted and recomputed,
     never failed, and each gets its solo tokens."""

@@ -293,6 +293,19 @@ class LLMEngine:
                 self.add_request(GenerationRequest(torch.randint(0, vocab, (n,), generator=generator).tolist(), params))
             for _ in self.generate([]):
                 pass
+        self._forget_warm_up()
+
+    def warm_thread(self) -> None:
+        """One short throw-away request in the calling thread, the one that will drive the engine:
+        per-thread state (PyTorch's cuBLAS handle and current stream, autograd's inference mode) is
+        made here, not by the first user's request (the load thread ran `warm_up`)."""
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for _ in self.generate([GenerationRequest([0] * 4, params)]):
+            pass
+        self._forget_warm_up()
+
+    def _forget_warm_up(self) -> None:
+        """Statistics and cached prefixes as if the throw-away requests never ran."""
         self._stats = replace(self._stats, requests_finished=0, prompt_tokens=0, generated_tokens=0, prefill_chunks=0,
                               decode_steps=0, decode_rows=0, max_decode_batch=0)
         if self.speculator is not None:

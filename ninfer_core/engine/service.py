@@ -217,15 +217,19 @@ class EngineService:
         self._outbox: list[tuple[TokenStream, object]] = []  # engine-thread deliveries of this loop turn
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._warmed = False  # the first start runs a throw-away request in the engine thread
         self._stats = self._snapshot()
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> EngineService:
+        """Start the engine thread; returns once it has run a throw-away request (`warm_thread`)."""
         if self._thread is None:
             self._stop = False
-            self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
+            warm = threading.Event()
+            self._thread = threading.Thread(target=self._loop, args=(warm,), name="ninfer-engine", daemon=True)
             self._thread.start()
+            warm.wait()
         return self
 
     def stop(self) -> None:
@@ -297,7 +301,15 @@ class EngineService:
 
     # -- the engine thread ------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _loop(self, warm: threading.Event) -> None:
+        try:
+            if not self._warmed and not self.engine.has_unfinished():
+                self._warmed = True
+                self.engine.warm_thread()
+        except Exception:  # noqa: BLE001 - a failing engine fails the requests with its own error
+            log.exception("the engine thread's warm-up request failed")
+        finally:
+            warm.set()
         while True:
             with self._cond:
                 while not (self._stop or self._cancelled or self._inbox or self.engine.has_unfinished()):
