@@ -42,11 +42,7 @@ namespace {
 constexpr int kTileRows = 16;    // weight rows per warp: the M of one m16n8k16 MMA
 constexpr int kChunkBytes = 64;  // bytes of each row per warp step: 16 per lane, 4 lanes per row
 constexpr int kUnroll = 2;       // chunks whose loads a warp has in flight together (4: slower for
-                                 // every grouped MoE size on the H200) ...
-constexpr int kDeepUnroll = 4;   // ... but a decode GEMV whose warps each walk >= 8 chunks waits for
-                                 // chunks / (split * unroll) DRAM round trips one after another:
-                                 // 4 in flight halves them (the 35B's o_proj: 8 chunks a warp)
-constexpr int kDeepUnrollChunks = 2 * kDeepUnroll;
+                                 // every grouped MoE size on the H200)
 constexpr int kWarps = 8;        // warps per block
 constexpr int kWarpsPerSm = 16;  // split K until the grid has about this many warps per SM
 
@@ -262,10 +258,9 @@ __device__ __forceinline__ void chunk_fp32(float (&sum)[2][8 * kTiles], const ui
 }
 
 // Blocks per SM the registers are budgeted for: 24 / 16 warps on tensor cores keep enough weight
-// loads in flight (16 warps of 4 chunks each: more bytes than 24 of 2, and no spills); the fp32
-// path is not a decode path and gets what its FMAs need.
-template <typename T, int kTiles, int kUnroll>
-constexpr int kMinBlocks = std::is_same_v<T, float> ? 1 : (kTiles == 1 && kUnroll == 2 ? 3 : 2);
+// loads in flight; the fp32 path is not a decode path and gets what its FMAs need.
+template <typename T, int kTiles>
+constexpr int kMinBlocks = std::is_same_v<T, float> ? 1 : (kTiles == 1 ? 3 : 2);
 
 // A warp's weight rows: 16 consecutive ones (Dense, Down), or 8 gate rows and their 8 up rows.
 enum class Layout { Dense, GateUp, Down };
@@ -290,8 +285,8 @@ struct Epilogue {
 
 // kTiles: n8 tiles of x rows (1: m <= 8, 2: m <= 16, 4: grouped blocks of 32 slots).
 // kGrouped: one slot block of a grouped MoE GEMV per block y (else rows 8 kTiles y.. of x).
-template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped, int kUnroll>
-__global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles, kUnroll>)
+template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
                       Epilogue epilogue, int m, int n, int k, int group_size, int split,
@@ -492,14 +487,14 @@ std::int64_t row_tiles(std::int64_t n, Layout layout) {
   return (n + rows - 1) / rows;
 }
 
-template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped, int kUnroll = kUnroll>
+template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
   const int tiles_per_block = kWarps / split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
   const Epilogue epilogue{reinterpret_cast<const void*>(a.bias), reinterpret_cast<const void*>(a.gate),
                           a.gate_stride, reinterpret_cast<const void*>(a.add)};
-  launch_kernel("quant_gemv kernel launch", quant_gemv_kernel<T, kInt4, kTiles, kLayout, kGrouped, kUnroll>, grid,
+  launch_kernel("quant_gemv kernel launch", quant_gemv_kernel<T, kInt4, kTiles, kLayout, kGrouped>, grid,
                 kWarps * 32, 0, as_stream(a.stream), reinterpret_cast<T*>(a.out),
                 reinterpret_cast<const T*>(a.x), reinterpret_cast<const std::uint8_t*>(a.qweight),
                 reinterpret_cast<const void*>(a.scales), epilogue, static_cast<int>(a.m),
@@ -512,16 +507,7 @@ void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_bl
   const auto pick = [&](auto int4) {
     constexpr bool kInt4 = decltype(int4)::value;
     switch (tiles) {
-      case 1:
-        if constexpr (!kGrouped && !std::is_same_v<T, float>) {
-          const std::int64_t chunks = ((kInt4 ? a.k / 2 : a.k) + kChunkBytes - 1) / kChunkBytes;
-          if (chunks >= kDeepUnrollChunks * split) {
-            launch<T, kInt4, 1, kLayout, kGrouped, kDeepUnroll>(a, split, slot_blocks, grouping);
-            break;
-          }
-        }
-        launch<T, kInt4, 1, kLayout, kGrouped>(a, split, slot_blocks, grouping);
-        break;
+      case 1: launch<T, kInt4, 1, kLayout, kGrouped>(a, split, slot_blocks, grouping); break;
       case 2: launch<T, kInt4, 2, kLayout, kGrouped>(a, split, slot_blocks, grouping); break;
       default:
         if constexpr (kGrouped) {

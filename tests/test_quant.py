@@ -445,13 +445,12 @@ def _must_not_run(name: str):
 @pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 128)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 5, 16, 32])
-@pytest.mark.parametrize("k", [2048, 8192])  # 8192: decode warps walk >= 8 chunks, 4 loads in flight
-def test_swiglu_epilogue_equals_linear_then_silu_mul(cuda_kernels, monkeypatch, kind, group, dtype, rows, k):
+def test_swiglu_epilogue_equals_linear_then_silu_mul(cuda_kernels, monkeypatch, kind, group, dtype, rows):
     """quant_swiglu: one GEMV over [gate; up] with SiLU(gate) * up as its epilogue gives exactly
     quant_linear + the silu_mul kernel (same sums, same roundings), close to float64 math."""
-    inter = 1024
+    inter, k = 1024, 2048
     qw, w64 = _cuda_weight(kind, 2 * inter, k, group)
-    x = _cuda_x(rows, k, seed=rows + 31, dtype=dtype) * (8 / k) ** 0.5  # SiLU(gate) * up within float16
+    x = _cuda_x(rows, k, seed=rows + 31, dtype=dtype) / 4  # SiLU(gate) * up stays within float16
     composed = silu_mul(quant_linear(x, qw))
     monkeypatch.setattr(quant, "silu_mul", _must_not_run("silu_mul"))
     fused = quant.quant_swiglu(x[None], qw)
