@@ -182,8 +182,9 @@ def test_requests_whose_client_left_while_queued_are_never_run(model):
         added.append(request.request_id)
         add_request(request)
 
-    llm.engine.step, llm.engine.add_request = gated_step, counted_add_request
     handle = ServerHandle.start(llm, port=0, max_concurrency=1, max_queue=2, model_id="m")
+    # after the start: its throw-away request in the engine thread (EngineService.start) is not counted
+    llm.engine.step, llm.engine.add_request = gated_step, counted_add_request
     body = {"messages": HI, "max_tokens": 3, "ignore_eos": True}
     try:
         holder = threading.Thread(target=httpx.post, args=(handle.url + CHAT,), kwargs={"json": body, "timeout": 60})
