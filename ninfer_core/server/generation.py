@@ -15,8 +15,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import anyio._backends._asyncio  # noqa: F401 - else anyio imports its backend at the first run_in_threadpool,
-# in the first request (11 ms of its TTFT in a py-spy trace on the H200)
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
