@@ -26,7 +26,8 @@ import torch
 
 from ninfer_core.chat.output_parser import parse_output
 from ninfer_core.llm import ChatRequest
-from ninfer_core.server.app import ServerHandle
+from ninfer_core.server import body
+from ninfer_core.server.app import WARM_ROUTES, ServerHandle
 from server_harness import MAX_CONTEXT, load_tiny_llm, sse_json, wait_for, write_model
 
 HI = [{"role": "user", "content": "Say hi"}]
@@ -109,6 +110,26 @@ def test_health_and_models(server, client):
     assert card.max_model_len == MAX_CONTEXT == card.context_length
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
+
+
+def test_start_sends_each_generation_route_an_uncounted_request(model, monkeypatch):
+    """Before the server takes connections it answers one throw-away request per generation route,
+    so that the first client's does not build the routes; /metrics does not count them."""
+    seen: list[str] = []
+    read_json = body.read_json
+
+    async def spy(request, limit):
+        seen.append(request.url.path)
+        return await read_json(request, limit)
+
+    monkeypatch.setattr(body, "read_json", spy)
+    handle = ServerHandle.start(load_tiny_llm(model[0]), port=0, api_key="k")
+    try:
+        assert sorted(seen) == sorted(WARM_ROUTES)  # past the API key check too
+        metrics = httpx.get(handle.url + "/metrics", headers={"Authorization": "Bearer k"}).text
+        assert "ninfer_http_requests_total{" not in metrics
+    finally:
+        handle.stop()
 
 
 def test_health_is_503_until_the_model_is_loaded(model):

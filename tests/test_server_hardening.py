@@ -28,6 +28,7 @@ import openai
 import pytest
 
 from ninfer_core.server.app import ServerHandle
+from ninfer_core.server.body import BadJson, parse_json
 from ninfer_core.server.hosts import HostPolicy, OriginPolicy
 from ninfer_core.server.stop_signals import StopSignals
 from server_harness import MAX_CONTEXT, load_tiny_llm, sse_json, wait_for, write_model
@@ -104,6 +105,14 @@ def test_out_of_range_sampling_fails_that_request_alone(server):
 # -- 2. malformed input is a 400 -----------------------------------------------------------------------
 
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"
+
+
+def test_the_depth_limit_holds_for_numbers_too():
+    """check_document skips the numbers it has nothing to check in, but not past the depth limit."""
+    assert parse_json("[" * 100 + "1" + "]" * 100)  # the number is 100 levels deep: the limit
+    for text in ("[" * 101 + "1" + "]" * 101, '{"a":' * 101 + "null" + "}" * 101):
+        with pytest.raises(BadJson, match="nested more than 100 levels"):
+            parse_json(text)
 
 
 def test_malformed_requests_are_400_naming_the_field(server):

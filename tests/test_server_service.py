@@ -67,6 +67,34 @@ def test_first_start_warms_the_engine_thread_and_forgets_it(model_dir, monkeypat
     service.stop()
 
 
+def test_admission_reaches_the_caller_before_the_first_step_ends(model_dir, monkeypatch):
+    """Admitted is handed out while the engine runs the request's first step (a server starts its
+    response meanwhile)."""
+    llm = load_tiny_llm(model_dir)
+    with EngineService(llm) as service:
+        stepping, release = threading.Event(), threading.Event()
+        step = llm.engine.step
+
+        def gated_step():
+            stepping.set()
+            release.wait(30)
+            return step()
+
+        monkeypatch.setattr(llm.engine, "step", gated_step)
+        items = iter(service.submit(PROMPTS[0], greedy(2)))
+        first: list[object] = []
+        reader = threading.Thread(target=lambda: first.append(next(items)))
+        reader.start()
+        try:
+            assert stepping.wait(30)
+            reader.join(10)
+            assert first and isinstance(first[0], Admitted)
+        finally:
+            release.set()
+            reader.join(30)
+        assert len(tokens_of(items)) == 2
+
+
 def test_kv_capacity_admission_queues_instead_of_failing(model_dir):
     """A cache too small for every answer at once: requests wait or are preempted and recomputed,
     never failed, and each gets its solo tokens."""

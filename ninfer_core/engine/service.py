@@ -321,6 +321,7 @@ class EngineService:
             for stream in new:
                 if stream not in cancelled:  # a client that left while its request was in the inbox
                     self._add(stream)
+            self._flush()  # admissions before the step: their callers start answering while it runs
             for stream in cancelled:
                 self._drop(stream)
             if self.engine.has_unfinished():

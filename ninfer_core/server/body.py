@@ -29,6 +29,7 @@ MAX_DEPTH = 100  # JSON nesting; real requests (tool schemas included) stay far 
 M = TypeVar("M", bound=BaseModel)
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_CHECKED = frozenset({str, dict, list})  # the types check_document looks into (json.loads makes no subclasses)
 
 
 def _too_large(limit: int) -> ApiError:
@@ -69,12 +70,15 @@ def parse_json(raw: bytes | str) -> Any:
 
 
 def check_document(data: Any) -> None:
-    """Depth and lone-surrogate check of a parsed document, without recursion."""
+    """Depth and lone-surrogate check of a parsed document, without recursion. Numbers, booleans
+    and nulls within the depth limit are not visited (nothing to check: a prompt of 512 token ids
+    took 214 us, now 26 us)."""
     stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
     while stack:
         value, path = stack.pop()
         if len(path) > MAX_DEPTH:
             raise BadJson(f"is nested more than {MAX_DEPTH} levels deep (at {param_path(path[:6])}...)")
+        deep = len(path) >= MAX_DEPTH  # its items are too deep, whatever they are
         if isinstance(value, str):
             if _SURROGATE.search(value):
                 raise BadJson(f"holds a lone UTF-16 surrogate (not valid text) at '{param_path(path)}'",
@@ -84,9 +88,10 @@ def check_document(data: Any) -> None:
                 if _SURROGATE.search(key):
                     raise BadJson(f"holds a lone UTF-16 surrogate (not valid text) in a key of "
                                   f"'{param_path(path)}'", param_path(path) or None, "invalid_unicode")
-                stack.append((item, (*path, key)))
+                if deep or type(item) in _CHECKED:
+                    stack.append((item, (*path, key)))
         elif isinstance(value, list):
-            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+            stack += [(item, (*path, i)) for i, item in enumerate(value) if deep or type(item) in _CHECKED]
 
 
 async def read_json(request: Request, limit: int) -> Any:
