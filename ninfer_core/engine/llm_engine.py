@@ -296,11 +296,16 @@ class LLMEngine:
         self._forget_warm_up()
 
     def warm_thread(self) -> None:
-        """One short throw-away request in the calling thread, the one that will drive the engine:
-        per-thread state (PyTorch's cuBLAS handle and current stream, autograd's inference mode) is
-        made here, not by the first user's request (the load thread ran `warm_up`)."""
+        """Throw-away requests in the calling thread, the one that will drive the engine: per-thread
+        state (PyTorch's cuBLAS handle and current stream, autograd's inference mode) is made here,
+        not by the first user's request (the load thread ran `warm_up`). A short prompt, and one of
+        512 tokens with a chat's checkpoint (a message start): served chats take that path (a prompt
+        split at the checkpoint, GDN states kept), raw warm-up prompts do not."""
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        for _ in self.generate([GenerationRequest([0] * 4, params)]):
+        long = min(512, self.max_context - 3)
+        requests = [GenerationRequest([0] * 4, params),
+                    GenerationRequest([0] * long, params, checkpoints=(long // 2,))]
+        for _ in self.generate(requests):
             pass
         self._forget_warm_up()
 
