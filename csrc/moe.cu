@@ -498,17 +498,23 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
   if (live) {
     for (int c0 = lane;;) {
 #pragma unroll
-      for (int k = 0; k < kRouterUnroll; ++k) {
-        const int c = c0 + 32 * k;
-        if (c < nvec) {
-          const Vec<T, kPer> wt = *reinterpret_cast<const Vec<T, kPer>*>(&wv[k]);
+      for (int n = 0; n < kRouterMaxTokens; ++n) {
+        if (n >= tokens) break;
+        // All of this step's x vectors are requested before the first is used: one L2 round trip
+        // a token, not one a vector.
+        uint4 xv[kRouterUnroll];
 #pragma unroll
-          for (int n = 0; n < kRouterMaxTokens; ++n) {
-            if (n < tokens) {
-              const Vec<T, kPer> xt = reinterpret_cast<const Vec<T, kPer>*>(x + static_cast<std::int64_t>(n) * hidden)[c];
+        for (int k = 0; k < kRouterUnroll; ++k) {
+          const int c = c0 + 32 * k;
+          if (c < nvec) xv[k] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<std::int64_t>(n) * hidden) + c);
+        }
 #pragma unroll
-              for (int i = 0; i < kPer; ++i) acc[n] = fmaf(to_float(wt.v[i]), to_float(xt.v[i]), acc[n]);
-            }
+        for (int k = 0; k < kRouterUnroll; ++k) {
+          if (c0 + 32 * k < nvec) {
+            const Vec<T, kPer> wt = *reinterpret_cast<const Vec<T, kPer>*>(&wv[k]);
+            const Vec<T, kPer> xt = *reinterpret_cast<const Vec<T, kPer>*>(&xv[k]);
+#pragma unroll
+            for (int i = 0; i < kPer; ++i) acc[n] = fmaf(to_float(wt.v[i]), to_float(xt.v[i]), acc[n]);
           }
         }
       }
