@@ -4,7 +4,9 @@ and batching agree with what was asked and with the engine's own counters."""
 from __future__ import annotations
 
 import json
+import re
 
+import httpx
 import typer
 from typer.testing import CliRunner
 
@@ -33,6 +35,10 @@ def test_bench_serve_corpus_and_saturation(tmp_path_factory, tmp_path):
             assert point["finish_reasons"] == {"length": 4} and point["acceptance"] is None
             assert point["ttft_ms"]["p50"] > 0 and point["tpot_ms"]["p50"] > 0 and point["itl_ms"]["p99"] > 0
         assert one["avg_decode_batch"] == 1.0 and two["avg_decode_batch"] > 1.0
+        # each point opened its request connections (GET /v1/models) before its clock started: 1 + 2
+        models = re.search(r'ninfer_http_requests_total\{route="/v1/models",status="200"\} (\S+)',
+                           httpx.get(handle.url + "/metrics").text)
+        assert models is not None and float(models.group(1)) == 3
         result = runner.invoke(bench, ["serve", "--url", handle.url, "--mode", "saturation", "--concurrency", "2",
                                        "--synthetic", "1", "--prompt-tokens", "8", "--max-tokens", "60",
                                        "--interval", "0.05",
