@@ -59,6 +59,7 @@ def test_first_start_warms_the_engine_thread_and_forgets_it(model_dir, monkeypat
     assert ran_in == ["ninfer-engine"]
     stats = llm.engine.stats()
     assert (stats.requests_finished, stats.prompt_tokens, stats.generated_tokens, stats.decode_steps) == (0, 0, 0, 0)
+    assert stats.last_prefill_tok_s == stats.last_decode_tok_s == 0.0  # no rate of the throw-away requests
     assert llm.engine.cache.prefix_cached_bytes == 0
     assert tokens_of(service.submit(PROMPTS[0], greedy(6))) == expected
     service.stop()

@@ -312,7 +312,8 @@ class LLMEngine:
     def _forget_warm_up(self) -> None:
         """Statistics and cached prefixes as if the throw-away requests never ran."""
         self._stats = replace(self._stats, requests_finished=0, prompt_tokens=0, generated_tokens=0, prefill_chunks=0,
-                              decode_steps=0, decode_rows=0, max_decode_batch=0)
+                              decode_steps=0, decode_rows=0, max_decode_batch=0, preemptions=0,
+                              last_prefill_tok_s=0.0, last_decode_tok_s=0.0)
         if self.speculator is not None:
             spec = self.speculator
             spec.totals = SpecStats(method=spec.drafter.method, draft_tokens=spec.draft_tokens)
