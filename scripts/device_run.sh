@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl
+#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu
 # Wheels for packages missing there travel in .whl/ (pytest-xdist + execnet, py-spy, xgrammar, ...);
 # `scripts/make_bench_model.py` writes the weight-less exact-shape model directories (.bench/)
 # that `serve` uses.
@@ -93,6 +93,14 @@ LIST
     done
     NINFER_PDL=1 timeout 200 python3 scripts/profile_decode.py qwen3.6-35b-a3b > "$OUT/pdl_profile.txt" 2>&1
     head -12 "$OUT/pdl_profile.txt" ;;
+  ncu)
+    # Nsight Compute on the decode step's GEMVs, router and MoE kernels (stall reasons, occupancy,
+    # speed of light); Firecracker machines read the counters, gVisor ones cannot (device KINDS.md)
+    timeout 400 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
+      --section LaunchStats --section MemoryWorkloadAnalysis -k regex:"quant_gemv|gate_up|down_kernel|router_kernel" \
+      python3 scripts/ncu_decode_kernels.py > "$OUT/ncu.txt" 2>&1
+    echo "== ncu: rc $?"; grep -E "quant_gemv|gate_up|down_kernel|router_kernel|Duration|Throughput|Stall|Warp Cycles" \
+      "$OUT/ncu.txt" | head -60 ;;
   moe)
     timeout 400 python3 scripts/bench_moe_triton.py ${MOE_TOKENS:+--tokens $MOE_TOKENS} ${MOE_FLAGS:-} --json "$OUT/moe_triton.json" \
       2>&1 | tail -16 ;;

@@ -1,0 +1,46 @@
+"""The decode step's largest kernels at the 35B-A3B's shapes, each launched a few times, for Nsight
+Compute: GEMVs as fast from L2 as from DRAM (`bench_l2_prefetch.py`) are bound by something inside
+the kernel, and ncu's stall reasons say what. One row of x, as batch-1 decode has.
+
+    ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \\
+        -k regex:"quant_gemv|gate_up|down_kernel|router_kernel" python3 scripts/ncu_decode_kernels.py
+
+(`scripts/device_run.sh ncu` runs that.)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ninfer_core.ops import moe, quant  # noqa: E402
+
+HIDDEN, EXPERTS, TOP_K, INTER = 2048, 256, 8, 512
+LAUNCHES = 3
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, HIDDEN, **bf16)
+    projections = {name: quant.quantize(torch.randn(n, k, **bf16) * 0.02, "int8", 128)
+                   for name, (n, k) in {"gdn_in_proj": (12352, HIDDEN), "out_proj": (HIDDEN, 4096)}.items()}
+    gate_up = quant.quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, **bf16) * 0.02, "int4", 128)
+    down = quant.quantize(torch.randn(EXPERTS, HIDDEN, INTER, **bf16) * 0.02, "int4", 128)
+    router = torch.randn(EXPERTS + 1, HIDDEN, **bf16) * 0.02
+    for _ in range(LAUNCHES):
+        for w in projections.values():
+            out = torch.empty(1, w.shape[0], **bf16)
+            quant._gemv(out, torch.randn(1, w.shape[1], **bf16), w, None)
+        routed = moe.moe_router(x, router, EXPERTS, TOP_K, True)
+        assert routed is not None, "the router kernel does not take this shape"
+        _, weights, ids = routed
+        moe.moe_experts(x, gate_up, down, weights, ids)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
