@@ -298,13 +298,15 @@ class LLMEngine:
     def warm_thread(self) -> None:
         """Throw-away requests in the calling thread, the one that will drive the engine: per-thread
         state (PyTorch's cuBLAS handle and current stream, autograd's inference mode) is made here,
-        not by the first user's request (the load thread ran `warm_up`). A short prompt, and one of
-        512 tokens with a chat's checkpoint (a message start): served chats take that path (a prompt
-        split at the checkpoint, GDN states kept), raw warm-up prompts do not."""
+        not by the first user's request (the load thread ran `warm_up`). A short prompt; on a GPU
+        also one of 512 tokens with a chat's checkpoint (a message start): served chats take that
+        path (a prompt split at the checkpoint, GDN states kept), raw warm-up prompts do not. (On a
+        CPU that prompt would add seconds to a start, as `warm_up` would.)"""
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        long = min(512, self.max_context - 3)
-        requests = [GenerationRequest([0] * 4, params),
-                    GenerationRequest([0] * long, params, checkpoints=(long // 2,))]
+        requests = [GenerationRequest([0] * 4, params)]
+        if self.device.type == "cuda":
+            long = min(512, self.max_context - 3)
+            requests.append(GenerationRequest([0] * long, params, checkpoints=(long // 2,)))
         for _ in self.generate(requests):
             pass
         self._forget_warm_up()
