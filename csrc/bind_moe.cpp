@@ -31,8 +31,8 @@ void bind_moe(py::module_& m) {
          std::uintptr_t x, std::uintptr_t w, std::int64_t tokens, std::int64_t hidden, std::int64_t rows,
          std::int64_t experts, std::int64_t top_k, bool renormalize, DType dtype, int device,
          std::uintptr_t stream) {
-        moe_router({logits, weights, ids, done, x, w, tokens, hidden, rows, experts, top_k, renormalize, dtype,
-                    device, stream});
+        moe_router({{weights, ids, logits, tokens, experts, top_k, renormalize, dtype, device, stream}, done, x, w,
+                    hidden, rows});
       },
       py::arg("logits"), py::arg("weights"), py::arg("ids"), py::arg("done"), py::arg("x"), py::arg("w"),
       py::arg("tokens"), py::arg("hidden"), py::arg("rows"), py::arg("experts"), py::arg("top_k"),

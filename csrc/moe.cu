@@ -731,42 +731,46 @@ void launch_route(const MoeRouteArgs& a) {
 
 template <typename T>
 void launch_router(const MoeRouterArgs& a) {
+  const MoeRouteArgs& r = a.route;
   const auto blocks = static_cast<unsigned>((a.rows + kRouterWarps - 1) / kRouterWarps);
-  launch_kernel("moe router kernel launch", router_kernel<T>, blocks, kRouterWarps * 32, 0, as_stream(a.stream),
-                reinterpret_cast<T*>(a.logits), reinterpret_cast<T*>(a.weights), reinterpret_cast<int*>(a.ids),
+  launch_kernel("moe router kernel launch", router_kernel<T>, blocks, kRouterWarps * 32, 0, as_stream(r.stream),
+                reinterpret_cast<T*>(r.logits), reinterpret_cast<T*>(r.weights), reinterpret_cast<int*>(r.ids),
                 reinterpret_cast<unsigned*>(a.done), reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.w),
-                static_cast<int>(a.tokens), static_cast<int>(a.hidden), static_cast<int>(a.rows),
-                static_cast<int>(a.experts), static_cast<int>(a.top_k), a.renormalize);
+                static_cast<int>(r.tokens), static_cast<int>(a.hidden), static_cast<int>(a.rows),
+                static_cast<int>(r.experts), static_cast<int>(r.top_k), r.renormalize);
+}
+
+// The experts and top_k that routing takes (a token's probabilities in one warp's registers).
+void check_route(const MoeRouteArgs& r, std::int64_t max_tokens, const char* op) {
+  if (r.experts < 1 || r.experts > kMaxRouteExperts || r.top_k < 1 ||
+      r.top_k > std::min<std::int64_t>(r.experts, kMaxTopK) || r.tokens < 0 || r.tokens > max_tokens) {
+    throw std::invalid_argument(std::string(op) + ": tokens " + std::to_string(r.tokens) + " / experts " +
+                                std::to_string(r.experts) + " / top_k " + std::to_string(r.top_k) +
+                                " out of range");
+  }
 }
 
 }  // namespace
 
 void moe_router(const MoeRouterArgs& a) {
+  const MoeRouteArgs& r = a.route;
   const auto fail = [](const std::string& why) { throw std::invalid_argument("moe_router: " + why); };
-  if (a.tokens < 1 || a.tokens > kRouterMaxTokens) fail("tokens " + std::to_string(a.tokens) + " not in 1..4");
-  if (a.experts < 1 || a.experts > kMaxRouteExperts || a.top_k < 1 || a.top_k > std::min<std::int64_t>(a.experts, kMaxTopK) ||
-      a.rows < a.experts || a.rows > (1 << 20)) {
-    fail("rows " + std::to_string(a.rows) + " / experts " + std::to_string(a.experts) + " / top_k " +
-         std::to_string(a.top_k) + " out of range");
-  }
-  if (a.dtype == DType::F32) fail("needs fp16 / bf16");
+  check_route(r, kRouterMaxTokens, "moe_router");
+  if (r.tokens < 1) fail("no tokens");
+  if (a.rows < r.experts || a.rows > (1 << 20)) fail("rows " + std::to_string(a.rows) + " out of range");
+  if (r.dtype == DType::F32) fail("needs fp16 / bf16");
   if (a.hidden < 8 || a.hidden % 8 != 0 || !is_aligned(a.x, 16) || !is_aligned(a.w, 16)) {
     fail("hidden must be a multiple of 8, x and w 16-byte aligned");
   }
-  if (a.logits == 0 || a.weights == 0 || a.ids == 0 || !is_aligned(a.done, 4) || a.done == 0) fail("null pointer");
-  DeviceGuard guard(a.device);
-  by_dtype(a.dtype, "moe_router", [&](auto t) {
+  if (r.logits == 0 || r.weights == 0 || r.ids == 0 || !is_aligned(a.done, 4) || a.done == 0) fail("null pointer");
+  DeviceGuard guard(r.device);
+  by_dtype(r.dtype, "moe_router", [&](auto t) {
     if constexpr (!std::is_same_v<decltype(t), float>) launch_router<decltype(t)>(a);
   });
 }
 
 void moe_route(const MoeRouteArgs& a) {
-  if (a.experts < 1 || a.experts > kMaxRouteExperts || a.top_k < 1 || a.top_k > std::min<std::int64_t>(a.experts, kMaxTopK) ||
-      a.tokens < 0 || a.tokens > (1LL << 31) - 1) {
-    throw std::invalid_argument("moe_route: tokens " + std::to_string(a.tokens) + " / experts " +
-                                std::to_string(a.experts) + " / top_k " + std::to_string(a.top_k) +
-                                " out of range");
-  }
+  check_route(a, (1LL << 31) - 1, "moe_route");
   if (a.tokens == 0) return;
   DeviceGuard guard(a.device);
   by_dtype(a.dtype, "moe_route", [&](auto t) { launch_route<decltype(t)>(a); });

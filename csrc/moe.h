@@ -28,23 +28,16 @@ void moe_route(const MoeRouteArgs& args);
 // The router of a decode step (1..4 tokens, fp16 / bf16) in one launch: logits [tokens, rows] =
 // x [tokens, hidden] @ w [rows, hidden]^T (fp32 sums rounded to dtype; rows past `experts` are
 // extra outputs such as a shared expert's gate), then moe_route over the first `experts` columns.
-// `done`: a uint32 counter that is 0 before the launch and 0 after it (its last block resets it).
+// `route`: moe_route's arguments, its logits the router's output (tokens x rows, of which the first
+// `experts` columns are routed). `done`: a uint32 counter that is 0 before the launch and 0 after
+// it (its last block resets it).
 struct MoeRouterArgs {
-  std::uintptr_t logits;
-  std::uintptr_t weights;
-  std::uintptr_t ids;
+  MoeRouteArgs route;
   std::uintptr_t done;
   std::uintptr_t x;
   std::uintptr_t w;
-  std::int64_t tokens;
   std::int64_t hidden;
   std::int64_t rows;
-  std::int64_t experts;
-  std::int64_t top_k;
-  bool renormalize;
-  DType dtype;
-  int device;
-  std::uintptr_t stream;
 };
 
 void moe_router(const MoeRouterArgs& args);
