@@ -7,20 +7,13 @@ namespace ninfer {
 namespace {
 
 template <typename T>
-__device__ __forceinline__ T rounded(float v) {
-  return from_float<T>(v);
-}
-
-template <typename T>
 __global__ void silu_mul_kernel(T* __restrict__ out, const T* __restrict__ x, std::int64_t rows, std::int64_t cols) {
   enter_kernel();
   const std::int64_t total = rows * cols;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t r = i / cols, c = i - r * cols;
-    const float g = to_float(x[r * 2 * cols + c]);
-    const float silu = to_float(rounded<T>(g / (1.0f + expf(-g))));
-    out[i] = rounded<T>(silu * to_float(x[r * 2 * cols + cols + c]));
+    out[i] = from_float<T>(silu_times<T>(to_float(x[r * 2 * cols + c]), to_float(x[r * 2 * cols + cols + c])));
   }
 }
 
@@ -33,12 +26,9 @@ __global__ void sigmoid_mul_kernel(T* out, const T* x, const T* __restrict__ gat
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t r = i / cols, c = i - r * cols;
     const float g = to_float(gate[r * gate_stride + (gate_cols == 1 ? 0 : c)]);
-    const float s = to_float(rounded<T>(1.0f / (1.0f + expf(-g))));
-    // __fmul_rn: never contracted into an FMA with the add (quant_gemv's and moe's epilogues
-    // round the same way, and their results must equal this kernel's bit for bit)
-    float v = to_float(rounded<T>(__fmul_rn(to_float(x[i]), s)));
+    float v = sigmoid_times<T>(to_float(x[i]), g);
     if (add != nullptr) v = to_float(add[i]) + v;
-    out[i] = rounded<T>(v);
+    out[i] = from_float<T>(v);
   }
 }
 

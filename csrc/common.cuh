@@ -80,6 +80,27 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// v rounded to T and back: where a torch reference rounds an intermediate to the model dtype.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// The gates of the elementwise kernels (activation.cu) and of the GEMV epilogues that fold them
+// (quant_gemv.cu, moe.cu): one definition, so fused and composed results stay bit-equal. Inputs
+// are values of T (rounded as the reference's tensors are); the caller rounds the result.
+// silu(gate) * up, the silu rounded to T:
+template <typename T>
+__device__ __forceinline__ float silu_times(float gate, float up) {
+  return round_to<T>(gate / (1.0f + expf(-gate))) * up;
+}
+// v * sigmoid(g), the sigmoid and the product rounded to T; __fmul_rn: never contracted into an
+// FMA with an add that follows (a float32 fused epilogue once differed from the kernel by an ulp).
+template <typename T>
+__device__ __forceinline__ float sigmoid_times(float v, float g) {
+  return round_to<T>(__fmul_rn(v, round_to<T>(1.0f / (1.0f + expf(-g)))));
+}
+
 // N consecutive elements moved as one aligned access (16 bytes for N = 16 / sizeof(T)).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {

@@ -38,11 +38,6 @@ using F4 = Vec<float, 4>;
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-template <typename T>
-__device__ __forceinline__ float round_to(float x) {
-  return to_float(from_float<T>(x));
-}
-
 // Sum over the 16 row lanes of a strip (lane bits 1..4), keeping the two column lanes apart.
 __device__ __forceinline__ void sum_rows(F4& x) {
 #pragma unroll

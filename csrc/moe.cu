@@ -180,11 +180,6 @@ __device__ __forceinline__ float load_float(const void* p, int i, DType dtype) {
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return to_float(from_float<T>(v));
-}
-
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -255,9 +250,7 @@ __device__ __forceinline__ void gate_up_rows(T* h_row, const T* x_row, const W& 
     u = warp_sum(u);
   }
   if (lane == 0) {
-    const float gate = round_to<T>(g);
-    const float act = round_to<T>(gate / (1.0f + expf(-gate)));
-    h_row[i] = from_float<T>(act * round_to<T>(u));
+    h_row[i] = from_float<T>(silu_times<T>(round_to<T>(g), round_to<T>(u)));
   }
 }
 
@@ -380,9 +373,7 @@ __global__ void __launch_bounds__(kThreads)
       load_shared(c0);
     }
     shared = warp_sum(shared);
-    const float g = to_float(shared_gate[n * gate_stride]);
-    const float gate = round_to<T>(1.0f / (1.0f + expf(-g)));
-    acc = round_to<T>(acc) + round_to<T>(__fmul_rn(round_to<T>(shared), gate));
+    acc = round_to<T>(acc) + sigmoid_times<T>(round_to<T>(shared), to_float(shared_gate[n * gate_stride]));
   }
   if (lane == 0) out[static_cast<std::int64_t>(n) * hidden + r] = from_float<T>(acc);
 }

@@ -461,20 +461,15 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
       if constexpr (kLayout == Layout::GateUp) {
         if (i >= 2) continue;  // entries 2, 3 are the up sums of entries 0, 1
         // The reference's roundings: linear, silu and the product each in T.
-        const float gate = to_float(from_float<T>(acc[tile_m][i]));
-        const float act = to_float(from_float<T>(gate / (1.0f + expf(-gate))));
-        const float up = to_float(from_float<T>(acc[tile_m][i + 2]));
-        out[out_row * n + rows[0]] = from_float<T>(act * up);
+        out[out_row * n + rows[0]] =
+            from_float<T>(silu_times<T>(round_to<T>(acc[tile_m][i]), round_to<T>(acc[tile_m][i + 2])));
       } else {
         const std::int64_t at = out_row * n + rows[i >> 1];
         float v = acc[tile_m][i];
         if (bias != nullptr) v += to_float(bias[rows[i >> 1]]);
-        if (gate != nullptr) {  // csrc/activation.cu's sigmoid_mul roundings
-          const float g = to_float(gate[out_row * epilogue.gate_stride]);
-          const float s = to_float(from_float<T>(1.0f / (1.0f + expf(-g))));
-          v = to_float(from_float<T>(__fmul_rn(to_float(from_float<T>(v)), s)));
-        }
-        if (add != nullptr) v = to_float(add[at]) + to_float(from_float<T>(v));
+        // csrc/activation.cu's sigmoid_mul roundings
+        if (gate != nullptr) v = sigmoid_times<T>(round_to<T>(v), to_float(gate[out_row * epilogue.gate_stride]));
+        if (add != nullptr) v = to_float(add[at]) + round_to<T>(v);
         out[at] = from_float<T>(v);
       }
     }
