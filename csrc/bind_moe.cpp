@@ -30,14 +30,18 @@ void bind_moe(py::module_& m) {
       [](std::uintptr_t logits, std::uintptr_t weights, std::uintptr_t ids, std::uintptr_t done,
          std::uintptr_t x, std::uintptr_t w, std::int64_t tokens, std::int64_t hidden, std::int64_t rows,
          std::int64_t experts, std::int64_t top_k, bool renormalize, DType dtype, int device,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, std::uintptr_t residual, std::uintptr_t norm_weight, std::uintptr_t normed,
+         std::uintptr_t residual_out, float eps, bool zero_centered) {
         moe_router({{weights, ids, logits, tokens, experts, top_k, renormalize, dtype, device, stream}, done, x, w,
-                    hidden, rows});
+                    hidden, rows, {residual, norm_weight, normed, residual_out, eps, zero_centered}});
       },
       py::arg("logits"), py::arg("weights"), py::arg("ids"), py::arg("done"), py::arg("x"), py::arg("w"),
       py::arg("tokens"), py::arg("hidden"), py::arg("rows"), py::arg("experts"), py::arg("top_k"),
-      py::arg("renormalize"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
-      "A decode step's router GEMV + softmax top-k in one launch. See csrc/moe.h.");
+      py::arg("renormalize"), py::arg("dtype"), py::arg("device"), py::arg("stream"), py::arg("residual") = 0,
+      py::arg("norm_weight") = 0, py::arg("normed") = 0, py::arg("residual_out") = 0, py::arg("eps") = 0.0f,
+      py::arg("zero_centered") = false,
+      "A decode step's router GEMV + softmax top-k in one launch, optionally after the add + RMSNorm before it. "
+      "See csrc/moe.h.");
 
   m.def(
       "moe_align",

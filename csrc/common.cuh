@@ -101,6 +101,19 @@ __device__ __forceinline__ float sigmoid_times(float v, float g) {
   return round_to<T>(__fmul_rn(v, round_to<T>(1.0f / (1.0f + expf(-g)))));
 }
 
+// RMSNorm's element steps (csrc/rmsnorm.cu; the MoE router folds the norm in and must match it):
+// the residual add rounded to T, and a normed element scaled by its weight, zero-centred
+// round(x * rstd * (1 + w)) or plain round(round(x * rstd) * w).
+template <typename T>
+__device__ __forceinline__ T add_rounded(T a, T b) {
+  return from_float<T>(to_float(a) + to_float(b));
+}
+template <typename T, typename W>
+__device__ __forceinline__ T norm_scale(T a, float rstd, W w, bool zero_centered) {
+  const float n = to_float(a) * rstd;
+  return zero_centered ? from_float<T>(n * (to_float(w) + 1.0f)) : from_float<T>(to_float(from_float<T>(n)) * to_float(w));
+}
+
 // N consecutive elements moved as one aligned access (16 bytes for N = 16 / sizeof(T)).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {

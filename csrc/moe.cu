@@ -385,16 +385,16 @@ __global__ void __launch_bounds__(kThreads)
 // ~5 us a token, latency-bound. Non-negative floats order as their bits, so the max of the bits
 // is the max probability; the min over the lanes holding it gives the lowest id. The row is read
 // through L2 (__ldcg): the router kernel's last block reads rows other blocks wrote.
-constexpr int kRoutePerLane = kMaxRouteExperts / 32;
-
-template <typename T>
+// kPerLane: registers a lane holds (experts <= 32 kPerLane; 8 for the 256 experts of Qwen3.5 / 3.6,
+// half the compares of the 512-expert bound).
+template <int kPerLane, typename T>
 __device__ __forceinline__ void route_token(T* __restrict__ weights, int* __restrict__ ids, const T* row,
                                             std::int64_t token, int experts, int top_k, bool renormalize) {
   const int lane = threadIdx.x & 31;
-  float p[kRoutePerLane];
+  float p[kPerLane];
   float top = -INFINITY;
 #pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) {
+  for (int j = 0; j < kPerLane; ++j) {
     const int i = lane + 32 * j;
     p[j] = i < experts ? to_float(__ldcg(row + i)) : -INFINITY;
     top = fmaxf(top, p[j]);
@@ -402,7 +402,7 @@ __device__ __forceinline__ void route_token(T* __restrict__ weights, int* __rest
   top = warp_max(top);
   float sum = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) {
+  for (int j = 0; j < kPerLane; ++j) {
     if (lane + 32 * j < experts) {
       p[j] = expf(p[j] - top);
       sum += p[j];
@@ -410,14 +410,14 @@ __device__ __forceinline__ void route_token(T* __restrict__ weights, int* __rest
   }
   sum = warp_sum(sum);
 #pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) p[j] = lane + 32 * j < experts ? p[j] / sum : -1.0f;
+  for (int j = 0; j < kPerLane; ++j) p[j] = lane + 32 * j < experts ? p[j] / sum : -1.0f;
   float mine[kMaxTopK / 32] = {};  // lane l keeps the winners of rounds l, l + 32
   float total = 0.0f;
   for (int k = 0; k < top_k; ++k) {
     float best = -1.0f;
     int arg = experts;
 #pragma unroll
-    for (int j = 0; j < kRoutePerLane; ++j) {
+    for (int j = 0; j < kPerLane; ++j) {
       if (p[j] > best) {
         best = p[j];
         arg = lane + 32 * j;
@@ -428,7 +428,7 @@ __device__ __forceinline__ void route_token(T* __restrict__ weights, int* __rest
         __reduce_min_sync(0xffffffffu, __float_as_uint(fmaxf(best, 0.0f)) == top_bits ? arg : experts));
     const float won = __uint_as_float(top_bits);
 #pragma unroll
-    for (int j = 0; j < kRoutePerLane; ++j) {
+    for (int j = 0; j < kPerLane; ++j) {
       if (lane + 32 * j == win) p[j] = -1.0f;
     }
 #pragma unroll
@@ -446,13 +446,13 @@ __device__ __forceinline__ void route_token(T* __restrict__ weights, int* __rest
 }
 
 // One warp per token (route_token).
-template <typename T>
+template <typename T, int kPerLane>
 __global__ void __launch_bounds__(32)
     route_kernel(T* __restrict__ weights, int* __restrict__ ids, const T* __restrict__ logits,
                  int experts, int top_k, bool renormalize) {
   enter_kernel();
   const std::int64_t token = blockIdx.x;
-  route_token(weights, ids, logits + token * experts, token, experts, top_k, renormalize);
+  route_token<kPerLane>(weights, ids, logits + token * experts, token, experts, top_k, renormalize);
 }
 
 // The router of a decode step in one launch: warp r of the grid computes logits row r (the
@@ -463,11 +463,69 @@ constexpr int kRouterWarps = 4;  // small blocks: the ~1 MB of router rows sprea
 constexpr int kRouterMaxTokens = 4;
 constexpr int kRouterUnroll = 8;  // a 2048-wide bf16 row in one batch of loads per lane (one round trip)
 
+// The RMSNorm folded into the router (moe.h RouterNormArgs); residual == nullptr: none.
 template <typename T>
+struct RouterNorm {
+  const T* residual;
+  const T* weight;
+  T* normed;
+  T* residual_out;
+  float eps;
+  bool zero_centered;
+};
+
+// Token n's x vectors of this lane (c = lane + 32 k: all of the row, nvec <= 32 kRouterUnroll)
+// replaced by norm(x + residual). The sum of squares in rmsnorm_kernel's order: there thread
+// c = lane + 32 k (warp k) sums vector c, each warp adds its lanes, then one warp adds the warps.
+// Warp 0 of block 0 writes the rows out.
+template <typename T>
+__device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterUnroll], const uint4 (&nw)[kRouterUnroll],
+                                          const RouterNorm<T>& norm, std::int64_t n, int hidden, bool writer) {
+  constexpr int kPer = 8;
+  using TV = Vec<T, kPer>;
+  const int lane = threadIdx.x & 31;
+  const int nvec = hidden / kPer;
+  const std::int64_t base = n * hidden;
+  uint4 rv[kRouterUnroll];
+#pragma unroll
+  for (int k = 0; k < kRouterUnroll; ++k) {
+    if (32 * k < nvec) rv[k] = __ldg(reinterpret_cast<const uint4*>(norm.residual + base) + lane + 32 * k);
+  }
+  float warps_sum = 0.0f;  // lane k: warp k's total
+#pragma unroll
+  for (int k = 0; k < kRouterUnroll; ++k) {
+    if (32 * k >= nvec) break;
+    TV& a = *reinterpret_cast<TV*>(&xv[k]);
+    const TV& r = *reinterpret_cast<const TV*>(&rv[k]);
+    float sumsq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      a.v[j] = add_rounded(a.v[j], r.v[j]);
+      const float f = to_float(a.v[j]);
+      sumsq += f * f;
+    }
+    const float total = warp_sum(sumsq);
+    if (lane == k) warps_sum = total;
+  }
+  const float rstd = rsqrtf(warp_sum(warps_sum) / static_cast<float>(hidden) + norm.eps);
+#pragma unroll
+  for (int k = 0; k < kRouterUnroll; ++k) {
+    if (32 * k >= nvec) break;
+    const int c = lane + 32 * k;
+    if (writer) reinterpret_cast<uint4*>(norm.residual_out + base)[c] = xv[k];
+    TV& a = *reinterpret_cast<TV*>(&xv[k]);
+    const TV& w = *reinterpret_cast<const TV*>(&nw[k]);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) a.v[j] = norm_scale(a.v[j], rstd, w.v[j], norm.zero_centered);
+    if (writer) reinterpret_cast<uint4*>(norm.normed + base)[c] = xv[k];
+  }
+}
+
+template <typename T, int kPerLane, bool kNorm>
 __global__ void __launch_bounds__(kRouterWarps * 32)
     router_kernel(T* logits, T* __restrict__ weights, int* __restrict__ ids, unsigned* done,
                   const T* __restrict__ x, const T* __restrict__ w, int tokens, int hidden, int rows,
-                  int experts, int top_k, bool renormalize) {
+                  int experts, int top_k, bool renormalize, RouterNorm<T> norm) {
   __shared__ bool last;
   constexpr int kPer = 8;  // elements of a 16-byte vector
   const int lane = threadIdx.x & 31;
@@ -483,7 +541,14 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
       if (live && c < nvec) wv[k] = __ldg(reinterpret_cast<const uint4*>(w + static_cast<std::int64_t>(r) * hidden) + c);
     }
   };
-  load(lane);  // the router's rows are constant: they load before the wait for x
+  load(lane);  // the router's rows (and the norm's weight) are constant: they load before the wait for x
+  uint4 nw[kRouterUnroll];
+  if constexpr (kNorm) {
+#pragma unroll
+    for (int k = 0; k < kRouterUnroll; ++k) {
+      if (live && 32 * k < nvec) nw[k] = __ldg(reinterpret_cast<const uint4*>(norm.weight) + lane + 32 * k);
+    }
+  }
   enter_kernel();
   float acc[kRouterMaxTokens] = {};
   if (live) {
@@ -499,6 +564,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
           const int c = c0 + 32 * k;
           if (c < nvec) xv[k] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<std::int64_t>(n) * hidden) + c);
         }
+        if constexpr (kNorm) fold_norm(xv, nw, norm, n, hidden, blockIdx.x == 0 && warp == 0);
 #pragma unroll
         for (int k = 0; k < kRouterUnroll; ++k) {
           if (c0 + 32 * k < nvec) {
@@ -526,7 +592,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
   if (!last) return;
   __threadfence();
   for (int n = warp; n < tokens; n += kRouterWarps) {
-    route_token(weights, ids, logits + static_cast<std::int64_t>(n) * rows, n, experts, top_k, renormalize);
+    route_token<kPerLane>(weights, ids, logits + static_cast<std::int64_t>(n) * rows, n, experts, top_k, renormalize);
   }
   if (threadIdx.x == 0) *done = 0;
 }
@@ -712,23 +778,44 @@ void launch_decode(const MoeDecodeArgs& a) {
   });
 }
 
+// launch(std::integral_constant<int, kPerLane>) with the fewest registers per lane that hold the experts.
+template <typename Launch>
+void by_route_width(std::int64_t experts, Launch&& launch) {
+  if (experts <= 256) {
+    launch(std::integral_constant<int, 8>{});
+  } else {
+    launch(std::integral_constant<int, kMaxRouteExperts / 32>{});
+  }
+}
+
 template <typename T>
 void launch_route(const MoeRouteArgs& a) {
-  launch_kernel("moe route kernel launch", route_kernel<T>, static_cast<unsigned>(a.tokens), 32, 0,
-                as_stream(a.stream), reinterpret_cast<T*>(a.weights), reinterpret_cast<int*>(a.ids),
-                reinterpret_cast<const T*>(a.logits), static_cast<int>(a.experts), static_cast<int>(a.top_k),
-                a.renormalize);
+  by_route_width(a.experts, [&](auto per_lane) {
+    launch_kernel("moe route kernel launch", route_kernel<T, decltype(per_lane)::value>, static_cast<unsigned>(a.tokens),
+                  32, 0, as_stream(a.stream), reinterpret_cast<T*>(a.weights), reinterpret_cast<int*>(a.ids),
+                  reinterpret_cast<const T*>(a.logits), static_cast<int>(a.experts), static_cast<int>(a.top_k),
+                  a.renormalize);
+  });
 }
 
 template <typename T>
 void launch_router(const MoeRouterArgs& a) {
   const MoeRouteArgs& r = a.route;
   const auto blocks = static_cast<unsigned>((a.rows + kRouterWarps - 1) / kRouterWarps);
-  launch_kernel("moe router kernel launch", router_kernel<T>, blocks, kRouterWarps * 32, 0, as_stream(r.stream),
-                reinterpret_cast<T*>(r.logits), reinterpret_cast<T*>(r.weights), reinterpret_cast<int*>(r.ids),
-                reinterpret_cast<unsigned*>(a.done), reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.w),
-                static_cast<int>(r.tokens), static_cast<int>(a.hidden), static_cast<int>(a.rows),
-                static_cast<int>(r.experts), static_cast<int>(r.top_k), r.renormalize);
+  const RouterNorm<T> norm{reinterpret_cast<const T*>(a.norm.residual), reinterpret_cast<const T*>(a.norm.weight),
+                           reinterpret_cast<T*>(a.norm.normed), reinterpret_cast<T*>(a.norm.residual_out), a.norm.eps,
+                           a.norm.zero_centered};
+  const auto go = [&](auto per_lane, auto with_norm) {
+    launch_kernel("moe router kernel launch", router_kernel<T, decltype(per_lane)::value, decltype(with_norm)::value>,
+                  blocks, kRouterWarps * 32, 0, as_stream(r.stream), reinterpret_cast<T*>(r.logits),
+                  reinterpret_cast<T*>(r.weights), reinterpret_cast<int*>(r.ids), reinterpret_cast<unsigned*>(a.done),
+                  reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.w), static_cast<int>(r.tokens),
+                  static_cast<int>(a.hidden), static_cast<int>(a.rows), static_cast<int>(r.experts),
+                  static_cast<int>(r.top_k), r.renormalize, norm);
+  };
+  by_route_width(r.experts, [&](auto per_lane) {
+    a.norm.residual != 0 ? go(per_lane, std::true_type{}) : go(per_lane, std::false_type{});
+  });
 }
 
 // The experts and top_k that routing takes (a token's probabilities in one warp's registers).
@@ -754,6 +841,15 @@ void moe_router(const MoeRouterArgs& a) {
     fail("hidden must be a multiple of 8, x and w 16-byte aligned");
   }
   if (r.logits == 0 || r.weights == 0 || r.ids == 0 || !is_aligned(a.done, 4) || a.done == 0) fail("null pointer");
+  const RouterNormArgs& norm = a.norm;
+  if (norm.residual != 0) {
+    const std::int64_t nvec = a.hidden / 8;
+    if (nvec % 32 != 0 || nvec > 32 * kRouterUnroll) fail("a folded norm needs hidden a multiple of 256, at most 2048");
+    for (const std::uintptr_t p : {norm.residual, norm.weight, norm.normed, norm.residual_out}) {
+      if (p == 0 || !is_aligned(p, 16)) fail("the folded norm's tensors must be 16-byte aligned");
+    }
+    if (!(norm.eps >= 0.0f)) fail("eps must be >= 0");
+  }
   DeviceGuard guard(r.device);
   by_dtype(r.dtype, "moe_router", [&](auto t) {
     if constexpr (!std::is_same_v<decltype(t), float>) launch_router<decltype(t)>(a);

@@ -31,6 +31,20 @@ void moe_route(const MoeRouteArgs& args);
 // `route`: moe_route's arguments, its logits the router's output (tokens x rows, of which the first
 // `experts` columns are routed). `done`: a uint32 counter that is 0 before the launch and 0 after
 // it (its last block resets it).
+// With `norm.residual` set, x is the delta of the residual add that precedes the MoE's RMSNorm
+// (csrc/rmsnorm.cu's fused form, folded in: one launch fewer a layer): the router reads
+// norm(x + residual), and writes the normed rows [tokens, hidden] to `norm.normed` and the sums
+// to `norm.residual_out`, bit-equal to rmsnorm's (same roundings, same order of the sum of squares;
+// hidden / 8 a multiple of 32 and at most 256 vectors). Outputs must not overlap the inputs.
+struct RouterNormArgs {
+  std::uintptr_t residual;  // 0: x is already normed
+  std::uintptr_t weight;    // [hidden], dtype
+  std::uintptr_t normed;
+  std::uintptr_t residual_out;
+  float eps;
+  bool zero_centered;
+};
+
 struct MoeRouterArgs {
   MoeRouteArgs route;
   std::uintptr_t done;
@@ -38,6 +52,7 @@ struct MoeRouterArgs {
   std::uintptr_t w;
   std::int64_t hidden;
   std::int64_t rows;
+  RouterNormArgs norm;
 };
 
 void moe_router(const MoeRouterArgs& args);

@@ -10,7 +10,8 @@ namespace {
 constexpr int kMaxThreads = 1024;
 constexpr int kRowsPerWarpBlock = 4;  // rows of <= 32 vectors: one warp each, 4 warps a block
 
-// Each thread owns the same vector indices in both passes, so out == x and
+// The sum of squares: per thread over its vectors in order, then group_sum (the MoE router's
+// folded norm, csrc/moe.cu, repeats this order). Each thread owns the same vector indices in both passes, so out == x and
 // residual_out == residual are safe (a thread only rereads what it wrote itself).
 template <typename T, typename W, int V, bool kResidual>
 __global__ void rmsnorm_kernel(T* out, T* residual_out, const T* x, const T* residual,
@@ -35,7 +36,7 @@ __global__ void rmsnorm_kernel(T* out, T* residual_out, const T* x, const T* res
     if constexpr (kResidual) {
       const TV r = rv[i];
 #pragma unroll
-      for (int j = 0; j < V; ++j) a.v[j] = from_float<T>(to_float(a.v[j]) + to_float(r.v[j]));
+      for (int j = 0; j < V; ++j) a.v[j] = add_rounded(a.v[j], r.v[j]);
       rov[i] = a;
     }
 #pragma unroll
@@ -52,11 +53,7 @@ __global__ void rmsnorm_kernel(T* out, T* residual_out, const T* x, const T* res
     const WV w = wv[i];
     TV o;
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float n = to_float(a.v[j]) * rstd;
-      o.v[j] = zero_centered ? from_float<T>(n * (to_float(w.v[j]) + 1.0f))
-                             : from_float<T>(to_float(from_float<T>(n)) * to_float(w.v[j]));
-    }
+    for (int j = 0; j < V; ++j) o.v[j] = norm_scale(a.v[j], rstd, w.v[j], zero_centered);
     ov[i] = o;
   }
 }

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ninfer_core.engine.graph_capture import capture
 from ninfer_core.layers.moe import Experts
 from ninfer_core.ops import dispatch, moe
+from ninfer_core.ops import rmsnorm as rmsnorm_ops
 from ninfer_core.ops.activation import sigmoid_mul, silu_mul
 from ninfer_core.ops.quant import QuantizedWeight, dequantize, quant_linear, quantize
 from kernel_stub import record_kernel_calls
@@ -360,6 +361,99 @@ def test_router_call_passes_each_tensor_in_its_place(monkeypatch):
     assert moe.moe_router(x.float(), w.float(), 8, 2, True) is None
     assert moe.moe_router(x, w, 10, 2, True) is None  # more experts than rows
     assert len(calls) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("zero_centered", [True, False])
+@pytest.mark.parametrize("shape", [(256, 257, 2048, 8), (8, 8, 256, 2), (64, 66, 1536, 4)], ids=str)
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_add_norm_router_is_bit_equal_to_add_rmsnorm_then_router(cuda_kernels, tokens, shape, zero_centered, dtype):
+    """moe_add_norm_router: the normed rows and sums exactly add_rmsnorm's (the rmsnorm kernel, whose
+    sum-of-squares order the fold repeats), the logits / weights / ids exactly moe_router's on those
+    rows; the completion counter back at 0 after graph replays, which give the same outputs."""
+    experts, rows, hidden, top_k = shape
+    g = torch.Generator("cuda").manual_seed(tokens + hidden)
+    x = _inputs(tokens, hidden, device="cuda", dtype=dtype, seed=rows)
+    residual = (torch.randn(tokens, hidden, generator=g, device="cuda") * 3).to(dtype)
+    norm_w = (torch.randn(hidden, generator=g, device="cuda") * 0.2 + (0 if zero_centered else 1)).to(dtype)
+    w = (torch.randn(rows, hidden, generator=g, device="cuda") / math.sqrt(hidden)).to(dtype)
+    norm = moe.RouterNorm(residual, norm_w, 1e-6, zero_centered)
+    with _poisoned_allocations():
+        got = moe.moe_add_norm_router(x, norm, w, experts, top_k, True)
+    assert got is not None
+    want_normed, want_summed = rmsnorm_ops.add_rmsnorm(x, residual, norm_w, 1e-6, zero_centered=zero_centered)
+    ref_normed, ref_summed = rmsnorm_ops.add_rmsnorm_ref(x, residual, norm_w, 1e-6, zero_centered=zero_centered)
+    torch.testing.assert_close(want_normed, ref_normed, rtol=2 * torch.finfo(dtype).eps, atol=1e-3)
+    want = (want_normed, want_summed, *moe.moe_router(want_normed, w, experts, top_k, True))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    done = moe._router_done[(x.device, w.data_ptr())]
+    assert done.item() == 0
+    graph, out = capture(lambda: moe.moe_add_norm_router(x, norm, w, experts, top_k, True))
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert done.item() == 0
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
+
+
+def test_add_norm_router_call_and_the_shapes_it_leaves(monkeypatch):
+    """moe_add_norm_router's kernel call (recording stand-in): the norm's tensors in their places,
+    fresh outputs; None for widths the fold does not take, so the caller runs add_rmsnorm."""
+    calls = record_kernel_calls(monkeypatch, "moe_router")
+    x, residual = _inputs(2, 256), _inputs(2, 256, seed=1)
+    norm_w = torch.randn(256).to(torch.bfloat16)
+    w = torch.randn(9, 256).to(torch.bfloat16)
+    normed, summed, logits, weights, ids = moe.moe_add_norm_router(
+        x, moe.RouterNorm(residual, norm_w, 1e-5, True), w, 8, 2, False)
+    (kw,) = calls
+    assert (kw["residual"], kw["norm_weight"], kw["normed"], kw["residual_out"], kw["x"]) == tuple(
+        t.data_ptr() for t in (residual, norm_w, normed, summed, x))
+    assert (kw["eps"], kw["zero_centered"], kw["hidden"], kw["tokens"]) == (1e-5, True, 256, 2)
+    assert normed.shape == summed.shape == x.shape and logits.shape == (2, 9)
+    assert len({normed.data_ptr(), summed.data_ptr(), x.data_ptr(), residual.data_ptr()}) == 4
+    wide = _inputs(2, 264)
+    assert moe.moe_add_norm_router(wide, moe.RouterNorm(wide, torch.zeros(264).to(torch.bfloat16), 1e-5, True),
+                                   torch.randn(9, 264).to(torch.bfloat16), 8, 2, False) is None
+    assert moe.moe_add_norm_router(x, moe.RouterNorm(residual.float(), norm_w, 1e-5, True), w, 8, 2, False) is None
+    assert len(calls) == 1
+
+
+def test_moe_layer_uses_the_folded_norm_outputs(monkeypatch):
+    """SparseMoE.add_norm_forward with the folded router (here a torch stand-in of the kernel) gives
+    what the norm then the layer give, the residual stream included; without it, the same."""
+    from hf_reference import ninfer_config, tiny_qwen3_5_config
+
+    from ninfer_core.layers import moe as moe_layer
+    from ninfer_core.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    config = ninfer_config(tiny_qwen3_5_config(moe=True))
+    layer = moe_layer.SparseMoE(config).to(torch.float32)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    norm = RMSNorm(config.hidden_size, 1e-6, True)
+    torch.nn.init.normal_(norm.weight, std=0.1)
+    x, residual = torch.randn(3, config.hidden_size), torch.randn(3, config.hidden_size)
+    with torch.no_grad():
+        h, summed = norm.add_norm(x, residual)
+        want = layer(h)
+        out, res = layer.add_norm_forward(x, residual, norm)  # CPU: the kernel declines
+        assert torch.equal(out, want) and torch.equal(res, summed)
+        seen = []
+
+        def folded(x_, norm_, weight, experts, top_k, renormalize):
+            seen.append(norm_)
+            n, s = norm.add_norm(x_, norm_.residual)
+            logits = torch.nn.functional.linear(n, weight)
+            return (n, s, logits, *moe.moe_route(logits[:, :experts], top_k, renormalize))
+
+        monkeypatch.setattr(moe_layer, "moe_add_norm_router", folded)
+        out, res = layer.add_norm_forward(x, residual, norm)
+    assert len(seen) == 1 and seen[0].weight is norm.weight and seen[0].eps == norm.eps
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(res, summed)
 
 
 def _decode_check(

@@ -14,8 +14,10 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.moe import (
     ExpertTensor,
+    RouterNorm,
     SharedExpert,
     moe_experts,
+    moe_add_norm_router,
     moe_experts_with_shared,
     moe_route,
     moe_router,
@@ -24,6 +26,7 @@ from ..ops.moe import (
 from ..ops.quant import QuantizedWeight, quantize
 from .linear import MergedLinear
 from .mlp import MLP
+from .norm import RMSNorm
 
 _PARTS = ("gate_up", "down")
 
@@ -97,10 +100,32 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids, shared_gate = self._route(x)
+        return self._experts(x, *self._route(x)).reshape(shape)
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(h), s) for (h, s) = norm.add_norm(x, residual): a decode step's add + norm run inside
+        the router kernel (`moe_add_norm_router`, one launch fewer a layer) where it applies."""
+        shape = x.shape
+        linear = self.gates.linear
+        fused = None
+        if type(linear) is nn.Linear and linear.bias is None:
+            fused = moe_add_norm_router(x.reshape(-1, shape[-1]),
+                                        RouterNorm(residual.reshape(-1, shape[-1]), norm.weight, norm.eps,
+                                                   norm.zero_centered),
+                                        linear.weight, self.gates.parts["gate"], self.top_k, self.renormalize)
+        if fused is None:
+            h, residual = norm.add_norm(x, residual)
+            return self(h), residual
+        h, summed, logits, weights, ids = fused
+        _, *shared_gate = self.gates.split(logits)
+        return self._experts(h, weights, ids, shared_gate).reshape(shape), summed.reshape(shape)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 shared_gate: list[torch.Tensor]) -> torch.Tensor:
+        """The routed experts (and the shared one, gated) of rows x [N, hidden]."""
         gate_up, down = self.experts.gate_up, self.experts.down
         if self.shared_expert is None:
-            return moe_experts(x, gate_up, down, weights, ids).reshape(shape)
+            return moe_experts(x, gate_up, down, weights, ids)
         # A decode step's shared expert rides along in the routed experts' kernels where they
         # take it; else its own GEMVs, the gate and the sum in their epilogues.
         parts = self.shared_expert.quantized()
@@ -108,7 +133,7 @@ class SparseMoE(nn.Module):
                                                                  SharedExpert(*parts, shared_gate[0]))
         if out is None:
             out = self.shared_expert.gated(x, shared_gate[0], moe_experts(x, gate_up, down, weights, ids))
-        return out.reshape(shape)
+        return out
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """(weights, ids, [the shared expert's gate logits] or []): a decode step's router GEMV and

@@ -81,6 +81,8 @@ class DecoderLayer(nn.Module):
             h = step.per_part(h, self._mix)
         else:
             h = self._mix(h, step)
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp.add_norm_forward(h, residual, self.post_attention_layernorm)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(h), residual
 

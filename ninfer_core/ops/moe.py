@@ -1,7 +1,8 @@
 """Mixture-of-experts ops: softmax top-k routing and the routed experts' SwiGLU FFN.
 
 Routing: `moe_route` over router logits (one warp per token, any count); for a decode step
-`moe_router` also computes the logits, the router GEMV and the top-k in one launch.
+`moe_router` also computes the logits, the router GEMV and the top-k in one launch, and
+`moe_add_norm_router` also the residual add + RMSNorm before them.
 
 Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate rows first) and
 `down` [E, H, I], as bf16/fp16/fp32 tensors or as int8/int4 `QuantizedWeight`s (ops/quant.py).
@@ -122,9 +123,48 @@ def moe_router(
     weights, ids of `moe_route` over the first `experts` columns). None where the kernel does not
     apply (the caller runs the GEMM and `moe_route`): past ROUTER_KERNEL_MAX_TOKENS tokens, fp32,
     shapes it does not take."""
-    tokens, hidden = x.shape
-    rows = weight.shape[0]
+    if not _router_fits(x, weight, experts, top_k):
+        return None
+    return _launch_router(x, weight, experts, top_k, renormalize)
+
+
+@dataclass(frozen=True)
+class RouterNorm:
+    """The residual add + RMSNorm before the MoE (ops.add_rmsnorm's arguments but x)."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    zero_centered: bool
+
+
+def moe_add_norm_router(
+    x: torch.Tensor, norm: RouterNorm, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`ops.add_rmsnorm(x, norm.residual, ...)` then `moe_router` on its normed rows, in the router's
+    one launch (bit-equal to the two): (normed, summed, logits, weights, ids). None where the
+    kernel does not take it (also: hidden not a multiple of 256 or past 2,048)."""
+    hidden = x.shape[-1]
     fits = (
+        _router_fits(x, weight, experts, top_k)
+        and hidden % 256 == 0 and hidden <= 2048
+        and all(t.dtype == x.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
+                and t.device == x.device for t in (norm.residual, norm.weight))
+        and norm.residual.shape == x.shape and norm.weight.shape == (hidden,)
+    )
+    if not fits:
+        return None
+    normed, summed = torch.empty_like(x), torch.empty_like(x)
+    logits, weights, ids = _launch_router(x, weight, experts, top_k, renormalize,
+                                          residual=norm.residual.data_ptr(), norm_weight=norm.weight.data_ptr(),
+                                          normed=normed.data_ptr(), residual_out=summed.data_ptr(),
+                                          eps=norm.eps, zero_centered=norm.zero_centered)
+    return normed, summed, logits, weights, ids
+
+
+def _router_fits(x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int) -> bool:
+    tokens, hidden = x.shape
+    return (
         1 <= tokens <= ROUTER_KERNEL_MAX_TOKENS
         and dispatch.use_kernel(x, weight)
         and x.dtype in (torch.float16, torch.bfloat16)
@@ -132,12 +172,17 @@ def moe_router(
         and weight.shape[1] == hidden
         and hidden % 8 == 0
         and 1 <= top_k <= min(experts, _MAX_TOP_K)
-        and experts <= min(rows, _MAX_ROUTE_EXPERTS)
+        and experts <= min(weight.shape[0], _MAX_ROUTE_EXPERTS)
         and x.is_contiguous() and weight.is_contiguous()
         and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
     )
-    if not fits:
-        return None
+
+
+def _launch_router(
+    x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool, **norm: int | float | bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens, hidden = x.shape
+    rows = weight.shape[0]
     # The kernel's completion counter: one per router weight, so engines never share one; it is
     # 0 between launches (the last block resets it), and its address stays fixed for CUDA graphs.
     key = (x.device, weight.data_ptr())
@@ -151,7 +196,7 @@ def moe_router(
         logits=logits.data_ptr(), weights=weights.data_ptr(), ids=ids.data_ptr(), done=done.data_ptr(),
         x=x.data_ptr(), w=weight.data_ptr(), tokens=tokens, hidden=hidden, rows=rows, experts=experts,
         top_k=top_k, renormalize=renormalize, dtype=dispatch.kernel_dtype(x), device=x.device.index,
-        stream=dispatch.stream_handle(x),
+        stream=dispatch.stream_handle(x), **norm,
     )
     return logits, weights, ids
 
