@@ -25,37 +25,33 @@ constexpr int kMaxSharedBytes = 48 * 1024;
 
 // ---------------------------------------------------------------- activations in shared memory
 
-// An activation vector is staged as fp32 in chunks of kVec elements, one chunk per 16-byte weight
-// vector. The 4-float quads of chunk c are rotated by c, so the lanes of a warp (consecutive
-// chunks) reading quad q of their chunk hit different banks (int4: 8 quads a chunk, conflict-free).
-template <int kVec>
-__device__ __forceinline__ int swizzle(int p) {
-  constexpr int kQuads = kVec / 4;
-  const int c = p / kVec;
-  return c * kVec + ((p % kVec / 4 + c) % kQuads) * 4 + p % 4;
-}
-
-template <int kVec>
-__device__ __forceinline__ float4 quad(const float* xs, int c, int q) {
-  constexpr int kQuads = kVec / 4;
-  return reinterpret_cast<const float4*>(xs + c * kVec)[(q + c) % kQuads];
-}
-
-// 16 bytes per thread and load when src allows (one round trip for a 2048-wide bf16 row; an
-// element per load made the weight loads wait for n / blockDim dependent round trips).
-template <int kVec, typename T>
+// An activation vector is staged as fp32 float4 quads, quad-major: quad q (elements 4q..4q+3) of
+// the chunk c of kVec elements that one 16-byte weight vector covers lives at x4[q * chunks + c].
+// The lanes of a warp read consecutive chunks, so their loads of quad q are consecutive 16-byte
+// words (no bank conflicts), and quad q of a chunk is one immediate-offset step from quad 0: the
+// dot products spend no instructions on shared-memory addresses.
+// W::kNibbleScaled (int4): element 4q + m is staged times 16^-m, exactly (a power of two), because
+// the int4 dot takes nibble m of a 16-bit half word in place, as n * 16^m (see Int4Weights).
+template <typename W, typename T>
 __device__ __forceinline__ void stage(float* dst, const T* __restrict__ src, int n) {
+  constexpr int kVec = W::kVec;
+  const int chunks = n / kVec;
+  const auto put = [&](int p, float v) {
+    const int m = p % 4;
+    if constexpr (W::kNibbleScaled) v *= __uint_as_float((127u - 4u * m) << 23);  // 2^(-4m)
+    dst[((p % kVec / 4) * chunks + p / kVec) * 4 + m] = v;
+  };
   constexpr int kPer = 16 / sizeof(T);
   if (n % kPer == 0 && is_aligned(reinterpret_cast<std::uintptr_t>(src), 16)) {
     for (int v = threadIdx.x; v < n / kPer; v += blockDim.x) {
       const Vec<T, kPer> packed = reinterpret_cast<const Vec<T, kPer>*>(src)[v];
 #pragma unroll
-      for (int j = 0; j < kPer; ++j) dst[swizzle<kVec>(v * kPer + j)] = to_float(packed.v[j]);
+      for (int j = 0; j < kPer; ++j) put(v * kPer + j, to_float(packed.v[j]));
     }
     return;
   }
 #pragma unroll 4
-  for (int p = threadIdx.x; p < n; p += blockDim.x) dst[swizzle<kVec>(p)] = to_float(src[p]);
+  for (int p = threadIdx.x; p < n; p += blockDim.x) put(p, to_float(src[p]));
 }
 
 __device__ __forceinline__ float dot4(float a, float b, float c, float d, float4 x, float acc) {
@@ -64,11 +60,12 @@ __device__ __forceinline__ float dot4(float a, float b, float c, float d, float4
 
 // ---------------------------------------------------------------- weight formats
 // Each reads one 16-byte vector (chunk c of a row), gives the chunk's scale, and dots the raw
-// vector with the staged activations of that chunk.
+// vector with the staged activations of that chunk: x points at its quad 0, quad q is x[q * chunks].
 
 template <typename T>
 struct DenseWeights {
   static constexpr int kVec = 16 / sizeof(T);
+  static constexpr bool kNibbleScaled = false;
   const uint4* w;
   int row_vecs;
 
@@ -76,7 +73,7 @@ struct DenseWeights {
     return __ldg(w + row * row_vecs + c);
   }
   __device__ __forceinline__ float scale(std::int64_t, int) const { return 1.0f; }
-  __device__ __forceinline__ float dot(const uint4& v, const float* xs, int c) const;
+  __device__ __forceinline__ float dot(const uint4& v, const float4* x, int chunks) const;
 };
 
 __device__ __forceinline__ float2 pair_to_float2(std::uint32_t w, __nv_bfloat16*) {
@@ -87,28 +84,26 @@ __device__ __forceinline__ float2 pair_to_float2(std::uint32_t w, __half*) {
 }
 
 template <typename T>
-__device__ __forceinline__ float DenseWeights<T>::dot(const uint4& v, const float* xs,
-                                                      int c) const {
+__device__ __forceinline__ float DenseWeights<T>::dot(const uint4& v, const float4* x, int chunks) const {
   const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
   float acc = 0.0f;
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     const float2 a = pair_to_float2(words[2 * q], static_cast<T*>(nullptr));
     const float2 b = pair_to_float2(words[2 * q + 1], static_cast<T*>(nullptr));
-    acc = dot4(a.x, a.y, b.x, b.y, quad<kVec>(xs, c, q), acc);
+    acc = dot4(a.x, a.y, b.x, b.y, x[q * chunks], acc);
   }
   return acc;
 }
 
 template <>
-__device__ __forceinline__ float DenseWeights<float>::dot(const uint4& v, const float* xs,
-                                                          int c) const {
-  return dot4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
-              __uint_as_float(v.w), quad<kVec>(xs, c, 0), 0.0f);
+__device__ __forceinline__ float DenseWeights<float>::dot(const uint4& v, const float4* x, int) const {
+  return dot4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w), x[0], 0.0f);
 }
 
 struct Int8Weights {
   static constexpr int kVec = 16;
+  static constexpr bool kNibbleScaled = false;
   const uint4* q;
   const float* scales;  // [rows]
   int row_vecs;
@@ -121,7 +116,7 @@ struct Int8Weights {
   }
   // Byte b of word q is element 4q + b. 0x4B0000xx is the float 2^23 + xx exactly; with the sign
   // bit flipped, xx = value + 128: two instructions per element instead of a slow I2F.
-  __device__ __forceinline__ float dot(const uint4& v, const float* xs, int c) const {
+  __device__ __forceinline__ float dot(const uint4& v, const float4* x, int chunks) const {
     const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
     float acc = 0.0f;
 #pragma unroll
@@ -132,7 +127,7 @@ struct Int8Weights {
       for (int b = 0; b < 4; ++b) {
         f[b] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u + b)) - 8388736.0f;
       }
-      acc = dot4(f[0], f[1], f[2], f[3], quad<kVec>(xs, c, q), acc);
+      acc = dot4(f[0], f[1], f[2], f[3], x[q * chunks], acc);
     }
     return acc;
   }
@@ -140,6 +135,7 @@ struct Int8Weights {
 
 struct Int4Weights {
   static constexpr int kVec = 32;
+  static constexpr bool kNibbleScaled = true;
   const uint4* q;
   const __nv_bfloat16* scales;  // [rows, groups]
   int row_vecs;
@@ -152,19 +148,23 @@ struct Int4Weights {
   __device__ __forceinline__ float scale(std::int64_t row, int c) const {
     return __bfloat162float(scales[row * groups + (c >> group_shift)]);
   }
-  // Nibble m of word w is element 8w + m, stored as value + 8 (same float trick as int8).
-  __device__ __forceinline__ float dot(const uint4& v, const float* xs, int c) const {
+  // Nibble m of word w is element 8w + m, stored as value + 8. Quad q = 2w + h is the 16-bit half
+  // h of word w; its nibble m (bits 4m..4m+3 of the half) is read in place: 0x4B000000 | (bits)
+  // is the float 2^23 + n 16^m exactly, minus 2^23 + 8 16^m gives (n - 8) 16^m, one LOP3 and one
+  // FADD an element. The staged x carries the 16^-m (stage), so each product, and so every fp32
+  // sum, is the one (n - 8) * x would give.
+  __device__ __forceinline__ float dot(const uint4& v, const float4* x, int chunks) const {
     const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
     float acc = 0.0f;
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
-      const std::uint32_t u = words[q / 2] >> (16 * (q % 2));
+      const std::uint32_t u = q % 2 ? words[q / 2] >> 16 : words[q / 2];
       float f[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        f[m] = __uint_as_float(0x4B000000u | ((u >> (4 * m)) & 0xFu)) - 8388616.0f;
+        f[m] = __uint_as_float((u & (0xFu << (4 * m))) | 0x4B000000u) - (8388608.0f + 8.0f * (1 << (4 * m)));
       }
-      acc = dot4(f[0], f[1], f[2], f[3], quad<kVec>(xs, c, q), acc);
+      acc = dot4(f[0], f[1], f[2], f[3], x[q * chunks], acc);
     }
     return acc;
   }
@@ -227,9 +227,10 @@ __device__ __forceinline__ void gate_up_rows(T* h_row, const T* x_row, const W& 
     }
   };
   load(lane);
-  stage<W::kVec>(xs, x_row, hidden);
+  stage<W>(xs, x_row, hidden);
   __syncthreads();
   if (i >= rows) return;
+  const float4* x4 = reinterpret_cast<const float4*>(xs);
   float g = 0.0f;
   float u = 0.0f;
   if (live) {
@@ -238,8 +239,8 @@ __device__ __forceinline__ void gate_up_rows(T* h_row, const T* x_row, const W& 
       for (int k = 0; k < kUnroll; ++k) {
         const int c = c0 + 32 * k;
         if (c < nvec) {
-          g = fmaf(sg[k], w.dot(wg[k], xs, c), g);
-          u = fmaf(su[k], w.dot(wu[k], xs, c), u);
+          g = fmaf(sg[k], w.dot(wg[k], x4 + c, nvec), g);
+          u = fmaf(su[k], w.dot(wu[k], x4 + c, nvec), u);
         }
       }
       c0 += 32 * kUnroll;
@@ -343,8 +344,8 @@ __global__ void __launch_bounds__(kThreads)
   load_shared(lane);
   enter_kernel();  // h is gate_up's output
   const T* h_row = h + static_cast<std::int64_t>(n) * h_stride;
-  stage<W::kVec>(hs, h_row, span);
-  if constexpr (kHasShared<WS>) stage<WS::kVec>(hs_shared, h_row + span, shared_inter);
+  stage<W>(hs, h_row, span);
+  if constexpr (kHasShared<WS>) stage<WS>(hs_shared, h_row + span, shared_inter);
   for (int jj = threadIdx.x; jj < top_k; jj += blockDim.x) {
     slot_weight[jj] = load_float(weights, n * top_k + jj, weights_dtype);
   }
@@ -354,7 +355,9 @@ __global__ void __launch_bounds__(kThreads)
   for (int t0 = lane;;) {
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-      if (live[k]) acc = fmaf(slot_weight[slot[k]] * s[k], w.dot(v[k], hs, t0 + 32 * k), acc);
+      if (live[k]) {
+        acc = fmaf(slot_weight[slot[k]] * s[k], w.dot(v[k], reinterpret_cast<const float4*>(hs) + t0 + 32 * k, nvec), acc);
+      }
     }
     t0 += 32 * kUnroll;
     if (t0 >= nvec) break;
@@ -366,7 +369,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int c0 = lane;;) {
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        if (c0 + 32 * k < shared_vecs) shared = fmaf(ss[k], ws.dot(sv[k], hs_shared, c0 + 32 * k), shared);
+        if (c0 + 32 * k < shared_vecs) {
+          shared = fmaf(ss[k], ws.dot(sv[k], reinterpret_cast<const float4*>(hs_shared) + c0 + 32 * k, shared_vecs),
+                        shared);
+        }
       }
       c0 += 32 * kUnroll;
       if (c0 >= shared_vecs) break;

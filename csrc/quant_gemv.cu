@@ -44,6 +44,7 @@ constexpr int kChunkBytes = 64;  // bytes of each row per warp step: 16 per lane
 constexpr int kUnroll = 2;       // chunks whose loads a warp has in flight together (4: slower for
                                  // every grouped MoE size on the H200)
 constexpr int kWarps = 8;        // warps per block
+constexpr int kWideWarps = 16;   // warps per block of a plain GEMV with few row tiles (its K split 16 ways)
 constexpr int kWarpsPerSm = 16;  // split K until the grid has about this many warps per SM
 
 // 16 bytes through the read-only path (weights: not kept in L1), zeros when !pred. Predicated
@@ -285,8 +286,10 @@ struct Epilogue {
 
 // kTiles: n8 tiles of x rows (1: m <= 8, 2: m <= 16, 4: grouped blocks of 32 slots).
 // kGrouped: one slot block of a grouped MoE GEMV per block y (else rows 8 kTiles y.. of x).
-template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped>
-__global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
+// kBlockWarps: kWarps, or kWideWarps for a grid of about one block an SM (few row tiles): the
+// registers may then take what one block an SM leaves.
+template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps>
+__global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMinBlocks<T, kTiles> : 1)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
                       Epilogue epilogue, int m, int n, int k, int group_size, int split,
@@ -298,7 +301,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int part = warp % split;  // this warp's share of its tile's chunks
-  const std::int64_t tile = static_cast<std::int64_t>(blockIdx.x) * (kWarps / split) + warp / split;
+  const std::int64_t tile = static_cast<std::int64_t>(blockIdx.x) * (kBlockWarps / split) + warp / split;
   const int row_bytes = kInt4 ? k / 2 : k;
   const int groups = kInt4 ? k / group_size : 0;
   // A rows g and g + 8 of the warp's tile: 16 consecutive weight rows, or for gate_up output g
@@ -425,7 +428,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<T, kTiles>)
   }
 
   if (split > 1) {  // the tile's other warps hand their sums to its first warp
-    __shared__ float partial[kWarps][kTiles * 4][32];
+    __shared__ float partial[kBlockWarps][kTiles * 4][32];
     if (part > 0) {
 #pragma unroll
       for (int i = 0; i < kTiles * 4; ++i) partial[warp][i][lane] = acc[i / 4][i % 4];
@@ -482,35 +485,43 @@ std::int64_t row_tiles(std::int64_t n, Layout layout) {
   return (n + rows - 1) / rows;
 }
 
-template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped>
+template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
-  const int tiles_per_block = kWarps / split;
+  const int tiles_per_block = kBlockWarps / split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
   const Epilogue epilogue{reinterpret_cast<const void*>(a.bias), reinterpret_cast<const void*>(a.gate),
                           a.gate_stride, reinterpret_cast<const void*>(a.add)};
-  launch_kernel("quant_gemv kernel launch", quant_gemv_kernel<T, kInt4, kTiles, kLayout, kGrouped>, grid,
-                kWarps * 32, 0, as_stream(a.stream), reinterpret_cast<T*>(a.out),
+  launch_kernel("quant_gemv kernel launch", quant_gemv_kernel<T, kInt4, kTiles, kLayout, kGrouped, kBlockWarps>,
+                grid, kBlockWarps * 32, 0, as_stream(a.stream), reinterpret_cast<T*>(a.out),
                 reinterpret_cast<const T*>(a.x), reinterpret_cast<const std::uint8_t*>(a.qweight),
                 reinterpret_cast<const void*>(a.scales), epilogue, static_cast<int>(a.m),
                 static_cast<int>(a.n), static_cast<int>(a.k), a.group_size, split, grouping);
 }
 
+// split > kWarps: blocks of kWideWarps (plain 16-bit GEMVs only, choose_split).
 template <typename T, Layout kLayout, bool kGrouped>
 void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks,
                   Grouping grouping = {}) {
-  const auto pick = [&](auto int4) {
+  const auto pick = [&](auto int4, auto block_warps) {
     constexpr bool kInt4 = decltype(int4)::value;
+    constexpr int kBlockWarps = decltype(block_warps)::value;
     switch (tiles) {
-      case 1: launch<T, kInt4, 1, kLayout, kGrouped>(a, split, slot_blocks, grouping); break;
-      case 2: launch<T, kInt4, 2, kLayout, kGrouped>(a, split, slot_blocks, grouping); break;
+      case 1: launch<T, kInt4, 1, kLayout, kGrouped, kBlockWarps>(a, split, slot_blocks, grouping); break;
+      case 2: launch<T, kInt4, 2, kLayout, kGrouped, kBlockWarps>(a, split, slot_blocks, grouping); break;
       default:
         if constexpr (kGrouped) {
-          launch<T, kInt4, 4, kLayout, kGrouped>(a, split, slot_blocks, grouping);
+          launch<T, kInt4, 4, kLayout, kGrouped, kBlockWarps>(a, split, slot_blocks, grouping);
         }
     }
   };
-  a.int4 ? pick(std::true_type{}) : pick(std::false_type{});
+  const auto by_kind = [&](auto block_warps) {
+    a.int4 ? pick(std::true_type{}, block_warps) : pick(std::false_type{}, block_warps);
+  };
+  if constexpr (!kGrouped && !std::is_same_v<T, float>) {
+    if (split > kWarps) return by_kind(std::integral_constant<int, kWideWarps>{});
+  }
+  by_kind(std::integral_constant<int, kWarps>{});
 }
 
 // SMs of a device, queried once per process (so graph captures after a warm-up query nothing).
@@ -528,14 +539,16 @@ int sm_count(int device) {
   return sms;
 }
 
-// Warps per tile (1, 2, 4 or 8): K is split until the grid has ~kWarpsPerSm warps per SM, as
-// long as every warp keeps at least kUnroll chunks (small n with large k: N = 1 .. 256 rows).
-// `tiles`: the warp tiles of the whole grid.
-int choose_split(const QuantGemvArgs& a, std::int64_t tiles) {
+// Warps per tile (1, 2, 4 .. max_split): K is split until the grid has ~kWarpsPerSm warps per SM,
+// as long as every warp keeps at least kUnroll chunks (small n with large k: N = 1 .. 256 rows).
+// `tiles`: the warp tiles of the whole grid. A split past kWarps takes blocks of kWideWarps: a
+// GDN out_proj / attention o_proj (2,048 x 4,096) had 8 warps an SM, each waiting for 4 round
+// trips one after another (ncu: 7 warps an SM active, 0.93 TB/s).
+int choose_split(const QuantGemvArgs& a, std::int64_t tiles, int max_split) {
   const int sms = sm_count(a.device);
   const std::int64_t chunks = ((a.int4 ? a.k / 2 : a.k) + kChunkBytes - 1) / kChunkBytes;
   int split = 1;
-  while (split < kWarps && tiles * split < static_cast<std::int64_t>(kWarpsPerSm) * sms &&
+  while (split < max_split && tiles * split < static_cast<std::int64_t>(kWarpsPerSm) * sms &&
          2LL * split * kUnroll <= chunks) {
     split *= 2;
   }
@@ -584,7 +597,7 @@ void quant_gemv(const QuantGemvArgs& a) {
   const Layout layout = a.gate_up ? Layout::GateUp : Layout::Dense;
   const int tiles = a.m > 8 ? 2 : 1;
   const auto row_blocks = static_cast<unsigned>((a.m + 8 * tiles - 1) / (8 * tiles));
-  const int split = choose_split(a, row_tiles(a.n, layout) * row_blocks);
+  const int split = choose_split(a, row_tiles(a.n, layout) * row_blocks, a.dtype == DType::F32 ? kWarps : kWideWarps);
   by_dtype(a.dtype, "quant_gemv", [&](auto type) {
     using T = decltype(type);
     if (a.gate_up) {
@@ -624,7 +637,7 @@ void moe_grouped_gemv(const GroupedGemvArgs& g) {
                           reinterpret_cast<const int*>(g.used), static_cast<int>(g.num_slots),
                           g.rows_per_x, g.gate_up ? 2 * a.n : a.n};
   DeviceGuard guard(a.device);
-  const int split = choose_split(a, row_tiles(a.n, layout) * g.blocks);
+  const int split = choose_split(a, row_tiles(a.n, layout) * g.blocks, kWarps);
   const int tiles = g.block_m / 8;
   const auto blocks = static_cast<unsigned>(g.blocks);
   const auto go = [&](auto type) {

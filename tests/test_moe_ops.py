@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ninfer_core.engine.graph_capture import capture
 from ninfer_core.layers.moe import Experts
 from ninfer_core.ops import dispatch, moe
-from ninfer_core.ops import rmsnorm as rmsnorm_ops
+from ninfer_core.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from ninfer_core.ops.activation import sigmoid_mul, silu_mul
 from ninfer_core.ops.quant import QuantizedWeight, dequantize, quant_linear, quantize
 from kernel_stub import record_kernel_calls
@@ -382,8 +382,8 @@ def test_add_norm_router_is_bit_equal_to_add_rmsnorm_then_router(cuda_kernels, t
     with _poisoned_allocations():
         got = moe.moe_add_norm_router(x, norm, w, experts, top_k, True)
     assert got is not None
-    want_normed, want_summed = rmsnorm_ops.add_rmsnorm(x, residual, norm_w, 1e-6, zero_centered=zero_centered)
-    ref_normed, ref_summed = rmsnorm_ops.add_rmsnorm_ref(x, residual, norm_w, 1e-6, zero_centered=zero_centered)
+    want_normed, want_summed = add_rmsnorm(x, residual, norm_w, 1e-6, zero_centered=zero_centered)
+    ref_normed, ref_summed = add_rmsnorm_ref(x, residual, norm_w, 1e-6, zero_centered=zero_centered)
     torch.testing.assert_close(want_normed, ref_normed, rtol=2 * torch.finfo(dtype).eps, atol=1e-3)
     want = (want_normed, want_summed, *moe.moe_router(want_normed, w, experts, top_k, True))
     for a, b in zip(got, want):

@@ -304,9 +304,12 @@ def test_cpu_tensors_never_call_the_cuda_extension(monkeypatch):
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 ROWS = [1, 2, 3, 8, 16, 17, 40, 64]  # past 16: blocks of 16 rows along the grid's y
 # (N, K, int4 group): one row; 64-wide K (half a chunk per int4 row); odd N; rows of 5 / 2.5
-# chunks; K split across 8 warps; N large enough for one warp per tile; the 27B MLP shapes.
+# chunks; K split across 8 warps; N large enough for one warp per tile; the 27B MLP shapes; few
+# row tiles with a long K (blocks of 16 warps, K split 16 ways: the 35B's GDN out_proj).
 SHAPES = [
     (1, 4096, 128),
+    (2048, 4096, 128),
+    (64, 8192, 64),
     (33, 64, 32),
     (17, 1024, 64),
     (1000, 320, 32),
@@ -465,11 +468,12 @@ def test_swiglu_epilogue_equals_linear_then_silu_mul(cuda_kernels, monkeypatch, 
 @pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 64)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 3, 16, 32])
-def test_gated_epilogue_equals_linear_then_sigmoid_mul(cuda_kernels, monkeypatch, kind, group, dtype, rows):
+@pytest.mark.parametrize("k", [512, 4096])  # 4096: blocks of 16 warps at 16 rows or fewer
+def test_gated_epilogue_equals_linear_then_sigmoid_mul(cuda_kernels, monkeypatch, kind, group, dtype, rows, k):
     """quant_linear_gated: add + sigmoid(gate) * (x @ W^T) in the GEMV's epilogue, the gate a
     strided column of a merged projection's output (the MoE router's last column), gives exactly
     quant_linear + the sigmoid_mul kernel; and the bias goes in before the gate."""
-    n, k = 2048, 512
+    n = 2048
     qw, _ = _cuda_weight(kind, n, k, group)
     x = _cuda_x(rows, k, seed=rows + 41, dtype=dtype)
     merged = _cuda_x(rows, 257, seed=rows + 42, dtype=dtype)
