@@ -196,62 +196,79 @@ struct NoShared {
 template <typename WS>
 inline constexpr bool kHasShared = !std::is_same_v<WS, NoShared>;
 
-// One block's gate_up rows of one expert: warp i computes output i (gate row gate_row + i, up row
-// gate_row + rows + i) and writes h_row[i] with the reference's roundings (linear, silu and
-// product each in T); a dead expert writes 0. The first kUnroll vectors of both rows are
-// requested before x is staged, so the staging runs under their DRAM latency (at the 35B shape
-// they are all of the row).
+// One block's gate_up rows of one expert: warp w computes outputs i = kGateUpOutputs w + o (gate
+// row gate_row + i, up row gate_row + rows + i) and writes h_row[i] with the reference's roundings
+// (linear, silu and product each in T); a dead expert writes 0. Two outputs a warp halve the
+// blocks: one token's 8 + 1 experts at the 35B shape are 288 blocks, all resident at once (at one
+// output a warp, 576 blocks took 1.3 waves at 3 blocks an SM, ncu). A lane keeps kUnroll vectors
+// of the warp's rows in flight; the first are requested before x is staged, so the staging runs
+// under their DRAM latency (at the 35B shape they are all of the rows).
+constexpr int kGateUpOutputs = 2;
+
 template <typename T, typename W>
 __device__ __forceinline__ void gate_up_rows(T* h_row, const T* x_row, const W& w, std::int64_t gate_row,
                                              int rows, bool expert_live, int hidden, float* xs) {
+  constexpr int kOut = kGateUpOutputs;
+  constexpr int kPer = kUnroll / kOut;  // vectors of each row a lane loads per step
   const int lane = threadIdx.x & 31;
-  const int i = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const bool live = expert_live && i < rows;  // uniform over the warp
-  const std::int64_t g_row = live ? gate_row + i : 0;
-  const std::int64_t u_row = g_row + rows;
+  const int i0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * kOut;
+  bool live[kOut];  // uniform over the warp
+  std::int64_t g_row[kOut];
+#pragma unroll
+  for (int o = 0; o < kOut; ++o) {
+    live[o] = expert_live && i0 + o < rows;
+    g_row[o] = live[o] ? gate_row + i0 + o : 0;
+  }
   const int nvec = hidden / W::kVec;
-  uint4 wg[kUnroll];
-  uint4 wu[kUnroll];
-  float sg[kUnroll];
-  float su[kUnroll];
+  uint4 wg[kOut][kPer];
+  uint4 wu[kOut][kPer];
+  float sg[kOut][kPer];
+  float su[kOut][kPer];
   const auto load = [&](int c0) {
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const int c = c0 + 32 * k;
-      if (live && c < nvec) {
-        wg[k] = w.load(g_row, c);
-        wu[k] = w.load(u_row, c);
-        sg[k] = w.scale(g_row, c);
-        su[k] = w.scale(u_row, c);
+    for (int o = 0; o < kOut; ++o) {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int c = c0 + 32 * k;
+        if (live[o] && c < nvec) {
+          wg[o][k] = w.load(g_row[o], c);
+          wu[o][k] = w.load(g_row[o] + rows, c);
+          sg[o][k] = w.scale(g_row[o], c);
+          su[o][k] = w.scale(g_row[o] + rows, c);
+        }
       }
     }
   };
   load(lane);
   stage<W>(xs, x_row, hidden);
   __syncthreads();
-  if (i >= rows) return;
+  if (i0 >= rows) return;
   const float4* x4 = reinterpret_cast<const float4*>(xs);
-  float g = 0.0f;
-  float u = 0.0f;
-  if (live) {
-    for (int c0 = lane;;) {
+  float g[kOut] = {};
+  float u[kOut] = {};
+  for (int c0 = lane;;) {
 #pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
+    for (int o = 0; o < kOut; ++o) {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
         const int c = c0 + 32 * k;
-        if (c < nvec) {
-          g = fmaf(sg[k], w.dot(wg[k], x4 + c, nvec), g);
-          u = fmaf(su[k], w.dot(wu[k], x4 + c, nvec), u);
+        if (live[o] && c < nvec) {
+          g[o] = fmaf(sg[o][k], w.dot(wg[o][k], x4 + c, nvec), g[o]);
+          u[o] = fmaf(su[o][k], w.dot(wu[o][k], x4 + c, nvec), u[o]);
         }
       }
-      c0 += 32 * kUnroll;
-      if (c0 >= nvec) break;
-      load(c0);
     }
-    g = warp_sum(g);
-    u = warp_sum(u);
+    c0 += 32 * kPer;
+    if (c0 >= nvec) break;
+    load(c0);
   }
-  if (lane == 0) {
-    h_row[i] = from_float<T>(silu_times<T>(round_to<T>(g), round_to<T>(u)));
+#pragma unroll
+  for (int o = 0; o < kOut; ++o) {
+    g[o] = warp_sum(g[o]);
+    u[o] = warp_sum(u[o]);
+    if (lane == 0 && i0 + o < rows) {
+      h_row[i0 + o] = from_float<T>(silu_times<T>(round_to<T>(g[o]), round_to<T>(u[o])));
+    }
   }
 }
 
@@ -259,7 +276,7 @@ __device__ __forceinline__ void gate_up_rows(T* h_row, const T* x_row, const W& 
 // past it, the shared expert of token y - routed_pairs (WS weights [2 shared_inter, hidden]),
 // into h[token, top_k] (h rows are h_stride = top_k * inter + shared_inter long).
 template <typename T, typename W, typename WS>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: the 288 blocks of one token in one wave
     gate_up_kernel(T* __restrict__ h, const T* __restrict__ x, const int* __restrict__ ids, W w, WS ws,
                    int routed_pairs, int top_k, int hidden, int inter, int experts, int shared_inter,
                    int h_stride) {
@@ -761,7 +778,8 @@ void launch_decode(const MoeDecodeArgs& a) {
   const auto* ids = reinterpret_cast<const int*>(a.ids);
   const auto* gate = reinterpret_cast<const T*>(a.shared_gate);
 
-  const dim3 gate_up_grid((std::max(inter, shared_inter) + kWarps - 1) / kWarps,
+  constexpr int kBlockOutputs = kWarps * kGateUpOutputs;
+  const dim3 gate_up_grid((std::max(inter, shared_inter) + kBlockOutputs - 1) / kBlockOutputs,
                           static_cast<unsigned>(routed_pairs + (shared_inter > 0 ? a.tokens : 0)));
   const std::size_t gate_up_smem = sizeof(float) * hidden;
   with_weights<T>(a.gate_up, hidden, [&](auto w) {
