@@ -373,7 +373,7 @@ class LLM:
         if media and self.vision is None:  # before rendering: a text-only template fails on media parts
             raise MediaError(f"{self.name} has no vision tower: it cannot read images or videos")
         prompt = self.render_prompt(request, messages)
-        ids, multimodal = self.tokenizer.encode(prompt), None
+        ids, multimodal = self.tokenizer.encode_prompt(prompt), None
         if media:
             ids, multimodal = self.vision.prompt(ids, media, self.tokenizer.encode)
         reasoning = prompt_opens_reasoning(prompt)
@@ -405,7 +405,7 @@ class LLM:
             return ()
         if not history or not prompt.startswith(history):
             return ()
-        common = _common_prefix_length(self.tokenizer.encode(history), ids)
+        common = _common_prefix_length(self.tokenizer.encode_prompt(history), ids)
         return (common,) if 0 < common < len(ids) else ()
 
     def _answer_start(self, request: ChatRequest, messages: Sequence[Mapping[str, Any]], prompt: str,

@@ -17,6 +17,7 @@ import tokenizers
 
 from .config import read_json_object
 from .errors import ModelLoadError
+from .prompt_ids import PromptIdCache
 
 # One template, or named templates ("default", "tool_use", ...) as tokenizer_config.json may hold.
 ChatTemplateSource = str | dict[str, str]
@@ -49,6 +50,7 @@ class Tokenizer:
         # markup tokens such as <think> / <tool_call> are non-special in Qwen checkpoints and kept.
         self.special_ids: frozenset[int] = frozenset(i for i, tok in self._added.items() if tok.special)
         self._bytes_of: dict[int, bytes] = {}  # token_bytes, filled as tokens are first seen
+        self.prompt_ids = PromptIdCache(backend)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -92,6 +94,11 @@ class Tokenizer:
         prompts already contain their framing tokens, so the default is off.
         """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """`encode(text)` of a rendered prompt, reusing the ids of earlier prompts that start the
+        same way (the turns of a chat; prompt_ids.py): a long conversation is not encoded again."""
+        return self.prompt_ids.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
