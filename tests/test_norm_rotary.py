@@ -94,3 +94,16 @@ def test_kernel_reads_merged_projection_in_place(monkeypatch):
     cos, sin = _tables(batch, tokens, 64, torch.bfloat16, "cuda")
     got = norm_rotary(k, cos, sin, weight, 1e-6, True)
     torch.testing.assert_close(got, norm_rotary_ref(k, cos, sin, weight, 1e-6, True), rtol=0.016, atol=0.016)
+
+
+def test_rotary_frequencies_are_computed_once_per_device():
+    """The inverse frequencies are kept per device after the first call (no kernels for them in a
+    decode step), equal to theta^(-2i/d) in float64, and the tables are those of a fresh module."""
+    rope = RotaryEmbedding(64, 10_000_000.0)
+    first = rope.inv_freq(torch.device("cpu"))
+    assert rope.inv_freq(torch.device("cpu")) is first
+    want = 1.0 / 10_000_000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    torch.testing.assert_close(first.double(), want, rtol=1e-6, atol=0)
+    positions = torch.arange(40).view(2, 20)
+    for a, b in zip(rope(positions, torch.bfloat16), RotaryEmbedding(64, 10_000_000.0)(positions, torch.bfloat16)):
+        assert torch.equal(a, b)

@@ -8,8 +8,10 @@ j % 3 == 1 and j < 3 * section[1], from axis W when j % 3 == 2 and j < 3 * secti
 axis T. transformers applies this layout for Qwen3.5 whatever `mrope_interleaved` says. For
 text all three axes are equal, which reduces to plain RoPE.
 
-Nothing is stored in buffers: the frequencies are recomputed from (theta, rotary_dim) on the
-positions' device each call, so a model built on the meta device needs no buffer fix-up.
+Nothing is stored in buffers: the frequencies are computed from (theta, rotary_dim) on the
+positions' device at its first call there and kept per device outside the module's state, so a
+model built on the meta device needs no buffer fix-up (and a decode step launches no kernels for
+them: five a step on a GPU).
 """
 
 from __future__ import annotations
@@ -32,10 +34,17 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.theta = theta
         self.mrope_section = list(mrope_section) if mrope_section is not None else None
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
-        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
-        return 1.0 / (self.theta**exponent)
+        cached = self._inv_freq.get(device)
+        if cached is None:
+            exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
+            cached = 1.0 / (self.theta**exponent)
+            # not from inside a CUDA graph capture: its memory is the graph's, freed with it
+            if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+                self._inv_freq[device] = cached
+        return cached
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] or [3, B, T] (t, h, w) -> cos, sin [B, T, rotary_dim] in `dtype`."""
