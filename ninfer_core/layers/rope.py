@@ -11,7 +11,7 @@ text all three axes are equal, which reduces to plain RoPE.
 Nothing is stored in buffers: the frequencies are computed from (theta, rotary_dim) on the
 positions' device at its first call there and kept per device outside the module's state, so a
 model built on the meta device needs no buffer fix-up (and a decode step launches no kernels for
-them: five a step on a GPU).
+them: four a step on a GPU).
 """
 
 from __future__ import annotations
