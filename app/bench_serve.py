@@ -9,6 +9,9 @@ Modes, run at each concurrency C:
   is sampled every second (--interval); an interval is steady when no prefill chunk ran, C requests were
   running, none waiting, and every decode step carried exactly C rows. Steady decode tok/s =
   rows / seconds over the steady intervals (ramp-up, prefill and drain excluded).
+- ttft: one request at a time, per prompt length (--lengths): the first prompt of that length the
+  server sees, then --repeats fresh prompts of it (median: "repeat"), then the last one sent again
+  (its prefix cached). Random-token prompts, two-token answers.
 
 Requests stream (with usage), so TTFT and the gaps between chunks are the client's view, HTTP
 included. With --serve, every point starts a fresh `ninfer serve` (the methodology's rule); with
@@ -236,6 +239,36 @@ async def run_point(url: str, headers: dict[str, str], mode: str, requests: list
     return summarize(mode, concurrency, samples, makespan, sampler)
 
 
+async def run_ttft(url: str, headers: dict[str, str], lengths: list[int], repeats: int,
+                   sampling: dict[str, Any]) -> list[dict[str, Any]]:
+    """TTFT per prompt length, first sight / repeat / cached (see the module doc)."""
+    import httpx
+
+    rng = random.Random(SHUFFLE_SEED)
+    rows = []
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(3600, connect=30)) as client:
+        await client.get("/v1/models")  # the connection, before any clock (see run_point)
+
+        async def ttft(prompt: list[int]) -> Sample:
+            return await send(client, BenchRequest(id=f"ttft-{len(prompt)}", max_tokens=2, ignore_eos=True,
+                                                   prompt=prompt), sampling, None)
+
+        for length in lengths:
+            prompts = [[rng.randrange(10, 300) for _ in range(length)] for _ in range(repeats + 1)]
+            samples = [await ttft(p) for p in prompts] + [await ttft(prompts[-1])]
+            ok = [s for s in samples if s.ok]
+            rows.append({
+                "tokens": length, "errors": len(samples) - len(ok),
+                "error_examples": sorted({s.error for s in samples if not s.ok})[:3],
+                "prompt_tokens": [s.prompt_tokens for s in ok],
+                "first_ms": samples[0].ttft_s * 1e3 if samples[0].ok else None,
+                "repeat_ms": statistics.median(s.ttft_s * 1e3 for s in samples[1:-1] if s.ok)
+                if any(s.ok for s in samples[1:-1]) else None,
+                "cached_ms": samples[-1].ttft_s * 1e3 if samples[-1].ok else None,
+            })
+    return rows
+
+
 def summarize(mode: str, concurrency: int, samples: list[Sample], makespan: float, sampler: Sampler) -> dict[str, Any]:
     ok = [s for s in samples if s.ok]
     first, last = sampler.points[0][1], sampler.points[-1][1]
@@ -283,7 +316,7 @@ def start_server(serve_args: str) -> tuple[subprocess.Popen, str]:
 
 
 def bench_serve(
-    mode: Annotated[str, typer.Option(help="corpus (makespan) or saturation (decode wave).")] = "corpus",
+    mode: Annotated[str, typer.Option(help="corpus (makespan), saturation (decode wave) or ttft (per prompt length).")] = "corpus",
     concurrency: Annotated[str, typer.Option(help="Comma-separated concurrency points.")] = "1,2,4,8",
     url: Annotated[Optional[str], typer.Option(help="A running server (all points share it).")] = None,
     serve: Annotated[Optional[str], typer.Option(help="`ninfer serve` arguments: a fresh server per point.")] = None,
@@ -293,6 +326,8 @@ def bench_serve(
     max_tokens: Annotated[int, typer.Option(help="Synthetic answer length.")] = 256,
     greedy: Annotated[bool, typer.Option(help="Temperature 0 instead of the methodology's sampling.")] = False,
     interval: Annotated[float, typer.Option(help="Seconds between server samples (saturation).")] = 1.0,
+    lengths: Annotated[str, typer.Option(help="Prompt lengths of the ttft mode, comma-separated.")] = "37,128,512,2048,8192",
+    repeats: Annotated[int, typer.Option(help="ttft mode: fresh prompts per length after the first.", min=1)] = 3,
     api_key: Annotated[Optional[str], typer.Option(envvar="NINFER_API_KEY")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
 ) -> None:
@@ -301,8 +336,10 @@ def bench_serve(
 
     if (url is None) == (serve is None):
         raise typer.BadParameter("give exactly one of --url or --serve")
-    if mode not in ("corpus", "saturation"):
-        raise typer.BadParameter("--mode must be corpus or saturation")
+    if mode not in ("corpus", "saturation", "ttft"):
+        raise typer.BadParameter("--mode must be corpus, saturation or ttft")
+    if mode == "ttft":
+        return _bench_ttft(url, serve, [int(x) for x in lengths.split(",")], repeats, greedy, api_key, out)
     requests = load_corpus(corpus) if corpus else synthetic_corpus(synthetic, prompt_tokens, max_tokens)
     random.Random(SHUFFLE_SEED).shuffle(requests)
     sampling = {"temperature": 0.0} if greedy else STOCHASTIC
@@ -330,6 +367,36 @@ def bench_serve(
                    + (f", steady {result['steady_decode_tok_s'] or 0:.1f} tok/s" if mode == "saturation" else ""))
     if out is not None:
         out.write_text(json.dumps({"mode": mode, "points": report}, indent=2))
+
+
+def _bench_ttft(url: str | None, serve: str | None, lengths: list[int], repeats: int, greedy: bool,
+                api_key: str | None, out: Path | None) -> None:
+    """The ttft mode: one server (a fresh one with --serve, so that first sights are the server's)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        proc, point_url = start_server(serve) if serve is not None else (None, url)
+    except RuntimeError as e:
+        fail(str(e))
+    try:
+        rows = asyncio.run(run_ttft(point_url, headers, lengths, repeats,  # type: ignore[arg-type]
+                                    {"temperature": 0.0} if greedy else STOCHASTIC))
+    except httpx.HTTPError as e:
+        fail(f"{point_url}: {e} (is the server running?)")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    for row in rows:
+        typer.echo(f"{row['tokens']} tokens: TTFT first {ms(row['first_ms'])} ms, repeat {ms(row['repeat_ms'])} ms, "
+                   f"cached {ms(row['cached_ms'])} ms ({row['errors']} failed)")
+    if out is not None:
+        out.write_text(json.dumps({"mode": "ttft", "lengths": rows}, indent=2))
 
 
 def register(bench_group: typer.Typer) -> None:

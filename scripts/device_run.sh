@@ -74,6 +74,9 @@ LIST
         > /dev/null 2>&1 &
       sleep 1
     fi
+    # TTFT per prompt length: first sight right after start (before the other runs), repeats, the same prompt again (prefix cached)
+    timeout 200 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode ttft --greedy \
+      --lengths ${TTFT_LENGTHS:-37,128,512,2048,8192} --out "$OUT/serve_ttft_lengths.json" 2>&1 | tail -6
     for sampling in ${SERVE_SAMPLING:---greedy --no-greedy}; do
       name=${sampling#--}
       timeout 200 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode saturation --concurrency 1,8 --interval 0.2 \

@@ -49,3 +49,36 @@ def test_bench_serve_corpus_and_saturation(tmp_path_factory, tmp_path):
         assert wave["steady_seconds"] > 0 and wave["steady_decode_tok_s"] > 0
     finally:
         handle.stop()
+
+
+def test_bench_serve_ttft_per_prompt_length(tmp_path_factory, tmp_path):
+    """The ttft mode: per length, the first prompt, the repeats and the cached resend each reach the
+    server with exactly that many prompt tokens; the resend is served from the prefix cache."""
+    directory, _ = write_model(tmp_path_factory, "tiny_bench_ttft")
+    handle = ServerHandle.start(load_tiny_llm(directory, max_context=512), port=0)
+    bench = typer.Typer()
+    bench.callback()(lambda: None)
+    register(bench)
+    out = tmp_path / "ttft.json"
+    try:
+        hits_before = _metric(handle.url, "ninfer_prefix_cache_hits_total")
+        result = CliRunner().invoke(bench, ["serve", "--url", handle.url, "--mode", "ttft", "--lengths", "24,300",
+                                            "--repeats", "2", "--greedy", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        rows = json.loads(out.read_text())["lengths"]
+        assert [r["tokens"] for r in rows] == [24, 300]
+        for row in rows:
+            assert row["errors"] == 0, row
+            assert row["prompt_tokens"] == [row["tokens"]] * 4, row
+            assert row["first_ms"] > 0 and row["repeat_ms"] > 0 and row["cached_ms"] > 0
+        assert "300 tokens: TTFT first" in result.output
+        # the 300-token resend hit its own prompt (all but the last token, checkpointed one before it)
+        assert _metric(handle.url, "ninfer_prefix_cache_hits_total") - hits_before >= 299
+    finally:
+        handle.stop()
+
+
+def _metric(url: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", httpx.get(url + "/metrics").text, re.M)
+    assert match is not None, name
+    return float(match.group(1))
