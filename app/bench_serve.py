@@ -31,7 +31,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
 
@@ -40,6 +41,7 @@ from .output import fail
 if TYPE_CHECKING:
     import httpx  # imported where used: `ninfer --help` should not pay for it
 
+Result = TypeVar("Result")
 SHUFFLE_SEED = 20260811
 STOCHASTIC = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.0,
               "frequency_penalty": 0.0}
@@ -332,8 +334,6 @@ def bench_serve(
     out: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
 ) -> None:
     """Measure a server: makespan, tok/s, TTFT / TPOT / ITL percentiles, acceptance, per concurrency."""
-    import httpx
-
     if (url is None) == (serve is None):
         raise typer.BadParameter("give exactly one of --url or --serve")
     if mode not in ("corpus", "saturation", "ttft"):
@@ -346,19 +346,8 @@ def bench_serve(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     report = []
     for c in [int(x) for x in concurrency.split(",")]:
-        try:
-            proc, point_url = start_server(serve) if serve is not None else (None, url)
-        except RuntimeError as e:
-            fail(str(e))
-        try:
-            result = asyncio.run(run_point(point_url, headers, mode, requests, c, sampling,  # type: ignore[arg-type]
-                                           interval))
-        except httpx.HTTPError as e:
-            fail(f"{point_url}: {e} (is the server running?)")
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(60)
+        result = _on_server(url, serve, lambda point_url: run_point(point_url, headers, mode, requests, c, sampling,
+                                                                    interval))
         report.append(result)
         ttft, tpot = result["ttft_ms"] or {}, result["tpot_ms"] or {}
         typer.echo(f"C={c}: {result['requests']} req ({result['errors']} failed) in {result['makespan_s']:.2f} s, "
@@ -369,25 +358,31 @@ def bench_serve(
         out.write_text(json.dumps({"mode": mode, "points": report}, indent=2))
 
 
-def _bench_ttft(url: str | None, serve: str | None, lengths: list[int], repeats: int, greedy: bool,
-                api_key: str | None, out: Path | None) -> None:
-    """The ttft mode: one server (a fresh one with --serve, so that first sights are the server's)."""
+def _on_server(url: str | None, serve: str | None, run: Callable[[str], Coroutine[Any, Any, Result]]) -> Result:
+    """run(url) on `url`, or on a fresh `ninfer serve` started with the `serve` arguments and
+    stopped after; an unreachable server is a clean error."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         proc, point_url = start_server(serve) if serve is not None else (None, url)
     except RuntimeError as e:
         fail(str(e))
     try:
-        rows = asyncio.run(run_ttft(point_url, headers, lengths, repeats,  # type: ignore[arg-type]
-                                    {"temperature": 0.0} if greedy else STOCHASTIC))
+        return asyncio.run(run(point_url))  # type: ignore[arg-type]
     except httpx.HTTPError as e:
         fail(f"{point_url}: {e} (is the server running?)")
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
+
+
+def _bench_ttft(url: str | None, serve: str | None, lengths: list[int], repeats: int, greedy: bool,
+                api_key: str | None, out: Path | None) -> None:
+    """The ttft mode: one server (a fresh one with --serve, so that first sights are the server's)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    sampling = {"temperature": 0.0} if greedy else STOCHASTIC
+    rows = _on_server(url, serve, lambda point_url: run_ttft(point_url, headers, lengths, repeats, sampling))
 
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f}"
