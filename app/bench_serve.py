@@ -338,12 +338,12 @@ def bench_serve(
         raise typer.BadParameter("give exactly one of --url or --serve")
     if mode not in ("corpus", "saturation", "ttft"):
         raise typer.BadParameter("--mode must be corpus, saturation or ttft")
-    if mode == "ttft":
-        return _bench_ttft(url, serve, [int(x) for x in lengths.split(",")], repeats, greedy, api_key, out)
-    requests = load_corpus(corpus) if corpus else synthetic_corpus(synthetic, prompt_tokens, max_tokens)
-    random.Random(SHUFFLE_SEED).shuffle(requests)
     sampling = {"temperature": 0.0} if greedy else STOCHASTIC
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if mode == "ttft":
+        return _bench_ttft(url, serve, [int(x) for x in lengths.split(",")], repeats, sampling, headers, out)
+    requests = load_corpus(corpus) if corpus else synthetic_corpus(synthetic, prompt_tokens, max_tokens)
+    random.Random(SHUFFLE_SEED).shuffle(requests)
     report = []
     for c in [int(x) for x in concurrency.split(",")]:
         result = _on_server(url, serve, lambda point_url: run_point(point_url, headers, mode, requests, c, sampling,
@@ -377,11 +377,9 @@ def _on_server(url: str | None, serve: str | None, run: Callable[[str], Coroutin
             proc.wait(60)
 
 
-def _bench_ttft(url: str | None, serve: str | None, lengths: list[int], repeats: int, greedy: bool,
-                api_key: str | None, out: Path | None) -> None:
+def _bench_ttft(url: str | None, serve: str | None, lengths: list[int], repeats: int, sampling: dict[str, Any],
+                headers: dict[str, str], out: Path | None) -> None:
     """The ttft mode: one server (a fresh one with --serve, so that first sights are the server's)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    sampling = {"temperature": 0.0} if greedy else STOCHASTIC
     rows = _on_server(url, serve, lambda point_url: run_ttft(point_url, headers, lengths, repeats, sampling))
 
     def ms(value: float | None) -> str:

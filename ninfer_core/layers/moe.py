@@ -106,13 +106,13 @@ class SparseMoE(nn.Module):
         """(self(h), s) for (h, s) = norm.add_norm(x, residual): a decode step's add + norm run inside
         the router kernel (`moe_add_norm_router`, one launch fewer a layer) where it applies."""
         shape = x.shape
-        linear = self.gates.linear
+        router = self._kernel_router()
         fused = None
-        if type(linear) is nn.Linear and linear.bias is None:
+        if router is not None:
             fused = moe_add_norm_router(x.reshape(-1, shape[-1]),
                                         RouterNorm(residual.reshape(-1, shape[-1]), norm.weight, norm.eps,
                                                    norm.zero_centered),
-                                        linear.weight, self.gates.parts["gate"], self.top_k, self.renormalize)
+                                        router, self.gates.parts["gate"], self.top_k, self.renormalize)
         if fused is None:
             h, residual = norm.add_norm(x, residual)
             return self(h), residual
@@ -135,13 +135,17 @@ class SparseMoE(nn.Module):
             out = self.shared_expert.gated(x, shared_gate[0], moe_experts(x, gate_up, down, weights, ids))
         return out
 
+    def _kernel_router(self) -> torch.Tensor | None:
+        """The [router | shared gate] rows the router kernels take (a plain linear without bias), or None."""
+        linear = self.gates.linear
+        return linear.weight if type(linear) is nn.Linear and linear.bias is None else None
+
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """(weights, ids, [the shared expert's gate logits] or []): a decode step's router GEMV and
         top-k in one kernel where it applies, else the GEMM and `moe_route`."""
-        linear = self.gates.linear
-        fused = None
-        if type(linear) is nn.Linear and linear.bias is None:
-            fused = moe_router(x, linear.weight, self.gates.parts["gate"], self.top_k, self.renormalize)
+        router = self._kernel_router()
+        fused = None if router is None else moe_router(x, router, self.gates.parts["gate"], self.top_k,
+                                                        self.renormalize)
         if fused is not None:
             logits, weights, ids = fused
             _, *shared_gate = self.gates.split(logits)
