@@ -4,6 +4,7 @@ where Triton is installed; on a GPU, compiled."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from ninfer_core.ops import dispatch
 from ninfer_core.ops import moe as moe_ops
 from ninfer_core.ops import moe_triton
-from ninfer_core.ops.quant import dequantize_ref, quantize
+from ninfer_core.ops.quant import QuantizedWeight, dequantize_ref, quantize
 
 torch.set_num_threads(1)
 
@@ -51,15 +52,28 @@ def _reference(x, gate_up, down, weights, ids) -> torch.Tensor:
     return out
 
 
+def _quantized(shape: tuple[int, ...], kind: str, group: int, gen: torch.Generator) -> QuantizedWeight:
+    """Random weights of `kind`; int8 with groups (GGUF's Q8_0 kind) built from codes and scales."""
+    if kind == "int8" and group:
+        codes = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+        scales = (torch.rand(*shape[:-1], shape[-1] // group, generator=gen) * 1e-3).to(torch.float16)
+        return QuantizedWeight("int8", codes, scales, group)
+    qw = quantize(torch.randn(shape, generator=gen) * 0.1, kind, group or 128)
+    assert qw.group_size == group
+    return qw
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", 0)])
+@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", 0), ("int8", 32)])
 @pytest.mark.parametrize("tokens", [3, 37, 200])  # blocks of 16, 16 and 128 rows (block_m_for)
-def test_grouped_quantized_experts_match_float64(monkeypatch, device, kind, group, tokens):
+@pytest.mark.parametrize("swap", [False, True], ids=["x_as_a", "weights_as_a"])
+def test_grouped_quantized_experts_match_float64(monkeypatch, device, kind, group, tokens, swap):
     _triton(monkeypatch, device)
+    monkeypatch.setattr(moe_triton, "TILES", {m: dataclasses.replace(t, swap=swap) for m, t in moe_triton.TILES.items()})
     gen = torch.Generator().manual_seed(tokens + group)
     experts, hidden, inter, top_k = 8, 128, 64, 3
-    gate_up = quantize(torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1, kind, group or 128)
-    down = quantize(torch.randn(experts, hidden, inter, generator=gen) * 0.1, kind, group or 128)
+    gate_up = _quantized((experts, 2 * inter, hidden), kind, group, gen)
+    down = _quantized((experts, hidden, inter), kind, group, gen)
     to = lambda q: type(q)(q.kind, q.qweight.to(device), q.scales.to(device), q.group_size)  # noqa: E731
     gate_up, down = to(gate_up), to(down)
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's dot mishandles bf16

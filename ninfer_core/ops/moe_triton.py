@@ -43,9 +43,10 @@ class TileConfig:
     """Kernel tiling (the rows per block come from the problem: `block_m_for`)."""
 
     block_n: int = 64
-    block_k: int = 64  # capped at the int4 group size
+    block_k: int = 64  # capped at the group size
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = False  # the weights as the MMA's A operand (moe_triton_kernels.py)
 
 
 DEFAULT_TILES = TileConfig()
@@ -96,14 +97,14 @@ def _launch(a: torch.Tensor, w: QuantizedWeight, out: torch.Tensor,
     kernels = _kernels()
     assert kernels is not None, "Triton is not available"
     sorted_slots, block_experts, used = aligned
-    block_k = min(tiles.block_k, w.group_size) if w.kind == "int4" else tiles.block_k
+    block_k = min(tiles.block_k, w.group_size) if w.group_size else tiles.block_k
     a = a.contiguous()
     grid = (sorted_slots.numel() // block_m * -(-n // tiles.block_n),)
     kernels.grouped_gemm[grid](
         a, w.qweight, w.scales, out, sorted_slots, block_experts, used,
         out.shape[0], rows_per_a, n, w.in_features, a.stride(0), w.qweight.stride(0), w.qweight.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(0), n if gate_up else 0,
-        GATE_UP=gate_up, INT4=w.kind == "int4", GROUP=max(w.group_size, 1),
+        GATE_UP=gate_up, INT4=w.kind == "int4", GROUP=w.group_size, SWAP=tiles.swap,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
