@@ -2,10 +2,8 @@
 int4 g128): time per layer of every quantized path at several token counts, as CUDA graph
 replays (the engine runs them in decode and prefill graphs): the decode kernels (csrc/moe.cu,
 each (token, expert) pair read once), the grouped GEMV at each slot-block size (csrc/quant_gemv.cu
-over ops/moe_align.py), the Triton grouped GEMMs (ops/moe_triton.py),
-and the dequantize + grouped-GEMM path they replaced (it syncs: timed eagerly). `--sweep` times
-16 tilings with the weights as the MMA's A operand and 8 with x as A, at the engine's rows per
-block and its neighbours (half, twice). Effective
+over ops/moe_align.py), the Triton grouped GEMMs (ops/moe_triton.py; `--sweep` tries 16 tilings),
+and the dequantize + grouped-GEMM path they replaced (it syncs: timed eagerly). Effective
 bandwidth is over the bytes of the hit experts' int4 codes and scales; errors are relative L2
 against the dequantizing path.
     python3 scripts/bench_moe_triton.py [--tokens 1,8,37,128,512,2048] [--sweep] [--json OUT]
@@ -54,8 +52,7 @@ def timed(fn, ref: torch.Tensor) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default=TOKENS)
-    parser.add_argument("--sweep", action="store_true", help="time 24 Triton tilings at 3 block sizes, not just "
-                        "the table's")
+    parser.add_argument("--sweep", action="store_true", help="time 16 Triton tilings, not just the table's")
     parser.add_argument("--triton-block-m", default="", help="rows per block of the Triton path to time besides "
                         "the engine's choice, e.g. 64,128 (tilings: the table's, or the sweep's)")
     parser.add_argument("--json", type=Path)
@@ -83,15 +80,11 @@ def main() -> None:
                 paths[f"grouped_gemv_bm{block_m}"] = timed(
                     lambda b=block_m: moe_ops.moe_experts_grouped_gemv(x, gate_up, down, weights, ids, b), ref)
         chosen = moe_triton.block_m_for(tokens * TOP_K, EXPERTS)
-        sweep = [moe_triton.TileConfig(n, k, w, s, True) for n, k, w, s in
-                 itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
-        sweep += [moe_triton.TileConfig(n, k, w, 3, False) for n, k, w in itertools.product((64, 128), (64, 128), (4, 8))]
-        sweep = sweep if args.sweep else []
-        neighbours = [b for b in (chosen // 2, chosen * 2) if 16 <= b <= 128] if args.sweep else []
-        for block_m in dict.fromkeys([chosen, *neighbours, *(int(b) for b in args.triton_block_m.split(",") if b)]):
+        sweep = [moe_triton.TileConfig(n, k, w, s) for n, k, w, s in
+                 itertools.product((64, 128), (64, 128), (4, 8), (3, 4))] if args.sweep else []
+        for block_m in dict.fromkeys([chosen, *(int(b) for b in args.triton_block_m.split(",") if b)]):
             for cfg in ([moe_triton.TILES[block_m]] if block_m in moe_triton.TILES else []) + sweep:
-                name = (f"triton_bm{block_m}_{cfg.block_n}x{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
-                        f"{'_swap' if cfg.swap else ''}")
+                name = f"triton_bm{block_m}_{cfg.block_n}x{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
                 try:
                     paths[name] = timed(lambda c=cfg, b=block_m: triton_path(x, gate_up, down, weights, ids, c, b),
                                         ref)

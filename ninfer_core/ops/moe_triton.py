@@ -46,7 +46,6 @@ class TileConfig:
     block_k: int = 64  # capped at the group size
     num_warps: int = 4
     num_stages: int = 3
-    swap: bool = False  # the weights as the MMA's A operand (moe_triton_kernels.py)
 
 
 DEFAULT_TILES = TileConfig()
@@ -104,7 +103,7 @@ def _launch(a: torch.Tensor, w: QuantizedWeight, out: torch.Tensor,
         a, w.qweight, w.scales, out, sorted_slots, block_experts, used,
         out.shape[0], rows_per_a, n, w.in_features, a.stride(0), w.qweight.stride(0), w.qweight.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(0), n if gate_up else 0,
-        GATE_UP=gate_up, INT4=w.kind == "int4", GROUP=w.group_size, SWAP=tiles.swap,
+        GATE_UP=gate_up, INT4=w.kind == "int4", GROUP=w.group_size,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
