@@ -183,3 +183,27 @@ def test_prefill_graph_replays_match_eager(target, fake_graphs, monkeypatch, chu
         got += generate(eng, [prompt], [n])
     assert got == want
     assert len(chunks) >= len(PROMPTS) and (chunk > 16 or any(start > 0 for start, _ in chunks)), chunks
+
+
+def test_prefill_graphs_fork_a_prompt_near_its_end(target, fake_graphs, monkeypatch):
+    """With the prefix cache, a long prompt's checkpoint one token before its end is taken inside
+    its one chunk by the bucket's fork graph: the tokens are the cache-off engine's, and the same
+    prompt again starts from that checkpoint (all but its last token cached)."""
+    monkeypatch.setattr(prefill_graph, "graph_row_limit", lambda model: None)
+    prompt = [3 + i % 50 for i in range(300)]  # >= SPLIT_MIN
+    want = generate(engine(target, None, graphs=False), [prompt], [8])
+    llm = load(target)
+    cache = CacheManager(llm.loaded.config, max_tokens=4096, max_seqs=4, dtype=torch.float32, scratch=True,
+                         checkpoints=4)
+    eng = LLMEngine(llm.loaded.model, llm.loaded.config, llm.loaded.tokenizer, cache, max_context=512)
+    eng.prefill_graphs = PrefillGraphs(eng.model, eng.cache, 512, None)
+    assert eng.prefill_graphs.capture_all() == 2 * len(eng.prefill_graphs.buckets)
+    replayed = []
+    forward = eng.prefill_graphs.forward
+    eng.prefill_graphs.forward = lambda batch: replayed.append(
+        (batch.num_new_tokens, None if batch.fork is None else int(batch.fork.tokens[0]))) or forward(batch)
+    assert generate(eng, [prompt], [8]) == want
+    assert replayed == [(300, 299)]  # one chunk, forked before its last token
+    outs = list(eng.generate([GenerationRequest(prompt, greedy(8))]))
+    assert [t for o in outs for t in o.new_token_ids] == want[0]
+    assert outs[-1].timings.cached_tokens == len(prompt) - 1

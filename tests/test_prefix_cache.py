@@ -162,12 +162,13 @@ def test_lookup_matches_tokens_not_just_hashes():
 
 
 def test_the_same_long_prompt_again_misses_one_token(model_dir):
-    """A long prompt is checkpointed one token before its end: sent again (a regenerated answer),
-    only its last token is computed; short prompts are not split (the checkpoint at their end
+    """A long prompt is checkpointed one token before its end (inside its one prompt chunk): sent
+    again (a regenerated answer), only its last token is computed; short prompts are not split (the checkpoint at their end
     serves prompts that extend them)."""
     cached, plain = make_llm(model_dir), make_llm(model_dir, cache=False)
     long = [40 + i % 300 for i in range(300)]
     first, _ = answer(cached, long)
+    assert cached.stats().prefill_chunks == 1  # the checkpoint is a fork inside the one chunk
     again, hit = answer(cached, long)
     assert first == again == answer(plain, long)[0] and hit == len(long) - 1
     short = SYSTEM + [1]
@@ -206,8 +207,10 @@ def test_the_next_turn_resumes_at_the_answer_start(model_dir):
     assert len(prepared.prompt_token_ids) >= 256
     answer_start = prepared.checkpoints[-1]
     assert cached.tokenizer.decode(prepared.prompt_token_ids[answer_start:]) == "<think>\n"
+    chunks = cached.stats().prefill_chunks
     reply = cached.chat_result(first)
     assert reply.token_ids == plain.chat_result(first).token_ids
+    assert cached.stats().prefill_chunks == chunks + 1  # forked at the answer start, not split there
     turn2 = ChatRequest([question, {"role": "assistant", "content": reply.text or "ok"},
                          {"role": "user", "content": "And now?"}], sampling=greedy(6))
     second = cached.chat_result(turn2)

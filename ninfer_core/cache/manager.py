@@ -289,33 +289,45 @@ class CacheManager:
             self._append(seq, page)
         self.cache.state.copy(ckpt.slot, seq.slot)
 
-    def checkpoint(self, seq: SequenceCache, tokens: list[int], keys: list[object] | None, position: int) -> None:
+    def checkpoint(self, seq: SequenceCache, tokens: list[int], keys: list[object] | None, position: int,
+                   filled: int | None = None) -> None:
         """Snapshot the sequence's state after its first `position` tokens (its KV written or
-        queued up to there; its full pages below indexed) as a checkpoint, unless one exists."""
+        queued up to there; its full pages below indexed) as a checkpoint, unless one exists.
+        `filled`: a slot from `reserve_checkpoint_slot` that a forward already wrote that state
+        into (ForwardBatch.fork): kept as the checkpoint, or handed back."""
         if self.prefix is None:
             return
         ps = self.page_size
         full = position // ps
-        if full > len(seq.hashes):
-            return  # pages before the tail not indexed: a lookup could never reach this checkpoint
-        anchor = seq.hashes[full - 1] if full else ROOT
+        anchor = seq.hashes[full - 1] if 0 < full <= len(seq.hashes) else ROOT
         tail = tuple(tokens[full * ps : position])
-        if not tail and not full or self.prefix.has(anchor, tail):
-            return
-        slot = self.prefix.take_slot()
+        # pages before the tail not indexed: a lookup could never reach this checkpoint
+        useless = full > len(seq.hashes) or not tail and not full or self.prefix.has(anchor, tail)
+        slot = None if useless else filled if filled is not None else self.reserve_checkpoint_slot()
         if slot is None:
-            oldest = self.prefix.oldest()
-            if oldest is None:
-                return
-            self.drop_checkpoint(oldest)
-            slot = self.prefix.take_slot()
+            if filled is not None:
+                self.prefix.return_slot(filled)
+            return
         page = seq.pages[full] if tail else None
         if page is not None:
             self._refs[page] += 1
             self._checkpoint_refs[page] = self._checkpoint_refs.get(page, 0) + 1
-        self.cache.state.copy(seq.slot, slot)
+        if filled is None:
+            self.cache.state.copy(seq.slot, slot)
         keys_tail = tuple(keys[full * ps : position]) if keys is not None else ()
         self.prefix.add(Checkpoint(position, anchor, tail, slot, page, keys_tail))
+
+    def reserve_checkpoint_slot(self) -> int | None:
+        """A state slot for a new checkpoint (the least recently used checkpoint makes room), or None."""
+        assert self.prefix is not None
+        slot = self.prefix.take_slot()
+        if slot is None:
+            oldest = self.prefix.oldest()
+            if oldest is None:
+                return None
+            self.drop_checkpoint(oldest)
+            slot = self.prefix.take_slot()
+        return slot
 
     def drop_checkpoint(self, ckpt: Checkpoint) -> None:
         assert self.prefix is not None

@@ -146,6 +146,10 @@ class PrefixCache:
     def take_slot(self) -> int | None:
         return self.free_slots.pop() if self.free_slots else None
 
+    def return_slot(self, slot: int) -> None:
+        """A slot taken for a checkpoint that was not kept."""
+        self.free_slots.append(slot)
+
     def add(self, ckpt: Checkpoint) -> None:
         self.checkpoints[ckpt.slot] = ckpt
         self._by_anchor[ckpt.anchor].append(ckpt)

@@ -30,8 +30,9 @@ from ..cache import CacheManager
 from ..config import GenerationDefaults, ModelConfig
 from ..detokenizer import IncrementalDetokenizer
 from ..errors import ContextLengthError, NinferError, logged_internal_error
-from ..models.base import CausalLM, ForwardBatch, ForwardOutput
+from ..models.base import CausalLM, ForwardBatch, ForwardOutput, StateFork
 from ..models.quantize import weight_bytes
+from ..ops.gdn import MAX_STEP_TOKENS
 from ..stop_strings import StopStringFilter
 from ..tokenizer import Tokenizer
 from .grammar import constrain
@@ -140,7 +141,8 @@ class LLMEngine:
         self.device = cache.device
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.sampler = Sampler()
-        self.scheduler = Scheduler(cache, prefill_chunk)
+        # checkpoints near a prompt's end are taken inside its last chunk (layers/gdn.py `_forked`)
+        self.scheduler = Scheduler(cache, prefill_chunk, fork_tokens=MAX_STEP_TOKENS if cache.prefix else 0)
         self.eos_ids = frozenset(self.defaults.eos_token_ids or config.eos_token_ids or tokenizer.eos_token_ids)
         self._launched: LaunchedStep | None = None
         self._penalties: PenaltyTables | None = None  # allocated for the first request with penalties
@@ -536,6 +538,9 @@ class LLMEngine:
         prefix = self.cache.prefix
         for chunk in chunks:
             seq = chunk.seq
+            if chunk.fork_slot is not None:  # the forward wrote the state at the fork into it
+                seq.num_cached = chunk.fork
+                self.scheduler.note_progress(seq, checkpoint=True, filled=chunk.fork_slot)
             seq.num_cached = chunk.end
             wanted = (seq.prefill_len - 1, seq.prefill_len, *seq.request.checkpoints)
             checkpoint = prefix is not None and (chunk.end in wanted or chunk.end % prefix.interval == 0)
@@ -586,6 +591,11 @@ class LLMEngine:
         ids = [seq.token_at(i) for i in range(chunk.start, chunk.end)]
         batch = self._rows_batch([seq], [ids], "last" if chunk.last else "none",
                                  capture_layers=self.speculator.capture_layers(seq) if self.speculator else ())
+        if chunk.fork is not None:
+            chunk.fork_slot = self.cache.reserve_checkpoint_slot()
+            if chunk.fork_slot is not None:
+                fork = self._to_device(torch.tensor([chunk.fork - chunk.start, chunk.fork_slot], dtype=torch.long))
+                batch.fork = StateFork(tokens=fork[:1], slots=fork[1:])
         mm = seq.request.multimodal
         if mm is not None:
             assert self.vision_tower is not None  # checked in add_request

@@ -9,7 +9,9 @@ time on the H200), and the buckets are at most 1.5x apart, so padding costs less
 padded to the bucket (`ForwardBatch.valid_tokens`): padding writes its KV to the scratch page,
 advances no GDN state (g = beta = 0) and is never attended to by real tokens; attention runs on
 `chunk_attention` (lengths on the device, a tensor-core Triton kernel on the GPU), so a
-chunk may continue a cached prefix. The logits are the last real token's.
+chunk may continue a cached prefix. The logits are the last real token's. With the prefix cache
+each bucket also has a graph of chunks with a GDN state fork (`ForwardBatch.fork`: a checkpoint
+near the prompt's end, taken inside the chunk); the fork's position and slot are device buffers.
 
 Chunks that carry media, drafter layers or several sequences (mixed steps) run eagerly, and so
 do chunks past the model's graph row limit (MoE experts that sync with the host past it: bf16
@@ -25,7 +27,7 @@ import torch
 
 from ..cache import CacheManager
 from ..errors import NinferError
-from ..models.base import CausalLM, ForwardBatch, ForwardOutput
+from ..models.base import CausalLM, ForwardBatch, ForwardOutput, StateFork
 from .graph_capture import capture, graph_row_limit
 
 BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
@@ -53,12 +55,15 @@ class PrefillGraphs:
         self.slots = torch.full((1,), manager.scratch_slot, dtype=torch.long, device=device)
         self.valid = torch.ones(1, dtype=torch.long, device=device)
         self.block_table = torch.full((1, self.max_pages), manager.scratch_page, dtype=torch.int32, device=device)
-        self.graphs: dict[int, _Graph] = {}
+        self.fork = StateFork(torch.ones(1, dtype=torch.long, device=device), self.slots.clone())
+        self.forks = (False, True) if manager.prefix is not None else (False,)  # graph variants per bucket
+        self.graphs: dict[tuple[int, bool], _Graph] = {}
 
     def capture_all(self) -> int:
         for bucket in self.buckets:
-            self._capture(bucket)
-        return len(self.buckets)
+            for fork in self.forks:
+                self._capture(bucket, fork)
+        return len(self.graphs)
 
     def supports(self, batch: ForwardBatch) -> bool:
         return (
@@ -71,13 +76,14 @@ class PrefillGraphs:
             and batch.inputs_embeds is None
             and batch.mrope_positions is None
             and batch.block_table.shape[1] <= self.max_pages
+            and (batch.fork is None or self.forks[-1])
         )
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """The chunk's forward by replay: logits of its last token ([1, 1, V], when asked) and the
         hidden states of its tokens (views of static buffers, valid until the next replay)."""
         tokens = batch.num_new_tokens
-        graph = self.graphs.get(next(b for b in self.buckets if b >= tokens))
+        graph = self.graphs.get((next(b for b in self.buckets if b >= tokens), batch.fork is not None))
         if graph is None:
             raise NinferError(f"no prefill graph for {tokens} tokens (capture_all was not run)")
         graph.ids[:, :tokens].copy_(batch.input_ids)
@@ -87,25 +93,30 @@ class PrefillGraphs:
         self.slots.copy_(batch.slots)
         self.valid.fill_(tokens)
         self.block_table[:, : batch.block_table.shape[1]].copy_(batch.block_table)
+        if batch.fork is not None:
+            self.fork.tokens.copy_(batch.fork.tokens)
+            self.fork.slots.copy_(batch.fork.slots)
         graph.graph.replay()
         out = graph.out
         return ForwardOutput(logits=out.logits if batch.logits == "last" else None,
                              hidden_states=out.hidden_states[:, :tokens])
 
-    def _capture(self, bucket: int) -> None:
+    def _capture(self, bucket: int, fork: bool) -> None:
         """Warm up and capture with every row on the scratch slot / page (the warm-up really runs)."""
         device = self.slots.device
         ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
         positions = torch.arange(bucket, device=device)[None]
         self.cache_lens.zero_()
         self.valid.fill_(bucket)
+        self.fork.tokens.fill_(bucket)
+        self.fork.slots.copy_(self.slots)
         batch = ForwardBatch(input_ids=ids, positions=positions, cache_lens=self.cache_lens, slots=self.slots,
                              block_table=self.block_table, logits="last", valid_tokens=self.valid,
-                             pad_kv_row=self.pad_kv_row)
+                             pad_kv_row=self.pad_kv_row, fork=self.fork if fork else None)
         try:
             with torch.inference_mode():
                 graph, out = capture(lambda: self.model.forward(batch, self.cache), self.pool)
         except Exception as exc:  # noqa: BLE001 - whatever broke the capture, say it loudly
             raise NinferError(f"CUDA graph capture failed for prompt chunks of {bucket} tokens: {exc} "
                               f"(run with --no-cuda-graphs to run without graphs)") from exc
-        self.graphs[bucket] = _Graph(graph, ids, positions, out)
+        self.graphs[bucket, fork] = _Graph(graph, ids, positions, out)

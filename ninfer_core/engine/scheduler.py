@@ -31,6 +31,8 @@ class PrefillChunk:
     seq: Sequence
     start: int
     end: int
+    fork: int | None = None  # a checkpoint inside the chunk (position; ForwardBatch.fork)
+    fork_slot: int | None = None  # the state slot the forward writes it to (the engine reserves it)
 
     @property
     def last(self) -> bool:
@@ -57,9 +59,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_batched_tokens: int):
+    def __init__(self, cache: CacheManager, max_batched_tokens: int, fork_tokens: int = 0):
+        """fork_tokens: a checkpoint at most this many tokens before the end of a prompt is taken
+        inside its last chunk (ForwardBatch.fork) instead of ending a chunk there; 0: never."""
         self.cache = cache
         self.max_batched_tokens = max_batched_tokens
+        self.fork_tokens = fork_tokens
         self.max_running = cache.max_seqs  # the service may cap it lower (--max-concurrency)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admitted, in admission order; each holds a slot
@@ -140,18 +145,23 @@ class Scheduler:
                 continue
             assert seq.cache is not None
             room = (len(seq.cache.pages) + self.cache.free_pages) * page
-            end = min(seq.prefill_len, seq.num_cached + budget, room, self._next_checkpoint(seq))
-            if end == seq.prefill_len and self._split_last(seq):
-                end -= 1  # the state before the last token becomes a checkpoint (engine._prefilled)
+            reach = min(seq.prefill_len, seq.num_cached + budget, room)
+            # the state before the last token becomes a checkpoint (engine._prefilled)
+            cut = min(self._next_checkpoint(seq), seq.prefill_len - 1 if self._split_last(seq) else seq.prefill_len)
+            fork = None
+            if reach == seq.prefill_len and cut < reach and reach - cut <= self.fork_tokens:
+                fork = cut  # the last chunk keeps the state there and goes on (layers/gdn.py)
+            end = reach if fork is not None else min(reach, cut)
             if end <= seq.num_cached:
                 continue
             self.cache.reserve(seq.cache, end)
-            plan.prefills.append(PrefillChunk(seq, seq.num_cached, end))
+            plan.prefills.append(PrefillChunk(seq, seq.num_cached, end, fork))
             budget -= end - seq.num_cached
 
     def _next_checkpoint(self, seq: Sequence) -> int:
         """The first position past num_cached where the request asks for a checkpoint (the start of
-        its last message): a chunk ends there so that the state there can be kept."""
+        its last message): a chunk ends there so that the state there can be kept (or forks there,
+        in the prompt's last `fork_tokens` tokens)."""
         if self.cache.prefix is None:
             return seq.prefill_len
         return min((p for p in seq.request.checkpoints if seq.num_cached < p < seq.prefill_len),
@@ -160,9 +170,10 @@ class Scheduler:
     def _split_last(self, seq: Sequence) -> bool:
         """Whether the prompt's last token goes in a chunk of its own: with the prefix cache, a long
         prompt is checkpointed one token before its end, so that sending it again (a regenerated
-        answer, a retried request) finds all but that token cached; short prompts skip the extra
-        step (it costs one decode step of time to the first token), and so do prompts with a
-        checkpoint of their own in their last page (a chat's answer start: sent again, it hits there)."""
+        answer, a retried request) finds all but that token cached; short prompts skip it (without
+        a fork it costs one decode step of time to the first token; with one, a checkpoint slot),
+        and so do prompts with a checkpoint of their own in their last page (a chat's answer
+        start: sent again, it hits there)."""
         prefix = self.cache.prefix
         return (prefix is not None and seq.prefill_len >= prefix.split_min
                 and seq.num_cached < seq.prefill_len - 1
@@ -197,16 +208,19 @@ class Scheduler:
             self.running.append(seq)
             free -= need
 
-    def note_progress(self, seq: Sequence, checkpoint: bool = False) -> None:
+    def note_progress(self, seq: Sequence, checkpoint: bool = False, filled: int | None = None) -> None:
         """The sequence's tokens below min(num_cached, known tokens) are in the cache (or queued):
-        index its full pages there, and with `checkpoint` snapshot its state at num_cached."""
+        index its full pages there, and with `checkpoint` snapshot its state at num_cached (or keep
+        the slot a fork `filled` with it: CacheManager.checkpoint)."""
         if self.cache.prefix is None or seq.cache is None:
             return
         known = min(seq.num_cached, seq.num_tokens)
         tokens, keys = seq.tokens(known), seq.media_keys(known)
         self.cache.index_pages(seq.cache, tokens, keys, known)
         if checkpoint and known == seq.num_cached:
-            self.cache.checkpoint(seq.cache, tokens, keys, known)
+            self.cache.checkpoint(seq.cache, tokens, keys, known, filled)
+        elif filled is not None:
+            self.cache.prefix.return_slot(filled)
 
     def _make_room(self, seq: Sequence, tokens: int, plan: StepPlan) -> bool:
         """Reserve the sequence's pages for `tokens` tokens, preempting the most recently admitted

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..models.base import StateFork
 from ..ops import gdn as gdn_ops
 from .linear import MergedLinear
 from .norm import GatedRMSNorm
@@ -238,17 +239,45 @@ class GatedDeltaNet(nn.Module):
 
     def forward(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
-        valid_tokens: torch.Tensor | None = None,
+        valid_tokens: torch.Tensor | None = None, fork: StateFork | None = None,
     ) -> torch.Tensor:
         """x [B, T, hidden]; conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv]; slots [B];
-        valid_tokens [B]: only row b's first valid_tokens[b] tokens advance its state (padding)."""
+        valid_tokens [B]: only row b's first valid_tokens[b] tokens advance its state (padding);
+        fork: the state after fork.tokens[b] tokens is also written to slot fork.slots[b]."""
         if x.shape[1] == 1:
             qkv, z, b, a = self.in_proj(x[:, 0])
             out = gdn_ops.gdn_decode_step(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
             return self.out_proj(out)[:, None]
+        if fork is not None:
+            return self._forked(x, conv_pool, state_pool, slots, valid_tokens, fork)
         out, state = self._mix(x, conv_pool, slots, state_pool[slots], valid_tokens)
         state_pool[slots] = state
         return out
+
+    def _forked(
+        self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+        valid_tokens: torch.Tensor | None, fork: StateFork,
+    ) -> torch.Tensor:
+        """The prefill with a checkpoint inside: the chunked rule runs through the fork (the tokens
+        after it are padding to it), the state there is copied to the fork's slots, and the tokens
+        from the fork to the end (at most MAX_STEP_TOKENS) run through the fused steps from that
+        state, whose outputs replace those rows. One in_proj and out_proj over the whole chunk, so
+        the weights are read once (a second forward for the tail would read them all again)."""
+        num_new = x.shape[1]
+        qkv, z, b, a = self.in_proj(x)
+        normed, state = self._rule(qkv, z, b, a, conv_pool, slots, state_pool[slots], fork.tokens)
+        state_pool[slots] = state
+        state_pool[fork.slots] = state
+        conv_pool[fork.slots] = conv_pool[slots]
+        width = min(gdn_ops.MAX_STEP_TOKENS, num_new)
+        index = (fork.tokens[:, None] + torch.arange(width, device=x.device)).clamp(max=num_new - 1)  # [B, W]
+        qkv, z, b, a = (t.gather(1, index[..., None].expand(-1, -1, t.shape[-1])) for t in (qkv, z, b, a))
+        tail = gdn_ops.gdn_verify(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)  # [B, W, value_dim]
+        valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, num_new)
+        gdn_ops.gdn_commit(qkv, a, b, conv_pool, state_pool, slots, valid - fork.tokens, self.weights)
+        after = torch.arange(num_new, device=x.device)[None, :] - fork.tokens[:, None]  # [B, T]: rows past the fork
+        from_tail = tail.gather(1, after.clamp(0, width - 1)[..., None].expand(-1, -1, tail.shape[-1]))
+        return self.out_proj(torch.where((after >= 0)[..., None], from_tail, normed))
 
     def verify(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
@@ -272,20 +301,26 @@ class GatedDeltaNet(nn.Module):
         delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's prefill: (output, new recurrent state); the conv states of `slots` advance
-        in the pool. Padding tokens (past valid_tokens) get g = beta = 0, which leaves the
-        recurrent state as it is, and the conv state ends at the last real token. `delta_rule`:
-        the chunked prefill unless given (a test passes the recurrent form)."""
-        batch, num_new, _ = x.shape
+        in the pool. `delta_rule`: the chunked prefill unless given (a test passes the recurrent form)."""
         qkv, z, b, a = self.in_proj(x)
+        normed, state = self._rule(qkv, z, b, a, conv_pool, slots, state, valid_tokens, delta_rule)
+        return self.out_proj(normed), state
+
+    def _rule(
+        self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
+        slots: torch.Tensor, state: torch.Tensor, valid_tokens: torch.Tensor | None,
+        delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """conv, delta rule and gated norm of the projections: (normed [B, T, value_dim], new state).
+        Padding tokens (past valid_tokens) get g = beta = 0, which leaves the recurrent state as it
+        is, and the conv state ends at the last real token."""
+        batch, num_new, _ = qkv.shape
         mixed = gdn_ops.conv_prefill(qkv, conv_pool, slots, self.conv1d.weight[:, 0], valid_tokens)
         q, k, v = qkv_heads(mixed, self.num_k_heads, self.head_k_dim, self.head_v_dim, state.dtype)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         if valid_tokens is not None:
-            real = (torch.arange(num_new, device=x.device)[None, :] < valid_tokens[:, None])[..., None]
+            real = (torch.arange(num_new, device=qkv.device)[None, :] < valid_tokens[:, None])[..., None]
             g, beta = g * real, beta * real
         out, state = (delta_rule or gdn_ops.gated_delta_rule_prefill)(q, k, v, g, beta, state)
-
         z = z.reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
-        out = self.norm(out.to(x.dtype), z)
-        out = self.out_proj(out.reshape(batch, num_new, self.value_dim))
-        return out, state
+        return self.norm(out.to(qkv.dtype), z).reshape(batch, num_new, self.value_dim), state

@@ -19,6 +19,17 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class StateFork:
+    """A prefix-cache checkpoint inside a prompt chunk: row b's GDN state after its first tokens[b]
+    new tokens is also written to state slot slots[b], and the chunk runs on (layers/gdn.py). So a
+    chat's answer start or a prompt's last-but-one token is kept without a second forward.
+    Device tensors: a prompt-chunk CUDA graph replays with any values."""
+
+    tokens: torch.Tensor  # [B] int64, valid_tokens[b] - MAX_STEP_TOKENS <= tokens[b] <= valid_tokens[b]
+    slots: torch.Tensor  # [B] int64 state slots (tokens[b] == valid_tokens[b]: a scratch slot, no fork)
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [B, T] int64
     positions: torch.Tensor  # [B, T] int64 absolute positions of the new tokens
@@ -38,6 +49,7 @@ class ForwardBatch:
     # "last" logits are those of the last real token.
     valid_tokens: torch.Tensor | None = None  # [B] int64 on the device
     pad_kv_row: int = 0
+    fork: StateFork | None = None  # a GDN state checkpoint inside the chunk
 
     @property
     def batch_size(self) -> int:

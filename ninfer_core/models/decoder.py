@@ -29,7 +29,7 @@ from ..layers.rope import RotaryEmbedding
 from ..ops import cpu_layer
 from ..ops.kquant import KQuantEmbedding
 from ..ops.quant import QuantEmbedding
-from .base import ForwardBatch, ForwardOutput
+from .base import ForwardBatch, ForwardOutput, StateFork
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -45,6 +45,7 @@ class StepContext:
     cache: ModelCache
     gdn_records: dict[int, GDNRecord] | None = None  # verify forwards: GDN layers record, pools untouched
     valid_tokens: torch.Tensor | None = None  # a padded prompt chunk (ForwardBatch.valid_tokens)
+    fork: StateFork | None = None  # ForwardBatch.fork
 
 
 class DecoderLayer(nn.Module):
@@ -93,7 +94,7 @@ class DecoderLayer(nn.Module):
             return self.self_attn(h, step.cos, step.sin, step.cache.kv.layer(i), step.attn)
         pools = (step.cache.state.conv[i], step.cache.state.recurrent[i], step.slots)
         if step.gdn_records is None:
-            return self.linear_attn(h, *pools, step.valid_tokens)
+            return self.linear_attn(h, *pools, step.valid_tokens, step.fork)
         h, step.gdn_records[i] = self.linear_attn.verify(h, *pools)
         return h
 
@@ -198,7 +199,8 @@ class DecoderModel(nn.Module):
             batch.host_cache_lens, batch.valid_tokens, batch.pad_kv_row,
         )
         return StepContext(cos=cos, sin=sin, attn=attn, slots=batch.slots, cache=cache,
-                           gdn_records={} if batch.verify else None, valid_tokens=batch.valid_tokens)
+                           gdn_records={} if batch.verify else None, valid_tokens=batch.valid_tokens,
+                           fork=batch.fork)
 
     def _layers(
         self, x: torch.Tensor, step: StepContext | MixedStep, capture_layers: tuple[int, ...]

@@ -1,0 +1,59 @@
+"""A GDN state checkpoint inside a prompt chunk (`ForwardBatch.fork`, layers/gdn.py `_forked`).
+
+Layer level (fp32): one forward of n tokens that forks after c of them gives the outputs and the
+pooled state of two forwards (c tokens, then the other n - c), and the fork slot holds the state
+after the first c (the chunked form and the token loop differ by fp32 rounding only); padded
+rows (valid_tokens) and rows without a fork (tokens == valid, a scratch slot) too. Engine level:
+prefix-cache prompts whose checkpoint lies in their last 16 tokens run in one chunk, with the
+answers of the cache-off engine and the hits of the split they replace (tests/test_prefix_cache.py
+has the hits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer_core.models.base import StateFork
+from test_speculative_rollback import gdn_layer_and_pools
+
+torch.set_num_threads(1)
+
+
+def _two_forwards(layer, x, conv, state, slots, cuts):
+    """Row by row: the forward of tokens [0, cut) then of [cut, n) (the split the fork replaces)."""
+    outs, after_cut = [], []
+    for row, (cut, n) in enumerate(cuts):
+        slot = slots[row : row + 1]
+        first = layer(x[row : row + 1, :cut], conv, state, slot)
+        after_cut.append((conv[slot].clone(), state[slot].clone()))
+        rest = [layer(x[row : row + 1, cut:n], conv, state, slot)] if n > cut else []
+        outs.append(torch.cat([first, *rest], dim=1))
+    return outs, after_cut
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_forked_forward_equals_the_split_and_keeps_the_state_at_the_fork(padded):
+    layer, conv, state, gen = gdn_layer_and_pools(3)
+    conv, state = torch.cat([conv, conv]), torch.cat([state, state])  # 6 slots: 0-2 rows, 3-5 forks
+    num_new = 24
+    x = torch.randn(3, num_new, 24, generator=gen)
+    valid = torch.tensor([24, 20, 24] if padded else [24, 24, 24])
+    forks = torch.tensor([23, 14, 24])  # the last-but-one token, 6 before the end (padded: 6 of 20), none
+    slots = torch.tensor([2, 0, 1])
+    fork_slots = torch.tensor([3, 4, 5])
+    conv0, state0 = conv.clone(), state.clone()
+    with torch.no_grad():
+        want, at_fork = _two_forwards(layer, x, conv.clone(), state.clone(), slots,
+                                      [(int(f), int(v)) for f, v in zip(forks, valid)])
+        conv_split, state_split = conv.clone(), state.clone()
+        _two_forwards(layer, x, conv_split, state_split, slots, [(int(f), int(v)) for f, v in zip(forks, valid)])
+        got = layer(x, conv, state, slots, valid if padded else None, StateFork(forks, fork_slots))
+    for row in range(3):
+        n = int(valid[row])
+        torch.testing.assert_close(got[row, :n], want[row][0], atol=2e-5, rtol=2e-5)
+        slot, fork_slot = int(slots[row]), int(fork_slots[row])
+        torch.testing.assert_close(conv[slot], conv_split[slot], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(state[slot], state_split[slot], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(conv[fork_slot], at_fork[row][0][0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(state[fork_slot], at_fork[row][1][0], atol=2e-5, rtol=2e-5)
+    assert not torch.equal(state[3], state0[3])  # the fork slots were written
