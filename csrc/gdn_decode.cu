@@ -1,6 +1,7 @@
 // Fused Gated DeltaNet steps over T <= 16 new tokens per sequence, two kernels on the caller's
 // stream (decode: T = 1; speculative verify: T = K + 1, pools untouched; commit: the pools advance
-// through the first counts[b] tokens, no output):
+// through the first counts[b] tokens, no output; a forked prefill chunk's tail: the first counts[b]
+// tokens from row offsets[b] on, outputs written in place, the state before them copied to a fork slot):
 //   1. conv: depthwise causal conv + SiLU of every qkv channel over [conv state | T inputs], q / k
 //      l2-normalised per key head and token; the activations go to an fp32 scratch [B, T, C]; the
 //      conv state becomes the last K-1 inputs up to token counts[b] (when written).
@@ -47,6 +48,12 @@ __device__ __forceinline__ void sum_rows(F4& x) {
   }
 }
 
+// The row of qkv / a / b / z / out holding token 0 of sequence b: sequences are seq_rows rows apart,
+// and token 0 is at offsets[b] within its sequence (0 without offsets).
+__device__ __forceinline__ std::int64_t first_row(const std::int64_t* offsets, int b, int seq_rows) {
+  return static_cast<std::int64_t>(b) * seq_rows + (offsets == nullptr ? 0 : offsets[b]);
+}
+
 // Tokens of row b the state advances through: counts[b] (clamped to [0, T]), or all T.
 __device__ __forceinline__ int advance_count(const std::int64_t* counts, int b, int num_tokens) {
   if (counts == nullptr) return num_tokens;
@@ -54,13 +61,14 @@ __device__ __forceinline__ int advance_count(const std::int64_t* counts, int b, 
 }
 
 // grid (2 Hk + Hv segments, B), block max(dk, dv): a q head, a k head or a v head per block.
-// Computes the activations of tokens 0..L-1, L = T with outputs, else counts[b].
+// Computes the activations of tokens 0..L-1, L = T with outputs and no counts, else counts[b].
 template <typename T>
 __global__ void __launch_bounds__(kMaxHeadDim)
     gdn_conv_kernel(float* __restrict__ act, unsigned* __restrict__ done, T* __restrict__ conv_pool,
                     const T* __restrict__ qkv, const T* __restrict__ weight,
                     const std::int64_t* __restrict__ slots, const std::int64_t* __restrict__ counts,
-                    std::int64_t qkv_stride, int num_tokens, bool has_out, bool write_state, int num_k_heads,
+                    const std::int64_t* __restrict__ offsets, const std::int64_t* __restrict__ fork_slots,
+                    std::int64_t qkv_stride, int seq_rows, int num_tokens, bool has_out, bool write_state, int num_k_heads,
                     int num_v_heads, int head_k_dim, int head_v_dim, int channels, int taps,
                     float q_scale) {
   enter_kernel();
@@ -74,15 +82,22 @@ __global__ void __launch_bounds__(kMaxHeadDim)
   const bool active = static_cast<int>(threadIdx.x) < width;
   if (!is_key && threadIdx.x == 0) done[b * num_v_heads + seg - 2 * num_k_heads] = 0;  // for kernel 2
   const int advance = advance_count(counts, b, num_tokens);
-  const int steps = has_out ? num_tokens : advance;  // block-uniform
+  const int steps = has_out && counts == nullptr ? num_tokens : advance;  // block-uniform
   T* state = conv_pool + (slots[b] * channels + (active ? c : 0)) * (taps - 1);
   const T* w = weight + static_cast<std::int64_t>(active ? c : 0) * taps;
-  const T* x = qkv + static_cast<std::int64_t>(b) * num_tokens * qkv_stride + (active ? c : 0);
+  const T* x = qkv + first_row(offsets, b, seq_rows) * qkv_stride + (active ? c : 0);
   T old[kMaxTaps];    // the conv state as it was: the K-1 previous inputs, oldest first
   T window[kMaxTaps];  // the K-1 inputs before the current token
 #pragma unroll
   for (int t = 0; t < kMaxTaps - 1; ++t) {
     if (active && t < taps - 1) window[t] = old[t] = state[t];
+  }
+  if (fork_slots != nullptr && active) {
+    T* fork = conv_pool + (fork_slots[b] * channels + c) * (taps - 1);
+#pragma unroll
+    for (int t = 0; t < kMaxTaps - 1; ++t) {
+      if (t < taps - 1) fork[t] = old[t];
+    }
   }
   for (int t = 0; t < steps; ++t) {
     const T xt = active ? x[t * qkv_stride] : from_float<T>(0.0f);
@@ -129,8 +144,9 @@ __global__ void __launch_bounds__(kWarps * 32)
                          const T* __restrict__ b_in, const T* __restrict__ z,
                          const T* __restrict__ A_log, const T* __restrict__ dt_bias,
                          const T* __restrict__ norm_weight, const std::int64_t* __restrict__ slots,
-                         const std::int64_t* __restrict__ counts, std::int64_t ab_stride,
-                         std::int64_t z_stride, int num_tokens, bool write_state,
+                         const std::int64_t* __restrict__ counts, const std::int64_t* __restrict__ offsets,
+                         const std::int64_t* __restrict__ fork_slots, std::int64_t ab_stride,
+                         std::int64_t z_stride, int seq_rows, int num_tokens, bool write_state,
                          int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim,
                          float eps) {
   __shared__ float q_s[kMaxHeadDim];
@@ -145,7 +161,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int channels = 2 * key_dim + value_dim;
   const int key_head = h / (num_v_heads / num_k_heads);
   const int advance = advance_count(counts, b, num_tokens);
-  const int steps = out != nullptr ? num_tokens : advance;
+  const int steps = out != nullptr && counts == nullptr ? num_tokens : advance;  // block-uniform
+  const std::int64_t row0 = first_row(offsets, b, seq_rows);  // token t's row: row0 + t
   const float A = expf(to_float(A_log[h]));
 
   const int lane = threadIdx.x & 31;
@@ -157,6 +174,13 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int r = 0; r < kMaxRows; ++r) {
     if (r < rows) s[r] = *reinterpret_cast<const F4*>(state + (row_lane + r * kRowLanes) * head_v_dim);
+  }
+  if (fork_slots != nullptr) {
+    float* fork = state_pool + (fork_slots[b] * num_v_heads + h) * head_k_dim * head_v_dim + col;
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r) {
+      if (r < rows) *reinterpret_cast<F4*>(fork + (row_lane + r * kRowLanes) * head_v_dim) = s[r];
+    }
   }
   // Only now wait for the conv kernel launched just before (programmatic dependent launch): it
   // writes act, never the recurrent state, and slots / counts were written before it ran, so the
@@ -170,9 +194,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       q_s[i] = row[key_head * head_k_dim + i];
       k_s[i] = row[key_dim + key_head * head_k_dim + i];
     }
-    const float g = -A * softplus(to_float(a[bt * ab_stride + h]) + to_float(dt_bias[h]));
+    const float g = -A * softplus(to_float(a[(row0 + t) * ab_stride + h]) + to_float(dt_bias[h]));
     const float decay = expf(g);
-    const float beta = 1.0f / (1.0f + expf(-to_float(b_in[bt * ab_stride + h])));
+    const float beta = 1.0f / (1.0f + expf(-to_float(b_in[(row0 + t) * ab_stride + h])));
     __syncthreads();
 
     F4 pred = {};
@@ -211,7 +235,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (out != nullptr) {
       sum_rows(o);
       if (row_lane == 0) {
-        T* out_row = out + bt * value_dim + h * head_v_dim;
+        T* out_row = out + (row0 + t) * value_dim + h * head_v_dim;
 #pragma unroll
         for (int c = 0; c < 4; ++c) out_row[col + c] = from_float<T>(o.v[c]);  // o.to(model dtype)
       }
@@ -227,10 +251,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   // The head's last block: gated RMSNorm round(round(w * round(o * rstd)) * silu(z)) in place.
   __threadfence();
   constexpr int kPerThread = kMaxHeadDim / (kWarps * 32);
-  for (int t = 0; t < num_tokens; ++t) {
-    const std::int64_t bt = static_cast<std::int64_t>(b) * num_tokens + t;
-    T* out_head = out + bt * value_dim + h * head_v_dim;
-    const T* z_head = z + bt * z_stride + h * head_v_dim;
+  for (int t = 0; t < steps; ++t) {
+    T* out_head = out + (row0 + t) * value_dim + h * head_v_dim;
+    const T* z_head = z + (row0 + t) * z_stride + h * head_v_dim;
     float x[kPerThread];
     float sumsq = 0.0f;
 #pragma unroll
@@ -259,13 +282,16 @@ void launch(const GdnStepsArgs& a) {
   const int channels = 2 * key_dim + a.num_v_heads * a.head_v_dim;
   const auto* slots = reinterpret_cast<const std::int64_t*>(a.slots);
   const auto* counts = reinterpret_cast<const std::int64_t*>(a.counts);
+  const auto* offsets = reinterpret_cast<const std::int64_t*>(a.offsets);
+  const auto* fork_slots = reinterpret_cast<const std::int64_t*>(a.fork_slots);
   auto* act = reinterpret_cast<float*>(a.scratch);
   auto* done = reinterpret_cast<unsigned*>(act + a.batch * a.num_tokens * channels);
 
   const dim3 conv_grid(2 * a.num_k_heads + a.num_v_heads, static_cast<unsigned>(a.batch));
   launch_kernel("gdn conv kernel launch", gdn_conv_kernel<T>, conv_grid, std::max(a.head_k_dim, a.head_v_dim), 0,
                 stream, act, done, reinterpret_cast<T*>(a.conv_pool), reinterpret_cast<const T*>(a.qkv),
-                reinterpret_cast<const T*>(a.conv_weight), slots, counts, a.qkv_stride, a.num_tokens, a.out != 0,
+                reinterpret_cast<const T*>(a.conv_weight), slots, counts, offsets, fork_slots, a.qkv_stride,
+                static_cast<int>(a.seq_rows), a.num_tokens, a.out != 0,
                 a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim, channels, a.conv_kernel,
                 a.q_scale);
 
@@ -275,7 +301,7 @@ void launch(const GdnStepsArgs& a) {
                 reinterpret_cast<float*>(a.state_pool), act, done, reinterpret_cast<const T*>(a.a),
                 reinterpret_cast<const T*>(a.b), reinterpret_cast<const T*>(a.z), reinterpret_cast<const T*>(a.A_log),
                 reinterpret_cast<const T*>(a.dt_bias), reinterpret_cast<const T*>(a.norm_weight), slots, counts,
-                a.ab_stride, a.z_stride, a.num_tokens, a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim,
+                offsets, fork_slots, a.ab_stride, a.z_stride, static_cast<int>(a.seq_rows), a.num_tokens, a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim,
                 a.head_v_dim, a.eps);
 }
 
@@ -306,6 +332,11 @@ void gdn_steps(const GdnStepsArgs& a) {
                                 std::to_string(kMaxTokens) + "]");
   }
   if (a.out == 0 && !a.write_state) throw std::invalid_argument("gdn_steps: nothing to do (no out, no state write)");
+  const std::int64_t seq_rows = a.offsets != 0 ? a.seq_rows : a.num_tokens;
+  if (seq_rows < a.num_tokens || a.batch * seq_rows > std::numeric_limits<int>::max()) {
+    throw std::invalid_argument("gdn_steps: " + std::to_string(a.seq_rows) + " rows a sequence for " +
+                                std::to_string(a.num_tokens) + " tokens");
+  }
   if (!is_aligned(a.state_pool, 16)) {
     throw std::invalid_argument("gdn_steps: state_pool must be 16-byte aligned");
   }

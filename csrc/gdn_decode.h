@@ -14,8 +14,13 @@ namespace ninfer {
 //   token by token, out = gated RMSNorm(o, z) per value head and token.
 // Row b's pools advance through its first counts[b] tokens (all T when counts is 0) if write_state,
 // and stay untouched otherwise; out (0: not computed) gets every token's output from the state
-// advanced through all T tokens. Decode: T = 1, write_state; speculative verify: T = K + 1, no
-// write; commit of the accepted tokens: counts, write_state, no out.
+// advanced through all T tokens (with counts: the first counts[b] tokens only, the other rows
+// untouched). Decode: T = 1, write_state; speculative verify: T = K + 1, no write; commit of the
+// accepted tokens: counts, write_state, no out; the tail of a forked prefill chunk: offsets,
+// fork_slots, counts, write_state, out.
+// offsets [B] int64 or 0: row b's token t is row offsets[b] + t of its sequence in qkv / a / b /
+// z / out, whose sequences are seq_rows rows apart (seq_rows = T without offsets). fork_slots [B]
+// int64 or 0: the pools' state of slots[b] before these tokens is also copied to fork_slots[b].
 // Shapes (C = 2 Hk dk + Hv dv): qkv [B, T, C], a / b [B, T, Hv], z / out [B, T, Hv dv] with
 // their last axis contiguous and qkv / a and b / z rows (tokens) qkv_stride / ab_stride / z_stride
 // elements apart (slices of one merged projection need no copy; out is contiguous), conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv] fp32 (16-byte aligned), slots
@@ -34,6 +39,8 @@ struct GdnStepsArgs {
   std::uintptr_t state_pool;
   std::uintptr_t slots;
   std::uintptr_t counts;
+  std::uintptr_t offsets;
+  std::uintptr_t fork_slots;
   std::uintptr_t conv_weight;
   std::uintptr_t A_log;
   std::uintptr_t dt_bias;
@@ -42,6 +49,7 @@ struct GdnStepsArgs {
   std::int64_t ab_stride;
   std::int64_t z_stride;
   std::int64_t batch;
+  std::int64_t seq_rows;
   int num_tokens;
   bool write_state;
   int num_k_heads;

@@ -249,3 +249,29 @@ def test_prefill_graph_continues_a_cached_prefix(model_dir):
     got = first_logits(graphs, prompt, cached=200)
     want = first_logits(eager, prompt)
     assert (got - want).norm() / want.norm() < 2e-2
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+def test_prefill_graph_forks_a_long_prompt_before_its_last_token(model_dir, weights):
+    """With the prefix cache a 300-token prompt runs as one chunk whose graph keeps the GDN state
+    before its last token (a fork: fla's chunked rule to there, the fused steps after it): its
+    logits are the cache-off eager engine's, and the same prompt again resumes from that
+    checkpoint (299 tokens cached) with the same logits."""
+    prompt = [(7 * i) % 290 + 5 for i in range(300)]
+    graphs = load(model_dir, weights=weights, max_context=512)
+    eager = load(model_dir, weights=weights, max_context=512, cuda_graphs=False, prefix_cache=False)
+    want = first_logits(eager, prompt)
+    engine = graphs.engine
+    engine.add_request(GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=1)))
+    (chunk,) = engine.scheduler.schedule().prefills
+    assert (chunk.start, chunk.end, chunk.fork) == (0, 300, 299)
+    batch = engine._prefill_batch(chunk)
+    assert batch.fork is not None and engine.prefill_graphs.supports(batch)
+    got = engine._forward([batch])[0].logits[0, -1].float().clone()
+    engine._prefilled([chunk])
+    engine.abort(chunk.seq.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert (got - want).norm() / want.norm() < 2e-2
+    again = first_logits(graphs, prompt, cached=299)
+    assert (again - want).norm() / want.norm() < 2e-2

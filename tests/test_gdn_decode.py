@@ -694,3 +694,53 @@ def test_conv_prefill_replays_in_cuda_graph(cuda_kernels):
         ref = gdn_ops.conv_prefill_ref(qkv, ref_pool, slots, weight, valid)
         assert torch.equal(pool, ref_pool)
         torch.testing.assert_close(got, ref, rtol=torch.finfo(torch.bfloat16).eps, atol=1e-3)
+
+
+def _tail_case(device: str, dtype: torch.dtype) -> tuple[dict, dict]:
+    """A forked prefill chunk's tail: 3 rows of 40 tokens, tails of 1, 10 and 16 tokens from
+    different offsets, fork slots beside the rows' own."""
+    case = make_case(SHAPE_35B, 3, dtype, device, seed=61, tokens=40)
+    free = [s for s in range(case["state_pool"].shape[0]) if s not in case["slots"].tolist()]
+    tail = {"offsets": torch.tensor([39, 30, 24], device=device), "counts": torch.tensor([1, 10, 16], device=device),
+            "fork_slots": torch.tensor(free[:3], device=device), "width": 16,
+            "out": torch.randn(3, 40, case["z"].shape[-1], dtype=dtype).to(device)}
+    return case, tail
+
+
+def test_prefill_tail_passes_offsets_and_fork_slots(monkeypatch):
+    """The tail's kernel call: offsets, fork slots and counts by pointer, the chunk's rows per
+    sequence, `width` tokens, the outputs into the chunk's own buffer."""
+    calls = record_kernel_calls(monkeypatch, "gdn_steps")
+    monkeypatch.setattr(gdn_ops, "_kernel_applies", lambda step, w: True)
+    case, tail = _tail_case("cpu", torch.bfloat16)
+    gdn_ops.gdn_prefill_tail(**case, **tail)
+    (kw,) = calls
+    assert (kw["offsets"], kw["fork_slots"], kw["counts"], kw["out"]) == tuple(
+        tail[n].data_ptr() for n in ("offsets", "fork_slots", "counts", "out"))
+    assert (kw["seq_rows"], kw["num_tokens"], kw["write_state"]) == (40, 16, True)
+
+
+@pytest.mark.cuda
+def test_prefill_tail_kernel_matches_reference(cuda_kernels):
+    """Kernel against the reference: the fork slots get the rows' states as they were (bitwise),
+    the kept rows' outputs and the advanced pools match, every other row of out is untouched."""
+    dtype = torch.bfloat16
+    case, tail = _tail_case("cuda", dtype)
+    ref_case, ref_tail = with_pool_copies(case), {**tail, "out": tail["out"].clone()}
+    before = with_pool_copies(case)
+    out_before = tail["out"].clone()
+    gdn_ops.gdn_prefill_tail(**case, **tail)
+    step = gdn_ops.GDNStepInputs(*(ref_case[n] for n in ("qkv", "a", "b", "z", "conv_pool", "state_pool", "slots")),
+                                 counts=tail["counts"], offsets=tail["offsets"], fork_slots=tail["fork_slots"],
+                                 width=tail["width"])
+    gdn_ops._tail_ref(step, ref_case["w"], ref_tail["out"])
+    slots, forks = case["slots"], tail["fork_slots"]
+    assert torch.equal(case["state_pool"][forks], before["state_pool"][slots])
+    assert torch.equal(case["conv_pool"][forks], before["conv_pool"][slots])
+    assert torch.equal(case["conv_pool"], ref_case["conv_pool"])
+    assert_rel(case["state_pool"], ref_case["state_pool"], 1e-5)
+    kept = torch.zeros(3, 40, dtype=torch.bool, device="cuda")
+    for row, (offset, count) in enumerate(zip(tail["offsets"].tolist(), tail["counts"].tolist())):
+        kept[row, offset : offset + count] = True
+    assert torch.equal(tail["out"][~kept], out_before[~kept])
+    torch.testing.assert_close(tail["out"][kept], ref_tail["out"][kept], rtol=OUT_TOL[dtype], atol=OUT_TOL[dtype])

@@ -259,25 +259,20 @@ class GatedDeltaNet(nn.Module):
         valid_tokens: torch.Tensor | None, fork: StateFork,
     ) -> torch.Tensor:
         """The prefill with a checkpoint inside: the chunked rule runs through the fork (the tokens
-        after it are padding to it), the state there is copied to the fork's slots, and the tokens
-        from the fork to the end (at most MAX_STEP_TOKENS) run through the fused steps from that
-        state, whose outputs replace those rows. One in_proj and out_proj over the whole chunk, so
-        the weights are read once (a second forward for the tail would read them all again)."""
+        after it are padding to it); the fused steps then copy the state there to the fork's slots
+        and run the tokens from the fork to the end (at most MAX_STEP_TOKENS) from it, reading
+        their projections and writing their outputs in place. One in_proj and out_proj over the
+        whole chunk, so the weights are read once (a second forward for the tail read them all
+        again: a decode step's time)."""
         num_new = x.shape[1]
         qkv, z, b, a = self.in_proj(x)
         normed, state = self._rule(qkv, z, b, a, conv_pool, slots, state_pool[slots], fork.tokens)
         state_pool[slots] = state
-        state_pool[fork.slots] = state
-        conv_pool[fork.slots] = conv_pool[slots]
-        width = min(gdn_ops.MAX_STEP_TOKENS, num_new)
-        index = (fork.tokens[:, None] + torch.arange(width, device=x.device)).clamp(max=num_new - 1)  # [B, W]
-        qkv, z, b, a = (t.gather(1, index[..., None].expand(-1, -1, t.shape[-1])) for t in (qkv, z, b, a))
-        tail = gdn_ops.gdn_verify(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)  # [B, W, value_dim]
         valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, num_new)
-        gdn_ops.gdn_commit(qkv, a, b, conv_pool, state_pool, slots, valid - fork.tokens, self.weights)
-        after = torch.arange(num_new, device=x.device)[None, :] - fork.tokens[:, None]  # [B, T]: rows past the fork
-        from_tail = tail.gather(1, after.clamp(0, width - 1)[..., None].expand(-1, -1, tail.shape[-1]))
-        return self.out_proj(torch.where((after >= 0)[..., None], from_tail, normed))
+        gdn_ops.gdn_prefill_tail(qkv, a, b, z, conv_pool, state_pool, slots, self.weights, offsets=fork.tokens,
+                                 counts=valid - fork.tokens, fork_slots=fork.slots,
+                                 width=min(gdn_ops.MAX_STEP_TOKENS, num_new), out=normed)
+        return self.out_proj(normed)
 
     def verify(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor

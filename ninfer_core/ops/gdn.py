@@ -81,6 +81,15 @@ class GDNStepInputs:
     state_pool: torch.Tensor  # [S, Hv, dk, dv] fp32
     slots: torch.Tensor  # [B] distinct
     counts: torch.Tensor | None = None  # [B] tokens row b advances through (a device tensor); None: all T
+    # A forked prefill chunk's tail: row b's tokens are rows offsets[b] .. offsets[b] + width - 1 of
+    # qkv / a / b / z (and out), and its state before them is also copied to fork_slots[b].
+    offsets: torch.Tensor | None = None  # [B] int64 on the device
+    fork_slots: torch.Tensor | None = None  # [B] int64
+    width: int | None = None  # tokens per row with offsets (<= MAX_STEP_TOKENS)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.qkv.shape[1] if self.width is None else self.width
 
 
 def gdn_steps_ref(step: GDNStepInputs, write_state: bool, w: GDNWeights) -> torch.Tensor | None:
@@ -91,6 +100,8 @@ def gdn_steps_ref(step: GDNStepInputs, write_state: bool, w: GDNWeights) -> torc
     qkv, conv_pool, state_pool, slots, counts = step.qkv, step.conv_pool, step.state_pool, step.slots, step.counts
     batch, num_tokens, _ = qkv.shape
     conv_state, state = conv_pool[slots], state_pool[slots]
+    if step.fork_slots is not None:
+        conv_pool[step.fork_slots], state_pool[step.fork_slots] = conv_state, state
     q, k, v, final_conv = gdn_layer.conv_qkv_heads(
         qkv, conv_state, w.conv_weight, w.num_k_heads, w.head_k_dim, w.head_v_dim, state_pool.dtype
     )
@@ -181,6 +192,37 @@ def gdn_commit(
     _steps("gdn_commit", GDNStepInputs(qkv, a, b, None, conv_pool, state_pool, slots, counts), True, w, None)
 
 
+def gdn_prefill_tail(
+    qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, conv_pool: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, w: GDNWeights, *, offsets: torch.Tensor, counts: torch.Tensor,
+    fork_slots: torch.Tensor, width: int, out: torch.Tensor,
+) -> None:
+    """The tail of a forked prefill chunk (layers/gdn.py `_forked`): qkv [B, T, C], a / b [B, T, Hv],
+    z / out [B, T, Hv*dv] of the whole chunk; slots[b]'s state is copied to fork_slots[b], then
+    advances through row b's tokens offsets[b] .. offsets[b] + counts[b] - 1 (counts[b] <= width
+    <= 16), whose outputs overwrite those rows of out; other rows of out stay. Device tensors, no
+    host sync: a prompt-chunk CUDA graph replays it."""
+    _check_out(out, z, "gdn_prefill_tail")
+    step = GDNStepInputs(qkv, a, b, z, conv_pool, state_pool, slots, counts, offsets, fork_slots, width)
+    _steps("gdn_prefill_tail", step, True, w, out)
+
+
+def _tail_ref(step: GDNStepInputs, w: GDNWeights, out: torch.Tensor) -> None:
+    """`gdn_prefill_tail` composed of the reference steps: gather the rows, step, scatter the kept ones."""
+    assert step.offsets is not None and step.counts is not None and step.z is not None
+    batch, rows = step.qkv.shape[:2]
+    taken = torch.arange(step.num_tokens, device=step.qkv.device)
+    index = (step.offsets[:, None] + taken).clamp(max=rows - 1)  # [B, W]
+    take = lambda t: t.gather(1, index[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
+    inner = GDNStepInputs(take(step.qkv), take(step.a), take(step.b), take(step.z), step.conv_pool,
+                          step.state_pool, step.slots, step.counts, fork_slots=step.fork_slots)
+    tail = gdn_steps_ref(inner, True, w)
+    assert tail is not None
+    kept = torch.where(taken < step.counts[:, None], index, rows)  # rows past the counts go to a spare row
+    spare = torch.cat((out, out.new_zeros(batch, 1, out.shape[-1])), dim=1)
+    out.copy_(spare.scatter(1, kept[..., None].expand(-1, -1, out.shape[-1]), tail)[:, :rows])
+
+
 def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
            out: torch.Tensor | None) -> torch.Tensor | None:
     """The one dispatch place of the fused steps: the kernel where it applies, else the reference.
@@ -189,6 +231,10 @@ def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
     _check(name, step, w)
     if not _kernel_applies(step, w):
         dispatch.fallback(name, step.qkv, step.state_pool)
+        if step.offsets is not None:
+            assert out is not None
+            _tail_ref(step, w, out)
+            return out
         value = gdn_steps_ref(step, write_state, w)
         return value if out is None or value is None else out.copy_(value)
     qkv, qkv_stride = _rows(step.qkv)
@@ -201,7 +247,10 @@ def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
     params = [t.contiguous() for t in (w.conv_weight, w.A_log, w.dt_bias, w.norm_weight)]
     slots = step.slots.long().contiguous()
     counts = None if step.counts is None else step.counts.long().contiguous()
-    batch, num_tokens, channels = qkv.shape
+    offsets = None if step.offsets is None else step.offsets.long().contiguous()
+    fork_slots = None if step.fork_slots is None else step.fork_slots.long().contiguous()
+    batch, seq_rows, channels = qkv.shape
+    num_tokens = step.num_tokens
     num_v_heads = a.shape[2]
     z_stride = 0
     if z is not None:
@@ -219,6 +268,8 @@ def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
         state_pool=state_pool.data_ptr(),
         slots=slots.data_ptr(),
         counts=0 if counts is None else counts.data_ptr(),
+        offsets=0 if offsets is None else offsets.data_ptr(),
+        fork_slots=0 if fork_slots is None else fork_slots.data_ptr(),
         conv_weight=params[0].data_ptr(),
         A_log=params[1].data_ptr(),
         dt_bias=params[2].data_ptr(),
@@ -227,6 +278,7 @@ def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
         ab_stride=ab_stride,
         z_stride=z_stride,
         batch=batch,
+        seq_rows=seq_rows,
         num_tokens=num_tokens,
         write_state=write_state,
         num_k_heads=w.num_k_heads,
@@ -325,14 +377,15 @@ def _kernel_applies(step: GDNStepInputs, w: GDNWeights) -> bool:
         and all(t.dtype == qkv.dtype and t.device == qkv.device for t in model_dtype)
         and state_pool.dtype == torch.float32
         and state_pool.device == slots.device == qkv.device
-        and (counts is None or counts.device == qkv.device)
+        and all(t is None or t.device == qkv.device for t in (counts, step.offsets, step.fork_slots))
         and state_pool.is_contiguous()
         and state_pool.data_ptr() % 16 == 0
         and conv_pool.is_contiguous()
         and all(d % 32 == 0 and 32 <= d <= _MAX_HEAD_DIM for d in (w.head_k_dim, w.head_v_dim))
         and 2 <= w.conv_weight.shape[1] <= _MAX_CONV_KERNEL
-        and qkv.shape[1] <= MAX_STEP_TOKENS
+        and step.num_tokens <= MAX_STEP_TOKENS
         and qkv.shape[0] <= 65535
+        and qkv.shape[0] * qkv.shape[1] < 2**31
     )
 
 
@@ -397,8 +450,11 @@ def _check(name: str, step: GDNStepInputs, w: GDNWeights) -> None:
     }
     if z is not None:
         expected["z"] = (z, (batch, num_tokens, num_v_heads * dv))
-    if step.counts is not None:
-        expected["counts"] = (step.counts, (batch,))
+    for key in ("counts", "offsets", "fork_slots"):
+        if getattr(step, key) is not None:
+            expected[key] = (getattr(step, key), (batch,))
+    if step.width is not None and not (1 <= step.width <= min(num_tokens, MAX_STEP_TOKENS)):
+        raise ValueError(f"{name}: width {step.width} out of range [1, {min(num_tokens, MAX_STEP_TOKENS)}]")
     for key, (t, shape) in expected.items():
         if tuple(t.shape) != shape:
             raise ValueError(f"{name}: {key} has shape {tuple(t.shape)}, expected {shape}")
