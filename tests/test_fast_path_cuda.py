@@ -266,7 +266,8 @@ def test_prefill_graph_forks_a_long_prompt_before_its_last_token(model_dir, weig
     (chunk,) = engine.scheduler.schedule().prefills
     assert (chunk.start, chunk.end, chunk.fork) == (0, 300, 299)
     batch = engine._prefill_batch(chunk)
-    assert batch.fork is not None and engine.prefill_graphs.supports(batch)
+    # bf16 experts sync past 16 rows, so their chunk graphs stop there: the eager fork runs
+    assert batch.fork is not None and engine.prefill_graphs.supports(batch) == (weights == "int4")
     got = engine._forward([batch])[0].logits[0, -1].float().clone()
     engine._prefilled([chunk])
     engine.abort(chunk.seq.request_id)
