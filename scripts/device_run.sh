@@ -2,7 +2,7 @@
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
 #   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu
-# Wheels for packages missing there travel in .whl/ (pytest-xdist + execnet, py-spy, xgrammar, ...);
+# Wheels for packages missing there travel in .whl/ (scripts/device_wheels.sh fetches them);
 # `scripts/make_bench_model.py` writes the weight-less exact-shape model directories (.bench/)
 # that `serve` uses.
 set -uo pipefail

