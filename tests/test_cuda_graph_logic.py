@@ -197,7 +197,7 @@ def test_prefill_graphs_fork_a_prompt_near_its_end(target, fake_graphs, monkeypa
                          checkpoints=4)
     eng = LLMEngine(llm.loaded.model, llm.loaded.config, llm.loaded.tokenizer, cache, max_context=512)
     eng.prefill_graphs = PrefillGraphs(eng.model, eng.cache, 512, None)
-    assert eng.prefill_graphs.capture_all() == 2 * len(eng.prefill_graphs.buckets)
+    assert eng.prefill_graphs.capture_all() == 3 * len(eng.prefill_graphs.buckets)
     replayed = []
     forward = eng.prefill_graphs.forward
     eng.prefill_graphs.forward = lambda batch: replayed.append(
@@ -207,3 +207,32 @@ def test_prefill_graphs_fork_a_prompt_near_its_end(target, fake_graphs, monkeypa
     outs = list(eng.generate([GenerationRequest(prompt, greedy(8))]))
     assert [t for o in outs for t in o.new_token_ids] == want[0]
     assert outs[-1].timings.cached_tokens == len(prompt) - 1
+
+
+def test_prefill_graphs_fork_a_prompt_anywhere(target, fake_graphs, monkeypatch):
+    """A checkpoint far from the prompt's end (a chat's last message start) is a fork too: the
+    bucket's graph of the other kind runs the chunked rule twice. The tokens are the cache-off
+    engine's, and a prompt that shares only the part before the fork resumes there."""
+    monkeypatch.setattr(prefill_graph, "graph_row_limit", lambda model: None)
+    shared = [3 + i % 50 for i in range(100)]
+    prompt, other = shared + [60 + i % 7 for i in range(50)], shared + [70 + i % 5 for i in range(30)]
+    plain = engine(target, None, graphs=False)
+    want = generate(plain, [prompt], [8]) + generate(plain, [other], [8])
+    llm = load(target)
+    cache = CacheManager(llm.loaded.config, max_tokens=4096, max_seqs=4, dtype=torch.float32, scratch=True,
+                         checkpoints=4)
+    eng = LLMEngine(llm.loaded.model, llm.loaded.config, llm.loaded.tokenizer, cache, max_context=512)
+    eng.prefill_graphs = PrefillGraphs(eng.model, eng.cache, 512, None)
+    eng.prefill_graphs.capture_all()
+    replayed = []
+    forward = eng.prefill_graphs.forward
+    eng.prefill_graphs.forward = lambda batch: replayed.append(
+        (batch.num_new_tokens, None if batch.fork is None else (int(batch.fork.tokens[0]), batch.fork.tail))
+    ) or forward(batch)
+    got = []
+    for tokens in (prompt, other):
+        outs = list(eng.generate([GenerationRequest(tokens, greedy(8), checkpoints=(100,))]))
+        got.append([t for o in outs for t in o.new_token_ids])
+    assert got == want
+    assert replayed == [(150, (100, False)), (30, None)]  # one chunk, forked at 100; then resumed there
+    assert outs[-1].timings.cached_tokens == 100

@@ -282,7 +282,7 @@ def test_prefill_graph_forks_a_long_prompt_before_its_last_token(model_dir, weig
     want = first_logits(load(model_dir, weights=weights, max_context=512, cuda_graphs=False, prefix_cache=False),
                         prompt)
     split = load(model_dir, weights=weights, max_context=512)
-    split.engine.scheduler.fork_tokens = 0
+    split.engine.scheduler.forks = False
     forked = load(model_dir, weights=weights, max_context=512)
     split_logits, split_chunks = prompt_logits(split, prompt)
     got, chunks = prompt_logits(forked, prompt)

@@ -188,7 +188,9 @@ def test_chat_requests_checkpoint_where_their_last_message_starts(model_dir):
     (start,) = prepared.checkpoints
     history = llm.tokenizer.encode(llm.template.render([system], add_generation_prompt=False))
     assert prepared.prompt_token_ids[:start] == history[:start] and 0 < start < len(prepared.prompt_token_ids)
+    chunks = llm.stats().prefill_chunks
     llm.chat_result(first)
+    assert llm.stats().prefill_chunks == chunks + 1  # the checkpoint is a fork inside the one chunk
     second = llm.chat_result(ChatRequest([system, {"role": "user", "content": "And of Spain, please?"}],
                                          sampling=greedy(4)))
     assert second.timings.cached_tokens == start

@@ -2,11 +2,10 @@
 
 Layer level (fp32): one forward of n tokens that forks after c of them gives the outputs and the
 pooled state of two forwards (c tokens, then the other n - c), and the fork slot holds the state
-after the first c (the chunked form and the token loop differ by fp32 rounding only); padded
-rows (valid_tokens) and rows without a fork (tokens == valid, a scratch slot) too. Engine level:
-prefix-cache prompts whose checkpoint lies in their last 16 tokens run in one chunk, with the
-answers of the cache-off engine and the hits of the split they replace (tests/test_prefix_cache.py
-has the hits)."""
+after the first c (the chunked form and the token loop differ by fp32 rounding only), for both
+kinds of fork (the last <= 16 tokens through the fused steps; the chunked rule twice, for a fork
+anywhere); padded rows (valid_tokens) and rows without a fork (tokens == valid, a scratch slot)
+too. The engine's prompts run in one chunk per fork (tests/test_prefix_cache.py has the hits)."""
 
 from __future__ import annotations
 
@@ -32,13 +31,15 @@ def _two_forwards(layer, x, conv, state, slots, cuts):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_a_forked_forward_equals_the_split_and_keeps_the_state_at_the_fork(padded):
+@pytest.mark.parametrize("tail", [True, False], ids=["fused_tail", "chunked_twice"])
+def test_a_forked_forward_equals_the_split_and_keeps_the_state_at_the_fork(padded, tail):
     layer, conv, state, gen = gdn_layer_and_pools(3)
     conv, state = torch.cat([conv, conv]), torch.cat([state, state])  # 6 slots: 0-2 rows, 3-5 forks
-    num_new = 24
+    num_new = 24 if tail else 40
     x = torch.randn(3, num_new, 24, generator=gen)
-    valid = torch.tensor([24, 20, 24] if padded else [24, 24, 24])
-    forks = torch.tensor([23, 14, 24])  # the last-but-one token, 6 before the end (padded: 6 of 20), none
+    valid = torch.tensor([num_new, num_new - 4 if padded else num_new, num_new])
+    # the last-but-one token, 6 before the end (padded: 6 of 20), none; chunked: also far from the end, and 2 in
+    forks = torch.tensor([23, 14, 24]) if tail else torch.tensor([7, 2 if padded else 30, 40])
     slots = torch.tensor([2, 0, 1])
     fork_slots = torch.tensor([3, 4, 5])
     conv0, state0 = conv.clone(), state.clone()
@@ -47,7 +48,7 @@ def test_a_forked_forward_equals_the_split_and_keeps_the_state_at_the_fork(padde
                                       [(int(f), int(v)) for f, v in zip(forks, valid)])
         conv_split, state_split = conv.clone(), state.clone()
         _two_forwards(layer, x, conv_split, state_split, slots, [(int(f), int(v)) for f, v in zip(forks, valid)])
-        got = layer(x, conv, state, slots, valid if padded else None, StateFork(forks, fork_slots))
+        got = layer(x, conv, state, slots, valid if padded else None, StateFork(forks, fork_slots, tail))
     for row in range(3):
         n = int(valid[row])
         torch.testing.assert_close(got[row, :n], want[row][0], atol=2e-5, rtol=2e-5)

@@ -141,8 +141,8 @@ class LLMEngine:
         self.device = cache.device
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.sampler = Sampler()
-        # checkpoints near a prompt's end are taken inside its last chunk (layers/gdn.py `_forked`)
-        self.scheduler = Scheduler(cache, prefill_chunk, fork_tokens=MAX_STEP_TOKENS if cache.prefix else 0)
+        # a checkpoint inside a prompt chunk is a fork of the GDN state, not a chunk end (layers/gdn.py)
+        self.scheduler = Scheduler(cache, prefill_chunk, forks=cache.prefix is not None)
         self.eos_ids = frozenset(self.defaults.eos_token_ids or config.eos_token_ids or tokenizer.eos_token_ids)
         self._launched: LaunchedStep | None = None
         self._penalties: PenaltyTables | None = None  # allocated for the first request with penalties
@@ -595,7 +595,7 @@ class LLMEngine:
             chunk.fork_slot = self.cache.reserve_checkpoint_slot()
             if chunk.fork_slot is not None:
                 fork = self._to_device(torch.tensor([chunk.fork - chunk.start, chunk.fork_slot], dtype=torch.long))
-                batch.fork = StateFork(tokens=fork[:1], slots=fork[1:])
+                batch.fork = StateFork(tokens=fork[:1], slots=fork[1:], tail=chunk.end - chunk.fork <= MAX_STEP_TOKENS)
         mm = seq.request.multimodal
         if mm is not None:
             assert self.vision_tower is not None  # checked in add_request

@@ -10,8 +10,9 @@ padded to the bucket (`ForwardBatch.valid_tokens`): padding writes its KV to the
 advances no GDN state (g = beta = 0) and is never attended to by real tokens; attention runs on
 `chunk_attention` (lengths on the device, a tensor-core Triton kernel on the GPU), so a
 chunk may continue a cached prefix. The logits are the last real token's. With the prefix cache
-each bucket also has a graph of chunks with a GDN state fork (`ForwardBatch.fork`: a checkpoint
-near the prompt's end, taken inside the chunk); the fork's position and slot are device buffers.
+each bucket also has graphs of chunks with a GDN state fork (`ForwardBatch.fork`: a checkpoint
+taken inside the chunk), one per kind (the last tokens through the fused steps, or the chunked
+rule twice); the fork's position and slot are device buffers.
 
 Chunks that carry media, drafter layers or several sequences (mixed steps) run eagerly, and so
 do chunks past the model's graph row limit (MoE experts that sync with the host past it: bf16
@@ -55,14 +56,15 @@ class PrefillGraphs:
         self.slots = torch.full((1,), manager.scratch_slot, dtype=torch.long, device=device)
         self.valid = torch.ones(1, dtype=torch.long, device=device)
         self.block_table = torch.full((1, self.max_pages), manager.scratch_page, dtype=torch.int32, device=device)
-        self.fork = StateFork(torch.ones(1, dtype=torch.long, device=device), self.slots.clone())
-        self.forks = (False, True) if manager.prefix is not None else (False,)  # graph variants per bucket
-        self.graphs: dict[tuple[int, bool], _Graph] = {}
+        self.fork = torch.ones(1, dtype=torch.long, device=device), self.slots.clone()  # tokens, slots
+        # graph variants per bucket: no fork, or a fork of each kind (StateFork.tail)
+        self.kinds: tuple[bool | None, ...] = (None, True, False) if manager.prefix is not None else (None,)
+        self.graphs: dict[tuple[int, bool | None], _Graph] = {}
 
     def capture_all(self) -> int:
         for bucket in self.buckets:
-            for fork in self.forks:
-                self._capture(bucket, fork)
+            for kind in self.kinds:
+                self._capture(bucket, kind)
         return len(self.graphs)
 
     def supports(self, batch: ForwardBatch) -> bool:
@@ -76,14 +78,15 @@ class PrefillGraphs:
             and batch.inputs_embeds is None
             and batch.mrope_positions is None
             and batch.block_table.shape[1] <= self.max_pages
-            and (batch.fork is None or self.forks[-1])
+            and (None if batch.fork is None else batch.fork.tail) in self.kinds
         )
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """The chunk's forward by replay: logits of its last token ([1, 1, V], when asked) and the
         hidden states of its tokens (views of static buffers, valid until the next replay)."""
         tokens = batch.num_new_tokens
-        graph = self.graphs.get((next(b for b in self.buckets if b >= tokens), batch.fork is not None))
+        kind = None if batch.fork is None else batch.fork.tail
+        graph = self.graphs.get((next(b for b in self.buckets if b >= tokens), kind))
         if graph is None:
             raise NinferError(f"no prefill graph for {tokens} tokens (capture_all was not run)")
         graph.ids[:, :tokens].copy_(batch.input_ids)
@@ -94,29 +97,30 @@ class PrefillGraphs:
         self.valid.fill_(tokens)
         self.block_table[:, : batch.block_table.shape[1]].copy_(batch.block_table)
         if batch.fork is not None:
-            self.fork.tokens.copy_(batch.fork.tokens)
-            self.fork.slots.copy_(batch.fork.slots)
+            self.fork[0].copy_(batch.fork.tokens)
+            self.fork[1].copy_(batch.fork.slots)
         graph.graph.replay()
         out = graph.out
         return ForwardOutput(logits=out.logits if batch.logits == "last" else None,
                              hidden_states=out.hidden_states[:, :tokens])
 
-    def _capture(self, bucket: int, fork: bool) -> None:
+    def _capture(self, bucket: int, kind: bool | None) -> None:
         """Warm up and capture with every row on the scratch slot / page (the warm-up really runs)."""
         device = self.slots.device
         ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
         positions = torch.arange(bucket, device=device)[None]
         self.cache_lens.zero_()
         self.valid.fill_(bucket)
-        self.fork.tokens.fill_(bucket)
-        self.fork.slots.copy_(self.slots)
+        self.fork[0].fill_(bucket)
+        self.fork[1].copy_(self.slots)
         batch = ForwardBatch(input_ids=ids, positions=positions, cache_lens=self.cache_lens, slots=self.slots,
                              block_table=self.block_table, logits="last", valid_tokens=self.valid,
-                             pad_kv_row=self.pad_kv_row, fork=self.fork if fork else None)
+                             pad_kv_row=self.pad_kv_row,
+                             fork=None if kind is None else StateFork(self.fork[0], self.fork[1], kind))
         try:
             with torch.inference_mode():
                 graph, out = capture(lambda: self.model.forward(batch, self.cache), self.pool)
         except Exception as exc:  # noqa: BLE001 - whatever broke the capture, say it loudly
             raise NinferError(f"CUDA graph capture failed for prompt chunks of {bucket} tokens: {exc} "
                               f"(run with --no-cuda-graphs to run without graphs)") from exc
-        self.graphs[bucket, fork] = _Graph(graph, ids, positions, out)
+        self.graphs[bucket, kind] = _Graph(graph, ids, positions, out)

@@ -59,12 +59,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_batched_tokens: int, fork_tokens: int = 0):
-        """fork_tokens: a checkpoint at most this many tokens before the end of a prompt is taken
-        inside its last chunk (ForwardBatch.fork) instead of ending a chunk there; 0: never."""
+    def __init__(self, cache: CacheManager, max_batched_tokens: int, forks: bool = False):
+        """forks: a chunk takes the first checkpoint inside it as a fork (ForwardBatch.fork) and
+        ends at the next one; else every checkpoint ends a chunk."""
         self.cache = cache
         self.max_batched_tokens = max_batched_tokens
-        self.fork_tokens = fork_tokens
+        self.forks = forks
         self.max_running = cache.max_seqs  # the service may cap it lower (--max-concurrency)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admitted, in admission order; each holds a slot
@@ -146,34 +146,31 @@ class Scheduler:
             assert seq.cache is not None
             room = (len(seq.cache.pages) + self.cache.free_pages) * page
             reach = min(seq.prefill_len, seq.num_cached + budget, room)
-            # the state before the last token becomes a checkpoint (engine._prefilled)
-            cut = min(self._next_checkpoint(seq), seq.prefill_len - 1 if self._split_last(seq) else seq.prefill_len)
-            fork = None
-            if reach == seq.prefill_len and cut < reach and reach - cut <= self.fork_tokens:
-                fork = cut  # the last chunk keeps the state there and goes on (layers/gdn.py)
-            end = reach if fork is not None else min(reach, cut)
+            cuts = self._checkpoints_ahead(seq)
+            fork = cuts.pop(0) if self.forks and cuts and cuts[0] < reach else None
+            end = min([reach, *cuts[:1]])  # the chunk ends at its next checkpoint (engine._prefilled)
             if end <= seq.num_cached:
                 continue
             self.cache.reserve(seq.cache, end)
             plan.prefills.append(PrefillChunk(seq, seq.num_cached, end, fork))
             budget -= end - seq.num_cached
 
-    def _next_checkpoint(self, seq: Sequence) -> int:
-        """The first position past num_cached where the request asks for a checkpoint (the start of
-        its last message): a chunk ends there so that the state there can be kept (or forks there,
-        in the prompt's last `fork_tokens` tokens)."""
+    def _checkpoints_ahead(self, seq: Sequence) -> list[int]:
+        """The positions past num_cached where the state is to be kept, in order: where the request
+        asks (its last message's start, its answer start) and, for a long prompt, its last token."""
         if self.cache.prefix is None:
-            return seq.prefill_len
-        return min((p for p in seq.request.checkpoints if seq.num_cached < p < seq.prefill_len),
-                   default=seq.prefill_len)
+            return []
+        wanted = {p for p in seq.request.checkpoints if seq.num_cached < p < seq.prefill_len}
+        if self._split_last(seq):
+            wanted.add(seq.prefill_len - 1)
+        return sorted(wanted)
 
     def _split_last(self, seq: Sequence) -> bool:
-        """Whether the prompt's last token goes in a chunk of its own: with the prefix cache, a long
+        """Whether the state before the prompt's last token is kept: with the prefix cache, a long
         prompt is checkpointed one token before its end, so that sending it again (a regenerated
-        answer, a retried request) finds all but that token cached; short prompts skip it (without
-        a fork it costs one decode step of time to the first token; with one, a checkpoint slot),
-        and so do prompts with a checkpoint of their own in their last page (a chat's answer
-        start: sent again, it hits there)."""
+        answer, a retried request) finds all but that token cached; short prompts skip it (a
+        checkpoint slot; without forks, a step), and so do prompts with a checkpoint of their own
+        in their last page (a chat's answer start: sent again, it hits there)."""
         prefix = self.cache.prefix
         return (prefix is not None and seq.prefill_len >= prefix.split_min
                 and seq.num_cached < seq.prefill_len - 1

@@ -88,10 +88,13 @@ def qkv_heads(
 
 def conv_state_after(conv_state: torch.Tensor, qkv: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The conv state [B, C, K-1] after row b's first counts[b] new inputs of qkv [B, T, C]: the
-    K-1 inputs ending with input counts[b] - 1 of [old state | new inputs] (device counts: no sync)."""
-    window = torch.cat((conv_state, qkv.transpose(1, 2).to(conv_state.dtype)), dim=-1)
-    taps = torch.arange(conv_state.shape[-1], device=counts.device)
-    return window.gather(-1, (counts[:, None, None] + taps).expand(conv_state.shape))
+    K-1 inputs ending with input counts[b] - 1 of [old state | new inputs] (device counts: no sync;
+    gathered, not concatenated: a prompt chunk's qkv is megabytes)."""
+    taps = conv_state.shape[-1]
+    at = counts[:, None] - taps + torch.arange(taps, device=counts.device)  # [B, K-1]: < 0 is the old state
+    new = qkv.gather(1, at.clamp(min=0)[..., None].expand(-1, -1, qkv.shape[-1])).transpose(1, 2)
+    old = conv_state.gather(2, (at + taps).clamp(max=taps - 1)[:, None, :].expand(conv_state.shape))
+    return torch.where((at >= 0)[:, None, :], new.to(conv_state.dtype), old)
 
 
 def gdn_gates(
@@ -248,8 +251,10 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = self.in_proj(x[:, 0])
             out = gdn_ops.gdn_decode_step(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
             return self.out_proj(out)[:, None]
-        if fork is not None:
+        if fork is not None and fork.tail:
             return self._forked(x, conv_pool, state_pool, slots, valid_tokens, fork)
+        if fork is not None:
+            return self._forked_chunked(x, conv_pool, state_pool, slots, valid_tokens, fork)
         out, state = self._mix(x, conv_pool, slots, state_pool[slots], valid_tokens)
         state_pool[slots] = state
         return out
@@ -273,6 +278,31 @@ class GatedDeltaNet(nn.Module):
                                  counts=valid - fork.tokens, fork_slots=fork.slots,
                                  width=min(gdn_ops.MAX_STEP_TOKENS, num_new), out=normed)
         return self.out_proj(normed)
+
+    def _forked_chunked(
+        self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+        valid_tokens: torch.Tensor | None, fork: StateFork,
+    ) -> torch.Tensor:
+        """The prefill with a checkpoint anywhere inside: the chunked rule runs twice over the
+        chunk, first with the tokens from the fork on as padding (its final state is the state at
+        the fork: copied to the fork's slots), then from that state with the tokens before the fork
+        as padding; each token's output comes from the run it was real in. The conv runs once (it
+        does not depend on where the state is kept); the fork slot's conv state is gathered."""
+        batch, num_new, _ = x.shape
+        qkv, z, b, a = self.in_proj(x)
+        valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, num_new)
+        conv_pool[fork.slots] = conv_state_after(conv_pool[slots], qkv, fork.tokens)
+        q, k, v, g, beta = self._conv_gates(qkv, b, a, conv_pool, slots, valid_tokens, state_pool.dtype)
+        position = torch.arange(num_new, device=x.device)[None, :]
+        before = position < fork.tokens[:, None]  # [B, T]
+        after = ~before & (position < valid[:, None])
+        rule = gdn_ops.gated_delta_rule_prefill
+        out_before, state = rule(q, k, v, g * before[..., None], beta * before[..., None], state_pool[slots])
+        state_pool[fork.slots] = state
+        out_after, state = rule(q, k, v, g * after[..., None], beta * after[..., None], state)
+        state_pool[slots] = state
+        out = torch.where(before[..., None, None], out_before, out_after)
+        return self.out_proj(self._normed(out, z))
 
     def verify(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
@@ -306,16 +336,30 @@ class GatedDeltaNet(nn.Module):
         slots: torch.Tensor, state: torch.Tensor, valid_tokens: torch.Tensor | None,
         delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """conv, delta rule and gated norm of the projections: (normed [B, T, value_dim], new state).
-        Padding tokens (past valid_tokens) get g = beta = 0, which leaves the recurrent state as it
-        is, and the conv state ends at the last real token."""
-        batch, num_new, _ = qkv.shape
+        """conv, delta rule and gated norm of the projections: (normed [B, T, value_dim], new state)."""
+        q, k, v, g, beta = self._conv_gates(qkv, b, a, conv_pool, slots, valid_tokens, state.dtype)
+        out, state = (delta_rule or gdn_ops.gated_delta_rule_prefill)(q, k, v, g, beta, state)
+        return self._normed(out, z), state
+
+    def _conv_gates(
+        self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+        valid_tokens: torch.Tensor | None, compute: torch.dtype,
+    ) -> tuple[torch.Tensor, ...]:
+        """The conv (the pool's conv states of `slots` advance) and q, k, v (q, k in `compute`, the
+        recurrent state's dtype), g, beta. Padding tokens
+        (past valid_tokens) get g = beta = 0, which leaves the recurrent state as it is, and the
+        conv state ends at the last real token."""
+        num_new = qkv.shape[1]
         mixed = gdn_ops.conv_prefill(qkv, conv_pool, slots, self.conv1d.weight[:, 0], valid_tokens)
-        q, k, v = qkv_heads(mixed, self.num_k_heads, self.head_k_dim, self.head_v_dim, state.dtype)
+        q, k, v = qkv_heads(mixed, self.num_k_heads, self.head_k_dim, self.head_v_dim, compute)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         if valid_tokens is not None:
             real = (torch.arange(num_new, device=qkv.device)[None, :] < valid_tokens[:, None])[..., None]
             g, beta = g * real, beta * real
-        out, state = (delta_rule or gdn_ops.gated_delta_rule_prefill)(q, k, v, g, beta, state)
+        return q, k, v, g, beta
+
+    def _normed(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated RMSNorm of the rule's output [B, T, Hv, dv] (gate z), as [B, T, value_dim]."""
+        batch, num_new = z.shape[:2]
         z = z.reshape(batch, num_new, self.num_v_heads, self.head_v_dim)
-        return self.norm(out.to(qkv.dtype), z).reshape(batch, num_new, self.value_dim), state
+        return self.norm(out.to(z.dtype), z).reshape(batch, num_new, self.value_dim)

@@ -22,11 +22,15 @@ if TYPE_CHECKING:
 class StateFork:
     """A prefix-cache checkpoint inside a prompt chunk: row b's GDN state after its first tokens[b]
     new tokens is also written to state slot slots[b], and the chunk runs on (layers/gdn.py). So a
-    chat's answer start or a prompt's last-but-one token is kept without a second forward.
+    chat's history end or answer start, or a prompt's last-but-one token, is kept without a
+    second forward.
     Device tensors: a prompt-chunk CUDA graph replays with any values."""
 
-    tokens: torch.Tensor  # [B] int64, valid_tokens[b] - MAX_STEP_TOKENS <= tokens[b] <= valid_tokens[b]
+    tokens: torch.Tensor  # [B] int64, 0 < tokens[b] <= valid_tokens[b]
     slots: torch.Tensor  # [B] int64 state slots (tokens[b] == valid_tokens[b]: a scratch slot, no fork)
+    # every fork within MAX_STEP_TOKENS of its row's end: the rest runs through the fused steps;
+    # else the chunked rule runs twice (layers/gdn.py `_forked`, `_forked_chunked`)
+    tail: bool = True
 
 
 @dataclass
