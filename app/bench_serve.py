@@ -11,7 +11,9 @@ Modes, run at each concurrency C:
   rows / seconds over the steady intervals (ramp-up, prefill and drain excluded).
 - ttft: one request at a time, per prompt length (--lengths): the first prompt of that length the
   server sees, then --repeats fresh prompts of it (median: "repeat"), then the last one sent again
-  (its prefix cached). Random-token prompts, two-token answers.
+  (its prefix cached). Random-token prompts, two-token answers. Then two chats under one new
+  system prompt of about that many words: the first reads it all ("chat"), the second, another
+  question, resumes where its question starts ("chat_shared", the prefix cache's checkpoint there).
 
 Requests stream (with usage), so TTFT and the gaps between chunks are the client's view, HTTP
 included. With --serve, every point starts a fresh `ninfer serve` (the methodology's rule); with
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 
 Result = TypeVar("Result")
 SHUFFLE_SEED = 20260811
+WORDS = "the of and to in is for on with as by at from this that are be was it an or".split()  # ~1 token each
 STOCHASTIC = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.0,
               "frequency_penalty": 0.0}
 
@@ -255,18 +258,28 @@ async def run_ttft(url: str, headers: dict[str, str], lengths: list[int], repeat
             return await send(client, BenchRequest(id=f"ttft-{len(prompt)}", max_tokens=2, ignore_eos=True,
                                                    prompt=prompt), sampling, None)
 
+        async def chat(system: str) -> Sample:
+            question = "Question: " + " ".join(rng.choice(WORDS) for _ in range(20))
+            return await send(client, BenchRequest(id="ttft-chat", max_tokens=2, ignore_eos=True, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": question}]), sampling, None)
+
         for length in lengths:
             prompts = [[rng.randrange(10, 300) for _ in range(length)] for _ in range(repeats + 1)]
             samples = [await ttft(p) for p in prompts] + [await ttft(prompts[-1])]
-            ok = [s for s in samples if s.ok]
+            system = " ".join(rng.choice(WORDS) for _ in range(length))
+            chats = [await chat(system), await chat(system)]
+            ok = [s for s in samples + chats if s.ok]
             rows.append({
-                "tokens": length, "errors": len(samples) - len(ok),
-                "error_examples": sorted({s.error for s in samples if not s.ok})[:3],
-                "prompt_tokens": [s.prompt_tokens for s in ok],
+                "tokens": length, "errors": len(samples) + len(chats) - len(ok),
+                "error_examples": sorted({s.error for s in samples + chats if not s.ok})[:3],
+                "prompt_tokens": [s.prompt_tokens for s in samples if s.ok],
                 "first_ms": samples[0].ttft_s * 1e3 if samples[0].ok else None,
                 "repeat_ms": statistics.median(s.ttft_s * 1e3 for s in samples[1:-1] if s.ok)
                 if any(s.ok for s in samples[1:-1]) else None,
                 "cached_ms": samples[-1].ttft_s * 1e3 if samples[-1].ok else None,
+                "chat_prompt_tokens": [s.prompt_tokens for s in chats if s.ok],
+                "chat_ms": chats[0].ttft_s * 1e3 if chats[0].ok else None,
+                "chat_shared_ms": chats[1].ttft_s * 1e3 if chats[1].ok else None,
             })
     return rows
 
@@ -387,7 +400,8 @@ def _bench_ttft(url: str | None, serve: str | None, lengths: list[int], repeats:
 
     for row in rows:
         typer.echo(f"{row['tokens']} tokens: TTFT first {ms(row['first_ms'])} ms, repeat {ms(row['repeat_ms'])} ms, "
-                   f"cached {ms(row['cached_ms'])} ms ({row['errors']} failed)")
+                   f"cached {ms(row['cached_ms'])} ms; chat {ms(row['chat_ms'])} ms, same system prompt "
+                   f"{ms(row['chat_shared_ms'])} ms ({row['errors']} failed)")
     if out is not None:
         out.write_text(json.dumps({"mode": "ttft", "lengths": rows}, indent=2))
 

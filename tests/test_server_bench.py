@@ -53,27 +53,33 @@ def test_bench_serve_corpus_and_saturation(tmp_path_factory, tmp_path):
 
 def test_bench_serve_ttft_per_prompt_length(tmp_path_factory, tmp_path):
     """The ttft mode: per length, the first prompt, the repeats and the cached resend each reach the
-    server with exactly that many prompt tokens; the resend is served from the prefix cache."""
-    directory, _ = write_model(tmp_path_factory, "tiny_bench_ttft")
-    handle = ServerHandle.start(load_tiny_llm(directory, max_context=512), port=0)
+    server with exactly that many prompt tokens; the resend is served from the prefix cache, and so
+    is the second chat's system prompt (it resumes where its question starts)."""
+    directory, _ = write_model(tmp_path_factory, "tiny_bench_ttft", max_positions=2048)
+    handle = ServerHandle.start(load_tiny_llm(directory, max_context=2048), port=0)
     bench = typer.Typer()
     bench.callback()(lambda: None)
     register(bench)
     out = tmp_path / "ttft.json"
     try:
-        hits_before = _metric(handle.url, "ninfer_prefix_cache_hits_total")
-        result = CliRunner().invoke(bench, ["serve", "--url", handle.url, "--mode", "ttft", "--lengths", "24,300",
-                                            "--repeats", "2", "--greedy", "--out", str(out)])
-        assert result.exit_code == 0, result.output
-        rows = json.loads(out.read_text())["lengths"]
+        hits, rows = [_metric(handle.url, "ninfer_prefix_cache_hits_total")], []
+        for length in ("24", "300"):  # one run each: the hits of the 300-token one alone
+            result = CliRunner().invoke(bench, ["serve", "--url", handle.url, "--mode", "ttft", "--lengths", length,
+                                                "--repeats", "2", "--greedy", "--out", str(out)])
+            assert result.exit_code == 0, result.output
+            rows += json.loads(out.read_text())["lengths"]
+            hits.append(_metric(handle.url, "ninfer_prefix_cache_hits_total"))
         assert [r["tokens"] for r in rows] == [24, 300]
         for row in rows:
             assert row["errors"] == 0, row
             assert row["prompt_tokens"] == [row["tokens"]] * 4, row
-            assert row["first_ms"] > 0 and row["repeat_ms"] > 0 and row["cached_ms"] > 0
-        assert "300 tokens: TTFT first" in result.output
-        # the 300-token resend hit its own prompt (all but the last token, checkpointed one before it)
-        assert _metric(handle.url, "ninfer_prefix_cache_hits_total") - hits_before >= 299
+            assert min(row[k] for k in ("first_ms", "repeat_ms", "cached_ms", "chat_ms", "chat_shared_ms")) > 0
+        assert "300 tokens: TTFT first" in result.output and "same system prompt" in result.output
+        # the 300-token resend hit its own prompt (all but the last token, checkpointed one before it),
+        # and the second chat all but its question (~20 words) and the assistant header
+        first, second = rows[1]["chat_prompt_tokens"]
+        assert first > 300 and second > 300
+        assert hits[2] - hits[1] >= 299 + second - 80, (hits, rows[1])
     finally:
         handle.stop()
 
