@@ -211,28 +211,37 @@ def test_prefill_graphs_fork_a_prompt_near_its_end(target, fake_graphs, monkeypa
 
 def test_prefill_graphs_fork_a_prompt_anywhere(target, fake_graphs, monkeypatch):
     """A checkpoint far from the prompt's end (a chat's last message start) is a fork too: the
-    bucket's graph of the other kind runs the chunked rule twice. The tokens are the cache-off
-    engine's, and a prompt that shares only the part before the fork resumes there."""
+    bucket's graph of the other kind runs the chunked rule twice, and a second checkpoint near the
+    end (a chat's answer start) is a second fork in the same chunk. The tokens are the cache-off
+    engine's, and prompts that share the part before either fork resume there."""
     monkeypatch.setattr(prefill_graph, "graph_row_limit", lambda model: None)
     shared = [3 + i % 50 for i in range(100)]
-    prompt, other = shared + [60 + i % 7 for i in range(50)], shared + [70 + i % 5 for i in range(30)]
+    prompt = shared + [60 + i % 7 for i in range(50)]
+    prompts = [prompt, shared + [70 + i % 5 for i in range(30)], prompt[:148] + [9, 9, 9]]
     plain = engine(target, None, graphs=False)
-    want = generate(plain, [prompt], [8]) + generate(plain, [other], [8])
+    want = [generate(plain, [p], [8])[0] for p in prompts]
     llm = load(target)
     cache = CacheManager(llm.loaded.config, max_tokens=4096, max_seqs=4, dtype=torch.float32, scratch=True,
-                         checkpoints=4)
+                         checkpoints=8)  # room for every checkpoint of the three requests
     eng = LLMEngine(llm.loaded.model, llm.loaded.config, llm.loaded.tokenizer, cache, max_context=512)
     eng.prefill_graphs = PrefillGraphs(eng.model, eng.cache, 512, None)
     eng.prefill_graphs.capture_all()
     replayed = []
     forward = eng.prefill_graphs.forward
-    eng.prefill_graphs.forward = lambda batch: replayed.append(
-        (batch.num_new_tokens, None if batch.fork is None else (int(batch.fork.tokens[0]), batch.fork.tail))
-    ) or forward(batch)
-    got = []
-    for tokens in (prompt, other):
-        outs = list(eng.generate([GenerationRequest(tokens, greedy(8), checkpoints=(100,))]))
+
+    def record(batch):
+        fork = batch.fork
+        forks = [] if fork is None else [int(f.tokens[0]) for f in (fork, fork.then) if f is not None]
+        replayed.append((batch.num_new_tokens, forks, None if fork is None else fork.tail))
+        return forward(batch)
+
+    eng.prefill_graphs.forward = record
+    got, cached = [], []
+    for tokens in prompts:
+        outs = list(eng.generate([GenerationRequest(tokens, greedy(8), checkpoints=(100, 148))]))
         got.append([t for o in outs for t in o.new_token_ids])
+        cached.append(outs[-1].timings.cached_tokens)
     assert got == want
-    assert replayed == [(150, (100, False)), (30, None)]  # one chunk, forked at 100; then resumed there
-    assert outs[-1].timings.cached_tokens == 100
+    # one chunk, forked at 100 (chunked rule twice) and 148 (fused steps); then resumed at 100, at 148
+    assert replayed == [(150, [100, 148], False), (30, [], None), (3, [], None)]
+    assert cached == [0, 100, 148]

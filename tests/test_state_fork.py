@@ -42,7 +42,7 @@ def test_a_forked_forward_equals_the_split_and_keeps_the_state_at_the_fork(padde
     forks = torch.tensor([23, 14, 24]) if tail else torch.tensor([7, 2 if padded else 30, 40])
     slots = torch.tensor([2, 0, 1])
     fork_slots = torch.tensor([3, 4, 5])
-    conv0, state0 = conv.clone(), state.clone()
+    state0 = state.clone()
     with torch.no_grad():
         want, at_fork = _two_forwards(layer, x, conv.clone(), state.clone(), slots,
                                       [(int(f), int(v)) for f, v in zip(forks, valid)])
@@ -58,3 +58,37 @@ def test_a_forked_forward_equals_the_split_and_keeps_the_state_at_the_fork(padde
         torch.testing.assert_close(conv[fork_slot], at_fork[row][0][0], atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(state[fork_slot], at_fork[row][1][0], atol=2e-5, rtol=2e-5)
     assert not torch.equal(state[3], state0[3])  # the fork slots were written
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_two_forks_in_one_chunk(padded):
+    """A chunked fork with a second one near the end (`StateFork.then`: a chat's history end and
+    answer start): the outputs and pooled state of three forwards, each fork slot holding its state;
+    a row whose second fork is at its end has none."""
+    layer, conv, state, gen = gdn_layer_and_pools(4)
+    conv, state = torch.cat([conv, conv, conv]), torch.cat([state, state, state])  # 9 slots: rows, forks, thens
+    num_new = 40
+    x = torch.randn(3, num_new, 24, generator=gen)
+    valid = torch.tensor([40, 36 if padded else 40, 40])
+    firsts, seconds = torch.tensor([7, 2, 20]), torch.tensor([37, 30, 40])  # row 2: no second fork
+    slots, fork_slots, then_slots = torch.tensor([2, 0, 1]), torch.tensor([3, 4, 5]), torch.tensor([6, 7, 8])
+    fork = StateFork(firsts, fork_slots, tail=False, then=StateFork(seconds, then_slots))
+    with torch.no_grad():
+        want_conv, want_state, wants = conv.clone(), state.clone(), []
+        for row in range(3):
+            slot = slots[row : row + 1]
+            cuts = [0, int(firsts[row]), int(seconds[row]), int(valid[row])]
+            outs = []
+            for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+                if hi > lo:
+                    outs.append(layer(x[row : row + 1, lo:hi], want_conv, want_state, slot))
+                if i < 2:  # the state at each fork goes to that fork's slot
+                    target = (fork_slots if i == 0 else then_slots)[row]
+                    want_conv[target], want_state[target] = want_conv[slot[0]], want_state[slot[0]]
+            wants.append(torch.cat(outs, dim=1))
+        got = layer(x, conv, state, slots, valid if padded else None, fork)
+    for row in range(3):
+        n = int(valid[row])
+        torch.testing.assert_close(got[row, :n], wants[row][0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(conv, want_conv, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(state, want_state, atol=2e-5, rtol=2e-5)

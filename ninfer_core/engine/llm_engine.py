@@ -142,7 +142,7 @@ class LLMEngine:
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.sampler = Sampler()
         # a checkpoint inside a prompt chunk is a fork of the GDN state, not a chunk end (layers/gdn.py)
-        self.scheduler = Scheduler(cache, prefill_chunk, forks=cache.prefix is not None)
+        self.scheduler = Scheduler(cache, prefill_chunk, forks=cache.prefix is not None, fork_tail=MAX_STEP_TOKENS)
         self.eos_ids = frozenset(self.defaults.eos_token_ids or config.eos_token_ids or tokenizer.eos_token_ids)
         self._launched: LaunchedStep | None = None
         self._penalties: PenaltyTables | None = None  # allocated for the first request with penalties
@@ -538,9 +538,9 @@ class LLMEngine:
         prefix = self.cache.prefix
         for chunk in chunks:
             seq = chunk.seq
-            if chunk.fork_slot is not None:  # the forward wrote the state at the fork into it
-                seq.num_cached = chunk.fork
-                self.scheduler.note_progress(seq, checkpoint=True, filled=chunk.fork_slot)
+            for fork, slot in zip(chunk.forks, chunk.fork_slots):  # the forward wrote the state there into it
+                seq.num_cached = fork
+                self.scheduler.note_progress(seq, checkpoint=True, filled=slot)
             seq.num_cached = chunk.end
             wanted = (seq.prefill_len - 1, seq.prefill_len, *seq.request.checkpoints)
             checkpoint = prefix is not None and (chunk.end in wanted or chunk.end % prefix.interval == 0)
@@ -591,11 +591,7 @@ class LLMEngine:
         ids = [seq.token_at(i) for i in range(chunk.start, chunk.end)]
         batch = self._rows_batch([seq], [ids], "last" if chunk.last else "none",
                                  capture_layers=self.speculator.capture_layers(seq) if self.speculator else ())
-        if chunk.fork is not None:
-            chunk.fork_slot = self.cache.reserve_checkpoint_slot()
-            if chunk.fork_slot is not None:
-                fork = self._to_device(torch.tensor([chunk.fork - chunk.start, chunk.fork_slot], dtype=torch.long))
-                batch.fork = StateFork(tokens=fork[:1], slots=fork[1:], tail=chunk.end - chunk.fork <= MAX_STEP_TOKENS)
+        batch.fork = self._fork(chunk)
         mm = seq.request.multimodal
         if mm is not None:
             assert self.vision_tower is not None  # checked in add_request
@@ -604,6 +600,24 @@ class LLMEngine:
                 batch.inputs_embeds = mm.chunk_embeddings(self.model.embed_tokens, batch.input_ids, chunk.start)
                 batch.mrope_positions = mm.chunk_positions(chunk.start, chunk.end, self.device)
         return batch
+
+    def _fork(self, chunk: PrefillChunk) -> StateFork | None:
+        """The chunk's checkpoints as a state fork, each with a reserved checkpoint slot (those that
+        get none are not kept): the first one by the fused steps when it is near the end, else by
+        the chunked rule twice, a second one (near the end) by the fused steps after that."""
+        for _ in chunk.forks:
+            slot = self.cache.reserve_checkpoint_slot()
+            if slot is None:
+                break
+            chunk.fork_slots.append(slot)
+        del chunk.forks[len(chunk.fork_slots):]
+        if not chunk.forks:
+            return None
+        n = len(chunk.forks)
+        values = self._to_device(torch.tensor([p - chunk.start for p in chunk.forks] + chunk.fork_slots))
+        then = StateFork(values[1:2], values[3:4]) if n == 2 else None
+        return StateFork(values[:1], values[n : n + 1], tail=n == 1 and chunk.end - chunk.forks[0] <= MAX_STEP_TOKENS,
+                         then=then)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":

@@ -12,7 +12,8 @@ advances no GDN state (g = beta = 0) and is never attended to by real tokens; at
 chunk may continue a cached prefix. The logits are the last real token's. With the prefix cache
 each bucket also has graphs of chunks with a GDN state fork (`ForwardBatch.fork`: a checkpoint
 taken inside the chunk), one per kind (the last tokens through the fused steps, or the chunked
-rule twice); the fork's position and slot are device buffers.
+rule twice, then the fused steps from a second fork, or from the end when there is none); the
+forks' positions and slots are device buffers.
 
 Chunks that carry media, drafter layers or several sequences (mixed steps) run eagerly, and so
 do chunks past the model's graph row limit (MoE experts that sync with the host past it: bf16
@@ -22,7 +23,7 @@ experts beyond 16 rows; quantized ones have no limit).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,10 +54,12 @@ class PrefillGraphs:
         self.max_pages = math.ceil(max_context / manager.page_size)
         device = manager.device
         self.cache_lens = torch.zeros(1, dtype=torch.long, device=device)
+        self.scratch_slot = manager.scratch_slot
         self.slots = torch.full((1,), manager.scratch_slot, dtype=torch.long, device=device)
         self.valid = torch.ones(1, dtype=torch.long, device=device)
         self.block_table = torch.full((1, self.max_pages), manager.scratch_page, dtype=torch.int32, device=device)
-        self.fork = torch.ones(1, dtype=torch.long, device=device), self.slots.clone()  # tokens, slots
+        self.fork = StateFork(torch.ones(1, dtype=torch.long, device=device), self.slots.clone(),
+                              then=StateFork(torch.ones(1, dtype=torch.long, device=device), self.slots.clone()))
         # graph variants per bucket: no fork, or a fork of each kind (StateFork.tail)
         self.kinds: tuple[bool | None, ...] = (None, True, False) if manager.prefix is not None else (None,)
         self.graphs: dict[tuple[int, bool | None], _Graph] = {}
@@ -97,8 +100,16 @@ class PrefillGraphs:
         self.valid.fill_(tokens)
         self.block_table[:, : batch.block_table.shape[1]].copy_(batch.block_table)
         if batch.fork is not None:
-            self.fork[0].copy_(batch.fork.tokens)
-            self.fork[1].copy_(batch.fork.slots)
+            self.fork.tokens.copy_(batch.fork.tokens)
+            self.fork.slots.copy_(batch.fork.slots)
+            then, spare = batch.fork.then, self.fork.then
+            assert spare is not None
+            if then is not None:
+                spare.tokens.copy_(then.tokens)
+                spare.slots.copy_(then.slots)
+            else:  # no second fork: the fused steps from the end run no token
+                spare.tokens.fill_(tokens)
+                spare.slots.fill_(self.scratch_slot)
         graph.graph.replay()
         out = graph.out
         return ForwardOutput(logits=out.logits if batch.logits == "last" else None,
@@ -111,12 +122,15 @@ class PrefillGraphs:
         positions = torch.arange(bucket, device=device)[None]
         self.cache_lens.zero_()
         self.valid.fill_(bucket)
-        self.fork[0].fill_(bucket)
-        self.fork[1].copy_(self.slots)
+        for fork in (self.fork, self.fork.then):
+            assert fork is not None
+            fork.tokens.fill_(bucket)
+            fork.slots.copy_(self.slots)
         batch = ForwardBatch(input_ids=ids, positions=positions, cache_lens=self.cache_lens, slots=self.slots,
                              block_table=self.block_table, logits="last", valid_tokens=self.valid,
                              pad_kv_row=self.pad_kv_row,
-                             fork=None if kind is None else StateFork(self.fork[0], self.fork[1], kind))
+                             fork=None if kind is None else replace(self.fork, tail=kind,
+                                                                    then=None if kind else self.fork.then))
         try:
             with torch.inference_mode():
                 graph, out = capture(lambda: self.model.forward(batch, self.cache), self.pool)

@@ -31,8 +31,10 @@ class PrefillChunk:
     seq: Sequence
     start: int
     end: int
-    fork: int | None = None  # a checkpoint inside the chunk (position; ForwardBatch.fork)
-    fork_slot: int | None = None  # the state slot the forward writes it to (the engine reserves it)
+    # checkpoints inside the chunk (positions, at most two: ForwardBatch.fork) and the state slots
+    # the forward writes them to (the engine reserves them)
+    forks: list[int] = field(default_factory=list)
+    fork_slots: list[int] = field(default_factory=list)
 
     @property
     def last(self) -> bool:
@@ -59,12 +61,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_batched_tokens: int, forks: bool = False):
-        """forks: a chunk takes the first checkpoint inside it as a fork (ForwardBatch.fork) and
-        ends at the next one; else every checkpoint ends a chunk."""
+    def __init__(self, cache: CacheManager, max_batched_tokens: int, forks: bool = False, fork_tail: int = 0):
+        """forks: a chunk takes the first checkpoint inside it as a fork (ForwardBatch.fork), and a
+        second one if that lies within `fork_tail` tokens of the chunk's end, and ends at the next
+        one; else every checkpoint ends a chunk."""
         self.cache = cache
         self.max_batched_tokens = max_batched_tokens
         self.forks = forks
+        self.fork_tail = fork_tail
         self.max_running = cache.max_seqs  # the service may cap it lower (--max-concurrency)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admitted, in admission order; each holds a slot
@@ -147,12 +151,14 @@ class Scheduler:
             room = (len(seq.cache.pages) + self.cache.free_pages) * page
             reach = min(seq.prefill_len, seq.num_cached + budget, room)
             cuts = self._checkpoints_ahead(seq)
-            fork = cuts.pop(0) if self.forks and cuts and cuts[0] < reach else None
+            forks = [cuts.pop(0)] if self.forks and cuts and cuts[0] < reach else []
+            if forks and cuts and cuts[0] < reach and min([reach, *cuts[1:2]]) - cuts[0] <= self.fork_tail:
+                forks.append(cuts.pop(0))  # a chat's answer start after its history end
             end = min([reach, *cuts[:1]])  # the chunk ends at its next checkpoint (engine._prefilled)
             if end <= seq.num_cached:
                 continue
             self.cache.reserve(seq.cache, end)
-            plan.prefills.append(PrefillChunk(seq, seq.num_cached, end, fork))
+            plan.prefills.append(PrefillChunk(seq, seq.num_cached, end, forks))
             budget -= end - seq.num_cached
 
     def _checkpoints_ahead(self, seq: Sequence) -> list[int]:

@@ -287,22 +287,29 @@ class GatedDeltaNet(nn.Module):
         chunk, first with the tokens from the fork on as padding (its final state is the state at
         the fork: copied to the fork's slots), then from that state with the tokens before the fork
         as padding; each token's output comes from the run it was real in. The conv runs once (it
-        does not depend on where the state is kept); the fork slot's conv state is gathered."""
-        batch, num_new, _ = x.shape
+        does not depend on where the state is kept); the fork slot's conv state is gathered. With a
+        second fork (`fork.then`, near the end) the second run stops there and the fused steps run
+        the rest, as in `_forked`."""
+        num_new = x.shape[1]
         qkv, z, b, a = self.in_proj(x)
         valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, num_new)
+        end = fork.then.tokens if fork.then is not None else valid  # where the chunked rule stops
         conv_pool[fork.slots] = conv_state_after(conv_pool[slots], qkv, fork.tokens)
-        q, k, v, g, beta = self._conv_gates(qkv, b, a, conv_pool, slots, valid_tokens, state_pool.dtype)
+        q, k, v, g, beta = self._conv_gates(qkv, b, a, conv_pool, slots, end, state_pool.dtype)
         position = torch.arange(num_new, device=x.device)[None, :]
         before = position < fork.tokens[:, None]  # [B, T]
-        after = ~before & (position < valid[:, None])
+        after = ~before & (position < end[:, None])
         rule = gdn_ops.gated_delta_rule_prefill
         out_before, state = rule(q, k, v, g * before[..., None], beta * before[..., None], state_pool[slots])
         state_pool[fork.slots] = state
         out_after, state = rule(q, k, v, g * after[..., None], beta * after[..., None], state)
         state_pool[slots] = state
-        out = torch.where(before[..., None, None], out_before, out_after)
-        return self.out_proj(self._normed(out, z))
+        normed = self._normed(torch.where(before[..., None, None], out_before, out_after), z)
+        if fork.then is not None:
+            gdn_ops.gdn_prefill_tail(qkv, a, b, z, conv_pool, state_pool, slots, self.weights, offsets=fork.then.tokens,
+                                     counts=valid - fork.then.tokens, fork_slots=fork.then.slots,
+                                     width=min(gdn_ops.MAX_STEP_TOKENS, num_new), out=normed)
+        return self.out_proj(normed)
 
     def verify(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor

@@ -31,6 +31,9 @@ class StateFork:
     # every fork within MAX_STEP_TOKENS of its row's end: the rest runs through the fused steps;
     # else the chunked rule runs twice (layers/gdn.py `_forked`, `_forked_chunked`)
     tail: bool = True
+    # chunked forks only: a second fork within MAX_STEP_TOKENS of the row's end, the fused steps
+    # after it (then.tokens == valid_tokens: none)
+    then: StateFork | None = None
 
 
 @dataclass
