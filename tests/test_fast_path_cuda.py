@@ -251,16 +251,17 @@ def test_prefill_graph_continues_a_cached_prefix(model_dir):
     assert (got - want).norm() / want.norm() < 2e-2
 
 
-def prompt_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, list[tuple[int, int, int | None]]]:
+def prompt_logits(llm: LLM, prompt: list[int], checkpoints: tuple[int, ...] = ()
+                  ) -> tuple[torch.Tensor, list[tuple[int, int, list[int]]]]:
     """The logits of the prompt's last token as the engine reads the prompt (its chunks: (start,
-    end, fork)), checkpoints kept; the request is dropped afterwards."""
+    end, forks)), checkpoints kept; the request is dropped afterwards."""
     engine = llm.engine
-    engine.add_request(GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=1)))
+    engine.add_request(GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=1), checkpoints=checkpoints))
     chunks = []
     while True:
         (chunk,) = engine.scheduler.schedule().prefills
-        chunks.append((chunk.start, chunk.end, chunk.fork))
         out = engine._forward([engine._prefill_batch(chunk)])[0]
+        chunks.append((chunk.start, chunk.end, list(chunk.forks)))
         engine._prefilled([chunk])
         if chunk.last:
             break
@@ -272,22 +273,24 @@ def prompt_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, list[tuple
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
-def test_prefill_graph_forks_a_long_prompt_before_its_last_token(model_dir, weights):
-    """With the prefix cache a 300-token prompt runs as one chunk that keeps the GDN state before
-    its last token (a fork: fla's chunked rule to there, the fused steps after it; a chunk graph
-    with int4 experts, eager with bf16 ones, whose graphs stop at 16 rows). Its logits are as close
-    to the cache-off engine's as those of the two chunks it replaces (the last token through the
-    same recurrent kernel), and the same prompt again resumes from the fork's checkpoint."""
-    prompt = [(7 * i) % 290 + 5 for i in range(300)]
+@pytest.mark.parametrize("length,checkpoints,forks", [(300, (), [299]), (200, (100,), [100]), (300, (100,), [100, 299])],
+                         ids=["fused_tail", "chunked_twice", "chunked_then_tail"])
+def test_prefill_forks_match_the_split(model_dir, weights, length, checkpoints, forks):
+    """With the prefix cache a prompt runs as one chunk that keeps the GDN state at its
+    checkpoints (forks: before its last token by the fused steps, elsewhere by fla's chunked rule
+    twice, or both; a chunk graph with int4 experts, eager with bf16 ones, whose graphs stop at 16
+    rows). Its logits are as close to the cache-off engine's as those of the chunks it replaces,
+    and the same prompt again resumes from the last fork's checkpoint with the same logits."""
+    prompt = [(7 * i) % 290 + 5 for i in range(length)]
     want = first_logits(load(model_dir, weights=weights, max_context=512, cuda_graphs=False, prefix_cache=False),
                         prompt)
     split = load(model_dir, weights=weights, max_context=512)
     split.engine.scheduler.forks = False
     forked = load(model_dir, weights=weights, max_context=512)
-    split_logits, split_chunks = prompt_logits(split, prompt)
-    got, chunks = prompt_logits(forked, prompt)
-    assert split_chunks == [(0, 299, None), (299, 300, None)] and chunks == [(0, 300, 299)]
+    split_logits, split_chunks = prompt_logits(split, prompt, checkpoints)
+    got, chunks = prompt_logits(forked, prompt, checkpoints)
+    assert chunks == [(0, length, forks)] and [end for _, end, _ in split_chunks] == [*forks, length]
     rel = lambda x: float((x - want).norm() / want.norm())  # noqa: E731
     assert rel(got) < 3e-2 and rel(got) <= 1.25 * rel(split_logits) + 5e-3, (rel(got), rel(split_logits))
-    again = first_logits(forked, prompt, cached=299)
+    again = first_logits(forked, prompt, cached=forks[-1])
     assert rel(again) < 3e-2
