@@ -274,10 +274,18 @@ class GatedDeltaNet(nn.Module):
         normed, state = self._rule(qkv, z, b, a, conv_pool, slots, state_pool[slots], fork.tokens)
         state_pool[slots] = state
         valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, num_new)
+        self._tail(qkv, z, b, a, conv_pool, state_pool, slots, valid, fork, normed)
+        return self.out_proj(normed)
+
+    def _tail(
+        self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
+        state_pool: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, fork: StateFork, normed: torch.Tensor,
+    ) -> None:
+        """The fused steps over row b's tokens fork.tokens[b] .. valid[b] - 1 from the pooled state
+        (first copied to fork.slots[b]); their outputs overwrite those rows of normed."""
         gdn_ops.gdn_prefill_tail(qkv, a, b, z, conv_pool, state_pool, slots, self.weights, offsets=fork.tokens,
                                  counts=valid - fork.tokens, fork_slots=fork.slots,
-                                 width=min(gdn_ops.MAX_STEP_TOKENS, num_new), out=normed)
-        return self.out_proj(normed)
+                                 width=min(gdn_ops.MAX_STEP_TOKENS, qkv.shape[1]), out=normed)
 
     def _forked_chunked(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
@@ -306,9 +314,7 @@ class GatedDeltaNet(nn.Module):
         state_pool[slots] = state
         normed = self._normed(torch.where(before[..., None, None], out_before, out_after), z)
         if fork.then is not None:
-            gdn_ops.gdn_prefill_tail(qkv, a, b, z, conv_pool, state_pool, slots, self.weights, offsets=fork.then.tokens,
-                                     counts=valid - fork.then.tokens, fork_slots=fork.then.slots,
-                                     width=min(gdn_ops.MAX_STEP_TOKENS, num_new), out=normed)
+            self._tail(qkv, z, b, a, conv_pool, state_pool, slots, valid, fork.then, normed)
         return self.out_proj(normed)
 
     def verify(
