@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -53,7 +53,8 @@ def bench_engine(
     print(f"{report.model} on {report.device}: weights {report.weights}, KV {report.kv_dtype}, "
           f"graphs {'on' if report.cuda_graphs else 'off'}, overlap {'on' if report.overlap else 'off'}")
     for t in report.ttft:
-        print(f"TTFT {t.tokens:>6} tokens: first {t.first_ms:8.1f} ms, repeat {t.repeat_ms:8.1f} ms")
+        chat = "" if t.chat_ms is None else f", chat-shaped {t.chat_ms:8.1f} ms (chunk ends: {t.chat_split_ms:8.1f} ms)"
+        print(f"TTFT {t.tokens:>6} tokens: first {t.first_ms:8.1f} ms, repeat {t.repeat_ms:8.1f} ms{chat}")
     for d in report.decode:
         print(f"decode batch {d.batch:>2}: TPOT {d.tpot_ms:.2f} ms ({d.tok_s:.0f} tok/s) vs GPU step "
               f"{d.step_ms:.2f} ms = {d.overhead:.2f}x")

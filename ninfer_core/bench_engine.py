@@ -2,7 +2,10 @@
 
 Through the same loop the server runs (scheduler, sampling, detokenization, stop checks):
 - time to first token per prompt length, the first prompt of that length after load ("first",
-  where compilation or autotuning for a new shape would show) and later ones ("repeat");
+  where compilation or autotuning for a new shape would show) and later ones ("repeat"); with the
+  prefix cache also of chat-shaped prompts, which ask for checkpoints where their last message and
+  their answer start (GDN state forks inside the chunk, `ForwardBatch.fork`), beside the same
+  prompts with the scheduler ending a chunk at each checkpoint instead (what the forks replace);
 - decode through the loop at each batch size: time per output token per sequence (TPOT) and
   aggregate tok/s, next to the device time of one decode step of that batch (the forward by CUDA
   graph replay and the sampling kernel, timed with CUDA events; the wall clock on the CPU). Their
@@ -22,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .cache.prefix_cache import SPLIT_MIN
 from .engine.llm_engine import LLMEngine
 from .engine.request import GenerationRequest
 from .engine.sampling import SamplingParams
@@ -37,6 +41,8 @@ class TTFTRun:
     tokens: int
     first_ms: float  # the first prompt of this length since load
     repeat_ms: float  # median of the later ones
+    chat_ms: float | None = None  # median, chat-shaped checkpoints (prefix cache only)
+    chat_split_ms: float | None = None  # the same, a chunk ending at each checkpoint
 
 
 @dataclass
@@ -77,9 +83,9 @@ class _Runner:
     def prompt(self, length: int) -> list[int]:
         return torch.randint(0, self.engine.config.vocab_size, (length,), generator=self.generator).tolist()
 
-    def ttft_ms(self, length: int) -> float:
+    def ttft_ms(self, length: int, checkpoints: tuple[int, ...] = ()) -> float:
         """Submit one prompt on an idle engine; milliseconds until its first token is out."""
-        request = GenerationRequest(self.prompt(length), _greedy(2))
+        request = GenerationRequest(self.prompt(length), _greedy(2), checkpoints=checkpoints)
         start = time.perf_counter()
         self.engine.add_request(request)
         first = None
@@ -133,6 +139,13 @@ class _Runner:
         return statistics.median(times)
 
 
+def chat_checkpoints(length: int) -> tuple[int, ...]:
+    """Where a chat prompt of `length` tokens asks for GDN checkpoints (LLM.prepare_chat): its last
+    message's start (here a 24-token question before a 3-token assistant header) and, from
+    SPLIT_MIN tokens, its answer start (after the header)."""
+    return tuple(p for p in (length - 27, length - 3 if length >= SPLIT_MIN else 0) if p > 0)
+
+
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
@@ -170,6 +183,16 @@ def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches:
     for run in report.ttft:
         progress(f"prompts of {run.tokens} tokens")
         run.repeat_ms = statistics.median(runner.ttft_ms(run.tokens) for _ in range(repeats))
+    if engine.cache.prefix is not None:
+        for run in report.ttft:
+            progress(f"chat-shaped prompts of {run.tokens} tokens, forks / split")
+            marks = chat_checkpoints(run.tokens)
+            run.chat_ms = statistics.median(runner.ttft_ms(run.tokens, marks) for _ in range(repeats))
+            engine.scheduler.forks = False
+            try:
+                run.chat_split_ms = statistics.median(runner.ttft_ms(run.tokens, marks) for _ in range(repeats))
+            finally:
+                engine.scheduler.forks = True
     for batch in batches:
         progress(f"decode through the loop, batch {batch}")
         tpot, tok_s = runner.loop_decode(batch, tokens)

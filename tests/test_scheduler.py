@@ -195,9 +195,17 @@ def test_engine_bench_runs_through_the_loop(model_dir):
     from ninfer_core.bench_engine import run_engine_bench
 
     llm = make_llm(model_dir, max_seqs=2, overlap=True)
-    report = run_engine_bench(llm, lengths=(8, 24), batches=(1, 2), tokens=6, repeats=2)
-    assert [t.tokens for t in report.ttft] == [8, 24]
+    forwards = []
+    forward = llm.engine._forward
+    llm.engine._forward = lambda parts: forwards.extend(p.num_new_tokens for p in parts) or forward(parts)
+    report = run_engine_bench(llm, lengths=(8, 40), batches=(1, 2), tokens=6, repeats=2)
+    assert [t.tokens for t in report.ttft] == [8, 40]
     assert all(t.first_ms > 0 and t.repeat_ms > 0 for t in report.ttft)
+    # chat-shaped 40-token prompts (a checkpoint 27 tokens before the end): one forward of 40 with
+    # the fork, two (13 + 27) with the chunk ending there; the 8-token prompt has no checkpoint
+    chat, split = report.ttft[1].chat_ms, report.ttft[1].chat_split_ms
+    assert chat is not None and chat > 0 and split is not None and split > 0
+    assert forwards.count(40) >= 2 + 2 + 1 and forwards.count(13) == 2 and forwards.count(27) == 2
     assert [d.batch for d in report.decode] == [1, 2]
     assert all(d.tpot_ms > 0 and d.step_ms > 0 and d.overhead == pytest.approx(d.tpot_ms / d.step_ms)
                for d in report.decode)
