@@ -1,14 +1,17 @@
-"""Gated DeltaNet hot ops: the fused steps (decode, speculative verify / commit), chunked prefill.
+"""Gated DeltaNet hot ops: the fused steps (decode, speculative verify / commit, a forked chunk's
+tail), chunked prefill.
 
 The fused steps are the whole layer between the input projections and out_proj for T <= 16 new
 tokens per sequence: conv + SiLU, q / k l2-norm, gates, the delta rule on the fp32 state token
-by token, gated RMSNorm. Three uses, one kernel pair (csrc/gdn_decode.cu) and one reference
+by token, gated RMSNorm. Four uses, one kernel pair (csrc/gdn_decode.cu) and one reference
 (`gdn_steps_ref`, composing the functions of layers/gdn.py and layers/norm.py exactly as
 `GatedDeltaNet` does), selected in `_steps`:
   gdn_decode_step   T = 1: output, pools advanced;
   gdn_verify        T = K + 1: every token's output, pools untouched;
   gdn_commit        pools advanced through the first counts[b] tokens (a device tensor, so the
-                    commit replays in a CUDA graph), no output.
+                    commit replays in a CUDA graph), no output;
+  gdn_prefill_tail  a forked prompt chunk's last counts[b] <= 16 tokens, read and written in place
+                    at device row offsets, the state they start from copied to a fork slot.
 Verify + commit is the speculative rollback (engine/speculative/rollback.py): the state is read
 by the verify and read + written once by the commit; per-token math is the decode step's, so a
 committed state equals the state of that many decode steps bit for bit, given the same inputs.
