@@ -102,12 +102,13 @@ class PrefillGraphs:
         if batch.fork is not None:
             self.fork.tokens.copy_(batch.fork.tokens)
             self.fork.slots.copy_(batch.fork.slots)
+        if batch.fork is not None and not batch.fork.tail:  # the chunked kind's graph reads a second fork
             then, spare = batch.fork.then, self.fork.then
             assert spare is not None
             if then is not None:
                 spare.tokens.copy_(then.tokens)
                 spare.slots.copy_(then.slots)
-            else:  # no second fork: the fused steps from the end run no token
+            else:  # none: the fused steps from the end run no token
                 spare.tokens.fill_(tokens)
                 spare.slots.fill_(self.scratch_slot)
         graph.graph.replay()

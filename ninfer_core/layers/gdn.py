@@ -251,17 +251,16 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = self.in_proj(x[:, 0])
             out = gdn_ops.gdn_decode_step(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
             return self.out_proj(out)[:, None]
-        if fork is not None and fork.tail:
-            return self._forked(x, conv_pool, state_pool, slots, valid_tokens, fork)
         if fork is not None:
-            return self._forked_chunked(x, conv_pool, state_pool, slots, valid_tokens, fork)
+            valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, x.shape[1])
+            return (self._forked if fork.tail else self._forked_chunked)(x, conv_pool, state_pool, slots, valid, fork)
         out, state = self._mix(x, conv_pool, slots, state_pool[slots], valid_tokens)
         state_pool[slots] = state
         return out
 
     def _forked(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
-        valid_tokens: torch.Tensor | None, fork: StateFork,
+        valid: torch.Tensor, fork: StateFork,
     ) -> torch.Tensor:
         """The prefill with a checkpoint inside: the chunked rule runs through the fork (the tokens
         after it are padding to it); the fused steps then copy the state there to the fork's slots
@@ -269,11 +268,9 @@ class GatedDeltaNet(nn.Module):
         their projections and writing their outputs in place. One in_proj and out_proj over the
         whole chunk, so the weights are read once (a second forward for the tail read them all
         again: a decode step's time)."""
-        num_new = x.shape[1]
         qkv, z, b, a = self.in_proj(x)
         normed, state = self._rule(qkv, z, b, a, conv_pool, slots, state_pool[slots], fork.tokens)
         state_pool[slots] = state
-        valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, num_new)
         self._tail(qkv, z, b, a, conv_pool, state_pool, slots, valid, fork, normed)
         return self.out_proj(normed)
 
@@ -289,7 +286,7 @@ class GatedDeltaNet(nn.Module):
 
     def _forked_chunked(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
-        valid_tokens: torch.Tensor | None, fork: StateFork,
+        valid: torch.Tensor, fork: StateFork,
     ) -> torch.Tensor:
         """The prefill with a checkpoint anywhere inside: the chunked rule runs twice over the
         chunk, first with the tokens from the fork on as padding (its final state is the state at
@@ -300,7 +297,6 @@ class GatedDeltaNet(nn.Module):
         the rest, as in `_forked`."""
         num_new = x.shape[1]
         qkv, z, b, a = self.in_proj(x)
-        valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, num_new)
         end = fork.then.tokens if fork.then is not None else valid  # where the chunked rule stops
         conv_pool[fork.slots] = conv_state_after(conv_pool[slots], qkv, fork.tokens)
         q, k, v, g, beta = self._conv_gates(qkv, b, a, conv_pool, slots, end, state_pool.dtype)
