@@ -172,13 +172,11 @@ __device__ __forceinline__ void int4_pairs(std::uint32_t word, typename Mma<T>::
 }
 
 // One chunk on tensor cores. q: this lane's 16 bytes of rows g and g + 8; kx: their first k;
-// x_in: whether this lane's x row of each n8 tile exists (and kx is inside the row); live: whether
-// any row of the n8 tile exists (warp-uniform): a tile of padding slots (the rest of a grouped
-// block past its expert's slots) costs no x loads and no MMAs.
+// x_in: whether this lane's x row of each n8 tile exists (and kx is inside the row).
 template <typename T, bool kInt4, int kTiles>
 __device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (&q)[2],
                                           const std::uint16_t (&sc)[2], const T* (&xr)[kTiles],
-                                          const bool (&x_in)[kTiles], const bool (&live)[kTiles], int kx) {
+                                          const bool (&x_in)[kTiles], int kx) {
   using M = Mma<T>;
   const std::uint32_t w0[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
   const std::uint32_t w1[4] = {q[1].x, q[1].y, q[1].z, q[1].w};
@@ -191,7 +189,6 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (
       int4_pairs<T>(w1[j], s1, a1);
 #pragma unroll
       for (int tile = 0; tile < kTiles; ++tile) {
-        if (!live[tile]) continue;  // warp-uniform
         const uint4 xv = load16<false>(xr[tile] + kx + 8 * j, x_in[tile]);
         // A pairs hold k (i, i + 4) of the word, so B pairs x the same way.
         M::mma(acc[tile], a0[0], a1[0], a0[1], a1[1], __byte_perm(xv.x, xv.z, 0x5410u),
@@ -206,7 +203,7 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (
       uint4 xv[kTiles];
 #pragma unroll
       for (int tile = 0; tile < kTiles; ++tile) {
-        xv[tile] = live[tile] ? load16<false>(xr[tile] + kx + 8 * h, x_in[tile]) : make_uint4(0, 0, 0, 0);
+        xv[tile] = load16<false>(xr[tile] + kx + 8 * h, x_in[tile]);
       }
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
@@ -215,7 +212,6 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (
         M::int8_pairs(w1[2 * h + jj], a1);
 #pragma unroll
         for (int tile = 0; tile < kTiles; ++tile) {
-          if (!live[tile]) continue;  // warp-uniform
           M::mma(acc[tile], a0[0], a1[0], a0[1], a1[1], jj ? xv[tile].z : xv[tile].x,
                  jj ? xv[tile].w : xv[tile].y);
         }
@@ -355,9 +351,6 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
     }
     xr[tile_m] = x + static_cast<std::int64_t>(row) * k;
   }
-  bool tile_live[kTiles];  // any of the n8 tile's 8 x rows exists: the same in every lane
-#pragma unroll
-  for (int tile_m = 0; tile_m < kTiles; ++tile_m) tile_live[tile_m] = __any_sync(0xffffffffu, x_live[tile_m]);
 
   // One step = kUnroll chunks; the next step's weights are loaded before this step computes, so
   // every warp keeps loads in flight while its tensor cores / FMAs work.
@@ -405,7 +398,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
         bool x_in[kTiles];
 #pragma unroll
         for (int tile_m = 0; tile_m < kTiles; ++tile_m) x_in[tile_m] = x_live[tile_m] && in;
-        chunk_mma<T, kInt4, kTiles>(acc, cur[u], cur_sc[u], xr, x_in, tile_live, kx);
+        chunk_mma<T, kInt4, kTiles>(acc, cur[u], cur_sc[u], xr, x_in, kx);
       } else if (in) {
         chunk_fp32<kInt4, kTiles>(sum, cur[u], cur_sc[u], x, m, k, kx);
       }
