@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ninfer_core.models.base import StateFork
+from ninfer_core.ops import gdn as gdn_ops
 from test_speculative_rollback import gdn_layer_and_pools
 
 torch.set_num_threads(1)
@@ -92,3 +93,31 @@ def test_two_forks_in_one_chunk(padded):
         torch.testing.assert_close(got[row, :n], wants[row][0], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(conv, want_conv, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(state, want_state, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("second", [None, 37], ids=["one_fork", "then_tail"])
+def test_an_eager_row_with_host_positions_runs_each_side_alone(second, monkeypatch):
+    """One unpadded row whose fork positions are known on the host (`StateFork.host_tokens`, an
+    eager prompt chunk) runs the chunked rule over each side's own tokens, not the whole chunk
+    twice: the same outputs, pooled state and fork slots as the masked runs (which match the split)."""
+    layer, conv, state, gen = gdn_layer_and_pools(1)
+    conv, state = torch.cat([conv, conv, conv]), torch.cat([state, state, state])  # row 0, fork 1, then 2
+    x = torch.randn(1, 40, 24, generator=gen)
+    slots = torch.tensor([0])
+
+    def fork(host: bool) -> StateFork:
+        then = None if second is None else StateFork(torch.tensor([second]), torch.tensor([2]),
+                                                     host_tokens=second if host else None)
+        return StateFork(torch.tensor([11]), torch.tensor([1]), tail=False, then=then, host_tokens=11 if host else None)
+
+    lengths = []  # the tokens each run of the rule reads
+    rule = gdn_ops.gated_delta_rule_prefill
+    monkeypatch.setattr(gdn_ops, "gated_delta_rule_prefill", lambda q, *rest: lengths.append(q.shape[1]) or rule(q, *rest))
+    with torch.no_grad():
+        conv_masked, state_masked = conv.clone(), state.clone()
+        want = layer(x, conv_masked, state_masked, slots, None, fork(False))
+        got = layer(x, conv, state, slots, None, fork(True))
+    assert lengths == [40, 40, 11, (second or 40) - 11]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(conv, conv_masked, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(state, state_masked, atol=2e-5, rtol=2e-5)

@@ -615,9 +615,9 @@ class LLMEngine:
             return None
         n = len(chunk.forks)
         values = self._to_device(torch.tensor([p - chunk.start for p in chunk.forks] + chunk.fork_slots))
-        then = StateFork(values[1:2], values[3:4]) if n == 2 else None
+        then = StateFork(values[1:2], values[3:4], host_tokens=chunk.forks[1] - chunk.start) if n == 2 else None
         return StateFork(values[:1], values[n : n + 1], tail=n == 1 and chunk.end - chunk.forks[0] <= MAX_STEP_TOKENS,
-                         then=then)
+                         then=then, host_tokens=chunk.forks[0] - chunk.start)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":

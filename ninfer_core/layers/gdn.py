@@ -253,7 +253,10 @@ class GatedDeltaNet(nn.Module):
             return self.out_proj(out)[:, None]
         if fork is not None:
             valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, x.shape[1])
-            return (self._forked if fork.tail else self._forked_chunked)(x, conv_pool, state_pool, slots, valid, fork)
+            if fork.tail:
+                return self._forked(x, conv_pool, state_pool, slots, valid, fork)
+            sliced = x.shape[0] == 1 and valid_tokens is None and fork.host_tokens is not None
+            return self._forked_chunked(x, conv_pool, state_pool, slots, valid, fork, sliced)
         out, state = self._mix(x, conv_pool, slots, state_pool[slots], valid_tokens)
         state_pool[slots] = state
         return out
@@ -286,7 +289,7 @@ class GatedDeltaNet(nn.Module):
 
     def _forked_chunked(
         self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
-        valid: torch.Tensor, fork: StateFork,
+        valid: torch.Tensor, fork: StateFork, sliced: bool = False,
     ) -> torch.Tensor:
         """The prefill with a checkpoint anywhere inside: the chunked rule runs twice over the
         chunk, first with the tokens from the fork on as padding (its final state is the state at
@@ -294,21 +297,32 @@ class GatedDeltaNet(nn.Module):
         as padding; each token's output comes from the run it was real in. The conv runs once (it
         does not depend on where the state is kept); the fork slot's conv state is gathered. With a
         second fork (`fork.then`, near the end) the second run stops there and the fused steps run
-        the rest, as in `_forked`."""
+        the rest, as in `_forked`. sliced: each run reads its side's tokens only (an eager forward of
+        one unpadded row): at 8K tokens the masked second run costs as much as a second forward."""
         num_new = x.shape[1]
         qkv, z, b, a = self.in_proj(x)
         end = fork.then.tokens if fork.then is not None else valid  # where the chunked rule stops
         conv_pool[fork.slots] = conv_state_after(conv_pool[slots], qkv, fork.tokens)
         q, k, v, g, beta = self._conv_gates(qkv, b, a, conv_pool, slots, end, state_pool.dtype)
-        position = torch.arange(num_new, device=x.device)[None, :]
-        before = position < fork.tokens[:, None]  # [B, T]
-        after = ~before & (position < end[:, None])
         rule = gdn_ops.gated_delta_rule_prefill
-        out_before, state = rule(q, k, v, g * before[..., None], beta * before[..., None], state_pool[slots])
-        state_pool[fork.slots] = state
-        out_after, state = rule(q, k, v, g * after[..., None], beta * after[..., None], state)
+        if sliced:  # one unpadded row, positions on the host: each run over its side's tokens only
+            cut, stop = fork.host_tokens, fork.then.host_tokens if fork.then is not None else num_new
+            assert cut is not None and stop is not None
+            out_before, state = rule(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], state_pool[slots])
+            state_pool[fork.slots] = state
+            out_after, state = rule(q[:, cut:stop], k[:, cut:stop], v[:, cut:stop], g[:, cut:stop],
+                                    beta[:, cut:stop], state)
+            out = torch.cat([out_before, out_after, out_after.new_zeros(1, num_new - stop, *out_after.shape[2:])], 1)
+        else:
+            position = torch.arange(num_new, device=x.device)[None, :]
+            before = position < fork.tokens[:, None]  # [B, T]
+            after = ~before & (position < end[:, None])
+            out_before, state = rule(q, k, v, g * before[..., None], beta * before[..., None], state_pool[slots])
+            state_pool[fork.slots] = state
+            out_after, state = rule(q, k, v, g * after[..., None], beta * after[..., None], state)
+            out = torch.where(before[..., None, None], out_before, out_after)
         state_pool[slots] = state
-        normed = self._normed(torch.where(before[..., None, None], out_before, out_after), z)
+        normed = self._normed(out, z)
         if fork.then is not None:
             self._tail(qkv, z, b, a, conv_pool, state_pool, slots, valid, fork.then, normed)
         return self.out_proj(normed)

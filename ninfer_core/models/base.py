@@ -34,6 +34,9 @@ class StateFork:
     # chunked forks only: a second fork within MAX_STEP_TOKENS of the row's end, the fused steps
     # after it (then.tokens == valid_tokens: none)
     then: StateFork | None = None
+    # tokens[0] on the host, for an eager forward of one unpadded row: the chunked fork then runs the
+    # rule over each side's own tokens (graphs replay with any values: None, masks)
+    host_tokens: int | None = None
 
 
 @dataclass
