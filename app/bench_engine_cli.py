@@ -54,7 +54,8 @@ def bench_engine(
           f"graphs {'on' if report.cuda_graphs else 'off'}, overlap {'on' if report.overlap else 'off'}")
     for t in report.ttft:
         chat = "" if t.chat_ms is None else f", chat-shaped {t.chat_ms:8.1f} ms (chunk ends: {t.chat_split_ms:8.1f} ms)"
-        print(f"TTFT {t.tokens:>6} tokens: first {t.first_ms:8.1f} ms, repeat {t.repeat_ms:8.1f} ms{chat}")
+        pieces = "" if t.pieces_ms is None else f", graph pieces {t.pieces_ms:8.1f} ms (one chunk: {t.one_chunk_ms:8.1f} ms)"
+        print(f"TTFT {t.tokens:>6} tokens: first {t.first_ms:8.1f} ms, repeat {t.repeat_ms:8.1f} ms{chat}{pieces}")
     for d in report.decode:
         print(f"decode batch {d.batch:>2}: TPOT {d.tpot_ms:.2f} ms ({d.tok_s:.0f} tok/s) vs GPU step "
               f"{d.step_ms:.2f} ms = {d.overhead:.2f}x")

@@ -6,6 +6,8 @@ Through the same loop the server runs (scheduler, sampling, detokenization, stop
   prefix cache also of chat-shaped prompts, which ask for checkpoints where their last message and
   their answer start (GDN state forks inside the chunk, `ForwardBatch.fork`), beside the same
   prompts with the scheduler ending a chunk at each checkpoint instead (what the forks replace);
+  prompts longer than the largest prompt graph also read in graph-sized pieces and as one eager
+  chunk (the two sides of `Scheduler.pieces_up_to`);
 - decode through the loop at each batch size: time per output token per sequence (TPOT) and
   aggregate tok/s, next to the device time of one decode step of that batch (the forward by CUDA
   graph replay and the sampling kernel, timed with CUDA events; the wall clock on the CPU). Their
@@ -43,6 +45,9 @@ class TTFTRun:
     repeat_ms: float  # median of the later ones
     chat_ms: float | None = None  # median, chat-shaped checkpoints (prefix cache only)
     chat_split_ms: float | None = None  # the same, a chunk ending at each checkpoint
+    # prompts longer than a prompt graph holds: read in graph-sized pieces / as one eager chunk
+    pieces_ms: float | None = None
+    one_chunk_ms: float | None = None
 
 
 @dataclass
@@ -183,6 +188,18 @@ def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches:
     for run in report.ttft:
         progress(f"prompts of {run.tokens} tokens")
         run.repeat_ms = statistics.median(runner.ttft_ms(run.tokens) for _ in range(repeats))
+    scheduler = engine.scheduler
+    for run in report.ttft:
+        if scheduler.graph_piece and run.tokens > scheduler.graph_piece:
+            progress(f"prompts of {run.tokens} tokens, in graph pieces / one chunk")
+            default = scheduler.pieces_up_to
+            try:
+                scheduler.pieces_up_to = run.tokens
+                run.pieces_ms = statistics.median(runner.ttft_ms(run.tokens) for _ in range(repeats))
+                scheduler.pieces_up_to = 0
+                run.one_chunk_ms = statistics.median(runner.ttft_ms(run.tokens) for _ in range(repeats))
+            finally:
+                scheduler.pieces_up_to = default
     if engine.cache.prefix is not None:
         for run in report.ttft:
             progress(f"chat-shaped prompts of {run.tokens} tokens, forks / split")

@@ -101,6 +101,24 @@ def test_burst_starts_together(model_dir):
     assert forwards == [4] and len(outputs) == 4 and all(len(o.new_token_ids) == 1 for o in outputs)
 
 
+def test_prompts_past_the_graphs_are_read_in_graph_pieces(model_dir, reference):
+    """A prompt longer than the prompt graphs hold (graph_piece) but at most pieces_up_to tokens
+    is read in chunks of graph_piece tokens (graph replays, not an eager forward's host time); a
+    longer one in one chunk; the tokens are those of the solo runs."""
+    llm = make_llm(model_dir)
+    llm.engine.scheduler.graph_piece, llm.engine.scheduler.pieces_up_to = 16, 40
+    chunks = []
+    forward = llm.engine._forward
+    llm.engine._forward = lambda parts: chunks.extend(p.num_new_tokens for p in parts) or forward(parts)
+    expected = reference[1]
+    assert solo(llm, PROMPTS[2], greedy(12)) == expected[2]  # 41 tokens: past pieces_up_to
+    assert chunks[:1] == [41]
+    chunks.clear()
+    assert solo(llm, PROMPTS[3], greedy(12)) == expected[3]  # 33 tokens
+    assert chunks[:3] == [16, 16, 1]
+    assert llm.engine.cache.active_tokens == 0
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_preemption_recomputes_and_loses_nothing(model_dir, reference, overlap):
     """A KV cache too small for every answer at once: the newest sequence is preempted, read again
@@ -195,17 +213,21 @@ def test_engine_bench_runs_through_the_loop(model_dir):
     from ninfer_core.bench_engine import run_engine_bench
 
     llm = make_llm(model_dir, max_seqs=2, overlap=True)
+    llm.engine.scheduler.graph_piece, llm.engine.scheduler.pieces_up_to = 32, 0  # as if graphs held 32 tokens
     forwards = []
     forward = llm.engine._forward
     llm.engine._forward = lambda parts: forwards.extend(p.num_new_tokens for p in parts) or forward(parts)
     report = run_engine_bench(llm, lengths=(8, 40), batches=(1, 2), tokens=6, repeats=2)
     assert [t.tokens for t in report.ttft] == [8, 40]
     assert all(t.first_ms > 0 and t.repeat_ms > 0 for t in report.ttft)
+    # past the graph's 32 tokens the 40-token prompt is also read in pieces (32 + 8) and in one chunk
+    assert report.ttft[0].pieces_ms is None and report.ttft[1].pieces_ms and report.ttft[1].one_chunk_ms
+    assert list(zip(forwards, forwards[1:])).count((32, 8)) == 2 and llm.engine.scheduler.pieces_up_to == 0
     # chat-shaped 40-token prompts (a checkpoint 27 tokens before the end): one forward of 40 with
     # the fork, two (13 + 27) with the chunk ending there; the 8-token prompt has no checkpoint
     chat, split = report.ttft[1].chat_ms, report.ttft[1].chat_split_ms
     assert chat is not None and chat > 0 and split is not None and split > 0
-    assert forwards.count(40) >= 2 + 2 + 1 and forwards.count(13) == 2 and forwards.count(27) == 2
+    assert forwards.count(40) >= 2 + 2 + 2 + 1 and forwards.count(13) == 2 and forwards.count(27) == 2
     assert [d.batch for d in report.decode] == [1, 2]
     assert all(d.tpot_ms > 0 and d.step_ms > 0 and d.overhead == pytest.approx(d.tpot_ms / d.step_ms)
                for d in report.decode)

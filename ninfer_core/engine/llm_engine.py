@@ -142,7 +142,8 @@ class LLMEngine:
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.sampler = Sampler()
         # a checkpoint inside a prompt chunk is a fork of the GDN state, not a chunk end (layers/gdn.py)
-        self.scheduler = Scheduler(cache, prefill_chunk, forks=cache.prefix is not None, fork_tail=MAX_STEP_TOKENS)
+        self.scheduler = Scheduler(cache, prefill_chunk, forks=cache.prefix is not None, fork_tail=MAX_STEP_TOKENS,
+                                   graph_piece=prefill_graphs.buckets[-1] if prefill_graphs and prefill_graphs.buckets else 0)
         self.eos_ids = frozenset(self.defaults.eos_token_ids or config.eos_token_ids or tokenizer.eos_token_ids)
         self._launched: LaunchedStep | None = None
         self._penalties: PenaltyTables | None = None  # allocated for the first request with penalties

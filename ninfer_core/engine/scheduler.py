@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from ..cache import CacheManager
 from .sequence import Sequence
 
+# prompts longer than a prompt graph holds, up to this many tokens, are read in graph-sized pieces
+PIECES_UP_TO = 6144
+
 
 @dataclass
 class PrefillChunk:
@@ -61,14 +64,20 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_batched_tokens: int, forks: bool = False, fork_tail: int = 0):
+    def __init__(self, cache: CacheManager, max_batched_tokens: int, forks: bool = False, fork_tail: int = 0,
+                 graph_piece: int = 0, pieces_up_to: int = PIECES_UP_TO):
         """forks: a chunk takes the first checkpoint inside it as a fork (ForwardBatch.fork), and a
         second one if that lies within `fork_tail` tokens of the chunk's end, and ends at the next
-        one; else every checkpoint ends a chunk."""
+        one; else every checkpoint ends a chunk. graph_piece: the longest prompt chunk a CUDA graph
+        reads; a prompt with more than that left, but at most `pieces_up_to`, is read in pieces
+        of that length: an eager forward's host time (~4,400 launches, ~150 ms on the 35B) is
+        more than a few graph replays' extra weight reads below ~6K tokens."""
         self.cache = cache
         self.max_batched_tokens = max_batched_tokens
         self.forks = forks
         self.fork_tail = fork_tail
+        self.graph_piece = graph_piece
+        self.pieces_up_to = pieces_up_to
         self.max_running = cache.max_seqs  # the service may cap it lower (--max-concurrency)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admitted, in admission order; each holds a slot
@@ -149,7 +158,9 @@ class Scheduler:
                 continue
             assert seq.cache is not None
             room = (len(seq.cache.pages) + self.cache.free_pages) * page
-            reach = min(seq.prefill_len, seq.num_cached + budget, room)
+            left = seq.prefill_len - seq.num_cached
+            piece = self.graph_piece if 0 < self.graph_piece < left <= self.pieces_up_to else left
+            reach = min(seq.num_cached + piece, seq.num_cached + budget, room)
             cuts = self._checkpoints_ahead(seq)
             forks = [cuts.pop(0)] if self.forks and cuts and cuts[0] < reach else []
             if forks and cuts and cuts[0] < reach and min([reach, *cuts[1:2]]) - cuts[0] <= self.fork_tail:
