@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from ..cache import CacheManager
 from .sequence import Sequence
 
-# prompts longer than a prompt graph holds, up to this many tokens, are read in graph-sized pieces
-PIECES_UP_TO = 6144
+# prompts longer than a prompt graph holds, up to this many tokens, are read in graph-sized pieces:
+# on the H200 (35B, 2,048-token graphs) 2,560 / 3,072 tokens took 114 / 132 ms in pieces, 165 / 144 ms
+# as one eager chunk; from 4,096 the eager chunk wins (137 vs 159 ms): its host time is hidden
+PIECES_UP_TO = 3072
 
 
 @dataclass
@@ -71,7 +73,7 @@ class Scheduler:
         one; else every checkpoint ends a chunk. graph_piece: the longest prompt chunk a CUDA graph
         reads; a prompt with more than that left, but at most `pieces_up_to`, is read in pieces
         of that length: an eager forward's host time (~4,400 launches, ~150 ms on the 35B) is
-        more than a few graph replays' extra weight reads below ~6K tokens."""
+        more than the pieces' extra weight reads there."""
         self.cache = cache
         self.max_batched_tokens = max_batched_tokens
         self.forks = forks
