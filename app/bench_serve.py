@@ -114,21 +114,24 @@ async def send(client: httpx.AsyncClient, request: BenchRequest, sampling: dict[
     import httpx
 
     path, body = request.body(sampling, seed)
+    # built (the body encoded) before the clock starts: the client's work, not the server's
+    http_request = client.build_request("POST", path, json=body)
     sample = Sample(request.id, ok=False)
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", path, json=body) as response:
+        response = await client.send(http_request, stream=True)
+        try:
             if response.status_code != 200:
                 sample.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return sample
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                now = time.perf_counter()  # the chunk's arrival, before the client parses it
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     sample.error = chunk["error"].get("message", "error event")
                     return sample
-                now = time.perf_counter()
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     if choice.get("text") or delta.get("content") or delta.get("reasoning_content") or \
@@ -145,6 +148,8 @@ async def send(client: httpx.AsyncClient, request: BenchRequest, sampling: dict[
                     sample.prompt_tokens, sample.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
                     sample.accepted = details.get("accepted_prediction_tokens") or 0
                     sample.rejected = details.get("rejected_prediction_tokens") or 0
+        finally:
+            await response.aclose()
     except httpx.HTTPError as e:
         sample.error = f"{type(e).__name__}: {e}"
         return sample

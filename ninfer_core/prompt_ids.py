@@ -46,6 +46,7 @@ class PromptIdCache:
             if not (tok.lstrip or tok.rstrip or tok.single_word or tok.normalized)
         )
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._sorted: list[str] = []  # the entries' texts in sorted order (see _longest_start)
         self._tokens = 0
         self._lock = threading.Lock()
         self.hits = 0  # prompts that reused a cached start
@@ -62,8 +63,9 @@ class PromptIdCache:
             entry, i = best
             prefix_ids, start = entry.ids[: entry.tokens[i]], entry.cuts[i]
         encoding = self.backend.encode(text[start:], add_special_tokens=False)
-        ids = prefix_ids + encoding.ids
-        cuts, tokens, ends = self._cuts(encoding, start, len(prefix_ids), best)
+        new_ids = encoding.ids
+        ids = prefix_ids + new_ids
+        cuts, tokens, ends = self._cuts(encoding, new_ids, start, len(prefix_ids), best)
         with self._lock:
             if best is not None:
                 self.hits += 1
@@ -72,9 +74,17 @@ class PromptIdCache:
         return list(ids)
 
     def _longest_start(self, text: str) -> tuple[_Entry, int] | None:
-        """The cached prompt and cut index that leave the least text to encode."""
+        """The cached prompt and cut index that leave the least text to encode.
+
+        Only the two cached texts next to `text` in sorted order are tried: one of them shares the
+        longest start with it, and a cut usable in any other entry (its token within the start that
+        entry shares) lies within that longer shared start too, where the same token splits the
+        text. A scan of every entry cost ~1.5 us per cached prompt on each request (3,000 cached
+        chats: 4.7 ms more per chat request, on the path to its first token)."""
+        at = bisect.bisect_left(self._sorted, text)
         best, best_cut = None, 0
-        for entry in self._entries.values():
+        for key in self._sorted[max(0, at - 1) : at + 1]:
+            entry = self._entries[key]
             i = _last_matching(entry, text)
             if i is not None and entry.cuts[i] > best_cut:
                 best, best_cut = (entry, i), entry.cuts[i]
@@ -82,28 +92,33 @@ class PromptIdCache:
             self._entries.move_to_end(best[0].text)
         return best
 
-    def _cuts(self, encoding: tokenizers.Encoding, start: int, first: int,
+    def _cuts(self, encoding: tokenizers.Encoding, new_ids: list[int], start: int, first: int,
               best: tuple[_Entry, int] | None) -> tuple[list[int], list[int], list[int]]:
         """The cuts of a new entry: the reused entry's up to the one used, then those of the
-        newly encoded text (its offsets shifted by `start`)."""
+        newly encoded text (`new_ids`, its offsets shifted by `start`). Only the splitting tokens'
+        offsets are read: all of them (`encoding.offsets`) cost more than the ids themselves."""
         cuts, tokens, ends = ([], [], []) if best is None else (
             best[0].cuts[: best[1]], best[0].tokens[: best[1]], best[0].ends[: best[1]])
-        for j, (token_id, (lo, hi)) in enumerate(zip(encoding.ids, encoding.offsets)):
-            if token_id in self._splitting and hi > lo:
-                cuts.append(start + lo)
+        for j in [j for j, token_id in enumerate(new_ids) if token_id in self._splitting]:
+            span = encoding.token_to_chars(j)
+            if span is not None and span[1] > span[0]:
+                cuts.append(start + span[0])
                 tokens.append(first + j)
-                ends.append(start + hi)
+                ends.append(start + span[1])
         return cuts, tokens, ends
 
     def _remember(self, entry: _Entry) -> None:
         old = self._entries.pop(entry.text, None)
         if old is not None:
             self._tokens -= len(old.ids)
+        else:
+            bisect.insort(self._sorted, entry.text)
         self._entries[entry.text] = entry
         self._tokens += len(entry.ids)
         while self._tokens > self.max_tokens and len(self._entries) > 1:
             _, evicted = self._entries.popitem(last=False)
             self._tokens -= len(evicted.ids)
+            del self._sorted[bisect.bisect_left(self._sorted, evicted.text)]
 
 
 def _last_matching(entry: _Entry, text: str) -> int | None:

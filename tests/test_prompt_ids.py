@@ -81,6 +81,24 @@ def test_prompts_that_part_ways_inside_a_token_or_repeat(qwen_tokenizer: Tokeniz
         assert fresh.encode(text) == qwen_tokenizer.encode(text)
 
 
+def test_the_longest_cached_start_is_found_among_many(qwen_tokenizer: Tokenizer) -> None:
+    """Hundreds of cached chats whose system prompts differ only at their end (the lookup tries the
+    cached texts next to the prompt in sorted order, not every entry): a later turn of any of them
+    reuses its own chat's history, up to the last shared <|im_start|>."""
+    spy = Spy(qwen_tokenizer.backend)
+    cache = PromptIdCache(spy, min_chars=0)
+    systems = [f"{SYSTEM} You are persona {i:03d}." for i in range(300)]
+    for i in (*range(1, 300, 2), *range(0, 300, 2)):  # not in sorted order
+        cache.encode(chatml([("system", systems[i]), ("user", "hello")]))
+    cache.encode(chatml([("system", SYSTEM)]))  # a shorter start, shared by all of them
+    hits = cache.hits
+    for k in (0, 1, 150, 299):
+        prompt = chatml([("system", systems[k]), ("user", "hello"), ("assistant", "Hi."), ("user", "And now?")])
+        assert cache.encode(prompt) == qwen_tokenizer.encode(prompt)
+        assert spy.lengths[-1] == len(prompt) - prompt.index("<|im_start|>assistant")
+    assert cache.hits == hits + 4
+
+
 def test_eviction_and_threads_keep_results_exact(qwen_tokenizer: Tokenizer) -> None:
     budget = len(qwen_tokenizer.encode(SYSTEM)) * 3
     cache = PromptIdCache(qwen_tokenizer.backend, max_tokens=budget, min_chars=0)

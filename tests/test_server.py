@@ -173,6 +173,21 @@ def test_completions_match_transformers(server, client, model):
     assert echoed.choices[0].text.startswith("Paris is")
 
 
+def test_completions_echo_a_prompt_of_token_ids_as_its_text(server, client):
+    """A prompt of ids comes back decoded with echo (whole and streamed, before the answer); without
+    echo the answer alone (the ids are then never decoded)."""
+    prompt = [5, 17, 42, 99, 3, 250, 7]
+    text = server.service.llm.tokenizer.decode(prompt, skip_special_tokens=True)
+    assert text
+    args = dict(model="m", prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**args).choices[0].text
+    echoed = client.completions.create(**args, echo=True).choices[0].text
+    assert echoed == text + plain
+    chunks = [c.choices[0].text for c in client.completions.create(**args, echo=True, stream=True) if c.choices]
+    assert chunks[0] == text and "".join(chunks) == echoed
+    assert "".join(c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices) == plain
+
+
 def test_chat_matches_transformers_and_stream_matches_whole(server, client, model):
     llm = server.service.llm
     prompt_ids = llm.prepare_chat(ChatRequest(messages=HI)).prompt_token_ids

@@ -3,6 +3,7 @@ and batching agree with what was asked and with the engine's own counters."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -10,7 +11,7 @@ import httpx
 import typer
 from typer.testing import CliRunner
 
-from ninfer_app.bench_serve import register
+from ninfer_app.bench_serve import BenchRequest, register, send
 from ninfer_core.server.app import ServerHandle
 from server_harness import load_tiny_llm, write_model
 
@@ -88,3 +89,27 @@ def _metric(url: str, name: str) -> float:
     match = re.search(rf"^{name} (\S+)$", httpx.get(url + "/metrics").text, re.M)
     assert match is not None, name
     return float(match.group(1))
+
+
+def test_bench_send_reports_a_refusal_and_frees_its_connection(tmp_path_factory):
+    """`send` builds its request before the clock and closes each response: after a refused request
+    (a 400, reported with its status) the next one gets the client's only connection and is timed."""
+    directory, _ = write_model(tmp_path_factory, "tiny_bench_send")
+    handle = ServerHandle.start(load_tiny_llm(directory), port=0)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=handle.url, timeout=httpx.Timeout(60, pool=10),
+                                     limits=httpx.Limits(max_connections=1)) as client:
+            refused = await send(client, BenchRequest(id="empty", max_tokens=2, prompt=[]), {"temperature": 0.0}, None)
+            served = await send(client, BenchRequest(id="ok", max_tokens=6, ignore_eos=True, prompt=list(range(10, 18))),
+                                {"temperature": 0.0}, None)
+            return refused, served
+
+    try:
+        refused, served = asyncio.run(run())
+    finally:
+        handle.stop()
+    assert not refused.ok and refused.error.startswith("HTTP 400") and "empty" in refused.error
+    assert served.ok, served.error
+    assert (served.prompt_tokens, served.completion_tokens, served.finish_reason) == (8, 6, "length")
+    assert served.e2e_s >= served.ttft_s > 0

@@ -28,9 +28,10 @@ router = APIRouter()
 
 
 def prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Tokenizer,
-               vocab_size: int) -> tuple[list[int], str]:
-    """The prompt's token ids and its text (for echo); one prompt per request. Ids are checked
-    against the vocabulary before anything (the tokenizer's decode included) reads them."""
+               vocab_size: int, *, echo: bool = False) -> tuple[list[int], str]:
+    """The prompt's token ids and, with `echo`, its text (else ""); one prompt per request. Ids are
+    checked against the vocabulary before anything (the tokenizer's decode included) reads them.
+    A prompt of ids is decoded only for echo (it is on the path to the first token: 512 ids, 0.05 ms)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise ApiError(400, f"one prompt per request is supported, got {len(prompt)}", param="prompt")
@@ -38,12 +39,12 @@ def prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], tokenizer:
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=True), prompt
+        return tokenizer.encode(prompt, add_special_tokens=True), prompt if echo else ""
     outside = next((t for t in prompt if t >= vocab_size), None)  # the schema already refused t < 0
     if outside is not None:
         raise ApiError(400, f"prompt token id {outside} is outside the vocabulary [0, {vocab_size})", param="prompt")
     ids = list(prompt)  # type: ignore[arg-type]
-    return ids, tokenizer.decode(ids, skip_special_tokens=True)
+    return ids, tokenizer.decode(ids, skip_special_tokens=True) if echo else ""
 
 
 def usage(prompt: int, completion: int, last: StepOutput | None) -> dict[str, Any]:
@@ -63,17 +64,16 @@ async def completions(request: Request) -> Response:
     if body.suffix:
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     sampling = sampling_params(body, body.max_tokens, body.stop, logprobs=body.logprobs)
-    prompt_text = ""
+    echo = ""  # the prompt's text, when the answer repeats it
 
     def submit(service: EngineService) -> TokenStream:
-        nonlocal prompt_text
+        nonlocal echo
         llm = service.llm
-        ids, prompt_text = prompt_ids(body.prompt, llm.tokenizer, llm.loaded.config.vocab_size)
+        ids, echo = prompt_ids(body.prompt, llm.tokenizer, llm.loaded.config.vocab_size, echo=body.echo)
         return service.submit(ids, sampling)
 
     started = await start(request, body.model, submit)
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": started.model}
-    echo = prompt_text if body.echo else ""
     tokenizer = started.lease.service.llm.tokenizer
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
