@@ -28,6 +28,7 @@ from typing import Protocol
 from ..errors import ContextLengthError, EngineError, NinferError, logged_internal_error
 from ..llm import LLM, ChatAssembler, ChatRequest, ChatStreamEvent, PreparedChat
 from ..models.multimodal import MultimodalPrompt
+from ..threads import release_openmp_workers
 from .grammar import Grammar
 from .llm_engine import EngineStats
 from .request import GenerationRequest, StepOutput
@@ -226,6 +227,8 @@ class EngineService:
         """Start the engine thread; returns once it has run a throw-away request (`warm_thread`)."""
         if self._thread is None:
             self._stop = False
+            if self.engine.device.type == "cpu":  # the engine thread alone runs torch's CPU ops from here
+                release_openmp_workers()
             warm = threading.Event()
             self._thread = threading.Thread(target=self._loop, args=(warm,), name="ninfer-engine", daemon=True)
             self._thread.start()
