@@ -41,7 +41,6 @@ def test_a_cpu_service_releases_the_starting_threads_pool(tmp_path_factory, monk
     """Starting a CPU engine's service frees the starting thread's pool (the thread that loaded the
     model), once, before the engine thread runs its first op; the service then answers."""
     from ninfer_core.engine import service as service_module
-    from ninfer_core.engine.request import GenerationRequest
     from ninfer_core.engine.sampling import SamplingParams
     from server_harness import load_tiny_llm, write_model
 
