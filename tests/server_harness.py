@@ -67,6 +67,7 @@ class ScriptedEngine:
 
     def __init__(self, llm: LLM, pieces: list[str]):
         self.cache = llm.engine.cache
+        self.device = llm.engine.device
         self.max_context = llm.engine.max_context
         self.pieces = pieces
         self.max_running = llm.engine.max_running
