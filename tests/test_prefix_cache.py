@@ -218,3 +218,30 @@ def test_the_next_turn_resumes_at_the_answer_start(model_dir):
     second = cached.chat_result(turn2)
     assert second.token_ids == plain.chat_result(turn2).token_ids
     assert second.timings.cached_tokens == answer_start
+
+
+def test_a_failed_forward_gives_its_fork_slots_back(model_dir):
+    """A step whose forward fails after its prompt chunk reserved a checkpoint slot for a fork (the
+    long prompt's last-but-one token) hands the slot back: the free checkpoint slots are as before,
+    and the engine serves the prompt afterwards with the usual fork."""
+    llm = make_llm(model_dir)
+    engine, prefix = llm.engine, llm.engine.cache.prefix
+    free = len(prefix.free_slots)
+    long = [40 + i % 300 for i in range(300)]
+    engine.add_request(GenerationRequest(long, greedy(2)))
+    forward, reserved = engine._forward, []
+
+    def failing(parts):
+        reserved.extend(len(p.fork.tokens) for p in parts if p.fork is not None)
+        raise RuntimeError("a kernel failed")
+
+    engine._forward = failing
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        engine.step()
+    assert reserved == [1] and len(prefix.free_slots) == free
+    engine._forward = forward
+    for request_id in [s.request_id for s in engine.scheduler.running]:
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert answer(llm, long)[0] == answer(make_llm(model_dir, cache=False), long)[0]

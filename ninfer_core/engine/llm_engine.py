@@ -349,8 +349,7 @@ class LLMEngine:
         parts: list[ForwardBatch] = []
         if plan.decodes:
             parts.append(self._decode_batch(plan.decodes, self._launched))
-        parts += [self._prefill_batch(c) for c in plan.prefills]
-        outs = self._forward(parts)
+        parts, outs = self._forward_with_chunks(parts, plan.prefills)
         rows = list(plan.decodes)
         logits = [outs[0].logits[:, -1]] if plan.decodes else []
         for chunk, out in zip(plan.prefills, outs[len(outs) - len(plan.prefills):]):
@@ -462,8 +461,7 @@ class LLMEngine:
                    for s, d in zip(seqs, drafts)]
             parts.append(self._rows_batch(seqs, ids, "all" if verify else "last", verify=verify,
                                           capture_layers=capture if verify else ()))
-        parts += [self._prefill_batch(c) for c in plan.prefills]
-        outs = self._forward(parts)
+        parts, outs = self._forward_with_chunks(parts, plan.prefills)
         self._count(plan)
         outputs: list[StepOutput] = []
         if seqs:
@@ -601,6 +599,22 @@ class LLMEngine:
                 batch.inputs_embeds = mm.chunk_embeddings(self.model.embed_tokens, batch.input_ids, chunk.start)
                 batch.mrope_positions = mm.chunk_positions(chunk.start, chunk.end, self.device)
         return batch
+
+    def _forward_with_chunks(self, parts: list[ForwardBatch], chunks: list[PrefillChunk]
+                             ) -> tuple[list[ForwardBatch], list[ForwardOutput]]:
+        """`parts` and the prompt chunks' batches, and their outputs of one forward. If building or
+        running them fails (a media encoder, a kernel), the checkpoint slots reserved for the chunks'
+        forks go back: no checkpoint will hold them."""
+        try:
+            parts = parts + [self._prefill_batch(c) for c in chunks]
+            return parts, self._forward(parts)
+        except BaseException:
+            for chunk in chunks:
+                for slot in chunk.fork_slots:
+                    assert self.cache.prefix is not None
+                    self.cache.prefix.return_slot(slot)
+                chunk.fork_slots.clear()
+            raise
 
     def _fork(self, chunk: PrefillChunk) -> StateFork | None:
         """The chunk's checkpoints as a state fork, each with a reserved checkpoint slot (those that
