@@ -185,31 +185,34 @@ def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches:
     for length in lengths:  # every first sight before any repeat: the first one after load
         progress(f"first prompt of {length} tokens")
         report.ttft.append(TTFTRun(length, runner.ttft_ms(length), 0.0))
+    scheduler = engine.scheduler
+
+    def median_ms(length: int, checkpoints: tuple[int, ...] = (), **setting: int | bool) -> float:
+        """The median TTFT of `repeats` prompts, with the scheduler's attributes in `setting` for
+        the runs (restored afterwards)."""
+        saved = {name: getattr(scheduler, name) for name in setting}
+        try:
+            for name, value in setting.items():
+                setattr(scheduler, name, value)
+            return statistics.median(runner.ttft_ms(length, checkpoints) for _ in range(repeats))
+        finally:
+            for name, value in saved.items():
+                setattr(scheduler, name, value)
+
     for run in report.ttft:
         progress(f"prompts of {run.tokens} tokens")
-        run.repeat_ms = statistics.median(runner.ttft_ms(run.tokens) for _ in range(repeats))
-    scheduler = engine.scheduler
+        run.repeat_ms = median_ms(run.tokens)
     for run in report.ttft:
         if scheduler.graph_piece and run.tokens > scheduler.graph_piece:
             progress(f"prompts of {run.tokens} tokens, in graph pieces / one chunk")
-            default = scheduler.pieces_up_to
-            try:
-                scheduler.pieces_up_to = run.tokens
-                run.pieces_ms = statistics.median(runner.ttft_ms(run.tokens) for _ in range(repeats))
-                scheduler.pieces_up_to = 0
-                run.one_chunk_ms = statistics.median(runner.ttft_ms(run.tokens) for _ in range(repeats))
-            finally:
-                scheduler.pieces_up_to = default
+            run.pieces_ms = median_ms(run.tokens, pieces_up_to=run.tokens)
+            run.one_chunk_ms = median_ms(run.tokens, pieces_up_to=0)
     if engine.cache.prefix is not None:
         for run in report.ttft:
             progress(f"chat-shaped prompts of {run.tokens} tokens, forks / split")
             marks = chat_checkpoints(run.tokens)
-            run.chat_ms = statistics.median(runner.ttft_ms(run.tokens, marks) for _ in range(repeats))
-            engine.scheduler.forks = False
-            try:
-                run.chat_split_ms = statistics.median(runner.ttft_ms(run.tokens, marks) for _ in range(repeats))
-            finally:
-                engine.scheduler.forks = True
+            run.chat_ms = median_ms(run.tokens, marks)
+            run.chat_split_ms = median_ms(run.tokens, marks, forks=False)
     for batch in batches:
         progress(f"decode through the loop, batch {batch}")
         tpot, tok_s = runner.loop_decode(batch, tokens)
