@@ -141,11 +141,15 @@ struct Mma<__nv_bfloat16> {
     return as_pair<Pair>(static_cast<std::uint32_t>(bf16_bits) * 0x10001u);
   }
 
-  // bf16 has too few mantissa bits for a byte under a magic exponent: go through exact fp32.
+  // bf16 stores 7 mantissa bits, too few for a byte under a magic exponent. A code q = l - 128 s
+  // (l: its low 7 bits, s: its sign bit) is (0x4300 | l) - (0x4300 | s << 7) = (128 + l) - (128
+  // or 256), exact: a byte permute, two ANDs and a subtraction a pair (through fp32: five).
   __device__ static void int8_pairs(std::uint32_t word, std::uint32_t (&p)[2]) {
-    const std::uint32_t biased = word ^ 0x80808080u;
-    p[0] = as_u32(__floats2bfloat162_rn(int8_at(biased, 0), int8_at(biased, 1)));
-    p[1] = as_u32(__floats2bfloat162_rn(int8_at(biased, 2), int8_at(biased, 3)));
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const std::uint32_t codes = __byte_perm(word, 0x43434343u, i ? 0x4342u : 0x4140u);  // 0x43 q 0x43 q
+      p[i] = as_u32(__hsub2(as_pair<Pair>(codes & 0x437F437Fu), as_pair<Pair>(codes & 0x43804380u)));
+    }
   }
 
   __device__ static void mma(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
