@@ -15,7 +15,7 @@ import torch
 
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import SamplingParams
-from ninfer_core.engine.scheduler import StepPlan
+from ninfer_core.engine.scheduler import Scheduler, StepPlan
 from ninfer_core.llm import LLM, EngineOptions, default_prefill_chunk
 from ninfer_core.models.decoder import DecoderModel
 from tiny_model_dir import write_tiny_model_dir
@@ -117,6 +117,22 @@ def test_prompts_past_the_graphs_are_read_in_graph_pieces(model_dir, reference):
     assert solo(llm, PROMPTS[3], greedy(12)) == expected[3]  # 33 tokens
     assert chunks[:3] == [16, 16, 1]
     assert llm.engine.cache.active_tokens == 0
+
+
+def test_graph_pieces_end_at_one_and_a_half_graphs(model_dir, reference):
+    """The pieces' reach scales with the graphs: 2,048-token graphs read prompts up to 3,072 tokens
+    in pieces (measured on the H200), 16-token ones (bf16 experts) only up to 24 tokens, so a long
+    prompt is not read in hundreds of 16-token steps."""
+    llm = make_llm(model_dir)
+    old = llm.engine.scheduler
+    assert Scheduler(old.cache, 8192, graph_piece=2048).pieces_up_to == 3072
+    llm.engine.scheduler = Scheduler(old.cache, old.max_batched_tokens, old.forks, old.fork_tail, graph_piece=16)
+    chunks = []
+    forward = llm.engine._forward
+    llm.engine._forward = lambda parts: chunks.extend(p.num_new_tokens for p in parts) or forward(parts)
+    assert solo(llm, PROMPTS[3], greedy(12)) == reference[1][3]  # 33 tokens: past 24, one chunk
+    assert chunks[:2] == [33, 1]
+
 
 
 @pytest.mark.parametrize("overlap", [False, True])

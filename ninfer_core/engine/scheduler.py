@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from ..cache import CacheManager
 from .sequence import Sequence
 
-# prompts longer than a prompt graph holds, up to this many tokens, are read in graph-sized pieces:
-# on the H200 (35B, 2,048-token graphs) 2,560 / 3,072 tokens took 114 / 132 ms in pieces, 165 / 144 ms
-# as one eager chunk; from 4,096 the eager chunk wins (137 vs 159 ms): its host time is hidden
-PIECES_UP_TO = 3072
+# prompts longer than a prompt graph holds, up to this many times its length, are read in
+# graph-sized pieces: on the H200 (35B, 2,048-token graphs) 2,560 / 3,072 tokens took 114 / 132 ms in
+# pieces, 165 / 144 ms as one eager chunk; from 4,096 the eager chunk wins (137 vs 159 ms): its host
+# time is hidden. A ratio, not a token count: bf16 experts' graphs stop at 16 tokens, and a 3,000-token
+# prompt in 16-token pieces would take 188 steps.
+PIECES_RATIO = 1.5
 
 
 @dataclass
@@ -67,19 +69,19 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cache: CacheManager, max_batched_tokens: int, forks: bool = False, fork_tail: int = 0,
-                 graph_piece: int = 0, pieces_up_to: int = PIECES_UP_TO):
+                 graph_piece: int = 0):
         """forks: a chunk takes the first checkpoint inside it as a fork (ForwardBatch.fork), and a
         second one if that lies within `fork_tail` tokens of the chunk's end, and ends at the next
         one; else every checkpoint ends a chunk. graph_piece: the longest prompt chunk a CUDA graph
-        reads; a prompt with more than that left, but at most `pieces_up_to`, is read in pieces
-        of that length: an eager forward's host time (~4,400 launches, ~150 ms on the 35B) is
-        more than the pieces' extra weight reads there."""
+        reads; a prompt with more than that left, but at most `pieces_up_to` (PIECES_RATIO times
+        that), is read in pieces of that length: an eager forward's host time (~4,400 launches,
+        ~150 ms on the 35B) is more than the pieces' extra weight reads there."""
         self.cache = cache
         self.max_batched_tokens = max_batched_tokens
         self.forks = forks
         self.fork_tail = fork_tail
         self.graph_piece = graph_piece
-        self.pieces_up_to = pieces_up_to
+        self.pieces_up_to = int(graph_piece * PIECES_RATIO)
         self.max_running = cache.max_seqs  # the service may cap it lower (--max-concurrency)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admitted, in admission order; each holds a slot
