@@ -12,17 +12,22 @@ void bind_quant(py::module_& module) {
       [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t qweight, std::uintptr_t scales,
          std::uintptr_t bias, std::int64_t m, std::int64_t n, std::int64_t k, int group_size,
          bool int4, DType dtype, int device, std::uintptr_t stream, bool gate_up,
-         std::uintptr_t gate, std::int64_t gate_stride, std::uintptr_t add) {
+         std::uintptr_t gate, std::int64_t gate_stride, std::uintptr_t add, std::uintptr_t residual,
+         std::uintptr_t norm_weight, std::uintptr_t residual_out, float eps, bool zero_centered) {
         quant_gemv({out, x, qweight, scales, bias, m, n, k, group_size, int4, dtype, device,
-                    stream, gate_up, gate, gate_stride, add});
+                    stream, gate_up, gate, gate_stride, add,
+                    {residual, norm_weight, residual_out, eps, zero_centered}});
       },
       py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias"),
       py::arg("m"), py::arg("n"), py::arg("k"), py::arg("group_size"), py::arg("int4"),
       py::arg("dtype"), py::arg("device"), py::arg("stream"), py::arg("gate_up") = false,
-      py::arg("gate") = 0, py::arg("gate_stride") = 0, py::arg("add") = 0,
+      py::arg("gate") = 0, py::arg("gate_stride") = 0, py::arg("add") = 0, py::arg("residual") = 0,
+      py::arg("norm_weight") = 0, py::arg("residual_out") = 0, py::arg("eps") = 0.0f,
+      py::arg("zero_centered") = false,
       "out[m, n] = x[m, k] @ W^T (+ bias) for int8 / int4 W, m <= 1024; bias=0 for none; "
-      "gate_up: SwiGLU of W = [gate; up]; gate / add: add + sigmoid(gate) * out. "
-      "See csrc/quant_gemv.h.");
+      "gate_up: SwiGLU of W = [gate; up]; gate / add: add + sigmoid(gate) * out; residual: "
+      "x + residual into residual_out and its RMSNorm (norm_weight, eps, zero_centered) as the "
+      "GEMV's input. See csrc/quant_gemv.h.");
   module.def(
       "moe_grouped_gemv",
       [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t qweight, std::uintptr_t scales,

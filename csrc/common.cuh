@@ -126,6 +126,12 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
 // Sum over the threads of one row group (threadIdx.x); every thread gets the total. A group is
 // either one warp (blockDim.x == 32, several groups per block) or the whole block (blockDim.y ==
 // 1, blockDim.x a multiple of 32).
@@ -139,6 +145,27 @@ __device__ __forceinline__ float group_sum(float v) {
   __syncthreads();
   v = lane < static_cast<int>(blockDim.x >> 5) ? partial[lane] : 0.0f;
   return warp_sum(v);
+}
+
+// RMSNorm's sum of squares in rmsnorm_kernel's order, which the kernels that fold the norm in
+// repeat: a row of nvec vectors gets rms_row_threads(nvec) threads, thread i adding the squares of
+// vectors i, i + threads, ... in element order (add_squares); the threads of each warp add up with
+// warp_sum, then the warp totals (zero-padded to 32) with another; rms_rstd makes 1 / rms of it.
+constexpr int kRmsMaxThreads = 1024;
+__host__ __device__ constexpr int rms_row_threads(int nvec) {
+  return nvec > kRmsMaxThreads ? kRmsMaxThreads : (nvec + 31) / 32 * 32;
+}
+template <typename T, int V>
+__device__ __forceinline__ float add_squares(float sumsq, const Vec<T, V>& a) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const float f = to_float(a.v[j]);
+    sumsq += f * f;
+  }
+  return sumsq;
+}
+__device__ __forceinline__ float rms_rstd(float sumsq, int hidden, float eps) {
+  return rsqrtf(sumsq / static_cast<float>(hidden) + eps);
 }
 
 }  // namespace ninfer

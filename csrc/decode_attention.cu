@@ -12,6 +12,8 @@
 // length at run time; the grid is sized by the block table width, so blocks past the end exit
 // and one CUDA graph serves a growing context. Partial (max, sum, O) go to a workspace the
 // caller allocates; a second kernel combines them (sequences of one split write directly).
+// Whichever kernel writes the output applies the layer's output gate there when given one (a
+// sigmoid_mul launch fewer per attention layer).
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -20,6 +22,7 @@
 
 #include "common.cuh"
 #include "decode_attention.h"
+#include "kv_cache.cuh"
 #include "launch.cuh"
 
 namespace ninfer {
@@ -41,6 +44,10 @@ int rows_per_block_cap(int head_dim) { return std::min(kMaxRowsPerBlock, kRowEle
 struct Params {
   void* out;
   const void* q;
+  const void* gate;  // nullptr: no output gate
+  std::int64_t gate_stride_b;
+  std::int64_t gate_stride_t;
+  std::int64_t gate_stride_h;
   const unsigned char* k_cache;
   const unsigned char* v_cache;
   const float* k_scale;
@@ -83,6 +90,22 @@ __device__ __forceinline__ SplitPlan plan_splits(int kv_len, int max_splits) {
   const int want = by_length < max_splits ? by_length : max_splits;
   const int per = (tiles + want - 1) / want;
   return {(tiles + per - 1) / per, per};
+}
+
+// The gate vector of query token t, head `head` of sequence b; nullptr without an output gate.
+template <typename T>
+__device__ __forceinline__ const T* gate_row(const Params& p, int b, int t, int head) {
+  if (p.gate == nullptr) return nullptr;
+  return static_cast<const T*>(p.gate) + b * p.gate_stride_b + t * p.gate_stride_t + head * p.gate_stride_h;
+}
+
+// Output element d of a row from its normalized fp32 value o: o rounded to T, then, with a gate,
+// times sigmoid(gate[d]) by activation.cu's sigmoid_mul arithmetic (common.cuh sigmoid_times), so
+// the gated output is bit-equal to decode_attention followed by sigmoid_mul. Exact in T.
+template <typename T>
+__device__ __forceinline__ float output_value(float o, const T* gate, int d) {
+  const float a = round_to<T>(o);
+  return gate == nullptr ? a : sigmoid_times<T>(a, to_float(gate[d]));
 }
 
 template <typename T>
@@ -138,19 +161,6 @@ __device__ __forceinline__ void mma(float (&c)[4], const std::uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
-
-template <typename T, KVDType KV>
-struct CacheElem {
-  using type = T;
-};
-template <typename T>
-struct CacheElem<T, KVDType::FP8> {
-  using type = std::uint8_t;
-};
-template <typename T>
-struct CacheElem<T, KVDType::Int8> {
-  using type = std::int8_t;
-};
 
 // Two stored 8-bit values (low byte first) as floats.
 template <KVDType KV>
@@ -442,12 +452,17 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 2 : 1)
       if (plan.splits == 1) {
         const float l = sL[r];
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        const std::int64_t token = static_cast<std::int64_t>(b) * p.num_new + rg / p.group;
-        T* dst = static_cast<T*>(p.out) + (token * p.num_heads + kvh * p.group + rg % p.group) * D + d0 + tig * 2;
+        const int t = rg / p.group;
+        const int head = kvh * p.group + rg % p.group;
+        const std::int64_t token = static_cast<std::int64_t>(b) * p.num_new + t;
+        T* dst = static_cast<T*>(p.out) + (token * p.num_heads + head) * D + d0 + tig * 2;
+        const T* gate = gate_row<T>(p, b, t, head);
 #pragma unroll
         for (int nt = 0; nt < kNW; ++nt) {
+          const int d = d0 + tig * 2 + nt * 8;
           *reinterpret_cast<std::uint32_t*>(dst + nt * 8) =
-              pack2<T>(o[mt][nt][2 * half] * inv, o[mt][nt][2 * half + 1] * inv);
+              pack2<T>(output_value<T>(o[mt][nt][2 * half] * inv, gate, d),
+                       output_value<T>(o[mt][nt][2 * half + 1] * inv, gate, d + 1));
         }
       } else {
         float* dst = p.ws_o +
@@ -464,12 +479,6 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 2 : 1)
 
 constexpr int kReduceThreads = 256;
 constexpr int kReduceCols = 64;  // head dims per reduce block: 16 threads x 4, 16 split groups
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
 
 // Block-wide max / sum (blockDim.x == kReduceThreads); `red` is reusable once they return.
 __device__ __forceinline__ float block_max(float v, float* red) {
@@ -545,9 +554,14 @@ __global__ void __launch_bounds__(kReduceThreads)
     acc.z += part[i][col].z;
     acc.w += part[i][col].w;
   }
-  const std::int64_t token = static_cast<std::int64_t>(b) * p.num_new + rg / p.group;
-  T* dst = static_cast<T*>(p.out) + (token * p.num_heads + kvh * p.group + rg % p.group) * head_dim + d;
-  *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(acc.x * inv, acc.y * inv), pack2<T>(acc.z * inv, acc.w * inv));
+  const int t = rg / p.group;
+  const int head = kvh * p.group + rg % p.group;
+  const std::int64_t token = static_cast<std::int64_t>(b) * p.num_new + t;
+  T* dst = static_cast<T*>(p.out) + (token * p.num_heads + head) * head_dim + d;
+  const T* gate = gate_row<T>(p, b, t, head);
+  *reinterpret_cast<uint2*>(dst) =
+      make_uint2(pack2<T>(output_value<T>(acc.x * inv, gate, d), output_value<T>(acc.y * inv, gate, d + 1)),
+                 pack2<T>(output_value<T>(acc.z * inv, gate, d + 2), output_value<T>(acc.w * inv, gate, d + 3)));
 }
 
 template <typename T, KVDType KV, int D, int MT>
@@ -614,12 +628,11 @@ struct WriteParams {
 
 constexpr int kWriteWarps = 4;
 
-// One warp per (token, kv head): copy, or quantize with the vector's absmax (warp-reduced).
+// One warp per (token, kv head): k then v stored by store_kv_vector (kv_cache.cuh).
 template <typename T, KVDType KV, int D>
 __global__ void __launch_bounds__(32 * kWriteWarps) write_kv_kernel(const WriteParams w) {
   enter_kernel();
   constexpr int kEpl = D / 32;  // elements per lane
-  using C = typename CacheElem<T, KV>::type;
   const std::int64_t pair = static_cast<std::int64_t>(blockIdx.x) * kWriteWarps + threadIdx.y;
   if (pair >= w.pairs) return;
   const std::int64_t slot = w.slot_mapping[pair / w.kv_heads];
@@ -629,35 +642,8 @@ __global__ void __launch_bounds__(32 * kWriteWarps) write_kv_kernel(const WriteP
 #pragma unroll
   for (int which = 0; which < 2; ++which) {
     const T* src = static_cast<const T*>(which ? w.v : w.k) + pair * D + lane * kEpl;
-    const Vec<T, kEpl> x = *reinterpret_cast<const Vec<T, kEpl>*>(src);
-    C* dst = reinterpret_cast<C*>(which ? w.v_cache : w.k_cache) + dst_row * D + lane * kEpl;
-    if constexpr (KV == KVDType::Native) {
-      *reinterpret_cast<Vec<T, kEpl>*>(dst) = x;
-    } else {
-      constexpr float kQMax = KV == KVDType::FP8 ? 448.0f : 127.0f;
-      float f[kEpl];
-      float amax = 0.0f;
-#pragma unroll
-      for (int e = 0; e < kEpl; ++e) {
-        f[e] = to_float(x.v[e]);
-        amax = fmaxf(amax, fabsf(f[e]));
-      }
-      amax = warp_max(amax);
-      float scale = amax * (1.0f / kQMax);  // = ops/attention.py quantize_kv, bit for bit
-      if (scale == 0.0f) scale = 1.0f;
-      Vec<C, kEpl> out;
-#pragma unroll
-      for (int e = 0; e < kEpl; ++e) {
-        const float y = f[e] / scale;
-        if constexpr (KV == KVDType::FP8) {
-          out.v[e] = __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
-        } else {
-          out.v[e] = static_cast<std::int8_t>(fminf(fmaxf(rintf(y), -127.0f), 127.0f));
-        }
-      }
-      *reinterpret_cast<Vec<C, kEpl>*>(dst) = out;
-      if (lane == 0) (which ? w.v_scale : w.k_scale)[dst_row] = scale;
-    }
+    const Vec<T, kEpl> x = *reinterpret_cast<const Vec<T, kEpl>*>(src);  // one aligned load
+    store_kv_vector<T, KV, kEpl>(x, which ? w.v_cache : w.k_cache, which ? w.v_scale : w.k_scale, dst_row, lane);
   }
 }
 
@@ -692,19 +678,13 @@ int log2_int(int v) {
   return s;
 }
 
-void check_quantized_scales(KVDType kv, std::uintptr_t k_scale, std::uintptr_t v_scale, const char* op) {
-  if (kv != KVDType::Native && (k_scale == 0 || v_scale == 0)) {
-    throw std::invalid_argument(std::string(op) + ": fp8 / int8 caches need k_scale and v_scale");
-  }
-}
-
 }  // namespace
 
 void write_kv(const WriteKVArgs& a) {
   if (a.tokens < 0 || a.kv_heads <= 0 || a.num_slots < 0 || a.tokens * a.kv_heads >= (1LL << 31) * kWriteWarps) {
     throw std::invalid_argument("write_kv: tokens / kv_heads / num_slots out of range");
   }
-  check_quantized_scales(a.kv_dtype, a.k_scale, a.v_scale, "write_kv");
+  check_kv_scales(a.kv_dtype, a.k_scale, a.v_scale, "write_kv");
   if (a.tokens == 0) return;
   const WriteParams w{reinterpret_cast<unsigned char*>(a.k_cache), reinterpret_cast<unsigned char*>(a.v_cache),
                       reinterpret_cast<float*>(a.k_scale),         reinterpret_cast<float*>(a.v_scale),
@@ -750,12 +730,19 @@ void decode_attention(const DecodeAttentionArgs& a) {
   if (a.max_splits < 1 || a.max_splits > kMaxSplits) {
     throw std::invalid_argument("decode_attention: max_splits out of range");
   }
-  check_quantized_scales(a.kv_dtype, a.k_scale, a.v_scale, "decode_attention");
+  check_kv_scales(a.kv_dtype, a.k_scale, a.v_scale, "decode_attention");
+  if (a.gate != 0 && (!is_aligned(a.gate, 2) || a.gate_stride_b < 0 || a.gate_stride_t < 0 || a.gate_stride_h < 0)) {
+    throw std::invalid_argument("decode_attention: the gate must be 2-byte aligned with non-negative strides");
+  }
   if (a.batch == 0) return;
 
   Params p{};
   p.out = reinterpret_cast<void*>(a.out);
   p.q = reinterpret_cast<const void*>(a.q);
+  p.gate = reinterpret_cast<const void*>(a.gate);
+  p.gate_stride_b = a.gate_stride_b;
+  p.gate_stride_t = a.gate_stride_t;
+  p.gate_stride_h = a.gate_stride_h;
   p.k_cache = reinterpret_cast<const unsigned char*>(a.k_cache);
   p.v_cache = reinterpret_cast<const unsigned char*>(a.v_cache);
   p.k_scale = reinterpret_cast<const float*>(a.k_scale);

@@ -43,9 +43,17 @@ void write_kv(const WriteKVArgs& args);
 // partial results to workspace_o [B, kv_heads, max_splits, T * H / kv_heads, D] and
 // workspace_ml [..., 2] (fp32), and a second kernel combines them. A sequence that fits one
 // split is written directly. T <= 16, D in {64, 128, 256}, page_size a power of two.
+// With a gate (the attention output gate, read in place: element d of (b, t, h) at gate +
+// b * gate_stride_b + t * gate_stride_t + h * gate_stride_h + d) the final write is
+// round(round(out) * round(sigmoid(gate))), activation.h's sigmoid_mul to the bit, in the same
+// launches; out must not overlap the gate.
 struct DecodeAttentionArgs {
   std::uintptr_t out;
   std::uintptr_t q;
+  std::uintptr_t gate;  // [B, T, H, D] of dtype, or 0: no output gate
+  std::int64_t gate_stride_b;
+  std::int64_t gate_stride_t;
+  std::int64_t gate_stride_h;
   std::uintptr_t k_cache;  // [num_pages, page_size, kv_heads, D]
   std::uintptr_t v_cache;
   std::uintptr_t k_scale;  // [num_pages, page_size, kv_heads] fp32; 0 for Native

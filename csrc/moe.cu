@@ -180,14 +180,6 @@ __device__ __forceinline__ float load_float(const void* p, int i, DType dtype) {
   }
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  }
-  return v;
-}
-
 // No shared expert in a decode step (the kernels' WS type); never loaded from.
 struct NoShared {
   static constexpr int kVec = 16;
@@ -498,8 +490,8 @@ struct RouterNorm {
 };
 
 // Token n's x vectors of this lane (c = lane + 32 k: all of the row, nvec <= 32 kRouterUnroll)
-// replaced by norm(x + residual). The sum of squares in rmsnorm_kernel's order: there thread
-// c = lane + 32 k (warp k) sums vector c, each warp adds its lanes, then one warp adds the warps.
+// replaced by norm(x + residual). The sum of squares in rmsnorm_kernel's order (rms_row_threads):
+// there thread c = lane + 32 k (warp k) sums vector c, each warp adds its lanes, then the warps.
 // Warp 0 of block 0 writes the rows out.
 template <typename T>
 __device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterUnroll], const uint4 (&nw)[kRouterUnroll],
@@ -520,17 +512,12 @@ __device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterUnroll], const uint
     if (32 * k >= nvec) break;
     TV& a = *reinterpret_cast<TV*>(&xv[k]);
     const TV& r = *reinterpret_cast<const TV*>(&rv[k]);
-    float sumsq = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      a.v[j] = add_rounded(a.v[j], r.v[j]);
-      const float f = to_float(a.v[j]);
-      sumsq += f * f;
-    }
-    const float total = warp_sum(sumsq);
+    for (int j = 0; j < kPer; ++j) a.v[j] = add_rounded(a.v[j], r.v[j]);
+    const float total = warp_sum(add_squares(0.0f, a));
     if (lane == k) warps_sum = total;
   }
-  const float rstd = rsqrtf(warp_sum(warps_sum) / static_cast<float>(hidden) + norm.eps);
+  const float rstd = rms_rstd(warp_sum(warps_sum), hidden, norm.eps);
 #pragma unroll
   for (int k = 0; k < kRouterUnroll; ++k) {
     if (32 * k >= nvec) break;

@@ -21,6 +21,12 @@
 // or end with a sigmoid gate and an added tensor (quant_gemv.h): the elementwise kernel that
 // would follow is folded into the epilogue, one launch fewer.
 //
+// A plain 16-bit GEMV of up to 16 rows may fold the residual add + RMSNorm before it in front
+// (a decoder layer's input norm and its mixer's first projection, quant_gemv.h): every block adds
+// x and the residual and norms the rows into shared memory, in rmsnorm_kernel's order (so bit-equal
+// to it), while its first weight loads are in flight; B is then read from there. Block 0 writes the
+// new residual.
+//
 // The same kernel is the grouped MoE GEMV (`moe_grouped_gemv`): block y takes one block of
 // slots that share an expert (moe_align's layout), offsets the weights to that expert, gathers
 // the slots' x rows as its B columns and scatters its outputs to the slots' rows. For gate_up a
@@ -65,6 +71,32 @@ __device__ __forceinline__ uint4 load16(const void* ptr, bool pred) {
   }
   return v;
 }
+
+// A lane's x row in the norm's shared-memory stage (add_norm_rows) rather than in global memory.
+template <typename T>
+struct StagedX {
+  const T* row;
+  __device__ StagedX operator+(int i) const { return {row + i}; }
+};
+
+// 16 staged bytes, zeros when !pred. Dead lanes point inside the stage too (row 0, k 0), so a
+// plain load and a select: nothing to predicate.
+template <bool kWeights, typename T>
+__device__ __forceinline__ uint4 load16(StagedX<T> at, bool pred) {
+  static_assert(!kWeights, "only x is staged");
+  const uint4 v = *reinterpret_cast<const uint4*>(at.row);
+  return pred ? v : make_uint4(0, 0, 0, 0);
+}
+
+// 16 bytes from global to shared memory without registers (cp.async, sm_80+): the issuing thread
+// sees them after cp_async_wait_all, the others after a barrier that follows it.
+__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<std::uint32_t>(__cvta_generic_to_shared(shared))),
+               "l"(global)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 __device__ __forceinline__ std::uint16_t load2(const void* ptr, bool pred) {
   std::uint16_t v = 0;
@@ -176,10 +208,11 @@ __device__ __forceinline__ void int4_pairs(std::uint32_t word, typename Mma<T>::
 }
 
 // One chunk on tensor cores. q: this lane's 16 bytes of rows g and g + 8; kx: their first k;
-// x_in: whether this lane's x row of each n8 tile exists (and kx is inside the row).
-template <typename T, bool kInt4, int kTiles>
+// xr: this lane's x row of each n8 tile (const T* or StagedX<T>); x_in: whether that row exists
+// (and kx is inside the row).
+template <typename T, bool kInt4, int kTiles, typename XRow>
 __device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (&q)[2],
-                                          const std::uint16_t (&sc)[2], const T* (&xr)[kTiles],
+                                          const std::uint16_t (&sc)[2], const XRow (&xr)[kTiles],
                                           const bool (&x_in)[kTiles], int kx) {
   using M = Mma<T>;
   const std::uint32_t w0[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
@@ -288,16 +321,126 @@ struct Epilogue {
   const void* add;    // [m, n]
 };
 
+// The add + RMSNorm in front of a plain GEMV (quant_gemv.h GemvAddNormArgs): all null without it.
+struct AddNorm {
+  const void* residual;  // [m, k]
+  const void* weight;    // [k]
+  void* residual_out;    // [m, k]
+  float eps;
+  bool zero_centered;
+};
+
+// The norm's stage in dynamic shared memory: the m rows, then the norm's weight, each k + kStagePad
+// elements (the pad: the rows of a quarter warp's x loads start in different banks).
+constexpr int kStagePad = 8;
+
+template <typename T>
+__device__ __forceinline__ T* stage_rows() {
+  extern __shared__ uint4 stage[];
+  return reinterpret_cast<T*>(stage);
+}
+
+// Bytes of the stage for m rows of k 16-bit elements; at most kStageMaxBytes within the limits
+// (quant_gemv.h): 80.3 KB, which with a norm kernel's static shared memory (at most 18 KB) fits
+// the 99 KB a block may have on sm_86 / sm_89 / sm_120.
+constexpr std::size_t stage_bytes(std::int64_t m, std::int64_t k) {
+  return static_cast<std::size_t>((m + 1) * (k + kStagePad)) * 2;
+}
+constexpr std::size_t kStageMaxBytes =
+    kQuantGemvNormStageBytes + kQuantGemvNormMaxK * 2 + (kQuantGemvNormMaxRows + 1) * kStagePad * 2;
+
+// The norm's weight into the stage's last row: constant, so copied before the wait for x.
+template <typename T, int kBlockWarps>
+__device__ __forceinline__ void stage_norm_weight(T* stage, const AddNorm& norm, int m, int k) {
+  const T* weight = static_cast<const T*>(norm.weight);
+  T* row = stage + m * (k + kStagePad);
+  for (int i = 8 * threadIdx.x; i < k; i += 8 * kBlockWarps * 32) cp_async16(row + i, weight + i);
+}
+
+// The norm prologue: norm(x + residual) of the m rows into the stage, bit-equal to add_rmsnorm's
+// (csrc/rmsnorm.cu), and x + residual into residual_out by block 0. In rmsnorm_kernel thread c of a
+// row adds the squares of vector c (8 elements; k <= 8 * 1024: one vector a thread) and its warps
+// add up their lanes, then the warp totals: so here a warp takes such a 32-vector group whole (group
+// p: row p / groups, vectors 32 (p % groups) + lane), adds it up as that warp does, and the group
+// totals of a row add up as the warp totals do. Every block reads x and residual, none writes them.
+template <typename T, int kBlockWarps>
+__device__ void add_norm_rows(T* stage, const T* __restrict__ x, const AddNorm& norm, int m, int k) {
+  constexpr int kPer = 8;       // elements of a 16-byte vector
+  constexpr int kInFlight = 2;  // groups whose x loads a warp has in flight together (3: the
+                                // weights loaded before it spill a register for kTiles = 1)
+  using TV = Vec<T, kPer>;
+  __shared__ float group_totals[kQuantGemvNormMaxRows][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nvec = k / kPer, stride = k + kStagePad;
+  const int groups = rms_row_threads(nvec) / 32, all_groups = m * groups;  // groups: of a row
+  // The residual vectors of this lane's groups go to the stage first, all at once (no registers);
+  // the x vectors follow kInFlight groups at a time and are added there.
+  const auto* residual = static_cast<const T*>(norm.residual);
+  for (int p = warp; p < all_groups; p += kBlockWarps) {
+    const int row = p / groups, c = p % groups * 32 + lane;
+    if (c < nvec) cp_async16(stage + row * stride + c * kPer, residual + static_cast<std::int64_t>(row) * k + c * kPer);
+  }
+  auto* residual_out = static_cast<T*>(norm.residual_out);
+  for (int first = warp; first < all_groups; first += kBlockWarps * kInFlight) {
+    uint4 xv[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {  // group first + u kBlockWarps; lanes past a row load zeros
+      const int p = first + u * kBlockWarps, c = p % groups * 32 + lane;
+      const bool live = p < all_groups && c < nvec;
+      xv[u] = load16<false>(x + (live ? static_cast<std::int64_t>(p / groups) * k + c * kPer : 0), live);
+    }
+    cp_async_wait_all();  // this lane's residual vectors are in the stage
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int p = first + u * kBlockWarps, row = p / groups, c = p % groups * 32 + lane;
+      if (p >= all_groups) break;  // warp-uniform
+      const bool live = c < nvec;
+      uint4* staged = reinterpret_cast<uint4*>(stage + row * stride) + c;
+      const uint4 rv = live ? *staged : make_uint4(0, 0, 0, 0);
+      TV& a = *reinterpret_cast<TV*>(&xv[u]);
+      const TV& r = *reinterpret_cast<const TV*>(&rv);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) a.v[j] = add_rounded(a.v[j], r.v[j]);
+      if (live) {
+        *staged = xv[u];
+        if (blockIdx.x == 0) reinterpret_cast<uint4*>(residual_out + static_cast<std::int64_t>(row) * k)[c] = xv[u];
+      }
+      const float total = warp_sum(add_squares(0.0f, a));  // dead lanes add zeros, as idle threads do
+      if (lane == 0) group_totals[row][p % groups] = total;
+    }
+  }
+  cp_async_wait_all();  // the weight row too (also in warps without a group)
+  __syncthreads();
+  const uint4* weight = reinterpret_cast<const uint4*>(stage + m * stride);
+  for (int row = 0; row < m; ++row) {
+    const float rstd = rms_rstd(warp_sum(lane < groups ? group_totals[row][lane] : 0.0f), k, norm.eps);
+    uint4* staged = reinterpret_cast<uint4*>(stage + row * stride);
+    for (int c = threadIdx.x; c < nvec; c += kBlockWarps * 32) {
+      uint4 v = staged[c];
+      const uint4 wv = weight[c];
+      TV& a = *reinterpret_cast<TV*>(&v);
+      const TV& w = *reinterpret_cast<const TV*>(&wv);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) a.v[j] = norm_scale(a.v[j], rstd, w.v[j], norm.zero_centered);
+      staged[c] = v;
+    }
+  }
+  __syncthreads();
+}
+
 // kTiles: n8 tiles of x rows (1: m <= 8, 2: m <= 16, 4: grouped blocks of 32 slots).
 // kGrouped: one slot block of a grouped MoE GEMV per block y (else rows 8 kTiles y.. of x).
 // kBlockWarps: kWarps, or kWideWarps for a grid of about one block an SM (few row tiles): the
 // registers may then take what one block an SM leaves.
-template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps>
+// kNorm: x is the delta of a residual stream, normed with `norm` into the stage first (plain
+// 16-bit Dense GEMVs of up to 16 rows: one block row).
+template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, bool kNorm>
 __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMinBlocks<T, kTiles> : 1)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
-                      Epilogue epilogue, int m, int n, int k, int group_size, int split,
+                      Epilogue epilogue, AddNorm norm, int m, int n, int k, int group_size, int split,
                       Grouping grouping) {
+  static_assert(!kNorm || (!std::is_same_v<T, float> && kLayout == Layout::Dense && !kGrouped));
   constexpr bool kTensorCores = !std::is_same_v<T, float>;
   const T* bias = static_cast<const T*>(epilogue.bias);
   const T* gate = static_cast<const T*>(epilogue.gate);
@@ -339,8 +482,8 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   const std::int64_t base = live[0] ? rows[0] : 0;
   const std::uint8_t* wbase = qweight + base * row_bytes;
   const std::uint16_t* sbase = static_cast<const std::uint16_t*>(scales) + base * groups;
-  // This lane's row of x (its B column) in each n8 tile.
-  const T* xr[kTiles];
+  // This lane's row of x (its B column) in each n8 tile: in global memory, or normed in the stage.
+  std::conditional_t<kNorm, StagedX<T>, const T*> xr[kTiles];
   bool x_live[kTiles];
 #pragma unroll
   for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
@@ -353,7 +496,11 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
       x_live[tile_m] = row < m;
       row = x_live[tile_m] ? row : 0;
     }
-    xr[tile_m] = x + static_cast<std::int64_t>(row) * k;
+    if constexpr (kNorm) {
+      xr[tile_m] = {stage_rows<T>() + row * (k + kStagePad)};
+    } else {
+      xr[tile_m] = x + static_cast<std::int64_t>(row) * k;
+    }
   }
 
   // One step = kUnroll chunks; the next step's weights are loaded before this step computes, so
@@ -382,7 +529,9 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   load_step(part * kUnroll);
   // A plain GEMV's first weights are on their way before it waits for x (programmatic dependent
   // launch: the previous kernel may still be running; weights are never written).
+  if constexpr (kNorm) stage_norm_weight<T, kBlockWarps>(stage_rows<T>(), norm, m, k);
   if constexpr (!kGrouped) enter_kernel();
+  if constexpr (kNorm) add_norm_rows<T, kBlockWarps>(stage_rows<T>(), x, norm, m, k);
   for (int c = part * kUnroll; c < chunks; c += stride) {
     uint4 cur[kUnroll][2];
     std::uint16_t cur_sc[kUnroll][2];
@@ -489,33 +638,52 @@ std::int64_t row_tiles(std::int64_t n, Layout layout) {
   return (n + rows - 1) / rows;
 }
 
-template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps>
+// Lets kKernel (a norm kernel) take the largest stage, past the 48 KB of dynamic shared memory a
+// kernel gets unasked; once per device, so graph captures after a warm-up ask nothing.
+template <auto kKernel>
+void allow_largest_stage(int device) {
+  static std::array<std::atomic<bool>, 256> allowed{};  // sm_count has checked the device index
+  if (allowed.at(device).load(std::memory_order_relaxed)) return;
+  check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kStageMaxBytes)),
+             "cudaFuncSetAttribute");
+  allowed[device].store(true, std::memory_order_relaxed);
+}
+
+template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, bool kNorm>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
+  constexpr auto kernel = quant_gemv_kernel<T, kInt4, kTiles, kLayout, kGrouped, kBlockWarps, kNorm>;
   const int tiles_per_block = kBlockWarps / split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
   const Epilogue epilogue{reinterpret_cast<const void*>(a.bias), reinterpret_cast<const void*>(a.gate),
                           a.gate_stride, reinterpret_cast<const void*>(a.add)};
-  launch_kernel("quant_gemv kernel launch", quant_gemv_kernel<T, kInt4, kTiles, kLayout, kGrouped, kBlockWarps>,
-                grid, kBlockWarps * 32, 0, as_stream(a.stream), reinterpret_cast<T*>(a.out),
-                reinterpret_cast<const T*>(a.x), reinterpret_cast<const std::uint8_t*>(a.qweight),
-                reinterpret_cast<const void*>(a.scales), epilogue, static_cast<int>(a.m),
-                static_cast<int>(a.n), static_cast<int>(a.k), a.group_size, split, grouping);
+  const AddNorm norm{reinterpret_cast<const void*>(a.norm.residual), reinterpret_cast<const void*>(a.norm.weight),
+                     reinterpret_cast<void*>(a.norm.residual_out), a.norm.eps, a.norm.zero_centered};
+  std::size_t stage = 0;
+  if constexpr (kNorm) {
+    allow_largest_stage<kernel>(a.device);
+    stage = stage_bytes(a.m, a.k);
+  }
+  launch_kernel("quant_gemv kernel launch", kernel, grid, kBlockWarps * 32, stage, as_stream(a.stream),
+                reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
+                reinterpret_cast<const std::uint8_t*>(a.qweight), reinterpret_cast<const void*>(a.scales), epilogue,
+                norm, static_cast<int>(a.m), static_cast<int>(a.n), static_cast<int>(a.k), a.group_size, split,
+                grouping);
 }
 
 // split > kWarps: blocks of kWideWarps (plain 16-bit GEMVs only, choose_split).
-template <typename T, Layout kLayout, bool kGrouped>
+template <typename T, Layout kLayout, bool kGrouped, bool kNorm = false>
 void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks,
                   Grouping grouping = {}) {
   const auto pick = [&](auto int4, auto block_warps) {
     constexpr bool kInt4 = decltype(int4)::value;
     constexpr int kBlockWarps = decltype(block_warps)::value;
     switch (tiles) {
-      case 1: launch<T, kInt4, 1, kLayout, kGrouped, kBlockWarps>(a, split, slot_blocks, grouping); break;
-      case 2: launch<T, kInt4, 2, kLayout, kGrouped, kBlockWarps>(a, split, slot_blocks, grouping); break;
+      case 1: launch<T, kInt4, 1, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping); break;
+      case 2: launch<T, kInt4, 2, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping); break;
       default:
         if constexpr (kGrouped) {
-          launch<T, kInt4, 4, kLayout, kGrouped, kBlockWarps>(a, split, slot_blocks, grouping);
+          launch<T, kInt4, 4, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping);
         }
     }
   };
@@ -586,6 +754,35 @@ void check_args(const QuantGemvArgs& a, const std::string& op) {
   if (a.out == 0 || a.x == 0 || a.qweight == 0 || a.scales == 0) fail("null pointer");
 }
 
+bool overlap(std::uintptr_t a, std::size_t a_bytes, std::uintptr_t b, std::size_t b_bytes) {
+  return a < b + b_bytes && b < a + a_bytes;
+}
+
+// The norm's limits and buffers (quant_gemv.h): every block reads x and residual while block 0
+// writes residual_out and every block writes its part of out.
+void check_norm(const QuantGemvArgs& a) {
+  const auto fail = [](const std::string& why) { throw std::invalid_argument("quant_gemv: norm: " + why); };
+  const GemvAddNormArgs& norm = a.norm;
+  if (a.dtype != DType::F16 && a.dtype != DType::BF16) fail("activations must be fp16 or bf16");
+  if (a.gate_up || a.gate != 0 || a.add != 0) fail("takes no gate_up, gate or add");
+  if (a.m > kQuantGemvNormMaxRows || a.k > kQuantGemvNormMaxK || a.m * a.k * 2 > kQuantGemvNormStageBytes) {
+    fail("rows m=" + std::to_string(a.m) + " of k=" + std::to_string(a.k) + " past its limits (m <= " +
+         std::to_string(kQuantGemvNormMaxRows) + ", k <= " + std::to_string(kQuantGemvNormMaxK) + ", 2 m k <= " +
+         std::to_string(kQuantGemvNormStageBytes) + " bytes)");
+  }
+  if (norm.weight == 0 || norm.residual_out == 0 || !is_aligned(norm.residual, 16) ||
+      !is_aligned(norm.weight, 16) || !is_aligned(norm.residual_out, 16)) {
+    fail("residual, weight and residual_out must be 16-byte aligned device pointers");
+  }
+  if (!(norm.eps >= 0.0f)) fail("eps must be >= 0");
+  const auto rows = static_cast<std::size_t>(a.m * a.k * 2), outs = static_cast<std::size_t>(a.m * a.n * 2);
+  if (overlap(norm.residual_out, rows, a.x, rows) || overlap(norm.residual_out, rows, norm.residual, rows) ||
+      overlap(a.out, outs, a.x, rows) || overlap(a.out, outs, norm.residual, rows) ||
+      overlap(a.out, outs, norm.residual_out, rows)) {
+    fail("out and residual_out must overlap none of x, residual and each other");
+  }
+}
+
 }  // namespace
 
 void quant_gemv(const QuantGemvArgs& a) {
@@ -597,6 +794,7 @@ void quant_gemv(const QuantGemvArgs& a) {
     fail("gate needs gate_stride >= 1 and alignment to its elements");
   }
   if (!is_aligned(a.add, elem)) fail("add must be aligned to its elements");
+  if (a.norm.residual != 0) check_norm(a);
   DeviceGuard guard(a.device);
   const Layout layout = a.gate_up ? Layout::GateUp : Layout::Dense;
   const int tiles = a.m > 8 ? 2 : 1;
@@ -606,8 +804,10 @@ void quant_gemv(const QuantGemvArgs& a) {
     using T = decltype(type);
     if (a.gate_up) {
       launch_typed<T, Layout::GateUp, false>(a, split, tiles, row_blocks);
-    } else {
+    } else if (a.norm.residual == 0) {
       launch_typed<T, Layout::Dense, false>(a, split, tiles, row_blocks);
+    } else if constexpr (!std::is_same_v<T, float>) {  // check_norm: fp16 / bf16 only
+      launch_typed<T, Layout::Dense, false, true>(a, split, tiles, row_blocks);
     }
   });
 }

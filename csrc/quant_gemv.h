@@ -12,6 +12,12 @@ namespace ninfer {
 // from L2): decode batches, and short prompt chunks instead of a dequantized copy + GEMM.
 inline constexpr int kQuantGemvMaxRows = 1024;
 
+// The add + RMSNorm a plain GEMV may fold in front (GemvAddNormArgs): up to 16 rows (decode),
+// k <= 8192 (one vector of a row per rmsnorm thread), the rows at most 64 KiB (staged in shared memory).
+inline constexpr int kQuantGemvNormMaxRows = 16;
+inline constexpr int kQuantGemvNormMaxK = 8192;
+inline constexpr int kQuantGemvNormStageBytes = 64 * 1024;
+
 // Weight formats (ninfer_core/ops/quant.py):
 //   int8: qweight int8 [n, k], scales fp32 [n]; w = q * scale.
 //   int4: qweight uint8 [n, k / 2], element 2j in the low nibble of byte j and 2j + 1 in the
@@ -27,6 +33,22 @@ inline constexpr int kQuantGemvMaxRows = 1024;
 //            with v the plain output (the shared expert's down projection, its sigmoid gate and
 //            the routed experts' sum); add may be 0 alone or with gate.
 // Both give exactly the roundings of the separate kernels (csrc/activation.cu).
+//
+// The norm (residual != 0) folds the add + RMSNorm before the GEMV in front of it: x is then the
+// delta of the residual stream and out = norm(x + residual) @ W^T (+ bias), norm(s) = rmsnorm(s)
+// with its weight, zero-centred or not; residual_out = x + residual rounded to dtype. Both are
+// bit-equal to csrc/rmsnorm.cu's add_rmsnorm (its 16-byte path) then the plain GEMV. fp16 / bf16,
+// Dense layout (no gate_up, gate or add), within the kQuantGemvNorm limits; residual, weight ([k],
+// dtype) and residual_out 16-byte aligned; residual_out and out overlap none of x, residual and
+// each other.
+struct GemvAddNormArgs {
+  std::uintptr_t residual = 0;      // [m, k] in dtype; 0: no norm
+  std::uintptr_t weight = 0;        // [k] in dtype
+  std::uintptr_t residual_out = 0;  // [m, k] in dtype
+  float eps = 0.0f;
+  bool zero_centered = false;
+};
+
 struct QuantGemvArgs {
   std::uintptr_t out;      // [m, n] in dtype
   std::uintptr_t x;        // [m, k] in dtype, contiguous
@@ -45,6 +67,7 @@ struct QuantGemvArgs {
   std::uintptr_t gate = 0;       // [m] logits in dtype, gate_stride elements apart; 0 for none
   std::int64_t gate_stride = 0;
   std::uintptr_t add = 0;        // [m, n] in dtype, contiguous; 0 for none
+  GemvAddNormArgs norm = {};
 };
 
 void quant_gemv(const QuantGemvArgs& args);

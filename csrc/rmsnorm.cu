@@ -1,17 +1,14 @@
 // Fused (residual add +) RMSNorm: one pass to add and reduce, one to scale; fp32 math.
-#include <algorithm>
-
 #include "common.cuh"
 #include "launch.cuh"
 
 namespace ninfer {
 namespace {
 
-constexpr int kMaxThreads = 1024;
 constexpr int kRowsPerWarpBlock = 4;  // rows of <= 32 vectors: one warp each, 4 warps a block
 
-// The sum of squares: per thread over its vectors in order, then group_sum (the MoE router's
-// folded norm, csrc/moe.cu, repeats this order). Each thread owns the same vector indices in both passes, so out == x and
+// The sum of squares in the order of common.cuh's rms_row_threads (the MoE router and the quant
+// GEMV fold the norm in and repeat it). Each thread owns the same vector indices in both passes, so out == x and
 // residual_out == residual are safe (a thread only rereads what it wrote itself).
 template <typename T, typename W, int V, bool kResidual>
 __global__ void rmsnorm_kernel(T* out, T* residual_out, const T* x, const T* residual,
@@ -39,13 +36,9 @@ __global__ void rmsnorm_kernel(T* out, T* residual_out, const T* x, const T* res
       for (int j = 0; j < V; ++j) a.v[j] = add_rounded(a.v[j], r.v[j]);
       rov[i] = a;
     }
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float f = to_float(a.v[j]);
-      sumsq += f * f;
-    }
+    sumsq = add_squares(sumsq, a);
   }
-  const float rstd = rsqrtf(group_sum(sumsq) / static_cast<float>(hidden) + eps);
+  const float rstd = rms_rstd(group_sum(sumsq), hidden, eps);
 
   const TV* src = kResidual ? rov : xv;
   for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
@@ -68,7 +61,7 @@ void launch(const RmsNormArgs& a) {
     block = dim3(32, kRowsPerWarpBlock);
     grid = dim3(static_cast<unsigned>((a.rows + kRowsPerWarpBlock - 1) / kRowsPerWarpBlock));
   } else {
-    block = dim3(std::min(kMaxThreads, (nvec + 31) / 32 * 32));
+    block = dim3(rms_row_threads(nvec));
     grid = dim3(static_cast<unsigned>(a.rows));
   }
   auto* out = reinterpret_cast<T*>(a.out);

@@ -3,9 +3,14 @@
 // read from the partner lane by a shuffle. The attention layer's torch path is ~14 kernels a layer
 // for q and k (two norms, then per tensor: slices, a negation, two concatenations, two products
 // and a sum); this is two. The roundings are the torch expressions', op for op.
+// norm_rotary_write_kv is a decode step's attention prologue in one launch instead of three
+// (norm_rotary for q, for k, write_kv): q's and k's head vectors in one grid, each k warp then
+// storing its result and the token's v into the paged cache with write_kv's own device code.
 #include <string>
+#include <type_traits>
 
 #include "common.cuh"
+#include "kv_cache.cuh"
 #include "launch.cuh"
 #include "rope.h"
 
@@ -13,6 +18,46 @@ namespace ninfer {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
+
+// One head vector normed (weight != nullptr) and rotated. Lane `lane` holds elements lane * kPer
+// .. + kPer of it in v (values of T; the norm overwrites them) and gets the same elements of the
+// result in y. cs / sn: the token's cos / sin rows. Every lane of the warp calls it (the norm's
+// sum and the rotation partner are shuffles).
+template <typename T, int kPer>
+__device__ __forceinline__ void norm_rotary_vector(float (&v)[kPer], const T* weight, const T* cs, const T* sn,
+                                                   int rotary_dim, float eps, bool zero_centered, int lane,
+                                                   Vec<T, kPer>& y) {
+  constexpr int kDim = 32 * kPer;
+  if (weight != nullptr) {
+    float sumsq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) sumsq += v[j] * v[j];
+    const float rstd = rsqrtf(warp_sum(sumsq) / static_cast<float>(kDim) + eps);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const float w = to_float(weight[lane * kPer + j]);
+      const float n = v[j] * rstd;
+      v[j] = zero_centered ? to_float(from_float<T>(n * (w + 1.0f)))
+                           : to_float(from_float<T>(to_float(from_float<T>(n)) * w));
+    }
+  }
+
+  const int half_lanes = rotary_dim / 2 / kPer;  // lanes holding the first rotated half
+  const bool first = lane < half_lanes;
+  const bool rotated = lane < 2 * half_lanes;
+  const int partner = first ? lane + half_lanes : (rotated ? lane - half_lanes : lane);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const float other = __shfl_sync(0xffffffffu, v[j], partner);
+    if (rotated) {
+      const float c = to_float(from_float<T>(v[j] * to_float(cs[lane * kPer + j])));
+      const float s = to_float(from_float<T>((first ? -other : other) * to_float(sn[lane * kPer + j])));
+      y.v[j] = from_float<T>(c + s);
+    } else {
+      y.v[j] = from_float<T>(v[j]);
+    }
+  }
+}
 
 template <typename T, int kPer>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
@@ -34,72 +79,125 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   float v[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) v[j] = to_float(src[j]);
-
-  if (weight != nullptr) {
-    float sumsq = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) sumsq += v[j] * v[j];
-    const float rstd = rsqrtf(warp_sum(sumsq) / static_cast<float>(kDim) + eps);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const float w = to_float(weight[lane * kPer + j]);
-      const float n = v[j] * rstd;
-      v[j] = zero_centered ? to_float(from_float<T>(n * (w + 1.0f)))
-                           : to_float(from_float<T>(to_float(from_float<T>(n)) * w));
-    }
-  }
-
-  const int half_lanes = rotary_dim / 2 / kPer;  // lanes holding the first rotated half
-  const bool first = lane < half_lanes;
-  const bool rotated = lane < 2 * half_lanes;
-  const int partner = first ? lane + half_lanes : (rotated ? lane - half_lanes : lane);
-  const T* cs = cos + b * cs_stride_b + t * cs_stride_t + lane * kPer;
-  const T* sn = sin + b * cs_stride_b + t * cs_stride_t + lane * kPer;
+  const std::int64_t cs_row = b * cs_stride_b + t * cs_stride_t;
+  Vec<T, kPer> y;
+  norm_rotary_vector<T, kPer>(v, weight, cos + cs_row, sin + cs_row, rotary_dim, eps, zero_centered, lane, y);
   T* dst = out + vec * kDim + lane * kPer;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const float other = __shfl_sync(0xffffffffu, v[j], partner);
-    if (rotated) {
-      const float c = to_float(from_float<T>(v[j] * to_float(cs[j])));
-      const float s = to_float(from_float<T>((first ? -other : other) * to_float(sn[j])));
-      dst[j] = from_float<T>(c + s);
-    } else {
-      dst[j] = from_float<T>(v[j]);
-    }
+  for (int j = 0; j < kPer; ++j) dst[j] = y.v[j];
+}
+
+// Head h of token t of row b of a [B, T, H, D] operand, advanced to lane's elements.
+template <typename T, int kPer>
+__device__ __forceinline__ const T* head_lane(const HeadsIn& in, std::int64_t b, std::int64_t t, int h, int lane) {
+  return reinterpret_cast<const T*>(in.data) + b * in.stride_b + t * in.stride_t + h * in.stride_h + lane * kPer;
+}
+
+// One warp per head vector of a token's [q heads | k heads]; a k warp then appends its k and the
+// token's v of the same kv head to the cache, as write_kv_kernel does (decode_attention.cu).
+template <typename T, KVDType KV, int kPer>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    norm_rotary_kv_kernel(const NormRotaryKVArgs a, std::int64_t vectors) {
+  enter_kernel();
+  constexpr int kDim = 32 * kPer;
+  const std::int64_t vec = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.y;
+  if (vec >= vectors) return;  // a whole warp leaves together
+  const int lane = threadIdx.x;
+  const int all_heads = a.heads + a.kv_heads;
+  const int h = static_cast<int>(vec % all_heads);
+  const std::int64_t bt = vec / all_heads;  // b * T + t
+  const std::int64_t t = bt % a.tokens;
+  const std::int64_t b = bt / a.tokens;
+  const bool is_q = h < a.heads;
+  const int head = is_q ? h : h - a.heads;  // q head, or kv head
+  const T* src = is_q ? head_lane<T, kPer>(a.q, b, t, head, lane) : head_lane<T, kPer>(a.k, b, t, head, lane);
+  float v[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) v[j] = to_float(src[j]);
+  const std::int64_t cs_row = b * a.cs_stride_b + t * a.cs_stride_t;
+  Vec<T, kPer> y;
+  norm_rotary_vector<T, kPer>(v, reinterpret_cast<const T*>(is_q ? a.q_weight : a.k_weight),
+                              reinterpret_cast<const T*>(a.cos) + cs_row, reinterpret_cast<const T*>(a.sin) + cs_row,
+                              a.rotary_dim, a.eps, a.zero_centered, lane, y);
+  if (is_q) {
+    T* dst = reinterpret_cast<T*>(a.q_out) + (bt * a.heads + head) * kDim + lane * kPer;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) dst[j] = y.v[j];
+    return;
   }
+
+  const std::int64_t slot = reinterpret_cast<const std::int64_t*>(a.slot_mapping)[bt];
+  if (slot < 0 || slot >= a.num_slots) return;
+  const std::int64_t row = slot * a.kv_heads + head;
+  store_kv_vector<T, KV, kPer>(y, reinterpret_cast<unsigned char*>(a.k_cache), reinterpret_cast<float*>(a.k_scale),
+                               row, lane);
+  const T* value = head_lane<T, kPer>(a.v, b, t, head, lane);
+  Vec<T, kPer> x;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) x.v[j] = value[j];
+  store_kv_vector<T, KV, kPer>(x, reinterpret_cast<unsigned char*>(a.v_cache), reinterpret_cast<float*>(a.v_scale),
+                               row, lane);
+}
+
+// launch(std::integral_constant<int, D / 32>{}): the elements per lane of head_dim D.
+template <typename Launch>
+void by_head_dim(int head_dim, const char* op, Launch&& launch) {
+  switch (head_dim) {
+    case 64: launch(std::integral_constant<int, 2>{}); break;
+    case 128: launch(std::integral_constant<int, 4>{}); break;
+    case 256: launch(std::integral_constant<int, 8>{}); break;
+    default: throw std::invalid_argument(std::string(op) + ": head_dim must be 64, 128 or 256");
+  }
+}
+
+void check_rotary_dims(int head_dim, int rotary_dim, const char* op) {
+  const int per_lane = head_dim / 32;
+  if ((head_dim != 64 && head_dim != 128 && head_dim != 256) || rotary_dim < 2 || rotary_dim > head_dim ||
+      rotary_dim % 2 || (rotary_dim / 2) % per_lane) {
+    throw std::invalid_argument(std::string(op) + ": head_dim " + std::to_string(head_dim) + " / rotary_dim " +
+                                std::to_string(rotary_dim) + " not supported");
+  }
+}
+
+// Grid of one warp per head vector, kWarpsPerBlock a block.
+dim3 vector_grid(std::int64_t vectors) {
+  return dim3(static_cast<unsigned>((vectors + kWarpsPerBlock - 1) / kWarpsPerBlock));
 }
 
 template <typename T, int kPer>
 void launch(const NormRotaryArgs& a) {
   const std::int64_t vectors = a.batch * a.tokens * a.heads;
   const dim3 block(32, kWarpsPerBlock);
-  const dim3 grid(static_cast<unsigned>((vectors + kWarpsPerBlock - 1) / kWarpsPerBlock));
-  launch_kernel("norm_rotary kernel launch", norm_rotary_kernel<T, kPer>, grid, block, 0, as_stream(a.stream),
-                reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.weight),
-                reinterpret_cast<const T*>(a.cos), reinterpret_cast<const T*>(a.sin), static_cast<int>(a.tokens),
-                static_cast<int>(a.heads), a.stride_b, a.stride_t, a.stride_h, a.cs_stride_b, a.cs_stride_t,
-                a.rotary_dim, a.eps, a.zero_centered, vectors);
+  launch_kernel("norm_rotary kernel launch", norm_rotary_kernel<T, kPer>, vector_grid(vectors), block, 0,
+                as_stream(a.stream), reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
+                reinterpret_cast<const T*>(a.weight), reinterpret_cast<const T*>(a.cos),
+                reinterpret_cast<const T*>(a.sin), static_cast<int>(a.tokens), static_cast<int>(a.heads), a.stride_b,
+                a.stride_t, a.stride_h, a.cs_stride_b, a.cs_stride_t, a.rotary_dim, a.eps, a.zero_centered, vectors);
 }
 
 template <typename T>
-void launch_dim(const NormRotaryArgs& a) {
-  switch (a.head_dim) {
-    case 64: launch<T, 2>(a); break;
-    case 128: launch<T, 4>(a); break;
-    case 256: launch<T, 8>(a); break;
-    default: throw std::invalid_argument("norm_rotary: head_dim must be 64, 128 or 256");
+void launch_kv(const NormRotaryKVArgs& a) {
+  const std::int64_t vectors = a.batch * a.tokens * (a.heads + a.kv_heads);
+  const dim3 block(32, kWarpsPerBlock);
+  const auto go = [&](auto kv) {
+    by_head_dim(a.head_dim, "norm_rotary_write_kv", [&](auto per) {
+      launch_kernel("norm_rotary_write_kv kernel launch",
+                    norm_rotary_kv_kernel<T, decltype(kv)::value, decltype(per)::value>, vector_grid(vectors), block,
+                    0, as_stream(a.stream), a, vectors);
+    });
+  };
+  switch (a.kv_dtype) {
+    case KVDType::Native: go(std::integral_constant<KVDType, KVDType::Native>{}); break;
+    case KVDType::FP8: go(std::integral_constant<KVDType, KVDType::FP8>{}); break;
+    case KVDType::Int8: go(std::integral_constant<KVDType, KVDType::Int8>{}); break;
+    default: throw std::invalid_argument("norm_rotary_write_kv: unknown kv dtype");
   }
 }
 
 }  // namespace
 
 void norm_rotary(const NormRotaryArgs& a) {
-  const int per_lane = a.head_dim / 32;
-  if ((a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256) || a.rotary_dim < 2 ||
-      a.rotary_dim > a.head_dim || a.rotary_dim % 2 || (a.rotary_dim / 2) % per_lane) {
-    throw std::invalid_argument("norm_rotary: head_dim " + std::to_string(a.head_dim) +
-                                " / rotary_dim " + std::to_string(a.rotary_dim) + " not supported");
-  }
+  check_rotary_dims(a.head_dim, a.rotary_dim, "norm_rotary");
   if (a.batch < 0 || a.tokens < 1 || a.heads < 1 || a.tokens > (1 << 30) || a.heads > (1 << 20) ||
       a.batch * a.tokens * a.heads / kWarpsPerBlock >= (1LL << 31)) {
     throw std::invalid_argument("norm_rotary: shape out of range");
@@ -109,7 +207,35 @@ void norm_rotary(const NormRotaryArgs& a) {
   }
   if (a.batch == 0) return;
   DeviceGuard guard(a.device);
-  by_dtype(a.dtype, "norm_rotary", [&](auto t) { launch_dim<decltype(t)>(a); });
+  by_dtype(a.dtype, "norm_rotary", [&](auto t) {
+    by_head_dim(a.head_dim, "norm_rotary", [&](auto per) { launch<decltype(t), decltype(per)::value>(a); });
+  });
+}
+
+void norm_rotary_write_kv(const NormRotaryKVArgs& a) {
+  check_rotary_dims(a.head_dim, a.rotary_dim, "norm_rotary_write_kv");
+  if (a.batch < 0 || a.tokens < 1 || a.heads < 1 || a.kv_heads < 1 || a.num_slots < 0 || a.tokens > (1 << 30) ||
+      a.heads + a.kv_heads > (1 << 20) || a.batch * a.tokens * (a.heads + a.kv_heads) / kWarpsPerBlock >= (1LL << 31)) {
+    throw std::invalid_argument("norm_rotary_write_kv: shape out of range");
+  }
+  if (a.q_out == 0 || a.q.data == 0 || a.k.data == 0 || a.v.data == 0 || a.cos == 0 || a.sin == 0 ||
+      a.k_cache == 0 || a.v_cache == 0 || a.slot_mapping == 0) {
+    throw std::invalid_argument("norm_rotary_write_kv: null pointer");
+  }
+  check_kv_scales(a.kv_dtype, a.k_scale, a.v_scale, "norm_rotary_write_kv");
+  // A lane stores D / 32 cache elements as one vector (kv_cache.cuh store_kv_vector).
+  const std::size_t lane_bytes = static_cast<std::size_t>(a.head_dim / 32) * (a.kv_dtype == KVDType::Native ? 2 : 1);
+  if (!is_aligned(a.k_cache, lane_bytes) || !is_aligned(a.v_cache, lane_bytes) || !is_aligned(a.k_scale, 4) ||
+      !is_aligned(a.v_scale, 4) || !is_aligned(a.slot_mapping, 8)) {
+    throw std::invalid_argument("norm_rotary_write_kv: misaligned cache, scales or slot_mapping");
+  }
+  if (a.batch == 0) return;
+  DeviceGuard guard(a.device);
+  switch (a.dtype) {
+    case DType::F16: launch_kv<__half>(a); break;
+    case DType::BF16: launch_kv<__nv_bfloat16>(a); break;
+    default: throw std::invalid_argument("norm_rotary_write_kv: dtype must be float16 or bfloat16");
+  }
 }
 
 }  // namespace ninfer

@@ -1,8 +1,10 @@
-// Host entry point of the fused head RMSNorm + rotary embedding (rope.cu). Plain C++ like ops.h.
+// Host entry points of the fused head RMSNorm + rotary embedding (rope.cu), alone and as the
+// attention layer's decode prologue with the KV append. Plain C++ like ops.h.
 #pragma once
 
 #include <cstdint>
 
+#include "decode_attention.h"
 #include "ops.h"
 
 namespace ninfer {
@@ -43,5 +45,54 @@ struct NormRotaryArgs {
 };
 
 void norm_rotary(const NormRotaryArgs& args);
+
+// A [B, T, H, D] operand read in place, last axis contiguous: head h of token t of row b starts
+// `b * stride_b + t * stride_t + h * stride_h` elements after `data`.
+struct HeadsIn {
+  std::uintptr_t data;
+  std::int64_t stride_b;
+  std::int64_t stride_t;
+  std::int64_t stride_h;
+};
+
+// The decode prologue of an attention layer in one launch, bit for bit the three it replaces:
+//   q_out = norm_rotary(q with q_weight): contiguous [B, T, heads, D];
+//   write_kv(norm_rotary(k with k_weight), v, slot_mapping): k, v [B, T, kv_heads, D] into cache
+//   rows slot_mapping[b * T + t] as WriteKVArgs (decode_attention.h) says, fp8 / int8 quantized
+//   per (token, kv head), slots outside [0, num_slots) skipped.
+// norm_rotary is NormRotaryArgs' above: the two norms (a weight of 0: none) share eps and
+// zero_centered, q and k the cos / sin tables. dtype F16 or BF16, weights included.
+struct NormRotaryKVArgs {
+  std::uintptr_t q_out;
+  HeadsIn q;
+  HeadsIn k;
+  HeadsIn v;
+  std::uintptr_t q_weight;  // [D] or 0
+  std::uintptr_t k_weight;  // [D] or 0
+  std::uintptr_t cos;
+  std::uintptr_t sin;
+  std::int64_t cs_stride_b;
+  std::int64_t cs_stride_t;
+  std::uintptr_t k_cache;  // [num_slots, kv_heads, D]: the pages [num_pages, page_size, ...] flat
+  std::uintptr_t v_cache;
+  std::uintptr_t k_scale;  // [num_slots, kv_heads] fp32; 0 for Native
+  std::uintptr_t v_scale;
+  std::uintptr_t slot_mapping;  // [B * T] int64
+  std::int64_t num_slots;
+  std::int64_t batch;
+  std::int64_t tokens;
+  int heads;
+  int kv_heads;
+  int head_dim;
+  int rotary_dim;
+  float eps;
+  bool zero_centered;
+  DType dtype;
+  KVDType kv_dtype;
+  int device;
+  std::uintptr_t stream;
+};
+
+void norm_rotary_write_kv(const NormRotaryKVArgs& args);
 
 }  // namespace ninfer

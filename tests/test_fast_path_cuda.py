@@ -294,3 +294,60 @@ def test_prefill_forks_match_the_split(model_dir, weights, length, checkpoints, 
     assert rel(got) < 3e-2 and rel(got) <= 1.25 * rel(split_logits) + 5e-3, (rel(got), rel(split_logits))
     again = first_logits(forked, prompt, cached=forks[-1])
     assert rel(again) < 3e-2
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_folded_input_norm_is_bit_equal(model_dir, weights, monkeypatch):
+    """A decode step (4 rows) and a verify round (2 rows x 4 tokens) of the quantized tiny model with
+    each mixer's input norm folded into its first GEMV (quant_linear_add_norm's kernel) give the
+    logits, the residual stream after every layer, the GDN states and records of the same steps with
+    add_rmsnorm + quant_linear, bit for bit; the fold ran in every layer after the first."""
+    from ninfer_core.ops import quant
+
+    llm = load(model_dir, weights=weights, cuda_graphs=False)
+    cache, model = llm.engine.cache, llm.engine.model
+    first_projections = [layer.linear_attn.in_proj if layer.is_linear else layer.self_attn.qkv_proj
+                         for layer in model.layers[1:]]
+    assert all(isinstance(p.linear, quant.QuantLinear) for p in first_projections)
+    seqs = [cache.allocate() for _ in PROMPTS]
+    state = cache.cache.state
+    with torch.inference_mode():
+        for seq, prompt in zip(seqs, PROMPTS):
+            cache.reserve(seq, len(prompt) + 4)
+            model.forward(_forward_batch(cache, [seq], torch.tensor([prompt], device="cuda"), [0], logits="none"),
+                          cache.cache)
+    saved = {i: (state.conv[i].clone(), state.recurrent[i].clone()) for i in state.layers}
+    starts = [len(p) for p in PROMPTS]
+    layers = tuple(range(len(model.layers)))
+    ids = torch.randint(0, 400, (4, 4), generator=torch.Generator().manual_seed(1)).cuda()
+    batches = [_forward_batch(cache, seqs, ids[:, :1], starts, logits="all", capture_layers=layers),
+               _forward_batch(cache, seqs[:2], ids[:2], starts[:2], logits="all", capture_layers=layers, verify=True)]
+    folds = []
+    gemv = quant._gemv
+
+    def counted(*args, norm=None, **kwargs):
+        folds.append(norm is not None)
+        gemv(*args, norm=norm, **kwargs)
+
+    monkeypatch.setattr(quant, "_gemv", counted)
+
+    def run(batch: ForwardBatch) -> list[torch.Tensor]:
+        for i, (conv, recurrent) in saved.items():
+            state.conv[i].copy_(conv)
+            state.recurrent[i].copy_(recurrent)
+        with torch.inference_mode():
+            out = model.forward(batch, cache.cache)
+        records = [t for i in sorted(out.gdn_records or {}) for t in vars(out.gdn_records[i]).values()]
+        states = [t for i in state.layers for t in (state.conv[i], state.recurrent[i])]
+        return [t.clone() for t in (out.logits, out.captured, *records, *states)]
+
+    for batch in batches:
+        folds.clear()
+        fused = run(batch)
+        assert sum(folds) == len(first_projections)
+        with monkeypatch.context() as unfolded:
+            unfolded.setattr(quant, "_norm_rows", lambda *args: None)  # add_rmsnorm + quant_linear
+            folds.clear()
+            composed = run(batch)
+            assert not any(folds)
+        assert len(fused) == len(composed) and all(torch.equal(a, b) for a, b in zip(fused, composed))

@@ -29,6 +29,7 @@ from ninfer_core.ops.quant import (
     quant_linear_ref,
     quantize,
 )
+from ninfer_core.ops.rmsnorm import add_rmsnorm
 from kernel_stub import record_kernel_calls
 
 torch.set_num_threads(2)
@@ -571,3 +572,172 @@ def test_dequant_kernel_equals_reference(kind, group, dtype):
         captured = dequantize(qw, dtype)
     graph.replay()
     assert torch.equal(captured, out)
+
+
+# ---------------------------------------------------------------- the add + RMSNorm folded in front
+
+
+def _norm_inputs(rows: int, k: int, zero_centered: bool, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    """x (a residual stream's delta), the residual (4x larger) and an RMSNorm weight around its identity."""
+    x = _randn(rows, k, seed=seed, spread=0.25, device=device, dtype=dtype)
+    residual = _randn(rows, k, seed=seed + 1, spread=0.25, device=device, dtype=dtype) * 4
+    g = torch.Generator().manual_seed(seed + 2)
+    weight = torch.randn(k, generator=g) * 0.2 + (0.0 if zero_centered else 1.0)
+    return x, residual, weight.to(dtype).to(device)
+
+
+def test_add_norm_call_passes_each_tensor_in_its_place(monkeypatch):
+    """quant_linear_add_norm's kernel call (recording stand-in): x, the residual, the norm's weight,
+    eps and centring, fresh outputs, the bias; leading dims kept."""
+    calls = record_kernel_calls(monkeypatch, "quant_gemv")
+    qw = quantize(_randn(32, 64, seed=1), "int8")
+    x, residual, weight = _norm_inputs(3, 64, True, torch.bfloat16)
+    bias = _randn(32, seed=2, dtype=torch.bfloat16)
+    y, summed = quant.quant_linear_add_norm(x[None], residual[None], weight, 1e-5, True, qw, bias)
+    assert y.shape == (1, 3, 32) and summed.shape == (1, 3, 64)
+    (kw,) = calls
+    assert (kw["out"], kw["x"], kw["residual"], kw["norm_weight"], kw["residual_out"], kw["bias"]) == tuple(
+        t.data_ptr() for t in (y, x, residual, weight, summed, bias))
+    assert (kw["m"], kw["n"], kw["k"], kw["eps"], kw["zero_centered"]) == (3, 32, 64, 1e-5, True)
+    assert not kw["gate_up"] and kw["gate"] == kw["add"] == 0
+    assert len({y.data_ptr(), summed.data_ptr(), x.data_ptr(), residual.data_ptr()}) == 4
+
+
+def test_add_norm_composes_where_the_fold_does_not_fit(monkeypatch):
+    """Rows, widths and dtypes past the fold's limits run add_rmsnorm + quant_linear (stand-ins);
+    16 rows of 2048 (64 KiB: the largest stage) still fold."""
+    calls = record_kernel_calls(monkeypatch, "quant_gemv", "rmsnorm")
+    monkeypatch.setattr(dispatch, "cpu_kernels_available", lambda: False)  # quant_linear: the stand-in too
+    x, residual, weight = _norm_inputs(17, 2048, False, torch.bfloat16)
+    misaligned = _randn(2 * 2048 + 1, seed=5, dtype=torch.bfloat16)[1:].view(2, 2048)
+    cases = {  # name: (x, residual, norm weight, folds)
+        "17 rows": (x, residual, weight, False),
+        "16 rows": (x[:16], residual[:16], weight, True),
+        "5 rows of 8192 (80 KiB)": (*_norm_inputs(5, 8192, False, torch.bfloat16), False),
+        "8208 wide": (*_norm_inputs(1, 8208, False, torch.bfloat16), False),
+        "fp32": (x[:2].float(), residual[:2].float(), weight.float(), False),
+        "fp32 norm weight": (x[:2], residual[:2], weight.float(), False),
+        "misaligned residual": (x[:2], misaligned, weight, False),
+    }
+    for name, (x_, residual_, weight_, folds) in cases.items():
+        calls.clear()
+        qw = quantize(_randn(32, x_.shape[-1], seed=x_.shape[-1]), "int8")
+        quant.quant_linear_add_norm(x_, residual_, weight_, 1e-6, False, qw)
+        folded = [kw for kw in calls if "qweight" in kw and kw["residual"]]
+        norms = [kw for kw in calls if "hidden" in kw]
+        assert (len(folded), len(norms)) == ((1, 0) if folds else (0, 1)), name
+
+
+def test_add_norm_on_the_cpu_is_the_composition():
+    """CPU tensors: add_rmsnorm + quant_linear, close to the float reference."""
+    qw = quantize(_randn(48, 256, seed=7), "int4", 64)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, residual, weight = _norm_inputs(3, 256, True, dtype, seed=8)
+        y, summed = quant.quant_linear_add_norm(x, residual, weight, 1e-6, True, qw)
+        normed, want_summed = add_rmsnorm(x, residual, weight, 1e-6, zero_centered=True)
+        assert torch.equal(y, quant_linear(normed, qw)) and torch.equal(summed, want_summed)
+        ref_y, ref_summed = quant.quant_linear_add_norm_ref(x, residual, weight, 1e-6, True, qw)
+        assert torch.equal(summed, ref_summed)
+        torch.testing.assert_close(y, ref_y, rtol=OUT_RTOL[dtype], atol=OUT_ATOL[dtype] * ref_y.abs().max().item())
+
+
+@functools.cache
+def _cuda_norm_weight(kind: str, n: int, k: int, group_size: int) -> QuantizedWeight:
+    return quantize(_randn(n, k, seed=n + k + 1, spread=0.5, device="cuda"), kind, group_size)
+
+
+def _poison_allocations(monkeypatch) -> None:
+    """torch.empty / empty_like hand out NaN: outputs the kernel leaves unwritten show."""
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: empty_like(*a, **kw).fill_(float("nan")))
+
+
+def _fold_check(monkeypatch, qw: QuantizedWeight, rows: int, k: int, zero_centered: bool, dtype: torch.dtype,
+                bias: torch.Tensor | None) -> None:
+    """quant_linear_add_norm against add_rmsnorm then quant_linear (both kernels): equal outputs and
+    new residual; the fold runs wherever its stage takes the rows."""
+    x, residual, weight = _norm_inputs(rows, k, zero_centered, dtype, device="cuda", seed=rows + k)
+    normed, want_summed = add_rmsnorm(x, residual, weight, 1e-6, zero_centered=zero_centered)
+    want = quant_linear(normed, qw, bias)
+    with monkeypatch.context() as fold:
+        if rows * k * 2 <= quant.NORM_STAGE_BYTES:
+            fold.setattr(quant, "add_rmsnorm", _must_not_run("add_rmsnorm"))
+        _poison_allocations(fold)
+        y, summed = quant.quant_linear_add_norm(x, residual, weight, 1e-6, zero_centered, qw, bias)
+    assert torch.equal(summed, want_summed), f"new residual differs at {rows} rows"
+    assert torch.equal(y, want), f"output differs at {rows} rows"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("k", [2048, 5120])
+@pytest.mark.parametrize("zero_centered", [True, False])
+@pytest.mark.parametrize("n", [256, 4608])  # K split 16 ways (int8 at 5120: blocks of 16 warps) / 8 ways or fewer
+def test_add_norm_fold_equals_add_rmsnorm_then_linear(cuda_kernels, monkeypatch, kind, group, dtype, k,
+                                                      zero_centered, n):
+    """Rows 1..16 (5120 wide: up to 6 fold, the rest compose): the normed GEMV and the new residual
+    are add_rmsnorm's + quant_linear's to the bit; odd row counts add a bias."""
+    qw = _cuda_norm_weight(kind, n, k, group)
+    bias = _cuda_x(n, seed=k + n, dtype=dtype)
+    for rows in range(1, quant.NORM_MAX_ROWS + 1):
+        _fold_check(monkeypatch, qw, rows, k, zero_centered, dtype, bias if rows % 2 else None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k, rows", [(64, [1, 5, 16]), (320, [1, 9, 16]), (8192, [1, 3, 4])])
+def test_add_norm_fold_at_other_widths(cuda_kernels, monkeypatch, k, rows):
+    """64 wide (rmsnorm's rows of one warp), 320 (a partial 32-vector group), 8192 (32 groups, one
+    vector each of rmsnorm's 1,024 threads)."""
+    qw = _cuda_norm_weight("int8", 1000, k, 0)
+    for r in rows:
+        for zero_centered in (True, False):
+            _fold_check(monkeypatch, qw, r, k, zero_centered, torch.bfloat16, None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 16])
+def test_add_norm_fold_replays_in_cuda_graph(cuda_kernels, rows):
+    """Captured (its stage past 48 KB at 16 rows), replayed on new inputs: still the composition."""
+    dtype, k = torch.bfloat16, 2048
+    qw = _cuda_norm_weight("int8", 4608, k, 0)
+    x, residual, weight = _norm_inputs(rows, k, True, dtype, device="cuda", seed=20)
+    quant.quant_linear_add_norm(x, residual, weight, 1e-6, True, qw)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, summed = quant.quant_linear_add_norm(x, residual, weight, 1e-6, True, qw)
+    for seed in (21, 22):
+        new_x, new_residual, _ = _norm_inputs(rows, k, True, dtype, device="cuda", seed=seed)
+        x.copy_(new_x)
+        residual.copy_(new_residual)
+        y.fill_(float("nan"))
+        graph.replay()
+        normed, want_summed = add_rmsnorm(x, residual, weight, 1e-6, zero_centered=True)
+        assert torch.equal(summed, want_summed) and torch.equal(y, quant_linear(normed, qw))
+
+
+@pytest.mark.cuda
+def test_add_norm_kernel_rejects_what_it_cannot_run(cuda_kernels):
+    qw = _cuda_norm_weight("int8", 256, 2048, 0)
+    x, residual, weight = _norm_inputs(17, 2048, True, torch.bfloat16, device="cuda")
+    out, summed = _poisoned(17, 256, torch.bfloat16), torch.empty_like(x)
+
+    def gemv(x_, residual_, weight_, summed_, out_=None):
+        rows = x_.shape[0]
+        quant._gemv(out[:rows] if out_ is None else out_, x_, qw, None,
+                    norm=quant._FoldedNorm(residual_, weight_, summed_, 1e-6, True))
+
+    with pytest.raises(ValueError, match="past its limits"):
+        gemv(x, residual, weight, summed)  # 17 rows
+    with pytest.raises(ValueError, match="must overlap none"):
+        gemv(x[:2], residual[:2], weight, x[:2])  # the new residual over x
+    with pytest.raises(ValueError, match="must overlap none"):
+        gemv(x[:2], residual[:2], weight, summed[:2], out_=residual[:2, :256])  # out over the residual
+    shifted = torch.empty(2049, dtype=torch.bfloat16, device="cuda")[1:]
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gemv(x[:2], residual[:2], shifted, summed[:2])
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        quant._gemv(out[:2].float(), x[:2].float(), qw, None,
+                    norm=quant._FoldedNorm(residual[:2].float(), weight.float(), summed[:2].float(), 1e-6, True))
+

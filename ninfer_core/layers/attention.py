@@ -8,6 +8,10 @@ KV dtype (+ per-token scales for fp8 / int8). The token at cache index p of a se
 page `block_table[p // page_size]`, row `p % page_size`. A step first appends the new tokens'
 k/v (`ops.attention.write_kv`), then attends over everything cached: `decode_attention` for up
 to 16 new tokens per sequence (decode, speculative verify), `prefill_attention` for prompt chunks.
+A decode step is bound by kernel launches, so there the q / k norm + rotary and the KV append are
+one op (`norm_rotary_write_kv`) and the output gate rides in `decode_attention`'s final write:
+on CUDA three launches between the q|k|v and o projections (prologue, attention, split-K reduce)
+instead of six, with the same results.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from ..ops.activation import sigmoid_mul
 from ..ops.attention import (
     DECODE_MAX_TOKENS,
     decode_attention,
+    norm_rotary_write_kv,
     prefill_attention,
     chunk_attention,
     write_kv,
@@ -95,23 +100,30 @@ class Attention(nn.Module):
         batch, num_new, _ = x.shape
         q, k, v = self.qkv_proj(x)
         q = q.view(batch, num_new, self.num_heads, -1)
+        gate = None
         if self.output_gate:  # per head: [query | gate]
             q, gate = q.split(self.head_dim, dim=-1)
         k = k.view(batch, num_new, self.num_kv_heads, self.head_dim)
         v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = norm_rotary(q, cos, sin, self.q_norm.weight, self.q_norm.eps, self.q_norm.zero_centered)
-            k = norm_rotary(k, cos, sin, self.k_norm.weight, self.k_norm.eps, self.k_norm.zero_centered)
-        else:
-            q, k = norm_rotary(q, cos, sin), norm_rotary(k, cos, sin)
+        q_weight, k_weight, eps, zero_centered = self._qk_norm()
 
-        write_kv(kv, k, v, meta.slot_mapping)
         if num_new <= DECODE_MAX_TOKENS:
-            out = decode_attention(q, kv, meta.block_table, meta.cache_lens, self.scale)
-        elif meta.padded:
+            q = norm_rotary_write_kv(q, k, v, cos, sin, kv, meta.slot_mapping, q_weight, k_weight, eps, zero_centered)
+            out = decode_attention(q, kv, meta.block_table, meta.cache_lens, self.scale, gate=gate)
+            return self.o_proj(out.reshape(batch, num_new, -1))
+        q = norm_rotary(q, cos, sin, q_weight, eps, zero_centered)
+        write_kv(kv, norm_rotary(k, cos, sin, k_weight, eps, zero_centered), v, meta.slot_mapping)
+        if meta.padded:
             out = chunk_attention(q, kv, meta.block_table, meta.cache_lens, self.scale)
         else:
             out = prefill_attention(q, kv, meta.block_table, meta.cache_lens, self.scale, meta.host_cache_lens)
-        if self.output_gate:
+        if gate is not None:
             out = sigmoid_mul(out, gate)
         return self.o_proj(out.reshape(batch, num_new, -1))
+
+    def _qk_norm(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float, bool]:
+        """(q weight, k weight, eps, zero_centered) of the head norms; no weights without qk_norm.
+        Both norms come from the same config, so they share eps and zero_centered."""
+        if self.q_norm is None:
+            return None, None, 1e-6, False
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered

@@ -36,7 +36,7 @@ from ..config import ModelConfig
 from ..models.base import StateFork
 from ..ops import gdn as gdn_ops
 from .linear import MergedLinear
-from .norm import GatedRMSNorm
+from .norm import GatedRMSNorm, PendingNorm
 
 CHUNK_SIZE = 64
 
@@ -241,14 +241,15 @@ class GatedDeltaNet(nn.Module):
                                   self.num_k_heads, self.head_k_dim, self.head_v_dim)
 
     def forward(
-        self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+        self, x: torch.Tensor | PendingNorm, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
         valid_tokens: torch.Tensor | None = None, fork: StateFork | None = None,
     ) -> torch.Tensor:
-        """x [B, T, hidden]; conv_pool [S, C, K-1], state_pool [S, Hv, dk, dv]; slots [B];
-        valid_tokens [B]: only row b's first valid_tokens[b] tokens advance its state (padding);
-        fork: the state after fork.tokens[b] tokens is also written to slot fork.slots[b]."""
+        """x [B, T, hidden] (or those rows still to be normed: in_proj norms them); conv_pool [S, C,
+        K-1], state_pool [S, Hv, dk, dv]; slots [B]; valid_tokens [B]: only row b's first
+        valid_tokens[b] tokens advance its state (padding); fork: the state after fork.tokens[b]
+        tokens is also written to slot fork.slots[b]."""
         if x.shape[1] == 1:
-            qkv, z, b, a = self.in_proj(x[:, 0])
+            qkv, z, b, a = (p[:, 0] for p in self.in_proj(x))
             out = gdn_ops.gdn_decode_step(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
             return self.out_proj(out)[:, None]
         if fork is not None:
@@ -262,7 +263,7 @@ class GatedDeltaNet(nn.Module):
         return out
 
     def _forked(
-        self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+        self, x: torch.Tensor | PendingNorm, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
         valid: torch.Tensor, fork: StateFork,
     ) -> torch.Tensor:
         """The prefill with a checkpoint inside: the chunked rule runs through the fork (the tokens
@@ -288,7 +289,7 @@ class GatedDeltaNet(nn.Module):
                                  width=min(gdn_ops.MAX_STEP_TOKENS, qkv.shape[1]), out=normed)
 
     def _forked_chunked(
-        self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+        self, x: torch.Tensor | PendingNorm, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
         valid: torch.Tensor, fork: StateFork, sliced: bool = False,
     ) -> torch.Tensor:
         """The prefill with a checkpoint anywhere inside: the chunked rule runs twice over the
@@ -314,7 +315,7 @@ class GatedDeltaNet(nn.Module):
                                     beta[:, cut:stop], state)
             out = torch.cat([out_before, out_after, out_after.new_zeros(1, num_new - stop, *out_after.shape[2:])], 1)
         else:
-            position = torch.arange(num_new, device=x.device)[None, :]
+            position = torch.arange(num_new, device=qkv.device)[None, :]
             before = position < fork.tokens[:, None]  # [B, T]
             after = ~before & (position < end[:, None])
             out_before, state = rule(q, k, v, g * before[..., None], beta * before[..., None], state_pool[slots])
@@ -328,7 +329,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(normed)
 
     def verify(
-        self, x: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
+        self, x: torch.Tensor | PendingNorm, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
     ) -> tuple[torch.Tensor, GDNRecord]:
         """`forward`'s outputs for T <= 16 tokens, but the pools stay as they are: the returned
         record lets `commit` keep just the accepted prefix of the tokens."""
@@ -344,7 +345,7 @@ class GatedDeltaNet(nn.Module):
         gdn_ops.gdn_commit(record.qkv, record.a, record.b, conv_pool, state_pool, slots, counts, self.weights)
 
     def _mix(
-        self, x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, state: torch.Tensor,
+        self, x: torch.Tensor | PendingNorm, conv_pool: torch.Tensor, slots: torch.Tensor, state: torch.Tensor,
         valid_tokens: torch.Tensor | None = None,
         delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:

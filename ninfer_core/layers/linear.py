@@ -6,7 +6,9 @@ shared-expert gate) run as one Linear whose output is split. Checkpoints keep th
 (`q_proj.weight`, `k_proj.weight`, ...): `merged_sources` maps each merged tensor to those names and
 `checkpoint_parts` reads and checks them, for the plain copy (`load_parameters`: part by part into
 the merged tensor's rows) and the quantized fill (`models/quantize.py`: concatenated along dim 0)
-alike. The merged names are what `state_dict()` holds (the quantized artifact).
+alike. The merged names are what `state_dict()` holds (the quantized artifact). A mixer's merged
+input projection may get its input before the layer's RMSNorm (`PendingNorm`): a quantized one then
+runs the add + norm inside its GEMV (`quant_linear_add_norm`, one launch fewer).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..ops.quant import QuantLinear, quant_linear_add_norm
+from .norm import PendingNorm
 
 
 class MergedLinear(nn.Module):
@@ -30,8 +34,18 @@ class MergedLinear(nn.Module):
         self.parts = dict(parts)
         self.linear = nn.Linear(in_features, sum(self.parts.values()), bias=bias)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.split(self.linear(x))
+    def forward(self, x: torch.Tensor | PendingNorm) -> tuple[torch.Tensor, ...]:
+        return self.split(self._project_pending(x) if isinstance(x, PendingNorm) else self.linear(x))
+
+    def _project_pending(self, pending: PendingNorm) -> torch.Tensor:
+        """linear(h) of a pending norm's h, setting pending.summed: one GEMV with the add + norm in
+        front for a quantized linear (at decode sizes on CUDA), else the add_norm kernel first."""
+        linear, norm = self.linear, pending.norm
+        if not isinstance(linear, QuantLinear):
+            return linear(pending.normed())
+        y, pending.summed = quant_linear_add_norm(pending.x, pending.residual, norm.weight, norm.eps,
+                                                  norm.zero_centered, linear.quantized, linear.bias)
+        return y
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(list(self.parts.values()), dim=-1)

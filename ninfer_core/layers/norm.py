@@ -1,10 +1,13 @@
 """RMSNorm modules: block norm (zero-centred or plain) and the gated norm of the GDN output.
 
 The block norm is `ops.rmsnorm` (kernel or torch reference): zero-centred (Qwen3.5) scales by
-`1 + w`, plain (Llama) by `w`. Both normalise in fp32.
+`1 + w`, plain (Llama) by `w`. Both normalise in fp32. A decoder layer hands its mixer the input
+norm still to run (`PendingNorm`), so that the mixer's first projection can fold it into its GEMV.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,28 @@ class RMSNorm(nn.Module):
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one kernel."""
         return ops.add_rmsnorm(x, residual, self.weight, self.eps, zero_centered=self.zero_centered)
+
+
+@dataclass
+class PendingNorm:
+    """A mixer's input h = norm.add_norm(x, residual) not yet computed: the mixer's first projection
+    makes it (`MergedLinear`, which folds the add + norm into a quantized GEMV where it can) and
+    sets `summed`, x + residual, the residual stream the decoder layer continues with."""
+
+    x: torch.Tensor
+    residual: torch.Tensor
+    norm: RMSNorm
+    summed: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        """h's shape (a mixer reads its input's shape before projecting it)."""
+        return self.x.shape
+
+    def normed(self) -> torch.Tensor:
+        """h by the add_norm kernel; sets `summed`."""
+        h, self.summed = self.norm.add_norm(self.x, self.residual)
+        return h
 
 
 class GatedRMSNorm(nn.Module):

@@ -24,7 +24,7 @@ from ..layers.gdn import GatedDeltaNet, GDNRecord
 from ..layers.linear import load_parameters
 from ..layers.mlp import MLP
 from ..layers.moe import SparseMoE
-from ..layers.norm import RMSNorm
+from ..layers.norm import PendingNorm, RMSNorm
 from ..layers.rope import RotaryEmbedding
 from ..ops import cpu_layer
 from ..ops.kquant import KQuantEmbedding
@@ -67,28 +67,33 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(delta, residual) -> (delta, residual): the stream is residual + delta, kept apart so
         that every residual add runs inside the next RMSNorm kernel (two launches fewer per layer).
-        The first layer gets the embeddings as `x` and no residual. With a MixedStep the rows of
-        every part are flattened into x [N, hidden]: norms and the FFN run once over all of them
-        (one read of the weights), the mixer per part."""
+        The input norm is left to the mixer's first projection (`PendingNorm`), whose quantized
+        GEMV runs it at decode sizes (one launch fewer again). The first layer gets the embeddings
+        as `x` and no residual. With a MixedStep the rows of every part are flattened into x [N,
+        hidden]: norms and the FFN run once over all of them (one read of the weights), the mixer
+        per part."""
         if x.device.type == "cpu" and isinstance(step, StepContext):
             fused = cpu_layer.decode_layer(self, x, residual, step)  # the same, in one kernel call
             if fused is not None:
                 return fused
         if residual is None:
             residual, h = x, self.input_layernorm(x)
-        else:
+        elif isinstance(step, MixedStep):
             h, residual = self.input_layernorm.add_norm(x, residual)
-        if isinstance(step, MixedStep):
-            h = step.per_part(h, self._mix)
         else:
-            h = self._mix(h, step)
+            h = PendingNorm(x, residual, self.input_layernorm)
+        mixed = step.per_part(h, self._mix) if isinstance(step, MixedStep) else self._mix(h, step)
+        if isinstance(h, PendingNorm):
+            assert h.summed is not None, "the mixer did not project its input"
+            residual = h.summed
         if isinstance(self.mlp, SparseMoE):
-            return self.mlp.add_norm_forward(h, residual, self.post_attention_layernorm)
-        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+            return self.mlp.add_norm_forward(mixed, residual, self.post_attention_layernorm)
+        h, residual = self.post_attention_layernorm.add_norm(mixed, residual)
         return self.mlp(h), residual
 
-    def _mix(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """The token mixer (GDN or attention) of one part's rows [B, T, hidden]."""
+    def _mix(self, h: torch.Tensor | PendingNorm, step: StepContext) -> torch.Tensor:
+        """The token mixer (GDN or attention) of one part's rows [B, T, hidden] (or of those rows
+        still to be normed)."""
         i = self.layer_idx
         if not self.is_linear:
             return self.self_attn(h, step.cos, step.sin, step.cache.kv.layer(i), step.attn)

@@ -11,8 +11,11 @@ SDPA over the whole gathered (dequantized) block table.
 
   write_kv           CUDA kernel: one warp per (token, kv head), quantizing with the warp's absmax;
                      on the CPU (csrc/cpu/decode_ops.h) row copies into a cache of k's dtype
+  norm_rotary_write_kv  a decode step's prologue: `norm_rotary` of q and k, then `write_kv`, in
+                     one CUDA kernel (csrc/rope.cu, write_kv's store) instead of three launches
   decode_attention   T <= 16 (decode, speculative verify): split-K CUDA kernel
-                     (csrc/decode_attention.cu), reading 8-bit pages directly; on the CPU an fp32
+                     (csrc/decode_attention.cu), reading 8-bit pages directly, with the layer's
+                     output gate (`sigmoid_mul`) in its final write; on the CPU an fp32
                      online-softmax pass per (sequence, token, head) (csrc/cpu/decode_ops.h)
   chunk_attention    a prompt chunk with its lengths on the device (CUDA graphs): a Triton
                      tensor-core kernel, else rows of 16 tokens on decode_attention
@@ -32,6 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..cache.kv_pool import KVLayer
 from . import dispatch
+from .activation import sigmoid_mul
+from .rope import norm_rotary, rotary_kernel_fits
 
 DECODE_MAX_TOKENS = 16  # new tokens per sequence the decode kernel takes (speculative K + 1 <= 16)
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
@@ -106,6 +111,72 @@ def write_kv(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
     )
 
 
+def norm_rotary_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: KVLayer,
+    slot_mapping: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    zero_centered: bool = False,
+) -> torch.Tensor:
+    """An attention layer's decode prologue: `norm_rotary` of q [B, T, H, D] and of k [B, T, Hkv, D]
+    (each with its own head-norm weight, or none; eps and zero_centered shared), then `write_kv` of
+    that k and v at `slot_mapping` [B, T]. Returns q's result (contiguous). q, k, v are read in place
+    (slices of the merged q|k|v projection). On CUDA one kernel (csrc/rope.cu) instead of those
+    three launches, bit-equal to them; elsewhere that composition."""
+    if not _prologue_kernel_fits(q, k, v, cos, sin, kv, slot_mapping, q_weight, k_weight):
+        q = norm_rotary(q, cos, sin, q_weight, eps, zero_centered)
+        write_kv(kv, norm_rotary(k, cos, sin, k_weight, eps, zero_centered), v, slot_mapping)
+        return q
+    batch, tokens, heads, dim = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    slots = slot_mapping.reshape(-1).to(torch.int64).contiguous()
+    dispatch.extension().norm_rotary_write_kv(
+        q_out=out.data_ptr(),
+        q=q.data_ptr(), q_stride_b=q.stride(0), q_stride_t=q.stride(1), q_stride_h=q.stride(2),
+        k=k.data_ptr(), k_stride_b=k.stride(0), k_stride_t=k.stride(1), k_stride_h=k.stride(2),
+        v=v.data_ptr(), v_stride_b=v.stride(0), v_stride_t=v.stride(1), v_stride_h=v.stride(2),
+        q_weight=0 if q_weight is None else q_weight.data_ptr(),
+        k_weight=0 if k_weight is None else k_weight.data_ptr(),
+        cos=cos.data_ptr(), sin=sin.data_ptr(), cs_stride_b=cos.stride(0), cs_stride_t=cos.stride(1),
+        k_cache=kv.k.data_ptr(),
+        v_cache=kv.v.data_ptr(),
+        k_scale=0 if kv.k_scale is None else kv.k_scale.data_ptr(),
+        v_scale=0 if kv.v_scale is None else kv.v_scale.data_ptr(),
+        slot_mapping=slots.data_ptr(),
+        num_slots=kv.k.shape[0] * kv.k.shape[1],
+        batch=batch,
+        tokens=tokens,
+        heads=heads,
+        kv_heads=k.shape[2],
+        head_dim=dim,
+        rotary_dim=cos.shape[-1],
+        eps=float(eps),
+        zero_centered=zero_centered,
+        dtype=dispatch.kernel_dtype(q),
+        kv_dtype=_kv_kind(kv, q.dtype),
+        device=q.device.index,
+        stream=dispatch.stream_handle(q),
+    )
+    return out
+
+
+def _prologue_kernel_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          kv: KVLayer, slot_mapping: torch.Tensor, q_weight: torch.Tensor | None,
+                          k_weight: torch.Tensor | None) -> bool:
+    """Whether `norm_rotary_write_kv`'s kernel takes this call: q and k each as `norm_rotary`'s
+    kernel would (same tables, so the same B, T and dtype), k and v as `write_kv`'s would."""
+    return (rotary_kernel_fits(q, cos, sin, q_weight) and rotary_kernel_fits(k, cos, sin, k_weight)
+            and _kernel_fits(k, kv) and q.shape[-1] == k.shape[-1] and kv.k.shape[2] == k.shape[2]
+            and v.shape == k.shape and v.dtype == k.dtype and v.device == k.device and v.stride(-1) == 1
+            and slot_mapping.shape == q.shape[:2] and slot_mapping.device == q.device)
+
+
 def _pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """cache[pages] for any index shape: index_select on the flat ids (a quarter of advanced
     indexing's time on the CPU, where the decode step is bound by such small ops)."""
@@ -146,27 +217,27 @@ def decode_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of T <= 16 new tokens per sequence over the paged cache (see the module doc).
 
     q [B, T, H, D]; block_table [B, P] int32 / int64; cache_lens [B] int64 (tokens cached before
     the step). `out` (contiguous, q's shape and dtype) receives the result. Capture-safe: the
-    split workspace is sized by the table width P, not by the lengths.
+    split workspace is sized by the table width P, not by the lengths. With `gate` (q's shape and
+    dtype, last axis contiguous: the output gate, read in place; not overlapping `out`) the result
+    is `sigmoid_mul(attention, gate)`: on CUDA in the kernels' final write, bit-equal to that
+    composition, which runs elsewhere.
     """
     batch, num_new, heads, dim = q.shape
     kv_heads, page_size = kv.k.shape[2], kv.page_size
+    kernel = _decode_kernel_fits(q, kv, block_table, cache_lens)
+    if gate is not None and not (kernel and _gate_fits(gate, q)):
+        return _into(out, sigmoid_mul(decode_attention(q, kv, block_table, cache_lens, scale), gate))
     if (num_new <= DECODE_MAX_TOKENS and q.dtype == torch.float32 and _cpu_fits(kv, q) and heads % kv_heads == 0
             and block_table.dtype == torch.int32 and cache_lens.dtype == torch.int64
             and block_table.is_contiguous() and cache_lens.is_contiguous()):
         return _cpu_decode_attention(q, kv, block_table, cache_lens, scale, out)
-    if not (
-        num_new <= DECODE_MAX_TOKENS
-        and _kernel_fits(q, kv)
-        and heads % kv_heads == 0
-        and page_size & (page_size - 1) == 0
-        and block_table.device == q.device
-        and cache_lens.device == q.device
-    ):
+    if not kernel:
         dispatch.fallback("decode_attention", q, kv.k)
         return _into(out, attention_ref(q, kv, block_table, cache_lens, scale))
     ext = dispatch.extension()
@@ -180,9 +251,14 @@ def decode_attention(
     partials = batch * kv_heads * splits * num_new * (heads // kv_heads)
     workspace = torch.empty(partials * (dim + 2), dtype=torch.float32, device=q.device)  # O, then (max, sum)
     out = torch.empty_like(q) if out is None else _checked_out(out, q)
+    gate_strides = (0, 0, 0) if gate is None else gate.stride()[:3]
     ext.decode_attention(
         out=out.data_ptr(),
         q=q.data_ptr(),
+        gate=0 if gate is None else gate.data_ptr(),
+        gate_stride_b=gate_strides[0],
+        gate_stride_t=gate_strides[1],
+        gate_stride_h=gate_strides[2],
         k_cache=kv.k.data_ptr(),
         v_cache=kv.v.data_ptr(),
         k_scale=0 if kv.k_scale is None else kv.k_scale.data_ptr(),
@@ -207,6 +283,19 @@ def decode_attention(
         stream=dispatch.stream_handle(q),
     )
     return out
+
+
+def _decode_kernel_fits(q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor) -> bool:
+    """Whether `decode_attention`'s split-K CUDA kernel takes this call."""
+    num_new, heads = q.shape[1], q.shape[2]
+    page_size = kv.page_size
+    return (num_new <= DECODE_MAX_TOKENS and _kernel_fits(q, kv) and heads % kv.k.shape[2] == 0
+            and page_size & (page_size - 1) == 0 and block_table.device == q.device and cache_lens.device == q.device)
+
+
+def _gate_fits(gate: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether the decode kernel reads this output gate in place (any strides but the last)."""
+    return gate.shape == q.shape and gate.dtype == q.dtype and gate.device == q.device and gate.stride(-1) == 1
 
 
 def _cpu_decode_attention(q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor,

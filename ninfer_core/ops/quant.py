@@ -26,7 +26,9 @@ fp32), except with NINFER_CPU_MATH=int8, where the CPU kernel multiplies activat
 block of 32 (`quant_linear_a8_ref` is its reference); the CUDA int4 path multiplies each group's scale into the weights in the activation dtype
 (tensor cores take 16-bit operands), i.e. it computes with exactly `dequantize(qw, x.dtype)`, the
 weights the prefill path multiplies by. `quant_linear_ref` is the exact fp32 definition all are
-tested against.
+tested against. `quant_linear_add_norm` is a decoder layer's input RMSNorm (with the residual add
+before it) and the projection that reads its output: on CUDA at decode sizes one GEMV, bit-equal to
+add_rmsnorm + quant_linear.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,7 @@ from torch import nn
 
 from . import dispatch
 from .activation import row_view, sigmoid_mul, silu_mul
+from .rmsnorm import add_rmsnorm, add_rmsnorm_ref
 
 GROUP_SIZES = (32, 64, 128)
 KERNEL_MAX_ROWS = 1024  # csrc/quant_gemv.h: kQuantGemvMaxRows (16 rows a block)
@@ -55,6 +58,11 @@ KERNEL_MAX_ROWS = 1024  # csrc/quant_gemv.h: kQuantGemvMaxRows (16 rows a block)
 MAX_GEMV_ROWS = 16
 CUDA_MAX_GEMV_ROWS = 32
 CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it a tiled dequantize + fp32 GEMM is faster
+# The add + RMSNorm a CUDA GEMV folds in front (csrc/quant_gemv.h: kQuantGemvNorm*): up to 16 rows of
+# K <= 8192, at most 64 KiB of them (staged in shared memory).
+NORM_MAX_ROWS = 16
+NORM_MAX_K = 8192
+NORM_STAGE_BYTES = 64 << 10
 # fp32 weight rows dequantized at once on the CPU: cache-sized, and few GEMM calls per weight
 # (each is a barrier of torch's thread pool, which a busy machine makes slow)
 CPU_PREFILL_TILE_BYTES = 8 << 20
@@ -346,6 +354,56 @@ def quant_linear_gated(x: torch.Tensor, qw: QuantizedWeight, gate: torch.Tensor,
     return out.view(add.shape)
 
 
+def quant_linear_add_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    qw: QuantizedWeight, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `quant_linear_add_norm`: add_rmsnorm_ref, then quant_linear_ref on its rows."""
+    normed, summed = add_rmsnorm_ref(x, residual, norm_weight, eps, zero_centered=zero_centered)
+    return quant_linear_ref(normed, qw, bias), summed
+
+
+def quant_linear_add_norm(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    qw: QuantizedWeight, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(s) @ W^T (+ bias), s) for s = x + residual, norm `add_rmsnorm`'s (norm_weight, eps,
+    zero_centered): a decoder layer's input norm and its mixer's first projection. At decode sizes
+    on CUDA one GEMV whose blocks add and norm the rows first (a launch fewer than add_rmsnorm +
+    quant_linear, bit-equal to them); else that composition."""
+    _check_linear(x, qw, bias)
+    rows = _norm_rows(x, residual, norm_weight, qw, bias)
+    if rows is None:
+        normed, summed = add_rmsnorm(x, residual, norm_weight, eps, zero_centered=zero_centered)
+        return quant_linear(normed, qw, bias), summed
+    x2, residual2 = rows
+    out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(x2)
+    _gemv(out, x2, qw, bias, norm=_FoldedNorm(residual2, norm_weight, summed, eps, zero_centered))
+    return out.view(*x.shape[:-1], qw.out_features), summed.view(x.shape)
+
+
+def _norm_rows(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, qw: QuantizedWeight,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x and residual as the [M, K] rows of a GEMV with the norm folded in front, or None where
+    add_rmsnorm + quant_linear run instead: not fp16 / bf16 on CUDA, rows past the stage's limits,
+    a call the GEMV does not cover."""
+    k = qw.in_features
+    rows = x.numel() // k
+    if not (x.dtype in (torch.float16, torch.bfloat16) and qw.qweight.dim() == 2
+            and residual.shape == x.shape and residual.dtype == x.dtype
+            and norm_weight.shape == (k,) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+            and 1 <= rows <= NORM_MAX_ROWS and k <= NORM_MAX_K and rows * k * x.element_size() <= NORM_STAGE_BYTES):
+        return None
+    x2, residual2 = x.reshape(rows, k).contiguous(), residual.reshape(rows, k).contiguous()
+    fits = (_kernel_ok(x2, qw, bias) and dispatch.use_kernel(residual2, norm_weight)
+            and residual2.device == norm_weight.device == x.device
+            and residual2.data_ptr() % 16 == 0 and norm_weight.data_ptr() % 16 == 0)
+    return (x2, residual2) if fits else None
+
+
 def _epilogue_rows(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x as the [M, K] rows of a GEMV with an epilogue, or None where quant_linear's own path is
     the one to take: the CPU, prefill-sized row counts, a call the kernel does not cover."""
@@ -438,12 +496,24 @@ def _kernel_ok(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) 
     )
 
 
+class _FoldedNorm(NamedTuple):
+    """The add + RMSNorm a GEMV folds in front (csrc/quant_gemv.h GemvAddNormArgs)."""
+
+    residual: torch.Tensor  # [M, K], 16-byte aligned
+    weight: torch.Tensor  # [K], 16-byte aligned
+    residual_out: torch.Tensor  # [M, K]: x + residual, overlapping no other operand
+    eps: float
+    zero_centered: bool
+
+
 def _gemv(
     out: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, *,
     gate_up: bool = False, gate: torch.Tensor | None = None, add: torch.Tensor | None = None,
+    norm: _FoldedNorm | None = None,
 ) -> None:
     """The kernel call: out [M, N] = x [M, K] @ W^T (+ bias), or an epilogue's output (gate_up:
-    N = rows / 2; gate: [M, 1] rows, add: [M, N]); `_kernel_ok` must hold."""
+    N = rows / 2; gate: [M, 1] rows, add: [M, N]), or with `norm` the GEMV of norm(x + residual)
+    (x: the residual stream's delta); `_kernel_ok` must hold."""
     dispatch.extension().quant_gemv(
         out=out.data_ptr(),
         x=x.data_ptr(),
@@ -462,6 +532,11 @@ def _gemv(
         gate=0 if gate is None else gate.data_ptr(),
         gate_stride=0 if gate is None else gate.stride(0),
         add=0 if add is None else add.data_ptr(),
+        residual=0 if norm is None else norm.residual.data_ptr(),
+        norm_weight=0 if norm is None else norm.weight.data_ptr(),
+        residual_out=0 if norm is None else norm.residual_out.data_ptr(),
+        eps=0.0 if norm is None else float(norm.eps),
+        zero_centered=norm is not None and norm.zero_centered,
     )
 
 

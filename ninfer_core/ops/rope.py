@@ -3,7 +3,9 @@
 `apply_rotary_ref` is the torch expression; on the CPU a contiguous fp32 call runs
 csrc/cpu/decode_ops.h instead (the ~10 torch ops of the expression cost more than the math in a
 decode step). `norm_rotary` is the attention layer's whole q / k path, the head RMSNorm then the
-rotary: one kernel on CUDA (csrc/rope.cu), ~7 torch ops per tensor otherwise.
+rotary: one kernel on CUDA (csrc/rope.cu), ~7 torch ops per tensor otherwise. A decode step runs
+q and k through `ops.attention.norm_rotary_write_kv` instead: the same kernel code for both, with
+the KV append, in one launch.
 """
 
 from __future__ import annotations
@@ -47,15 +49,10 @@ def norm_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: t
     """x [B, T, H, D] (last axis contiguous: slices of a merged projection are read in place) ->
     a contiguous [B, T, H, D]: `norm_rotary_ref`, in one kernel on CUDA where it applies."""
     batch, tokens, heads, dim = x.shape
-    rotary = cos.shape[-1]
-    tensors = (x, cos, sin) if weight is None else (x, cos, sin, weight)
-    fits = (dispatch.use_kernel(*tensors) and all(t.dtype == x.dtype for t in tensors)
-            and dim in (64, 128, 256) and 0 < rotary <= dim and rotary % 2 == 0 and (rotary // 2) % (dim // 32) == 0
-            and cos.shape == sin.shape == (batch, tokens, rotary) and cos.stride() == sin.stride()
-            and x.stride(-1) == cos.stride(-1) == 1 and (weight is None or weight.is_contiguous()))
-    if not fits:
+    if not rotary_kernel_fits(x, cos, sin, weight):
         dispatch.fallback("norm_rotary", x, cos, sin)
         return norm_rotary_ref(x, cos, sin, weight, eps, zero_centered)
+    rotary = cos.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dispatch.extension().norm_rotary(
         out=out.data_ptr(), x=x.data_ptr(), weight=0 if weight is None else weight.data_ptr(), cos=cos.data_ptr(),
@@ -65,3 +62,15 @@ def norm_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: t
         stream=dispatch.stream_handle(x),
     )
     return out
+
+
+def rotary_kernel_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether csrc/rope.cu takes x [B, T, H, D] with these tables and norm weight (`norm_rotary`,
+    and q / k of `ops.attention.norm_rotary_write_kv`)."""
+    batch, tokens, _, dim = x.shape
+    rotary = cos.shape[-1]
+    tensors = (x, cos, sin) if weight is None else (x, cos, sin, weight)
+    return (dispatch.use_kernel(*tensors) and all(t.dtype == x.dtype for t in tensors)
+            and dim in (64, 128, 256) and 0 < rotary <= dim and rotary % 2 == 0 and (rotary // 2) % (dim // 32) == 0
+            and cos.shape == sin.shape == (batch, tokens, rotary) and cos.stride() == sin.stride()
+            and x.stride(-1) == cos.stride(-1) == 1 and (weight is None or weight.is_contiguous()))

@@ -17,8 +17,6 @@ sequences never draft (engine/grammar.py), and `judge` masks their single row li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ...errors import NinferError
