@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu
+#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu profile ab
 # Wheels for packages missing there travel in .whl/ (scripts/device_wheels.sh fetches them);
 # `scripts/make_bench_model.py` writes the weight-less exact-shape model directories (.bench/)
 # that `serve` uses.
@@ -119,6 +119,14 @@ LIST
       --json "$OUT/prefill_35b.json" 2>&1 | tail -80 ;;
   profile)
     timeout 300 python3 scripts/profile_decode.py qwen3.6-35b-a3b --json "$OUT/profile_35b.json" 2>&1 | tail -45 ;;
+  ab)
+    # one switch off / on in the same call: AB_ENV=NAME (set to 0 = off), GEMV shapes + decode profile
+    for v in 0 1; do
+      env "${AB_ENV:-NINFER_STREAM_GEMV}=$v" timeout 200 python3 scripts/bench_quant.py "$OUT/ab_quant_$v.json" \
+        --rows ${AB_ROWS:-1,4} --shapes ${AB_SHAPES:-o_proj,qkv,gdn_in_proj,lm_head} 2>&1 | tail -12
+      env "${AB_ENV:-NINFER_STREAM_GEMV}=$v" timeout 200 python3 scripts/profile_decode.py qwen3.6-35b-a3b \
+        --json "$OUT/ab_profile_$v.json" 2>&1 | head -8
+    done ;;
   start)
     timeout 300 python3 scripts/bench_start.py qwen3.6-35b-a3b /tmp/ninfer-start --json "$OUT/start_35b.json" 2>&1 | tail -4 ;;
   spec)
