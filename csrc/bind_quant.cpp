@@ -29,15 +29,6 @@ void bind_quant(py::module_& module) {
       "x + residual into residual_out and its RMSNorm (norm_weight, eps, zero_centered) as the "
       "GEMV's input. See csrc/quant_gemv.h.");
   module.def(
-      "stream_gemv_fits",
-      [](std::uintptr_t scales, std::int64_t m, std::int64_t n, std::int64_t k, int group_size, bool int4,
-         DType dtype, int device) {
-        return stream_gemv_fits({0, 0, 0, scales, 0, m, n, k, group_size, int4, dtype, device, 0});
-      },
-      py::arg("scales"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("group_size"), py::arg("int4"),
-      py::arg("dtype"), py::arg("device"),
-      "Whether quant_gemv streams a plain call of this shape through shared memory (stream_gemv.cu).");
-  module.def(
       "moe_grouped_gemv",
       [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t qweight, std::uintptr_t scales,
          std::uintptr_t sorted_slots, std::uintptr_t block_experts, std::uintptr_t used,

@@ -39,22 +39,6 @@ __device__ __forceinline__ void enter_kernel() {
   start_dependents();
 }
 
-// A device attribute, queried once per process and device (graph captures after a warm-up query
-// nothing); -1 for a device index past the cache.
-template <cudaDeviceAttr kAttribute>
-int device_attribute(int device) {
-  static std::array<std::atomic<int>, 64> values{};  // value + 1; 0: not asked
-  if (device < 0 || device >= static_cast<int>(values.size())) return -1;
-  int value = values[device].load(std::memory_order_relaxed) - 1;
-  if (value < 0) {
-    check_cuda(cudaDeviceGetAttribute(&value, kAttribute, device), "cudaDeviceGetAttribute");
-    values[device].store(value + 1, std::memory_order_relaxed);
-  }
-  return value;
-}
-
-inline int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device); }
-
 // PDL on the current device: sm_90+ unless NINFER_PDL=0 (read once per process).
 inline bool pdl_enabled() {
   static const bool allowed = [] {
@@ -62,9 +46,17 @@ inline bool pdl_enabled() {
     return value == nullptr || std::strcmp(value, "0") != 0;
   }();
   if (!allowed) return false;
+  static std::array<std::atomic<int>, 64> majors{};  // compute capability major + 1; 0: not asked
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  return compute_major(device) >= 9;
+  if (device < 0 || device >= static_cast<int>(majors.size())) return false;
+  int major = majors[device].load(std::memory_order_relaxed) - 1;
+  if (major < 0) {
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+               "cudaDeviceGetAttribute");
+    majors[device].store(major + 1, std::memory_order_relaxed);
+  }
+  return major >= 9;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with PDL where it is on; errors raise, naming

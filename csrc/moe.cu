@@ -12,7 +12,6 @@
 #include "common.cuh"
 #include "launch.cuh"
 #include "moe.h"
-#include "weight_dot.cuh"
 
 namespace ninfer {
 namespace {
@@ -24,10 +23,44 @@ constexpr int kMaxTopK = 64;
 constexpr int kMaxRouteExperts = 512;  // routing holds a token's probabilities in a warp's registers
 constexpr int kMaxSharedBytes = 48 * 1024;
 
+// ---------------------------------------------------------------- activations in shared memory
+
+// An activation vector is staged as fp32 float4 quads, quad-major: quad q (elements 4q..4q+3) of
+// the chunk c of kVec elements that one 16-byte weight vector covers lives at x4[q * chunks + c].
+// The lanes of a warp read consecutive chunks, so their loads of quad q are consecutive 16-byte
+// words (no bank conflicts), and quad q of a chunk is one immediate-offset step from quad 0: the
+// dot products spend no instructions on shared-memory addresses.
+// W::kNibbleScaled (int4): element 4q + m is staged times 16^-m, exactly (a power of two), because
+// the int4 dot takes nibble m of a 16-bit half word in place, as n * 16^m (see Int4Weights).
+template <typename W, typename T>
+__device__ __forceinline__ void stage(float* dst, const T* __restrict__ src, int n) {
+  constexpr int kVec = W::kVec;
+  const int chunks = n / kVec;
+  const auto put = [&](int p, float v) {
+    const int m = p % 4;
+    if constexpr (W::kNibbleScaled) v *= __uint_as_float((127u - 4u * m) << 23);  // 2^(-4m)
+    dst[((p % kVec / 4) * chunks + p / kVec) * 4 + m] = v;
+  };
+  constexpr int kPer = 16 / sizeof(T);
+  if (n % kPer == 0 && is_aligned(reinterpret_cast<std::uintptr_t>(src), 16)) {
+    for (int v = threadIdx.x; v < n / kPer; v += blockDim.x) {
+      const Vec<T, kPer> packed = reinterpret_cast<const Vec<T, kPer>*>(src)[v];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) put(v * kPer + j, to_float(packed.v[j]));
+    }
+    return;
+  }
+#pragma unroll 4
+  for (int p = threadIdx.x; p < n; p += blockDim.x) put(p, to_float(src[p]));
+}
+
+__device__ __forceinline__ float dot4(float a, float b, float c, float d, float4 x, float acc) {
+  return fmaf(d, x.w, fmaf(c, x.z, fmaf(b, x.y, fmaf(a, x.x, acc))));
+}
+
 // ---------------------------------------------------------------- weight formats
 // Each reads one 16-byte vector (chunk c of a row), gives the chunk's scale, and dots the raw
-// vector with the staged activations of that chunk (weight_dot.cuh): x points at its quad 0, quad
-// q is x[q * chunks].
+// vector with the staged activations of that chunk: x points at its quad 0, quad q is x[q * chunks].
 
 template <typename T>
 struct DenseWeights {
@@ -68,7 +101,9 @@ __device__ __forceinline__ float DenseWeights<float>::dot(const uint4& v, const 
   return dot4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w), x[0], 0.0f);
 }
 
-struct Int8Weights : Int8Codes {
+struct Int8Weights {
+  static constexpr int kVec = 16;
+  static constexpr bool kNibbleScaled = false;
   const uint4* q;
   const float* scales;  // [rows]
   int row_vecs;
@@ -79,9 +114,28 @@ struct Int8Weights : Int8Codes {
   __device__ __forceinline__ float scale(std::int64_t row, int) const {
     return __ldg(scales + row);
   }
+  // Byte b of word q is element 4q + b. 0x4B0000xx is the float 2^23 + xx exactly; with the sign
+  // bit flipped, xx = value + 128: two instructions per element instead of a slow I2F.
+  __device__ __forceinline__ float dot(const uint4& v, const float4* x, int chunks) const {
+    const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    float acc = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const std::uint32_t u = words[q] ^ 0x80808080u;
+      float f[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        f[b] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u + b)) - 8388736.0f;
+      }
+      acc = dot4(f[0], f[1], f[2], f[3], x[q * chunks], acc);
+    }
+    return acc;
+  }
 };
 
-struct Int4Weights : Int4Codes {
+struct Int4Weights {
+  static constexpr int kVec = 32;
+  static constexpr bool kNibbleScaled = true;
   const uint4* q;
   const __nv_bfloat16* scales;  // [rows, groups]
   int row_vecs;
@@ -93,6 +147,26 @@ struct Int4Weights : Int4Codes {
   }
   __device__ __forceinline__ float scale(std::int64_t row, int c) const {
     return __bfloat162float(scales[row * groups + (c >> group_shift)]);
+  }
+  // Nibble m of word w is element 8w + m, stored as value + 8. Quad q = 2w + h is the 16-bit half
+  // h of word w; its nibble m (bits 4m..4m+3 of the half) is read in place: 0x4B000000 | (bits)
+  // is the float 2^23 + n 16^m exactly, minus 2^23 + 8 16^m gives (n - 8) 16^m, one LOP3 and one
+  // FADD an element. The staged x carries the 16^-m (stage), so each product, and so every fp32
+  // sum, is the one (n - 8) * x would give.
+  __device__ __forceinline__ float dot(const uint4& v, const float4* x, int chunks) const {
+    const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    float acc = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const std::uint32_t u = q % 2 ? words[q / 2] >> 16 : words[q / 2];
+      float f[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        f[m] = __uint_as_float((u & (0xFu << (4 * m))) | 0x4B000000u) - (8388608.0f + 8.0f * (1 << (4 * m)));
+      }
+      acc = dot4(f[0], f[1], f[2], f[3], x[q * chunks], acc);
+    }
+    return acc;
   }
 };
 
@@ -636,13 +710,13 @@ void with_weights(const ExpertWeights& ew, int cols, Launch&& launch) {
                              cols / DenseWeights<T>::kVec});
       break;
     case ExpertKind::Int8:
-      launch(Int8Weights{{}, reinterpret_cast<const uint4*>(ew.weight),
+      launch(Int8Weights{reinterpret_cast<const uint4*>(ew.weight),
                          reinterpret_cast<const float*>(ew.scales), cols / Int8Weights::kVec});
       break;
     case ExpertKind::Int4: {
       int shift = 0;
       while ((32 << shift) < ew.group_size) ++shift;
-      launch(Int4Weights{{}, reinterpret_cast<const uint4*>(ew.weight),
+      launch(Int4Weights{reinterpret_cast<const uint4*>(ew.weight),
                          reinterpret_cast<const __nv_bfloat16*>(ew.scales),
                          cols / Int4Weights::kVec, cols / ew.group_size, shift});
       break;
@@ -656,12 +730,12 @@ void with_shared(const ExpertWeights& ew, int cols, Launch&& launch) {
   if (ew.weight == 0) {
     launch(NoShared{});
   } else if (ew.kind == ExpertKind::Int8) {
-    launch(Int8Weights{{}, reinterpret_cast<const uint4*>(ew.weight), reinterpret_cast<const float*>(ew.scales),
+    launch(Int8Weights{reinterpret_cast<const uint4*>(ew.weight), reinterpret_cast<const float*>(ew.scales),
                        cols / Int8Weights::kVec});
   } else {
     int shift = 0;
     while ((32 << shift) < ew.group_size) ++shift;
-    launch(Int4Weights{{}, reinterpret_cast<const uint4*>(ew.weight), reinterpret_cast<const __nv_bfloat16*>(ew.scales),
+    launch(Int4Weights{reinterpret_cast<const uint4*>(ew.weight), reinterpret_cast<const __nv_bfloat16*>(ew.scales),
                        cols / Int4Weights::kVec, cols / ew.group_size, shift});
   }
 }

@@ -72,17 +72,6 @@ struct QuantGemvArgs {
 
 void quant_gemv(const QuantGemvArgs& args);
 
-// Decode GEMVs streamed through shared memory by the copy engine (stream_gemv.cu, sm_90+):
-// quant_gemv hands them fp16 / bf16 calls without an epilogue (a bias and the folded norm
-// allowed) of m <= kStreamGemvMaxRows rows and n >= kStreamGemvMinRows outputs (a grid of one
-// block an SM) whose rows and stage slots fit its shared memory; NINFER_STREAM_GEMV=0 / 1
-// turns the path off / on (stream_gemv.cu: kStreamByDefault). Sums in fp32, the int4 group scales applied to fp32
-// partial sums (not rounded into the weights as the MMA path does).
-inline constexpr int kStreamGemvMaxRows = 4;
-inline constexpr int kStreamGemvMinRows = 1024;
-bool stream_gemv_fits(const QuantGemvArgs& a);
-void stream_gemv(const QuantGemvArgs& a);
-
 // The same GEMV over MoE experts grouped by moe_align (csrc/moe.h): slot block b (block_m slots of
 // expert block_experts[b]; positions at or past *used are idle) multiplies its slots' x rows by
 // that expert's weight [expert_rows, k], gemv.qweight / gemv.scales being [E, expert_rows, ...]

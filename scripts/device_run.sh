@@ -120,11 +120,12 @@ LIST
   profile)
     timeout 300 python3 scripts/profile_decode.py qwen3.6-35b-a3b --json "$OUT/profile_35b.json" 2>&1 | tail -45 ;;
   ab)
-    # one switch off / on in the same call: AB_ENV=NAME (set to 0 = off), GEMV shapes + decode profile
+    # one environment switch off / on in the same call (AB_ENV=NAME, set to 0 / 1; default NINFER_PDL):
+    # the GEMV shapes and the decode profile
     for v in 0 1; do
-      env "${AB_ENV:-NINFER_STREAM_GEMV}=$v" timeout 200 python3 scripts/bench_quant.py "$OUT/ab_quant_$v.json" \
+      env "${AB_ENV:-NINFER_PDL}=$v" timeout 200 python3 scripts/bench_quant.py "$OUT/ab_quant_$v.json" \
         --rows ${AB_ROWS:-1,4} --shapes ${AB_SHAPES:-o_proj,qkv,gdn_in_proj,lm_head} 2>&1 | tail -12
-      env "${AB_ENV:-NINFER_STREAM_GEMV}=$v" timeout 200 python3 scripts/profile_decode.py qwen3.6-35b-a3b \
+      env "${AB_ENV:-NINFER_PDL}=$v" timeout 200 python3 scripts/profile_decode.py qwen3.6-35b-a3b \
         --json "$OUT/ab_profile_$v.json" 2>&1 | head -8
     done ;;
   start)

@@ -361,7 +361,7 @@ def test_kernel_matches_reference(cuda_kernels, shape, kind, dtype, rows):
     assert not out.isnan().any(), "the kernel left outputs unwritten"
     exact = _expected(x, w64, bias)
     _assert_close(quant_linear_ref(x, qw, bias), exact, OUT_RTOL[dtype], OUT_ATOL[dtype])
-    if kind == "int4" and dtype != torch.float32 and not _streamed(x, qw):
+    if kind == "int4" and dtype != torch.float32:
         # Exactly the weights of dequantize_ref(qw, dtype) with fp32 sums, up to output rounding.
         rounded = _expected(x, dequantize_ref(qw, dtype).double(), bias)
         _assert_close(out, rounded, OUT_RTOL[dtype], OUT_ATOL[dtype])
@@ -372,60 +372,6 @@ def test_kernel_matches_reference(cuda_kernels, shape, kind, dtype, rows):
         assert torch.equal(quant_linear(x, qw, bias), out)  # the public op runs the same kernel
     else:  # past the crossover the public op dequantizes and runs the GEMM
         _assert_close(quant_linear(x, qw, bias), exact, OUT_RTOL[dtype], ROUNDED_W_ATOL[dtype])
-
-
-def _streamed(x: torch.Tensor, qw: QuantizedWeight) -> bool:
-    """Whether quant_gemv streams this plain call through shared memory (csrc/stream_gemv.cu: decode
-    rows on sm_90+), where int4 group scales multiply fp32 partial sums instead of rounded weights."""
-    return dispatch.extension().stream_gemv_fits(
-        scales=qw.scales.data_ptr(), m=x.shape[0], n=qw.out_features, k=qw.in_features,
-        group_size=qw.group_size or 0, int4=qw.kind == "int4", dtype=dispatch.kernel_dtype(x),
-        device=x.device.index)
-
-
-@pytest.mark.cuda
-def test_decode_projections_stream_on_hopper(cuda_kernels, monkeypatch):
-    """On sm_90+ the 35B's decode projections (1-4 rows: batch 1 and a verify round) take the
-    streamed GEMV, batch 8 and small N the MMA kernel, and NINFER_STREAM_GEMV=0 turns it off."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the copy-engine path needs sm_90+")
-    monkeypatch.setenv("NINFER_STREAM_GEMV", "1")
-    cases = {(1, 12352, 2048, "int8"): True, (4, 2048, 4096, "int8"): True, (1, 248320, 2048, "int8"): True,
-             (1, 8192, 2048, "int4"): True, (8, 12352, 2048, "int8"): False, (1, 512, 2048, "int8"): False}
-    for (rows, n, k, kind), want in cases.items():
-        qw, _ = _cuda_weight(kind, n, k, 128 if kind == "int4" else 0)
-        x = _cuda_x(rows, k, seed=rows, dtype=torch.bfloat16)
-        assert _streamed(x, qw) is want, (rows, n, k, kind)
-        if want:
-            monkeypatch.setenv("NINFER_STREAM_GEMV", "0")
-            assert not _streamed(x, qw)
-            monkeypatch.setenv("NINFER_STREAM_GEMV", "1")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("kind, group_size", [("int8", 0), ("int4", 32), ("int4", 128)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("n, k", [(1032, 2048), (25000, 1024), (4100, 4096)])
-def test_streamed_gemv_matches_float64(cuda_kernels, monkeypatch, kind, group_size, dtype, rows, n, k):
-    """The streamed GEMV against float64 math: a last stage of 8 rows (1,032), blocks that refill
-    their ring many times (25,000 rows), a long K with room for two slots at 4 rows (4,096); the MMA
-    kernel of the same call (NINFER_STREAM_GEMV=0) is as close."""
-    qw, w64 = _cuda_weight(kind, n, k, group_size)
-    x = _cuda_x(rows, k, seed=rows + n, dtype=dtype)
-    bias = _cuda_x(n, seed=k, dtype=dtype) if rows == 2 else None
-    monkeypatch.setenv("NINFER_STREAM_GEMV", "1")
-    if not _streamed(x, qw):
-        pytest.skip("not streamed here (needs sm_90+)")
-    out = _poisoned(rows, n, dtype)
-    quant._gemv(out, x, qw, bias)
-    torch.cuda.synchronize()
-    exact = _expected(x, w64, bias)
-    _assert_close(out, exact, OUT_RTOL[dtype], OUT_ATOL[dtype])
-    monkeypatch.setenv("NINFER_STREAM_GEMV", "0")
-    mma = _poisoned(rows, n, dtype)
-    quant._gemv(mma, x, qw, bias)
-    _assert_close(mma, exact, OUT_RTOL[dtype], OUT_ATOL[dtype] if kind == "int8" else ROUNDED_W_ATOL[dtype])
 
 
 @pytest.mark.cuda

@@ -25,9 +25,7 @@ CUDA int8 path are exact (products of the codes and fp32 activations, fp32 sums,
 fp32), except with NINFER_CPU_MATH=int8, where the CPU kernel multiplies activations quantized per
 block of 32 (`quant_linear_a8_ref` is its reference); the CUDA int4 path multiplies each group's scale into the weights in the activation dtype
 (tensor cores take 16-bit operands), i.e. it computes with exactly `dequantize(qw, x.dtype)`, the
-weights the prefill path multiplies by; on sm_90+ plain calls of 1-4 rows stream the weights through
-shared memory instead (csrc/stream_gemv.cu: fp32 products, each int4 group's scale times its fp32
-partial sum). `quant_linear_ref` is the exact fp32 definition all are
+weights the prefill path multiplies by. `quant_linear_ref` is the exact fp32 definition all are
 tested against. `quant_linear_add_norm` is a decoder layer's input RMSNorm (with the residual add
 before it) and the projection that reads its output: on CUDA at decode sizes one GEMV, bit-equal to
 add_rmsnorm + quant_linear.
