@@ -12,11 +12,12 @@ namespace ninfer {
 // from L2): decode batches, and short prompt chunks instead of a dequantized copy + GEMM.
 inline constexpr int kQuantGemvMaxRows = 1024;
 
-// The add + RMSNorm a plain GEMV may fold in front (GemvAddNormArgs): up to 16 rows (decode),
-// k <= 8192 (one vector of a row per rmsnorm thread), the rows at most 64 KiB (staged in shared memory).
-inline constexpr int kQuantGemvNormMaxRows = 16;
+// The add + RMSNorm a plain GEMV may fold in front (GemvAddNormArgs): up to 4 rows (batch-1 decode,
+// a verify round of 3 drafts; at 8 rows every block norming all of them cost more than the launch it
+// saves: batch-8 decode 1,419 -> 1,336 tok/s on the H200), k <= 8192 (one vector of a row per
+// rmsnorm thread).
+inline constexpr int kQuantGemvNormMaxRows = 4;
 inline constexpr int kQuantGemvNormMaxK = 8192;
-inline constexpr int kQuantGemvNormStageBytes = 64 * 1024;
 
 // Weight formats (ninfer_core/ops/quant.py):
 //   int8: qweight int8 [n, k], scales fp32 [n]; w = q * scale.

@@ -298,7 +298,7 @@ def test_prefill_forks_match_the_split(model_dir, weights, length, checkpoints, 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_folded_input_norm_is_bit_equal(model_dir, weights, monkeypatch):
-    """A decode step (4 rows) and a verify round (2 rows x 4 tokens) of the quantized tiny model with
+    """A decode step (4 rows) and a verify round (1 row x 4 tokens) of the quantized tiny model with
     each mixer's input norm folded into its first GEMV (quant_linear_add_norm's kernel) give the
     logits, the residual stream after every layer, the GDN states and records of the same steps with
     add_rmsnorm + quant_linear, bit for bit; the fold ran in every layer after the first."""
@@ -321,7 +321,7 @@ def test_folded_input_norm_is_bit_equal(model_dir, weights, monkeypatch):
     layers = tuple(range(len(model.layers)))
     ids = torch.randint(0, 400, (4, 4), generator=torch.Generator().manual_seed(1)).cuda()
     batches = [_forward_batch(cache, seqs, ids[:, :1], starts, logits="all", capture_layers=layers),
-               _forward_batch(cache, seqs[:2], ids[:2], starts[:2], logits="all", capture_layers=layers, verify=True)]
+               _forward_batch(cache, seqs[:1], ids[:1], starts[:1], logits="all", capture_layers=layers, verify=True)]
     folds = []
     gemv = quant._gemv
 

@@ -58,11 +58,10 @@ KERNEL_MAX_ROWS = 1024  # csrc/quant_gemv.h: kQuantGemvMaxRows (16 rows a block)
 MAX_GEMV_ROWS = 16
 CUDA_MAX_GEMV_ROWS = 32
 CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it a tiled dequantize + fp32 GEMM is faster
-# The add + RMSNorm a CUDA GEMV folds in front (csrc/quant_gemv.h: kQuantGemvNorm*): up to 16 rows of
-# K <= 8192, at most 64 KiB of them (staged in shared memory).
-NORM_MAX_ROWS = 16
+# The add + RMSNorm a CUDA GEMV folds in front (csrc/quant_gemv.h: kQuantGemvNorm*): up to 4 rows of
+# K <= 8192 (past 4 rows the fold cost more than the launch it saves).
+NORM_MAX_ROWS = 4
 NORM_MAX_K = 8192
-NORM_STAGE_BYTES = 64 << 10
 # fp32 weight rows dequantized at once on the CPU: cache-sized, and few GEMM calls per weight
 # (each is a barrier of torch's thread pool, which a busy machine makes slow)
 CPU_PREFILL_TILE_BYTES = 8 << 20
@@ -395,7 +394,7 @@ def _norm_rows(
     if not (x.dtype in (torch.float16, torch.bfloat16) and qw.qweight.dim() == 2
             and residual.shape == x.shape and residual.dtype == x.dtype
             and norm_weight.shape == (k,) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
-            and 1 <= rows <= NORM_MAX_ROWS and k <= NORM_MAX_K and rows * k * x.element_size() <= NORM_STAGE_BYTES):
+            and 1 <= rows <= NORM_MAX_ROWS and k <= NORM_MAX_K):
         return None
     x2, residual2 = x.reshape(rows, k).contiguous(), residual.reshape(rows, k).contiguous()
     fits = (_kernel_ok(x2, qw, bias) and dispatch.use_kernel(residual2, norm_weight)
