@@ -8,9 +8,12 @@ zero, no timings), no GPU (hub.local_gpu is stubbed), a fixed server port and AP
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from textual.widgets import Input, TextArea
 
+from ninfer_app.tui.screens import help as help_screen
 from ninfer_core import hub
 from tui_harness import SIZE, home, make_app, model_dir, wait_until  # noqa: F401 - fixtures
 
@@ -46,5 +49,8 @@ def test_server_screen(snap_compare, model_dir, home):
     assert snap_compare(make_app(model_dir, home), terminal_size=SIZE, run_before=shot(("f3",)))
 
 
-def test_help_screen(snap_compare, model_dir, home):
+def test_help_screen(snap_compare, model_dir, home, monkeypatch):
+    # The help names the keymap file, under the test's temporary home: a path as long as pytest's
+    # (xdist's worker folders made it wrap, so the snapshot differed with -n), shown fixed instead.
+    monkeypatch.setattr(help_screen, "keymap_path", lambda: Path("/home/user/.config/ninfer/keymap.toml"))
     assert snap_compare(make_app(model_dir, home), terminal_size=SIZE, run_before=shot(("f1",)))
