@@ -41,7 +41,7 @@ def main() -> None:
     harness.decode(1, args.context, float("nan"))  # warm-up
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eager_ms = harness.decode(1, args.context, float("nan")).ms_per_step
-    rows = kernel_rows(prof, args.steps)
+    rows = kernel_rows(prof, args.steps + 1)  # decode() runs a warm-up step before its timed ones
     gpu_us = sum(r[0] for r in rows)
     launches = sum(r[1] for r in rows)
     print(f"{args.preset}: graph step {graph_ms:.3f} ms (replays alone {replay_ms:.3f} ms), "
