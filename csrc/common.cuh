@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "ops.h"
 
@@ -55,6 +56,18 @@ void by_dtype(DType dtype, const char* op, Launch&& launch) {
     case DType::F16: launch(__half{}); break;
     case DType::BF16: launch(__nv_bfloat16{}); break;
     default: throw std::invalid_argument(std::string(op) + ": unsupported dtype");
+  }
+}
+
+// launch(std::integral_constant<int, D>{}) for an attention head dim D of 64, 128 or 256, the dims
+// the head kernels are built for; `op` names the caller in the error.
+template <typename Launch>
+void by_head_dim(int head_dim, const char* op, Launch&& launch) {
+  switch (head_dim) {
+    case 64: launch(std::integral_constant<int, 64>{}); break;
+    case 128: launch(std::integral_constant<int, 128>{}); break;
+    case 256: launch(std::integral_constant<int, 256>{}); break;
+    default: throw std::invalid_argument(std::string(op) + ": head_dim must be 64, 128 or 256");
   }
 }
 

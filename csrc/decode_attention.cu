@@ -591,24 +591,13 @@ void launch_rows(const Params& p, int batch, cudaStream_t stream) {
   }
 }
 
-template <typename T, KVDType KV>
-void launch_head_dim(const Params& p, int head_dim, int batch, cudaStream_t stream) {
-  switch (head_dim) {
-    case 64: launch_rows<T, KV, 64>(p, batch, stream); break;
-    case 128: launch_rows<T, KV, 128>(p, batch, stream); break;
-    case 256: launch_rows<T, KV, 256>(p, batch, stream); break;
-    default: throw std::invalid_argument("decode_attention: head_dim must be 64, 128 or 256");
-  }
-}
-
 template <typename T>
 void launch_kv(const Params& p, KVDType kv, int head_dim, int batch, cudaStream_t stream) {
-  switch (kv) {
-    case KVDType::Native: launch_head_dim<T, KVDType::Native>(p, head_dim, batch, stream); break;
-    case KVDType::FP8: launch_head_dim<T, KVDType::FP8>(p, head_dim, batch, stream); break;
-    case KVDType::Int8: launch_head_dim<T, KVDType::Int8>(p, head_dim, batch, stream); break;
-    default: throw std::invalid_argument("decode_attention: unknown kv dtype");
-  }
+  by_kv_dtype(kv, "decode_attention", [&](auto cache) {
+    by_head_dim(head_dim, "decode_attention", [&](auto dim) {
+      launch_rows<T, decltype(cache)::value, decltype(dim)::value>(p, batch, stream);
+    });
+  });
 }
 
 // ---------------------------------------------------------------------------------- KV write
@@ -647,27 +636,16 @@ __global__ void __launch_bounds__(32 * kWriteWarps) write_kv_kernel(const WriteP
   }
 }
 
-template <typename T, KVDType KV>
-void launch_write(const WriteParams& w, int head_dim, cudaStream_t stream) {
-  const dim3 block(32, kWriteWarps);
-  const dim3 grid(static_cast<unsigned>((w.pairs + kWriteWarps - 1) / kWriteWarps));
-  const char* what = "write_kv kernel launch";
-  switch (head_dim) {
-    case 64: launch_kernel(what, write_kv_kernel<T, KV, 64>, grid, block, 0, stream, w); break;
-    case 128: launch_kernel(what, write_kv_kernel<T, KV, 128>, grid, block, 0, stream, w); break;
-    case 256: launch_kernel(what, write_kv_kernel<T, KV, 256>, grid, block, 0, stream, w); break;
-    default: throw std::invalid_argument("write_kv: head_dim must be 64, 128 or 256");
-  }
-}
-
 template <typename T>
 void launch_write_kv(const WriteParams& w, KVDType kv, int head_dim, cudaStream_t stream) {
-  switch (kv) {
-    case KVDType::Native: launch_write<T, KVDType::Native>(w, head_dim, stream); break;
-    case KVDType::FP8: launch_write<T, KVDType::FP8>(w, head_dim, stream); break;
-    case KVDType::Int8: launch_write<T, KVDType::Int8>(w, head_dim, stream); break;
-    default: throw std::invalid_argument("write_kv: unknown kv dtype");
-  }
+  const dim3 block(32, kWriteWarps);
+  const dim3 grid(static_cast<unsigned>((w.pairs + kWriteWarps - 1) / kWriteWarps));
+  by_kv_dtype(kv, "write_kv", [&](auto cache) {
+    by_head_dim(head_dim, "write_kv", [&](auto dim) {
+      launch_kernel("write_kv kernel launch", write_kv_kernel<T, decltype(cache)::value, decltype(dim)::value>, grid,
+                    block, 0, stream, w);
+    });
+  });
 }
 
 bool is_pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }

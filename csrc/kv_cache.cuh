@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common.cuh"
 #include "decode_attention.h"
@@ -64,6 +65,17 @@ __device__ __forceinline__ void store_kv_vector(const Vec<T, kEpl>& x, unsigned 
     }
     *reinterpret_cast<Vec<C, kEpl>*>(dst) = out;
     if (lane == 0) scales[row] = scale;
+  }
+}
+
+// launch(std::integral_constant<KVDType, KV>{}) for the cache's element type; `op` names the caller.
+template <typename Launch>
+void by_kv_dtype(KVDType kv, const char* op, Launch&& launch) {
+  switch (kv) {
+    case KVDType::Native: launch(std::integral_constant<KVDType, KVDType::Native>{}); break;
+    case KVDType::FP8: launch(std::integral_constant<KVDType, KVDType::FP8>{}); break;
+    case KVDType::Int8: launch(std::integral_constant<KVDType, KVDType::Int8>{}); break;
+    default: throw std::invalid_argument(std::string(op) + ": unknown kv dtype");
   }
 }
 

@@ -139,17 +139,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
                                row, lane);
 }
 
-// launch(std::integral_constant<int, D / 32>{}): the elements per lane of head_dim D.
-template <typename Launch>
-void by_head_dim(int head_dim, const char* op, Launch&& launch) {
-  switch (head_dim) {
-    case 64: launch(std::integral_constant<int, 2>{}); break;
-    case 128: launch(std::integral_constant<int, 4>{}); break;
-    case 256: launch(std::integral_constant<int, 8>{}); break;
-    default: throw std::invalid_argument(std::string(op) + ": head_dim must be 64, 128 or 256");
-  }
-}
-
 void check_rotary_dims(int head_dim, int rotary_dim, const char* op) {
   const int per_lane = head_dim / 32;
   if ((head_dim != 64 && head_dim != 128 && head_dim != 256) || rotary_dim < 2 || rotary_dim > head_dim ||
@@ -179,19 +168,13 @@ template <typename T>
 void launch_kv(const NormRotaryKVArgs& a) {
   const std::int64_t vectors = a.batch * a.tokens * (a.heads + a.kv_heads);
   const dim3 block(32, kWarpsPerBlock);
-  const auto go = [&](auto kv) {
-    by_head_dim(a.head_dim, "norm_rotary_write_kv", [&](auto per) {
+  by_kv_dtype(a.kv_dtype, "norm_rotary_write_kv", [&](auto kv) {
+    by_head_dim(a.head_dim, "norm_rotary_write_kv", [&](auto dim) {
       launch_kernel("norm_rotary_write_kv kernel launch",
-                    norm_rotary_kv_kernel<T, decltype(kv)::value, decltype(per)::value>, vector_grid(vectors), block,
-                    0, as_stream(a.stream), a, vectors);
+                    norm_rotary_kv_kernel<T, decltype(kv)::value, decltype(dim)::value / 32>, vector_grid(vectors),
+                    block, 0, as_stream(a.stream), a, vectors);
     });
-  };
-  switch (a.kv_dtype) {
-    case KVDType::Native: go(std::integral_constant<KVDType, KVDType::Native>{}); break;
-    case KVDType::FP8: go(std::integral_constant<KVDType, KVDType::FP8>{}); break;
-    case KVDType::Int8: go(std::integral_constant<KVDType, KVDType::Int8>{}); break;
-    default: throw std::invalid_argument("norm_rotary_write_kv: unknown kv dtype");
-  }
+  });
 }
 
 }  // namespace
@@ -208,7 +191,7 @@ void norm_rotary(const NormRotaryArgs& a) {
   if (a.batch == 0) return;
   DeviceGuard guard(a.device);
   by_dtype(a.dtype, "norm_rotary", [&](auto t) {
-    by_head_dim(a.head_dim, "norm_rotary", [&](auto per) { launch<decltype(t), decltype(per)::value>(a); });
+    by_head_dim(a.head_dim, "norm_rotary", [&](auto dim) { launch<decltype(t), decltype(dim)::value / 32>(a); });
   });
 }
 
