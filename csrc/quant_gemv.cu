@@ -670,6 +670,8 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
                 grouping);
 }
 
+static_assert(kQuantGemvNormMaxRows <= 8, "the norm's rows fit one n8 tile (kTiles = 1)");
+
 // split > kWarps: blocks of kWideWarps (plain 16-bit GEMVs only, choose_split).
 template <typename T, Layout kLayout, bool kGrouped, bool kNorm = false>
 void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks,
@@ -679,7 +681,9 @@ void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_bl
     constexpr int kBlockWarps = decltype(block_warps)::value;
     switch (tiles) {
       case 1: launch<T, kInt4, 1, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping); break;
-      case 2: launch<T, kInt4, 2, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping); break;
+      case 2:  // m > 8: never with the norm (check_norm: m <= kQuantGemvNormMaxRows)
+        if constexpr (!kNorm) launch<T, kInt4, 2, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping);
+        break;
       default:
         if constexpr (kGrouped) {
           launch<T, kInt4, 4, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping);
