@@ -32,7 +32,7 @@ constexpr int kTile = 32;      // keys per iteration
 constexpr int kThreads = 256;  // 8 warps
 // Splits of one tile (32 keys) where the occupancy bound allows: a split's blocks are latency-bound,
 // so more of them at once win even with a larger reduce (H200, 35B-A3B batch 1 at 4K: decode
-// attention 107 -> 83 us a step, replays 2.275 -> 2.258 ms against 2; fewer splits lost, 16 of
+// attention 107 -> 83 us a step, replays 2.275 -> 2.260 ms against 2; fewer splits lost, 16 of
 // them 343 us; at 16K the occupancy bound, 2 blocks an SM, decides, and 4 an SM lost).
 constexpr int kMinTilesPerSplit = 1;
 constexpr int kMaxSplits = 1024;
