@@ -393,18 +393,51 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) out[static_cast<std::int64_t>(n) * hidden + r] = from_float<T>(acc);
 }
 
+// Asks L2 for `bytes` bytes at ptr (16-byte aligned, a multiple of 16) without waiting (sm_90+;
+// a hint, so nothing on older GPUs).
+__device__ __forceinline__ void prefetch_l2_bulk(const void* ptr, std::uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
+#endif
+}
+
+// The kernel form of ExpertPrefetchArgs (moe.h).
+struct ExpertPrefetch {
+  const unsigned char* base[kMoePrefetchRanges];
+  std::int64_t bytes[kMoePrefetchRanges];
+};
+
+// Expert e's ranges in pieces of 64 KB, piece i to lane i % 32 (the 35B's int4 gate_up, its
+// scales, down and its scales are 26 pieces: one prefetch a lane).
+__device__ __forceinline__ void prefetch_expert(const ExpertPrefetch& pf, int e) {
+  constexpr std::int64_t kPiece = 64 * 1024;
+  int first = 0;  // this range's first piece in the expert's numbering
+  for (int r = 0; r < kMoePrefetchRanges; ++r) {
+    if (pf.base[r] == nullptr) continue;
+    const std::int64_t bytes = pf.bytes[r];
+    const int pieces = static_cast<int>((bytes + kPiece - 1) / kPiece);
+    for (int i = ((threadIdx.x & 31) - first) & 31; i < pieces; i += 32) {
+      const std::int64_t off = i * kPiece;
+      prefetch_l2_bulk(pf.base[r] + e * bytes + off, static_cast<std::uint32_t>(min(kPiece, bytes - off)));
+    }
+    first += pieces;
+  }
+}
+
 // One warp routes one token: softmax of its logits row in fp32, then top_k rounds of a warp
 // argmax (ties to the lower id); each winner is knocked out with -1 (probabilities are >= 0).
 // Expert i lives in register i / 32 of lane i % 32, so a round is a few register compares and two
 // warp reductions (__reduce_*_sync, sm_80+): one warp walking the row in shared memory took
 // ~5 us a token, latency-bound. Non-negative floats order as their bits, so the max of the bits
 // is the max probability; the min over the lanes holding it gives the lowest id. The row is read
-// through L2 (__ldcg): the router kernel's last block reads rows other blocks wrote.
+// through L2 (__ldcg): the router kernel's last block reads rows other blocks wrote. Each winner's
+// weights go to L2 at once where `prefetch` asks for it (the router; moe_route passes none).
 // kPerLane: registers a lane holds (experts <= 32 kPerLane; 8 for the 256 experts of Qwen3.5 / 3.6,
 // half the compares of the 512-expert bound).
 template <int kPerLane, typename T>
 __device__ __forceinline__ void route_token(T* __restrict__ weights, int* __restrict__ ids, const T* row,
-                                            std::int64_t token, int experts, int top_k, bool renormalize) {
+                                            std::int64_t token, int experts, int top_k, bool renormalize,
+                                            const ExpertPrefetch* prefetch = nullptr) {
   const int lane = threadIdx.x & 31;
   float p[kPerLane];
   float top = -INFINITY;
@@ -451,6 +484,7 @@ __device__ __forceinline__ void route_token(T* __restrict__ weights, int* __rest
       if (k == lane + 32 * m) mine[m] = won;
     }
     if (lane == 0) ids[token * top_k + k] = win;
+    if (prefetch != nullptr && win < experts) prefetch_expert(*prefetch, win);
     total += won;
   }
 #pragma unroll
@@ -470,13 +504,19 @@ __global__ void __launch_bounds__(32)
   route_token<kPerLane>(weights, ids, logits + token * experts, token, experts, top_k, renormalize);
 }
 
-// The router of a decode step in one launch: warp r of the grid computes logits row r (the
-// router's rows, then extra ones such as the shared expert's gate) for every token, rounded to T
-// as the GEMM's output is; the block that finishes last routes each token over the first
+// The router of a decode step in one launch: block b computes logits rows kRouterRows b ..
+// (the router's rows, then extra ones such as the shared expert's gate) for every token, rounded
+// to T as the GEMM's output is; the block that finishes last routes each token over the first
 // `experts` rows (route_token) and resets the `done` counter for the next launch / replay.
-constexpr int kRouterWarps = 4;  // small blocks: the ~1 MB of router rows spreads over the SMs
+// Thread i holds the 16-byte vectors i, i + kRouterThreads of x and of its block's rows, so a
+// thread's chain is a few loads, 8-16 FMAs and the reductions: a warp a row (64 elements a lane,
+// and each warp norming all of x) made ~500-1,000 dependent instructions a warp at one warp a
+// scheduler (ncu: 6.8 us a call for 1 MB, 0.16 TB/s).
+constexpr int kRouterThreads = 256;
+constexpr int kRouterWarps = kRouterThreads / 32;
+constexpr int kRouterRows = 2;  // 129 blocks for the 35B's 257 rows: about one an SM
+constexpr int kRouterVecs = static_cast<int>(kMoeRouterMaxHidden / 8 / kRouterThreads);  // vectors a thread
 constexpr int kRouterMaxTokens = 4;
-constexpr int kRouterUnroll = 8;  // a 2048-wide bf16 row in one batch of loads per lane (one round trip)
 
 // The RMSNorm folded into the router (moe.h RouterNormArgs); residual == nullptr: none.
 template <typename T>
@@ -489,111 +529,115 @@ struct RouterNorm {
   bool zero_centered;
 };
 
-// Token n's x vectors of this lane (c = lane + 32 k: all of the row, nvec <= 32 kRouterUnroll)
-// replaced by norm(x + residual). The sum of squares in rmsnorm_kernel's order (rms_row_threads):
-// there thread c = lane + 32 k (warp k) sums vector c, each warp adds its lanes, then the warps.
-// Warp 0 of block 0 writes the rows out.
+// Token n's x vectors of this thread (c = threadIdx.x + kRouterThreads j) replaced by
+// norm(x + residual), bit-equal to rmsnorm_kernel (rms_row_threads): there thread c sums the squares
+// of vector c, each warp adds its lanes (a group of 32 vectors), then the group totals, zero-padded to
+// 32, are added with one more warp_sum; here vector c's group is c / 32 = warp + kRouterWarps j.
+// Block 0 writes the rows out. group_totals: shared, kRouterVecs * kRouterWarps floats.
 template <typename T>
-__device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterUnroll], const uint4 (&nw)[kRouterUnroll],
-                                          const RouterNorm<T>& norm, std::int64_t n, int hidden, bool writer) {
+__device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterVecs], const uint4 (&nw)[kRouterVecs],
+                                          const RouterNorm<T>& norm, std::int64_t n, int hidden,
+                                          float* group_totals) {
   constexpr int kPer = 8;
   using TV = Vec<T, kPer>;
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nvec = hidden / kPer;
   const std::int64_t base = n * hidden;
-  uint4 rv[kRouterUnroll];
 #pragma unroll
-  for (int k = 0; k < kRouterUnroll; ++k) {
-    if (32 * k < nvec) rv[k] = __ldg(reinterpret_cast<const uint4*>(norm.residual + base) + lane + 32 * k);
+  for (int j = 0; j < kRouterVecs; ++j) {
+    const int c = threadIdx.x + kRouterThreads * j;
+    if (kRouterThreads * j >= nvec) break;  // block-uniform
+    if (c < nvec) {
+      const uint4 rv = __ldg(reinterpret_cast<const uint4*>(norm.residual + base) + c);
+      TV& a = *reinterpret_cast<TV*>(&xv[j]);
+      const TV& r = *reinterpret_cast<const TV*>(&rv);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) a.v[i] = add_rounded(a.v[i], r.v[i]);
+    }
+    const float total = warp_sum(c < nvec ? add_squares(0.0f, *reinterpret_cast<const TV*>(&xv[j])) : 0.0f);
+    if (lane == 0) group_totals[warp + kRouterWarps * j] = total;
   }
-  float warps_sum = 0.0f;  // lane k: warp k's total
+  __syncthreads();
+  const int groups = rms_row_threads(nvec) / 32;
+  const float rstd = rms_rstd(warp_sum(lane < groups ? group_totals[lane] : 0.0f), hidden, norm.eps);
 #pragma unroll
-  for (int k = 0; k < kRouterUnroll; ++k) {
-    if (32 * k >= nvec) break;
-    TV& a = *reinterpret_cast<TV*>(&xv[k]);
-    const TV& r = *reinterpret_cast<const TV*>(&rv[k]);
+  for (int j = 0; j < kRouterVecs; ++j) {
+    const int c = threadIdx.x + kRouterThreads * j;
+    if (c >= nvec) break;
+    if (blockIdx.x == 0) reinterpret_cast<uint4*>(norm.residual_out + base)[c] = xv[j];
+    TV& a = *reinterpret_cast<TV*>(&xv[j]);
+    const TV& w = *reinterpret_cast<const TV*>(&nw[j]);
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) a.v[j] = add_rounded(a.v[j], r.v[j]);
-    const float total = warp_sum(add_squares(0.0f, a));
-    if (lane == k) warps_sum = total;
+    for (int i = 0; i < kPer; ++i) a.v[i] = norm_scale(a.v[i], rstd, w.v[i], norm.zero_centered);
+    if (blockIdx.x == 0) reinterpret_cast<uint4*>(norm.normed + base)[c] = xv[j];
   }
-  const float rstd = rms_rstd(warp_sum(warps_sum), hidden, norm.eps);
-#pragma unroll
-  for (int k = 0; k < kRouterUnroll; ++k) {
-    if (32 * k >= nvec) break;
-    const int c = lane + 32 * k;
-    if (writer) reinterpret_cast<uint4*>(norm.residual_out + base)[c] = xv[k];
-    TV& a = *reinterpret_cast<TV*>(&xv[k]);
-    const TV& w = *reinterpret_cast<const TV*>(&nw[k]);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) a.v[j] = norm_scale(a.v[j], rstd, w.v[j], norm.zero_centered);
-    if (writer) reinterpret_cast<uint4*>(norm.normed + base)[c] = xv[k];
-  }
+  __syncthreads();  // group_totals is free for the next token
 }
 
 template <typename T, int kPerLane, bool kNorm>
-__global__ void __launch_bounds__(kRouterWarps * 32)
+__global__ void __launch_bounds__(kRouterThreads)
     router_kernel(T* logits, T* __restrict__ weights, int* __restrict__ ids, unsigned* done,
                   const T* __restrict__ x, const T* __restrict__ w, int tokens, int hidden, int rows,
-                  int experts, int top_k, bool renormalize, RouterNorm<T> norm) {
+                  int experts, int top_k, bool renormalize, RouterNorm<T> norm,
+                  const __grid_constant__ ExpertPrefetch prefetch) {
+  __shared__ float partial[kRouterMaxTokens][kRouterRows][kRouterWarps];
+  __shared__ float group_totals[kRouterVecs * kRouterWarps];
   __shared__ bool last;
   constexpr int kPer = 8;  // elements of a 16-byte vector
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int r = blockIdx.x * kRouterWarps + warp;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nvec = hidden / kPer;
-  const bool live = r < rows;  // uniform over the warp
-  uint4 wv[kRouterUnroll];
-  const auto load = [&](int c0) {
+  const int row0 = blockIdx.x * kRouterRows;
+  // The router's rows (and the norm's weight) are constant: they load before the wait for x.
+  uint4 wv[kRouterRows][kRouterVecs] = {};
+  uint4 nw[kRouterVecs] = {};
 #pragma unroll
-    for (int k = 0; k < kRouterUnroll; ++k) {
-      const int c = c0 + 32 * k;
-      if (live && c < nvec) wv[k] = __ldg(reinterpret_cast<const uint4*>(w + static_cast<std::int64_t>(r) * hidden) + c);
-    }
-  };
-  load(lane);  // the router's rows (and the norm's weight) are constant: they load before the wait for x
-  uint4 nw[kRouterUnroll];
-  if constexpr (kNorm) {
+  for (int j = 0; j < kRouterVecs; ++j) {
+    const int c = threadIdx.x + kRouterThreads * j;
 #pragma unroll
-    for (int k = 0; k < kRouterUnroll; ++k) {
-      if (live && 32 * k < nvec) nw[k] = __ldg(reinterpret_cast<const uint4*>(norm.weight) + lane + 32 * k);
+    for (int r = 0; r < kRouterRows; ++r) {
+      if (row0 + r < rows && c < nvec) {
+        wv[r][j] = __ldg(reinterpret_cast<const uint4*>(w + static_cast<std::int64_t>(row0 + r) * hidden) + c);
+      }
     }
+    if (kNorm && c < nvec) nw[j] = __ldg(reinterpret_cast<const uint4*>(norm.weight) + c);
   }
   enter_kernel();
-  float acc[kRouterMaxTokens] = {};
-  if (live) {
-    for (int c0 = lane;;) {
+  for (int n = 0; n < tokens; ++n) {
+    uint4 xv[kRouterVecs];
 #pragma unroll
-      for (int n = 0; n < kRouterMaxTokens; ++n) {
-        if (n >= tokens) break;
-        // All of this step's x vectors are requested before the first is used: one L2 round trip
-        // a token, not one a vector.
-        uint4 xv[kRouterUnroll];
+    for (int j = 0; j < kRouterVecs; ++j) {
+      const int c = threadIdx.x + kRouterThreads * j;
+      if (c < nvec) xv[j] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<std::int64_t>(n) * hidden) + c);
+    }
+    if constexpr (kNorm) fold_norm(xv, nw, norm, n, hidden, group_totals);
+    float acc[kRouterRows] = {};
 #pragma unroll
-        for (int k = 0; k < kRouterUnroll; ++k) {
-          const int c = c0 + 32 * k;
-          if (c < nvec) xv[k] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<std::int64_t>(n) * hidden) + c);
-        }
-        if constexpr (kNorm) fold_norm(xv, nw, norm, n, hidden, blockIdx.x == 0 && warp == 0);
+    for (int j = 0; j < kRouterVecs; ++j) {
+      if (threadIdx.x + kRouterThreads * j >= nvec) continue;
+      const Vec<T, kPer> xt = *reinterpret_cast<const Vec<T, kPer>*>(&xv[j]);
 #pragma unroll
-        for (int k = 0; k < kRouterUnroll; ++k) {
-          if (c0 + 32 * k < nvec) {
-            const Vec<T, kPer> wt = *reinterpret_cast<const Vec<T, kPer>*>(&wv[k]);
-            const Vec<T, kPer> xt = *reinterpret_cast<const Vec<T, kPer>*>(&xv[k]);
+      for (int r = 0; r < kRouterRows; ++r) {
+        const Vec<T, kPer> wt = *reinterpret_cast<const Vec<T, kPer>*>(&wv[r][j]);
 #pragma unroll
-            for (int i = 0; i < kPer; ++i) acc[n] = fmaf(to_float(wt.v[i]), to_float(xt.v[i]), acc[n]);
-          }
-        }
+        for (int i = 0; i < kPer; ++i) acc[r] = fmaf(to_float(wt.v[i]), to_float(xt.v[i]), acc[r]);
       }
-      c0 += 32 * kRouterUnroll;
-      if (c0 >= nvec) break;
-      load(c0);
+    }
+#pragma unroll
+    for (int r = 0; r < kRouterRows; ++r) {
+      const float v = warp_sum(acc[r]);
+      if (lane == 0) partial[n][r][warp] = v;
     }
   }
+  __syncthreads();
+  // Thread n kRouterRows + r adds the warps' sums of (token n, row row0 + r) in warp order.
+  if (threadIdx.x < tokens * kRouterRows) {
+    const int n = threadIdx.x / kRouterRows, r = threadIdx.x % kRouterRows;
+    if (row0 + r < rows) {
+      float v = 0.0f;
 #pragma unroll
-  for (int n = 0; n < kRouterMaxTokens; ++n) {
-    const float v = warp_sum(acc[n]);
-    if (live && lane == 0 && n < tokens) logits[static_cast<std::int64_t>(n) * rows + r] = from_float<T>(v);
+      for (int i = 0; i < kRouterWarps; ++i) v += partial[n][r][i];
+      logits[static_cast<std::int64_t>(n) * rows + row0 + r] = from_float<T>(v);
+    }
   }
   __threadfence();  // this block's logits are visible before it counts itself done
   __syncthreads();
@@ -601,8 +645,9 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int n = warp; n < tokens; n += kRouterWarps) {
-    route_token<kPerLane>(weights, ids, logits + static_cast<std::int64_t>(n) * rows, n, experts, top_k, renormalize);
+  if (warp < tokens) {
+    route_token<kPerLane>(weights, ids, logits + static_cast<std::int64_t>(warp) * rows, warp, experts, top_k,
+                          renormalize, prefetch.base[0] != nullptr ? &prefetch : nullptr);
   }
   if (threadIdx.x == 0) *done = 0;
 }
@@ -812,17 +857,22 @@ void launch_route(const MoeRouteArgs& a) {
 template <typename T>
 void launch_router(const MoeRouterArgs& a) {
   const MoeRouteArgs& r = a.route;
-  const auto blocks = static_cast<unsigned>((a.rows + kRouterWarps - 1) / kRouterWarps);
+  const auto blocks = static_cast<unsigned>((a.rows + kRouterRows - 1) / kRouterRows);
   const RouterNorm<T> norm{reinterpret_cast<const T*>(a.norm.residual), reinterpret_cast<const T*>(a.norm.weight),
                            reinterpret_cast<T*>(a.norm.normed), reinterpret_cast<T*>(a.norm.residual_out), a.norm.eps,
                            a.norm.zero_centered};
+  ExpertPrefetch prefetch{};
+  for (int i = 0; i < kMoePrefetchRanges; ++i) {
+    prefetch.base[i] = reinterpret_cast<const unsigned char*>(a.prefetch.base[i]);
+    prefetch.bytes[i] = a.prefetch.bytes[i];
+  }
   const auto go = [&](auto per_lane, auto with_norm) {
     launch_kernel("moe router kernel launch", router_kernel<T, decltype(per_lane)::value, decltype(with_norm)::value>,
-                  blocks, kRouterWarps * 32, 0, as_stream(r.stream), reinterpret_cast<T*>(r.logits),
+                  blocks, kRouterThreads, 0, as_stream(r.stream), reinterpret_cast<T*>(r.logits),
                   reinterpret_cast<T*>(r.weights), reinterpret_cast<int*>(r.ids), reinterpret_cast<unsigned*>(a.done),
                   reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.w), static_cast<int>(r.tokens),
                   static_cast<int>(a.hidden), static_cast<int>(a.rows), static_cast<int>(r.experts),
-                  static_cast<int>(r.top_k), r.renormalize, norm);
+                  static_cast<int>(r.top_k), r.renormalize, norm, prefetch);
   };
   by_route_width(r.experts, [&](auto per_lane) {
     a.norm.residual != 0 ? go(per_lane, std::true_type{}) : go(per_lane, std::false_type{});
@@ -848,14 +898,22 @@ void moe_router(const MoeRouterArgs& a) {
   if (r.tokens < 1) fail("no tokens");
   if (a.rows < r.experts || a.rows > (1 << 20)) fail("rows " + std::to_string(a.rows) + " out of range");
   if (r.dtype == DType::F32) fail("needs fp16 / bf16");
-  if (a.hidden < 8 || a.hidden % 8 != 0 || !is_aligned(a.x, 16) || !is_aligned(a.w, 16)) {
-    fail("hidden must be a multiple of 8, x and w 16-byte aligned");
+  if (a.hidden < 8 || a.hidden % 8 != 0 || a.hidden > kMoeRouterMaxHidden || !is_aligned(a.x, 16) ||
+      !is_aligned(a.w, 16)) {
+    fail("hidden must be a multiple of 8 up to " + std::to_string(kMoeRouterMaxHidden) +
+         ", x and w 16-byte aligned");
+  }
+  for (int i = 0; i < kMoePrefetchRanges; ++i) {
+    const std::int64_t bytes = a.prefetch.bytes[i];
+    if (a.prefetch.base[i] != 0 && (!is_aligned(a.prefetch.base[i], 16) || bytes < 16 || bytes % 16 != 0)) {
+      fail("prefetch ranges must be 16-byte aligned, a positive multiple of 16 bytes long");
+    }
   }
   if (r.logits == 0 || r.weights == 0 || r.ids == 0 || !is_aligned(a.done, 4) || a.done == 0) fail("null pointer");
   const RouterNormArgs& norm = a.norm;
   if (norm.residual != 0) {
     const std::int64_t nvec = a.hidden / 8;
-    if (nvec % 32 != 0 || nvec > 32 * kRouterUnroll) fail("a folded norm needs hidden a multiple of 256, at most 2048");
+    if (nvec % 32 != 0 || nvec > 256) fail("a folded norm needs hidden a multiple of 256, at most 2048");
     for (const std::uintptr_t p : {norm.residual, norm.weight, norm.normed, norm.residual_out}) {
       if (p == 0 || !is_aligned(p, 16)) fail("the folded norm's tensors must be 16-byte aligned");
     }

@@ -36,6 +36,8 @@ void moe_route(const MoeRouteArgs& args);
 // norm(x + residual), and writes the normed rows [tokens, hidden] to `norm.normed` and the sums
 // to `norm.residual_out`, bit-equal to rmsnorm's (same roundings, same order of the sum of squares;
 // hidden / 8 a multiple of 32 and at most 256 vectors). Outputs must not overlap the inputs.
+// hidden is at most kMoeRouterMaxHidden.
+constexpr std::int64_t kMoeRouterMaxHidden = 4096;
 struct RouterNormArgs {
   std::uintptr_t residual;  // 0: x is already normed
   std::uintptr_t weight;    // [hidden], dtype
@@ -43,6 +45,15 @@ struct RouterNormArgs {
   std::uintptr_t residual_out;
   float eps;
   bool zero_centered;
+};
+
+// Slices of expert-indexed tensors the router asks L2 for as soon as it has picked an expert e
+// (sm_90+, a hint: the expert kernels after it then read them from L2): range i is bytes[i] bytes
+// at base[i] + e * bytes[i] (16-byte aligned, a multiple of 16); base 0: unused.
+constexpr int kMoePrefetchRanges = 4;
+struct ExpertPrefetchArgs {
+  std::uintptr_t base[kMoePrefetchRanges] = {};
+  std::int64_t bytes[kMoePrefetchRanges] = {};
 };
 
 struct MoeRouterArgs {
@@ -53,6 +64,7 @@ struct MoeRouterArgs {
   std::int64_t hidden;
   std::int64_t rows;
   RouterNormArgs norm;
+  ExpertPrefetchArgs prefetch = {};
 };
 
 void moe_router(const MoeRouterArgs& args);
