@@ -1,10 +1,4 @@
 // pybind11 registration of the MoE kernels (csrc/moe.cu): routing and the fused decode step.
-#include <pybind11/stl.h>
-
-#include <stdexcept>
-#include <string>
-#include <vector>
-
 #include "bind.h"
 #include "moe.h"
 
@@ -37,26 +31,15 @@ void bind_moe(py::module_& m) {
          std::uintptr_t x, std::uintptr_t w, std::int64_t tokens, std::int64_t hidden, std::int64_t rows,
          std::int64_t experts, std::int64_t top_k, bool renormalize, DType dtype, int device,
          std::uintptr_t stream, std::uintptr_t residual, std::uintptr_t norm_weight, std::uintptr_t normed,
-         std::uintptr_t residual_out, float eps, bool zero_centered, const std::vector<std::uintptr_t>& prefetch_base,
-         const std::vector<std::int64_t>& prefetch_bytes) {
-        if (prefetch_base.size() != prefetch_bytes.size() || prefetch_base.size() > kMoePrefetchRanges) {
-          throw std::invalid_argument("moe_router: prefetch_base and prefetch_bytes: up to " +
-                                      std::to_string(kMoePrefetchRanges) + " ranges, one size each");
-        }
-        ExpertPrefetchArgs prefetch;
-        for (std::size_t i = 0; i < prefetch_base.size(); ++i) {
-          prefetch.base[i] = prefetch_base[i];
-          prefetch.bytes[i] = prefetch_bytes[i];
-        }
+         std::uintptr_t residual_out, float eps, bool zero_centered) {
         moe_router({{weights, ids, logits, tokens, experts, top_k, renormalize, dtype, device, stream}, done, x, w,
-                    hidden, rows, {residual, norm_weight, normed, residual_out, eps, zero_centered}, prefetch});
+                    hidden, rows, {residual, norm_weight, normed, residual_out, eps, zero_centered}});
       },
       py::arg("logits"), py::arg("weights"), py::arg("ids"), py::arg("done"), py::arg("x"), py::arg("w"),
       py::arg("tokens"), py::arg("hidden"), py::arg("rows"), py::arg("experts"), py::arg("top_k"),
       py::arg("renormalize"), py::arg("dtype"), py::arg("device"), py::arg("stream"), py::arg("residual") = 0,
       py::arg("norm_weight") = 0, py::arg("normed") = 0, py::arg("residual_out") = 0, py::arg("eps") = 0.0f,
-      py::arg("zero_centered") = false, py::arg("prefetch_base") = std::vector<std::uintptr_t>{},
-      py::arg("prefetch_bytes") = std::vector<std::int64_t>{},
+      py::arg("zero_centered") = false,
       "A decode step's router GEMV + softmax top-k in one launch, optionally after the add + RMSNorm before it. "
       "See csrc/moe.h.");
 

@@ -393,51 +393,18 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) out[static_cast<std::int64_t>(n) * hidden + r] = from_float<T>(acc);
 }
 
-// Asks L2 for `bytes` bytes at ptr (16-byte aligned, a multiple of 16) without waiting (sm_90+;
-// a hint, so nothing on older GPUs).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* ptr, std::uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
-#endif
-}
-
-// The kernel form of ExpertPrefetchArgs (moe.h).
-struct ExpertPrefetch {
-  const unsigned char* base[kMoePrefetchRanges];
-  std::int64_t bytes[kMoePrefetchRanges];
-};
-
-// Expert e's ranges in pieces of 64 KB, piece i to lane i % 32 (the 35B's int4 gate_up, its
-// scales, down and its scales are 26 pieces: one prefetch a lane).
-__device__ __forceinline__ void prefetch_expert(const ExpertPrefetch& pf, int e) {
-  constexpr std::int64_t kPiece = 64 * 1024;
-  int first = 0;  // this range's first piece in the expert's numbering
-  for (int r = 0; r < kMoePrefetchRanges; ++r) {
-    if (pf.base[r] == nullptr) continue;
-    const std::int64_t bytes = pf.bytes[r];
-    const int pieces = static_cast<int>((bytes + kPiece - 1) / kPiece);
-    for (int i = ((threadIdx.x & 31) - first) & 31; i < pieces; i += 32) {
-      const std::int64_t off = i * kPiece;
-      prefetch_l2_bulk(pf.base[r] + e * bytes + off, static_cast<std::uint32_t>(min(kPiece, bytes - off)));
-    }
-    first += pieces;
-  }
-}
-
 // One warp routes one token: softmax of its logits row in fp32, then top_k rounds of a warp
 // argmax (ties to the lower id); each winner is knocked out with -1 (probabilities are >= 0).
 // Expert i lives in register i / 32 of lane i % 32, so a round is a few register compares and two
 // warp reductions (__reduce_*_sync, sm_80+): one warp walking the row in shared memory took
 // ~5 us a token, latency-bound. Non-negative floats order as their bits, so the max of the bits
 // is the max probability; the min over the lanes holding it gives the lowest id. The row is read
-// through L2 (__ldcg): the router kernel's last block reads rows other blocks wrote. Each winner's
-// weights go to L2 at once where `prefetch` asks for it (the router; moe_route passes none).
+// through L2 (__ldcg): the router kernel's last block reads rows other blocks wrote.
 // kPerLane: registers a lane holds (experts <= 32 kPerLane; 8 for the 256 experts of Qwen3.5 / 3.6,
 // half the compares of the 512-expert bound).
 template <int kPerLane, typename T>
 __device__ __forceinline__ void route_token(T* __restrict__ weights, int* __restrict__ ids, const T* row,
-                                            std::int64_t token, int experts, int top_k, bool renormalize,
-                                            const ExpertPrefetch* prefetch = nullptr) {
+                                            std::int64_t token, int experts, int top_k, bool renormalize) {
   const int lane = threadIdx.x & 31;
   float p[kPerLane];
   float top = -INFINITY;
@@ -484,7 +451,6 @@ __device__ __forceinline__ void route_token(T* __restrict__ weights, int* __rest
       if (k == lane + 32 * m) mine[m] = won;
     }
     if (lane == 0) ids[token * top_k + k] = win;
-    if (prefetch != nullptr && win < experts) prefetch_expert(*prefetch, win);
     total += won;
   }
 #pragma unroll
@@ -578,8 +544,7 @@ template <typename T, int kPerLane, bool kNorm>
 __global__ void __launch_bounds__(kRouterThreads)
     router_kernel(T* logits, T* __restrict__ weights, int* __restrict__ ids, unsigned* done,
                   const T* __restrict__ x, const T* __restrict__ w, int tokens, int hidden, int rows,
-                  int experts, int top_k, bool renormalize, RouterNorm<T> norm,
-                  const __grid_constant__ ExpertPrefetch prefetch) {
+                  int experts, int top_k, bool renormalize, RouterNorm<T> norm) {
   __shared__ float partial[kRouterMaxTokens][kRouterRows][kRouterWarps];
   __shared__ float group_totals[kRouterVecs * kRouterWarps];
   __shared__ bool last;
@@ -647,7 +612,7 @@ __global__ void __launch_bounds__(kRouterThreads)
   __threadfence();
   if (warp < tokens) {
     route_token<kPerLane>(weights, ids, logits + static_cast<std::int64_t>(warp) * rows, warp, experts, top_k,
-                          renormalize, prefetch.base[0] != nullptr ? &prefetch : nullptr);
+                          renormalize);
   }
   if (threadIdx.x == 0) *done = 0;
 }
@@ -861,18 +826,13 @@ void launch_router(const MoeRouterArgs& a) {
   const RouterNorm<T> norm{reinterpret_cast<const T*>(a.norm.residual), reinterpret_cast<const T*>(a.norm.weight),
                            reinterpret_cast<T*>(a.norm.normed), reinterpret_cast<T*>(a.norm.residual_out), a.norm.eps,
                            a.norm.zero_centered};
-  ExpertPrefetch prefetch{};
-  for (int i = 0; i < kMoePrefetchRanges; ++i) {
-    prefetch.base[i] = reinterpret_cast<const unsigned char*>(a.prefetch.base[i]);
-    prefetch.bytes[i] = a.prefetch.bytes[i];
-  }
   const auto go = [&](auto per_lane, auto with_norm) {
     launch_kernel("moe router kernel launch", router_kernel<T, decltype(per_lane)::value, decltype(with_norm)::value>,
                   blocks, kRouterThreads, 0, as_stream(r.stream), reinterpret_cast<T*>(r.logits),
                   reinterpret_cast<T*>(r.weights), reinterpret_cast<int*>(r.ids), reinterpret_cast<unsigned*>(a.done),
                   reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.w), static_cast<int>(r.tokens),
                   static_cast<int>(a.hidden), static_cast<int>(a.rows), static_cast<int>(r.experts),
-                  static_cast<int>(r.top_k), r.renormalize, norm, prefetch);
+                  static_cast<int>(r.top_k), r.renormalize, norm);
   };
   by_route_width(r.experts, [&](auto per_lane) {
     a.norm.residual != 0 ? go(per_lane, std::true_type{}) : go(per_lane, std::false_type{});
@@ -902,12 +862,6 @@ void moe_router(const MoeRouterArgs& a) {
       !is_aligned(a.w, 16)) {
     fail("hidden must be a multiple of 8 up to " + std::to_string(kMoeRouterMaxHidden) +
          ", x and w 16-byte aligned");
-  }
-  for (int i = 0; i < kMoePrefetchRanges; ++i) {
-    const std::int64_t bytes = a.prefetch.bytes[i];
-    if (a.prefetch.base[i] != 0 && (!is_aligned(a.prefetch.base[i], 16) || bytes < 16 || bytes % 16 != 0)) {
-      fail("prefetch ranges must be 16-byte aligned, a positive multiple of 16 bytes long");
-    }
   }
   if (r.logits == 0 || r.weights == 0 || r.ids == 0 || !is_aligned(a.done, 4) || a.done == 0) fail("null pointer");
   const RouterNormArgs& norm = a.norm;

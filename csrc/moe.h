@@ -47,15 +47,6 @@ struct RouterNormArgs {
   bool zero_centered;
 };
 
-// Slices of expert-indexed tensors the router asks L2 for as soon as it has picked an expert e
-// (sm_90+, a hint: the expert kernels after it then read them from L2): range i is bytes[i] bytes
-// at base[i] + e * bytes[i] (16-byte aligned, a multiple of 16); base 0: unused.
-constexpr int kMoePrefetchRanges = 4;
-struct ExpertPrefetchArgs {
-  std::uintptr_t base[kMoePrefetchRanges] = {};
-  std::int64_t bytes[kMoePrefetchRanges] = {};
-};
-
 struct MoeRouterArgs {
   MoeRouteArgs route;
   std::uintptr_t done;
@@ -64,7 +55,6 @@ struct MoeRouterArgs {
   std::int64_t hidden;
   std::int64_t rows;
   RouterNormArgs norm;
-  ExpertPrefetchArgs prefetch = {};
 };
 
 void moe_router(const MoeRouterArgs& args);

@@ -98,12 +98,6 @@ __device__ __forceinline__ void cp_async16(void* shared, const void* global) {
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// Asks L2 for the 128-byte line holding ptr (no register, no wait): the weight lines a warp reads
-// `prefetch` steps later (sm_80+: CCTL prefetch).
-__device__ __forceinline__ void prefetch_l2(const void* ptr) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
-}
-
 __device__ __forceinline__ std::uint16_t load2(const void* ptr, bool pred) {
   std::uint16_t v = 0;
   asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p ld.global.nc.u16 %0, [%1];\n}"
@@ -444,7 +438,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
                       Epilogue epilogue, AddNorm norm, int m, int n, int k, int group_size, int split,
-                      Grouping grouping, int prefetch) {
+                      Grouping grouping) {
   static_assert(!kNorm || (!std::is_same_v<T, float> && kLayout == Layout::Dense && !kGrouped));
   constexpr bool kTensorCores = !std::is_same_v<T, float>;
   const T* bias = static_cast<const T*>(epilogue.bias);
@@ -512,17 +506,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   // every warp keeps loads in flight while its tensor cores / FMAs work.
   uint4 q[kUnroll][2];
   std::uint16_t sc[kUnroll][2] = {};
-  const int stride = split * kUnroll;
-  // The weight lines of the step `prefetch` steps after the one starting at chunk c go to L2 (a
-  // step is kUnroll = 2 chunks: one 128-byte line of each of the warp's 16 rows; lanes t = 0, 1 of
-  // each row pair ask for rows g, g + pair): DRAM keeps ~prefetch steps of every warp in flight
-  // while the warp itself waits for one step at a time.
-  const auto prefetch_ahead = [&](int c) {
-    const int off = (c + prefetch * stride) * kChunkBytes;
-    if (t < 2 && live[t] && off < row_bytes) prefetch_l2(wbase + t * pair * row_bytes + off);
-  };
   const auto load_step = [&](int c) {
-    if (prefetch > 0) prefetch_ahead(c);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int off = (c + u) * kChunkBytes + 16 * t;
@@ -540,7 +524,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
 
   float acc[kTiles][4] = {};
   float sum[2][8 * kTiles] = {};  // fp32 path: per (weight row, x row), this lane's k only
-  for (int s = 1; s < prefetch; ++s) prefetch_ahead(part * kUnroll + (s - prefetch) * stride);
+  const int stride = split * kUnroll;
   load_step(part * kUnroll);
   // A plain GEMV's first weights are on their way before it waits for x (programmatic dependent
   // launch: the previous kernel may still be running; weights are never written).
@@ -653,13 +637,6 @@ std::int64_t row_tiles(std::int64_t n, Layout layout) {
   return (n + rows - 1) / rows;
 }
 
-// Steps a warp's weight lines are asked of L2 ahead of its loads (0: none). TEMPORARY A/B switch
-// NINFER_GEMV_PREFETCH (read once); the default is the measured winner.
-int gemv_prefetch_steps() {
-  const char* value = std::getenv("NINFER_GEMV_PREFETCH");
-  return value == nullptr ? 4 : std::atoi(value);
-}
-
 // Lets kKernel (a norm kernel) take the largest stage, past the 48 KB of dynamic shared memory a
 // kernel gets unasked; once per device, so graph captures after a warm-up ask nothing.
 template <auto kKernel>
@@ -690,7 +667,7 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
                 reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
                 reinterpret_cast<const std::uint8_t*>(a.qweight), reinterpret_cast<const void*>(a.scales), epilogue,
                 norm, static_cast<int>(a.m), static_cast<int>(a.n), static_cast<int>(a.k), a.group_size, split,
-                grouping, gemv_prefetch_steps());
+                grouping);
 }
 
 static_assert(kQuantGemvNormMaxRows <= 8, "the norm's rows fit one n8 tile (kTiles = 1)");

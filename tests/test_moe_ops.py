@@ -311,7 +311,7 @@ def test_route_kernel_with_ties(cuda_kernels):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("renormalize", [False, True])
-@pytest.mark.parametrize("shape", [(256, 257, 2048, 8), (8, 8, 64, 2), (64, 66, 520, 4)], ids=str)
+@pytest.mark.parametrize("shape", [(256, 257, 2048, 8), (8, 8, 64, 2), (64, 66, 520, 4), (128, 129, 4096, 8)], ids=str)
 @pytest.mark.parametrize("tokens", [1, 2, 4])
 def test_router_kernel_matches_the_gemm_and_route(cuda_kernels, tokens, shape, renormalize, dtype):
     """moe_router: the logits (extra rows past the experts included) within an ulp of the float64
@@ -360,65 +360,9 @@ def test_router_call_passes_each_tensor_in_its_place(monkeypatch):
     assert moe.moe_router(_inputs(many, 64), w, 8, 2, True) is None
     assert moe.moe_router(x.float(), w.float(), 8, 2, True) is None
     assert moe.moe_router(x, w, 10, 2, True) is None  # more experts than rows
+    wide = moe.ROUTER_KERNEL_MAX_HIDDEN + 8  # past the vectors a thread of the kernel holds
+    assert moe.moe_router(_inputs(1, wide), torch.randn(9, wide).to(torch.bfloat16), 8, 2, True) is None
     assert len(calls) == 1
-
-
-def test_router_prefetch_ranges_are_each_picked_experts_parts(monkeypatch):
-    """The router kernel's L2 prefetch: one range a part (codes and scales of quantized experts, the
-    tensor of dense ones) with its bytes an expert; none past the byte budget, for parts the bulk
-    prefetch cannot take, or with more parts than the kernel holds."""
-    calls = record_kernel_calls(monkeypatch, "moe_router")
-    x, w = _inputs(1, 64), torch.randn(9, 64).to(torch.bfloat16)
-    gate_up, down = _experts(8, 64, 32, "int4", group=32)
-    moe.moe_router(x, w, 8, 2, True, (gate_up, down))
-    parts = (gate_up.qweight, gate_up.scales, down.qweight, down.scales)
-    assert calls[-1]["prefetch_base"] == [t.data_ptr() for t in parts]
-    assert calls[-1]["prefetch_bytes"] == [t[0].numel() * t.element_size() for t in parts] == [2048, 256, 1024, 128]
-    dense_gate_up, dense_down = _experts(8, 64, 32, "bf16")
-    moe.moe_router(x, w, 8, 2, True, (dense_gate_up,))
-    assert calls[-1]["prefetch_bytes"] == [2 * 32 * 64 * 2]
-    per_pick = sum(calls[-1]["prefetch_bytes"])
-    monkeypatch.setattr(moe, "ROUTER_PREFETCH_MAX_BYTES", 3 * per_pick)
-    moe.moe_router(_inputs(2, 64), w, 8, 2, True, (dense_gate_up,))  # 4 picks past 3 picks' bytes
-    odd = torch.zeros(8, 3, dtype=torch.uint8)  # 3 bytes an expert: not a bulk unit
-    for prefetch in ((dense_gate_up,), (dense_gate_up, odd), (gate_up, down, dense_down)):
-        moe.moe_router(_inputs(2, 64), w, 8, 2, True, prefetch)
-    assert all("prefetch_base" not in call for call in calls[-4:])
-    moe.moe_router(x, w, 8, 2, True)
-    assert "prefetch_base" not in calls[-1]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["int4", "bf16"])
-def test_router_prefetch_changes_nothing_but_l2(cuda_kernels, fmt):
-    """Asking L2 for the picked experts is a hint: the outputs are those without it, the norm fold
-    and graph replays included; a misaligned range is refused before the launch."""
-    experts, rows, hidden, top_k = 256, 257, 2048, 8
-    x = _inputs(1, hidden, device="cuda", seed=5)
-    residual = _inputs(1, hidden, device="cuda", seed=6)
-    norm_w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(rows, hidden, device="cuda") / math.sqrt(hidden)).to(torch.bfloat16)
-    gate_up, down = _cached_experts(experts, hidden, 512, fmt, 128) if fmt == "int4" else (
-        _experts(experts, 256, 64, fmt, device="cuda"))
-    norm = moe.RouterNorm(residual, norm_w, 1e-6, False)
-    want = moe.moe_add_norm_router(x, norm, w, experts, top_k, True)
-    got = moe.moe_add_norm_router(x, norm, w, experts, top_k, True, (gate_up, down))
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert all(torch.equal(a, b) for a, b in zip(moe.moe_router(x, w, experts, top_k, True, (gate_up, down)),
-                                                 moe.moe_router(x, w, experts, top_k, True)))
-    graph, out = capture(lambda: moe.moe_add_norm_router(x, norm, w, experts, top_k, True, (gate_up, down)))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(out, want))
-    logits = torch.empty(1, rows, device="cuda", dtype=torch.bfloat16)
-    ids = torch.empty(1, top_k, device="cuda", dtype=torch.int32)
-    with pytest.raises(ValueError, match="prefetch ranges"):
-        dispatch.extension().moe_router(
-            logits=logits.data_ptr(), weights=logits.data_ptr(), ids=ids.data_ptr(),
-            done=moe._router_done[(x.device, w.data_ptr())].data_ptr(), x=x.data_ptr(), w=w.data_ptr(), tokens=1,
-            hidden=hidden, rows=rows, experts=experts, top_k=top_k, renormalize=True,
-            dtype=dispatch.kernel_dtype(x), device=x.device.index, stream=dispatch.stream_handle(x),
-            prefetch_base=[w.data_ptr() + 8], prefetch_bytes=[64])
 
 
 @pytest.mark.cuda
@@ -501,8 +445,7 @@ def test_moe_layer_uses_the_folded_norm_outputs(monkeypatch):
         assert torch.equal(out, want) and torch.equal(res, summed)
         seen = []
 
-        def folded(x_, norm_, weight, experts, top_k, renormalize, prefetch):
-            assert prefetch == (layer.experts.gate_up, layer.experts.down)
+        def folded(x_, norm_, weight, experts, top_k, renormalize):
             seen.append(norm_)
             n, s = norm.add_norm(x_, norm_.residual)
             logits = torch.nn.functional.linear(n, weight)

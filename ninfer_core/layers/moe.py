@@ -112,8 +112,7 @@ class SparseMoE(nn.Module):
             fused = moe_add_norm_router(x.reshape(-1, shape[-1]),
                                         RouterNorm(residual.reshape(-1, shape[-1]), norm.weight, norm.eps,
                                                    norm.zero_centered),
-                                        router, self.gates.parts["gate"], self.top_k, self.renormalize,
-                                        self._picked())
+                                        router, self.gates.parts["gate"], self.top_k, self.renormalize)
         if fused is None:
             h, residual = norm.add_norm(x, residual)
             return self(h), residual
@@ -141,16 +140,12 @@ class SparseMoE(nn.Module):
         linear = self.gates.linear
         return linear.weight if type(linear) is nn.Linear and linear.bias is None else None
 
-    def _picked(self) -> tuple[ExpertTensor, ExpertTensor]:
-        """The expert tensors whose picked experts the router kernel sends to L2 for the expert kernels."""
-        return self.experts.gate_up, self.experts.down
-
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """(weights, ids, [the shared expert's gate logits] or []): a decode step's router GEMV and
         top-k in one kernel where it applies, else the GEMM and `moe_route`."""
         router = self._kernel_router()
         fused = None if router is None else moe_router(x, router, self.gates.parts["gate"], self.top_k,
-                                                        self.renormalize, self._picked())
+                                                        self.renormalize)
         if fused is not None:
             logits, weights, ids = fused
             _, *shared_gate = self.gates.split(logits)

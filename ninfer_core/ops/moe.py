@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,44 +111,23 @@ def moe_route(
 
 
 # Tokens and widths up to which `moe_router` runs the router as one kernel (csrc/moe.cu:
-# kRouterMaxTokens, moe.h: kMoeRouterMaxHidden), and its prefetch ranges (kMoePrefetchRanges)
+# kRouterMaxTokens, moe.h: kMoeRouterMaxHidden)
 ROUTER_KERNEL_MAX_TOKENS = 4
 ROUTER_KERNEL_MAX_HIDDEN = 4096
-_PREFETCH_RANGES = 4
 _router_done: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-# The picked experts' bytes the router asks L2 for at most (tokens x top_k slices of `prefetch`):
-# one decode token's 8 experts at the 35B shape are 12.5 MB; a verify round's 32 would crowd the
-# H200's 50 MB L2, where the expert kernels' own loads do as well.
-ROUTER_PREFETCH_MAX_BYTES = 16 << 20
-
-
 def moe_router(
-    x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool,
-    prefetch: Sequence[ExpertTensor] = (),
+    x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A decode step's router in one launch instead of a GEMM and `moe_route`: (logits [N, R] =
     x @ weight^T, where rows past `experts` are extra outputs such as the shared expert's gate;
     weights, ids of `moe_route` over the first `experts` columns). None where the kernel does not
     apply (the caller runs the GEMM and `moe_route`): past ROUTER_KERNEL_MAX_TOKENS tokens, fp32,
-    shapes it does not take. `prefetch`: expert tensors ([E, ...] each, e.g. gate_up and down) whose
-    picked experts' slices the kernel asks L2 for as it picks them (within ROUTER_PREFETCH_MAX_BYTES)."""
+    shapes it does not take."""
     if not _router_fits(x, weight, experts, top_k):
         return None
-    return _launch_router(x, weight, experts, top_k, renormalize, **_prefetch_ranges(prefetch, x.shape[0] * top_k))
-
-
-def _prefetch_ranges(tensors: Sequence[ExpertTensor], picks: int) -> dict[str, list[int]]:
-    """The router kernel's prefetch ranges (base pointer, bytes an expert) of `tensors`' parts, or
-    none: past the byte budget, or a part the bulk prefetch cannot take (16-byte units)."""
-    parts = [t for w in tensors for t in ((w.qweight, w.scales) if isinstance(w, QuantizedWeight) else (w,))]
-    per_expert = [t[0].numel() * t.element_size() for t in parts]
-    if (os.environ.get("NINFER_MOE_PREFETCH", "1") == "0" or not parts or len(parts) > _PREFETCH_RANGES
-            or picks * sum(per_expert) > ROUTER_PREFETCH_MAX_BYTES
-            or any(not t.is_contiguous() or t.data_ptr() % 16 or n % 16 for t, n in zip(parts, per_expert))):
-        return {}
-    return {"prefetch_base": [t.data_ptr() for t in parts], "prefetch_bytes": per_expert}
+    return _launch_router(x, weight, experts, top_k, renormalize)
 
 
 @dataclass(frozen=True)
@@ -163,8 +141,7 @@ class RouterNorm:
 
 
 def moe_add_norm_router(
-    x: torch.Tensor, norm: RouterNorm, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool,
-    prefetch: Sequence[ExpertTensor] = (),
+    x: torch.Tensor, norm: RouterNorm, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """`ops.add_rmsnorm(x, norm.residual, ...)` then `moe_router` on its normed rows, in the router's
     one launch (bit-equal to the two): (normed, summed, logits, weights, ids). None where the
@@ -183,8 +160,7 @@ def moe_add_norm_router(
     logits, weights, ids = _launch_router(x, weight, experts, top_k, renormalize,
                                           residual=norm.residual.data_ptr(), norm_weight=norm.weight.data_ptr(),
                                           normed=normed.data_ptr(), residual_out=summed.data_ptr(),
-                                          eps=norm.eps, zero_centered=norm.zero_centered,
-                                          **_prefetch_ranges(prefetch, x.shape[0] * top_k))
+                                          eps=norm.eps, zero_centered=norm.zero_centered)
     return normed, summed, logits, weights, ids
 
 
@@ -207,7 +183,7 @@ def _router_fits(x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int
 
 def _launch_router(
     x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool,
-    **extra: int | float | bool | list[int],
+    **norm: int | float | bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, hidden = x.shape
     rows = weight.shape[0]
@@ -224,7 +200,7 @@ def _launch_router(
         logits=logits.data_ptr(), weights=weights.data_ptr(), ids=ids.data_ptr(), done=done.data_ptr(),
         x=x.data_ptr(), w=weight.data_ptr(), tokens=tokens, hidden=hidden, rows=rows, experts=experts,
         top_k=top_k, renormalize=renormalize, dtype=dispatch.kernel_dtype(x), device=x.device.index,
-        stream=dispatch.stream_handle(x), **extra,
+        stream=dispatch.stream_handle(x), **norm,
     )
     return logits, weights, ids
 
