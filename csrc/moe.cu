@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: the 288 block
 // also takes its down row r (WS [hidden, shared_inter]) against h[token, top_k] and ends as the
 // composition would: round(round(routed) + round(round(shared) * round(sigmoid(gate[token])))).
 template <typename T, typename W, typename WS>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(2 * kThreads)
     down_kernel(T* __restrict__ out, const T* __restrict__ h, const void* __restrict__ weights,
                 DType weights_dtype, const int* __restrict__ ids, W w, WS ws, int top_k, int hidden,
                 int inter, int experts, int shared_inter, int h_stride, const T* __restrict__ shared_gate,
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kThreads)
   float* hs_shared = hs + span;
   float* slot_weight = hs_shared + (kHasShared<WS> ? shared_inter : 0);
   const int lane = threadIdx.x & 31;
-  const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int row_vecs = inter / W::kVec;
   const int nvec = top_k * row_vecs;
   int j = lane / row_vecs;  // slot and chunk of the flattened vector index t, advanced with t
@@ -482,7 +482,8 @@ constexpr int kRouterThreads = 256;
 constexpr int kRouterWarps = kRouterThreads / 32;
 constexpr int kRouterRows = 2;  // 129 blocks for the 35B's 257 rows: about one an SM
 constexpr int kRouterVecs = static_cast<int>(kMoeRouterMaxHidden / 8 / kRouterThreads);  // vectors a thread
-constexpr int kRouterMaxTokens = 4;
+constexpr int kRouterMaxTokens = 8;  // batch-8 decode
+static_assert(kRouterMaxTokens <= kRouterWarps, "the last block routes token n with warp n");
 
 // The RMSNorm folded into the router (moe.h RouterNormArgs); residual == nullptr: none.
 template <typename T>
@@ -496,14 +497,14 @@ struct RouterNorm {
 };
 
 // Token n's x vectors of this thread (c = threadIdx.x + kRouterThreads j) replaced by
-// norm(x + residual), bit-equal to rmsnorm_kernel (rms_row_threads): there thread c sums the squares
+// norm(x + residual) (rv: the residual's vectors), bit-equal to rmsnorm_kernel (rms_row_threads): there thread c sums the squares
 // of vector c, each warp adds its lanes (a group of 32 vectors), then the group totals, zero-padded to
 // 32, are added with one more warp_sum; here vector c's group is c / 32 = warp + kRouterWarps j.
 // Block 0 writes the rows out. group_totals: shared, kRouterVecs * kRouterWarps floats.
 template <typename T>
-__device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterVecs], const uint4 (&nw)[kRouterVecs],
-                                          const RouterNorm<T>& norm, std::int64_t n, int hidden,
-                                          float* group_totals) {
+__device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterVecs], const uint4 (&rv)[kRouterVecs],
+                                          const uint4 (&nw)[kRouterVecs], const RouterNorm<T>& norm, std::int64_t n,
+                                          int hidden, float* group_totals) {
   constexpr int kPer = 8;
   using TV = Vec<T, kPer>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -514,9 +515,8 @@ __device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterVecs], const uint4 
     const int c = threadIdx.x + kRouterThreads * j;
     if (kRouterThreads * j >= nvec) break;  // block-uniform
     if (c < nvec) {
-      const uint4 rv = __ldg(reinterpret_cast<const uint4*>(norm.residual + base) + c);
       TV& a = *reinterpret_cast<TV*>(&xv[j]);
-      const TV& r = *reinterpret_cast<const TV*>(&rv);
+      const TV& r = *reinterpret_cast<const TV*>(&rv[j]);
 #pragma unroll
       for (int i = 0; i < kPer; ++i) a.v[i] = add_rounded(a.v[i], r.v[i]);
     }
@@ -566,15 +566,27 @@ __global__ void __launch_bounds__(kRouterThreads)
     }
     if (kNorm && c < nvec) nw[j] = __ldg(reinterpret_cast<const uint4*>(norm.weight) + c);
   }
-  enter_kernel();
-  for (int n = 0; n < tokens; ++n) {
-    uint4 xv[kRouterVecs];
+  // Token n + 1's x (and residual) vectors are requested before token n is normed and dotted: one
+  // L2 round trip for all the tokens, not one a token.
+  uint4 next_x[kRouterVecs], next_r[kRouterVecs];
+  const auto load_token = [&](int n) {
 #pragma unroll
     for (int j = 0; j < kRouterVecs; ++j) {
       const int c = threadIdx.x + kRouterThreads * j;
-      if (c < nvec) xv[j] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<std::int64_t>(n) * hidden) + c);
+      if (c >= nvec) continue;
+      const std::int64_t at = static_cast<std::int64_t>(n) * nvec + c;
+      next_x[j] = __ldg(reinterpret_cast<const uint4*>(x) + at);
+      if constexpr (kNorm) next_r[j] = __ldg(reinterpret_cast<const uint4*>(norm.residual) + at);
     }
-    if constexpr (kNorm) fold_norm(xv, nw, norm, n, hidden, group_totals);
+  };
+  enter_kernel();
+  load_token(0);
+  for (int n = 0; n < tokens; ++n) {
+    uint4 xv[kRouterVecs], rv[kRouterVecs];
+#pragma unroll
+    for (int j = 0; j < kRouterVecs; ++j) xv[j] = next_x[j], rv[j] = next_r[j];
+    if (n + 1 < tokens) load_token(n + 1);
+    if constexpr (kNorm) fold_norm(xv, rv, nw, norm, n, hidden, group_totals);
     float acc[kRouterRows] = {};
 #pragma unroll
     for (int j = 0; j < kRouterVecs; ++j) {
@@ -787,11 +799,13 @@ void launch_decode(const MoeDecodeArgs& a) {
     });
   });
 
-  const dim3 down_grid((hidden + kWarps - 1) / kWarps, static_cast<unsigned>(a.tokens));
+  const char* env = std::getenv("NINFER_DOWN_WARPS");  // TEMPORARY A/B switch: warps a down block
+  const int down_warps = env == nullptr ? kWarps : std::atoi(env);
+  const dim3 down_grid((hidden + down_warps - 1) / down_warps, static_cast<unsigned>(a.tokens));
   const std::size_t down_smem = sizeof(float) * (top_k * (inter + 2) + shared_inter);
   with_weights<T>(a.down, inter, [&](auto w) {
     with_shared_for<T, decltype(w)>(a.shared_down, shared_inter, [&](auto ws) {
-      launch_kernel("moe down kernel launch", down_kernel<T, decltype(w), decltype(ws)>, down_grid, kThreads,
+      launch_kernel("moe down kernel launch", down_kernel<T, decltype(w), decltype(ws)>, down_grid, 32 * down_warps,
                     down_smem, stream, reinterpret_cast<T*>(a.out), static_cast<const T*>(h),
                     reinterpret_cast<const void*>(a.weights), a.weights_dtype, ids, w, ws, top_k, hidden, inter,
                     experts, shared_inter, h_stride, gate, a.shared_gate_stride);

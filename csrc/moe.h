@@ -25,7 +25,7 @@ struct MoeRouteArgs {
 
 void moe_route(const MoeRouteArgs& args);
 
-// The router of a decode step (1..4 tokens, fp16 / bf16) in one launch: logits [tokens, rows] =
+// The router of a decode step (1..8 tokens, fp16 / bf16) in one launch: logits [tokens, rows] =
 // x [tokens, hidden] @ w [rows, hidden]^T (fp32 sums rounded to dtype; rows past `experts` are
 // extra outputs such as a shared expert's gate), then moe_route over the first `experts` columns.
 // `route`: moe_route's arguments, its logits the router's output (tokens x rows, of which the first

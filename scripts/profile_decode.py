@@ -2,7 +2,7 @@
 
 Runs eager decode steps (the same kernels a CUDA graph replays) under torch.profiler and prints
 each kernel's calls per step and its share of the GPU time, next to the graph-replay step time.
-    python3 scripts/profile_decode.py qwen3.6-35b-a3b [--context 4096] [--json OUT]
+    python3 scripts/profile_decode.py qwen3.6-35b-a3b [--context 4096] [--batch 1] [--json OUT]
 """
 
 from __future__ import annotations
@@ -24,27 +24,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("preset")
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1, help="sequences a step decodes, each at --context")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     setup = BenchSetup(model=args.preset, device="cuda", weights=args.weights, prefill_lengths=(),
-                       decode_contexts=(args.context,), decode_batches=(1,), decode_steps=args.steps)
+                       decode_contexts=(args.context,), decode_batches=(args.batch,), decode_steps=args.steps,
+                       batch_context=args.context)
     model, config, dev, dtype, _ = _build(setup)
     harness = _Harness(model, config, dev, dtype, setup)
-    graph_ms = harness.decode(1, args.context, float("nan")).ms_per_step
-    # the batch-1 decode graph replayed back to back: GPU time alone (graph_ms above also holds each
-    # step's host work: building the batch, copying its inputs, the argmax)
-    replay = next(g.graph for key, g in harness.graphs.graphs.items() if key[:2] == (1, 0))
+    graph_ms = harness.decode(args.batch, args.context, float("nan")).ms_per_step
+    # the decode graph replayed back to back: GPU time alone (graph_ms above also holds each step's
+    # host work: building the batch, copying its inputs, the argmax)
+    replay = next(g.graph for key, g in harness.graphs.graphs.items() if key[:2] == (args.batch, 0))
     replay_ms = cuda_median_ms(lambda: [replay.replay() for _ in range(10)]) / 10
     harness.graphs = None  # eager: the profiler sees every kernel
-    harness.decode(1, args.context, float("nan"))  # warm-up
+    harness.decode(args.batch, args.context, float("nan"))  # warm-up
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        eager_ms = harness.decode(1, args.context, float("nan")).ms_per_step
+        eager_ms = harness.decode(args.batch, args.context, float("nan")).ms_per_step
     rows = kernel_rows(prof, args.steps + 1)  # decode() runs a warm-up step before its timed ones
     gpu_us = sum(r[0] for r in rows)
     launches = sum(r[1] for r in rows)
-    print(f"{args.preset}: graph step {graph_ms:.3f} ms (replays alone {replay_ms:.3f} ms), "
+    print(f"{args.preset}, batch {args.batch}: graph step {graph_ms:.3f} ms (replays alone {replay_ms:.3f} ms), "
           f"eager step {eager_ms:.3f} ms, GPU busy {gpu_us / 1e3:.3f} ms in {launches:.0f} kernels per step")
     print_rows(rows)
     if args.json:

@@ -312,7 +312,7 @@ def test_route_kernel_with_ties(cuda_kernels):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("shape", [(256, 257, 2048, 8), (8, 8, 64, 2), (64, 66, 520, 4), (128, 129, 4096, 8)], ids=str)
-@pytest.mark.parametrize("tokens", [1, 2, 4])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8])
 def test_router_kernel_matches_the_gemm_and_route(cuda_kernels, tokens, shape, renormalize, dtype):
     """moe_router: the logits (extra rows past the experts included) within an ulp of the float64
     product and of cuBLAS, the routing that of moe_route over the kernel's own logits, the
@@ -369,7 +369,7 @@ def test_router_call_passes_each_tensor_in_its_place(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("zero_centered", [True, False])
 @pytest.mark.parametrize("shape", [(256, 257, 2048, 8), (8, 8, 256, 2), (64, 66, 1536, 4)], ids=str)
-@pytest.mark.parametrize("tokens", [1, 2, 4])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_add_norm_router_is_bit_equal_to_add_rmsnorm_then_router(cuda_kernels, tokens, shape, zero_centered, dtype):
     """moe_add_norm_router: the normed rows and sums exactly add_rmsnorm's (the rmsnorm kernel, whose
     sum-of-squares order the fold repeats), the logits / weights / ids exactly moe_router's on those

@@ -112,7 +112,7 @@ def moe_route(
 
 # Tokens and widths up to which `moe_router` runs the router as one kernel (csrc/moe.cu:
 # kRouterMaxTokens, moe.h: kMoeRouterMaxHidden)
-ROUTER_KERNEL_MAX_TOKENS = 4
+ROUTER_KERNEL_MAX_TOKENS = 8
 ROUTER_KERNEL_MAX_HIDDEN = 4096
 _router_done: dict[tuple[torch.device, int], torch.Tensor] = {}
 
