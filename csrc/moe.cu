@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: the 288 block
 // also takes its down row r (WS [hidden, shared_inter]) against h[token, top_k] and ends as the
 // composition would: round(round(routed) + round(round(shared) * round(sigmoid(gate[token])))).
 template <typename T, typename W, typename WS>
-__global__ void __launch_bounds__(2 * kThreads)
+__global__ void __launch_bounds__(kThreads)
     down_kernel(T* __restrict__ out, const T* __restrict__ h, const void* __restrict__ weights,
                 DType weights_dtype, const int* __restrict__ ids, W w, WS ws, int top_k, int hidden,
                 int inter, int experts, int shared_inter, int h_stride, const T* __restrict__ shared_gate,
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(2 * kThreads)
   float* hs_shared = hs + span;
   float* slot_weight = hs_shared + (kHasShared<WS> ? shared_inter : 0);
   const int lane = threadIdx.x & 31;
-  const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int row_vecs = inter / W::kVec;
   const int nvec = top_k * row_vecs;
   int j = lane / row_vecs;  // slot and chunk of the flattened vector index t, advanced with t
@@ -799,13 +799,11 @@ void launch_decode(const MoeDecodeArgs& a) {
     });
   });
 
-  const char* env = std::getenv("NINFER_DOWN_WARPS");  // TEMPORARY A/B switch: warps a down block
-  const int down_warps = env == nullptr ? kWarps : std::atoi(env);
-  const dim3 down_grid((hidden + down_warps - 1) / down_warps, static_cast<unsigned>(a.tokens));
+  const dim3 down_grid((hidden + kWarps - 1) / kWarps, static_cast<unsigned>(a.tokens));
   const std::size_t down_smem = sizeof(float) * (top_k * (inter + 2) + shared_inter);
   with_weights<T>(a.down, inter, [&](auto w) {
     with_shared_for<T, decltype(w)>(a.shared_down, shared_inter, [&](auto ws) {
-      launch_kernel("moe down kernel launch", down_kernel<T, decltype(w), decltype(ws)>, down_grid, 32 * down_warps,
+      launch_kernel("moe down kernel launch", down_kernel<T, decltype(w), decltype(ws)>, down_grid, kThreads,
                     down_smem, stream, reinterpret_cast<T*>(a.out), static_cast<const T*>(h),
                     reinterpret_cast<const void*>(a.weights), a.weights_dtype, ids, w, ws, top_k, hidden, inter,
                     experts, shared_inter, h_stride, gate, a.shared_gate_stride);

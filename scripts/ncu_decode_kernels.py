@@ -1,6 +1,7 @@
 """The decode step's largest kernels at the 35B-A3B's shapes, each launched a few times, for Nsight
 Compute: GEMVs as fast from L2 as from DRAM (`bench_l2_prefetch.py`) are bound by something inside
-the kernel, and ncu's stall reasons say what. One row of x, as batch-1 decode has.
+the kernel, and ncu's stall reasons say what. One row of x, as batch-1 decode has, or --tokens N
+(8: batch-8 decode, whose experts take the grouped GEMV).
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \\
         -k regex:"quant_gemv|gate_up|down_kernel|router_kernel" python3 scripts/ncu_decode_kernels.py
@@ -10,6 +11,7 @@ the kernel, and ncu's stall reasons say what. One row of x, as batch-1 decode ha
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -23,9 +25,12 @@ LAUNCHES = 3
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1)
+    tokens = parser.parse_args().tokens
     torch.manual_seed(0)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(1, HIDDEN, **bf16)
+    x = torch.randn(tokens, HIDDEN, **bf16)
     projections = {name: quant.quantize(torch.randn(n, k, **bf16) * 0.02, "int8", 128)
                    for name, (n, k) in {"gdn_in_proj": (12352, HIDDEN), "out_proj": (HIDDEN, 4096)}.items()}
     gate_up = quant.quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, **bf16) * 0.02, "int4", 128)
@@ -33,8 +38,8 @@ def main() -> None:
     router = torch.randn(EXPERTS + 1, HIDDEN, **bf16) * 0.02
     for _ in range(LAUNCHES):
         for w in projections.values():
-            out = torch.empty(1, w.shape[0], **bf16)
-            quant._gemv(out, torch.randn(1, w.shape[1], **bf16), w, None)
+            out = torch.empty(tokens, w.shape[0], **bf16)
+            quant._gemv(out, torch.randn(tokens, w.shape[1], **bf16), w, None)
         routed = moe.moe_router(x, router, EXPERTS, TOP_K, True)
         assert routed is not None, "the router kernel does not take this shape"
         _, weights, ids = routed
