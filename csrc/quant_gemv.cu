@@ -193,9 +193,9 @@ struct Mma<__nv_bfloat16> {
   }
 };
 
-// A word of 8 int4 codes e0..e7 as (q * scale) pairs (e_i, e_i+4), i = 0..3: q exact from the
-// magic number, then one rounding for the product.
-template <typename T>
+// A word of 8 int4 codes e0..e7 as pairs (e_i, e_i+4), i = 0..3, of q (exact from the magic
+// number), or of q * scale (one rounding) when kScaled.
+template <typename T, bool kScaled>
 __device__ __forceinline__ void int4_pairs(std::uint32_t word, typename Mma<T>::Pair scale,
                                            std::uint32_t (&p)[4]) {
   using Pair = typename Mma<T>::Pair;
@@ -203,36 +203,66 @@ __device__ __forceinline__ void int4_pairs(std::uint32_t word, typename Mma<T>::
   for (int i = 0; i < 4; ++i) {
     const std::uint32_t biased = ((word >> (4 * i)) & 0x000F000Fu) | Mma<T>::kNibbleMagic;
     const Pair q = __hsub2(as_pair<Pair>(biased), as_pair<Pair>(Mma<T>::kNibbleBias));
-    p[i] = as_u32(__hmul2(q, scale));
+    p[i] = kScaled ? as_u32(__hmul2(q, scale)) : as_u32(q);
+  }
+}
+
+// The two MMA k-steps of word j of an int4 chunk (k = kx + 8j .. kx + 8j + 7) into c, from the
+// A pairs of rows g (a0) and g + 8 (a1).
+template <typename T, int kTiles, typename XRow>
+__device__ __forceinline__ void word_mma(float (&c)[kTiles][4], const std::uint32_t (&a0)[4],
+                                         const std::uint32_t (&a1)[4], const XRow (&xr)[kTiles],
+                                         const bool (&x_in)[kTiles], int kx, int j) {
+#pragma unroll
+  for (int tile = 0; tile < kTiles; ++tile) {
+    const uint4 xv = load16<false>(xr[tile] + kx + 8 * j, x_in[tile]);
+    // A pairs hold k (i, i + 4) of the word, so B pairs x the same way.
+    Mma<T>::mma(c[tile], a0[0], a1[0], a0[1], a1[1], __byte_perm(xv.x, xv.z, 0x5410u),
+                __byte_perm(xv.x, xv.z, 0x7632u));
+    Mma<T>::mma(c[tile], a0[2], a1[2], a0[3], a1[3], __byte_perm(xv.y, xv.w, 0x5410u),
+                __byte_perm(xv.y, xv.w, 0x7632u));
   }
 }
 
 // One chunk on tensor cores. q: this lane's 16 bytes of rows g and g + 8; kx: their first k;
 // xr: this lane's x row of each n8 tile (const T* or StagedX<T>); x_in: whether that row exists
-// (and kx is inside the row).
-template <typename T, bool kInt4, int kTiles, typename XRow>
+// (and kx is inside the row). kGroupChunk (int4): the chunk is one group of every row (group_size
+// 128: the 4 lanes of a row share its scale), so its MMAs take the exact codes and the chunk's
+// sums are scaled in fp32, 4 FMAs instead of 32 pair multiplies a lane (the int4 loop is bound by
+// instruction issue: ncu, grouped MoE gate_up at 8 tokens, 0.59 issued a scheduler a cycle);
+// smaller groups scale the weights (rounded to T) before the MMA.
+template <typename T, bool kInt4, bool kGroupChunk, int kTiles, typename XRow>
 __device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (&q)[2],
                                           const std::uint16_t (&sc)[2], const XRow (&xr)[kTiles],
                                           const bool (&x_in)[kTiles], int kx) {
   using M = Mma<T>;
   const std::uint32_t w0[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
   const std::uint32_t w1[4] = {q[1].x, q[1].y, q[1].z, q[1].w};
-  if constexpr (kInt4) {
-    const typename M::Pair s0 = M::scale(sc[0]), s1 = M::scale(sc[1]);
+  if constexpr (kInt4 && kGroupChunk) {
+    float c[kTiles][4] = {};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // word j: k = kx + 8j .. kx + 8j + 7, two MMA k-steps
       std::uint32_t a0[4], a1[4];
-      int4_pairs<T>(w0[j], s0, a0);
-      int4_pairs<T>(w1[j], s1, a1);
+      int4_pairs<T, false>(w0[j], {}, a0);
+      int4_pairs<T, false>(w1[j], {}, a1);
+      word_mma<T, kTiles>(c, a0, a1, xr, x_in, kx, j);
+    }
+    const float f0 = bf16_bits_to_float(sc[0]), f1 = bf16_bits_to_float(sc[1]);
 #pragma unroll
-      for (int tile = 0; tile < kTiles; ++tile) {
-        const uint4 xv = load16<false>(xr[tile] + kx + 8 * j, x_in[tile]);
-        // A pairs hold k (i, i + 4) of the word, so B pairs x the same way.
-        M::mma(acc[tile], a0[0], a1[0], a0[1], a1[1], __byte_perm(xv.x, xv.z, 0x5410u),
-               __byte_perm(xv.x, xv.z, 0x7632u));
-        M::mma(acc[tile], a0[2], a1[2], a0[3], a1[3], __byte_perm(xv.y, xv.w, 0x5410u),
-               __byte_perm(xv.y, xv.w, 0x7632u));
-      }
+    for (int tile = 0; tile < kTiles; ++tile) {  // entries 0, 1: row g; 2, 3: row g + 8
+      acc[tile][0] = fmaf(f0, c[tile][0], acc[tile][0]);
+      acc[tile][1] = fmaf(f0, c[tile][1], acc[tile][1]);
+      acc[tile][2] = fmaf(f1, c[tile][2], acc[tile][2]);
+      acc[tile][3] = fmaf(f1, c[tile][3], acc[tile][3]);
+    }
+  } else if constexpr (kInt4) {
+    const typename M::Pair s0 = M::scale(sc[0]), s1 = M::scale(sc[1]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      std::uint32_t a0[4], a1[4];
+      int4_pairs<T, true>(w0[j], s0, a0);
+      int4_pairs<T, true>(w1[j], s1, a1);
+      word_mma<T, kTiles>(acc, a0, a1, xr, x_in, kx, j);
     }
   } else {
 #pragma unroll
@@ -302,6 +332,10 @@ constexpr int kMinBlocks = std::is_same_v<T, float> ? 1 : (kTiles == 1 ? 3 : 2);
 
 // A warp's weight rows: 16 consecutive ones (Dense, Down), or 8 gate rows and their 8 up rows.
 enum class Layout { Dense, GateUp, Down };
+
+// The weight codes: int8, int4, or int4 in groups of 128 (a chunk's 128 codes of a row are one
+// group, scaled after its MMAs: chunk_mma).
+enum class Codes { Int8, Int4, Int4Group128 };
 
 // Grouped layouts only (moe_align's output; see quant_gemv.h).
 struct Grouping {
@@ -433,7 +467,7 @@ __device__ void add_norm_rows(T* stage, const T* __restrict__ x, const AddNorm& 
 // registers may then take what one block an SM leaves.
 // kNorm: x is the delta of a residual stream, normed with `norm` into the stage first (plain
 // 16-bit Dense GEMVs of up to kQuantGemvNormMaxRows rows: one block row).
-template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, bool kNorm>
+template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, bool kNorm>
 __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMinBlocks<T, kTiles> : 1)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
@@ -441,6 +475,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
                       Grouping grouping) {
   static_assert(!kNorm || (!std::is_same_v<T, float> && kLayout == Layout::Dense && !kGrouped));
   constexpr bool kTensorCores = !std::is_same_v<T, float>;
+  constexpr bool kInt4 = kCodes != Codes::Int8;
   const T* bias = static_cast<const T*>(epilogue.bias);
   const T* gate = static_cast<const T*>(epilogue.gate);
   const T* add = static_cast<const T*>(epilogue.add);
@@ -550,7 +585,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
         bool x_in[kTiles];
 #pragma unroll
         for (int tile_m = 0; tile_m < kTiles; ++tile_m) x_in[tile_m] = x_live[tile_m] && in;
-        chunk_mma<T, kInt4, kTiles>(acc, cur[u], cur_sc[u], xr, x_in, kx);
+        chunk_mma<T, kInt4, kCodes == Codes::Int4Group128, kTiles>(acc, cur[u], cur_sc[u], xr, x_in, kx);
       } else if (in) {
         chunk_fp32<kInt4, kTiles>(sum, cur[u], cur_sc[u], x, m, k, kx);
       }
@@ -648,9 +683,9 @@ void allow_largest_stage(int device) {
   allowed[device].store(true, std::memory_order_relaxed);
 }
 
-template <typename T, bool kInt4, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, bool kNorm>
+template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, bool kNorm>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
-  constexpr auto kernel = quant_gemv_kernel<T, kInt4, kTiles, kLayout, kGrouped, kBlockWarps, kNorm>;
+  constexpr auto kernel = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kNorm>;
   const int tiles_per_block = kBlockWarps / split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
@@ -676,22 +711,32 @@ static_assert(kQuantGemvNormMaxRows <= 8, "the norm's rows fit one n8 tile (kTil
 template <typename T, Layout kLayout, bool kGrouped, bool kNorm = false>
 void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks,
                   Grouping grouping = {}) {
-  const auto pick = [&](auto int4, auto block_warps) {
-    constexpr bool kInt4 = decltype(int4)::value;
+  const auto pick = [&](auto codes, auto block_warps) {
+    constexpr Codes kCodes = decltype(codes)::value;
     constexpr int kBlockWarps = decltype(block_warps)::value;
     switch (tiles) {
-      case 1: launch<T, kInt4, 1, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping); break;
+      case 1: launch<T, kCodes, 1, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping); break;
       case 2:  // m > 8: never with the norm (check_norm: m <= kQuantGemvNormMaxRows)
-        if constexpr (!kNorm) launch<T, kInt4, 2, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping);
+        if constexpr (!kNorm) launch<T, kCodes, 2, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping);
         break;
-      default:
+      default:  // 32-slot blocks: the chunk sums of 4 tiles would spill, so groups of 128 scale the weights
         if constexpr (kGrouped) {
-          launch<T, kInt4, 4, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping);
+          constexpr Codes kWide = kCodes == Codes::Int4Group128 ? Codes::Int4 : kCodes;
+          launch<T, kWide, 4, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping);
         }
     }
   };
   const auto by_kind = [&](auto block_warps) {
-    a.int4 ? pick(std::true_type{}, block_warps) : pick(std::false_type{}, block_warps);
+    using C = Codes;
+    if (!a.int4) return pick(std::integral_constant<C, C::Int8>{}, block_warps);
+    // fp32 activations dequantize on CUDA cores: one int4 form for every group size
+    if constexpr (!std::is_same_v<T, float>) {
+      const char* env = std::getenv("NINFER_INT4_G128");  // TEMPORARY A/B switch
+      if (a.group_size == 2 * kChunkBytes && (env == nullptr || env[0] != '0')) {
+        return pick(std::integral_constant<C, C::Int4Group128>{}, block_warps);
+      }
+    }
+    pick(std::integral_constant<C, C::Int4>{}, block_warps);
   };
   if constexpr (!kGrouped && !std::is_same_v<T, float>) {
     if (split > kWarps) return by_kind(std::integral_constant<int, kWideWarps>{});

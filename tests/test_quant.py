@@ -361,8 +361,9 @@ def test_kernel_matches_reference(cuda_kernels, shape, kind, dtype, rows):
     assert not out.isnan().any(), "the kernel left outputs unwritten"
     exact = _expected(x, w64, bias)
     _assert_close(quant_linear_ref(x, qw, bias), exact, OUT_RTOL[dtype], OUT_ATOL[dtype])
-    if kind == "int4" and dtype != torch.float32:
+    if kind == "int4" and dtype != torch.float32 and group_size != 128:
         # Exactly the weights of dequantize_ref(qw, dtype) with fp32 sums, up to output rounding.
+        # (Groups of 128 are scaled after the MMAs in fp32: exact weights, the else branch.)
         rounded = _expected(x, dequantize_ref(qw, dtype).double(), bias)
         _assert_close(out, rounded, OUT_RTOL[dtype], OUT_ATOL[dtype])
         _assert_close(out, exact, OUT_RTOL[dtype], ROUNDED_W_ATOL[dtype])
