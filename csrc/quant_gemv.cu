@@ -731,10 +731,7 @@ void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_bl
     if (!a.int4) return pick(std::integral_constant<C, C::Int8>{}, block_warps);
     // fp32 activations dequantize on CUDA cores: one int4 form for every group size
     if constexpr (!std::is_same_v<T, float>) {
-      const char* env = std::getenv("NINFER_INT4_G128");  // TEMPORARY A/B switch
-      if (a.group_size == 2 * kChunkBytes && (env == nullptr || env[0] != '0')) {
-        return pick(std::integral_constant<C, C::Int4Group128>{}, block_warps);
-      }
+      if (a.group_size == 2 * kChunkBytes) return pick(std::integral_constant<C, C::Int4Group128>{}, block_warps);
     }
     pick(std::integral_constant<C, C::Int4>{}, block_warps);
   };

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu profile ab
+#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu profile ab replays
 # Wheels for packages missing there travel in .whl/ (scripts/device_wheels.sh fetches them);
 # `scripts/make_bench_model.py` writes the weight-less exact-shape model directories (.bench/)
 # that `serve` uses.
@@ -129,6 +129,10 @@ LIST
       env "${AB_ENV:-NINFER_PDL}=$v" timeout 200 python3 scripts/profile_decode.py qwen3.6-35b-a3b \
         --json "$OUT/ab_profile_$v.json" 2>&1 | head -8
     done ;;
+  replays)
+    # decode graph replays under AB_VARIANTS (space-separated, each NAME=VALUE[,...]) in one process
+    timeout ${AB_TIMEOUT:-400} python3 scripts/ab_replays.py "$OUT/ab_replays.json" $AB_VARIANTS \
+      --preset ${AB_PRESET:-qwen3.6-35b-a3b} --runs ${AB_RUNS:-1:4096,8:512} --rounds ${AB_ROUNDS:-2} 2>&1 | grep "^{" ;;
   start)
     timeout 300 python3 scripts/bench_start.py qwen3.6-35b-a3b /tmp/ninfer-start --json "$OUT/start_35b.json" 2>&1 | tail -4 ;;
   spec)
