@@ -182,8 +182,7 @@ def _router_fits(x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int
 
 
 def _launch_router(
-    x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool,
-    **norm: int | float | bool,
+    x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool, **norm: int | float | bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, hidden = x.shape
     rows = weight.shape[0]
