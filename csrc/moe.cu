@@ -945,7 +945,7 @@ void moe_decode(const MoeDecodeArgs& a) {
     check_weights(a.shared_gate_up, a.hidden, a.dtype, "shared gate_up");
     check_weights(a.shared_down, a.shared_inter, a.dtype, "shared down");
   }
-  if (a.tokens == 0) return;
+  if (a.tokens == 0 || moe_decode_mma(a)) return;
   DeviceGuard guard(a.device);
   by_dtype(a.dtype, "moe_decode", [&](auto t) { launch_decode<decltype(t)>(a); });
 }

@@ -143,4 +143,10 @@ struct MoeDecodeArgs {
 
 void moe_decode(const MoeDecodeArgs& args);
 
+// moe_decode's two kernels on tensor cores (csrc/moe_decode_mma.cu) where they cover the call:
+// fp16 / bf16, int4 experts in groups of 128 (hidden 512 / 1,024 / 2,048 / 4,096, inter a multiple
+// of 128 up to 512), top_k <= 8, an int8 shared expert (per-row scales) or none. Returns false,
+// launching nothing, otherwise. The arguments are moe_decode's, already checked.
+bool moe_decode_mma(const MoeDecodeArgs& args);
+
 }  // namespace ninfer

@@ -1,0 +1,225 @@
+// Tensor-core building blocks of the weight-only GEMVs (csrc/quant_gemv.cu) and the MoE decode
+// kernels (csrc/moe_decode_mma.cu): predicated 16-byte loads, int8 / int4 codes as exact 16-bit
+// pairs, and one 64-byte chunk of 16 weight rows through mma.m16n8k16 (fp32 accumulation).
+//
+// The lane layout: lane = 4 g + t holds rows g and g + 8 of a 16-row tile, bytes 16 t .. 16 t + 15
+// of each 64-byte chunk of those rows. The k order inside an MMA is free as long as A and B agree,
+// so each lane feeds exactly the weights it loaded and picks the matching x values itself (x row
+// n of an n8 tile from lane g = n): no shuffles, no shared memory for operands.
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace ninfer {
+
+// 16 bytes through the read-only path (weights: not kept in L1), zeros when !pred. Predicated
+// rather than branched: the MMAs that follow need the whole warp converged.
+template <bool kWeights>
+__device__ __forceinline__ uint4 load16(const void* ptr, bool pred) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if constexpr (kWeights) {
+    asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+        " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+        : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+        : "l"(ptr), "r"(static_cast<int>(pred)));
+  } else {
+    asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+        " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+        : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+        : "l"(ptr), "r"(static_cast<int>(pred)));
+  }
+  return v;
+}
+
+__device__ __forceinline__ std::uint16_t load2(const void* ptr, bool pred) {
+  std::uint16_t v = 0;
+  asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p ld.global.nc.u16 %0, [%1];\n}"
+      : "+h"(v)
+      : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(std::uint16_t bits) {
+  return __uint_as_float(static_cast<std::uint32_t>(bits) << 16);
+}
+
+template <typename P>
+__device__ __forceinline__ P as_pair(std::uint32_t u) {
+  return *reinterpret_cast<const P*>(&u);
+}
+
+template <typename P>
+__device__ __forceinline__ std::uint32_t as_u32(P p) {
+  return *reinterpret_cast<const std::uint32_t*>(&p);
+}
+
+// The 16-bit MMA types: code -> pair conversions and the MMA itself.
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__half> {
+  using Pair = __half2;
+  // A nibble n in bits 0-3 of each half under 0x6400 reads as 1024 + n; minus 1032 gives n - 8.
+  static constexpr std::uint32_t kNibbleMagic = 0x64006400u;
+  static constexpr std::uint32_t kNibbleBias = 0x64086408u;
+
+  __device__ static Pair scale(std::uint16_t bf16_bits) {
+    return __float2half2_rn(bf16_bits_to_float(bf16_bits));
+  }
+
+  // Codes e0..e3 of a word as pairs (e0, e1), (e2, e3): byte u under 0x64 is 1024 + u, u = q + 128.
+  __device__ static void int8_pairs(std::uint32_t word, std::uint32_t (&p)[2]) {
+    const std::uint32_t biased = word ^ 0x80808080u;
+    const Pair bias = as_pair<Pair>(0x64806480u);  // 1152 = 1024 + 128
+    p[0] = as_u32(__hsub2(as_pair<Pair>(__byte_perm(biased, 0x64646464u, 0x4140u)), bias));
+    p[1] = as_u32(__hsub2(as_pair<Pair>(__byte_perm(biased, 0x64646464u, 0x4342u)), bias));
+  }
+
+  __device__ static void mma(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                             std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct Mma<__nv_bfloat16> {
+  using Pair = __nv_bfloat162;
+  // Under 0x4300 a nibble in bits 0-3 reads as 128 + n; minus 136 gives n - 8.
+  static constexpr std::uint32_t kNibbleMagic = 0x43004300u;
+  static constexpr std::uint32_t kNibbleBias = 0x43084308u;
+
+  __device__ static Pair scale(std::uint16_t bf16_bits) {
+    return as_pair<Pair>(static_cast<std::uint32_t>(bf16_bits) * 0x10001u);
+  }
+
+  // bf16 stores 7 mantissa bits, too few for a byte under a magic exponent. A code q = l - 128 s
+  // (l: its low 7 bits, s: its sign bit) is (0x4300 | l) - (0x4300 | s << 7) = (128 + l) - (128
+  // or 256), exact: a byte permute, two ANDs and a subtraction a pair (through fp32: five).
+  __device__ static void int8_pairs(std::uint32_t word, std::uint32_t (&p)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const std::uint32_t codes = __byte_perm(word, 0x43434343u, i ? 0x4342u : 0x4140u);  // 0x43 q 0x43 q
+      p[i] = as_u32(__hsub2(as_pair<Pair>(codes & 0x437F437Fu), as_pair<Pair>(codes & 0x43804380u)));
+    }
+  }
+
+  __device__ static void mma(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                             std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+// A word of 8 int4 codes e0..e7 as pairs (e_i, e_i+4), i = 0..3, of q (exact from the magic
+// number), or of q * scale (one rounding) when kScaled.
+template <typename T, bool kScaled>
+__device__ __forceinline__ void int4_pairs(std::uint32_t word, typename Mma<T>::Pair scale,
+                                           std::uint32_t (&p)[4]) {
+  using Pair = typename Mma<T>::Pair;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const std::uint32_t biased = ((word >> (4 * i)) & 0x000F000Fu) | Mma<T>::kNibbleMagic;
+    const Pair q = __hsub2(as_pair<Pair>(biased), as_pair<Pair>(Mma<T>::kNibbleBias));
+    p[i] = kScaled ? as_u32(__hmul2(q, scale)) : as_u32(q);
+  }
+}
+
+// The two MMA k-steps of word j of an int4 chunk (k = kx + 8j .. kx + 8j + 7) into c, from the
+// A pairs of rows g (a0) and g + 8 (a1).
+template <typename T, int kTiles, typename XRow>
+__device__ __forceinline__ void word_mma(float (&c)[kTiles][4], const std::uint32_t (&a0)[4],
+                                         const std::uint32_t (&a1)[4], const XRow (&xr)[kTiles],
+                                         const bool (&x_in)[kTiles], int kx, int j) {
+#pragma unroll
+  for (int tile = 0; tile < kTiles; ++tile) {
+    const uint4 xv = load16<false>(xr[tile] + kx + 8 * j, x_in[tile]);
+    // A pairs hold k (i, i + 4) of the word, so B pairs x the same way.
+    Mma<T>::mma(c[tile], a0[0], a1[0], a0[1], a1[1], __byte_perm(xv.x, xv.z, 0x5410u),
+                __byte_perm(xv.x, xv.z, 0x7632u));
+    Mma<T>::mma(c[tile], a0[2], a1[2], a0[3], a1[3], __byte_perm(xv.y, xv.w, 0x5410u),
+                __byte_perm(xv.y, xv.w, 0x7632u));
+  }
+}
+
+// One int4 chunk's sums of the exact codes (q - 8, no scale) into c: a group of 128's MMAs before
+// its scale (chunk_mma, csrc/moe_decode_mma.cu). Arguments as chunk_mma's.
+template <typename T, int kTiles, typename XRow>
+__device__ __forceinline__ void int4_chunk_sums(float (&c)[kTiles][4], const uint4 (&q)[2], const XRow (&xr)[kTiles],
+                                                const bool (&x_in)[kTiles], int kx) {
+  const std::uint32_t w0[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
+  const std::uint32_t w1[4] = {q[1].x, q[1].y, q[1].z, q[1].w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // word j: k = kx + 8j .. kx + 8j + 7, two MMA k-steps
+    std::uint32_t a0[4], a1[4];
+    int4_pairs<T, false>(w0[j], {}, a0);
+    int4_pairs<T, false>(w1[j], {}, a1);
+    word_mma<T, kTiles>(c, a0, a1, xr, x_in, kx, j);
+  }
+}
+
+// One chunk on tensor cores. q: this lane's 16 bytes of rows g and g + 8; kx: their first k;
+// xr: this lane's x row of each n8 tile (const T* or StagedX<T>); x_in: whether that row exists
+// (and kx is inside the row). kGroupChunk (int4): the chunk is one group of every row (group_size
+// 128: the 4 lanes of a row share its scale), so its MMAs take the exact codes and the chunk's
+// sums are scaled in fp32: exact weights, and 4 FMAs instead of 32 pair multiplies a lane (H200:
+// 27B batch-1 steps 1.2% faster, the 35B's grouped MoE at batch 8 level). Smaller groups scale the
+// weights (rounded to T) before the MMA.
+template <typename T, bool kInt4, bool kGroupChunk, int kTiles, typename XRow>
+__device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (&q)[2],
+                                          const std::uint16_t (&sc)[2], const XRow (&xr)[kTiles],
+                                          const bool (&x_in)[kTiles], int kx) {
+  using M = Mma<T>;
+  const std::uint32_t w0[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
+  const std::uint32_t w1[4] = {q[1].x, q[1].y, q[1].z, q[1].w};
+  if constexpr (kInt4 && kGroupChunk) {
+    float c[kTiles][4] = {};
+    int4_chunk_sums<T, kTiles>(c, q, xr, x_in, kx);
+    const float f0 = bf16_bits_to_float(sc[0]), f1 = bf16_bits_to_float(sc[1]);
+#pragma unroll
+    for (int tile = 0; tile < kTiles; ++tile) {  // entries 0, 1: row g; 2, 3: row g + 8
+      acc[tile][0] = fmaf(f0, c[tile][0], acc[tile][0]);
+      acc[tile][1] = fmaf(f0, c[tile][1], acc[tile][1]);
+      acc[tile][2] = fmaf(f1, c[tile][2], acc[tile][2]);
+      acc[tile][3] = fmaf(f1, c[tile][3], acc[tile][3]);
+    }
+  } else if constexpr (kInt4) {
+    const typename M::Pair s0 = M::scale(sc[0]), s1 = M::scale(sc[1]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      std::uint32_t a0[4], a1[4];
+      int4_pairs<T, true>(w0[j], s0, a0);
+      int4_pairs<T, true>(w1[j], s1, a1);
+      word_mma<T, kTiles>(acc, a0, a1, xr, x_in, kx, j);
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // 8 x values: words 2h, 2h + 1, one MMA k-step each
+      uint4 xv[kTiles];
+#pragma unroll
+      for (int tile = 0; tile < kTiles; ++tile) {
+        xv[tile] = load16<false>(xr[tile] + kx + 8 * h, x_in[tile]);
+      }
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        std::uint32_t a0[2], a1[2];
+        M::int8_pairs(w0[2 * h + jj], a0);
+        M::int8_pairs(w1[2 * h + jj], a1);
+#pragma unroll
+        for (int tile = 0; tile < kTiles; ++tile) {
+          M::mma(acc[tile], a0[0], a1[0], a0[1], a1[1], jj ? xv[tile].z : xv[tile].x,
+                 jj ? xv[tile].w : xv[tile].y);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace ninfer
