@@ -28,9 +28,11 @@ from ninfer_core.engine.sampling import (
     apply_penalties,
     draw_from_probs,
     min_p_keep,
+    plain_greedy,
     top_k_keep,
     top_p_keep,
 )
+from ninfer_core.engine import sampling
 from ninfer_core.errors import NinferError
 
 # ---- independent float64 reference: one row, plain loops -------------------------------------------
@@ -350,6 +352,29 @@ def test_greedy_is_argmax_of_penalised_logits_and_uses_no_randomness():
     big = torch.randn(6, 1000)
     assert torch.equal(Sampler().sample(big, [SamplingParams(temperature=0)] * 6, [TokenHistory([])] * 6,
                                         [None] * 6), big.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_plain_greedy_rows_take_the_argmax_in_their_dtype_as_the_sampler_would(monkeypatch, dtype):
+    """Greedy rows without penalties or logit bias skip the sampler's fp32 path: the same tokens as
+    that path (the lowest id on ties, -1 for NaN / +inf / all -inf rows) on logits of any float dtype,
+    and none of its row-parameter tensors or draws."""
+    torch.manual_seed(11)
+    logits = torch.randn(7, 300).to(dtype)
+    logits[1, [5, 9]] = logits[1].max() + 1  # a tie: id 5
+    logits[2, 17] = float("nan")
+    logits[3, 4] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, :] = 0.0  # all tied: id 0
+    greedy = [SamplingParams(temperature=0)] * 7
+    want = Sampler().sample(logits.float(), greedy[:6] + [SamplingParams(temperature=0, logit_bias={0: 0.0})],
+                            [TokenHistory([])] * 7, [None] * 7)  # a logit bias keeps the general path
+    monkeypatch.setattr(sampling, "row_params", lambda params: pytest.fail("the general path ran"))
+    got = Sampler().sample(logits, greedy, [TokenHistory([])] * 7, [None] * 7)
+    assert got.dtype == torch.long and got.tolist() == want.tolist()
+    assert got.tolist()[1:6] == [5, -1, -1, -1, 0]
+    assert plain_greedy(greedy) and not plain_greedy([SamplingParams(temperature=0, presence_penalty=0.5)])
+    assert not plain_greedy([SamplingParams(temperature=0.7)])
 
 
 def _generate(params: list[SamplingParams], row_logits: list[torch.Tensor], watch: int) -> list[int]:

@@ -39,7 +39,7 @@ from .grammar import constrain
 from .logprobs import LogprobRows, TokenLogprob, log_softmax_rows
 from .request import GenerationRequest, SpecStats, StepOutput
 from .penalties import PenaltyTables
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, plain_greedy
 from .scheduler import PrefillChunk, Scheduler, StepPlan
 from .sequence import Sequence
 from .speculative.rollback import commit_gdn
@@ -384,8 +384,9 @@ class LLMEngine:
         masks, the penalties and the sampler's transforms). Constrained rows are masked in place
         (a row whose sequence has ended meanwhile is wasted: not masked); the penalties come from
         the device tables, so the newest tokens need not be on the host."""
-        logits = logits.float()
         params = [s.request.sampling for s in seqs]
+        if not plain_greedy(params) or any(p.logprobs is not None for p in params) or any(s.grammar is not None for s in seqs):
+            logits = logits.float()  # the sampler's kernel, the penalties and the masks take fp32
         scores = log_softmax_rows(logits, [p.logprobs for p in params])
         logits = constrain(logits, [None if s.finished else s.grammar for s in seqs])
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
