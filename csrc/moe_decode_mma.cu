@@ -85,7 +85,7 @@ __device__ __forceinline__ void gate_up_epilogue(T* h_out, float (*red)[8][2], i
 }
 
 template <typename T, bool kShared>
-__global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: the 288 blocks of one token in one wave
+__global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: one token's 256 + 64 blocks in one wave
     gate_up_mma_kernel(T* __restrict__ h, const T* __restrict__ x, const int* __restrict__ ids, GateUpParams p) {
   __shared__ float red[kWarps][8][2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
