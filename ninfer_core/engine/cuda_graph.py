@@ -149,7 +149,8 @@ class DecodeGraphs:
         self.slots[:b].copy_(batch.slots)
         width = batch.block_table.shape[1]
         self.block_table[:b, :width].copy_(batch.block_table)
-        self._park_rows(graph.ids, graph.positions, b)
+        if b < graph.ids.shape[0]:
+            self._park_rows(graph.ids, graph.positions, b)
 
     def _park_rows(self, ids: torch.Tensor, positions: torch.Tensor, start: int) -> None:
         """Rows start.. compute positions 0..T-1 on the scratch slot / page: identical inputs (so

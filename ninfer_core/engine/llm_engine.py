@@ -558,12 +558,17 @@ class LLMEngine:
 
     def _decode_batch(self, seqs: list[Sequence], previous: LaunchedStep | None) -> ForwardBatch:
         """One new token per sequence: its last token, read from the previous step's device ids
-        when that step is still in flight."""
+        when that step is still in flight (in steady decode, the same rows in the same order: the
+        previous ids as they are, no kernel)."""
         pending = {id(s): i for i, s in enumerate(previous.rows)} if previous is not None else {}
         source = [pending.get(id(s), -1) if s.num_pending else -1 for s in seqs]
         ids = [[s.output_ids[-1] if src < 0 else 0] for s, src in zip(seqs, source)]
         batch = self._rows_batch(seqs, ids, "last")
-        if previous is not None and any(src >= 0 for src in source):
+        if previous is None or all(src < 0 for src in source):
+            return batch
+        if source == list(range(len(previous.rows))):
+            batch.input_ids = previous.tokens[:, None]
+        else:
             src = torch.tensor(source, dtype=torch.long).to(self.device, non_blocking=True)
             fresh = previous.tokens.index_select(0, src.clamp(min=0))
             batch.input_ids = torch.where(src[:, None] >= 0, fresh[:, None], batch.input_ids)
@@ -571,18 +576,20 @@ class LLMEngine:
 
     def _rows_batch(self, seqs: list[Sequence], ids: list[list[int]], logits: str, verify: bool = False,
                     capture_layers: tuple[int, ...] = ()) -> ForwardBatch:
-        """B sequences x T new tokens at their cache positions (host lists in one copy)."""
-        width = len(ids[0])
+        """B sequences x T new tokens at their cache positions. Ids, positions, cache lengths and
+        slots are built on the host and cross in one copy; the batch's tensors are views of it
+        (each a plain array, as the kernels read them), so no kernel runs to build them."""
+        b, width = len(seqs), len(ids[0])
         lens = [s.num_cached for s in seqs]
-        host = torch.tensor([[*row, n, s.rope_delta, s.cache.slot] for row, n, s in zip(ids, lens, seqs)],
+        positions = [n + s.rope_delta + t for n, s in zip(lens, seqs) for t in range(width)]
+        host = torch.tensor([t for row in ids for t in row] + positions + lens + [s.cache.slot for s in seqs],
                             dtype=torch.long)
-        packed = self._to_device(host)
-        cache_lens = packed[:, width].contiguous()  # kernels read them as plain arrays
-        positions = cache_lens[:, None] + packed[:, width + 1 : width + 2] + torch.arange(width, device=self.device)
-        slots = packed[:, width + 2].contiguous()
+        flat = self._to_device(host)
+        n = b * width
+        slots = flat[2 * n + b :]
         return ForwardBatch(
-            input_ids=packed[:, :width], positions=positions, cache_lens=cache_lens, slots=slots,
-            block_table=self.cache.rows(slots, max(lens) + width), logits=logits, verify=verify,
+            input_ids=flat[:n].view(b, width), positions=flat[n : 2 * n].view(b, width), cache_lens=flat[2 * n : 2 * n + b],
+            slots=slots, block_table=self.cache.rows(slots, max(lens) + width), logits=logits, verify=verify,
             capture_layers=capture_layers, host_cache_lens=tuple(lens),
         )
 
