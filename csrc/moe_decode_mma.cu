@@ -13,9 +13,6 @@
 // down: grid (hidden / 16, tokens); warp j takes slot j's 16 rows (inter / 128 chunks) and chunk j
 // of the shared expert's rows; each routed chunk's sums are scaled by its group scale times the
 // slot's routing weight, in fp32 (moe.cu's order of roundings otherwise).
-#include <cstdlib>
-#include <string>
-
 #include "common.cuh"
 #include "launch.cuh"
 #include "mma.cuh"
@@ -290,8 +287,6 @@ bool moe_decode_mma(const MoeDecodeArgs& a) {
                    a.shared_gate_up.group_size == 0 && a.shared_down.group_size == 0 && a.shared_inter % 8 == 0 &&
                    a.shared_inter % kInt8Chunk == 0 && a.shared_inter / kInt8Chunk <= kWarps &&
                    a.hidden / kInt8Chunk / kWarps <= kPartChunks && a.hidden % (kInt8Chunk * kWarps) == 0));
-  const char* ab = std::getenv("NINFER_MOE_MMA");  // TEMPORARY A/B switch (0: moe.cu's kernels)
-  if (ab != nullptr && ab[0] == '0') return false;
   if (!fits || a.tokens == 0) return fits;
   DeviceGuard guard(a.device);
   a.dtype == DType::F16 ? launch<__half>(a, shared) : launch<__nv_bfloat16>(a, shared);

@@ -98,11 +98,11 @@ LIST
     head -12 "$OUT/pdl_profile.txt" ;;
   ncu)
     # Nsight Compute on the decode step's GEMVs, router and MoE kernels (stall reasons, occupancy,
-    # speed of light) at NCU_TOKENS rows (default 1); Firecracker machines read the counters, gVisor ones cannot (device KINDS.md)
+    # speed of light) at NCU_TOKENS rows (default 1; NCU_FLAGS=--dense: the 27B's GEMVs); Firecracker machines read the counters, gVisor ones cannot (device KINDS.md)
     timeout 400 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
       --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats --section SchedulerStats \
       -k regex:"quant_gemv|gate_up|down_kernel|router_kernel|align_kernel" \
-      python3 scripts/ncu_decode_kernels.py --tokens ${NCU_TOKENS:-1} > "$OUT/ncu.txt" 2>&1
+      python3 scripts/ncu_decode_kernels.py --tokens ${NCU_TOKENS:-1} ${NCU_FLAGS:-} > "$OUT/ncu.txt" 2>&1
     echo "== ncu: rc $?"; grep -E "quant_gemv|gate_up|down_kernel|router_kernel|Duration|Throughput|Stall|Warp Cycles" \
       "$OUT/ncu.txt" | head -60 ;;
   moe)

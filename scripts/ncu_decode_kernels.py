@@ -1,7 +1,7 @@
 """The decode step's largest kernels at the 35B-A3B's shapes, each launched a few times, for Nsight
 Compute: GEMVs as fast from L2 as from DRAM (`bench_l2_prefetch.py`) are bound by something inside
 the kernel, and ncu's stall reasons say what. One row of x, as batch-1 decode has, or --tokens N
-(8: batch-8 decode, whose experts take the grouped GEMV).
+(8: batch-8 decode), or with --dense the 27B's GEMVs (its int4 MLP, the int8 GDN in_proj).
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \\
         -k regex:"quant_gemv|gate_up|down_kernel|router_kernel" python3 scripts/ncu_decode_kernels.py
@@ -27,9 +27,14 @@ LAUNCHES = 3
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1)
-    tokens = parser.parse_args().tokens
+    parser.add_argument("--dense", action="store_true", help="the 27B's GEMVs instead: int4 MLP, int8 in_proj")
+    args = parser.parse_args()
+    tokens = args.tokens
     torch.manual_seed(0)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    if args.dense:
+        dense_gemvs(tokens, bf16)
+        return
     x = torch.randn(tokens, HIDDEN, **bf16)
     projections = {name: quant.quantize(torch.randn(n, k, **bf16) * 0.02, "int8", 128)
                    for name, (n, k) in {"gdn_in_proj": (12352, HIDDEN), "out_proj": (HIDDEN, 4096)}.items()}
@@ -44,6 +49,19 @@ def main() -> None:
         assert routed is not None, "the router kernel does not take this shape"
         _, weights, ids = routed
         moe.moe_experts(x, gate_up, down, weights, ids)
+    torch.cuda.synchronize()
+
+
+def dense_gemvs(tokens: int, bf16: dict) -> None:
+    """Qwen3.6-27B: MLP gate_up (SwiGLU epilogue) and down in int4 groups of 128, GDN in_proj int8."""
+    hidden, inter = 5120, 17408
+    gate_up = quant.quantize(torch.randn(2 * inter, hidden, **bf16) * 0.02, "int4", 128)
+    down = quant.quantize(torch.randn(hidden, inter, **bf16) * 0.02, "int4", 128)
+    in_proj = quant.quantize(torch.randn(16480, hidden, **bf16) * 0.02, "int8", 128)
+    x = torch.randn(tokens, hidden, **bf16)
+    for _ in range(LAUNCHES):
+        quant.quant_linear(quant.quant_swiglu(x, gate_up), down)
+        quant.quant_linear(x, in_proj)
     torch.cuda.synchronize()
 
 

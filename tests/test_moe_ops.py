@@ -686,7 +686,7 @@ def test_grouped_gemv_all_tokens_on_the_same_experts(cuda_kernels, fmt):
 @pytest.mark.cuda
 def test_moe_experts_takes_the_grouped_gemv_and_replays_it_in_a_graph(cuda_kernels, monkeypatch):
     gate_up, down = _cached_experts(256, 2048, 512, "int4", 128)
-    tokens = moe.QUANTIZED_DECODE_MAX_TOKENS + 1
+    tokens = moe.MMA_DECODE_MAX_TOKENS + 1  # int4 g128: the tensor-core decode kernels' limit
     assert tokens <= moe.GROUPED_GEMV_MAX_TOKENS
     calls = []
     real = moe.moe_experts_grouped_gemv

@@ -94,6 +94,9 @@ def test_quantized_experts_are_sync_free_at_any_size_with_triton():
     x = torch.randn(100, 128, device="cuda", dtype=torch.bfloat16)
     assert moe_ops.decode_kernel_tokens(x, gate_up, down) == moe_ops.QUANTIZED_DECODE_MAX_TOKENS
     assert moe_ops.decode_kernel_tokens(x.float(), gate_up, down) == moe_ops.QUANTIZED_DECODE_ALONE_TOKENS
+    g128 = (quantize(torch.randn(8, 256, 128, device="cuda") * 0.1, "int4", 128),
+            quantize(torch.randn(8, 128, 128, device="cuda") * 0.1, "int4", 128))
+    assert moe_ops.decode_kernel_tokens(x, *g128) == moe_ops.MMA_DECODE_MAX_TOKENS
     weights, ids = moe_ops.moe_route(torch.randn(100, 8, device="cuda", dtype=torch.bfloat16), 2, True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -28,7 +28,6 @@ near-ties at a top-p / min-p boundary, with exact fixed-point sums (ops/sampling
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
@@ -262,8 +261,6 @@ def row_params(params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Te
 
 def plain_greedy(params: Sequence[SamplingParams]) -> bool:
     """Every row takes the argmax of its logits as they come: greedy, no penalties, no logit bias."""
-    if os.environ.get("NINFER_PLAIN_GREEDY") == "0":  # TEMPORARY A/B switch (branch moe-decode-mma)
-        return False
     return all(p.is_greedy and not p.has_penalties and not p.logit_bias for p in params)
 
 

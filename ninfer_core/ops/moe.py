@@ -51,8 +51,12 @@ ExpertTensor = torch.Tensor | QuantizedWeight
 # tokens against the grouped GEMV's 36 / 28 / 43 / 54 / 70 us (its grouping and combine are two
 # more launches); past 4 tokens the grouped GEMV wins (37 tokens: 174 vs 345 us, 128: 238 vs
 # 1,169), and past 512 the Triton tiles (1,024 tokens: 748 vs 815 us).
+# int4 experts in groups of 128 take the decode kernels on tensor cores (csrc/moe_decode_mma.cu)
+# to 8 tokens: batch-8 graph replays 5.35 -> 4.55 ms against the grouped GEMV (H200, 35B, 512
+# context, issue 15, eleventh session).
 DECODE_MAX_TOKENS = 16
 QUANTIZED_DECODE_MAX_TOKENS = 4
+MMA_DECODE_MAX_TOKENS = 8
 GROUPED_GEMV_MAX_TOKENS = 512
 # Quantized experts the grouped GEMV does not take (fp32 activations): the decode kernels go on to
 # the engine's largest decode graph bucket, sync-free.
@@ -315,7 +319,11 @@ def decode_kernel_tokens(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTen
     per block of its slots (the crossovers are measured above DECODE_MAX_TOKENS)."""
     if not (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)):
         return DECODE_MAX_TOKENS
-    return QUANTIZED_DECODE_MAX_TOKENS if grouped_gemv_fits(x, gate_up, down) else QUANTIZED_DECODE_ALONE_TOKENS
+    if not grouped_gemv_fits(x, gate_up, down):
+        return QUANTIZED_DECODE_ALONE_TOKENS
+    # csrc/moe_decode_mma.cu checks the shapes too; those it does not take run moe.cu's kernels
+    int4_128 = all(w.kind == "int4" and w.group_size == 128 for w in (gate_up, down))
+    return MMA_DECODE_MAX_TOKENS if int4_128 else QUANTIZED_DECODE_MAX_TOKENS
 
 
 def moe_experts_grouped(
