@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu profile ab replays
+#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu sass profile ab replays
 # Wheels for packages missing there travel in .whl/ (scripts/device_wheels.sh fetches them);
 # `scripts/make_bench_model.py` writes the weight-less exact-shape model directories (.bench/)
 # that `serve` uses.
@@ -105,6 +105,11 @@ LIST
       python3 scripts/ncu_decode_kernels.py --tokens ${NCU_TOKENS:-1} ${NCU_FLAGS:-} > "$OUT/ncu.txt" 2>&1
     echo "== ncu: rc $?"; grep -E "quant_gemv|gate_up|down_kernel|router_kernel|Duration|Throughput|Stall|Warp Cycles" \
       "$OUT/ncu.txt" | head -60 ;;
+  sass)
+    # the extension's SASS (cuobjdump from the toolkit there; none here), gzipped: per-kernel
+    # instruction counts of a loop, e.g. `zcat sass.txt.gz | awk '/Function : .*quant_gemv/,/EXIT/'`
+    cuobjdump -sass "$(python3 -c 'import ninfer_core._C as c; print(c.__file__)')" | gzip > "$OUT/sass.txt.gz"
+    echo "== sass: $(zcat "$OUT/sass.txt.gz" | grep -c 'Function :') kernels" ;;
   moe)
     timeout 400 python3 scripts/bench_moe_triton.py ${MOE_TOKENS:+--tokens $MOE_TOKENS} ${MOE_FLAGS:-} --json "$OUT/moe_triton.json" \
       2>&1 | tail -16 ;;
