@@ -385,7 +385,9 @@ class LLMEngine:
         (a row whose sequence has ended meanwhile is wasted: not masked); the penalties come from
         the device tables, so the newest tokens need not be on the host."""
         params = [s.request.sampling for s in seqs]
-        if not plain_greedy(params) or any(p.logprobs is not None for p in params) or any(s.grammar is not None for s in seqs):
+        argmax_only = plain_greedy(params) and all(p.logprobs is None for p in params) and all(
+            s.grammar is None for s in seqs)
+        if not argmax_only:
             logits = logits.float()  # the sampler's kernel, the penalties and the masks take fp32
         scores = log_softmax_rows(logits, [p.logprobs for p in params])
         logits = constrain(logits, [None if s.finished else s.grammar for s in seqs])
@@ -588,8 +590,8 @@ class LLMEngine:
         n = b * width
         slots = flat[2 * n + b :]
         return ForwardBatch(
-            input_ids=flat[:n].view(b, width), positions=flat[n : 2 * n].view(b, width), cache_lens=flat[2 * n : 2 * n + b],
-            slots=slots, block_table=self.cache.rows(slots, max(lens) + width), logits=logits, verify=verify,
+            input_ids=flat[:n].view(b, width), positions=flat[n : 2 * n].view(b, width),
+            cache_lens=flat[2 * n : 2 * n + b], slots=slots, block_table=self.cache.rows(slots, max(lens) + width), logits=logits, verify=verify,
             capture_layers=capture_layers, host_cache_lens=tuple(lens),
         )
 
