@@ -27,13 +27,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ninfer_core.bench import BenchSetup, _build, _Harness, cuda_median_ms  # noqa: E402
 
 
-def apply(variant: dict[str, str]) -> None:
-    for key, value in variant.items():
+def _module_attr(key: str) -> tuple[object, str]:
+    module, attr = key[3:].rsplit(".", 1)
+    return importlib.import_module(module), attr
+
+
+def baseline(variants: list[dict[str, str]]) -> dict[str, object]:
+    """The settings every variant names, as they were before any ran (None: an unset variable)."""
+    keys = {key for variant in variants for key in variant}
+    return {key: getattr(*_module_attr(key)) if key.startswith("py:") else os.environ.get(key) for key in keys}
+
+
+def apply(variant: dict[str, str], base: dict[str, object]) -> None:
+    """The baseline, then the variant's settings: a setting of one variant never leaks into the next."""
+    for key, value in {**base, **variant}.items():
         if key.startswith("py:"):
-            module, attr = key[3:].rsplit(".", 1)
-            setattr(importlib.import_module(module), attr, int(value))
+            setattr(*_module_attr(key), value if key not in variant else int(value))
+        elif value is None:
+            os.environ.pop(key, None)
         else:
-            os.environ[key] = value
+            os.environ[key] = str(value)
 
 
 def main() -> None:
@@ -52,9 +65,10 @@ def main() -> None:
                        batch_context=max((c for b, c in runs if b > 1), default=512))
     model, config, dev, dtype, _ = _build(setup)
     results = []
+    base = baseline(variants)
     for round_ in range(args.rounds):
         for variant in variants:
-            apply(variant)
+            apply(variant, base)
             harness = _Harness(model, config, dev, dtype, setup)
             row = {"variant": variant, "round": round_}
             for batch, context in runs:
