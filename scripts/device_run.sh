@@ -106,8 +106,8 @@ LIST
     echo "== ncu: rc $?"; grep -E "quant_gemv|gate_up|down_kernel|router_kernel|Duration|Throughput|Stall|Warp Cycles" \
       "$OUT/ncu.txt" | head -60 ;;
   sass)
-    # the extension's SASS (cuobjdump from the toolkit there; none here), gzipped: per-kernel
-    # instruction counts of a loop, e.g. `zcat sass.txt.gz | awk '/Function : .*quant_gemv/,/EXIT/'`
+    # the extension's SASS (cuobjdump from the toolkit there; none here), gzipped: a kernel's loops
+    # and their instructions with `scripts/sass_loops.py sass.txt.gz KERNEL_REGEX`
     cuobjdump -sass "$(python3 -c 'import ninfer_core._C as c; print(c.__file__)')" | gzip > "$OUT/sass.txt.gz"
     echo "== sass: $(zcat "$OUT/sass.txt.gz" | grep -c 'Function :') kernels" ;;
   moe)
