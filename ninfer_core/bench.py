@@ -198,6 +198,13 @@ class _Harness:
             logits=logits,
         )
 
+    def replay_ms(self, batch: int, replays: int = 20) -> float:
+        """Milliseconds of one replay of the batch's decode graph (captured by an earlier `decode`),
+        replayed back to back: the GPU's step time without the host work of building a batch."""
+        assert self.graphs is not None
+        graph = next(g.graph for key, g in self.graphs.graphs.items() if key[:2] == (batch, 0))
+        return cuda_median_ms(lambda: [graph.replay() for _ in range(replays)]) / replays
+
     def random_ids(self, rows: int, cols: int) -> torch.Tensor:
         return torch.randint(0, self.config.vocab_size, (rows, cols), generator=self.generator).to(self.device)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ninfer_core.bench import BenchSetup, _build, _Harness, cuda_median_ms  # noqa: E402
+from ninfer_core.bench import BenchSetup, _build, _Harness  # noqa: E402
 
 
 def _module_attr(key: str) -> tuple[object, str]:
@@ -73,8 +73,7 @@ def main() -> None:
             row = {"variant": variant, "round": round_}
             for batch, context in runs:
                 harness.decode(batch, context, float("nan"))  # captures the bucket's graph
-                graph = next(g.graph for key, g in harness.graphs.graphs.items() if key[:2] == (batch, 0))
-                row[f"b{batch}_ctx{context}_ms"] = cuda_median_ms(lambda: [graph.replay() for _ in range(20)]) / 20
+                row[f"b{batch}_ctx{context}_ms"] = harness.replay_ms(batch)
             print(json.dumps(row), flush=True)
             results.append(row)
             del harness

@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ninfer_core.bench import BenchSetup, _build, _Harness, cuda_median_ms  # noqa: E402
+from ninfer_core.bench import BenchSetup, _build, _Harness  # noqa: E402
 
 
 def main() -> None:
@@ -35,10 +35,9 @@ def main() -> None:
     model, config, dev, dtype, _ = _build(setup)
     harness = _Harness(model, config, dev, dtype, setup)
     graph_ms = harness.decode(args.batch, args.context, float("nan")).ms_per_step
-    # the decode graph replayed back to back: GPU time alone (graph_ms above also holds each step's
-    # host work: building the batch, copying its inputs, the argmax)
-    replay = next(g.graph for key, g in harness.graphs.graphs.items() if key[:2] == (args.batch, 0))
-    replay_ms = cuda_median_ms(lambda: [replay.replay() for _ in range(10)]) / 10
+    # GPU time alone (graph_ms above also holds each step's host work: building the batch, copying
+    # its inputs, the argmax)
+    replay_ms = harness.replay_ms(args.batch, replays=10)
     harness.graphs = None  # eager: the profiler sees every kernel
     harness.decode(args.batch, args.context, float("nan"))  # warm-up
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
