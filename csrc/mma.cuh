@@ -33,6 +33,16 @@ __device__ __forceinline__ uint4 load16(const void* ptr, bool pred) {
   return v;
 }
 
+// 16 bytes of x (an MMA's B operand) through L1, unpredicated: a lane whose x row does not exist
+// points at a real one (row 0, k 0), and its products land in C columns nobody reads, so no zeros
+// are needed (a predicated load would cost 4 moves to zero its registers and a setp).
+template <typename T>
+__device__ __forceinline__ uint4 load_x16(const T* ptr) {
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+  return v;
+}
+
 __device__ __forceinline__ std::uint16_t load2(const void* ptr, bool pred) {
   std::uint16_t v = 0;
   asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p ld.global.nc.u16 %0, [%1];\n}"
@@ -136,11 +146,10 @@ __device__ __forceinline__ void int4_pairs(std::uint32_t word, typename Mma<T>::
 // A pairs of rows g (a0) and g + 8 (a1).
 template <typename T, int kTiles, typename XRow>
 __device__ __forceinline__ void word_mma(float (&c)[kTiles][4], const std::uint32_t (&a0)[4],
-                                         const std::uint32_t (&a1)[4], const XRow (&xr)[kTiles],
-                                         const bool (&x_in)[kTiles], int kx, int j) {
+                                         const std::uint32_t (&a1)[4], const XRow (&xr)[kTiles], int kx, int j) {
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
-    const uint4 xv = load16<false>(xr[tile] + kx + 8 * j, x_in[tile]);
+    const uint4 xv = load_x16(xr[tile] + kx + 8 * j);
     // A pairs hold k (i, i + 4) of the word, so B pairs x the same way.
     Mma<T>::mma(c[tile], a0[0], a1[0], a0[1], a1[1], __byte_perm(xv.x, xv.z, 0x5410u),
                 __byte_perm(xv.x, xv.z, 0x7632u));
@@ -153,7 +162,7 @@ __device__ __forceinline__ void word_mma(float (&c)[kTiles][4], const std::uint3
 // its scale (chunk_mma, csrc/moe_decode_mma.cu). Arguments as chunk_mma's.
 template <typename T, int kTiles, typename XRow>
 __device__ __forceinline__ void int4_chunk_sums(float (&c)[kTiles][4], const uint4 (&q)[2], const XRow (&xr)[kTiles],
-                                                const bool (&x_in)[kTiles], int kx) {
+                                                int kx) {
   const std::uint32_t w0[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
   const std::uint32_t w1[4] = {q[1].x, q[1].y, q[1].z, q[1].w};
 #pragma unroll
@@ -161,27 +170,27 @@ __device__ __forceinline__ void int4_chunk_sums(float (&c)[kTiles][4], const uin
     std::uint32_t a0[4], a1[4];
     int4_pairs<T, false>(w0[j], {}, a0);
     int4_pairs<T, false>(w1[j], {}, a1);
-    word_mma<T, kTiles>(c, a0, a1, xr, x_in, kx, j);
+    word_mma<T, kTiles>(c, a0, a1, xr, kx, j);
   }
 }
 
 // One chunk on tensor cores. q: this lane's 16 bytes of rows g and g + 8; kx: their first k;
-// xr: this lane's x row of each n8 tile (const T* or StagedX<T>); x_in: whether that row exists
-// (and kx is inside the row). kGroupChunk (int4): the chunk is one group of every row (group_size
+// xr: this lane's x row of each n8 tile (const T* or StagedX<T>), a real row even where the tile
+// has none for this lane (its C column is not read), and kx inside the row (a K tail's lanes read
+// k 0 against zero weights). kGroupChunk (int4): the chunk is one group of every row (group_size
 // 128: the 4 lanes of a row share its scale), so its MMAs take the exact codes and the chunk's
 // sums are scaled in fp32: exact weights, and 4 FMAs instead of 32 pair multiplies a lane (H200:
 // 27B batch-1 steps 1.2% faster, the 35B's grouped MoE at batch 8 level). Smaller groups scale the
 // weights (rounded to T) before the MMA.
 template <typename T, bool kInt4, bool kGroupChunk, int kTiles, typename XRow>
 __device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (&q)[2],
-                                          const std::uint16_t (&sc)[2], const XRow (&xr)[kTiles],
-                                          const bool (&x_in)[kTiles], int kx) {
+                                          const std::uint16_t (&sc)[2], const XRow (&xr)[kTiles], int kx) {
   using M = Mma<T>;
   const std::uint32_t w0[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
   const std::uint32_t w1[4] = {q[1].x, q[1].y, q[1].z, q[1].w};
   if constexpr (kInt4 && kGroupChunk) {
     float c[kTiles][4] = {};
-    int4_chunk_sums<T, kTiles>(c, q, xr, x_in, kx);
+    int4_chunk_sums<T, kTiles>(c, q, xr, kx);
     const float f0 = bf16_bits_to_float(sc[0]), f1 = bf16_bits_to_float(sc[1]);
 #pragma unroll
     for (int tile = 0; tile < kTiles; ++tile) {  // entries 0, 1: row g; 2, 3: row g + 8
@@ -197,7 +206,7 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (
       std::uint32_t a0[4], a1[4];
       int4_pairs<T, true>(w0[j], s0, a0);
       int4_pairs<T, true>(w1[j], s1, a1);
-      word_mma<T, kTiles>(acc, a0, a1, xr, x_in, kx, j);
+      word_mma<T, kTiles>(acc, a0, a1, xr, kx, j);
     }
   } else {
 #pragma unroll
@@ -205,7 +214,7 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (
       uint4 xv[kTiles];
 #pragma unroll
       for (int tile = 0; tile < kTiles; ++tile) {
-        xv[tile] = load16<false>(xr[tile] + kx + 8 * h, x_in[tile]);
+        xv[tile] = load_x16(xr[tile] + kx + 8 * h);
       }
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {

@@ -3,7 +3,7 @@
 // int8 shared expert or none. As in moe.cu, every (token, expert) pair's weights are read once and
 // each warp asks for all of its weights at once (one DRAM round trip); here the warps dequantize
 // into mma.m16n8k16 operands (csrc/mma.cuh: ~2 instructions a weight against moe.cu's ~3 fp32
-// ones), x comes straight from global memory (lanes g = 0 feed the token as the MMA's column 0),
+// ones), x comes straight from global memory (every lane loads the token's x; column 0 of C is the one read),
 // and a 16-row tile's K is split over warps whose sums meet in shared memory, in a fixed order.
 //
 // gate_up: 1-D grid. Routed blocks: (pair, 8 tiles_per_block outputs) with hidden / 512 warps a
@@ -105,12 +105,11 @@ __global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: one token'
     }
     enter_kernel();  // x is the router's normed output
     const T* xr[1] = {x + static_cast<std::int64_t>(n) * p.hidden};
-    const bool x_in[1] = {g == 0};
     float acc[1][4] = {};
     const std::uint16_t no_scale[2] = {};
 #pragma unroll
     for (int u = 0; u < kPartChunks; ++u) {
-      if (u < chunks) chunk_mma<T, false, false, 1>(acc, q[u], no_scale, xr, x_in, (warp * chunks + u) * kInt8Chunk + 16 * t);
+      if (u < chunks) chunk_mma<T, false, false, 1>(acc, q[u], no_scale, xr, (warp * chunks + u) * kInt8Chunk + 16 * t);
     }
     if (t == 0) red[warp][g][0] = acc[0][0], red[warp][g][1] = acc[0][2];
     __syncthreads();
@@ -141,12 +140,11 @@ __global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: one token'
     }
   }
   const T* xr[1] = {x + static_cast<std::int64_t>(n) * p.hidden};
-  const bool x_in[1] = {g == 0};
   float gate = 0.0f, up = 0.0f;  // column 0 (the token) of rows g, g + 8
 #pragma unroll
   for (int u = 0; u < kPartChunks; ++u) {
     float c[1][4] = {};
-    int4_chunk_sums<T, 1>(c, q[u], xr, x_in, (part * kPartChunks + u) * kInt4Chunk + 32 * t);
+    int4_chunk_sums<T, 1>(c, q[u], xr, (part * kPartChunks + u) * kInt4Chunk + 32 * t);
     gate = fmaf(bf16_bits_to_float(sc[u][0]), c[0][0], gate);
     up = fmaf(bf16_bits_to_float(sc[u][1]), c[0][2], up);
   }
@@ -196,7 +194,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   }
   enter_kernel();  // h is gate_up's output
   const T* h_row = h + static_cast<std::int64_t>(n) * p.h_stride;
-  const bool x_in[1] = {g == 0};
   float routed[2] = {};  // column 0 of rows g, g + 8
   if (live) {  // warp-uniform
     const T* xr[1] = {h_row + j * p.inter};
@@ -204,7 +201,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     for (int u = 0; u < kPartChunks; ++u) {
       if (u >= chunks) break;
       float c[1][4] = {};
-      int4_chunk_sums<T, 1>(c, q[u], xr, x_in, u * kInt4Chunk + 32 * t);
+      int4_chunk_sums<T, 1>(c, q[u], xr, u * kInt4Chunk + 32 * t);
       routed[0] = fmaf(bf16_bits_to_float(sc[u][0]) * wj, c[0][0], routed[0]);
       routed[1] = fmaf(bf16_bits_to_float(sc[u][1]) * wj, c[0][2], routed[1]);
     }
@@ -213,7 +210,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   if (shared_live) {  // warp-uniform
     const T* xr[1] = {h_row + p.top_k * p.inter};
     const std::uint16_t no_scale[2] = {};
-    chunk_mma<T, false, false, 1>(shared, qs, no_scale, xr, x_in, j * kInt8Chunk + 16 * t);
+    chunk_mma<T, false, false, 1>(shared, qs, no_scale, xr, j * kInt8Chunk + 16 * t);
   }
   if (t == 0) {
     red[j][g][0] = routed[0], red[j][g + 8][0] = routed[1];

@@ -63,13 +63,10 @@ struct StagedX {
   __device__ StagedX operator+(int i) const { return {row + i}; }
 };
 
-// 16 staged bytes, zeros when !pred. Dead lanes point inside the stage too (row 0, k 0), so a
-// plain load and a select: nothing to predicate.
-template <bool kWeights, typename T>
-__device__ __forceinline__ uint4 load16(StagedX<T> at, bool pred) {
-  static_assert(!kWeights, "only x is staged");
-  const uint4 v = *reinterpret_cast<const uint4*>(at.row);
-  return pred ? v : make_uint4(0, 0, 0, 0);
+// 16 staged bytes (mma.cuh's load_x16 for x in the stage: dead lanes point inside it too).
+template <typename T>
+__device__ __forceinline__ uint4 load_x16(StagedX<T> at) {
+  return *reinterpret_cast<const uint4*>(at.row);
 }
 
 // 16 bytes from global to shared memory without registers (cp.async, sm_80+): the issuing thread
@@ -290,6 +287,8 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   const std::int64_t tile = static_cast<std::int64_t>(blockIdx.x) * (kBlockWarps / split) + warp / split;
   const int row_bytes = kInt4 ? k / 2 : k;
   const int groups = kInt4 ? k / group_size : 0;
+  // a chunk's group: (2 * offset) / group_size, a shift (group sizes are powers of two)
+  const int group_log2 = kCodes == Codes::Int4Group128 ? 7 : (kInt4 ? __ffs(group_size) - 1 : 0);
   // A rows g and g + 8 of the warp's tile: 16 consecutive weight rows, or for gate_up output g
   // of an 8-wide tile as its gate row and its up row (n rows further).
   const std::int64_t pair = kLayout == Layout::GateUp ? n : 8;
@@ -323,17 +322,14 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   const std::uint16_t* sbase = static_cast<const std::uint16_t*>(scales) + base * groups;
   // This lane's row of x (its B column) in each n8 tile: in global memory, or normed in the stage.
   std::conditional_t<kNorm, StagedX<T>, const T*> xr[kTiles];
-  bool x_live[kTiles];
 #pragma unroll
   for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
     int row = 8 * tile_m + g;
     if constexpr (kGrouped) {
       const int slot = __ldg(block_slots + row);
-      x_live[tile_m] = slot < grouping.num_slots;
-      row = x_live[tile_m] ? slot / grouping.rows_per_x : 0;
+      row = slot < grouping.num_slots ? slot / grouping.rows_per_x : 0;
     } else {
-      x_live[tile_m] = row < m;
-      row = x_live[tile_m] ? row : 0;
+      row = row < m ? row : 0;
     }
     if constexpr (kNorm) {
       xr[tile_m] = {stage_rows<T>() + row * (k + kStagePad)};
@@ -356,7 +352,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
         const bool pred = live[r] && in;
         q[u][r] = load16<true>(wbase + r * pair * row_bytes + (in ? off : 0), pred);
         if constexpr (kInt4) {
-          sc[u][r] = load2(sbase + r * pair * groups + (in ? 2 * off / group_size : 0), pred);
+          sc[u][r] = load2(sbase + r * pair * groups + (in ? (2 * off) >> group_log2 : 0), pred);
         }
       }
     }
@@ -387,10 +383,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
       const bool in = off < row_bytes;  // lanes past the row end add zeros (their x is zero)
       const int kx = in ? (kInt4 ? 2 * off : off) : 0;
       if constexpr (kTensorCores) {
-        bool x_in[kTiles];
-#pragma unroll
-        for (int tile_m = 0; tile_m < kTiles; ++tile_m) x_in[tile_m] = x_live[tile_m] && in;
-        chunk_mma<T, kInt4, kCodes == Codes::Int4Group128, kTiles>(acc, cur[u], cur_sc[u], xr, x_in, kx);
+        chunk_mma<T, kInt4, kCodes == Codes::Int4Group128, kTiles>(acc, cur[u], cur_sc[u], xr, kx);
       } else if (in) {
         chunk_fp32<kInt4, kTiles>(sum, cur[u], cur_sc[u], x, m, k, kx);
       }

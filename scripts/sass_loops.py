@@ -20,7 +20,8 @@ from pathlib import Path
 FUNCTION = re.compile(r"^\s*Function : (\S+)")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
-BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+# a branch names its target by label (`(.L_x_12)`) or, in newer cuobjdump, by address (`0xb00`)
+BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)|(0x[0-9a-f]+)\s*$")
 
 
 def functions(text: str) -> dict[str, list[str]]:
@@ -45,7 +46,7 @@ def opcode(instruction: str) -> str:
 
 
 def loops(lines: list[str]) -> list[tuple[str, int, int, Counter[str]]]:
-    """(target label, first index, last index, opcode counts) of every backward branch."""
+    """(target, first index, last index, opcode counts) of every backward branch."""
     program: list[str] = []
     labels: dict[str, int] = {}
     for line in lines:
@@ -55,13 +56,15 @@ def loops(lines: list[str]) -> list[tuple[str, int, int, Counter[str]]]:
             continue
         instruction = INSTRUCTION.match(line)
         if instruction:
+            labels[f"0x{int(instruction.group(1), 16):x}"] = len(program)
             program.append(instruction.group(2))
     found = []
     for i, instruction in enumerate(program):
-        target = BRANCH_TARGET.search(instruction)
-        if opcode(instruction) == "BRA" and target and labels.get(target.group(1), i) < i:  # not the trailing `BRA .` idle loop
-            start = labels[target.group(1)]
-            found.append((target.group(1), start, i, Counter(opcode(x) for x in program[start : i + 1])))
+        match = BRANCH_TARGET.search(instruction)
+        target = match and (match.group(1) or match.group(2))
+        if opcode(instruction) == "BRA" and target and labels.get(target, i) < i:  # not the trailing `BRA .` idle loop
+            start = labels[target]
+            found.append((target, start, i, Counter(opcode(x) for x in program[start : i + 1])))
     return found
 
 
