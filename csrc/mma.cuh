@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -128,17 +129,40 @@ struct Mma<__nv_bfloat16> {
   }
 };
 
+// (a & kMask) | kMagic in one LOP3: written by the compiler, two immediates become two LOP3s.
+template <std::uint32_t kMask, std::uint32_t kMagic>
+__device__ __forceinline__ std::uint32_t and_or(std::uint32_t a) {
+  std::uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(kMask), "n"(kMagic));
+  return d;
+}
+
 // A word of 8 int4 codes e0..e7 as pairs (e_i, e_i+4), i = 0..3, of q (exact from the magic
-// number), or of q * scale (one rounding) when kScaled.
+// number), or of q * scale (one rounding) when kScaled. Pair i is nibble i of each half under the
+// magic: a shift and one LOP3, then the bias off. fp16 (Marlin's form) takes nibbles 1 and 3 in
+// place as 16 n under the magic and divides by 16 in the same FMA that takes the bias off (exact):
+// a shift a word fewer. bf16's 7 mantissa bits cannot hold 16 n, so it shifts for each nibble.
 template <typename T, bool kScaled>
 __device__ __forceinline__ void int4_pairs(std::uint32_t word, typename Mma<T>::Pair scale,
                                            std::uint32_t (&p)[4]) {
   using Pair = typename Mma<T>::Pair;
+  constexpr std::uint32_t kMagic = Mma<T>::kNibbleMagic;
+  const Pair bias = as_pair<Pair>(Mma<T>::kNibbleBias);
+  if constexpr (std::is_same_v<T, __half>) {
+    const std::uint32_t high = word >> 8;
+    const Pair sixteenth = as_pair<Pair>(0x2C002C00u);  // 1 / 16
+    const Pair high_bias = as_pair<Pair>(0xD480D480u);  // -72: (1024 + 16 n) / 16 - 72 = n - 8
+    p[0] = as_u32(__hsub2(as_pair<Pair>(and_or<0x000F000Fu, kMagic>(word)), bias));
+    p[1] = as_u32(__hfma2(as_pair<Pair>(and_or<0x00F000F0u, kMagic>(word)), sixteenth, high_bias));
+    p[2] = as_u32(__hsub2(as_pair<Pair>(and_or<0x000F000Fu, kMagic>(high)), bias));
+    p[3] = as_u32(__hfma2(as_pair<Pair>(and_or<0x00F000F0u, kMagic>(high)), sixteenth, high_bias));
+  } else {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const std::uint32_t biased = ((word >> (4 * i)) & 0x000F000Fu) | Mma<T>::kNibbleMagic;
-    const Pair q = __hsub2(as_pair<Pair>(biased), as_pair<Pair>(Mma<T>::kNibbleBias));
-    p[i] = kScaled ? as_u32(__hmul2(q, scale)) : as_u32(q);
+    for (int i = 0; i < 4; ++i) p[i] = as_u32(__hsub2(as_pair<Pair>(and_or<0x000F000Fu, kMagic>(word >> (4 * i))), bias));
+  }
+  if constexpr (kScaled) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = as_u32(__hmul2(as_pair<Pair>(p[i]), scale));
   }
 }
 
