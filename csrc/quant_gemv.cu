@@ -36,7 +36,6 @@
 // per slot), which is what verify rounds, batched decode and short prompts need.
 #include <array>
 #include <atomic>
-#include <cstdlib>
 #include <type_traits>
 
 #include "common.cuh"
@@ -51,8 +50,6 @@ constexpr int kTileRows = 16;    // weight rows per warp: the M of one m16n8k16 
 constexpr int kChunkBytes = 64;  // bytes of each row per warp step: 16 per lane, 4 lanes per row
 constexpr int kUnroll = 2;       // chunks whose loads a warp has in flight together (4: slower for
                                  // every grouped MoE size on the H200)
-constexpr int kSlots = 2 * kUnroll;  // 16-byte weight copies of a lane per step: kUnroll chunks of 2 rows
-constexpr int kMaxStages = 4;    // steps the weight ring holds at most (cp_async_wait_pending)
 constexpr int kWarps = 8;        // warps per block
 constexpr int kWideWarps = 16;   // warps per block of a plain GEMV with few row tiles (its K split 16 ways)
 constexpr int kWarpsPerSm = 16;  // split K until the grid has about this many warps per SM
@@ -81,33 +78,6 @@ __device__ __forceinline__ void cp_async16(void* shared, const void* global) {
 }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// The weight ring's copies: 16 bytes (4 for a scale word, through L1) global to shared memory,
-// zeros when !pred (a source size of 0 reads nothing), each lane's own copies, grouped per step.
-__device__ __forceinline__ void cp_async_zfill16(void* shared, const void* global, bool pred) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(static_cast<std::uint32_t>(__cvta_generic_to_shared(shared))),
-               "l"(global), "r"(pred ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_zfill4(void* shared, const void* global, bool pred) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(static_cast<std::uint32_t>(__cvta_generic_to_shared(shared))),
-               "l"(global), "r"(pred ? 4 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Waits until at most `pending` of this lane's newest groups are in flight (the instruction takes
-// an immediate, so a switch over the ring depths kMaxStages allows).
-__device__ __forceinline__ void cp_async_wait_pending(int pending) {
-  switch (pending) {
-    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-  }
-}
 
 // Signed byte i of a word (q + 128 after the xor) as an exact float: 2^23 + u - (2^23 + 128).
 __device__ __forceinline__ float int8_at(std::uint32_t biased, int i) {
@@ -206,24 +176,13 @@ __device__ __forceinline__ T* stage_rows() {
   return reinterpret_cast<T*>(stage);
 }
 
-// Bytes of the weight ring a lane takes a step: its kSlots weight copies and, for int4, a scale
-// word each.
-constexpr std::size_t ring_lane_step_bytes(bool int4) { return kSlots * 16 + (int4 ? kSlots * 4 : 0); }
-
-// Bytes of the stage for m rows of k 16-bit elements: at most 60 KB within the limits (quant_gemv.h),
-// which with a norm kernel's static shared memory (4.6 KB) and a one-step weight ring (20 KB) fits
+// Bytes of the stage for m rows of k 16-bit elements; at most kStageMaxBytes within the limits
+// (quant_gemv.h): 80.1 KB, which with a norm kernel's static shared memory (at most 18 KB) fits
 // the 99 KB a block may have on sm_86 / sm_89 / sm_120.
-__host__ __device__ constexpr std::size_t stage_bytes(std::int64_t m, std::int64_t k) {
+constexpr std::size_t stage_bytes(std::int64_t m, std::int64_t k) {
   return static_cast<std::size_t>((m + 1) * (k + kStagePad)) * 2;
 }
-
-// The weight ring: dynamic shared memory after the norm's stage (whose bytes are a multiple of 16:
-// k is a multiple of 8).
-template <bool kNorm>
-__device__ __forceinline__ uint4* ring_base(int m, int k) {
-  extern __shared__ uint4 stage[];
-  return stage + (kNorm ? stage_bytes(m, k) / 16 : 0);
-}
+constexpr std::size_t kStageMaxBytes = stage_bytes(kQuantGemvNormMaxRows, kQuantGemvNormMaxK);
 
 // The norm's weight into the stage's last row: constant, so copied before the wait for x.
 template <typename T, int kBlockWarps>
@@ -315,7 +274,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
                       Epilogue epilogue, AddNorm norm, int m, int n, int k, int group_size, int split,
-                      int stages, Grouping grouping) {
+                      Grouping grouping) {
   static_assert(!kNorm || (!std::is_same_v<T, float> && kLayout == Layout::Dense && !kGrouped));
   constexpr bool kTensorCores = !std::is_same_v<T, float>;
   constexpr bool kInt4 = kCodes != Codes::Int8;
@@ -379,44 +338,28 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
     }
   }
 
-  // One step = kUnroll chunks of the lane's two rows. Its weights (and int4 scale words) come
-  // through a ring of `stages` steps in shared memory, each lane's own slots: the lane copies
-  // step i + stages - 1 in (cp.async) before it computes step i, so stages - 1 steps of every warp
-  // are in flight without registers to hold them, and no barrier is needed. The copies walk
-  // running pointers (chunk c of this lane: byte 64 c + 16 t of its rows); a copy past the row
-  // end is zeros.
-  uint4* wring = ring_base<kNorm>(m, k) + static_cast<std::int64_t>(warp) * stages * kSlots * 32 + lane;
-  std::uint32_t* sring = reinterpret_cast<std::uint32_t*>(ring_base<kNorm>(m, k) + kBlockWarps * stages * kSlots * 32) +
-                         warp * stages * kSlots * 32 + lane;
+  // One step = kUnroll chunks; the next step's weights are loaded before this step computes, so
+  // every warp keeps loads in flight while its tensor cores / FMAs work. Two buffers, used in
+  // turn by a loop unrolled twice: no register copies between the steps. The loads walk running
+  // pointers (chunk c of this lane: byte 64 c + 16 t of its rows); a load past the row end is
+  // predicated off. (A per-lane cp.async ring in shared memory, 2 steps in flight, measured no
+  // faster for the 27B and 4% slower for the 35B on the H200: occupancy, not load depth, binds.)
+  uint4 q[2][kUnroll][2];
+  std::uint16_t sc[2][kUnroll][2] = {};
   const std::uint8_t* wnext = wbase + part * kUnroll * kChunkBytes + 16 * t;
   const int chunk_groups = kInt4 ? (2 * kChunkBytes) >> group_log2 : 0;  // scales a chunk's row spans
   const std::uint16_t* snext = sbase + part * kUnroll * chunk_groups + ((32 * t) >> group_log2);
   int left = row_bytes - part * kUnroll * kChunkBytes - 16 * t;  // bytes of the row from wnext on
   const int stride = split * kUnroll;
-  // A scale is the low or high half of its aligned word, the same one every step (a step moves
-  // the index by an even number): the byte permute that takes it out.
-  std::uint32_t scale_half[kUnroll][2];
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const auto at = reinterpret_cast<std::uintptr_t>(snext + r * pair * groups + u * chunk_groups);
-      scale_half[u][r] = (at & 2) ? 0x4432u : 0x4410u;
-    }
-  }
-  const auto copy_step = [&](int slot) {
+  const auto load_step = [&](int b) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const bool in = u * kChunkBytes < left;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const bool pred = live[r] && in;
-        const int j = (slot * kSlots + 2 * u + r) * 32;
-        cp_async_zfill16(wring + j, wnext + r * pair * row_bytes + u * kChunkBytes, pred);
-        if constexpr (kInt4) {
-          const auto at = reinterpret_cast<std::uintptr_t>(snext + r * pair * groups + u * chunk_groups);
-          cp_async_zfill4(sring + j, reinterpret_cast<const void*>(at & ~std::uintptr_t{3}), pred);
-        }
+        q[b][u][r] = load16<true>(wnext + r * pair * row_bytes + u * kChunkBytes, pred);
+        if constexpr (kInt4) sc[b][u][r] = load2(snext + r * pair * groups + u * chunk_groups, pred);
       }
     }
     wnext += stride * kChunkBytes;
@@ -426,18 +369,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   float acc[kTiles][4] = {};
   float sum[2][8 * kTiles] = {};  // fp32 path: per (weight row, x row), this lane's k only
   const int kx_last = k - (kInt4 ? 32 : 16);  // the last k a lane's chunk may start at
-  const auto compute_step = [&](int slot, int c) {
-    uint4 q[kUnroll][2];
-    std::uint16_t sc[kUnroll][2] = {};
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int j = (slot * kSlots + 2 * u + r) * 32;
-        q[u][r] = wring[j];
-        if constexpr (kInt4) sc[u][r] = static_cast<std::uint16_t>(__byte_perm(sring[j], 0, scale_half[u][r]));
-      }
-    }
+  const auto compute_step = [&](int b, int c) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (c + u >= chunks) break;  // warp-uniform
@@ -446,31 +378,25 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
       const int off = (c + u) * kChunkBytes + 16 * t;
       const int kx = min(kInt4 ? 2 * off : off, kx_last);
       if constexpr (kTensorCores) {
-        chunk_mma<T, kInt4, kCodes == Codes::Int4Group128, kTiles>(acc, q[u], sc[u], xr, kx);
+        chunk_mma<T, kInt4, kCodes == Codes::Int4Group128, kTiles>(acc, q[b][u], sc[b][u], xr, kx);
       } else if (off < row_bytes) {
-        chunk_fp32<kInt4, kTiles>(sum, q[u], sc[u], x, m, k, kx);
+        chunk_fp32<kInt4, kTiles>(sum, q[b][u], sc[b][u], x, m, k, kx);
       }
     }
   };
 
-  const int first = part * kUnroll;
-  for (int s = 0; s < stages - 1; ++s) {  // the first steps' copies (an empty group past the end)
-    if (first + s * stride < chunks) copy_step(s);
-    cp_async_commit();
-  }
+  load_step(0);
   // A plain GEMV's first weights are on their way before it waits for x (programmatic dependent
   // launch: the previous kernel may still be running; weights are never written).
   if constexpr (kNorm) stage_norm_weight<T, kBlockWarps>(stage_rows<T>(), norm, m, k);
   if constexpr (!kGrouped) enter_kernel();
   if constexpr (kNorm) add_norm_rows<T, kBlockWarps>(stage_rows<T>(), x, norm, m, k);
-  int read = 0, write = stages - 1;  // ring slots of step i and step i + stages - 1
-  for (int c = first; c < chunks; c += stride) {
-    if (c + (stages - 1) * stride < chunks) copy_step(write);  // its slot was read last step
-    cp_async_commit();
-    cp_async_wait_pending(stages - 1);  // step i has landed
-    compute_step(read, c);
-    read = read + 1 == stages ? 0 : read + 1;
-    write = write + 1 == stages ? 0 : write + 1;
+  for (int c = part * kUnroll; c < chunks; c += 2 * stride) {
+    if (c + stride < chunks) load_step(1);
+    compute_step(0, c);
+    if (c + stride >= chunks) break;
+    if (c + 2 * stride < chunks) load_step(0);
+    compute_step(1, c + stride);
   }
 
   if constexpr (!kTensorCores) {
@@ -553,58 +479,15 @@ std::int64_t row_tiles(std::int64_t n, Layout layout) {
   return (n + rows - 1) / rows;
 }
 
-// Shared memory a block may opt into and an SM holds, queried once per device (so graph captures
-// after a warm-up query nothing).
-struct SmemLimits {
-  std::size_t block, sm;
-};
-
-SmemLimits smem_limits(int device) {
-  static std::array<std::atomic<int>, 256> block{}, sm{};  // sm_count has checked the device index
-  if (block.at(device).load(std::memory_order_relaxed) == 0) {
-    int b = 0, s = 0;
-    check_cuda(cudaDeviceGetAttribute(&b, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
-    check_cuda(cudaDeviceGetAttribute(&s, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device), "cudaDeviceGetAttribute");
-    sm[device].store(s, std::memory_order_relaxed);
-    block[device].store(b, std::memory_order_relaxed);
-  }
-  return {static_cast<std::size_t>(block[device].load(std::memory_order_relaxed)),
-          static_cast<std::size_t>(sm[device].load(std::memory_order_relaxed))};
-}
-
-// kKernel's static shared memory; lets it take all the dynamic shared memory a block may have (past
-// the 48 KB it gets unasked), once per device.
+// Lets kKernel (a norm kernel) take the largest stage, past the 48 KB of dynamic shared memory a
+// kernel gets unasked; once per device, so graph captures after a warm-up ask nothing.
 template <auto kKernel>
-std::size_t prepare_kernel(int device) {
-  static std::array<std::atomic<int>, 256> static_bytes{};  // + 1; 0: not yet
-  int v = static_bytes.at(device).load(std::memory_order_relaxed);
-  if (v == 0) {
-    cudaFuncAttributes attr{};
-    check_cuda(cudaFuncGetAttributes(&attr, kKernel), "cudaFuncGetAttributes");
-    const auto dynamic = static_cast<int>(smem_limits(device).block - attr.sharedSizeBytes);
-    check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic), "cudaFuncSetAttribute");
-    v = static_cast<int>(attr.sharedSizeBytes) + 1;
-    static_bytes[device].store(v, std::memory_order_relaxed);
-  }
-  return static_cast<std::size_t>(v - 1);
-}
-
-constexpr int kStages = 3;  // the ring's steps where they fit: 2 in flight while the third computes
-
-// The weight ring's depth: kStages if min_blocks blocks of `fixed` bytes (static shared memory and
-// the norm's stage) and the ring still fit an SM, else 2, else the deepest one block holds.
-int ring_stages(const SmemLimits& limits, std::size_t fixed, std::size_t per_stage, int min_blocks) {
-  constexpr std::size_t kReserved = 1024;  // the system's shared memory of each block (sm_80+)
-  const char* forced = std::getenv("NINFER_GEMV_STAGES");  // TEMPORARY A/B knob (occupancy aside)
-  const int most = forced != nullptr ? std::atoi(forced) : kStages;
-  for (int stages = most; stages >= 2 && forced == nullptr; --stages) {
-    const std::size_t bytes = fixed + stages * per_stage;
-    if (bytes <= limits.block && min_blocks * (bytes + kReserved) <= limits.sm) return stages;
-  }
-  for (int stages = most; stages >= 1; --stages) {
-    if (fixed + stages * per_stage <= limits.block) return stages;
-  }
-  throw std::invalid_argument("quant_gemv: the weight ring does not fit the device's shared memory");
+void allow_largest_stage(int device) {
+  static std::array<std::atomic<bool>, 256> allowed{};  // sm_count has checked the device index
+  if (allowed.at(device).load(std::memory_order_relaxed)) return;
+  check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kStageMaxBytes)),
+             "cudaFuncSetAttribute");
+  allowed[device].store(true, std::memory_order_relaxed);
 }
 
 template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, bool kNorm>
@@ -617,15 +500,16 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
                           a.gate_stride, reinterpret_cast<const void*>(a.add)};
   const AddNorm norm{reinterpret_cast<const void*>(a.norm.residual), reinterpret_cast<const void*>(a.norm.weight),
                      reinterpret_cast<void*>(a.norm.residual_out), a.norm.eps, a.norm.zero_centered};
-  const std::size_t stage = kNorm ? stage_bytes(a.m, a.k) : 0;
-  const std::size_t per_stage = kBlockWarps * 32 * ring_lane_step_bytes(kCodes != Codes::Int8);
-  const int min_blocks = kBlockWarps == kWarps ? kMinBlocks<T, kTiles> : 1;
-  const int stages = ring_stages(smem_limits(a.device), prepare_kernel<kernel>(a.device) + stage, per_stage, min_blocks);
-  launch_kernel("quant_gemv kernel launch", kernel, grid, kBlockWarps * 32, stage + stages * per_stage, as_stream(a.stream),
+  std::size_t stage = 0;
+  if constexpr (kNorm) {
+    allow_largest_stage<kernel>(a.device);
+    stage = stage_bytes(a.m, a.k);
+  }
+  launch_kernel("quant_gemv kernel launch", kernel, grid, kBlockWarps * 32, stage, as_stream(a.stream),
                 reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
                 reinterpret_cast<const std::uint8_t*>(a.qweight), reinterpret_cast<const void*>(a.scales), epilogue,
                 norm, static_cast<int>(a.m), static_cast<int>(a.n), static_cast<int>(a.k), a.group_size, split,
-                stages, grouping);
+                grouping);
 }
 
 static_assert(kQuantGemvNormMaxRows <= 8, "the norm's rows fit one n8 tile (kTiles = 1)");

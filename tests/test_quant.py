@@ -606,7 +606,7 @@ def test_add_norm_call_passes_each_tensor_in_its_place(monkeypatch):
 
 def test_add_norm_composes_where_the_fold_does_not_fit(monkeypatch):
     """Rows, widths and dtypes past the fold's limits run add_rmsnorm + quant_linear (stand-ins);
-    4 rows of 6144 (the largest stage) still fold."""
+    4 rows of 8192 (the largest stage) still fold."""
     calls = record_kernel_calls(monkeypatch, "quant_gemv", "rmsnorm")
     monkeypatch.setattr(dispatch, "cpu_kernels_available", lambda: False)  # quant_linear: the stand-in too
     x, residual, weight = _norm_inputs(5, 2048, False, torch.bfloat16)
@@ -614,8 +614,8 @@ def test_add_norm_composes_where_the_fold_does_not_fit(monkeypatch):
     cases = {  # name: (x, residual, norm weight, folds)
         "5 rows": (x, residual, weight, False),
         "4 rows": (x[:4], residual[:4], weight, True),
-        "4 rows of 6144": (*_norm_inputs(4, 6144, False, torch.bfloat16), True),
-        "6160 wide": (*_norm_inputs(1, 6160, False, torch.bfloat16), False),
+        "4 rows of 8192": (*_norm_inputs(4, 8192, False, torch.bfloat16), True),
+        "8208 wide": (*_norm_inputs(1, 8208, False, torch.bfloat16), False),
         "fp32": (x[:2].float(), residual[:2].float(), weight.float(), False),
         "fp32 norm weight": (x[:2], residual[:2], weight.float(), False),
         "misaligned residual": (x[:2], misaligned, weight, False),
@@ -687,10 +687,10 @@ def test_add_norm_fold_equals_add_rmsnorm_then_linear(cuda_kernels, monkeypatch,
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("k, rows", [(64, [1, 3, 4]), (320, [1, 2, 4]), (6144, [1, 3, 4])])
+@pytest.mark.parametrize("k, rows", [(64, [1, 3, 4]), (320, [1, 2, 4]), (8192, [1, 3, 4])])
 def test_add_norm_fold_at_other_widths(cuda_kernels, monkeypatch, k, rows):
-    """64 wide (rmsnorm's rows of one warp), 320 (a partial 32-vector group), 6144 (24 groups, one
-    vector each of rmsnorm's 768 threads)."""
+    """64 wide (rmsnorm's rows of one warp), 320 (a partial 32-vector group), 8192 (32 groups, one
+    vector each of rmsnorm's 1,024 threads)."""
     qw = _cuda_norm_weight("int8", 1000, k, 0)
     for r in rows:
         for zero_centered in (True, False):
@@ -700,8 +700,8 @@ def test_add_norm_fold_at_other_widths(cuda_kernels, monkeypatch, k, rows):
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [1, 4])
 def test_add_norm_fold_replays_in_cuda_graph(cuda_kernels, rows):
-    """Captured (its stage past 48 KB at 4 rows of 6144), replayed on new inputs: still the composition."""
-    dtype, k = torch.bfloat16, 6144
+    """Captured (its stage past 48 KB at 4 rows of 8192), replayed on new inputs: still the composition."""
+    dtype, k = torch.bfloat16, 8192
     qw = _cuda_norm_weight("int8", 4608, k, 0)
     x, residual, weight = _norm_inputs(rows, k, True, dtype, device="cuda", seed=20)
     quant.quant_linear_add_norm(x, residual, weight, 1e-6, True, qw)  # warm-up outside capture

@@ -59,10 +59,9 @@ MAX_GEMV_ROWS = 16
 CUDA_MAX_GEMV_ROWS = 32
 CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it a tiled dequantize + fp32 GEMM is faster
 # The add + RMSNorm a CUDA GEMV folds in front (csrc/quant_gemv.h: kQuantGemvNorm*): up to 4 rows of
-# K <= 6144 (past 4 rows the fold cost more than the launch it saves; past 6144 the rows and the
-# weight ring outgrow a consumer GPU's shared memory).
+# K <= 8192 (past 4 rows the fold cost more than the launch it saves).
 NORM_MAX_ROWS = 4
-NORM_MAX_K = 6144
+NORM_MAX_K = 8192
 # fp32 weight rows dequantized at once on the CPU: cache-sized, and few GEMM calls per weight
 # (each is a barrier of torch's thread pool, which a busy machine makes slow)
 CPU_PREFILL_TILE_BYTES = 8 << 20
