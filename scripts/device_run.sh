@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu sass profile ab replays
+#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu sass profile ab replays issue15
 # Wheels for packages missing there travel in .whl/ (scripts/device_wheels.sh fetches them);
 # `scripts/make_bench_model.py` writes the weight-less exact-shape model directories (.bench/)
 # that `serve` uses.
@@ -138,6 +138,19 @@ LIST
     # decode graph replays under AB_VARIANTS (space-separated, each NAME=VALUE[,...]) in one process
     timeout ${AB_TIMEOUT:-400} python3 scripts/ab_replays.py "$OUT/ab_replays.json" $AB_VARIANTS \
       --preset ${AB_PRESET:-qwen3.6-35b-a3b} --runs ${AB_RUNS:-1:4096,8:512} --rounds ${AB_ROUNDS:-2} 2>&1 | grep "^{" ;;
+  issue15)
+    # issue 15's table in one go: graph replays (35B batch 1 at 4K, batch 8 at 512; 27B batch 1 at
+    # 4K), the K = 3 verify round / step, the 64-token MoE prefill, the engine's decode and TTFT
+    timeout 200 python3 scripts/ab_replays.py "$OUT/issue15_replays_35b.json" X=0 --runs 1:4096,8:512 --rounds 2 2>&1 | grep "^{"
+    timeout 200 python3 scripts/ab_replays.py "$OUT/issue15_replays_27b.json" X=0 --preset qwen3.6-27b --runs 1:4096 \
+      --rounds 2 2>&1 | grep "^{"
+    timeout 150 python3 scripts/bench_spec.py verify --weights int4 --max-k 3 --repeats 8 \
+      --json "$OUT/issue15_verify.json" 2>&1 | tail -5
+    timeout 200 python3 scripts/bench_moe_triton.py --tokens 64 --json "$OUT/issue15_moe_64.json" 2>&1 | tail -8
+    [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
+    NINFER_REQUIRE_KERNELS=1 timeout 300 python3 -m ninfer_app bench engine .bench/qwen3.6-35b-a3b --random-weights \
+      --json --lengths 37,512 --batches 1,8 --tokens 256 > "$OUT/issue15_engine.json" 2> "$OUT/issue15_engine.err"
+    echo "== issue15 engine: rc $? $(cat "$OUT/issue15_engine.json")" ;;
   start)
     timeout 300 python3 scripts/bench_start.py qwen3.6-35b-a3b /tmp/ninfer-start --json "$OUT/start_35b.json" 2>&1 | tail -4 ;;
   spec)
