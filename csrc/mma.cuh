@@ -129,7 +129,7 @@ struct Mma<__nv_bfloat16> {
   }
 };
 
-// (a & kMask) | kMagic in one LOP3: written by the compiler, two immediates become two LOP3s.
+// (a & kMask) | kMagic in one LOP3 (from C++ the compiler emits two, one for each immediate).
 template <std::uint32_t kMask, std::uint32_t kMagic>
 __device__ __forceinline__ std::uint32_t and_or(std::uint32_t a) {
   std::uint32_t d;
