@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu sass profile ab replays issue15
+#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu sass profile ab replays issue15 patch
 # Wheels for packages missing there travel in .whl/ (scripts/device_wheels.sh fetches them);
 # `scripts/make_bench_model.py` writes the weight-less exact-shape model directories (.bench/)
 # that `serve` uses.
@@ -138,6 +138,20 @@ LIST
     # decode graph replays under AB_VARIANTS (space-separated, each NAME=VALUE[,...]) in one process
     timeout ${AB_TIMEOUT:-400} python3 scripts/ab_replays.py "$OUT/ab_replays.json" $AB_VARIANTS \
       --preset ${AB_PRESET:-qwen3.6-35b-a3b} --runs ${AB_RUNS:-1:4096,8:512} --rounds ${AB_ROUNDS:-2} 2>&1 | grep "^{" ;;
+  patch)
+    # A/B of a change against this tree in one call: replays of this build, then PATCH (a `git diff`
+    # file that travels untracked) applied, rebuilt, TESTS run, and the replays again
+    # (AB_PRESET / AB_RUNS as for `replays`; both builds' JSON under $OUT)
+    timeout 200 python3 scripts/ab_replays.py "$OUT/patch_before.json" X=0 --preset ${AB_PRESET:-qwen3.6-35b-a3b} \
+      --runs ${AB_RUNS:-1:4096,8:512} --rounds 2 2>&1 | grep "^{"
+    patch -p1 < "${PATCH:?PATCH=file.patch}" > "$OUT/patch_apply.log" 2>&1 || { echo "== patch: does not apply"; cat "$OUT/patch_apply.log"; continue; }
+    CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
+    workers=""
+    python3 -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-4}"
+    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q -p no:cacheprovider $workers ${TESTS:-tests/} 2>&1 \
+      | tee "$OUT/patch_pytest.log" | tail -3
+    timeout 200 python3 scripts/ab_replays.py "$OUT/patch_after.json" X=0 --preset ${AB_PRESET:-qwen3.6-35b-a3b} \
+      --runs ${AB_RUNS:-1:4096,8:512} --rounds 2 2>&1 | grep "^{" ;;
   issue15)
     # issue 15's table in one go: graph replays (35B batch 1 at 4K, batch 8 at 512; 27B batch 1 at
     # 4K), the K = 3 verify round / step, the 64-token MoE prefill, the engine's decode and TTFT
