@@ -144,7 +144,8 @@ LIST
     # (AB_PRESET / AB_RUNS as for `replays`; both builds' JSON under $OUT)
     timeout 200 python3 scripts/ab_replays.py "$OUT/patch_before.json" X=0 --preset ${AB_PRESET:-qwen3.6-35b-a3b} \
       --runs ${AB_RUNS:-1:4096,8:512} --rounds 2 2>&1 | grep "^{"
-    patch -p1 < "${PATCH:?PATCH=file.patch}" > "$OUT/patch_apply.log" 2>&1 || { echo "== patch: does not apply"; cat "$OUT/patch_apply.log"; continue; }
+    { git apply "${PATCH:?PATCH=file.patch}" || patch -p1 < "$PATCH"; } > "$OUT/patch_apply.log" 2>&1 \
+      || { echo "== patch: does not apply"; cat "$OUT/patch_apply.log"; continue; }
     CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
     workers=""
     python3 -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-4}"
