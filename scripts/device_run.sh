@@ -15,12 +15,27 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-start=$SECONDS
+build() {  # the package with its CUDA extension, for CUDAARCHS (default sm_90)
+  local start=$SECONDS
+  CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
+  echo "== install + CUDA build: $((SECONDS - start)) s"
+}
+cuda_tests() {  # the CUDA tests in TESTS into $1, 4 processes on the one GPU where pytest-xdist is (its wheel and execnet's in .whl/)
+  local workers=""
+  python3 -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-4}"
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors \
+    $workers ${TESTS:-tests/} 2>&1 | tee "$1" | grep -vE "^(SKIPPED|PASSED)" | tail -60
+}
+replays() {  # decode graph replays of this build into $1 (preset $2, batch:context runs $3), two rounds
+  timeout 200 python3 scripts/ab_replays.py "$1" X=0 --preset "$2" --runs "$3" --rounds 2 2>&1 | grep "^{"
+}
+bench_model() {  # the weight-less exact-shape 35B model directory `serve` and the engine benches load
+  [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
+}
 if [ -z "${REBUILD:-}" ] && python3 -c "import ninfer_core._C" 2>/dev/null; then
   echo "== extension already built on this (warm) machine; REBUILD=1 forces a build"
 else
-  CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
-  echo "== install + CUDA build: $((SECONDS - start)) s"
+  build
 fi
 ninfer() { python3 -m ninfer_app "$@"; }
 
@@ -28,11 +43,7 @@ for step in "$@"; do
   echo "== step $step"
   case $step in
   tests)
-    # pytest-xdist (its wheel and execnet's in .whl/) runs TEST_WORKERS processes on the one GPU
-    workers=""
-    python3 -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-4}"
-    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q -rs -p no:cacheprovider --continue-on-collection-errors \
-      $workers ${TESTS:-tests/} 2>&1 | tee "$OUT/pytest_cuda.log" | grep -vE "^(SKIPPED|PASSED)" | tail -60 ;;
+    cuda_tests "$OUT/pytest_cuda.log" ;;
   kernels)
     for k in quant moe gdn attention sampling; do
       timeout 300 python3 scripts/bench_$k.py "$OUT/kernel_$k.json" > "$OUT/kernel_$k.log" 2>&1
@@ -57,13 +68,13 @@ LIST
     ;;
   engine)
     # TTFT per prompt length (first / repeat) and decode through the engine loop vs the GPU step
-    [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
+    bench_model
     NINFER_REQUIRE_KERNELS=1 timeout 400 python3 -m ninfer_app bench engine .bench/qwen3.6-35b-a3b --random-weights \
       --json ${ENGINE_FLAGS:-} > "$OUT/engine_35b.json" 2> "$OUT/engine_35b.err"
     echo "== bench engine: rc $? $(cat "$OUT/engine_35b.json") $(tail -3 "$OUT/engine_35b.err")" ;;
   serve)
     # the served path: `ninfer serve` + `ninfer bench serve` (saturation at 1 and 8 clients, TTFT)
-    [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
+    bench_model
     ninfer serve .bench/qwen3.6-35b-a3b --random-weights --device cuda --max-concurrency 8 --port 8123 \
       > "$OUT/serve.log" 2>&1 &
     server=$!
@@ -98,7 +109,8 @@ LIST
     head -12 "$OUT/pdl_profile.txt" ;;
   ncu)
     # Nsight Compute on the decode step's GEMVs, router and MoE kernels (stall reasons, occupancy,
-    # speed of light) at NCU_TOKENS rows (default 1; NCU_FLAGS=--dense: the 27B's GEMVs); Firecracker machines read the counters, gVisor ones cannot (device KINDS.md)
+    # speed of light) at NCU_TOKENS rows (default 1; NCU_FLAGS=--dense: the 27B's GEMVs); Firecracker
+    # machines read the counters, gVisor ones cannot (device KINDS.md)
     timeout 400 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
       --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats --section SchedulerStats \
       -k regex:"quant_gemv|gate_up|down_kernel|router_kernel|align_kernel" \
@@ -117,7 +129,7 @@ LIST
     timeout 120 python3 scripts/bench_chunk_attention.py --json "$OUT/chunk_attention.json" 2>&1 | tail -8 ;;
   prefix)
     # issue 14: TTFT with the prefix cache on / off (chat to 32K tokens, agent with a 20K prefix)
-    [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
+    bench_model
     NINFER_REQUIRE_KERNELS=1 timeout 400 python3 scripts/bench_prefix.py .bench/qwen3.6-35b-a3b --random-weights \
       --device cuda ${PREFIX_FLAGS:-} --json "$OUT/prefix_35b.json" 2>&1 | tail -40 ;;
   prefill)
@@ -142,27 +154,21 @@ LIST
     # A/B of a change against this tree in one call: replays of this build, then PATCH (a `git diff`
     # file that travels untracked) applied, rebuilt, TESTS run, and the replays again
     # (AB_PRESET / AB_RUNS as for `replays`; both builds' JSON under $OUT)
-    timeout 200 python3 scripts/ab_replays.py "$OUT/patch_before.json" X=0 --preset ${AB_PRESET:-qwen3.6-35b-a3b} \
-      --runs ${AB_RUNS:-1:4096,8:512} --rounds 2 2>&1 | grep "^{"
+    replays "$OUT/patch_before.json" ${AB_PRESET:-qwen3.6-35b-a3b} ${AB_RUNS:-1:4096,8:512}
     { git apply "${PATCH:?PATCH=file.patch}" || patch -p1 < "$PATCH"; } > "$OUT/patch_apply.log" 2>&1 \
       || { echo "== patch: does not apply"; cat "$OUT/patch_apply.log"; continue; }
-    CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
-    workers=""
-    python3 -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-4}"
-    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q -p no:cacheprovider $workers ${TESTS:-tests/} 2>&1 \
-      | tee "$OUT/patch_pytest.log" | tail -3
-    timeout 200 python3 scripts/ab_replays.py "$OUT/patch_after.json" X=0 --preset ${AB_PRESET:-qwen3.6-35b-a3b} \
-      --runs ${AB_RUNS:-1:4096,8:512} --rounds 2 2>&1 | grep "^{" ;;
+    build
+    cuda_tests "$OUT/patch_pytest.log"
+    replays "$OUT/patch_after.json" ${AB_PRESET:-qwen3.6-35b-a3b} ${AB_RUNS:-1:4096,8:512} ;;
   issue15)
     # issue 15's table in one go: graph replays (35B batch 1 at 4K, batch 8 at 512; 27B batch 1 at
     # 4K), the K = 3 verify round / step, the 64-token MoE prefill, the engine's decode and TTFT
-    timeout 200 python3 scripts/ab_replays.py "$OUT/issue15_replays_35b.json" X=0 --runs 1:4096,8:512 --rounds 2 2>&1 | grep "^{"
-    timeout 200 python3 scripts/ab_replays.py "$OUT/issue15_replays_27b.json" X=0 --preset qwen3.6-27b --runs 1:4096 \
-      --rounds 2 2>&1 | grep "^{"
+    replays "$OUT/issue15_replays_35b.json" qwen3.6-35b-a3b 1:4096,8:512
+    replays "$OUT/issue15_replays_27b.json" qwen3.6-27b 1:4096
     timeout 150 python3 scripts/bench_spec.py verify --weights int4 --max-k 3 --repeats 8 \
       --json "$OUT/issue15_verify.json" 2>&1 | tail -5
     timeout 200 python3 scripts/bench_moe_triton.py --tokens 64 --json "$OUT/issue15_moe_64.json" 2>&1 | tail -8
-    [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
+    bench_model
     NINFER_REQUIRE_KERNELS=1 timeout 300 python3 -m ninfer_app bench engine .bench/qwen3.6-35b-a3b --random-weights \
       --json --lengths 37,512 --batches 1,8 --tokens 256 > "$OUT/issue15_engine.json" 2> "$OUT/issue15_engine.err"
     echo "== issue15 engine: rc $? $(cat "$OUT/issue15_engine.json")" ;;
@@ -178,7 +184,7 @@ LIST
     if ! python3 -c "import xgrammar" 2>/dev/null; then
       echo "== grammar: xgrammar is missing (put xgrammar + apache_tvm_ffi cp312 wheels in .whl/)"; continue
     fi
-    [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
+    bench_model
     NINFER_REQUIRE_KERNELS=1 timeout 400 python3 scripts/bench_grammar.py .bench/qwen3.6-35b-a3b \
       --json "$OUT/grammar_35b.json" 2>&1 | tail -8 ;;
   esac
