@@ -3,8 +3,9 @@
 // int8 shared expert or none. As in moe.cu, every (token, expert) pair's weights are read once and
 // each warp asks for all of its weights at once (one DRAM round trip); here the warps dequantize
 // into mma.m16n8k16 operands (csrc/mma.cuh: ~2 instructions a weight against moe.cu's ~3 fp32
-// ones), x comes straight from global memory (every lane loads the token's x; column 0 of C is the one read),
-// and a 16-row tile's K is split over warps whose sums meet in shared memory, in a fixed order.
+// ones), x comes straight from global memory (every lane loads the token's x; column 0 of C is
+// the one read), and a 16-row tile's K is split over warps whose sums meet in shared memory, in a
+// fixed order.
 //
 // gate_up: 1-D grid. Routed blocks: (pair, 8 tiles_per_block outputs) with hidden / 512 warps a
 // tile (4 chunks of 128 codes a warp); each tile is 8 gate rows and their 8 up rows, so a lane's

@@ -591,8 +591,8 @@ class LLMEngine:
         slots = flat[2 * n + b :]
         return ForwardBatch(
             input_ids=flat[:n].view(b, width), positions=flat[n : 2 * n].view(b, width),
-            cache_lens=flat[2 * n : 2 * n + b], slots=slots, block_table=self.cache.rows(slots, max(lens) + width), logits=logits, verify=verify,
-            capture_layers=capture_layers, host_cache_lens=tuple(lens),
+            cache_lens=flat[2 * n : 2 * n + b], slots=slots, block_table=self.cache.rows(slots, max(lens) + width),
+            logits=logits, verify=verify, capture_layers=capture_layers, host_cache_lens=tuple(lens),
         )
 
     def _prefill_batch(self, chunk: PrefillChunk) -> ForwardBatch:
