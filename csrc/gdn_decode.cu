@@ -71,7 +71,6 @@ __global__ void __launch_bounds__(kMaxHeadDim)
                     std::int64_t qkv_stride, int seq_rows, int num_tokens, bool has_out, bool write_state, int num_k_heads,
                     int num_v_heads, int head_k_dim, int head_v_dim, int channels, int taps,
                     float q_scale) {
-  enter_kernel();
   const int seg = blockIdx.x;
   const int b = blockIdx.y;
   const bool is_key = seg < 2 * num_k_heads;  // block-uniform, so group_sum below is safe
@@ -80,18 +79,23 @@ __global__ void __launch_bounds__(kMaxHeadDim)
                           : 2 * num_k_heads * head_k_dim + (seg - 2 * num_k_heads) * head_v_dim;
   const int c = base + static_cast<int>(threadIdx.x);
   const bool active = static_cast<int>(threadIdx.x) < width;
-  if (!is_key && threadIdx.x == 0) done[b * num_v_heads + seg - 2 * num_k_heads] = 0;  // for kernel 2
   const int advance = advance_count(counts, b, num_tokens);
   const int steps = has_out && counts == nullptr ? num_tokens : advance;  // block-uniform
   T* state = conv_pool + (slots[b] * channels + (active ? c : 0)) * (taps - 1);
-  const T* w = weight + static_cast<std::int64_t>(active ? c : 0) * taps;
   const T* x = qkv + first_row(offsets, b, seq_rows) * qkv_stride + (active ? c : 0);
+  // The conv state (last written by this layer's previous step), the weights and slots / counts /
+  // offsets (the host's, or kernels two or more launches back: complete once this kernel runs, as
+  // the kernel before it waited for them) load before the wait for qkv, the in_proj GEMV's output.
+  T w[kMaxTaps];
   T old[kMaxTaps];    // the conv state as it was: the K-1 previous inputs, oldest first
   T window[kMaxTaps];  // the K-1 inputs before the current token
 #pragma unroll
-  for (int t = 0; t < kMaxTaps - 1; ++t) {
+  for (int t = 0; t < kMaxTaps; ++t) {
+    if (active && t < taps) w[t] = weight[static_cast<std::int64_t>(c) * taps + t];
     if (active && t < taps - 1) window[t] = old[t] = state[t];
   }
+  enter_kernel();
+  if (!is_key && threadIdx.x == 0) done[b * num_v_heads + seg - 2 * num_k_heads] = 0;  // for kernel 2
   if (fork_slots != nullptr && active) {
     T* fork = conv_pool + (fork_slots[b] * channels + c) * (taps - 1);
 #pragma unroll
@@ -106,7 +110,10 @@ __global__ void __launch_bounds__(kMaxHeadDim)
     for (int j = 0; j < kMaxTaps - 1; ++j) {
       if (j < taps - 1) acc += to_float(w[j]) * to_float(window[j]);
     }
-    acc += to_float(w[taps - 1]) * to_float(xt);
+#pragma unroll
+    for (int j = 0; j < kMaxTaps; ++j) {  // w[taps - 1], kept in registers (a constant index)
+      if (j == taps - 1) acc += to_float(w[j]) * to_float(xt);
+    }
 #pragma unroll
     for (int j = 0; j < kMaxTaps - 1; ++j) {
       if (j < taps - 1) window[j] = j + 1 < taps - 1 ? window[j + 1] : xt;
@@ -137,8 +144,10 @@ __global__ void __launch_bounds__(kMaxHeadDim)
 // state is stored after token counts[b] - 1 (if written); the head's last block to finish
 // normalises the head's T outputs in place. Products and sums of the state update are rounded
 // separately (no fma), as torch's elementwise ops round them.
+// 8 blocks an SM for dk <= 128 (64 registers, 32 bytes spilled on sm_90): batch 8 of the 35B is
+// 1,024 blocks, one wave of 8 x 132 instead of 1.55 of the 5 that 96 registers allowed.
 template <typename T, int kMaxRows>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
     gdn_recurrent_kernel(T* out, float* __restrict__ state_pool, const float* __restrict__ act,
                          unsigned* __restrict__ done, const T* __restrict__ a,
                          const T* __restrict__ b_in, const T* __restrict__ z,

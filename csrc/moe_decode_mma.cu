@@ -10,7 +10,7 @@
 // gate_up: 1-D grid. Routed blocks: (pair, 8 tiles_per_block outputs) with hidden / 512 warps a
 // tile (4 chunks of 128 codes a warp); each tile is 8 gate rows and their 8 up rows, so a lane's
 // C entries 0 and 2 are the gate and up sums of output g. Shared-expert blocks (int8: 64 codes a
-// chunk) follow: one tile a block, its K over all 8 warps.
+// chunk) follow: one tile a block, its K over all 8 warps, every token (up to 8) a column of its MMAs.
 // down: grid (hidden / 16, tokens); warp j takes slot j's 16 rows (inter / 128 chunks) and chunk j
 // of the shared expert's rows; each routed chunk's sums are scaled by its group scale times the
 // slot's routing weight, in fp32 (moe.cu's order of roundings otherwise).
@@ -28,6 +28,7 @@ constexpr int kInt4Chunk = 128;   // codes in an int4 chunk: one group of 128
 constexpr int kInt8Chunk = 64;    // codes in an int8 chunk
 constexpr int kPartChunks = 4;    // int4 chunks a warp holds (8 x 16 bytes a lane in flight)
 constexpr int kPartK = kPartChunks * kInt4Chunk;  // 512: gate_up's K a warp
+constexpr int kMaxDecodeTokens = 8;  // the shared expert's tokens: the N of one m16n8k16 MMA
 
 struct GateUpParams {
   const std::uint8_t* q;        // [E, 2 inter, hidden / 2] int4
@@ -37,7 +38,8 @@ struct GateUpParams {
   int routed_pairs, top_k, hidden, inter, experts, shared_inter, h_stride;
   int parts;            // warps a routed tile: hidden / 512
   int pair_blocks;      // routed blocks a pair: inter / (8 * kWarps / parts)
-  int shared_blocks;    // shared-expert blocks a token: shared_inter / 8
+  int shared_blocks;    // shared-expert blocks: shared_inter / 8, each for every token
+  int tokens;           // <= kMaxDecodeTokens
 };
 
 struct DownParams {
@@ -90,9 +92,12 @@ __global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: one token'
   const int g = lane >> 2, t = lane & 3;
   const int routed_blocks = p.routed_pairs * p.pair_blocks;
   const int bid = blockIdx.x;
-  if (kShared && bid >= routed_blocks) {  // the shared expert: one 8-output tile, K over the 8 warps
-    const int n = (bid - routed_blocks) / p.shared_blocks;
-    const int i0 = (bid - routed_blocks) % p.shared_blocks * 8;
+  if (kShared && bid >= routed_blocks) {
+    // The shared expert: one 8-output tile, K over the 8 warps, every token at once (token n is
+    // the MMA's B column n: lane g loads token g's x, a lane past the tokens token 0's, whose C
+    // column nobody reads), so its weights are read once a step, not once a token.
+    __shared__ float shared_red[kMaxDecodeTokens][kWarps][8][2];
+    const int i0 = (bid - routed_blocks) * 8;
     const int row_bytes = p.hidden;
     const int chunks = p.hidden / kInt8Chunk / kWarps;  // <= kPartChunks (moe_decode_mma)
     const std::uint8_t* rows[2] = {p.sq + static_cast<std::int64_t>(i0 + g) * row_bytes,
@@ -105,17 +110,26 @@ __global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: one token'
       for (int r = 0; r < 2; ++r) q[u][r] = load16<true>(rows[r] + (u < chunks ? off : 0), u < chunks);
     }
     enter_kernel();  // x is the router's normed output
-    const T* xr[1] = {x + static_cast<std::int64_t>(n) * p.hidden};
+    const T* xr[1] = {x + static_cast<std::int64_t>(g < p.tokens ? g : 0) * p.hidden};
     float acc[1][4] = {};
     const std::uint16_t no_scale[2] = {};
 #pragma unroll
     for (int u = 0; u < kPartChunks; ++u) {
       if (u < chunks) chunk_mma<T, false, false, 1>(acc, q[u], no_scale, xr, (warp * chunks + u) * kInt8Chunk + 16 * t);
     }
-    if (t == 0) red[warp][g][0] = acc[0][0], red[warp][g][1] = acc[0][2];
+    // C entries 0, 1: the gate sums of output g for tokens 2t, 2t + 1; entries 2, 3 their up sums
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      if (2 * t + c < p.tokens) {
+        shared_red[2 * t + c][warp][g][0] = acc[0][c];
+        shared_red[2 * t + c][warp][g][1] = acc[0][2 + c];
+      }
+    }
     __syncthreads();
-    gate_up_epilogue<T>(h + static_cast<std::int64_t>(n) * p.h_stride + p.top_k * p.inter + i0, red, 1, kWarps,
-                        p.sscales, i0, p.shared_inter);
+    for (int n = 0; n < p.tokens; ++n) {
+      gate_up_epilogue<T>(h + static_cast<std::int64_t>(n) * p.h_stride + p.top_k * p.inter + i0, shared_red[n], 1,
+                          kWarps, p.sscales, i0, p.shared_inter);
+    }
     return;
   }
   enter_kernel();  // ids come from the router, the kernel before
@@ -247,9 +261,8 @@ void launch(const MoeDecodeArgs& a, bool shared) {
                   reinterpret_cast<const std::uint8_t*>(a.shared_gate_up.weight),
                   reinterpret_cast<const float*>(a.shared_gate_up.scales),
                   static_cast<int>(a.tokens) * top_k, top_k, hidden, inter, static_cast<int>(a.experts), shared_inter,
-                  h_stride, parts, inter / (8 * kWarps / parts), shared_inter / 8};
-  const unsigned gate_up_blocks = static_cast<unsigned>(gu.routed_pairs * gu.pair_blocks +
-                                                        (shared ? a.tokens * gu.shared_blocks : 0));
+                  h_stride, parts, inter / (8 * kWarps / parts), shared_inter / 8, static_cast<int>(a.tokens)};
+  const unsigned gate_up_blocks = static_cast<unsigned>(gu.routed_pairs * gu.pair_blocks + (shared ? gu.shared_blocks : 0));
   DownParams dp{reinterpret_cast<const std::uint8_t*>(a.down.weight), reinterpret_cast<const std::uint16_t*>(a.down.scales),
                 reinterpret_cast<const std::uint8_t*>(a.shared_down.weight),
                 reinterpret_cast<const float*>(a.shared_down.scales), reinterpret_cast<const void*>(a.weights),
@@ -277,7 +290,7 @@ bool moe_decode_mma(const MoeDecodeArgs& a) {
   const bool shared = a.shared_inter != 0;
   const auto int4_128 = [](const ExpertWeights& w) { return w.kind == ExpertKind::Int4 && w.group_size == kInt4Chunk; };
   const bool fits =
-      (a.dtype == DType::F16 || a.dtype == DType::BF16) && int4_128(a.gate_up) && int4_128(a.down) &&
+      (a.dtype == DType::F16 || a.dtype == DType::BF16) && a.tokens <= kMaxDecodeTokens && int4_128(a.gate_up) && int4_128(a.down) &&
       a.top_k <= kWarps && a.hidden % kPartK == 0 && is_pow2(a.hidden / kPartK) && a.hidden / kPartK <= kWarps &&
       a.inter % kInt4Chunk == 0 && a.inter / kInt4Chunk <= kPartChunks &&
       a.inter % (8 * kWarps / (a.hidden / kPartK)) == 0 &&

@@ -385,18 +385,22 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
     }
   };
 
+  // A plain GEMV's first two steps of weights are on their way before it waits for x (programmatic
+  // dependent launch: the previous kernel may still be running; weights are never written) and
+  // norms it: a warp of a short K (out_proj split 16 ways: 2 steps) has asked for all of its
+  // weights by then. Each buffer is refilled right after it is computed.
+  const int first = part * kUnroll;
   load_step(0);
-  // A plain GEMV's first weights are on their way before it waits for x (programmatic dependent
-  // launch: the previous kernel may still be running; weights are never written).
+  if (first + stride < chunks) load_step(1);
   if constexpr (kNorm) stage_norm_weight<T, kBlockWarps>(stage_rows<T>(), norm, m, k);
   if constexpr (!kGrouped) enter_kernel();
   if constexpr (kNorm) add_norm_rows<T, kBlockWarps>(stage_rows<T>(), x, norm, m, k);
-  for (int c = part * kUnroll; c < chunks; c += 2 * stride) {
-    if (c + stride < chunks) load_step(1);
+  for (int c = first; c < chunks; c += 2 * stride) {
     compute_step(0, c);
-    if (c + stride >= chunks) break;
     if (c + 2 * stride < chunks) load_step(0);
+    if (c + stride >= chunks) break;
     compute_step(1, c + stride);
+    if (c + 3 * stride < chunks) load_step(1);
   }
 
   if constexpr (!kTensorCores) {
