@@ -2,9 +2,11 @@
 // kernels of a few microseconds each; with PDL the next kernel is scheduled while the current one
 // still runs, reads what no kernel writes (weights) ahead, and waits only for its real inputs, so
 // its launch latency and the first loads' latency hide behind the current kernel's work.
-// The contract, for every kernel started with `launch_kernel`: before it reads anything an earlier
-// kernel wrote, and before it writes anything (an earlier kernel may still read it), it calls
-// `wait_for_inputs()`; `enter_kernel()` does that first thing. Without PDL (older GPUs,
+// The contract, for every kernel started with `launch_kernel`: before it reads anything the kernel
+// just before it wrote, and before it writes anything (an earlier kernel may still read it), it
+// calls `wait_for_inputs()`; `enter_kernel()` does that first thing. What kernels two or more
+// launches back wrote may be read before: the kernel before this one let it start only after its
+// own wait, so those have finished. Without PDL (older GPUs,
 // NINFER_PDL=0) both are no-ops and launches are ordinary. Inside CUDA graphs the dependency
 // becomes a programmatic edge (CUDA 12.3+).
 #pragma once
@@ -13,6 +15,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <utility>
 
 #include "common.cuh"
@@ -59,11 +62,29 @@ inline bool pdl_enabled() {
   return major >= 9;
 }
 
+// For timing only: a launch whose `what` contains one of the '+'-separated names in NINFER_ABLATE
+// is skipped (its outputs are then garbage). Graph replays with a kernel left out give its share
+// of a decode step with PDL overlap, which per-kernel profiles cannot (scripts/ab_replays.py).
+// Read at every launch, so that one process can capture graphs under several settings.
+inline bool ablated(const char* what) {
+  const char* names = std::getenv("NINFER_ABLATE");
+  if (names == nullptr) return false;
+  for (const char* start = names; *start != '\0';) {
+    const char* end = std::strchr(start, '+');
+    const std::size_t length = end == nullptr ? std::strlen(start) : static_cast<std::size_t>(end - start);
+    if (length > 0 && std::string_view(what).find(std::string_view(start, length)) != std::string_view::npos) return true;
+    if (end == nullptr) break;
+    start = end + 1;
+  }
+  return false;
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), with PDL where it is on; errors raise, naming
 // `what`.
 template <typename... Params, typename... Args>
 void launch_kernel(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
                    std::size_t smem, cudaStream_t stream, Args&&... args) {
+  if (ablated(what)) return;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;

@@ -2,6 +2,7 @@
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
 #   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu sass profile ab replays issue15 patch
+#   NO_BUILD=1 VARIANTS="main a.patch b.patch" scripts/device_run.sh builds
 # Wheels for packages missing there travel in .whl/ (scripts/device_wheels.sh fetches them);
 # `scripts/make_bench_model.py` writes the weight-less exact-shape model directories (.bench/)
 # that `serve` uses.
@@ -32,7 +33,9 @@ replays() {  # decode graph replays of this build into $1 (preset $2, batch:cont
 bench_model() {  # the weight-less exact-shape 35B model directory `serve` and the engine benches load
   [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
 }
-if [ -z "${REBUILD:-}" ] && python3 -c "import ninfer_core._C" 2>/dev/null; then
+if [ -n "${NO_BUILD:-}" ]; then
+  echo "== NO_BUILD: no install of this tree (the builds step builds its own copies)"
+elif [ -z "${REBUILD:-}" ] && python3 -c "import ninfer_core._C" 2>/dev/null; then
   echo "== extension already built on this (warm) machine; REBUILD=1 forces a build"
 else
   build
@@ -113,10 +116,11 @@ LIST
     # machines read the counters, gVisor ones cannot (device KINDS.md)
     timeout 400 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
       --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats --section SchedulerStats \
-      -k regex:"quant_gemv|gate_up|down_kernel|router_kernel|align_kernel" \
+      -k regex:"quant_gemv|gate_up|down_|router_kernel|align_kernel" \
       python3 scripts/ncu_decode_kernels.py --tokens ${NCU_TOKENS:-1} ${NCU_FLAGS:-} > "$OUT/ncu.txt" 2>&1
-    echo "== ncu: rc $?"; grep -E "quant_gemv|gate_up|down_kernel|router_kernel|Duration|Throughput|Stall|Warp Cycles" \
-      "$OUT/ncu.txt" | head -60 ;;
+    echo "== ncu: rc $?"; grep -E "quant_gemv|gate_up|down_|router_kernel|Duration|DRAM Throughput|Issue Slots|Eligible Warps|Warp Cycles Per Issued" \
+      "$OUT/ncu.txt" | head -${NCU_LINES:-60}
+    [ -n "${NCU_NAME:-}" ] && mv "$OUT/ncu.txt" "$OUT/ncu_$NCU_NAME.txt" ;;
   sass)
     # the extension's SASS (cuobjdump from the toolkit there; none here), gzipped: a kernel's loops
     # and their instructions with `scripts/sass_loops.py sass.txt.gz KERNEL_REGEX`
@@ -160,6 +164,28 @@ LIST
     build
     cuda_tests "$OUT/patch_pytest.log"
     replays "$OUT/patch_after.json" ${AB_PRESET:-qwen3.6-35b-a3b} ${AB_RUNS:-1:4096,8:512} ;;
+  builds)
+    # A/B of several changes in one call, without installing this tree (run with NO_BUILD=1): each
+    # VARIANTS entry ("main" or a `git diff` file that travels untracked) is a copy of the tracked
+    # files, patched and built in parallel; then the replays of each, the variants alternating in
+    # every round (AB_ROUNDS; PRESETS: preset=batch:context,... entries)
+    for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
+      dir=/tmp/ab/${v%.patch}; rm -rf "$dir"; mkdir -p "$dir"
+      git ls-files -z | xargs -0 cp --parents -t "$dir"
+      ( cd "$dir" && { [ "$v" = main ] || git apply "$OLDPWD/$v"; } \
+        && CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps --target "$dir/site" . \
+        && cp "$dir"/site/ninfer_core/_*.so "$dir/ninfer_core/" ) > "$OUT/build_${v%.patch}.log" 2>&1 &
+    done
+    wait; echo "== builds done: $SECONDS s"; tail -n 3 "$OUT"/build_*.log
+    for round in $(seq 1 ${AB_ROUNDS:-2}); do
+      for entry in ${PRESETS:-qwen3.6-35b-a3b=1:4096,8:512}; do
+        for v in $VARIANTS; do
+          name=${v%.patch}
+          ( cd /tmp/ab/$name && timeout 200 python3 scripts/ab_replays.py "$OUT/builds_${name}_${entry%%=*}_r$round.json" X=0 \
+            --preset "${entry%%=*}" --runs "${entry#*=}" --rounds 1 2>&1 | grep "^{" | sed "s/^/$name r$round: /" )
+        done
+      done
+    done ;;
   issue15)
     # issue 15's table in one go: graph replays (35B batch 1 at 4K, batch 8 at 512; 27B batch 1 at
     # 4K), the K = 3 verify round / step, the 64-token MoE prefill, the engine's decode and TTFT

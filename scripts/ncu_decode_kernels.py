@@ -1,10 +1,11 @@
 """The decode step's largest kernels at the 35B-A3B's shapes, each launched a few times, for Nsight
-Compute: GEMVs as fast from L2 as from DRAM (`bench_l2_prefetch.py`) are bound by something inside
+Compute, as the decode step calls them (the router with its folded norm, the routed experts
+with the int8 shared expert in the same two launches): GEMVs as fast from L2 as from DRAM (`bench_l2_prefetch.py`) are bound by something inside
 the kernel, and ncu's stall reasons say what. One row of x, as batch-1 decode has, or --tokens N
 (8: batch-8 decode), or with --dense the 27B's GEMVs (its int4 MLP, the int8 GDN in_proj).
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \\
-        -k regex:"quant_gemv|gate_up|down_kernel|router_kernel" python3 scripts/ncu_decode_kernels.py
+        -k regex:"quant_gemv|gate_up|down_|router_kernel" python3 scripts/ncu_decode_kernels.py
 
 (`scripts/device_run.sh ncu` runs that.)
 """
@@ -40,15 +41,19 @@ def main() -> None:
                    for name, (n, k) in {"gdn_in_proj": (12352, HIDDEN), "out_proj": (HIDDEN, 4096)}.items()}
     gate_up = quant.quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, **bf16) * 0.02, "int4", 128)
     down = quant.quantize(torch.randn(EXPERTS, HIDDEN, INTER, **bf16) * 0.02, "int4", 128)
+    shared_gate_up = quant.quantize(torch.randn(2 * INTER, HIDDEN, **bf16) * 0.02, "int8")
+    shared_down = quant.quantize(torch.randn(HIDDEN, INTER, **bf16) * 0.02, "int8")
     router = torch.randn(EXPERTS + 1, HIDDEN, **bf16) * 0.02
+    norm = moe.RouterNorm(torch.randn(tokens, HIDDEN, **bf16), torch.ones(HIDDEN, **bf16), 1e-6, True)
     for _ in range(LAUNCHES):
         for w in projections.values():
             out = torch.empty(tokens, w.shape[0], **bf16)
             quant._gemv(out, torch.randn(tokens, w.shape[1], **bf16), w, None)
-        routed = moe.moe_router(x, router, EXPERTS, TOP_K, True)
+        routed = moe.moe_add_norm_router(x, norm, router, EXPERTS, TOP_K, True)
         assert routed is not None, "the router kernel does not take this shape"
-        _, weights, ids = routed
-        moe.moe_experts(x, gate_up, down, weights, ids)
+        normed, _, logits, weights, ids = routed
+        shared = moe.SharedExpert(shared_gate_up, shared_down, logits[:, EXPERTS:])
+        assert moe.moe_experts_with_shared(normed, gate_up, down, weights, ids, shared) is not None
     torch.cuda.synchronize()
 
 
