@@ -168,7 +168,8 @@ LIST
     # A/B of several changes in one call, without installing this tree (run with NO_BUILD=1): each
     # VARIANTS entry ("main" or a `git diff` file that travels untracked) is a copy of the tracked
     # files, patched and built in parallel; then the replays of each, the variants alternating in
-    # every round (AB_ROUNDS; PRESETS: preset=batch:context,... entries)
+    # every round (AB_ROUNDS; PRESETS: preset=batch:context,... entries); before them the GPU tests
+    # that NAME.tests lists, run in NAME's copy
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
       dir=/tmp/ab/${v%.patch}; rm -rf "$dir"; mkdir -p "$dir"
       git ls-files -z | xargs -0 cp --parents -t "$dir"
@@ -177,6 +178,12 @@ LIST
         && cp "$dir"/site/ninfer_core/_*.so "$dir/ninfer_core/" ) > "$OUT/build_${v%.patch}.log" 2>&1 &
     done
     wait; echo "== builds done: $SECONDS s"; tail -n 3 "$OUT"/build_*.log
+    for v in $VARIANTS; do  # a patch's GPU tests: the test files listed in NAME.tests beside NAME.patch
+      name=${v%.patch}
+      [ -f "$name.tests" ] || continue
+      echo "== $name: tests"
+      ( cd /tmp/ab/$name && TESTS="$(cat "$OLDPWD/$name.tests")" cuda_tests "$OUT/tests_$name.log" )
+    done
     for round in $(seq 1 ${AB_ROUNDS:-2}); do
       for entry in ${PRESETS:-qwen3.6-35b-a3b=1:4096,8:512}; do
         for v in $VARIANTS; do
