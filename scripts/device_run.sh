@@ -177,19 +177,23 @@ LIST
         && CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps --target "$dir/site" . \
         && cp "$dir"/site/ninfer_core/_*.so "$dir/ninfer_core/" ) > "$OUT/build_${v%.patch}.log" 2>&1 &
     done
-    wait; echo "== builds done: $SECONDS s"; tail -n 3 "$OUT"/build_*.log
+    wait; echo "== builds done: $SECONDS s"; find "$OUT" -name 'build_*.log' -empty -delete
+    tail -n 3 "$OUT"/build_*.log 2>/dev/null
     for v in $VARIANTS; do  # a patch's GPU tests: the test files listed in NAME.tests beside NAME.patch
       name=${v%.patch}
       [ -f "$name.tests" ] || continue
       echo "== $name: tests"
-      ( cd /tmp/ab/$name && TESTS="$(cat "$OLDPWD/$name.tests")" cuda_tests "$OUT/tests_$name.log" )
+      ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:${PYTHONPATH:-} TESTS="$(cat "$OLDPWD/$name.tests")" \
+          cuda_tests "$OUT/tests_$name.log" )
     done
     for round in $(seq 1 ${AB_ROUNDS:-2}); do
       for entry in ${PRESETS:-qwen3.6-35b-a3b=1:4096,8:512}; do
         for v in $VARIANTS; do
           name=${v%.patch}
-          ( cd /tmp/ab/$name && timeout 200 python3 scripts/ab_replays.py "$OUT/builds_${name}_${entry%%=*}_r$round.json" X=0 \
-            --preset "${entry%%=*}" --runs "${entry#*=}" --rounds 1 2>&1 | grep "^{" | sed "s/^/$name r$round: /" )
+          ( cd /tmp/ab/$name && timeout 200 python3 scripts/ab_replays.py /tmp/ab/replays.json X=0 \
+            --preset "${entry%%=*}" --runs "${entry#*=}" --rounds 1 2>&1 | grep "^{" \
+            | sed "s/^{/{\"build\": \"$name\", \"preset\": \"${entry%%=*}\", \"call_round\": $round, /" \
+            | tee -a "$OUT/builds.jsonl" )
         done
       done
     done ;;
