@@ -169,28 +169,35 @@ LIST
     # VARIANTS entry ("main" or a `git diff` file that travels untracked) is a copy of the tracked
     # files, patched and built in parallel; then the replays of each, the variants alternating in
     # every round (AB_ROUNDS; PRESETS: preset=batch:context,... entries); before them the GPU tests
-    # that NAME.tests lists, run in NAME's copy
+    # that NAME.tests lists, run in NAME's copy. Make each patch against this tree's HEAD: a patch
+    # that does not apply (or a copy that does not build) is left out with its log, never timed on
+    # the torch references (NINFER_REQUIRE_KERNELS=1).
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
       dir=/tmp/ab/${v%.patch}; rm -rf "$dir"; mkdir -p "$dir"
       git ls-files -z | xargs -0 cp --parents -t "$dir"
       ( cd "$dir" && { [ "$v" = main ] || git apply "$OLDPWD/$v"; } \
         && CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps --target "$dir/site" . \
-        && cp "$dir"/site/ninfer_core/_*.so "$dir/ninfer_core/" ) > "$OUT/build_${v%.patch}.log" 2>&1 &
+        && cp "$dir"/site/ninfer_core/_*.so "$dir/ninfer_core/" && touch "$dir/.built" ) > "$OUT/build_${v%.patch}.log" 2>&1 &
     done
     wait; echo "== builds done: $SECONDS s"; find "$OUT" -name 'build_*.log' -empty -delete
-    tail -n 3 "$OUT"/build_*.log 2>/dev/null
-    for v in $VARIANTS; do  # a patch's GPU tests: the test files listed in NAME.tests beside NAME.patch
+    built=""
+    for v in $VARIANTS; do
+      if [ -f "/tmp/ab/${v%.patch}/.built" ]; then built="$built $v"; else echo "== ${v%.patch}: NOT BUILT, left out"; tail -n 5 "$OUT/build_${v%.patch}.log"; fi
+    done
+    for v in $built; do  # a patch's GPU tests: the test files listed in NAME.tests beside NAME.patch
       name=${v%.patch}
       [ -f "$name.tests" ] || continue
       echo "== $name: tests"
-      ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:${PYTHONPATH:-} TESTS="$(cat "$OLDPWD/$name.tests")" \
-          cuda_tests "$OUT/tests_$name.log" )
+      # serial: under pytest-xdist the copies' runs collected nothing ("no tests ran") twice on the H200
+      ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:${PYTHONPATH:-} timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q \
+          -rs -p no:cacheprovider -p no:xdist $(cat "$OLDPWD/$name.tests") 2>&1 | tee "$OUT/tests_$name.log" \
+          | grep -vE "^(SKIPPED|PASSED)" | tail -30 )
     done
     for round in $(seq 1 ${AB_ROUNDS:-2}); do
       for entry in ${PRESETS:-qwen3.6-35b-a3b=1:4096,8:512}; do
-        for v in $VARIANTS; do
+        for v in $built; do
           name=${v%.patch}
-          ( cd /tmp/ab/$name && timeout 200 python3 scripts/ab_replays.py /tmp/ab/replays.json X=0 \
+          ( cd /tmp/ab/$name && NINFER_REQUIRE_KERNELS=1 timeout 200 python3 scripts/ab_replays.py /tmp/ab/replays.json X=0 \
             --preset "${entry%%=*}" --runs "${entry#*=}" --rounds 1 2>&1 | grep "^{" \
             | sed "s/^{/{\"build\": \"$name\", \"preset\": \"${entry%%=*}\", \"call_round\": $round, /" \
             | tee -a "$OUT/builds.jsonl" )
