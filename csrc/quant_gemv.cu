@@ -509,7 +509,14 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
     allow_largest_stage<kernel>(a.device);
     stage = stage_bytes(a.m, a.k);
   }
-  launch_kernel("quant_gemv kernel launch", kernel, grid, kBlockWarps * 32, stage, as_stream(a.stream),
+  // Named by role (errors, NINFER_ABLATE): a decode step's in_proj / qkv fold the norm, its out_proj /
+  // o_proj add the residual; all contain "quant_gemv".
+  const char* what = kGrouped                    ? "quant_gemv grouped (MoE) kernel launch"
+                     : kNorm                     ? "quant_gemv norm kernel launch"
+                     : kLayout == Layout::GateUp ? "quant_gemv gate_up kernel launch"
+                     : a.add != 0                ? "quant_gemv add kernel launch"
+                                                 : "quant_gemv kernel launch";
+  launch_kernel(what, kernel, grid, kBlockWarps * 32, stage, as_stream(a.stream),
                 reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.x),
                 reinterpret_cast<const std::uint8_t*>(a.qweight), reinterpret_cast<const void*>(a.scales), epilogue,
                 norm, static_cast<int>(a.m), static_cast<int>(a.n), static_cast<int>(a.k), a.group_size, split,
