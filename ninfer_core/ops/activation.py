@@ -44,9 +44,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         dispatch.fallback("silu_mul", x)
         return silu_mul_ref(x)
     out = x.new_empty(*x.shape[:-1], cols)
-    dispatch.extension().silu_mul(out=out.data_ptr(), x=x.data_ptr(), rows=x.numel() // x.shape[-1], cols=cols,
-                                  dtype=dispatch.kernel_dtype(x), device=x.device.index,
-                                  stream=dispatch.stream_handle(x))
+    dispatch.extension().silu_mul(out, x, dispatch.stream_handle(x))
     return out
 
 
@@ -73,11 +71,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = 
         dispatch.fallback("sigmoid_mul", x, gate)
         return sigmoid_mul_ref(x, gate, add)
     out = torch.empty_like(x)
-    dispatch.extension().sigmoid_mul(
-        out=out.data_ptr(), x=x.data_ptr(), gate=gate_rows.data_ptr(), add=0 if add is None else add.data_ptr(),
-        rows=x.numel() // cols, cols=cols, gate_stride=gate_rows.stride(0), gate_cols=gate.shape[-1],
-        dtype=dispatch.kernel_dtype(x), device=x.device.index, stream=dispatch.stream_handle(x),
-    )
+    dispatch.extension().sigmoid_mul(out, x, gate_rows, add, dispatch.stream_handle(x))
     return out
 
 

@@ -112,22 +112,8 @@ def _launch(
     eps: float,
     zero_centered: bool,
 ) -> None:
-    hidden = x.shape[-1]
-    dispatch.extension().rmsnorm(
-        out=out.data_ptr(),
-        residual_out=0 if residual_out is None else residual_out.data_ptr(),
-        x=x.data_ptr(),
-        residual=0 if residual is None else residual.data_ptr(),
-        weight=weight.data_ptr(),
-        rows=x.numel() // hidden,
-        hidden=hidden,
-        eps=float(eps),
-        zero_centered=zero_centered,
-        dtype=dispatch.kernel_dtype(x),
-        weight_dtype=dispatch.kernel_dtype(weight),
-        device=x.device.index,
-        stream=dispatch.stream_handle(x),
-    )
+    dispatch.extension().rmsnorm(out, residual_out, x, residual, weight, float(eps), zero_centered,
+                                 dispatch.stream_handle(x))
 
 
 def _into(dst: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
