@@ -1,4 +1,5 @@
-"""The CUDA extension's bindings check shapes, strides and dtypes in C++ (csrc/tensor_arg.h) before
+"""The CUDA extension's bindings (rmsnorm, the activations; the other families have their own
+test_binding_checks_*.py) check shapes, strides and dtypes in C++ (csrc/tensor_arg.h) before
 anything launches. Runs wherever ninfer_core._C is built, GPU or not: with CPU tensors a binding
 goes through every check and its last one, the device check, raises DeviceError instead of
 launching. So each op's wrapper, routed to its kernel path on CPU tensors (`kernels_on_cpu`), must
@@ -15,23 +16,12 @@ from ninfer_core.ops import dispatch
 from ninfer_core.ops.activation import sigmoid_mul, silu_mul
 from ninfer_core.ops.rmsnorm import add_rmsnorm, rmsnorm
 
+from kernel_stub import kernels_on_cpu, reaches_launch  # noqa: F401 - kernels_on_cpu is a fixture
+
 ext = dispatch.extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="ninfer_core._C is not built")
 
 BF16 = torch.bfloat16
-
-
-@pytest.fixture
-def kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ops take their CUDA-kernel path on CPU tensors (stream 0: nothing launches)."""
-    monkeypatch.setattr(dispatch, "use_kernel", lambda *tensors: True)
-    monkeypatch.setattr(dispatch, "stream_handle", lambda t: 0)
-
-
-def reaches_launch(call) -> None:
-    """`call` passes every check of the binding it reaches: only the device check stops it."""
-    with pytest.raises(ext.DeviceError, match="is not on a CUDA device"):
-        call()
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (3, 5, 64), (7, 48)])

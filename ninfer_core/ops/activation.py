@@ -44,7 +44,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         dispatch.fallback("silu_mul", x)
         return silu_mul_ref(x)
     out = x.new_empty(*x.shape[:-1], cols)
-    dispatch.extension().silu_mul(out, x, dispatch.stream_handle(x))
+    dispatch.extension().silu_mul(out=out, x=x, stream=dispatch.stream_handle(x))
     return out
 
 
@@ -71,7 +71,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = 
         dispatch.fallback("sigmoid_mul", x, gate)
         return sigmoid_mul_ref(x, gate, add)
     out = torch.empty_like(x)
-    dispatch.extension().sigmoid_mul(out, x, gate_rows, add, dispatch.stream_handle(x))
+    dispatch.extension().sigmoid_mul(out=out, x=x, gate=gate_rows, add=add, stream=dispatch.stream_handle(x))
     return out
 
 

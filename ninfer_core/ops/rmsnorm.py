@@ -112,8 +112,8 @@ def _launch(
     eps: float,
     zero_centered: bool,
 ) -> None:
-    dispatch.extension().rmsnorm(out, residual_out, x, residual, weight, float(eps), zero_centered,
-                                 dispatch.stream_handle(x))
+    dispatch.extension().rmsnorm(out=out, residual_out=residual_out, x=x, residual=residual, weight=weight,
+                                 eps=float(eps), zero_centered=zero_centered, stream=dispatch.stream_handle(x))
 
 
 def _into(dst: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
