@@ -61,26 +61,44 @@ const char* scalar_type_name(ScalarType type) {
   return "an unsupported dtype";
 }
 
+// Through the CPython API with interned names: this runs for every tensor of every kernel call
+// outside CUDA graphs, so it is kept to one attribute read or method call per property.
 bool read_tensor(py::handle src, TensorArg& out) {
   const TorchTypes& torch = torch_types();
-  if (!py::isinstance(src, torch.tensor_class)) return false;
-  py::tuple shape = src.attr("shape");
-  py::tuple stride = src.attr("stride")();
-  if (shape.size() > static_cast<std::size_t>(kMaxDims)) {
-    throw py::value_error("a kernel argument has " + std::to_string(shape.size()) + " dimensions (at most " +
+  PyObject* obj = src.ptr();
+  const int is_tensor = PyObject_IsInstance(obj, torch.tensor_class.ptr());
+  if (is_tensor <= 0) {
+    if (is_tensor < 0) PyErr_Clear();
+    return false;
+  }
+  static PyObject* const shape_name = PyUnicode_InternFromString("shape");
+  static PyObject* const stride_name = PyUnicode_InternFromString("stride");
+  static PyObject* const data_ptr_name = PyUnicode_InternFromString("data_ptr");
+  static PyObject* const get_device_name = PyUnicode_InternFromString("get_device");
+  static PyObject* const dtype_name = PyUnicode_InternFromString("dtype");
+  const py::object shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, shape_name));
+  const py::object stride = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(obj, stride_name));
+  const py::object data = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(obj, data_ptr_name));
+  const py::object device = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(obj, get_device_name));
+  const py::object dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, dtype_name));
+  if (!shape || !stride || !data || !device || !dtype || !PyTuple_Check(shape.ptr()) || !PyTuple_Check(stride.ptr())) {
+    throw py::error_already_set();
+  }
+  const Py_ssize_t dim = PyTuple_GET_SIZE(shape.ptr());
+  if (dim > kMaxDims || PyTuple_GET_SIZE(stride.ptr()) != dim) {
+    throw py::value_error("a kernel argument has " + std::to_string(dim) + " dimensions (at most " +
                           std::to_string(kMaxDims) + ")");
   }
-  out.dim = static_cast<int>(shape.size());
-  for (int i = 0; i < out.dim; ++i) {
-    out.sizes[i] = shape[i].cast<std::int64_t>();
-    out.strides[i] = stride[i].cast<std::int64_t>();
+  out.dim = static_cast<int>(dim);
+  for (Py_ssize_t i = 0; i < dim; ++i) {
+    out.sizes[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
+    out.strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(stride.ptr(), i));
   }
-  out.data = src.attr("data_ptr")().cast<std::uintptr_t>();
-  out.device = src.attr("get_device")().cast<int>();
-  py::object dtype = src.attr("dtype");
+  out.data = static_cast<std::uintptr_t>(PyLong_AsUnsignedLongLong(data.ptr()));
+  out.device = static_cast<int>(PyLong_AsLong(device.ptr()));
   out.type = ScalarType::Other;
   for (const auto& [object, type] : torch.dtypes) {
-    if (dtype.is(object)) out.type = type;
+    if (dtype.ptr() == object.ptr()) out.type = type;
   }
   return true;
 }
