@@ -17,8 +17,7 @@ void bind_activation(py::module_& m) {
         const DType dtype = kernel_dtype(check, "x", x);
         check("x", x).contiguous();
         check("out", out).dtype(x.type).contiguous();
-        check.require(out.numel() == rows * cols, "out has " + std::to_string(out.numel()) + " elements, expected " +
-                                                      std::to_string(rows * cols));
+        check.require(out.numel() == rows * cols, "out has ", out.numel(), " elements, expected ", rows * cols);
         silu_mul({out.data, x.data, rows, cols, dtype, check.device(), stream});
       },
       py::arg("out"), py::arg("x"), py::arg("stream"), "silu(gate) * up of x [..., gate | up]. See csrc/activation.h.");
@@ -35,8 +34,7 @@ void bind_activation(py::module_& m) {
         TensorCheck gate_check = check("gate", gate);
         gate_check.dtype(x.type).shape({rows, kAny});
         const std::int64_t gate_cols = gate.size(1);
-        check.require(gate_cols == 1 || gate_cols == cols, "gate has " + std::to_string(gate_cols) +
-                                                               " columns, expected 1 or " + std::to_string(cols));
+        check.require(gate_cols == 1 || gate_cols == cols, "gate has ", gate_cols, " columns, expected 1 or ", cols);
         gate_check.unit_last_stride();
         sigmoid_mul({out.data, x.data, gate.data, data_or_null(add), rows, cols, gate.stride(0),
                      static_cast<int>(gate_cols), dtype, check.device(), stream});

@@ -1,55 +1,141 @@
 // Bindings of the attention family: KV write (+ fp8 / int8 quantization), split-K decode
 // attention over the paged cache, the head norm + rotary alone and as the decode prologue with
-// the KV write. See decode_attention.h and rope.h for the argument contracts.
+// the KV write. The tensors arrive as torch.Tensors; sizes, strides and the cache's kind are read
+// from them and checked against decode_attention.h and rope.h before anything launches.
+#include <string>
+#include <utility>
+
 #include "bind.h"
 #include "decode_attention.h"
 #include "rope.h"
+#include "tensor_arg.h"
 
 namespace py = pybind11;
 
 namespace ninfer {
+namespace {
+
+
+bool head_dim_ok(std::int64_t d) { return d == 64 || d == 128 || d == 256; }
+
+// The paged cache k / v [num_pages, page_size, kv_heads, head_dim] (kAny: any kv_heads) and its
+// scales, for activations x. What the pages store follows from their dtype: float8_e4m3fn and
+// int8 pages come with fp32 scales [num_pages, page_size, kv_heads], pages of x's dtype without.
+// 16-byte aligned: the attention kernel reads the pages in 16-byte chunks.
+KVDType check_cache(ArgCheck& check, const TensorArg& k_cache, const TensorArg& v_cache,
+                    const std::optional<TensorArg>& k_scale, const std::optional<TensorArg>& v_scale,
+                    const TensorArg& x, std::int64_t kv_heads, std::int64_t head_dim) {
+  check("k_cache", k_cache).shape({kAny, kAny, kv_heads, head_dim})
+      .dtype({x.type, ScalarType::F8E4M3, ScalarType::I8}).contiguous().aligned(16);
+  check("v_cache", v_cache).matches(k_cache, "k_cache").contiguous().aligned(16);
+  const KVDType kind = k_cache.type == ScalarType::F8E4M3 ? KVDType::FP8
+                       : k_cache.type == ScalarType::I8   ? KVDType::Int8
+                                                          : KVDType::Native;
+  const bool quantized = kind != KVDType::Native;
+  check.require(k_scale.has_value() == quantized && v_scale.has_value() == quantized,
+                quantized ? "fp8 / int8 caches need k_scale and v_scale" : "a native cache has no k_scale / v_scale");
+  check("k_scale", k_scale).shape({k_cache.size(0), k_cache.size(1), k_cache.size(2)}).dtype(ScalarType::F32)
+      .contiguous();
+  check("v_scale", v_scale).shape({k_cache.size(0), k_cache.size(1), k_cache.size(2)}).dtype(ScalarType::F32)
+      .contiguous();
+  return kind;
+}
+
+// cos / sin [B, T, R] for x (`name`) [B, T, H, D] (last axes contiguous; one set of strides indexes both)
+// within rope.h's limits: D in {64, 128, 256}; R even, 0 < R <= D, R / 2 a multiple of D / 32 (a
+// lane's elements rotate together). Returns R.
+int check_rotary(ArgCheck& check, const char* name, const TensorArg& x, const TensorArg& cos, const TensorArg& sin) {
+  const std::int64_t batch = x.size(0), tokens = x.size(1), head_dim = x.size(3);
+  check.require(head_dim_ok(head_dim), "head_dim ", head_dim, " must be 64, 128 or 256");
+  check.require(tokens >= 1 && x.size(2) >= 1, std::string(name), " has shape ", x.shape_str(), ": no head vectors");
+  check("cos", cos).shape({batch, tokens, kAny}).dtype(x.type).unit_last_stride();
+  check("sin", sin).matches(cos, "cos").unit_last_stride();
+  check.require((batch == 1 || sin.stride(0) == cos.stride(0)) && (tokens == 1 || sin.stride(1) == cos.stride(1)),
+                "sin and cos need the same strides (one set indexes both)");
+  const std::int64_t rotary = cos.size(2);
+  check.require(rotary >= 2 && rotary <= head_dim && rotary % 2 == 0 && (rotary / 2) % (head_dim / 32) == 0,
+                "rotary_dim ", rotary, " must be even, at most ", head_dim, ", its half a multiple of ", head_dim / 32);
+  return static_cast<int>(rotary);
+}
+
+// [first byte, end) of the elements of a non-empty t (non-negative strides, 2-byte elements).
+HeadsIn heads_in(const TensorArg& t) { return {t.data, t.stride(0), t.stride(1), t.stride(2)}; }
+
+}  // namespace
 
 void bind_attention(py::module_& m) {
-  py::enum_<KVDType>(m, "KVDType")
-      .value("NATIVE", KVDType::Native)
-      .value("FP8", KVDType::FP8)
-      .value("INT8", KVDType::Int8);
-
   m.def(
       "write_kv",
-      [](std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k_scale, std::uintptr_t v_scale,
-         std::uintptr_t k, std::uintptr_t v, std::uintptr_t slot_mapping, std::int64_t tokens,
-         std::int64_t num_slots, int kv_heads, int head_dim, DType dtype, KVDType kv_dtype, int device,
-         std::uintptr_t stream) {
-        write_kv({k_cache, v_cache, k_scale, v_scale, k, v, slot_mapping, tokens, num_slots, kv_heads, head_dim,
-                  dtype, kv_dtype, device, stream});
+      [](TensorArg k_cache, TensorArg v_cache, std::optional<TensorArg> k_scale, std::optional<TensorArg> v_scale,
+         TensorArg k, TensorArg v, TensorArg slot_mapping, std::uintptr_t stream) {
+        ArgCheck check("write_kv");
+        TensorCheck k_check = check("k", k);
+        k_check.shape({kAny, kAny, kAny}).dtype({ScalarType::F16, ScalarType::BF16}).contiguous();
+        const std::int64_t tokens = k.size(0), kv_heads = k.size(1), head_dim = k.size(2);
+        check.require(head_dim_ok(head_dim), "head_dim ", head_dim, " must be 64, 128 or 256");
+        const int lane_bytes = static_cast<int>(head_dim / 32 * 2);  // a lane loads D / 32 elements at once
+        k_check.aligned(lane_bytes);
+        check("v", v).matches(k, "k").contiguous().aligned(lane_bytes);
+        const KVDType kind = check_cache(check, k_cache, v_cache, k_scale, v_scale, k, kv_heads, head_dim);
+        check("slot_mapping", slot_mapping).shape({tokens}).dtype(ScalarType::I64).contiguous();
+        const DType dtype = kernel_dtype(check, "k", k);
+        const int device = check.device();
+        write_kv({k_cache.data, v_cache.data, data_or_null(k_scale), data_or_null(v_scale), k.data, v.data,
+                  slot_mapping.data, tokens, k_cache.size(0) * k_cache.size(1), static_cast<int>(kv_heads),
+                  static_cast<int>(head_dim), dtype, kind, device, stream});
       },
       py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("k"), py::arg("v"),
-      py::arg("slot_mapping"), py::arg("tokens"), py::arg("num_slots"), py::arg("kv_heads"), py::arg("head_dim"),
-      py::arg("dtype"), py::arg("kv_dtype"), py::arg("device"), py::arg("stream"),
-      "Store k, v [tokens, kv_heads, head_dim] at cache rows slot_mapping (quantizing for FP8 / INT8).");
+      py::arg("slot_mapping"), py::arg("stream"),
+      "Store k, v [tokens, kv_heads, head_dim] at the cache's flat rows slot_mapping (quantizing into fp8 / int8 "
+      "pages; scales None for a native cache). See csrc/decode_attention.h.");
 
   m.def(
       "decode_attention",
-      [](std::uintptr_t out, std::uintptr_t q, std::uintptr_t gate, std::int64_t gate_stride_b,
-         std::int64_t gate_stride_t, std::int64_t gate_stride_h, std::uintptr_t k_cache, std::uintptr_t v_cache,
-         std::uintptr_t k_scale, std::uintptr_t v_scale, std::uintptr_t block_table, std::uintptr_t cache_lens,
-         std::uintptr_t workspace_o, std::uintptr_t workspace_ml, int batch, int num_new, int num_heads,
-         int kv_heads, int head_dim, int page_size, int table_width, int num_pages, int max_splits, float scale,
-         DType dtype, KVDType kv_dtype, int device, std::uintptr_t stream) {
-        decode_attention({out, q, gate, gate_stride_b, gate_stride_t, gate_stride_h, k_cache, v_cache, k_scale,
-                          v_scale, block_table, cache_lens, workspace_o, workspace_ml, batch, num_new, num_heads,
-                          kv_heads, head_dim, page_size, table_width, num_pages, max_splits, scale, dtype, kv_dtype,
+      [](TensorArg out, TensorArg q, std::optional<TensorArg> gate, TensorArg k_cache, TensorArg v_cache,
+         std::optional<TensorArg> k_scale, std::optional<TensorArg> v_scale, TensorArg block_table,
+         TensorArg cache_lens, TensorArg workspace, int max_splits, float scale, std::uintptr_t stream) {
+        ArgCheck check("decode_attention");
+        check("q", q).shape({kAny, kAny, kAny, kAny}).dtype({ScalarType::F16, ScalarType::BF16}).contiguous()
+            .aligned(16);  // 16-byte loads of q rows
+        const std::int64_t batch = q.size(0), num_new = q.size(1), heads = q.size(2), head_dim = q.size(3);
+        check.require(num_new >= 1 && num_new <= kDecodeAttentionMaxNew,
+                      "q has ", num_new, " new tokens, expected 1..", kDecodeAttentionMaxNew);
+        check.require(batch <= 65535, "batch ", batch, " is over 65535");
+        check.require(head_dim_ok(head_dim), "head_dim ", head_dim, " must be 64, 128 or 256");
+        check("out", out).matches(q, "q").contiguous().aligned(8);
+        check("gate", gate).matches(q, "q").unit_last_stride();  // read in place, any other strides
+        if (gate) check("out", out).disjoint(*gate, "gate");
+        const KVDType kind = check_cache(check, k_cache, v_cache, k_scale, v_scale, q, kAny, head_dim);
+        const std::int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), kv_heads = k_cache.size(2);
+        check.require(num_pages >= 1 && page_size >= 1 && (page_size & (page_size - 1)) == 0,
+                      "the cache's page size ", page_size, " must be a power of two");
+        check.require(kv_heads >= 1 && heads % kv_heads == 0, heads, " heads are not a multiple of ", kv_heads, " kv heads");
+        check("block_table", block_table).shape({batch, kAny}).dtype(ScalarType::I32).contiguous();
+        const std::int64_t table_width = block_table.size(1);
+        check.require(table_width >= 1 && table_width * page_size < (1 << 30),
+                      "block_table width ", table_width, " out of range");
+        check("cache_lens", cache_lens).shape({batch}).dtype(ScalarType::I64).contiguous();
+        check.require(max_splits >= 1 && max_splits <= kDecodeAttentionMaxSplits, "max_splits ", max_splits, " out of range 1..", kDecodeAttentionMaxSplits);
+        // Split partials: O [B, Hkv, splits, T H / Hkv, D] (read as float4), then (max, sum) of each row.
+        const std::int64_t partials = batch * kv_heads * max_splits * num_new * (heads / kv_heads);
+        check("workspace", workspace).dtype(ScalarType::F32).contiguous().min_numel(partials * (head_dim + 2))
+            .aligned(16);
+        const DType dtype = kernel_dtype(check, "q", q);
+        const int device = check.device();
+        const HeadsIn g = gate ? heads_in(*gate) : HeadsIn{};  // all 0 without a gate
+        decode_attention({out.data, q.data, g.data, g.stride_b, g.stride_t, g.stride_h,
+                          k_cache.data, v_cache.data, data_or_null(k_scale), data_or_null(v_scale), block_table.data,
+                          cache_lens.data, workspace.data, workspace.data + 4 * partials * head_dim,
+                          static_cast<int>(batch), static_cast<int>(num_new), static_cast<int>(heads),
+                          static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(page_size),
+                          static_cast<int>(table_width), static_cast<int>(num_pages), max_splits, scale, dtype, kind,
                           device, stream});
       },
-      py::arg("out"), py::arg("q"), py::arg("gate"), py::arg("gate_stride_b"), py::arg("gate_stride_t"),
-      py::arg("gate_stride_h"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"),
-      py::arg("v_scale"), py::arg("block_table"), py::arg("cache_lens"), py::arg("workspace_o"),
-      py::arg("workspace_ml"), py::arg("batch"), py::arg("num_new"), py::arg("num_heads"), py::arg("kv_heads"),
-      py::arg("head_dim"), py::arg("page_size"), py::arg("table_width"), py::arg("num_pages"),
-      py::arg("max_splits"), py::arg("scale"), py::arg("dtype"), py::arg("kv_dtype"), py::arg("device"),
-      py::arg("stream"),
-      "Split-K causal attention of T <= 16 new tokens over the paged KV cache (times sigmoid(gate) with a gate).");
+      py::arg("out"), py::arg("q"), py::arg("gate"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"),
+      py::arg("v_scale"), py::arg("block_table"), py::arg("cache_lens"), py::arg("workspace"), py::arg("max_splits"),
+      py::arg("scale"), py::arg("stream"),
+      "Split-K causal attention of T <= 16 new tokens over the paged KV cache (times sigmoid(gate) with a gate; "
+      "None: none). workspace: fp32, sized for max_splits. See csrc/decode_attention.h.");
 
   m.def("decode_attention_max_splits", &decode_attention_max_splits, py::arg("batch"), py::arg("num_new"),
         py::arg("num_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("page_size"),
@@ -57,47 +143,56 @@ void bind_attention(py::module_& m) {
         "Splits the decode_attention grid and workspace are sized for (fixed by the table width).");
   m.def(
       "norm_rotary",
-      [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t weight, std::uintptr_t cos,
-         std::uintptr_t sin, std::int64_t batch, std::int64_t tokens, std::int64_t heads,
-         std::int64_t stride_b, std::int64_t stride_t, std::int64_t stride_h,
-         std::int64_t cs_stride_b, std::int64_t cs_stride_t, int head_dim, int rotary_dim,
-         float eps, bool zero_centered, DType dtype, int device, std::uintptr_t stream) {
-        norm_rotary({out, x, weight, cos, sin, batch, tokens, heads, stride_b, stride_t, stride_h,
-                     cs_stride_b, cs_stride_t, head_dim, rotary_dim, eps, zero_centered, dtype,
-                     device, stream});
+      [](TensorArg out, TensorArg x, std::optional<TensorArg> weight, TensorArg cos, TensorArg sin, float eps,
+         bool zero_centered, std::uintptr_t stream) {
+        ArgCheck check("norm_rotary");
+        check("x", x).shape({kAny, kAny, kAny, kAny}).unit_last_stride();  // heads read in place, any strides
+        const DType dtype = kernel_dtype(check, "x", x);
+        const int rotary = check_rotary(check, "x", x, cos, sin);
+        check("out", out).shape({x.size(0), x.size(1), x.size(2), x.size(3)}).dtype(x.type).contiguous();
+        check("weight", weight).shape({x.size(3)}).dtype(x.type).contiguous();
+        const int device = check.device();
+        norm_rotary({out.data, x.data, data_or_null(weight), cos.data, sin.data, x.size(0), x.size(1), x.size(2),
+                     x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
+                     static_cast<int>(x.size(3)), rotary, eps, zero_centered, dtype, device, stream});
       },
-      py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("cos"), py::arg("sin"),
-      py::arg("batch"), py::arg("tokens"), py::arg("heads"), py::arg("stride_b"),
-      py::arg("stride_t"), py::arg("stride_h"), py::arg("cs_stride_b"), py::arg("cs_stride_t"),
-      py::arg("head_dim"), py::arg("rotary_dim"), py::arg("eps"), py::arg("zero_centered"),
-      py::arg("dtype"), py::arg("device"), py::arg("stream"),
-      "Head RMSNorm (optional) + rotate-half RoPE in one kernel. See csrc/rope.h.");
+      py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("cos"), py::arg("sin"), py::arg("eps"),
+      py::arg("zero_centered"), py::arg("stream"),
+      "Head RMSNorm (weight None: none) + rotate-half RoPE in one kernel. See csrc/rope.h.");
   m.def(
       "norm_rotary_write_kv",
-      [](std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stride_b, std::int64_t q_stride_t,
-         std::int64_t q_stride_h, std::uintptr_t k, std::int64_t k_stride_b, std::int64_t k_stride_t,
-         std::int64_t k_stride_h, std::uintptr_t v, std::int64_t v_stride_b, std::int64_t v_stride_t,
-         std::int64_t v_stride_h, std::uintptr_t q_weight, std::uintptr_t k_weight, std::uintptr_t cos,
-         std::uintptr_t sin, std::int64_t cs_stride_b, std::int64_t cs_stride_t, std::uintptr_t k_cache,
-         std::uintptr_t v_cache, std::uintptr_t k_scale, std::uintptr_t v_scale, std::uintptr_t slot_mapping,
-         std::int64_t num_slots, std::int64_t batch, std::int64_t tokens, int heads, int kv_heads, int head_dim,
-         int rotary_dim, float eps, bool zero_centered, DType dtype, KVDType kv_dtype, int device,
-         std::uintptr_t stream) {
-        norm_rotary_write_kv({q_out, {q, q_stride_b, q_stride_t, q_stride_h}, {k, k_stride_b, k_stride_t, k_stride_h},
-                              {v, v_stride_b, v_stride_t, v_stride_h}, q_weight, k_weight, cos, sin, cs_stride_b,
-                              cs_stride_t, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_slots, batch, tokens,
-                              heads, kv_heads, head_dim, rotary_dim, eps, zero_centered, dtype, kv_dtype, device,
-                              stream});
+      [](TensorArg q_out, TensorArg q, TensorArg k, TensorArg v, std::optional<TensorArg> q_weight,
+         std::optional<TensorArg> k_weight, TensorArg cos, TensorArg sin, TensorArg k_cache, TensorArg v_cache,
+         std::optional<TensorArg> k_scale, std::optional<TensorArg> v_scale, TensorArg slot_mapping, float eps,
+         bool zero_centered, std::uintptr_t stream) {
+        ArgCheck check("norm_rotary_write_kv");
+        // q, k, v read in place (slices of the merged projection): any strides but the last
+        check("q", q).shape({kAny, kAny, kAny, kAny}).dtype({ScalarType::F16, ScalarType::BF16}).unit_last_stride();
+        const std::int64_t batch = q.size(0), tokens = q.size(1), heads = q.size(2), head_dim = q.size(3);
+        check("k", k).shape({batch, tokens, kAny, head_dim}).dtype(q.type).unit_last_stride();
+        check("v", v).matches(k, "k").unit_last_stride();
+        const std::int64_t kv_heads = k.size(2);
+        check.require(kv_heads >= 1, "k has no kv heads");
+        const int rotary = check_rotary(check, "q", q, cos, sin);
+        check("q_out", q_out).shape({batch, tokens, heads, head_dim}).dtype(q.type).contiguous();
+        check("q_weight", q_weight).shape({head_dim}).dtype(q.type).contiguous();
+        check("k_weight", k_weight).shape({head_dim}).dtype(q.type).contiguous();
+        const KVDType kind = check_cache(check, k_cache, v_cache, k_scale, v_scale, q, kv_heads, head_dim);
+        check("slot_mapping", slot_mapping).shape({batch, tokens}).dtype(ScalarType::I64).contiguous();
+        const DType dtype = kernel_dtype(check, "q", q);
+        const int device = check.device();
+        norm_rotary_write_kv({q_out.data, heads_in(q), heads_in(k), heads_in(v), data_or_null(q_weight),
+                              data_or_null(k_weight), cos.data, sin.data, cos.stride(0), cos.stride(1), k_cache.data,
+                              v_cache.data, data_or_null(k_scale), data_or_null(v_scale), slot_mapping.data,
+                              k_cache.size(0) * k_cache.size(1), batch, tokens, static_cast<int>(heads),
+                              static_cast<int>(kv_heads), static_cast<int>(head_dim), rotary, eps, zero_centered,
+                              dtype, kind, device, stream});
       },
-      py::arg("q_out"), py::arg("q"), py::arg("q_stride_b"), py::arg("q_stride_t"), py::arg("q_stride_h"),
-      py::arg("k"), py::arg("k_stride_b"), py::arg("k_stride_t"), py::arg("k_stride_h"), py::arg("v"),
-      py::arg("v_stride_b"), py::arg("v_stride_t"), py::arg("v_stride_h"), py::arg("q_weight"),
-      py::arg("k_weight"), py::arg("cos"), py::arg("sin"), py::arg("cs_stride_b"), py::arg("cs_stride_t"),
-      py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("slot_mapping"),
-      py::arg("num_slots"), py::arg("batch"), py::arg("tokens"), py::arg("heads"), py::arg("kv_heads"),
-      py::arg("head_dim"), py::arg("rotary_dim"), py::arg("eps"), py::arg("zero_centered"), py::arg("dtype"),
-      py::arg("kv_dtype"), py::arg("device"), py::arg("stream"),
-      "norm_rotary of q and k, then k and v stored at slot_mapping as write_kv does, in one kernel. See csrc/rope.h.");
+      py::arg("q_out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_weight"), py::arg("k_weight"),
+      py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
+      py::arg("slot_mapping"), py::arg("eps"), py::arg("zero_centered"), py::arg("stream"),
+      "norm_rotary of q and k, then k and v stored at slot_mapping [B, T] as write_kv does, in one kernel. "
+      "See csrc/rope.h.");
 }
 
 }  // namespace ninfer

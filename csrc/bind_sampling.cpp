@@ -1,26 +1,45 @@
-// pybind11 registration of the sampler kernel (sampling.cu); the contract is in sampling.h.
+// pybind11 registration of the sampler kernel (sampling.cu); the contract is in sampling.h. The
+// tensors arrive as torch.Tensors, checked against it before the launch.
+#include <string>
+
 #include "bind.h"
 #include "sampling.h"
+#include "tensor_arg.h"
 
 namespace py = pybind11;
 
 namespace ninfer {
-
 void bind_sampling(py::module_& m) {
   m.def(
       "sample_rows",
-      [](std::uintptr_t tokens, std::uintptr_t probs, std::uintptr_t threshold,
-         std::uintptr_t logits, std::uintptr_t temperature, std::uintptr_t top_k,
-         std::uintptr_t top_p, std::uintptr_t min_p, std::uintptr_t uniform, std::int64_t rows,
-         std::int64_t vocab, int max_candidates, int device, std::uintptr_t stream) {
-        sample_rows({tokens, probs, threshold, logits, temperature, top_k, top_p, min_p, uniform,
-                     rows, vocab, max_candidates, device, stream});
+      [](std::optional<TensorArg> tokens, std::optional<TensorArg> probs, std::optional<TensorArg> threshold,
+         TensorArg logits, TensorArg temperature, TensorArg top_k, TensorArg top_p, TensorArg min_p,
+         std::optional<TensorArg> uniform, int max_candidates, std::uintptr_t stream) {
+        ArgCheck check("sample_rows");
+        check("logits", logits).shape({kAny, kAny}).dtype(ScalarType::F32).contiguous();
+        const std::int64_t rows = logits.size(0), vocab = logits.size(1);
+        check.require(vocab >= 1 && vocab < (std::int64_t{1} << 31) && rows < (std::int64_t{1} << 31),
+                      "logits has shape ", logits.shape_str(), ", out of the kernel's range");
+        check("temperature", temperature).shape({rows}).dtype(ScalarType::F32).contiguous();
+        check("top_k", top_k).shape({rows}).dtype(ScalarType::I32).contiguous();
+        check("top_p", top_p).shape({rows}).dtype(ScalarType::F32).contiguous();
+        check("min_p", min_p).shape({rows}).dtype(ScalarType::F32).contiguous();
+        check("uniform", uniform).shape({rows}).dtype(ScalarType::F64).contiguous();
+        check.require(!tokens || uniform, "tokens needs uniform (the draws)");
+        check("tokens", tokens).shape({rows}).dtype(ScalarType::I64).contiguous();
+        check("probs", probs).shape({rows, vocab}).dtype(ScalarType::F32).contiguous();
+        check("threshold", threshold).shape({rows}).dtype(ScalarType::F32).contiguous();
+        check.require(max_candidates >= 0 && max_candidates <= kSampleMaxCandidates,
+                      "max_candidates ", max_candidates, " out of range 0..", kSampleMaxCandidates);
+        const int device = check.device();
+        sample_rows({data_or_null(tokens), data_or_null(probs), data_or_null(threshold), logits.data,
+                     temperature.data, top_k.data, top_p.data, min_p.data, data_or_null(uniform), rows, vocab,
+                     max_candidates, device, stream});
       },
-      py::arg("tokens"), py::arg("probs"), py::arg("threshold"), py::arg("logits"),
-      py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
-      py::arg("uniform"), py::arg("rows"), py::arg("vocab"), py::arg("max_candidates"),
-      py::arg("device"), py::arg("stream"),
-      "Temperature / top-k / top-p / min-p sampling, one block per row; 0 for an unused output. "
+      py::arg("tokens"), py::arg("probs"), py::arg("threshold"), py::arg("logits"), py::arg("temperature"),
+      py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("uniform"), py::arg("max_candidates"),
+      py::arg("stream"),
+      "Temperature / top-k / top-p / min-p sampling, one block per row; None for an unused output. "
       "See csrc/sampling.h.");
 }
 

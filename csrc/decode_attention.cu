@@ -35,8 +35,8 @@ constexpr int kThreads = 256;  // 8 warps
 // attention 107 -> 83 us a step, replays 2.275 -> 2.260 ms against 2; fewer splits lost, 16 of
 // them 343 us; at 16K the occupancy bound, 2 blocks an SM, decides, and 4 an SM lost).
 constexpr int kMinTilesPerSplit = 1;
-constexpr int kMaxSplits = 1024;
-constexpr int kMaxNew = 16;
+constexpr int kMaxSplits = kDecodeAttentionMaxSplits;
+constexpr int kMaxNew = kDecodeAttentionMaxNew;
 constexpr int kMaxRowsPerBlock = 128;
 constexpr int kRowElems = 16384;  // rows x head_dim per block: the fp32 O accumulators (64 a thread)
 constexpr int kPad = 8;           // 16-bit elements of row padding: conflict-free ldmatrix

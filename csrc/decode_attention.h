@@ -8,6 +8,10 @@
 
 namespace ninfer {
 
+// Limits of decode_attention.cu, checked at the binding.
+inline constexpr int kDecodeAttentionMaxSplits = 1024;
+inline constexpr int kDecodeAttentionMaxNew = 16;  // new tokens a sequence (speculative K + 1)
+
 // What the KV pages store. Native: the query dtype. FP8 (e4m3fn) / Int8: value = stored * scale
 // with one fp32 scale per (token, kv head), scale = absmax / 448 (fp8) or / 127 (int8), 1 for 0.
 enum class KVDType : int { Native = 0, FP8 = 1, Int8 = 2 };

@@ -14,7 +14,7 @@ namespace {
 
 constexpr int kThreads = 128;  // channels per block
 constexpr int kSpan = 64;      // tokens per block
-constexpr int kMaxTaps = 8;
+constexpr int kMaxTaps = kGdnConvMaxTaps;
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)

@@ -7,6 +7,8 @@
 
 namespace ninfer {
 
+inline constexpr int kGdnConvMaxTaps = 8;  // gdn_conv.cu's unrolled taps, checked at the binding
+
 // The causal depthwise conv + SiLU of a GDN layer's prefill, continuing each sequence's conv state
 // in the pool (ninfer_core/layers/gdn.py, causal_conv1d_silu and conv_state_after):
 //   window_b = [conv_pool[slots[b]] (K-1 inputs) | qkv[b, 0..T-1]]    per channel c

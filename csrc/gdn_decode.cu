@@ -23,9 +23,9 @@
 namespace ninfer {
 namespace {
 
-constexpr int kMaxTaps = 8;
-constexpr int kMaxHeadDim = 256;
-constexpr int kMaxTokens = 16;  // speculative verify: K + 1 <= 16
+constexpr int kMaxTaps = kGdnMaxTaps;
+constexpr int kMaxHeadDim = kGdnMaxHeadDim;
+constexpr int kMaxTokens = kGdnMaxStepTokens;
 // Kernel 2 tiles the state in column strips: a warp owns kStripCols columns (2 lanes x float4,
 // one 32-byte sector per row) and walks all dk rows with 16 lanes, kMaxRows float4 per lane in
 // registers, so its column sums are warp shuffles only. A block is kWarps strips.

@@ -8,6 +8,11 @@
 
 namespace ninfer {
 
+// Limits of the fused steps (gdn_decode.cu), checked at the binding.
+inline constexpr int kGdnMaxTaps = 8;
+inline constexpr int kGdnMaxHeadDim = 256;
+inline constexpr int kGdnMaxStepTokens = 16;  // speculative verify: K + 1 <= 16
+
 // T new tokens for each of `batch` sequences, one GDN layer (see ninfer_core/ops/gdn.py):
 //   conv + SiLU over [conv state | qkv tokens], q / k l2-normalised (q also scaled by q_scale),
 //   g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), the delta rule on the fp32 state

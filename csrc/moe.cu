@@ -19,9 +19,9 @@ namespace {
 constexpr int kWarps = 8;  // one output row per warp, 8 rows per block
 constexpr int kThreads = 32 * kWarps;
 constexpr int kUnroll = 4;  // 16-byte loads in flight per lane and weight row
-constexpr int kMaxTopK = 64;
-constexpr int kMaxRouteExperts = 512;  // routing holds a token's probabilities in a warp's registers
-constexpr int kMaxSharedBytes = 48 * 1024;
+constexpr int kMaxTopK = kMoeMaxTopK;
+constexpr int kMaxRouteExperts = kMoeMaxRouteExperts;  // routing holds a token's probabilities in a warp's registers
+constexpr int kMaxSharedBytes = kMoeMaxSharedBytes;
 
 // ---------------------------------------------------------------- activations in shared memory
 
@@ -483,7 +483,7 @@ constexpr int kRouterThreads = 256;
 constexpr int kRouterWarps = kRouterThreads / 32;
 constexpr int kRouterRows = 2;  // 129 blocks for the 35B's 257 rows: about one an SM
 constexpr int kRouterVecs = static_cast<int>(kMoeRouterMaxHidden / 8 / kRouterThreads);  // vectors a thread
-constexpr int kRouterMaxTokens = 8;  // batch-8 decode
+constexpr int kRouterMaxTokens = kMoeRouterMaxTokens;  // batch-8 decode
 static_assert(kRouterMaxTokens <= kRouterWarps, "the last block routes token n with warp n");
 
 // The RMSNorm folded into the router (moe.h RouterNormArgs); residual == nullptr: none.

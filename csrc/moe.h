@@ -7,6 +7,13 @@
 
 namespace ninfer {
 
+// Limits of the kernels (moe.cu), checked at the binding: a token's top-k and probabilities in one
+// warp's registers, the decode kernels' static shared memory, the router kernel's batch.
+inline constexpr int kMoeMaxTopK = 64;
+inline constexpr int kMoeMaxRouteExperts = 512;
+inline constexpr int kMoeMaxSharedBytes = 48 * 1024;
+inline constexpr int kMoeRouterMaxTokens = 8;
+
 // Softmax over all experts in fp32, top-k (descending; ties to the lower id), optional
 // renormalisation of the k weights, weights rounded to the logits' dtype.
 //   logits [tokens, experts] (dtype), weights [tokens, top_k] (dtype), ids [tokens, top_k] int32.

@@ -36,7 +36,7 @@ using u64 = unsigned long long;  // the type CUDA's 64-bit atomics and shuffles 
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kCapacity = 4096;               // candidate slots: 32 KiB of shared memory
+constexpr int kCapacity = kSampleMaxCandidates;
 constexpr int kSlots = kCapacity / kThreads;  // candidate slots per thread
 constexpr int kBins = 2048;                   // radix digit of 11 bits
 constexpr int kGridBins = 256;

@@ -5,6 +5,8 @@
 
 namespace ninfer {
 
+inline constexpr int kSampleMaxCandidates = 4096;  // sampling.cu's candidate slots (32 KiB of shared memory)
+
 // One block per row of fp32 logits [rows, vocab] (already penalised), each row with its own
 // params; the rules are ninfer_core/engine/sampling.py's:
 //   temperature 0 => greedy: argmax, the lowest id on ties (nothing else is read);

@@ -21,6 +21,7 @@ const TorchTypes& torch_types() {
     auto* t = new TorchTypes{torch.attr("Tensor"), {}};
     const std::pair<const char*, ScalarType> names[] = {
         {"float32", ScalarType::F32}, {"float16", ScalarType::F16}, {"bfloat16", ScalarType::BF16},
+        {"float64", ScalarType::F64},
         {"int64", ScalarType::I64},   {"int32", ScalarType::I32},   {"int16", ScalarType::I16},
         {"int8", ScalarType::I8},     {"uint8", ScalarType::U8},    {"bool", ScalarType::Bool},
         {"float8_e4m3fn", ScalarType::F8E4M3},
@@ -49,6 +50,7 @@ const char* scalar_type_name(ScalarType type) {
     case ScalarType::F32: return "float32";
     case ScalarType::F16: return "float16";
     case ScalarType::BF16: return "bfloat16";
+    case ScalarType::F64: return "float64";
     case ScalarType::I64: return "int64";
     case ScalarType::I32: return "int32";
     case ScalarType::I16: return "int16";
@@ -63,6 +65,29 @@ const char* scalar_type_name(ScalarType type) {
 
 // Through the CPython API with interned names: this runs for every tensor of every kernel call
 // outside CUDA graphs, so it is kept to one attribute read or method call per property.
+int element_size(ScalarType type) {
+  switch (type) {
+    case ScalarType::F64:
+    case ScalarType::I64: return 8;
+    case ScalarType::F32:
+    case ScalarType::I32: return 4;
+    case ScalarType::F16:
+    case ScalarType::BF16:
+    case ScalarType::I16: return 2;
+    default: return 1;
+  }
+}
+
+bool overlaps(const TensorArg& a, const TensorArg& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto span_end = [](const TensorArg& t) {
+    std::int64_t last = 0;
+    for (int i = 0; i < t.dim; ++i) last += (t.sizes[i] - 1) * t.strides[i];
+    return t.data + (last + 1) * element_size(t.type);
+  };
+  return a.data < span_end(b) && b.data < span_end(a);
+}
+
 bool read_tensor(py::handle src, TensorArg& out) {
   const TorchTypes& torch = torch_types();
   PyObject* obj = src.ptr();
@@ -164,6 +189,11 @@ TensorCheck& TensorCheck::matches(const TensorArg& other, const char* other_name
   return same_dtype(other, other_name);
 }
 
+TensorCheck& TensorCheck::disjoint(const TensorArg& other, const char* other_name) {
+  if (t_ && overlaps(*t_, other)) fail(std::string("overlaps ") + other_name);
+  return *this;
+}
+
 TensorCheck& TensorCheck::contiguous() {
   if (t_ && !t_->contiguous()) fail("must be contiguous (shape " + t_->shape_str() + ")");
   return *this;
@@ -194,10 +224,6 @@ TensorCheck ArgCheck::operator()(const char* name, const TensorArg& t) {
 TensorCheck ArgCheck::operator()(const char* name, const std::optional<TensorArg>& t) {
   if (t) seen_.emplace_back(name, &*t);
   return TensorCheck(*this, name, t ? &*t : nullptr);
-}
-
-void ArgCheck::require(bool condition, const std::string& what) const {
-  if (!condition) fail(what);
 }
 
 void ArgCheck::fail(const std::string& what) const { throw py::value_error(std::string(op_) + ": " + what); }

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -23,9 +24,10 @@
 
 namespace ninfer {
 
-enum class ScalarType : int { F32, F16, BF16, I64, I32, I16, I8, U8, F8E4M3, Bool, Other };
+enum class ScalarType : int { F32, F16, BF16, F64, I64, I32, I16, I8, U8, F8E4M3, Bool, Other };
 
 const char* scalar_type_name(ScalarType type);
+int element_size(ScalarType type);  // bytes
 
 inline constexpr int kMaxDims = 6;
 inline constexpr std::int64_t kAny = -1;  // a shape entry that matches any size
@@ -44,6 +46,9 @@ struct TensorArg {
   bool contiguous() const;  // dense row-major (size-1 axes may have any stride)
   std::string shape_str() const;
 };
+
+// Whether the bytes the two tensors' views span (first to last element) intersect.
+bool overlaps(const TensorArg& a, const TensorArg& b);
 
 // Raised when every tensor passed the shape / dtype / layout checks but one is not on the CUDA
 // device of the others (Python: ninfer_core._C.DeviceError, a ValueError). Distinct so that the
@@ -69,6 +74,7 @@ class TensorCheck {
   TensorCheck& aligned(int bytes);  // the data pointer
   TensorCheck& same_dtype(const TensorArg& other, const char* other_name);
   TensorCheck& matches(const TensorArg& other, const char* other_name);  // same shape and dtype
+  TensorCheck& disjoint(const TensorArg& other, const char* other_name);  // shares no byte with other
 
  private:
   [[noreturn]] void fail(const std::string& what) const;
@@ -84,11 +90,22 @@ class ArgCheck {
   explicit ArgCheck(const char* op) : op_(op) {}
   TensorCheck operator()(const char* name, const TensorArg& t);
   TensorCheck operator()(const char* name, const std::optional<TensorArg>& t);
-  void require(bool condition, const std::string& what) const;  // ValueError "op: what" unless condition
+  // ValueError "op: <parts streamed>" unless condition; the message is built only on failure
+  // (bindings run this on every eager kernel call).
+  template <class... Parts>
+  void require(bool condition, const Parts&... parts) const {
+    if (!condition) fail(concat(parts...));
+  }
   int device() const;
   [[noreturn]] void fail(const std::string& what) const;
 
  private:
+  template <class... Parts>
+  static std::string concat(const Parts&... parts) {
+    std::ostringstream out;
+    (out << ... << parts);
+    return out.str();
+  }
   const char* op_;
   std::vector<std::pair<const char*, const TensorArg*>> seen_;
 };

@@ -74,7 +74,7 @@ def main() -> None:
                                                                                           ids)), 0.0)
         if tokens <= 128:
             plan = moe_ops._decode_plan(x, gate_up, down, weights, ids, max_tokens=tokens)
-            paths["decode_kernels"] = timed(lambda: moe_ops._decode(x, plan, weights, ids, EXPERTS), ref)
+            paths["decode_kernels"] = timed(lambda: moe_ops._decode(x, plan, weights, ids), ref)
         if tokens <= 2048:
             for block_m in (8, 16, 32):
                 paths[f"grouped_gemv_bm{block_m}"] = timed(

@@ -4,8 +4,9 @@
 `decode_attention(..., gate=)` is `decode_attention` then `sigmoid_mul` (in the attention kernels'
 final write); `Attention.forward` uses both in a decode step (T <= 16).
 
-CPU: each op is that composition, so results are as before the fusion; every tensor, stride and
-size reaches its binding argument (recorded by kernel_stub). `cuda`: the fused kernels against the
+CPU: each op is that composition, so results are as before the fusion; every tensor reaches its
+binding argument as the view it is (recorded by kernel_stub: the binding reads their sizes and
+strides; tests/test_binding_checks_attention_gdn.py checks it). `cuda`: the fused kernels against the
 composition of the unfused kernels with torch.equal, on outputs and on every cache byte and scale
 (caches start out as random data, so a stray write shows), with the unfused ops made to raise
 while the fused path runs: bf16 / fp16, native / fp8 / int8 caches, batch 1..8, 1..4 new
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -250,17 +250,15 @@ def _record(monkeypatch, binding: str) -> list[dict]:
     """kernel_stub's recorder for `binding`, with the cache kinds and split count the attention
     wrappers ask the extension for."""
     calls = record_kernel_calls(monkeypatch, binding)
-    fake = dispatch.extension()
-    fake.KVDType = SimpleNamespace(NATIVE="native", FP8="fp8", INT8="int8")
-    fake.decode_attention_max_splits = lambda **kw: 3
+    dispatch.extension().decode_attention_max_splits = lambda **kw: 3
     monkeypatch.setattr(attention_ops, "_num_sms", lambda device: 132)
     return calls
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_prologue_binding_arguments(monkeypatch, kind):
-    """q / k / v read in place from the merged projection: their pointers and strides, the norm
-    weights, tables, cache, slots and sizes each reach their argument."""
+    """q / k / v read in place from the merged projection (the views themselves), the norm weights,
+    tables, cache, scales and slots each reach their argument."""
     calls = _record(monkeypatch, "norm_rotary_write_kv")
     layout = LAYOUTS["qwen3.6"]
     g = torch.Generator().manual_seed(3)
@@ -271,34 +269,32 @@ def test_prologue_binding_arguments(monkeypatch, kind):
     slots = paged.meta(3).slot_mapping
     out = norm_rotary_write_kv(q, k, v, cos, sin, paged.kv, slots, q_weight, k_weight, 1e-5, True)
     (kw,) = calls
-    assert kw["q_out"] == out.data_ptr() and out.shape == q.shape and out.is_contiguous()
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        assert kw[name] == t.data_ptr(), name
-        assert (kw[f"{name}_stride_b"], kw[f"{name}_stride_t"], kw[f"{name}_stride_h"]) == t.stride()[:3], name
-    assert (kw["q_weight"], kw["k_weight"]) == (q_weight.data_ptr(), k_weight.data_ptr())
-    assert (kw["cos"], kw["sin"], kw["cs_stride_b"], kw["cs_stride_t"]) == (cos.data_ptr(), sin.data_ptr(),
-                                                                        *cos.stride()[:2])
+    assert kw["q_out"] is out and out.shape == q.shape and out.is_contiguous()
     kv = paged.kv
-    assert (kw["k_cache"], kw["v_cache"]) == (kv.k.data_ptr(), kv.v.data_ptr())
-    scales = (0, 0) if kind is None else (kv.k_scale.data_ptr(), kv.v_scale.data_ptr())
-    assert (kw["k_scale"], kw["v_scale"]) == scales and kw["kv_dtype"] == (kind or "native")
-    assert kw["slot_mapping"] == slots.data_ptr() and kw["num_slots"] == kv.k.shape[0] * PAGE
-    sizes = ("batch", "tokens", "heads", "kv_heads", "head_dim", "rotary_dim")
-    assert tuple(kw[name] for name in sizes) == (2, 3, 16, 2, 256, 64)
-    assert kw["eps"] == 1e-5 and kw["zero_centered"] and kw["dtype"] == "bf16" and kw["stream"] == 7
+    tensors = {"q": q, "k": k, "v": v, "q_weight": q_weight, "k_weight": k_weight, "cos": cos, "sin": sin,
+               "k_cache": kv.k, "v_cache": kv.v, "k_scale": kv.k_scale, "v_scale": kv.v_scale, "slot_mapping": slots}
+    for name, t in tensors.items():  # the views themselves: the binding reads their strides
+        assert kw[name] is t, name
+    assert (kw["k_scale"] is None) == (kind is None)
+    assert kw["eps"] == 1e-5 and kw["zero_centered"] and kw["stream"] == 7
 
 
 def test_gated_decode_attention_binding_arguments(monkeypatch):
-    """The gate, a [query | gate] view, reaches the kernel in place; no gate passes 0."""
+    """The gate, a [query | gate] view, reaches the kernel in place; no gate passes None. The
+    workspace is sized for the splits the extension asked for."""
     calls = _record(monkeypatch, "decode_attention")
     case = Case([0, 9, 40], 3, 8, 2, 64, None, torch.bfloat16, "cpu", seed=5)
     q, gate = torch.cat([case.q, case.q], dim=-1).split(64, dim=-1)
     out = decode_attention(q, case.kv, case.table, case.cache_lens, case.scale, gate=gate)
     decode_attention(q, case.kv, case.table, case.cache_lens, case.scale)
     gated, plain = calls
-    assert gated["out"] == out.data_ptr() and gated["gate"] == gate.data_ptr()
-    assert (gated["gate_stride_b"], gated["gate_stride_t"], gated["gate_stride_h"]) == gate.stride()[:3]
-    assert (plain["gate"], plain["gate_stride_b"], plain["gate_stride_t"], plain["gate_stride_h"]) == (0, 0, 0, 0)
+    assert gated["out"] is out and gated["gate"] is gate and plain["gate"] is None
+    for kw in calls:
+        assert torch.equal(kw["q"], q) and kw["q"].is_contiguous()
+        assert kw["k_cache"] is case.kv.k and kw["v_cache"] is case.kv.v and kw["k_scale"] is None
+        assert kw["block_table"] is case.table and kw["cache_lens"] is case.cache_lens
+        # split-K partials of 3 splits: [B, Hkv, splits, T x H / Hkv] rows of D values, then (max, sum) each
+        assert kw["max_splits"] == 3 and kw["workspace"].numel() == 3 * 2 * 3 * 3 * 4 * (64 + 2)
 
 
 # ------------------------------------------------------------------------------ CUDA kernels

@@ -229,8 +229,9 @@ def test_op_on_cpu_is_the_reference(monkeypatch):
 
 def test_kernel_call_passes_each_tensor_in_its_place(monkeypatch):
     """The CUDA branch of the dispatch, run on the CPU against a stand-in extension that records
-    the call: every pointer, stride and size reaches the binding argument it belongs to (a swap
-    here would only show as wrong numbers on a GPU)."""
+    the call: every tensor reaches the binding argument it belongs to, the inputs as the views they
+    are (the binding reads sizes and strides from them; a swap here would only show as wrong
+    numbers on a GPU)."""
     calls = record_kernel_calls(monkeypatch, "gdn_steps")
     monkeypatch.setattr(gdn_ops, "_kernel_applies", lambda step, w: True)
     case = make_case(SMALL_ODD, 2, torch.bfloat16, tokens=3)
@@ -242,18 +243,18 @@ def test_kernel_call_passes_each_tensor_in_its_place(monkeypatch):
     commit, verify = calls
     for kw in calls:
         for name in ("qkv", "a", "b", "conv_pool", "state_pool"):
-            assert kw[name] == case[name].data_ptr(), name
-        w = case["w"]
-        assert (kw["conv_weight"], kw["A_log"], kw["dt_bias"], kw["norm_weight"]) == tuple(
-            t.data_ptr() for t in (w.conv_weight, w.A_log, w.dt_bias, w.norm_weight))
-        assert (kw["batch"], kw["num_tokens"], kw["num_k_heads"], kw["num_v_heads"]) == (2, 3, 2, 6)
-        assert (kw["head_k_dim"], kw["head_v_dim"], kw["conv_kernel"]) == (SMALL_ODD[2], SMALL_ODD[3], SMALL_ODD[4])
-        assert kw["qkv_stride"] == case["qkv"].shape[-1] and kw["ab_stride"] == case["a"].shape[-1]
-        assert kw["stream"] == 7 and kw["dtype"] == "bf16"
-    assert commit["write_state"] and commit["out"] == 0 and commit["z"] == 0
-    assert commit["counts"] == counts.data_ptr() and verify["counts"] == 0
-    assert not verify["write_state"] and verify["out"] == out.data_ptr() and verify["z"] == case["z"].data_ptr()
-    assert verify["z_stride"] == case["z"].shape[-1]
+            assert kw[name] is case[name], name
+        for name in ("conv_weight", "A_log", "dt_bias", "norm_weight"):
+            assert kw[name] is getattr(case["w"], name), name
+        # the slots, a strided view, as a contiguous int64 copy (the kernel indexes them)
+        assert kw["slots"].is_contiguous() and torch.equal(kw["slots"], case["slots"])
+        assert kw["offsets"] is None and kw["fork_slots"] is None and kw["width"] is None
+        assert kw["q_scale"] == SMALL_ODD[2] ** -0.5 and kw["eps"] == EPS and kw["stream"] == 7
+        scratch = kw["scratch"]
+        assert scratch.dtype == torch.float32 and scratch.numel() == 2 * (3 * case["qkv"].shape[-1] + 6)
+    assert commit["write_state"] and commit["out"] is None and commit["z"] is None
+    assert commit["counts"] is counts and verify["counts"] is None
+    assert not verify["write_state"] and verify["out"] is out and verify["z"] is case["z"]
 
 
 def test_bad_shapes_raise():
@@ -708,16 +709,17 @@ def _tail_case(device: str, dtype: torch.dtype) -> tuple[dict, dict]:
 
 
 def test_prefill_tail_passes_offsets_and_fork_slots(monkeypatch):
-    """The tail's kernel call: offsets, fork slots and counts by pointer, the chunk's rows per
+    """The tail's kernel call: offsets, fork slots and counts as given, qkv with the chunk's rows per
     sequence, `width` tokens, the outputs into the chunk's own buffer."""
     calls = record_kernel_calls(monkeypatch, "gdn_steps")
     monkeypatch.setattr(gdn_ops, "_kernel_applies", lambda step, w: True)
     case, tail = _tail_case("cpu", torch.bfloat16)
     gdn_ops.gdn_prefill_tail(**case, **tail)
     (kw,) = calls
-    assert (kw["offsets"], kw["fork_slots"], kw["counts"], kw["out"]) == tuple(
-        tail[n].data_ptr() for n in ("offsets", "fork_slots", "counts", "out"))
-    assert (kw["seq_rows"], kw["num_tokens"], kw["write_state"]) == (40, 16, True)
+    for name in ("offsets", "fork_slots", "counts", "out"):
+        assert kw[name] is tail[name], name
+    assert kw["qkv"] is case["qkv"] and kw["qkv"].shape[1] == 40  # the chunk's rows per sequence
+    assert (kw["width"], kw["write_state"]) == (16, True)
 
 
 @pytest.mark.cuda

@@ -350,12 +350,11 @@ def test_router_call_passes_each_tensor_in_its_place(monkeypatch):
     w = torch.randn(9, 64).to(torch.bfloat16)
     logits, weights, ids = moe.moe_router(x, w, 8, 2, True)
     (kw,) = calls
-    assert (kw["logits"], kw["weights"], kw["ids"], kw["x"], kw["w"]) == tuple(
-        t.data_ptr() for t in (logits, weights, ids, x, w))
-    assert (kw["tokens"], kw["hidden"], kw["rows"], kw["experts"], kw["top_k"], kw["renormalize"]) == (
-        3, 64, 9, 8, 2, True)
+    assert all(kw[name] is t for name, t in zip(("logits", "weights", "ids", "x", "w"), (logits, weights, ids, x, w)))
+    assert (kw["experts"], kw["renormalize"]) == (8, True)
     assert logits.shape == (3, 9) and weights.shape == ids.shape == (3, 2) and kw["stream"] == 7
-    assert kw["done"] == moe._router_done[(x.device, w.data_ptr())].data_ptr()
+    assert kw["done"] is moe._router_done[(x.device, w.data_ptr())]
+    assert kw.get("residual") is None
     many = moe.ROUTER_KERNEL_MAX_TOKENS + 1
     assert moe.moe_router(_inputs(many, 64), w, 8, 2, True) is None
     assert moe.moe_router(x.float(), w.float(), 8, 2, True) is None
@@ -410,9 +409,9 @@ def test_add_norm_router_call_and_the_shapes_it_leaves(monkeypatch):
     normed, summed, logits, weights, ids = moe.moe_add_norm_router(
         x, moe.RouterNorm(residual, norm_w, 1e-5, True), w, 8, 2, False)
     (kw,) = calls
-    assert (kw["residual"], kw["norm_weight"], kw["normed"], kw["residual_out"], kw["x"]) == tuple(
-        t.data_ptr() for t in (residual, norm_w, normed, summed, x))
-    assert (kw["eps"], kw["zero_centered"], kw["hidden"], kw["tokens"]) == (1e-5, True, 256, 2)
+    assert all(kw[name] is t for name, t in zip(("residual", "norm_weight", "normed", "residual_out", "x", "w"),
+                                                (residual, norm_w, normed, summed, x, w)))
+    assert (kw["eps"], kw["zero_centered"], kw["experts"]) == (1e-5, True, 8)
     assert normed.shape == summed.shape == x.shape and logits.shape == (2, 9)
     assert len({normed.data_ptr(), summed.data_ptr(), x.data_ptr(), residual.data_ptr()}) == 4
     wide = _inputs(2, 264)
@@ -473,7 +472,7 @@ def _decode_check(
     plan = moe._decode_plan(x, gate_up, down, weights, ids, max_tokens=tokens)  # the kernels' own limits
     assert plan is not None, "the decode kernels do not cover this"
     with _poisoned_allocations():
-        out = moe._decode(x, plan, weights, ids, gate_up.shape[0])
+        out = moe._decode(x, plan, weights, ids)
     assert out.dtype == dtype and out.shape == x.shape and not out.isnan().any()
     _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), TOL[dtype])
     _assert_close(out, _expected(x, gate_up, down, weights, ids), TOL[dtype])
@@ -503,15 +502,16 @@ def test_shared_expert_call_passes_each_tensor_in_its_place(monkeypatch):
                               quantize(torch.randn(hidden, shared_inter), "int4", 32), router[:, 8:])
     out = moe.moe_experts_with_shared(x, gate_up, down, weights, ids, shared)
     (kw,) = calls
-    assert out.shape == x.shape and kw["out"] == out.data_ptr() and kw["x"] == x.data_ptr()
-    assert (kw["gate_up"], kw["down"], kw["gate_up_kind"], kw["down_group_size"]) == (
-        gate_up.qweight.data_ptr(), down.qweight.data_ptr(), "int4", 32)
-    assert (kw["shared_gate_up"], kw["shared_gate_up_scales"], kw["shared_gate_up_kind"]) == (
-        shared.gate_up.qweight.data_ptr(), shared.gate_up.scales.data_ptr(), "int8")
-    assert (kw["shared_down"], kw["shared_down_scales"], kw["shared_down_kind"], kw["shared_down_group_size"]) == (
-        shared.down.qweight.data_ptr(), shared.down.scales.data_ptr(), "int4", 32)
-    assert (kw["shared_inter"], kw["shared_gate"], kw["shared_gate_stride"]) == (shared_inter, router[:, 8:].data_ptr(), 9)
-    assert (kw["tokens"], kw["top_k"], kw["hidden"], kw["inter"], kw["experts"]) == (2, 2, hidden, inter, 8)
+    assert out.shape == x.shape and kw["out"] is out and kw["x"] is x
+    assert kw["weights"] is weights and kw["ids"] is ids and kw["stream"] == 7
+    # the binding reads each format off its tensors: the codes' dtype, the group size from the scales' shape
+    passed = {"gate_up": gate_up, "down": down, "shared_gate_up": shared.gate_up, "shared_down": shared.down}
+    for name, qw in passed.items():
+        assert kw[name] is qw.qweight and kw[f"{name}_scales"] is qw.scales, name
+    assert kw["shared_gate_up"].dtype == torch.int8 and kw["shared_down"].dtype == torch.uint8
+    g = kw["shared_gate"]
+    assert (g.data_ptr(), g.shape, g.stride(0)) == (router[:, 8:].data_ptr(), (2, 1), 9)
+    assert kw["h"].shape == (2, 2 * inter + shared_inter)  # tokens, top_k routed rows then the shared one
 
 
 def _shared_expert(hidden, inter, fmt, tokens, dtype, seed):

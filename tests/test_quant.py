@@ -418,7 +418,7 @@ def test_kernel_replays_in_cuda_graph(cuda_kernels, kind, group_size, rows):
 
 def test_epilogue_calls_pass_each_tensor_in_its_place(monkeypatch):
     """The CUDA branch of quant_swiglu / quant_linear_gated, run on the CPU against a stand-in
-    extension that records the call: the SwiGLU's output width, the gate's pointer and row stride
+    extension that records the call: the SwiGLU's output width, the gate's view and row stride
     (a strided column of a merged output) and the added tensor reach their binding arguments."""
     calls = record_kernel_calls(monkeypatch, "quant_gemv")
     qw = quantize(_randn(64, 32, seed=1), "int8")
@@ -431,13 +431,15 @@ def test_epilogue_calls_pass_each_tensor_in_its_place(monkeypatch):
     assert gated.shape == (3, 64)
     swiglu, gate = calls
     for kw in calls:
-        assert (kw["x"], kw["qweight"], kw["scales"], kw["m"], kw["k"]) == (
-            x.data_ptr(), qw.qweight.data_ptr(), qw.scales.data_ptr(), 3, 32)
-        assert kw["stream"] == 7 and kw["dtype"] == "bf16" and kw["bias"] == 0 and not kw["int4"]
-    assert swiglu["gate_up"] and swiglu["n"] == 32 and swiglu["out"] == out.data_ptr()
-    assert swiglu["gate"] == swiglu["add"] == 0
-    assert not gate["gate_up"] and gate["n"] == 64 and gate["out"] == gated.data_ptr()
-    assert (gate["gate"], gate["gate_stride"], gate["add"]) == (merged[:, 256:].data_ptr(), 257, add.data_ptr())
+        assert (kw["x"].data_ptr(), kw["x"].shape) == (x.data_ptr(), (3, 32))
+        assert kw["qweight"] is qw.qweight and kw["scales"] is qw.scales
+        assert kw["stream"] == 7 and kw["bias"] is None
+    assert swiglu["gate_up"] and (swiglu["out"].data_ptr(), swiglu["out"].shape) == (out.data_ptr(), (3, 32))
+    assert swiglu["gate"] is None and swiglu["add"] is None
+    assert not gate["gate_up"] and (gate["out"].data_ptr(), gate["out"].shape) == (gated.data_ptr(), (3, 64))
+    g = gate["gate"]
+    assert (g.data_ptr(), g.shape, g.stride(0)) == (merged[:, 256:].data_ptr(), (3, 1), 257)
+    assert (gate["add"].data_ptr(), gate["add"].shape) == (add.data_ptr(), (3, 64))
 
 
 def _must_not_run(name: str):
@@ -597,10 +599,12 @@ def test_add_norm_call_passes_each_tensor_in_its_place(monkeypatch):
     y, summed = quant.quant_linear_add_norm(x[None], residual[None], weight, 1e-5, True, qw, bias)
     assert y.shape == (1, 3, 32) and summed.shape == (1, 3, 64)
     (kw,) = calls
-    assert (kw["out"], kw["x"], kw["residual"], kw["norm_weight"], kw["residual_out"], kw["bias"]) == tuple(
-        t.data_ptr() for t in (y, x, residual, weight, summed, bias))
-    assert (kw["m"], kw["n"], kw["k"], kw["eps"], kw["zero_centered"]) == (3, 32, 64, 1e-5, True)
-    assert not kw["gate_up"] and kw["gate"] == kw["add"] == 0
+    assert tuple(kw[name].data_ptr() for name in ("out", "x", "residual", "residual_out")) == tuple(
+        t.data_ptr() for t in (y, x, residual, summed))
+    assert kw["out"].shape == (3, 32) and kw["x"].shape == kw["residual"].shape == kw["residual_out"].shape == (3, 64)
+    assert kw["norm_weight"] is weight and kw["bias"] is bias and kw["qweight"] is qw.qweight
+    assert (kw["eps"], kw["zero_centered"]) == (1e-5, True)
+    assert not kw["gate_up"] and kw["gate"] is None and kw["add"] is None
     assert len({y.data_ptr(), summed.data_ptr(), x.data_ptr(), residual.data_ptr()}) == 4
 
 
@@ -624,8 +628,8 @@ def test_add_norm_composes_where_the_fold_does_not_fit(monkeypatch):
         calls.clear()
         qw = quantize(_randn(32, x_.shape[-1], seed=x_.shape[-1]), "int8")
         quant.quant_linear_add_norm(x_, residual_, weight_, 1e-6, False, qw)
-        folded = [kw for kw in calls if "qweight" in kw and kw["residual"]]
-        norms = [kw for kw in calls if "hidden" in kw]
+        folded = [kw for kw in calls if "qweight" in kw and kw["residual"] is not None]
+        norms = [kw for kw in calls if "qweight" not in kw]
         assert (len(folded), len(norms)) == ((1, 0) if folds else (0, 1)), name
 
 

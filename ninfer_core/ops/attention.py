@@ -41,7 +41,6 @@ from .rope import norm_rotary, rotary_kernel_fits
 DECODE_MAX_TOKENS = 16  # new tokens per sequence the decode kernel takes (speculative K + 1 <= 16)
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 _HEAD_DIMS = (64, 128, 256)  # what the kernels are compiled for
-_KV_KINDS = {torch.float8_e4m3fn: "FP8", torch.int8: "INT8"}
 _CHUNK_HEAD_DIMS = (32, 64, 128, 256)  # tl.dot needs >= 16; powers of two for the tiles
 _LOG2E = 1.4426950408889634  # the chunk kernel's softmax runs in base 2
 
@@ -89,25 +88,10 @@ def write_kv(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
         dispatch.fallback("write_kv", k, kv.k)
         return write_kv_ref(kv, k, v, slot_mapping)
     kv_heads, dim = k.shape[-2:]
-    k = k.reshape(-1, kv_heads, dim).contiguous()
-    v = v.reshape(-1, kv_heads, dim).contiguous()
-    slots = slot_mapping.reshape(-1).to(torch.int64).contiguous()
     dispatch.extension().write_kv(
-        k_cache=kv.k.data_ptr(),
-        v_cache=kv.v.data_ptr(),
-        k_scale=0 if kv.k_scale is None else kv.k_scale.data_ptr(),
-        v_scale=0 if kv.v_scale is None else kv.v_scale.data_ptr(),
-        k=k.data_ptr(),
-        v=v.data_ptr(),
-        slot_mapping=slots.data_ptr(),
-        tokens=k.shape[0],
-        num_slots=kv.k.shape[0] * kv.k.shape[1],
-        kv_heads=kv_heads,
-        head_dim=dim,
-        dtype=dispatch.kernel_dtype(k),
-        kv_dtype=_kv_kind(kv, k.dtype),
-        device=k.device.index,
-        stream=dispatch.stream_handle(k),
+        k_cache=kv.k, v_cache=kv.v, k_scale=kv.k_scale, v_scale=kv.v_scale,
+        k=k.reshape(-1, kv_heads, dim).contiguous(), v=v.reshape(-1, kv_heads, dim).contiguous(),
+        slot_mapping=slot_mapping.reshape(-1).to(torch.int64).contiguous(), stream=dispatch.stream_handle(k),
     )
 
 
@@ -133,34 +117,11 @@ def norm_rotary_write_kv(
         q = norm_rotary(q, cos, sin, q_weight, eps, zero_centered)
         write_kv(kv, norm_rotary(k, cos, sin, k_weight, eps, zero_centered), v, slot_mapping)
         return q
-    batch, tokens, heads, dim = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    slots = slot_mapping.reshape(-1).to(torch.int64).contiguous()
-    dispatch.extension().norm_rotary_write_kv(
-        q_out=out.data_ptr(),
-        q=q.data_ptr(), q_stride_b=q.stride(0), q_stride_t=q.stride(1), q_stride_h=q.stride(2),
-        k=k.data_ptr(), k_stride_b=k.stride(0), k_stride_t=k.stride(1), k_stride_h=k.stride(2),
-        v=v.data_ptr(), v_stride_b=v.stride(0), v_stride_t=v.stride(1), v_stride_h=v.stride(2),
-        q_weight=0 if q_weight is None else q_weight.data_ptr(),
-        k_weight=0 if k_weight is None else k_weight.data_ptr(),
-        cos=cos.data_ptr(), sin=sin.data_ptr(), cs_stride_b=cos.stride(0), cs_stride_t=cos.stride(1),
-        k_cache=kv.k.data_ptr(),
-        v_cache=kv.v.data_ptr(),
-        k_scale=0 if kv.k_scale is None else kv.k_scale.data_ptr(),
-        v_scale=0 if kv.v_scale is None else kv.v_scale.data_ptr(),
-        slot_mapping=slots.data_ptr(),
-        num_slots=kv.k.shape[0] * kv.k.shape[1],
-        batch=batch,
-        tokens=tokens,
-        heads=heads,
-        kv_heads=k.shape[2],
-        head_dim=dim,
-        rotary_dim=cos.shape[-1],
-        eps=float(eps),
-        zero_centered=zero_centered,
-        dtype=dispatch.kernel_dtype(q),
-        kv_dtype=_kv_kind(kv, q.dtype),
-        device=q.device.index,
+    dispatch.extension().norm_rotary_write_kv(  # q, k, v read in place, with their own strides
+        q_out=out, q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin,
+        k_cache=kv.k, v_cache=kv.v, k_scale=kv.k_scale, v_scale=kv.v_scale,
+        slot_mapping=slot_mapping.to(torch.int64).contiguous(), eps=float(eps), zero_centered=zero_centered,
         stream=dispatch.stream_handle(q),
     )
     return out
@@ -251,35 +212,9 @@ def decode_attention(
     partials = batch * kv_heads * splits * num_new * (heads // kv_heads)
     workspace = torch.empty(partials * (dim + 2), dtype=torch.float32, device=q.device)  # O, then (max, sum)
     out = torch.empty_like(q) if out is None else _checked_out(out, q)
-    gate_strides = (0, 0, 0) if gate is None else gate.stride()[:3]
     ext.decode_attention(
-        out=out.data_ptr(),
-        q=q.data_ptr(),
-        gate=0 if gate is None else gate.data_ptr(),
-        gate_stride_b=gate_strides[0],
-        gate_stride_t=gate_strides[1],
-        gate_stride_h=gate_strides[2],
-        k_cache=kv.k.data_ptr(),
-        v_cache=kv.v.data_ptr(),
-        k_scale=0 if kv.k_scale is None else kv.k_scale.data_ptr(),
-        v_scale=0 if kv.v_scale is None else kv.v_scale.data_ptr(),
-        block_table=table.data_ptr(),
-        cache_lens=lens.data_ptr(),
-        workspace_o=workspace.data_ptr(),
-        workspace_ml=workspace[partials * dim :].data_ptr(),
-        batch=batch,
-        num_new=num_new,
-        num_heads=heads,
-        kv_heads=kv_heads,
-        head_dim=dim,
-        page_size=page_size,
-        table_width=table.shape[1],
-        num_pages=kv.k.shape[0],
-        max_splits=splits,
-        scale=float(scale),
-        dtype=dispatch.kernel_dtype(q),
-        kv_dtype=_kv_kind(kv, q.dtype),
-        device=q.device.index,
+        out=out, q=q, gate=gate, k_cache=kv.k, v_cache=kv.v, k_scale=kv.k_scale, v_scale=kv.v_scale,
+        block_table=table, cache_lens=lens, workspace=workspace, max_splits=splits, scale=float(scale),
         stream=dispatch.stream_handle(q),
     )
     return out
@@ -453,13 +388,10 @@ def _causal_mask(num_new: int, length: int, device: torch.device) -> torch.Tenso
     return torch.ones(num_new, length, dtype=torch.bool, device=device).tril(length - num_new)
 
 
-def _kv_kind(kv: KVLayer, dtype: torch.dtype) -> object | None:
-    """The extension's KVDType for reading this cache as `dtype` (None: no kernel for it)."""
-    if kv.quantized:
-        name = _KV_KINDS.get(kv.k.dtype)
-    else:
-        name = "NATIVE" if kv.k.dtype == dtype else None
-    return None if name is None else getattr(dispatch.extension().KVDType, name)
+def _cache_readable(kv: KVLayer, dtype: torch.dtype) -> bool:
+    """Whether the kernels read this cache with activations of `dtype`: fp8 / int8 pages with their
+    scales, or pages of that dtype (the bindings tell which from the pages' dtype)."""
+    return kv.k.dtype in QMAX if kv.quantized else kv.k.dtype == dtype
 
 
 def _cpu_fits(kv: KVLayer, *xs: torch.Tensor) -> bool:
@@ -481,7 +413,7 @@ def _kernel_fits(x: torch.Tensor, kv: KVLayer) -> bool:
     tensors = [kv.k, kv.v] + ([kv.k_scale, kv.v_scale] if kv.quantized else [])
     if not all(t.device == x.device and t.is_contiguous() for t in tensors):
         return False
-    return kv.k.dtype == kv.v.dtype and kv.k.shape[-1] == x.shape[-1] and _kv_kind(kv, x.dtype) is not None
+    return kv.k.dtype == kv.v.dtype and kv.k.shape[-1] == x.shape[-1] and _cache_readable(kv, x.dtype)
 
 
 @functools.cache

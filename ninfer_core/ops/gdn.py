@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -240,60 +240,26 @@ def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
             return out
         value = gdn_steps_ref(step, write_state, w)
         return value if out is None or value is None else out.copy_(value)
-    qkv, qkv_stride = _rows(step.qkv)
-    a, ab_stride = _rows(step.a)
-    b, b_stride = _rows(step.b)
-    conv_pool, state_pool, z = step.conv_pool, step.state_pool, step.z
-    if b_stride != ab_stride:
-        a, b = a.contiguous(), b.contiguous()
-        ab_stride = a.shape[-1]
-    params = [t.contiguous() for t in (w.conv_weight, w.A_log, w.dt_bias, w.norm_weight)]
-    slots = step.slots.long().contiguous()
-    counts = None if step.counts is None else step.counts.long().contiguous()
-    offsets = None if step.offsets is None else step.offsets.long().contiguous()
-    fork_slots = None if step.fork_slots is None else step.fork_slots.long().contiguous()
-    batch, seq_rows, channels = qkv.shape
-    num_tokens = step.num_tokens
-    num_v_heads = a.shape[2]
-    z_stride = 0
-    if z is not None:
-        z, z_stride = _rows(z)
-        out = torch.empty(z.shape, dtype=z.dtype, device=z.device) if out is None else out
-    scratch = torch.empty(batch * (num_tokens * channels + num_v_heads), dtype=torch.float32, device=qkv.device)
+    kernel_step = _kernel_layout(step)
+    if step.z is not None and out is None:
+        out = torch.empty(step.z.shape, dtype=step.z.dtype, device=step.z.device)
+    batch, _, channels = step.qkv.shape
+    # fp32 activations [B, T, C], then one counter per (row, value head)
+    scratch = torch.empty(batch * (step.num_tokens * channels + step.a.shape[2]), dtype=torch.float32,
+                          device=step.qkv.device)
+    # The binding takes GDNStepInputs' fields by name and reads every size and stride from them.
     dispatch.extension().gdn_steps(
-        out=0 if out is None else out.data_ptr(),
-        scratch=scratch.data_ptr(),
-        qkv=qkv.data_ptr(),
-        a=a.data_ptr(),
-        b=b.data_ptr(),
-        z=0 if z is None else z.data_ptr(),
-        conv_pool=conv_pool.data_ptr(),
-        state_pool=state_pool.data_ptr(),
-        slots=slots.data_ptr(),
-        counts=0 if counts is None else counts.data_ptr(),
-        offsets=0 if offsets is None else offsets.data_ptr(),
-        fork_slots=0 if fork_slots is None else fork_slots.data_ptr(),
-        conv_weight=params[0].data_ptr(),
-        A_log=params[1].data_ptr(),
-        dt_bias=params[2].data_ptr(),
-        norm_weight=params[3].data_ptr(),
-        qkv_stride=qkv_stride,
-        ab_stride=ab_stride,
-        z_stride=z_stride,
-        batch=batch,
-        seq_rows=seq_rows,
-        num_tokens=num_tokens,
+        **{f.name: getattr(kernel_step, f.name) for f in fields(kernel_step)},
+        out=out,
+        scratch=scratch,
+        conv_weight=w.conv_weight.contiguous(),
+        A_log=w.A_log.contiguous(),
+        dt_bias=w.dt_bias.contiguous(),
+        norm_weight=w.norm_weight.contiguous(),
         write_state=write_state,
-        num_k_heads=w.num_k_heads,
-        num_v_heads=num_v_heads,
-        head_k_dim=w.head_k_dim,
-        head_v_dim=w.head_v_dim,
-        conv_kernel=w.conv_weight.shape[1],
         q_scale=w.head_k_dim**-0.5,
         eps=float(w.eps),
-        dtype=dispatch.kernel_dtype(qkv),
-        device=qkv.device.index,
-        stream=dispatch.stream_handle(qkv),
+        stream=dispatch.stream_handle(step.qkv),
     )
     return out
 
@@ -309,16 +275,11 @@ def conv_prefill(qkv: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor
             and (valid is None or valid.dtype == torch.int64)):
         dispatch.fallback("gdn conv_prefill", qkv, conv_pool, weight)
         return conv_prefill_ref(qkv, conv_pool, slots, weight, valid)
-    batch, tokens, channels = qkv.shape
-    qkv, stride_t = _rows(qkv)
-    out = torch.empty(batch, tokens, channels, dtype=qkv.dtype, device=qkv.device)
-    slots = slots.contiguous()
-    valid = None if valid is None else valid.contiguous()
-    dispatch.extension().gdn_conv_prefill(
-        out=out.data_ptr(), qkv=qkv.data_ptr(), conv_pool=conv_pool.data_ptr(), slots=slots.data_ptr(),
-        valid=0 if valid is None else valid.data_ptr(), weight=weight.contiguous().data_ptr(),
-        qkv_stride_b=tokens * stride_t, qkv_stride_t=stride_t, batch=batch, tokens=tokens, channels=channels,
-        taps=taps, dtype=dispatch.kernel_dtype(qkv), device=qkv.device.index, stream=dispatch.stream_handle(qkv),
+    out = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    dispatch.extension().gdn_conv_prefill(  # qkv read in place with its own strides
+        out=out, qkv=qkv if qkv.stride(-1) == 1 else qkv.contiguous(), conv_pool=conv_pool, slots=slots.contiguous(),
+        valid=None if valid is None else valid.contiguous(), weight=weight.contiguous(),
+        stream=dispatch.stream_handle(qkv),
     )
     return out
 
@@ -358,17 +319,33 @@ def gated_delta_rule_fla(
     return chunk(q, k, v, g.float(), beta.float(), scale=1.0, initial_state=state.float(), output_final_state=True)
 
 
-def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """[B, T, X] with a contiguous last axis and tokens a fixed stride apart (b * T + t): the
-    tensor as is and that stride, else a contiguous copy. Slices of a merged projection's output
-    qualify, so the kernel reads them in place."""
+def _kernel_layout(step: GDNStepInputs) -> GDNStepInputs:
+    """step as the kernel reads it: qkv / a / b / z with their tokens one stride apart (a and b the
+    same stride), slots / counts / offsets / fork_slots contiguous int64; views kept where they qualify."""
+    a, b = _rows(step.a), _rows(step.b)
+    if _token_stride(a) != _token_stride(b):
+        a, b = a.contiguous(), b.contiguous()
+    index = lambda t: None if t is None else t.long().contiguous()  # noqa: E731
+    return replace(step, qkv=_rows(step.qkv), a=a, b=b, z=None if step.z is None else _rows(step.z),
+                   slots=index(step.slots), counts=index(step.counts), offsets=index(step.offsets),
+                   fork_slots=index(step.fork_slots))
+
+
+def _token_stride(t: torch.Tensor) -> int | None:
+    """t [B, T, X] with a contiguous last axis: the stride between tokens when token t of sequence b
+    is row b * T + t of one stride (the kernel's layout), else None. Slices of a merged
+    projection's output qualify, so the kernel reads them in place."""
     batch, tokens = t.shape[:2]
-    if t.stride(-1) == 1:
-        if tokens == 1:
-            return t, t.stride(0)
-        if batch == 1 or t.stride(0) == tokens * t.stride(1):
-            return t, t.stride(1)
-    return t.contiguous(), t.shape[-1]
+    if t.stride(-1) != 1:
+        return None
+    if tokens == 1:
+        return t.stride(0)
+    return t.stride(1) if batch == 1 or t.stride(0) == tokens * t.stride(1) else None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as is when the kernel reads its tokens in place (`_token_stride`), else a contiguous copy."""
+    return t if _token_stride(t) is not None else t.contiguous()
 
 
 def _kernel_applies(step: GDNStepInputs, w: GDNWeights) -> bool:

@@ -100,16 +100,7 @@ def moe_route(
     weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     dispatch.extension().moe_route(
-        weights=weights.data_ptr(),
-        ids=ids.data_ptr(),
-        logits=logits.data_ptr(),
-        tokens=tokens,
-        experts=experts,
-        top_k=top_k,
-        renormalize=renormalize,
-        dtype=dispatch.kernel_dtype(logits),
-        device=logits.device.index,
-        stream=dispatch.stream_handle(logits),
+        weights=weights, ids=ids, logits=logits, renormalize=renormalize, stream=dispatch.stream_handle(logits),
     )
     return weights, ids
 
@@ -162,9 +153,8 @@ def moe_add_norm_router(
         return None
     normed, summed = torch.empty_like(x), torch.empty_like(x)
     logits, weights, ids = _launch_router(x, weight, experts, top_k, renormalize,
-                                          residual=norm.residual.data_ptr(), norm_weight=norm.weight.data_ptr(),
-                                          normed=normed.data_ptr(), residual_out=summed.data_ptr(),
-                                          eps=norm.eps, zero_centered=norm.zero_centered)
+                                          residual=norm.residual, norm_weight=norm.weight, normed=normed,
+                                          residual_out=summed, eps=float(norm.eps), zero_centered=norm.zero_centered)
     return normed, summed, logits, weights, ids
 
 
@@ -186,10 +176,10 @@ def _router_fits(x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int
 
 
 def _launch_router(
-    x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool, **norm: int | float | bool
+    x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool,
+    **norm: torch.Tensor | float | bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    tokens, hidden = x.shape
-    rows = weight.shape[0]
+    tokens, rows = x.shape[0], weight.shape[0]
     # The kernel's completion counter: one per router weight, so engines never share one; it is
     # 0 between launches (the last block resets it), and its address stays fixed for CUDA graphs.
     key = (x.device, weight.data_ptr())
@@ -200,10 +190,8 @@ def _launch_router(
     weights = torch.empty(tokens, top_k, dtype=x.dtype, device=x.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
     dispatch.extension().moe_router(
-        logits=logits.data_ptr(), weights=weights.data_ptr(), ids=ids.data_ptr(), done=done.data_ptr(),
-        x=x.data_ptr(), w=weight.data_ptr(), tokens=tokens, hidden=hidden, rows=rows, experts=experts,
-        top_k=top_k, renormalize=renormalize, dtype=dispatch.kernel_dtype(x), device=x.device.index,
-        stream=dispatch.stream_handle(x), **norm,
+        logits=logits, weights=weights, ids=ids, done=done, x=x, w=weight, experts=experts,
+        renormalize=renormalize, stream=dispatch.stream_handle(x), **norm,
     )
     return logits, weights, ids
 
@@ -247,7 +235,7 @@ def moe_experts(
         return moe_experts_ref(x, gate_up, down, weights, ids)
     plan = _decode_plan(x, gate_up, down, weights, ids)
     if plan is not None:
-        return _decode(x, plan, weights, ids, gate_up.shape[0])
+        return _decode(x, plan, weights, ids)
     if ids.shape[0] <= GROUPED_GEMV_MAX_TOKENS and grouped_gemv_fits(x, gate_up, down):
         return moe_experts_grouped_gemv(x, gate_up, down, weights, ids)
     if _grouped_quantized(x, gate_up, down):
@@ -290,7 +278,7 @@ def moe_experts_with_shared(
     shared_plan = (_kernel_weights(shared.gate_up, x, hidden), _kernel_weights(shared.down, x, inter)) if fits else None
     if shared_plan is None or None in shared_plan:
         return None
-    return _decode(x, plan, weights, ids, gate_up.shape[0], (shared_plan[0], shared_plan[1], inter, gate))
+    return _decode(x, plan, weights, ids, (shared_plan[0], shared_plan[1], inter, gate))
 
 
 def _grouped_quantized(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor) -> bool:
@@ -360,7 +348,7 @@ def moe_experts_grouped(
 
 # ---------------------------------------------------------------- decode kernels
 
-_KernelWeights = tuple[torch.Tensor, torch.Tensor | None, str, int]  # weight, scales, kind, group
+_KernelWeights = tuple[torch.Tensor, torch.Tensor | None, int]  # weight, scales (None: dense), int4 group
 
 
 def _decode_plan(
@@ -393,16 +381,16 @@ def _kernel_weights(w: ExpertTensor, x: torch.Tensor, cols: int) -> _KernelWeigh
     if isinstance(w, QuantizedWeight):
         q, scales, group = w.qweight, w.scales, w.group_size
         if w.kind == "int8" and q.dtype == torch.int8 and scales.dtype == torch.float32:
-            plan, vec = (q, scales, "INT8", 0), 16
+            plan, vec = (q, scales, 0), 16
         elif w.kind == "int4" and q.dtype == torch.uint8 and scales.dtype == torch.bfloat16:
             if group < 32 or group & (group - 1) or cols % group:
                 return None
-            plan, vec = (q, scales, "INT4", group), 32
+            plan, vec = (q, scales, group), 32
         else:
             return None
         ok = q.device == x.device and scales.is_contiguous() and dispatch.use_kernel(scales)
     else:
-        q, plan, vec = w, (w, None, "DENSE", 0), 16 // w.element_size()
+        q, plan, vec = w, (w, None, 0), 16 // w.element_size()
         ok = w.dtype == x.dtype and dispatch.use_kernel(w)
     ok = ok and q.is_contiguous() and q.data_ptr() % 16 == 0 and cols % vec == 0
     return plan if ok else None
@@ -413,55 +401,34 @@ def _decode(
     plan: tuple[_KernelWeights, _KernelWeights],
     weights: torch.Tensor,
     ids: torch.Tensor,
-    experts: int,
     shared: tuple[_KernelWeights, _KernelWeights, int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`shared`: the shared expert's gate_up / down, its intermediate size and gate logit rows."""
-    (gu, gu_scales, gu_kind, gu_group), (dn, dn_scales, dn_kind, dn_group) = plan
+    """`shared`: the shared expert's gate_up / down, its intermediate size and gate logit rows.
+    The binding reads the formats, group sizes and sizes off the tensors."""
+    (gu, gu_scales, _), (dn, dn_scales, _) = plan
     tokens, top_k = ids.shape
     inter = gu.shape[1] // 2
-    ext = dispatch.extension()
-    x, weights = x.contiguous(), weights.contiguous()
+    x, weights = _aligned(x), weights.contiguous()
     ids = ids.to(torch.int32).contiguous()
     out = torch.empty_like(x)
     shared_inter = 0 if shared is None else shared[2]
     h = torch.empty(tokens, top_k * inter + shared_inter, dtype=x.dtype, device=x.device)  # kernel 1 -> kernel 2
     extra = {}
     if shared is not None:
-        (sgu, sgu_scales, sgu_kind, sgu_group), (sdn, sdn_scales, sdn_kind, sdn_group), _, gate = shared
-        extra = dict(
-            shared_gate_up=sgu.data_ptr(), shared_gate_up_scales=sgu_scales.data_ptr(),
-            shared_gate_up_kind=getattr(ext.ExpertKind, sgu_kind), shared_gate_up_group_size=sgu_group,
-            shared_down=sdn.data_ptr(), shared_down_scales=sdn_scales.data_ptr(),
-            shared_down_kind=getattr(ext.ExpertKind, sdn_kind), shared_down_group_size=sdn_group,
-            shared_inter=shared_inter, shared_gate=gate.data_ptr(), shared_gate_stride=gate.stride(0),
-        )
-    ext.moe_decode(
-        out=out.data_ptr(),
-        h=h.data_ptr(),
-        x=x.data_ptr(),
-        weights=weights.data_ptr(),
-        ids=ids.data_ptr(),
-        gate_up=gu.data_ptr(),
-        gate_up_scales=0 if gu_scales is None else gu_scales.data_ptr(),
-        gate_up_kind=getattr(ext.ExpertKind, gu_kind),
-        gate_up_group_size=gu_group,
-        down=dn.data_ptr(),
-        down_scales=0 if dn_scales is None else dn_scales.data_ptr(),
-        down_kind=getattr(ext.ExpertKind, dn_kind),
-        down_group_size=dn_group,
-        tokens=tokens,
-        top_k=top_k,
-        hidden=x.shape[1],
-        inter=inter,
-        experts=experts,
-        dtype=dispatch.kernel_dtype(x),
-        weights_dtype=dispatch.kernel_dtype(weights),
-        device=x.device.index,
-        stream=dispatch.stream_handle(x),
-        **extra,
+        (sgu, sgu_scales, _), (sdn, sdn_scales, _), _, gate = shared
+        extra = dict(shared_gate_up=sgu, shared_gate_up_scales=sgu_scales, shared_down=sdn,
+                     shared_down_scales=sdn_scales, shared_gate=gate)
+    dispatch.extension().moe_decode(
+        out=out, h=h, x=x, weights=weights, ids=ids, gate_up=gu, gate_up_scales=gu_scales, down=dn,
+        down_scales=dn_scales, stream=dispatch.stream_handle(x), **extra,
     )
     return out
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous and 16-byte aligned, as the GEMV kernels load it (a copy only for an odd view)."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 # ---------------------------------------------------------------- grouped GEMV
@@ -476,7 +443,7 @@ def grouped_gemv_fits(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor
     if x.dtype not in (torch.float16, torch.bfloat16) or not dispatch.use_kernel(x):
         return False
     plans = _kernel_weights(gate_up, x, hidden), _kernel_weights(down, x, inter)
-    return all(p is not None and p[3] <= 128 for p in plans)
+    return all(p is not None and p[2] <= 128 for p in plans)
 
 
 def grouped_gemv_block_m(slots: int, num_experts: int) -> int:
@@ -494,23 +461,20 @@ def moe_experts_grouped_gemv(x: torch.Tensor, gate_up: QuantizedWeight, down: Qu
     experts, slots = gate_up.shape[0], tokens * top_k
     block_m = block_m or grouped_gemv_block_m(slots, experts)
     aligned = align_by_expert(ids, experts, block_m)
-    x = x.contiguous()
+    x = _aligned(x)
     h = torch.empty(slots, down.shape[2], dtype=x.dtype, device=x.device)
-    _grouped_gemv(h, x, gate_up, aligned, block_m, rows_per_x=top_k, gate_up=True)
+    _grouped_gemv(h, x, gate_up, aligned, block_m, gate_up=True)  # a token's top_k slots read its x row
     y = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemv(y, h, down, aligned, block_m, rows_per_x=1, gate_up=False)
+    _grouped_gemv(y, h, down, aligned, block_m, gate_up=False)
     return combine_slots(weights, y)
 
 
 def _grouped_gemv(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight, aligned: Aligned,
-                  block_m: int, rows_per_x: int, gate_up: bool) -> None:
+                  block_m: int, gate_up: bool) -> None:
     sorted_slots, block_experts, used = aligned
     dispatch.extension().moe_grouped_gemv(
-        out=out.data_ptr(), x=x.data_ptr(), qweight=w.qweight.data_ptr(), scales=w.scales.data_ptr(),
-        sorted_slots=sorted_slots.data_ptr(), block_experts=block_experts.data_ptr(), used=used.data_ptr(),
-        blocks=block_experts.numel(), block_m=block_m, num_slots=out.shape[0], rows_per_x=rows_per_x,
-        gate_up=gate_up, n=out.shape[1], k=x.shape[1], group_size=w.group_size, int4=w.kind == "int4",
-        dtype=dispatch.kernel_dtype(x), device=x.device.index, stream=dispatch.stream_handle(x),
+        out=out, x=x, qweight=w.qweight, scales=w.scales, sorted_slots=sorted_slots, block_experts=block_experts,
+        used=used, block_m=block_m, gate_up=gate_up, stream=dispatch.stream_handle(x),
     )
 
 

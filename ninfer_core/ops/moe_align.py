@@ -69,15 +69,7 @@ def _align_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
     block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
     used = torch.empty(1, dtype=torch.int32, device=ids.device)
     dispatch.extension().moe_align(
-        sorted_slots=sorted_slots.data_ptr(),
-        block_experts=block_experts.data_ptr(),
-        used=used.data_ptr(),
-        ids=ids.data_ptr(),
-        slots=slots,
-        experts=num_experts,
-        block_m=block_m,
-        capacity=capacity,
-        device=ids.device.index,
-        stream=dispatch.stream_handle(ids),
+        sorted_slots=sorted_slots, block_experts=block_experts, used=used, ids=ids, experts=num_experts,
+        block_m=block_m, stream=dispatch.stream_handle(ids),
     )
     return sorted_slots, block_experts, used

@@ -223,17 +223,16 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
         return out.to(dtype)
     out_dtype_ok = dtype in (torch.float32, torch.float16, torch.bfloat16)
     k = qw.in_features
-    if not (out_dtype_ok and qw.device.type == "cuda" and dispatch.kernels_available() and _gpu_format(qw)
-            and k % 8 == 0 and qw.qweight.is_contiguous() and qw.scales.is_contiguous()
+    if not (out_dtype_ok and dispatch.use_kernel(qw.scales) and qw.device == qw.scales.device and _gpu_format(qw)
+            and k % 8 == 0 and qw.qweight.numel() > 0 and qw.qweight.is_contiguous() and qw.scales.is_contiguous()
             and qw.qweight.data_ptr() % 8 == 0):
         return dequantize_ref(qw, dtype)
     out = torch.empty(qw.shape, dtype=dtype, device=qw.device)
+    rows = out.numel() // k  # the binding takes the weight as rows: leading dims (experts) flattened
     dispatch.extension().dequant(
-        out=out.data_ptr(), qweight=qw.qweight.data_ptr(), scales=qw.scales.data_ptr(),
-        rows=out.numel() // k, k=k, group_size=qw.group_size, int4=qw.kind == "int4",
-        dtype=getattr(dispatch.extension().DType, {torch.float32: "F32", torch.float16: "F16",
-                                                   torch.bfloat16: "BF16"}[dtype]),
-        device=qw.device.index, stream=torch.cuda.current_stream(qw.device).cuda_stream,
+        out=out.view(rows, k), qweight=qw.qweight.view(rows, -1),
+        scales=qw.scales.view(rows, -1) if qw.kind == "int4" else qw.scales.view(rows),
+        stream=dispatch.stream_handle(out),
     )
     return out
 
@@ -349,7 +348,7 @@ def quant_linear_gated(x: torch.Tensor, qw: QuantizedWeight, gate: torch.Tensor,
             or add.shape != (*x.shape[:-1], qw.out_features) or not add.is_contiguous()):
         return sigmoid_mul(quant_linear(x, qw, bias), gate, add=add)
     out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
-    _gemv(out, x2, qw, bias, gate=gate_rows, add=add)
+    _gemv(out, x2, qw, bias, gate=gate_rows, add=add.view(out.shape))
     return out.view(add.shape)
 
 
@@ -514,26 +513,18 @@ def _gemv(
     N = rows / 2; gate: [M, 1] rows, add: [M, N]), or with `norm` the GEMV of norm(x + residual)
     (x: the residual stream's delta); `_kernel_ok` must hold."""
     dispatch.extension().quant_gemv(
-        out=out.data_ptr(),
-        x=x.data_ptr(),
-        qweight=qw.qweight.data_ptr(),
-        scales=qw.scales.data_ptr(),
-        bias=0 if bias is None else bias.data_ptr(),
-        m=x.shape[0],
-        n=qw.out_features // 2 if gate_up else qw.out_features,
-        k=qw.in_features,
-        group_size=qw.group_size,
-        int4=qw.kind == "int4",
-        dtype=dispatch.kernel_dtype(x),
-        device=x.device.index,
+        out=out,
+        x=x,
+        qweight=qw.qweight,
+        scales=qw.scales,
+        bias=bias,
         stream=dispatch.stream_handle(x),
         gate_up=gate_up,
-        gate=0 if gate is None else gate.data_ptr(),
-        gate_stride=0 if gate is None else gate.stride(0),
-        add=0 if add is None else add.data_ptr(),
-        residual=0 if norm is None else norm.residual.data_ptr(),
-        norm_weight=0 if norm is None else norm.weight.data_ptr(),
-        residual_out=0 if norm is None else norm.residual_out.data_ptr(),
+        gate=gate,
+        add=add,
+        residual=None if norm is None else norm.residual,
+        norm_weight=None if norm is None else norm.weight,
+        residual_out=None if norm is None else norm.residual_out,
         eps=0.0 if norm is None else float(norm.eps),
         zero_centered=norm is not None and norm.zero_centered,
     )

@@ -48,19 +48,12 @@ def norm_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: t
                 eps: float = 1e-6, zero_centered: bool = False) -> torch.Tensor:
     """x [B, T, H, D] (last axis contiguous: slices of a merged projection are read in place) ->
     a contiguous [B, T, H, D]: `norm_rotary_ref`, in one kernel on CUDA where it applies."""
-    batch, tokens, heads, dim = x.shape
     if not rotary_kernel_fits(x, cos, sin, weight):
         dispatch.fallback("norm_rotary", x, cos, sin)
         return norm_rotary_ref(x, cos, sin, weight, eps, zero_centered)
-    rotary = cos.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dispatch.extension().norm_rotary(
-        out=out.data_ptr(), x=x.data_ptr(), weight=0 if weight is None else weight.data_ptr(), cos=cos.data_ptr(),
-        sin=sin.data_ptr(), batch=batch, tokens=tokens, heads=heads, stride_b=x.stride(0), stride_t=x.stride(1),
-        stride_h=x.stride(2), cs_stride_b=cos.stride(0), cs_stride_t=cos.stride(1), head_dim=dim, rotary_dim=rotary,
-        eps=float(eps), zero_centered=zero_centered, dtype=dispatch.kernel_dtype(x), device=x.device.index,
-        stream=dispatch.stream_handle(x),
-    )
+    dispatch.extension().norm_rotary(out=out, x=x, weight=weight, cos=cos, sin=sin, eps=float(eps),
+                                     zero_centered=zero_centered, stream=dispatch.stream_handle(x))
     return out
 
 

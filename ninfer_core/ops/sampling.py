@@ -171,38 +171,17 @@ def kept_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 def _launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
             min_p: torch.Tensor, *, tokens: torch.Tensor | None = None, probs: torch.Tensor | None = None,
             threshold: torch.Tensor | None = None, u: torch.Tensor | None = None) -> None:
-    rows, vocab = logits.shape
-    dev = logits.device
-    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p), ("u", u)):
-        if t is not None and t.shape != (rows,):
-            raise ValueError(f"sampling: {name} has shape {tuple(t.shape)}, expected ({rows},)")
-    outputs = (("tokens", tokens, (rows,), torch.long), ("probs", probs, (rows, vocab), torch.float32),
-               ("threshold", threshold, (rows,), torch.float32))
-    for name, t, shape, dtype in outputs:
-        if t is not None and (t.shape != shape or t.dtype != dtype or t.device != dev or not t.is_contiguous()):
-            raise ValueError(f"sampling: {name} must be a contiguous {dtype} {shape} tensor on {dev}")
+    vocab, dev = logits.shape[1], logits.device
     logits = logits.contiguous()
     # A positive temperature below fp32's smallest normal stays positive (0 would mean greedy).
     temperature = temperature.double()
     temperature = torch.where(temperature > 0, temperature.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
     temperature, top_k, top_p, min_p = _on_device([temperature, top_k.clamp(-1, vocab), top_p, min_p], dev)
     temperature, top_p, min_p = (t.to(torch.float32).contiguous() for t in (temperature, top_p, min_p))
-    top_k = top_k.to(torch.int32).contiguous()
-    u = None if u is None else u.to(dev, torch.float64).contiguous()
-    dispatch.extension().sample_rows(
-        tokens=0 if tokens is None else tokens.data_ptr(),
-        probs=0 if probs is None else probs.data_ptr(),
-        threshold=0 if threshold is None else threshold.data_ptr(),
-        logits=logits.data_ptr(),
-        temperature=temperature.data_ptr(),
-        top_k=top_k.data_ptr(),
-        top_p=top_p.data_ptr(),
-        min_p=min_p.data_ptr(),
-        uniform=0 if u is None else u.data_ptr(),
-        rows=rows,
-        vocab=vocab,
-        max_candidates=CANDIDATES,
-        device=dev.index,
+    dispatch.extension().sample_rows(  # shapes, dtypes and layouts checked there
+        tokens=tokens, probs=probs, threshold=threshold, logits=logits, temperature=temperature,
+        top_k=top_k.to(torch.int32).contiguous(), top_p=top_p, min_p=min_p,
+        uniform=None if u is None else u.to(dev, torch.float64).contiguous(), max_candidates=CANDIDATES,
         stream=dispatch.stream_handle(logits),
     )
 
