@@ -4,10 +4,12 @@
   (a swap there only shows as wrong numbers on a GPU); runs without the extension (CI);
 - `kernels_on_cpu` + `reaches_launch`: the real extension's bindings on CPU tensors, where they
   run every check of csrc/tensor_arg.h and the last one, the device check, raises DeviceError
-  instead of launching; runs wherever ninfer_core._C is built, with or without a GPU."""
+  instead of launching; runs wherever ninfer_core._C is built, with or without a GPU;
+- `engine_through_checks`: the same under a whole engine (`ChecksOnly`)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -46,3 +48,50 @@ def reaches_launch(call: Callable[[], object]) -> None:
     wrapper that fell back to its torch reference instead would return, and fail this)."""
     with pytest.raises(dispatch.extension().DeviceError, match="is not on a CUDA device"):
         call()
+
+
+class ChecksOnly:
+    """The real extension with each binding stopped after its checks: a call must end at the device
+    check (every other check passed), then its outputs are zeroed (finite logits, in-range ids) so
+    the engine around it runs on; `calls` counts the calls per binding."""
+
+    # outputs by argument name (moe_route / moe_router also write `weights`)
+    OUTPUTS = ("out", "q_out", "h", "logits", "normed", "residual_out", "probs", "threshold", "tokens", "ids",
+               "sorted_slots", "block_experts", "used")
+
+    def __init__(self, ext: Any) -> None:
+        self.ext, self.calls = ext, Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        binding = getattr(self.ext, name)
+        if isinstance(binding, type) or not callable(binding) or name == "decode_attention_max_splits":
+            return binding
+        outputs = self.OUTPUTS + (("weights",) if name in ("moe_route", "moe_router") else ())
+
+        def checked(**kwargs: Any) -> None:
+            with pytest.raises(self.ext.DeviceError, match="is not on a CUDA device"):
+                binding(**kwargs)
+            self.calls[name] += 1
+            for key in outputs:
+                if kwargs.get(key) is not None:
+                    kwargs[key].zero_()
+
+        return checked
+
+
+@pytest.fixture
+def engine_through_checks(monkeypatch: pytest.MonkeyPatch) -> ChecksOnly:
+    """Whole-engine runs on CPU tensors whose every op takes its CUDA-kernel path into `ChecksOnly`:
+    the model's real shapes, views and dtypes meet the bindings' checks (no GPU needed)."""
+    from ninfer_core.ops import attention
+
+    ext = dispatch.extension()
+    if ext is None:
+        pytest.skip("ninfer_core._C is not built")
+    proxy = ChecksOnly(ext)
+    monkeypatch.setattr(dispatch, "extension", lambda: proxy)
+    monkeypatch.setattr(dispatch, "use_kernel", lambda *tensors: True)
+    monkeypatch.setattr(dispatch, "stream_handle", lambda t: 0)
+    monkeypatch.setattr(dispatch, "cpu_kernels_available", lambda: False)
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)  # an H100 / H200 count
+    return proxy
