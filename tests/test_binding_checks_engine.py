@@ -26,24 +26,29 @@ KERNEL_SHAPES = dict(
 )
 PROMPTS = [([5, 17, 42, 99, 3] * 4, 0.0), ([11, 12, 13], 0.8), (list(range(20, 61)), 0.0), ([300, 301, 2, 9, 77], 0.0)]
 EVERY_PATH = {"rmsnorm", "gdn_conv_prefill", "gdn_steps", "norm_rotary", "write_kv", "norm_rotary_write_kv",
-              "decode_attention", "moe_route", "moe_router", "sigmoid_mul", "sample_rows"}
-QUANTIZED = {"quant_gemv", "dequant", "moe_decode"}
+              "decode_attention", "sigmoid_mul", "sample_rows"}
+MOE = {"moe_route", "moe_router"}
+QUANTIZED = {"quant_gemv", "dequant"}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny_kernel_shapes")
-    write_tiny_model_dir(directory, moe=True, overrides=KERNEL_SHAPES)
-    return directory
+def model_dirs(tmp_path_factory) -> dict[bool, Path]:
+    """moe -> a tiny model directory (the 35B-A3B's layer kinds, or the 27B's dense FFN)."""
+    dirs = {moe: tmp_path_factory.mktemp(f"tiny_kernel_shapes_moe{int(moe)}") for moe in (True, False)}
+    for moe, directory in dirs.items():
+        write_tiny_model_dir(directory, moe=moe, overrides=KERNEL_SHAPES | ({} if moe else {"intermediate_size": 128}))
+    return dirs
 
 
-@pytest.mark.parametrize(("weights", "kv_dtype", "spec"), [
-    ("bf16", "auto", None), ("int4", "fp8", None), ("int8", "int8", "ngram"), ("int4", "auto", "mtp"),
+@pytest.mark.parametrize(("moe", "weights", "kv_dtype", "spec"), [
+    (True, "bf16", "auto", None), (True, "int4", "fp8", None), (True, "int8", "int8", "ngram"),
+    (True, "int4", "auto", "mtp"), (False, "int4", "auto", None), (False, "int8", "fp8", "ngram"),
 ])
-def test_engine_calls_pass_the_binding_checks(model_dir, engine_through_checks: ChecksOnly, weights, kv_dtype, spec):
+def test_engine_calls_pass_the_binding_checks(model_dirs, engine_through_checks: ChecksOnly, moe, weights, kv_dtype,
+                                              spec):
     options = EngineOptions(device="cpu", dtype="bfloat16", max_seqs=4, max_context=256, kv_capacity=2048,
                             weights=weights, kv_dtype=kv_dtype, spec=spec)
-    llm = LLM.load(str(model_dir), options)
+    llm = LLM.load(str(model_dirs[moe]), options)
     requests = [GenerationRequest(p, SamplingParams(temperature=t, max_tokens=4, ignore_eos=True)) for p, t in PROMPTS]
     produced = {r.request_id: 0 for r in requests}
     for step in llm.engine.generate(requests):
@@ -52,7 +57,8 @@ def test_engine_calls_pass_the_binding_checks(model_dir, engine_through_checks: 
     assert all(n == 4 for n in produced.values()), produced
     called = set(engine_through_checks.calls)
     assert EVERY_PATH <= called, EVERY_PATH - called
-    assert (QUANTIZED <= called) == (weights != "bf16"), called
+    assert (MOE <= called) == moe and (QUANTIZED <= called) == (weights != "bf16"), called
+    assert ("moe_decode" in called) == (moe and weights != "bf16"), called
     if weights == "bf16":
         assert "silu_mul" in called
     if spec is not None:  # verify rounds: the fused steps over K + 1 tokens, then the commit
