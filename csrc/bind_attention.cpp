@@ -3,7 +3,6 @@
 // the KV write. The tensors arrive as torch.Tensors; sizes, strides and the cache's kind are read
 // from them and checked against decode_attention.h and rope.h before anything launches.
 #include <string>
-#include <utility>
 
 #include "bind.h"
 #include "decode_attention.h"
@@ -15,8 +14,10 @@ namespace py = pybind11;
 namespace ninfer {
 namespace {
 
-
-bool head_dim_ok(std::int64_t d) { return d == 64 || d == 128 || d == 256; }
+// The head dims the kernels are compiled for.
+void require_head_dim(const ArgCheck& check, std::int64_t head_dim) {
+  check.require(head_dim == 64 || head_dim == 128 || head_dim == 256, "head_dim ", head_dim, " must be 64, 128 or 256");
+}
 
 // The paged cache k / v [num_pages, page_size, kv_heads, head_dim] (kAny: any kv_heads) and its
 // scales, for activations x. What the pages store follows from their dtype: float8_e4m3fn and
@@ -46,8 +47,8 @@ KVDType check_cache(ArgCheck& check, const TensorArg& k_cache, const TensorArg& 
 // lane's elements rotate together). Returns R.
 int check_rotary(ArgCheck& check, const char* name, const TensorArg& x, const TensorArg& cos, const TensorArg& sin) {
   const std::int64_t batch = x.size(0), tokens = x.size(1), head_dim = x.size(3);
-  check.require(head_dim_ok(head_dim), "head_dim ", head_dim, " must be 64, 128 or 256");
-  check.require(tokens >= 1 && x.size(2) >= 1, std::string(name), " has shape ", x.shape_str(), ": no head vectors");
+  require_head_dim(check, head_dim);
+  check.require(tokens >= 1 && x.size(2) >= 1, name, " has shape ", x.shape_str(), ": no head vectors");
   check("cos", cos).shape({batch, tokens, kAny}).dtype(x.type).unit_last_stride();
   check("sin", sin).matches(cos, "cos").unit_last_stride();
   check.require((batch == 1 || sin.stride(0) == cos.stride(0)) && (tokens == 1 || sin.stride(1) == cos.stride(1)),
@@ -58,7 +59,7 @@ int check_rotary(ArgCheck& check, const char* name, const TensorArg& x, const Te
   return static_cast<int>(rotary);
 }
 
-// [first byte, end) of the elements of a non-empty t (non-negative strides, 2-byte elements).
+// x [B, T, H, D] read in place: its pointer and the strides of its first three axes.
 HeadsIn heads_in(const TensorArg& t) { return {t.data, t.stride(0), t.stride(1), t.stride(2)}; }
 
 }  // namespace
@@ -72,7 +73,7 @@ void bind_attention(py::module_& m) {
         TensorCheck k_check = check("k", k);
         k_check.shape({kAny, kAny, kAny}).dtype({ScalarType::F16, ScalarType::BF16}).contiguous();
         const std::int64_t tokens = k.size(0), kv_heads = k.size(1), head_dim = k.size(2);
-        check.require(head_dim_ok(head_dim), "head_dim ", head_dim, " must be 64, 128 or 256");
+        require_head_dim(check, head_dim);
         const int lane_bytes = static_cast<int>(head_dim / 32 * 2);  // a lane loads D / 32 elements at once
         k_check.aligned(lane_bytes);
         check("v", v).matches(k, "k").contiguous().aligned(lane_bytes);
@@ -101,7 +102,7 @@ void bind_attention(py::module_& m) {
         check.require(num_new >= 1 && num_new <= kDecodeAttentionMaxNew,
                       "q has ", num_new, " new tokens, expected 1..", kDecodeAttentionMaxNew);
         check.require(batch <= 65535, "batch ", batch, " is over 65535");
-        check.require(head_dim_ok(head_dim), "head_dim ", head_dim, " must be 64, 128 or 256");
+        require_head_dim(check, head_dim);
         check("out", out).matches(q, "q").contiguous().aligned(8);
         check("gate", gate).matches(q, "q").unit_last_stride();  // read in place, any other strides
         if (gate) check("out", out).disjoint(*gate, "gate");

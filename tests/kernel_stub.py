@@ -36,11 +36,17 @@ def record_kernel_calls(monkeypatch: pytest.MonkeyPatch, *bindings: str) -> list
 
 @pytest.fixture
 def kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ops take their CUDA-kernel path on CPU tensors, into the real extension (stream 0)."""
+    """The ops take their CUDA-kernel path on CPU tensors, into the real extension (stream 0): not
+    the CPU extension's kernels, which CPU tensors would take first, and with an H100 / H200's SM
+    count where the split-K attention sizes its grid by it."""
+    from ninfer_core.ops import attention
+
     if dispatch.extension() is None:
         pytest.skip("ninfer_core._C is not built")
     monkeypatch.setattr(dispatch, "use_kernel", lambda *tensors: True)
     monkeypatch.setattr(dispatch, "stream_handle", lambda t: 0)
+    monkeypatch.setattr(dispatch, "cpu_kernels_available", lambda: False)
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
 
 
 def reaches_launch(call: Callable[[], object]) -> None:
@@ -48,6 +54,14 @@ def reaches_launch(call: Callable[[], object]) -> None:
     wrapper that fell back to its torch reference instead would return, and fail this)."""
     with pytest.raises(dispatch.extension().DeviceError, match="is not on a CUDA device"):
         call()
+
+
+def rejects(call: Callable[[], object], match: str) -> None:
+    """`call` fails one of its binding's checks (a ValueError matching `match`) before the device
+    check, which a call passing every check would reach."""
+    with pytest.raises(ValueError, match=match) as info:
+        call()
+    assert not isinstance(info.value, dispatch.extension().DeviceError), info.value
 
 
 class ChecksOnly:
@@ -80,18 +94,9 @@ class ChecksOnly:
 
 
 @pytest.fixture
-def engine_through_checks(monkeypatch: pytest.MonkeyPatch) -> ChecksOnly:
+def engine_through_checks(kernels_on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> ChecksOnly:
     """Whole-engine runs on CPU tensors whose every op takes its CUDA-kernel path into `ChecksOnly`:
     the model's real shapes, views and dtypes meet the bindings' checks (no GPU needed)."""
-    from ninfer_core.ops import attention
-
-    ext = dispatch.extension()
-    if ext is None:
-        pytest.skip("ninfer_core._C is not built")
-    proxy = ChecksOnly(ext)
+    proxy = ChecksOnly(dispatch.extension())
     monkeypatch.setattr(dispatch, "extension", lambda: proxy)
-    monkeypatch.setattr(dispatch, "use_kernel", lambda *tensors: True)
-    monkeypatch.setattr(dispatch, "stream_handle", lambda t: 0)
-    monkeypatch.setattr(dispatch, "cpu_kernels_available", lambda: False)
-    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)  # an H100 / H200 count
     return proxy

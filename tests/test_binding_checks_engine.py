@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_stub import ChecksOnly, engine_through_checks  # noqa: F401 - a fixture
+from kernel_stub import ChecksOnly, engine_through_checks, kernels_on_cpu  # noqa: F401 - fixtures
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.llm import LLM, EngineOptions
