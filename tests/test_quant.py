@@ -733,16 +733,16 @@ def test_add_norm_kernel_rejects_what_it_cannot_run(cuda_kernels):
         quant._gemv(out[:rows] if out_ is None else out_, x_, qw, None,
                     norm=quant._FoldedNorm(residual_, weight_, summed_, 1e-6, True))
 
-    with pytest.raises(ValueError, match="past its limits"):
+    with pytest.raises(ValueError, match="the folded norm takes m <= 4 rows .*, got m=17"):
         gemv(x, residual, weight, summed)  # 17 rows
-    with pytest.raises(ValueError, match="must overlap none"):
+    with pytest.raises(ValueError, match="residual_out overlaps x"):
         gemv(x[:2], residual[:2], weight, x[:2])  # the new residual over x
-    with pytest.raises(ValueError, match="must overlap none"):
-        gemv(x[:2], residual[:2], weight, summed[:2], out_=residual[:2, :256])  # out over the residual
+    with pytest.raises(ValueError, match="out overlaps residual"):
+        gemv(x[:2], residual[:2], weight, summed[:2], out_=residual[:2].view(-1)[:512].view(2, 256))  # out over the residual
     shifted = torch.empty(2049, dtype=torch.bfloat16, device="cuda")[1:]
     with pytest.raises(ValueError, match="16-byte aligned"):
         gemv(x[:2], residual[:2], shifted, summed[:2])
-    with pytest.raises(ValueError, match="fp16 or bf16"):
+    with pytest.raises(ValueError, match="the folded norm needs fp16 / bf16 x"):
         quant._gemv(out[:2].float(), x[:2].float(), qw, None,
                     norm=quant._FoldedNorm(residual[:2].float(), weight.float(), summed[:2].float(), 1e-6, True))
 
