@@ -737,8 +737,9 @@ def test_add_norm_kernel_rejects_what_it_cannot_run(cuda_kernels):
         gemv(x, residual, weight, summed)  # 17 rows
     with pytest.raises(ValueError, match="residual_out overlaps x"):
         gemv(x[:2], residual[:2], weight, x[:2])  # the new residual over x
+    over_residual = residual[:2].view(-1)[:512].view(2, 256)  # contiguous, inside the residual's rows
     with pytest.raises(ValueError, match="out overlaps residual"):
-        gemv(x[:2], residual[:2], weight, summed[:2], out_=residual[:2].view(-1)[:512].view(2, 256))  # out over the residual
+        gemv(x[:2], residual[:2], weight, summed[:2], out_=over_residual)
     shifted = torch.empty(2049, dtype=torch.bfloat16, device="cuda")[1:]
     with pytest.raises(ValueError, match="16-byte aligned"):
         gemv(x[:2], residual[:2], shifted, summed[:2])
