@@ -36,8 +36,9 @@ int weight_format(ArgCheck& check, const TensorArg& qweight, const TensorArg& sc
 }
 
 // The GEMV kernels' formats (quant_gemv.h): int4 groups of 32, 64 or 128; int8 rows of whole
-// 16-byte loads.
-void require_gemv_format(const ArgCheck& check, int group_size, bool int4, std::int64_t k) {
+// 16-byte loads; n output rows and k columns within the kernels' 32-bit grid and offsets.
+void require_gemv_format(const ArgCheck& check, int group_size, bool int4, std::int64_t n, std::int64_t k) {
+  check.require(n <= (1LL << 31) - 1 && k <= (1LL << 30), "n=", n, " / k=", k, " past the kernels' range");
   if (int4) {
     check.require(group_size == 32 || group_size == 64 || group_size == 128,
                   "int4 group_size must be 32, 64 or 128, got ", group_size);
@@ -68,7 +69,7 @@ void bind_quant(py::module_& module) {
         const std::int64_t n = gate_up ? rows / 2 : rows;  // gate_up: W = [gate; up]
         const bool int4 = qweight.type == ScalarType::U8;
         const int group_size = weight_format(check, qweight, scales, std::nullopt, rows, k);
-        require_gemv_format(check, group_size, int4, k);
+        require_gemv_format(check, group_size, int4, n, k);
         check("qweight", qweight).aligned(16);
         check("out", out).shape({m, n}).dtype(x.type).contiguous();
         check("bias", bias).shape({n}).dtype(x.type).contiguous();
@@ -123,6 +124,7 @@ void bind_quant(py::module_& module) {
         const std::int64_t slots = out.size(0), n = out.size(1), k = x.size(1);
         // x row s / rows_per_x feeds slot s: a token's top_k slots (gate_up), or the slot's own row (down)
         check.require(k >= 1, "x has no columns");
+        check.require(slots <= (1LL << 31) - 1, "out has ", slots, " rows, past the kernels' 2^31 - 1");
         check.require(slots >= 1 && n >= 1 && x.size(0) >= 1 && slots % x.size(0) == 0,
                       "out has ", slots, " rows of ", n, ", needs rows a multiple of x's ", x.size(0));
         const std::int64_t rows_per_x = slots / x.size(0);
@@ -136,7 +138,7 @@ void bind_quant(py::module_& module) {
         const bool int4 = qweight.type == ScalarType::U8;
         const std::int64_t experts = qweight.dim > 0 ? qweight.size(0) : 0;
         const int group_size = weight_format(check, qweight, scales, experts, gate_up ? 2 * n : n, k);
-        require_gemv_format(check, group_size, int4, k);
+        require_gemv_format(check, group_size, int4, n, k);
         check("qweight", qweight).aligned(16);
         const int device = check.device();
         moe_grouped_gemv({{out.data, x.data, qweight.data, scales.data, 0, 0, n, k, group_size, int4, dtype, device,

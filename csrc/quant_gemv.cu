@@ -534,7 +534,7 @@ void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_bl
     constexpr int kBlockWarps = decltype(block_warps)::value;
     switch (tiles) {
       case 1: launch<T, kCodes, 1, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping); break;
-      case 2:  // m > 8: never with the norm (check_norm: m <= kQuantGemvNormMaxRows)
+      case 2:  // m > 8: never with the norm (m <= kQuantGemvNormMaxRows)
         if constexpr (!kNorm) launch<T, kCodes, 2, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping);
         break;
       default:  // 32-slot blocks: the chunk sums of 4 tiles would spill, so groups of 128 scale the weights
@@ -590,73 +590,11 @@ int choose_split(const QuantGemvArgs& a, std::int64_t tiles, int max_split) {
   return split;
 }
 
-void check_args(const QuantGemvArgs& a, const std::string& op) {
-  const auto fail = [&](const std::string& why) { throw std::invalid_argument(op + ": " + why); };
-  if (a.m < 1 || a.m > kQuantGemvMaxRows) {
-    fail("rows m=" + std::to_string(a.m) + " must be in 1.." + std::to_string(kQuantGemvMaxRows));
-  }
-  if (a.n < 1 || a.n > (1LL << 31) - 1 || a.k < 1 || a.k > (1LL << 30)) {
-    fail("n=" + std::to_string(a.n) + " / k=" + std::to_string(a.k) + " out of range");
-  }
-  if (a.int4) {
-    if (a.group_size != 32 && a.group_size != 64 && a.group_size != 128) {
-      fail("int4 group_size must be 32, 64 or 128, got " + std::to_string(a.group_size));
-    }
-    if (a.k % a.group_size != 0) {
-      fail("k=" + std::to_string(a.k) + " is not a multiple of group_size " +
-           std::to_string(a.group_size));
-    }
-  } else if (a.k % 16 != 0) {
-    fail("int8 needs k % 16 == 0 (16-byte row loads), got k=" + std::to_string(a.k));
-  }
-  const std::size_t elem = a.dtype == DType::F32 ? 4 : 2;
-  if (!is_aligned(a.x, 16) || !is_aligned(a.qweight, 16) || !is_aligned(a.out, elem) ||
-      !is_aligned(a.bias, elem) || !is_aligned(a.scales, a.int4 ? 2 : 4)) {
-    fail("x and qweight must be 16-byte aligned, out / bias / scales aligned to their elements");
-  }
-  if (a.out == 0 || a.x == 0 || a.qweight == 0 || a.scales == 0) fail("null pointer");
-}
-
-bool overlap(std::uintptr_t a, std::size_t a_bytes, std::uintptr_t b, std::size_t b_bytes) {
-  return a < b + b_bytes && b < a + a_bytes;
-}
-
-// The norm's limits and buffers (quant_gemv.h): every block reads x and residual while block 0
-// writes residual_out and every block writes its part of out.
-void check_norm(const QuantGemvArgs& a) {
-  const auto fail = [](const std::string& why) { throw std::invalid_argument("quant_gemv: norm: " + why); };
-  const GemvAddNormArgs& norm = a.norm;
-  if (a.dtype != DType::F16 && a.dtype != DType::BF16) fail("activations must be fp16 or bf16");
-  if (a.gate_up || a.gate != 0 || a.add != 0) fail("takes no gate_up, gate or add");
-  if (a.m > kQuantGemvNormMaxRows || a.k > kQuantGemvNormMaxK) {
-    fail("rows m=" + std::to_string(a.m) + " of k=" + std::to_string(a.k) + " past its limits (m <= " +
-         std::to_string(kQuantGemvNormMaxRows) + ", k <= " + std::to_string(kQuantGemvNormMaxK) + ")");
-  }
-  if (norm.weight == 0 || norm.residual_out == 0 || !is_aligned(norm.residual, 16) ||
-      !is_aligned(norm.weight, 16) || !is_aligned(norm.residual_out, 16)) {
-    fail("residual, weight and residual_out must be 16-byte aligned device pointers");
-  }
-  if (!(norm.eps >= 0.0f)) fail("eps must be >= 0");
-  const auto rows = static_cast<std::size_t>(a.m * a.k * 2), outs = static_cast<std::size_t>(a.m * a.n * 2);
-  if (overlap(norm.residual_out, rows, a.x, rows) || overlap(norm.residual_out, rows, norm.residual, rows) ||
-      overlap(a.out, outs, a.x, rows) || overlap(a.out, outs, norm.residual, rows) ||
-      overlap(a.out, outs, norm.residual_out, rows)) {
-    fail("out and residual_out must overlap none of x, residual and each other");
-  }
-}
-
 }  // namespace
 
+// The launchers trust their arguments: the binding (bind_quant.cpp) is their one caller and checks
+// every tensor against quant_gemv.h first.
 void quant_gemv(const QuantGemvArgs& a) {
-  check_args(a, "quant_gemv");
-  const auto fail = [](const std::string& why) { throw std::invalid_argument("quant_gemv: " + why); };
-  const std::size_t elem = a.dtype == DType::F32 ? 4 : 2;
-  if (a.gate_up && (a.bias != 0 || a.gate != 0 || a.add != 0)) fail("gate_up takes no bias, gate or add");
-  if (a.gate != 0 && (a.gate_stride < 1 || !is_aligned(a.gate, elem))) {
-    fail("gate needs gate_stride >= 1 and alignment to its elements");
-  }
-  if (!is_aligned(a.add, elem)) fail("add must be aligned to its elements");
-  if (a.norm.residual != 0) check_norm(a);
   DeviceGuard guard(a.device);
   const Layout layout = a.gate_up ? Layout::GateUp : Layout::Dense;
   const int tiles = a.m > 8 ? 2 : 1;
@@ -668,34 +606,14 @@ void quant_gemv(const QuantGemvArgs& a) {
       launch_typed<T, Layout::GateUp, false>(a, split, tiles, row_blocks);
     } else if (a.norm.residual == 0) {
       launch_typed<T, Layout::Dense, false>(a, split, tiles, row_blocks);
-    } else if constexpr (!std::is_same_v<T, float>) {  // check_norm: fp16 / bf16 only
+    } else if constexpr (!std::is_same_v<T, float>) {  // the folded norm: fp16 / bf16 only
       launch_typed<T, Layout::Dense, false, true>(a, split, tiles, row_blocks);
     }
   });
 }
 
 void moe_grouped_gemv(const GroupedGemvArgs& g) {
-  const auto fail = [](const std::string& why) {
-    throw std::invalid_argument("moe_grouped_gemv: " + why);
-  };
   const QuantGemvArgs& a = g.gemv;
-  if (g.block_m != 8 && g.block_m != 16 && g.block_m != 32) {
-    fail("block_m must be 8, 16 or 32, got " + std::to_string(g.block_m));
-  }
-  if (a.dtype != DType::F16 && a.dtype != DType::BF16) fail("activations must be fp16 or bf16");
-  if (a.bias != 0) fail("no bias");
-  if (g.blocks < 0 || g.blocks > 65535 || g.num_slots < 1 || g.num_slots > (1LL << 31) - 1 ||
-      g.rows_per_x < 1) {
-    fail("blocks " + std::to_string(g.blocks) + " / slots " + std::to_string(g.num_slots) +
-         " / rows_per_x " + std::to_string(g.rows_per_x) + " out of range");
-  }
-  if (g.sorted_slots == 0 || g.block_experts == 0 || g.used == 0 ||
-      !is_aligned(g.sorted_slots, 4) || !is_aligned(g.block_experts, 4) || !is_aligned(g.used, 4)) {
-    fail("sorted_slots, block_experts and used must be int32 device pointers");
-  }
-  QuantGemvArgs checked = a;
-  checked.m = 1;  // the slots are checked above
-  check_args(checked, "moe_grouped_gemv");
   if (g.blocks == 0) return;
   const Layout layout = g.gate_up ? Layout::GateUp : Layout::Down;
   const Grouping grouping{reinterpret_cast<const int*>(g.sorted_slots),

@@ -217,6 +217,14 @@ def _norm_args(m=3, k=64, **changes) -> dict:
                       residual_out=torch.empty(m, k, dtype=BF16), eps=1e-6) | changes
 
 
+def _huge_k_gemv_args() -> dict:
+    """quant_gemv's int4 arguments with k past 2^30: meta tensors (shapes without memory)."""
+    k, meta = 2**30 + 128, dict(device="meta")
+    return dict(out=torch.empty(3, 48, dtype=BF16, **meta), x=torch.empty(3, k, dtype=BF16, **meta),
+                qweight=torch.empty(48, k // 2, dtype=torch.uint8, **meta),
+                scales=torch.empty(48, k // 32, dtype=BF16, **meta), bias=None, stream=0)
+
+
 def _with(args: dict, **changes) -> dict:
     """args with `changes(args)`: a change made of the arguments' own tensors."""
     return args | {name: change(args) for name, change in changes.items()}
@@ -249,6 +257,7 @@ GEMV_CASES = {  # name: (the arguments, the error)
     "int8 scales shape": (lambda: _gemv_args(kind="int8", scales=torch.ones(48, 1)),
                           r"scales has shape \(48, 1\), expected \(48,\)"),
     "int8 k": (lambda: _gemv_args(kind="int8", k=40), "int8 needs k % 16 == 0"),
+    "k past the kernels' range": (lambda: _huge_k_gemv_args(), r"n=48 / k=1073741952 past the kernels' range"),
     "out shape": (lambda: _gemv_args(out=torch.empty(3, 24, dtype=BF16)),
                   r"out has shape \(3, 24\), expected \(3, 48\)"),
     "out dtype": (lambda: _gemv_args(out=torch.empty(3, 48)), "out is float32, expected bfloat16"),
@@ -314,6 +323,8 @@ GROUPED_CASES = {
     "slots per x row": (lambda: _grouped_args(out=torch.empty(5, 128, dtype=BF16)),
                         "out has 5 rows of 128, needs rows a multiple of x's 3"),
     "no columns": (lambda: _grouped_args(x=torch.empty(3, 0, dtype=BF16)), "x has no columns"),
+    "slots past 2^31": (lambda: _grouped_args(out=torch.empty(3 * 2**30, 128, dtype=BF16, device="meta")),
+                        r"out has 3221225472 rows, past the kernels' 2\^31 - 1"),
     "out dtype": (lambda: _grouped_args(out=torch.empty(6, 128, dtype=torch.float16)),
                   "out is float16, expected bfloat16"),
     "block_m": (lambda: _grouped_args(block_m=64), "block_m must be 8, 16 or 32, got 64"),
