@@ -55,7 +55,8 @@ void bind_quant(py::module_& module) {
       [](TensorArg out, TensorArg x, TensorArg qweight, TensorArg scales, std::optional<TensorArg> bias,
          std::uintptr_t stream, bool gate_up, std::optional<TensorArg> gate, std::optional<TensorArg> add,
          std::optional<TensorArg> residual, std::optional<TensorArg> norm_weight,
-         std::optional<TensorArg> residual_out, float eps, bool zero_centered) {
+         std::optional<TensorArg> residual_out, float eps, bool zero_centered, std::optional<TensorArg> conv_pool,
+         std::optional<TensorArg> conv_weight, std::optional<TensorArg> conv_slots, std::optional<TensorArg> zeroed) {
         ArgCheck check("quant_gemv");
         const DType dtype = kernel_dtype(check, "x", x);
         check("x", x).shape({kAny, kAny}).contiguous().aligned(16);
@@ -99,20 +100,67 @@ void bind_quant(py::module_& module) {
           check("residual_out", residual_out).disjoint(x, "x").disjoint(*residual, "residual");
           check("out", out).disjoint(x, "x").disjoint(*residual, "residual").disjoint(*residual_out, "residual_out");
         }
+        // The GDN decode conv as the norm GEMV's epilogue (GemvConvArgs): channels and taps from the
+        // weight, the counters to zero from `zeroed`.
+        const bool conv = conv_pool.has_value();
+        check.require(conv_weight.has_value() == conv && conv_slots.has_value() == conv,
+                      "conv_pool, conv_weight and conv_slots go together");
+        check.require(conv || !zeroed, "zeroed goes with the conv");
+        std::int64_t channels = 0, taps = 0, zeroed_count = 0;
+        if (conv) {
+          check.require(norm, "the conv epilogue needs the folded norm (residual)");
+          check("conv_weight", conv_weight).shape({kAny, kAny}).dtype(x.type).contiguous().aligned(16);
+          channels = conv_weight->size(0);
+          taps = conv_weight->size(1);
+          check.require(channels >= 16 && channels % 16 == 0 && channels <= n, "conv_weight has ", channels,
+                        " channels, expected a multiple of 16 in 16..", n, " (out's columns)");
+          check.require(taps >= 2 && taps <= kQuantGemvConvMaxTaps, "conv_weight has ", taps, " taps, expected 2..",
+                        kQuantGemvConvMaxTaps);
+          TensorCheck pool_check = check("conv_pool", conv_pool);
+          pool_check.shape({kAny, channels, taps - 1}).dtype(x.type).contiguous().aligned(16);
+          check("conv_slots", conv_slots).shape({m}).dtype(ScalarType::I64).contiguous().aligned(8);
+          // int32 counters (the GDN recurrent kernel's), written as whole words
+          TensorCheck zeroed_check = check("zeroed", zeroed);
+          zeroed_check.shape({kAny}).dtype(ScalarType::I32).contiguous().aligned(4);
+          zeroed_count = zeroed ? zeroed->numel() : 0;
+          check.require(zeroed_count < (std::int64_t{1} << 31), "zeroed has ", zeroed_count, " words, too many");
+          // The states are read (staged before the wait for x) and written in place by the blocks that
+          // own their channels, block 0 warp 0 writes the counters, and every block reads the weights
+          // and slots and writes its part of out: the two written conv operands share no byte with
+          // any other operand, and out and residual_out none with the conv's inputs.
+          const TensorArg &pool = *conv_pool, &weight = *conv_weight, &slots = *conv_slots;
+          const std::pair<const char*, const TensorArg*> operands[] = {
+              {"x", &x}, {"qweight", &qweight}, {"scales", &scales}, {"residual", &*residual},
+              {"norm_weight", &*norm_weight}, {"residual_out", &*residual_out}, {"out", &out},
+              {"conv_weight", &weight}, {"conv_slots", &slots}, {"bias", bias ? &*bias : nullptr}};
+          for (const auto& [name, other] : operands) {
+            if (other == nullptr) continue;
+            pool_check.disjoint(*other, name);
+            zeroed_check.disjoint(*other, name);  // absent: passes
+          }
+          zeroed_check.disjoint(pool, "conv_pool");
+          check("out", out).disjoint(weight, "conv_weight").disjoint(slots, "conv_slots");
+          check("residual_out", residual_out).disjoint(weight, "conv_weight").disjoint(slots, "conv_slots");
+        }
         const int device = check.device();
         quant_gemv({out.data, x.data, qweight.data, scales.data, data_or_null(bias), m, n, k, group_size, int4,
                     dtype, device, stream, gate_up, data_or_null(gate), gate_stride, data_or_null(add),
                     {data_or_null(residual), data_or_null(norm_weight), data_or_null(residual_out), eps,
-                     zero_centered}});
+                     zero_centered},
+                    {data_or_null(conv_pool), data_or_null(conv_weight), data_or_null(conv_slots),
+                     data_or_null(zeroed), channels, static_cast<int>(taps), static_cast<int>(zeroed_count)}});
       },
       py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias"), py::arg("stream"),
       py::arg("gate_up") = false, py::arg("gate") = py::none(), py::arg("add") = py::none(),
       py::arg("residual") = py::none(), py::arg("norm_weight") = py::none(), py::arg("residual_out") = py::none(),
-      py::arg("eps") = 0.0f, py::arg("zero_centered") = false,
+      py::arg("eps") = 0.0f, py::arg("zero_centered") = false, py::arg("conv_pool") = py::none(),
+      py::arg("conv_weight") = py::none(), py::arg("conv_slots") = py::none(), py::arg("zeroed") = py::none(),
       "out[m, n] = x[m, k] @ W^T (+ bias) for int8 / int4 W (format from qweight's dtype, group size from "
       "scales' shape), m <= 1024; None for no bias; gate_up: SwiGLU of W = [gate; up]; gate [m, 1] / add "
       "[m, n]: add + sigmoid(gate) * out; residual: x + residual into residual_out and its RMSNorm "
-      "(norm_weight, eps, zero_centered) as the GEMV's input. See csrc/quant_gemv.h.");
+      "(norm_weight, eps, zero_centered) as the GEMV's input; conv_pool [S, C, K-1] (with the norm): a GDN "
+      "decode conv by conv_weight [C, K] on outputs < C, rows continuing conv_slots [m] (int64), zeroing "
+      "`zeroed` (int32). See csrc/quant_gemv.h.");
   module.def(
       "moe_grouped_gemv",
       [](TensorArg out, TensorArg x, TensorArg qweight, TensorArg scales, TensorArg sorted_slots,

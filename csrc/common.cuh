@@ -99,6 +99,10 @@ __device__ __forceinline__ float round_to(float v) {
   return to_float(from_float<T>(v));
 }
 
+// SiLU in fp32: the GDN conv and gated norm (gdn_decode.cu) and the GEMV's conv epilogue
+// (quant_gemv.cu) share it, so a conv folded into the GEMV stays bit-equal to the conv kernel.
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
 // The gates of the elementwise kernels (activation.cu) and of the GEMV epilogues that fold them
 // (quant_gemv.cu, moe.cu): one definition, so fused and composed results stay bit-equal. Inputs
 // are values of T (rounded as the reference's tensors are); the caller rounds the result.

@@ -11,6 +11,9 @@
 //      head to finish applies the head's gated RMSNorm to its T outputs.
 // Two kernels because one key head's q / k feed Hv / Hk value heads: its conv state may only be
 // shifted after every reader has read it, and the second launch orders that for free.
+// A decode step whose conv ran in the in_proj GEMV's epilogue (conv_done, quant_gemv.h GemvConvArgs)
+// runs kernel 2 alone: it reads q, k, v from qkv, the conv's outputs, and l2-normalises q / k itself
+// (a key head's q / k lie in one block's reach, not in one GEMV tile's).
 // The fp32 formulas mirror the torch reference (ops/gdn.py) op for op, rounding where it rounds.
 #include <algorithm>
 #include <limits>
@@ -36,7 +39,6 @@ constexpr int kBlockCols = kWarps * kStripCols;
 
 using F4 = Vec<float, 4>;
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 // Sum over the 16 row lanes of a strip (lane bits 1..4), keeping the two column lanes apart.
@@ -138,6 +140,41 @@ __global__ void __launch_bounds__(kMaxHeadDim)
   }
 }
 
+// kConvDone: q and k of one key head (the conv's outputs, in T) into q_s / k_s, l2-normalised, q
+// also scaled: gdn_conv_kernel's values bit for bit. That kernel adds element i's square in warp
+// i / 32 of its block (an element a thread), then the warp totals, zero-padded to 32, with another
+// warp_sum; here a thread holds elements i and i + 128, and their totals go to the same places.
+template <typename T>
+__device__ __forceinline__ void load_key_head(float* q_s, float* k_s, const T* q, const T* k, int head_k_dim,
+                                              float q_scale) {
+  constexpr int kPerThread = kMaxHeadDim / (kWarps * 32);
+  __shared__ float totals[2][kPerThread * kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float qv[kPerThread], kv[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = threadIdx.x + j * kWarps * 32;
+    qv[j] = i < head_k_dim ? to_float(q[i]) : 0.0f;
+    kv[j] = i < head_k_dim ? to_float(k[i]) : 0.0f;
+    const float q_total = warp_sum(qv[j] * qv[j]), k_total = warp_sum(kv[j] * kv[j]);
+    if (lane == 0) {
+      totals[0][j * kWarps + warp] = q_total;
+      totals[1][j * kWarps + warp] = k_total;
+    }
+  }
+  __syncthreads();
+  const float q_rstd = rsqrtf(warp_sum(lane < kPerThread * kWarps ? totals[0][lane] : 0.0f) + 1e-6f);
+  const float k_rstd = rsqrtf(warp_sum(lane < kPerThread * kWarps ? totals[1][lane] : 0.0f) + 1e-6f);
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = threadIdx.x + j * kWarps * 32;
+    if (i < head_k_dim) {
+      q_s[i] = qv[j] * q_rstd * q_scale;
+      k_s[i] = kv[j] * k_rstd;
+    }
+  }
+}
+
 // grid B * Hv * (dv / 32), block 4 warps: each block owns 32 columns of one (sequence, value
 // head) state, each warp one 8-column strip over all dk rows, kept in registers across the tokens.
 // Per token the block writes its o columns (rounded to the model dtype) into `out` (if any); the
@@ -146,9 +183,11 @@ __global__ void __launch_bounds__(kMaxHeadDim)
 // separately (no fma), as torch's elementwise ops round them.
 // 8 blocks an SM for dk <= 128 (64 registers, 32 bytes spilled on sm_90): batch 8 of the 35B is
 // 1,024 blocks, one wave of 8 x 132 instead of 1.55 of the 5 that 96 registers allowed.
-template <typename T, int kMaxRows>
+// kConvDone: q / k / v come from qkv (T = 1: its row b, conv'd by the GEMV before) instead of act.
+template <typename T, int kMaxRows, bool kConvDone>
 __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
     gdn_recurrent_kernel(T* out, float* __restrict__ state_pool, const float* __restrict__ act,
+                         const T* __restrict__ qkv, std::int64_t qkv_stride, float q_scale,
                          unsigned* __restrict__ done, const T* __restrict__ a,
                          const T* __restrict__ b_in, const T* __restrict__ z,
                          const T* __restrict__ A_log, const T* __restrict__ dt_bias,
@@ -191,17 +230,24 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
       if (r < rows) *reinterpret_cast<F4*>(fork + (row_lane + r * kRowLanes) * head_v_dim) = s[r];
     }
   }
-  // Only now wait for the conv kernel launched just before (programmatic dependent launch): it
-  // writes act, never the recurrent state, and slots / counts were written before it ran, so the
-  // state's loads (most of this kernel's DRAM traffic) overlap its tail.
+  // Only now wait for the conv kernel (or the GEMV that ran the conv) launched just before
+  // (programmatic dependent launch): it writes act (qkv), never the recurrent state, and slots /
+  // counts were written before it ran, so the state's loads (most of this kernel's DRAM traffic)
+  // overlap its tail.
   enter_kernel();
   for (int t = 0; t < steps; ++t) {
     const std::int64_t bt = static_cast<std::int64_t>(b) * num_tokens + t;
-    const float* row = act + bt * channels;
+    const float* row = kConvDone ? nullptr : act + bt * channels;
+    const T* qkv_row = qkv + (row0 + t) * qkv_stride;
     if (t > 0) __syncthreads();  // the previous token's q / k are read
-    for (int i = threadIdx.x; i < head_k_dim; i += blockDim.x) {
-      q_s[i] = row[key_head * head_k_dim + i];
-      k_s[i] = row[key_dim + key_head * head_k_dim + i];
+    if constexpr (kConvDone) {
+      load_key_head(q_s, k_s, qkv_row + key_head * head_k_dim, qkv_row + key_dim + key_head * head_k_dim,
+                    head_k_dim, q_scale);
+    } else {
+      for (int i = threadIdx.x; i < head_k_dim; i += blockDim.x) {
+        q_s[i] = row[key_head * head_k_dim + i];
+        k_s[i] = row[key_dim + key_head * head_k_dim + i];
+      }
     }
     const float g = -A * softplus(to_float(a[(row0 + t) * ab_stride + h]) + to_float(dt_bias[h]));
     const float decay = expf(g);
@@ -221,7 +267,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
       }
     }
     sum_rows(pred);
-    const F4 v = *reinterpret_cast<const F4*>(row + 2 * key_dim + h * head_v_dim + col);
+    F4 v;
+    if constexpr (kConvDone) {  // element loads: qkv rows need not be 8-byte aligned
+#pragma unroll
+      for (int c = 0; c < 4; ++c) v.v[c] = to_float(qkv_row[2 * key_dim + h * head_v_dim + col + c]);
+    } else {
+      v = *reinterpret_cast<const F4*>(row + 2 * key_dim + h * head_v_dim + col);
+    }
     F4 u;
 #pragma unroll
     for (int c = 0; c < 4; ++c) u.v[c] = beta * (v.v[c] - pred.v[c]);
@@ -293,21 +345,31 @@ void launch(const GdnStepsArgs& a) {
   const auto* counts = reinterpret_cast<const std::int64_t*>(a.counts);
   const auto* offsets = reinterpret_cast<const std::int64_t*>(a.offsets);
   const auto* fork_slots = reinterpret_cast<const std::int64_t*>(a.fork_slots);
-  auto* act = reinterpret_cast<float*>(a.scratch);
-  auto* done = reinterpret_cast<unsigned*>(act + a.batch * a.num_tokens * channels);
+  const auto* qkv = reinterpret_cast<const T*>(a.qkv);
+  // scratch: act then the counters; with conv_done the counters alone (the GEMV zeroed them)
+  auto* act = a.conv_done ? nullptr : reinterpret_cast<float*>(a.scratch);
+  auto* done = a.conv_done ? reinterpret_cast<unsigned*>(a.scratch)
+                           : reinterpret_cast<unsigned*>(act + a.batch * a.num_tokens * channels);
 
-  const dim3 conv_grid(2 * a.num_k_heads + a.num_v_heads, static_cast<unsigned>(a.batch));
-  launch_kernel("gdn conv kernel launch", gdn_conv_kernel<T>, conv_grid, std::max(a.head_k_dim, a.head_v_dim), 0,
-                stream, act, done, reinterpret_cast<T*>(a.conv_pool), reinterpret_cast<const T*>(a.qkv),
-                reinterpret_cast<const T*>(a.conv_weight), slots, counts, offsets, fork_slots, a.qkv_stride,
-                static_cast<int>(a.seq_rows), a.num_tokens, a.out != 0,
-                a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim, channels, a.conv_kernel,
-                a.q_scale);
+  if (!a.conv_done) {
+    const dim3 conv_grid(2 * a.num_k_heads + a.num_v_heads, static_cast<unsigned>(a.batch));
+    launch_kernel("gdn conv kernel launch", gdn_conv_kernel<T>, conv_grid, std::max(a.head_k_dim, a.head_v_dim), 0,
+                  stream, act, done, reinterpret_cast<T*>(a.conv_pool), qkv,
+                  reinterpret_cast<const T*>(a.conv_weight), slots, counts, offsets, fork_slots, a.qkv_stride,
+                  static_cast<int>(a.seq_rows), a.num_tokens, a.out != 0,
+                  a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim, channels, a.conv_kernel,
+                  a.q_scale);
+  }
 
   const dim3 grid(static_cast<unsigned>(a.batch * a.num_v_heads * (a.head_v_dim / kBlockCols)));
-  auto kernel = a.head_k_dim <= 8 * kRowLanes ? gdn_recurrent_kernel<T, 8> : gdn_recurrent_kernel<T, 16>;
+  const bool narrow = a.head_k_dim <= 8 * kRowLanes;
+  auto kernel = narrow ? gdn_recurrent_kernel<T, 8, false> : gdn_recurrent_kernel<T, 16, false>;
+  if constexpr (!std::is_same_v<T, float>) {  // conv_done: after a 16-bit GEMV only (gdn_steps checks)
+    if (a.conv_done) kernel = narrow ? gdn_recurrent_kernel<T, 8, true> : gdn_recurrent_kernel<T, 16, true>;
+  }
   launch_kernel("gdn recurrent kernel launch", kernel, grid, kWarps * 32, 0, stream, reinterpret_cast<T*>(a.out),
-                reinterpret_cast<float*>(a.state_pool), act, done, reinterpret_cast<const T*>(a.a),
+                reinterpret_cast<float*>(a.state_pool), act, qkv, a.qkv_stride, a.q_scale, done,
+                reinterpret_cast<const T*>(a.a),
                 reinterpret_cast<const T*>(a.b), reinterpret_cast<const T*>(a.z), reinterpret_cast<const T*>(a.A_log),
                 reinterpret_cast<const T*>(a.dt_bias), reinterpret_cast<const T*>(a.norm_weight), slots, counts,
                 offsets, fork_slots, a.ab_stride, a.z_stride, static_cast<int>(a.seq_rows), a.num_tokens, a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim,
@@ -341,6 +403,11 @@ void gdn_steps(const GdnStepsArgs& a) {
                                 std::to_string(kMaxTokens) + "]");
   }
   if (a.out == 0 && !a.write_state) throw std::invalid_argument("gdn_steps: nothing to do (no out, no state write)");
+  if (a.conv_done && (a.dtype == DType::F32 || a.num_tokens != 1 || a.out == 0 || !a.write_state || a.counts != 0 ||
+                      a.offsets != 0 || a.fork_slots != 0)) {
+    throw std::invalid_argument("gdn_steps: conv_done is a 16-bit decode step's (1 token, out, state written, no "
+                                "counts, offsets or fork slots)");
+  }
   const std::int64_t seq_rows = a.offsets != 0 ? a.seq_rows : a.num_tokens;
   if (seq_rows < a.num_tokens || a.batch * seq_rows > std::numeric_limits<int>::max()) {
     throw std::invalid_argument("gdn_steps: " + std::to_string(a.seq_rows) + " rows a sequence for " +

@@ -33,6 +33,10 @@ inline constexpr int kGdnMaxStepTokens = 16;  // speculative verify: K + 1 <= 16
 // norm_weight [dv], scratch B (T C + Hv) words of 4 bytes (fp32 activations, then per-head
 // counters; no initial contents needed). Everything but state_pool, slots, counts and scratch has
 // `dtype`; everything else is contiguous. dk, dv multiples of 32 up to 256, Hv a multiple of Hk, 2 <= K <= 8, 1 <= T <= 16.
+// conv_done: the conv already ran in the in_proj GEMV's epilogue (quant_gemv.h GemvConvArgs): qkv
+// holds its outputs, the conv state has advanced, and only the recurrence runs; a 16-bit decode
+// step's (T = 1, out, write_state, no counts / offsets / fork_slots). scratch is then the B Hv
+// counters alone (int32 [B Hv]), which that GEMV zeroed.
 struct GdnStepsArgs {
   std::uintptr_t out;
   std::uintptr_t scratch;
@@ -62,6 +66,7 @@ struct GdnStepsArgs {
   int head_k_dim;
   int head_v_dim;
   int conv_kernel;
+  bool conv_done;
   float q_scale;  // head_k_dim^-1/2, rounded to fp32 as torch rounds the Python scalar
   float eps;      // of the gated RMSNorm
   DType dtype;

@@ -27,6 +27,12 @@
 // to it), while its first weight loads are in flight; B is then read from there. Block 0 writes the
 // new residual.
 //
+// Such a GEMV may also run a GDN decode step's depthwise causal conv as its epilogue (quant_gemv.h
+// GemvConvArgs): output row c of a token is the newest input of conv channel c, so the lane that
+// writes it convolves it with the channel's weights and conv state (both copied into the stage
+// before the wait for x, as the norm's weight is) and shifts the state; the conv kernel's launch
+// goes. Only the GEMVs that fold the norm (the decode step's in_proj) build it.
+//
 // The same kernel is the grouped MoE GEMV (`moe_grouped_gemv`): block y takes one block of
 // slots that share an expert (moe_align's layout), offsets the weights to that expert, gathers
 // the slots' x rows as its B columns and scatters its outputs to the slots' rows. For gate_up a
@@ -149,13 +155,29 @@ struct Grouping {
   std::int64_t expert_rows;  // weight rows per expert
 };
 
+// The conv epilogue's inputs (quant_gemv.h GemvConvArgs): pool null without it.
+struct ConvEpilogue {
+  void* pool;                 // [S, channels, taps - 1]
+  const void* weight;         // [channels, taps]
+  const std::int64_t* slots;  // [m]
+  unsigned* zeroed;           // [zeroed_count]
+  int channels;
+  int taps;
+  int zeroed_count;
+};
+
 // The plain GEMV's epilogue inputs (quant_gemv.h): all null for the grouped layouts.
 struct Epilogue {
   const void* bias;   // [n]
   const void* gate;   // [m] logits, gate_stride apart
   std::int64_t gate_stride;
   const void* add;    // [m, n]
+  ConvEpilogue conv;
 };
+
+// What a plain 16-bit GEMV folds in around its product: nothing, the add + RMSNorm in front
+// (AddNorm), or that and the GDN conv after (ConvEpilogue).
+enum class Fold { None, Norm, NormConv };
 
 // The add + RMSNorm in front of a plain GEMV (quant_gemv.h GemvAddNormArgs): all null without it.
 struct AddNorm {
@@ -184,12 +206,84 @@ constexpr std::size_t stage_bytes(std::int64_t m, std::int64_t k) {
 }
 constexpr std::size_t kStageMaxBytes = stage_bytes(kQuantGemvNormMaxRows, kQuantGemvNormMaxK);
 
+// The conv epilogue's part of the stage, after the norm's (16-byte aligned: k % 16 == 0): the conv
+// weights of the block's `rows` weight rows [rows][taps], then the m rows' conv states of those
+// channels [m][rows][taps - 1].
+constexpr std::size_t conv_stage_bytes(std::int64_t m, std::int64_t rows, int taps) {
+  return static_cast<std::size_t>(rows * (taps + m * (taps - 1))) * 2;
+}
+template <typename T>
+__device__ __forceinline__ T* conv_stage(int m, int k) {
+  return stage_rows<T>() + (m + 1) * (k + kStagePad);
+}
+// A block's weight rows: kBlockWarps / split tiles, at most kWarps (a split past kWarps leaves one
+// tile to a block of kWideWarps). The largest stage, 89.1 KB (4 rows of 8192, 128 weight rows of 8
+// taps), fits the 99 KB of sm_86 / sm_89 / sm_120 beside the static shared memory of a norm kernel
+// (4.5 KB for 8 warps, 8.5 KB for 16).
+__host__ __device__ constexpr int block_rows(int block_warps, int split) { return block_warps / split * kTileRows; }
+constexpr std::size_t kConvStageMaxBytes =
+    kStageMaxBytes + conv_stage_bytes(kQuantGemvNormMaxRows, kWarps * kTileRows, kQuantGemvConvMaxTaps);
+
 // The norm's weight into the stage's last row: constant, so copied before the wait for x.
 template <typename T, int kBlockWarps>
 __device__ __forceinline__ void stage_norm_weight(T* stage, const AddNorm& norm, int m, int k) {
   const T* weight = static_cast<const T*>(norm.weight);
   T* row = stage + m * (k + kStagePad);
   for (int i = 8 * threadIdx.x; i < k; i += 8 * kBlockWarps * 32) cp_async16(row + i, weight + i);
+}
+
+// The conv weights and states of the block's weight rows first .. first + rows - 1 that are conv
+// channels (a multiple of 16, as first is) into the stage. Issued before the wait for x: the weights
+// are constant, the states were last written by this layer's previous step and the slots by the host
+// or an earlier kernel (two or more launches back).
+template <typename T, int kBlockWarps>
+__device__ void stage_conv(T* stage, const ConvEpilogue& conv, int m, int first, int rows) {
+  constexpr int kPer = 8;  // elements of a 16-byte copy
+  const int taps = conv.taps, live = min(rows, conv.channels - first);
+  const int weight_copies = live * taps / kPer, state_copies = live * (taps - 1) / kPer;
+  const T* weight = static_cast<const T*>(conv.weight) + static_cast<std::int64_t>(first) * taps;
+  for (int p = threadIdx.x; p < weight_copies + m * state_copies; p += kBlockWarps * 32) {
+    if (p < weight_copies) {
+      cp_async16(stage + p * kPer, weight + p * kPer);
+      continue;
+    }
+    const int row = (p - weight_copies) / state_copies, piece = (p - weight_copies) % state_copies;
+    const T* state = static_cast<const T*>(conv.pool) + (__ldg(conv.slots + row) * conv.channels + first) * (taps - 1);
+    cp_async16(stage + rows * taps + row * rows * (taps - 1) + piece * kPer, state + piece * kPer);
+  }
+}
+
+// The conv epilogue's output for x row `row` and channel c, the block's weight row r: raw (the
+// projection rounded to T) is channel c's newest input. Returns round(silu(w . [state | raw])) as
+// gdn_decode.cu's conv kernel computes it (its `acc += w * x`, which nvcc contracts to one FMA a
+// tap, oldest first) and moves the pool's conv state on by raw. Predicated to the widest conv, the
+// shared loads first: they issue together instead of one FMA's latency apart.
+template <typename T>
+__device__ __forceinline__ float conv_output(const T* stage, const ConvEpilogue& conv, int rows, int row, int r,
+                                             std::int64_t c, T raw) {
+  constexpr int kTaps = kQuantGemvConvMaxTaps;
+  const int taps = conv.taps;
+  const T* weight = stage + r * taps;
+  const T* old = stage + rows * taps + (row * rows + r) * (taps - 1);
+  T w[kTaps], s[kTaps];  // s: the state, the K-1 inputs before raw
+#pragma unroll
+  for (int j = 0; j < kTaps; ++j) {
+    if (j < taps - 1) {
+      w[j] = weight[j];
+      s[j] = old[j];
+    }
+  }
+  const float w_raw = to_float(weight[taps - 1]);
+  T* state = static_cast<T*>(conv.pool) + (__ldg(conv.slots + row) * conv.channels + c) * (taps - 1);
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kTaps - 1; ++j) {
+    if (j < taps - 1) {
+      acc = fmaf(to_float(w[j]), to_float(s[j]), acc);
+      state[j] = j + 2 < taps ? s[j + 1] : raw;
+    }
+  }
+  return round_to<T>(silu(fmaf(w_raw, to_float(raw), acc)));
 }
 
 // The norm prologue: norm(x + residual) of the m rows into the stage, bit-equal to add_rmsnorm's
@@ -267,14 +361,16 @@ __device__ void add_norm_rows(T* stage, const T* __restrict__ x, const AddNorm& 
 // kGrouped: one slot block of a grouped MoE GEMV per block y (else rows 8 kTiles y.. of x).
 // kBlockWarps: kWarps, or kWideWarps for a grid of about one block an SM (few row tiles): the
 // registers may then take what one block an SM leaves.
-// kNorm: x is the delta of a residual stream, normed with `norm` into the stage first (plain
-// 16-bit Dense GEMVs of up to kQuantGemvNormMaxRows rows: one block row).
-template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, bool kNorm>
+// kFold: Norm: x is the delta of a residual stream, normed with `norm` into the stage first (plain
+// 16-bit Dense GEMVs of up to kQuantGemvNormMaxRows rows: one block row); NormConv: and the conv
+// epilogue (epilogue.conv).
+template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold>
 __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMinBlocks<T, kTiles> : 1)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
                       Epilogue epilogue, AddNorm norm, int m, int n, int k, int group_size, int split,
                       Grouping grouping) {
+  constexpr bool kNorm = kFold != Fold::None, kConv = kFold == Fold::NormConv;
   static_assert(!kNorm || (!std::is_same_v<T, float> && kLayout == Layout::Dense && !kGrouped));
   constexpr bool kTensorCores = !std::is_same_v<T, float>;
   constexpr bool kInt4 = kCodes != Codes::Int8;
@@ -393,6 +489,10 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   load_step(0);
   if (first + stride < chunks) load_step(1);
   if constexpr (kNorm) stage_norm_weight<T, kBlockWarps>(stage_rows<T>(), norm, m, k);
+  if constexpr (kConv) {
+    const int rows_here = block_rows(kBlockWarps, split);
+    stage_conv<T, kBlockWarps>(conv_stage<T>(m, k), epilogue.conv, m, rows_here * blockIdx.x, rows_here);
+  }
   if constexpr (!kGrouped) enter_kernel();
   if constexpr (kNorm) add_norm_rows<T, kBlockWarps>(stage_rows<T>(), x, norm, m, k);
   for (int c = first; c < chunks; c += 2 * stride) {
@@ -439,6 +539,11 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
     }
   }
 
+  if constexpr (kConv) {  // the counters of the GDN recurrent kernel launched next
+    if (blockIdx.x == 0 && warp == 0) {
+      for (int i = lane; i < epilogue.conv.zeroed_count; i += 32) epilogue.conv.zeroed[i] = 0u;
+    }
+  }
   // C fragment entry i of n8 tile tile_m: A row g (i < 2) or g + pair, x row 8 tile_m + 2t + i % 2.
 #pragma unroll
   for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
@@ -471,6 +576,13 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
         // csrc/activation.cu's sigmoid_mul roundings
         if (gate != nullptr) v = sigmoid_times<T>(round_to<T>(v), to_float(gate[out_row * epilogue.gate_stride]));
         if (add != nullptr) v = to_float(add[at]) + round_to<T>(v);
+        if constexpr (kConv) {
+          const int rows_here = block_rows(kBlockWarps, split);
+          const int r = static_cast<int>(rows[i >> 1]) - rows_here * static_cast<int>(blockIdx.x);
+          if (rows[i >> 1] < epilogue.conv.channels) {
+            v = conv_output<T>(conv_stage<T>(m, k), epilogue.conv, rows_here, xrow, r, rows[i >> 1], from_float<T>(v));
+          }
+        }
         out[at] = from_float<T>(v);
       }
     }
@@ -483,36 +595,44 @@ std::int64_t row_tiles(std::int64_t n, Layout layout) {
   return (n + rows - 1) / rows;
 }
 
-// Lets kKernel (a norm kernel) take the largest stage, past the 48 KB of dynamic shared memory a
-// kernel gets unasked; once per device, so graph captures after a warm-up ask nothing.
+// Lets kKernel (a norm kernel) take its largest stage, `bytes`, past the 48 KB of dynamic shared
+// memory a kernel gets unasked; once per device, so graph captures after a warm-up ask nothing.
 template <auto kKernel>
-void allow_largest_stage(int device) {
+void allow_largest_stage(int device, std::size_t bytes) {
   static std::array<std::atomic<bool>, 256> allowed{};  // sm_count has checked the device index
   if (allowed.at(device).load(std::memory_order_relaxed)) return;
-  check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kStageMaxBytes)),
+  check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
              "cudaFuncSetAttribute");
   allowed[device].store(true, std::memory_order_relaxed);
 }
 
-template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, bool kNorm>
+template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
-  constexpr auto kernel = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kNorm>;
+  constexpr auto kernel = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold>;
   const int tiles_per_block = kBlockWarps / split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
+  const ConvEpilogue conv{reinterpret_cast<void*>(a.conv.pool), reinterpret_cast<const void*>(a.conv.weight),
+                          reinterpret_cast<const std::int64_t*>(a.conv.slots),
+                          reinterpret_cast<unsigned*>(a.conv.zeroed), static_cast<int>(a.conv.channels), a.conv.taps,
+                          a.conv.zeroed_count};
   const Epilogue epilogue{reinterpret_cast<const void*>(a.bias), reinterpret_cast<const void*>(a.gate),
-                          a.gate_stride, reinterpret_cast<const void*>(a.add)};
+                          a.gate_stride, reinterpret_cast<const void*>(a.add), conv};
   const AddNorm norm{reinterpret_cast<const void*>(a.norm.residual), reinterpret_cast<const void*>(a.norm.weight),
                      reinterpret_cast<void*>(a.norm.residual_out), a.norm.eps, a.norm.zero_centered};
   std::size_t stage = 0;
-  if constexpr (kNorm) {
-    allow_largest_stage<kernel>(a.device);
+  if constexpr (kFold == Fold::Norm) {
+    allow_largest_stage<kernel>(a.device, kStageMaxBytes);
     stage = stage_bytes(a.m, a.k);
+  } else if constexpr (kFold == Fold::NormConv) {
+    allow_largest_stage<kernel>(a.device, kConvStageMaxBytes);
+    stage = stage_bytes(a.m, a.k) + conv_stage_bytes(a.m, block_rows(kBlockWarps, split), a.conv.taps);
   }
-  // Named by role (errors, NINFER_ABLATE): a decode step's in_proj / qkv fold the norm, its out_proj /
-  // o_proj add the residual; all contain "quant_gemv".
+  // Named by role (errors, NINFER_ABLATE): a decode step's in_proj / qkv fold the norm (a GDN in_proj
+  // with its conv epilogue too: the same role), its out_proj / o_proj add the residual; all contain
+  // "quant_gemv".
   const char* what = kGrouped                    ? "quant_gemv grouped (MoE) kernel launch"
-                     : kNorm                     ? "quant_gemv norm kernel launch"
+                     : kFold != Fold::None       ? "quant_gemv norm kernel launch"
                      : kLayout == Layout::GateUp ? "quant_gemv gate_up kernel launch"
                      : a.add != 0                ? "quant_gemv add kernel launch"
                                                  : "quant_gemv kernel launch";
@@ -526,21 +646,23 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
 static_assert(kQuantGemvNormMaxRows <= 8, "the norm's rows fit one n8 tile (kTiles = 1)");
 
 // split > kWarps: blocks of kWideWarps (plain 16-bit GEMVs only, choose_split).
-template <typename T, Layout kLayout, bool kGrouped, bool kNorm = false>
+template <typename T, Layout kLayout, bool kGrouped, Fold kFold = Fold::None>
 void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks,
                   Grouping grouping = {}) {
   const auto pick = [&](auto codes, auto block_warps) {
     constexpr Codes kCodes = decltype(codes)::value;
     constexpr int kBlockWarps = decltype(block_warps)::value;
     switch (tiles) {
-      case 1: launch<T, kCodes, 1, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping); break;
+      case 1: launch<T, kCodes, 1, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping); break;
       case 2:  // m > 8: never with the norm (m <= kQuantGemvNormMaxRows)
-        if constexpr (!kNorm) launch<T, kCodes, 2, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping);
+        if constexpr (kFold == Fold::None) {
+          launch<T, kCodes, 2, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping);
+        }
         break;
       default:  // 32-slot blocks: the chunk sums of 4 tiles would spill, so groups of 128 scale the weights
         if constexpr (kGrouped) {
           constexpr Codes kWide = kCodes == Codes::Int4Group128 ? Codes::Int4 : kCodes;
-          launch<T, kWide, 4, kLayout, kGrouped, kBlockWarps, kNorm>(a, split, slot_blocks, grouping);
+          launch<T, kWide, 4, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping);
         }
     }
   };
@@ -607,7 +729,11 @@ void quant_gemv(const QuantGemvArgs& a) {
     } else if (a.norm.residual == 0) {
       launch_typed<T, Layout::Dense, false>(a, split, tiles, row_blocks);
     } else if constexpr (!std::is_same_v<T, float>) {  // the folded norm: fp16 / bf16 only
-      launch_typed<T, Layout::Dense, false, true>(a, split, tiles, row_blocks);
+      if (a.conv.pool != 0) {
+        launch_typed<T, Layout::Dense, false, Fold::NormConv>(a, split, tiles, row_blocks);
+      } else {
+        launch_typed<T, Layout::Dense, false, Fold::Norm>(a, split, tiles, row_blocks);
+      }
     }
   });
 }

@@ -18,6 +18,7 @@ inline constexpr int kQuantGemvMaxRows = 1024;
 // rmsnorm thread).
 inline constexpr int kQuantGemvNormMaxRows = 4;
 inline constexpr int kQuantGemvNormMaxK = 8192;
+inline constexpr int kQuantGemvConvMaxTaps = 8;  // the conv epilogue's kernel width (GemvConvArgs)
 
 // Weight formats (ninfer_core/ops/quant.py):
 //   int8: qweight int8 [n, k], scales fp32 [n]; w = q * scale.
@@ -50,6 +51,31 @@ struct GemvAddNormArgs {
   bool zero_centered = false;
 };
 
+// The conv (pool != 0) a norm GEMV may run as its epilogue: a GDN decode step's depthwise causal
+// conv + SiLU (ninfer_core/ops/gdn.py gdn_decode_step_folded), one launch fewer than its own kernel.
+// Output c < channels of row i is the newest input of channel c's conv, whose state pool[slots[i]]
+// [channels, taps - 1] holds the previous inputs, oldest first:
+//   out[i, c] = round(silu(sum_j weight[c, j] w_j)),  w = [state | round(v)],  v the plain output,
+// in fp32 with one FMA a tap, oldest first (gdn_decode.cu's conv kernel, bit for bit); the state
+// drops its oldest input for round(v). Outputs c >= channels are the plain ones. The kernel also
+// zeroes zeroed[0 .. zeroed_count - 1] (int32): the completion counters of the GDN recurrent kernel
+// that follows it, which the conv kernel zeroes otherwise. Needs the norm; channels % 16 == 0 and
+// <= n, 2 <= taps <= kQuantGemvConvMaxTaps; pool (contiguous [S, channels, taps - 1]) and weight
+// ([channels, taps]) in dtype and 16-byte aligned, overlapping no other operand; slots [m] int64,
+// distinct. Weights, states and slots are read before the wait for the kernel launched just before
+// (launch.cuh): none of them may come from it. The binding (bind_quant.cpp: conv_pool, conv_weight,
+// conv_slots, zeroed) reads channels and taps off the weight and zeroed_count off `zeroed`, and checks
+// all of this but what lies in device memory (the slots' values: distinct and < S).
+struct GemvConvArgs {
+  std::uintptr_t pool = 0;  // 0: no conv
+  std::uintptr_t weight = 0;
+  std::uintptr_t slots = 0;
+  std::uintptr_t zeroed = 0;
+  std::int64_t channels = 0;
+  int taps = 0;
+  int zeroed_count = 0;
+};
+
 struct QuantGemvArgs {
   std::uintptr_t out;      // [m, n] in dtype
   std::uintptr_t x;        // [m, k] in dtype, contiguous
@@ -69,6 +95,7 @@ struct QuantGemvArgs {
   std::int64_t gate_stride = 0;
   std::uintptr_t add = 0;        // [m, n] in dtype, contiguous; 0 for none
   GemvAddNormArgs norm = {};
+  GemvConvArgs conv = {};
 };
 
 void quant_gemv(const QuantGemvArgs& args);

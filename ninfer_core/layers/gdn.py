@@ -35,6 +35,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..models.base import StateFork
 from ..ops import gdn as gdn_ops
+from ..ops.quant import QuantLinear
 from .linear import MergedLinear
 from .norm import GatedRMSNorm, PendingNorm
 
@@ -249,9 +250,7 @@ class GatedDeltaNet(nn.Module):
         valid_tokens[b] tokens advance its state (padding); fork: the state after fork.tokens[b]
         tokens is also written to slot fork.slots[b]."""
         if x.shape[1] == 1:
-            qkv, z, b, a = (p[:, 0] for p in self.in_proj(x))
-            out = gdn_ops.gdn_decode_step(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
-            return self.out_proj(out)[:, None]
+            return self.out_proj(self._decode(x, conv_pool, state_pool, slots))[:, None]
         if fork is not None:
             valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, x.shape[1])
             if fork.tail:
@@ -261,6 +260,22 @@ class GatedDeltaNet(nn.Module):
         out, state = self._mix(x, conv_pool, slots, state_pool[slots], valid_tokens)
         state_pool[slots] = state
         return out
+
+    def _decode(
+        self, x: torch.Tensor | PendingNorm, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """One new token of each sequence, up to out_proj: [B, value_dim]. With the input norm pending
+        and a quantized in_proj, its GEMV runs the conv where the kernels take it (one launch fewer),
+        else the projection and the fused steps."""
+        linear = self.in_proj.linear
+        if isinstance(x, PendingNorm) and isinstance(linear, QuantLinear):
+            # in_proj's rows are [qkv | z | b | a] (__init__), as gdn_decode_step_folded reads them
+            out = gdn_ops.gdn_decode_step_folded(x, linear.quantized, linear.bias, conv_pool, state_pool, slots,
+                                                 self.weights)
+            if out is not None:
+                return out
+        qkv, z, b, a = (p[:, 0] for p in self.in_proj(x))
+        return gdn_ops.gdn_decode_step(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
 
     def _forked(
         self, x: torch.Tensor | PendingNorm, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,

@@ -12,6 +12,10 @@ by token, gated RMSNorm. Four uses, one kernel pair (csrc/gdn_decode.cu) and one
                     commit replays in a CUDA graph), no output;
   gdn_prefill_tail  a forked prompt chunk's last counts[b] <= 16 tokens, read and written in place
                     at device row offsets, the state they start from copied to a fork slot.
+A decode step whose input norm is pending and whose in_proj is quantized runs the conv in in_proj's
+GEMV epilogue instead (`gdn_decode_step_folded`, ops/quant.py `quant_linear_add_norm_conv`): the
+GEMV, then the recurrent kernel alone (`conv_done`), which l2-normalises q / k itself; one launch
+fewer a GDN layer, bit for bit the same results.
 Verify + commit is the speculative rollback (engine/speculative/rollback.py): the state is read
 by the verify and read + written once by the commit; per-token math is the decode step's, so a
 committed state equals the state of that many decode steps bit for bit, given the same inputs.
@@ -46,8 +50,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..layers import gdn as gdn_layer
-from ..layers.norm import gated_rms_norm
-from . import dispatch
+from ..layers.norm import PendingNorm, gated_rms_norm
+from . import dispatch, quant
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,9 @@ class GDNStepInputs:
     offsets: torch.Tensor | None = None  # [B] int64 on the device
     fork_slots: torch.Tensor | None = None  # [B] int64
     width: int | None = None  # tokens per row with offsets (<= MAX_STEP_TOKENS)
+    # qkv holds the conv's outputs already and the conv states have advanced (in_proj's GEMV ran the
+    # conv: `gdn_decode_step_folded`); a decode step's (T = 1, z, no counts / offsets / fork slots).
+    conv_done: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -105,9 +112,13 @@ def gdn_steps_ref(step: GDNStepInputs, write_state: bool, w: GDNWeights) -> torc
     conv_state, state = conv_pool[slots], state_pool[slots]
     if step.fork_slots is not None:
         conv_pool[step.fork_slots], state_pool[step.fork_slots] = conv_state, state
-    q, k, v, final_conv = gdn_layer.conv_qkv_heads(
-        qkv, conv_state, w.conv_weight, w.num_k_heads, w.head_k_dim, w.head_v_dim, state_pool.dtype
-    )
+    final_conv: torch.Tensor | None = None  # conv_done: the conv states have advanced already
+    if step.conv_done:
+        q, k, v = gdn_layer.qkv_heads(qkv, w.num_k_heads, w.head_k_dim, w.head_v_dim, state_pool.dtype)
+    else:
+        q, k, v, final_conv = gdn_layer.conv_qkv_heads(
+            qkv, conv_state, w.conv_weight, w.num_k_heads, w.head_k_dim, w.head_v_dim, state_pool.dtype
+        )
     g, beta = gdn_layer.gdn_gates(step.a, step.b, w.A_log, w.dt_bias)
     partial = write_state and counts is not None
     o, states = gdn_layer.gated_delta_rule_recurrent(q, k, v, g, beta, state, every_state=partial)
@@ -119,7 +130,9 @@ def gdn_steps_ref(step: GDNStepInputs, write_state: bool, w: GDNWeights) -> torc
     if not write_state:
         return out
     if counts is None:
-        conv_pool[slots], state_pool[slots] = final_conv, states
+        if final_conv is not None:
+            conv_pool[slots] = final_conv
+        state_pool[slots] = states
         return out
     n = counts.clamp(0, num_tokens)
     state_pool[slots] = states[torch.arange(batch, device=n.device), n]
@@ -154,6 +167,71 @@ def gdn_decode_step(
     value = _steps("gdn_decode_step", step, True, w, None if out is None else out[:, None])
     assert value is not None
     return value[:, 0] if out is None else out
+
+
+def quant_linear_add_norm_conv_ref(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    qw: quant.QuantizedWeight, bias: torch.Tensor | None, conv: quant.GemvConv,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of ops/quant.py `quant_linear_add_norm_conv`: the normed projection
+    (`quant_linear_add_norm_ref`), then one conv step (`causal_conv1d_silu`) on the first C outputs of
+    each row, the conv states of `conv.slots` advanced."""
+    y, summed = quant.quant_linear_add_norm_ref(x, residual, norm_weight, eps, zero_centered, qw, bias)
+    channels = conv.weight.shape[0]
+    rows = y.reshape(-1, 1, y.shape[-1])  # [M, 1, N]: one new input a sequence
+    mixed, conv.pool[conv.slots] = gdn_layer.causal_conv1d_silu(rows[..., :channels], conv.pool[conv.slots],
+                                                                conv.weight)
+    zeroed = torch.zeros(conv.zeroed, dtype=torch.int32, device=x.device)
+    return torch.cat((mixed, rows[..., channels:]), dim=-1).view(y.shape), summed, zeroed
+
+
+def gdn_decode_step_folded_ref(
+    pending: PendingNorm, in_proj: quant.QuantizedWeight, bias: torch.Tensor | None, conv_pool: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, w: GDNWeights,
+) -> torch.Tensor:
+    """Torch reference of `gdn_decode_step_folded`: the projection with its conv step, then the steps
+    without the conv."""
+    norm, conv = pending.norm, quant.GemvConv(conv_pool, w.conv_weight, slots, 0)
+    y, pending.summed, _ = quant_linear_add_norm_conv_ref(pending.x, pending.residual, norm.weight, norm.eps,
+                                                          norm.zero_centered, in_proj, bias, conv)
+    out = gdn_steps_ref(_folded_step(y, conv_pool, state_pool, slots, w), True, w)
+    assert out is not None
+    return out[:, 0]
+
+
+def gdn_decode_step_folded(
+    pending: PendingNorm, in_proj: quant.QuantizedWeight, bias: torch.Tensor | None, conv_pool: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, w: GDNWeights,
+) -> torch.Tensor | None:
+    """`gdn_decode_step` on in_proj's projections of the pending norm's rows [B, 1, hidden] (in_proj's
+    rows: the GDN layer's merged [qkv | z | b | a]), with the conv in in_proj's GEMV epilogue
+    (`quant.quant_linear_add_norm_conv`) and the fused steps after it without their conv: two launches
+    where `quant_linear_add_norm` + `gdn_decode_step` take three. Returns [B, Hv*dv] and sets
+    pending.summed; None where the GEMV does not take the conv (nothing ran: the caller projects and
+    steps as before), e.g. for slots that are not contiguous int64."""
+    num_v_heads, channels = w.A_log.shape[0], w.conv_weight.shape[0]
+    if in_proj.out_features != channels + num_v_heads * (w.head_v_dim + 2):
+        raise ValueError(f"gdn_decode_step_folded: in_proj has {in_proj.out_features} rows, not qkv {channels} + "
+                         f"z {num_v_heads * w.head_v_dim} + b, a {num_v_heads} each")
+    norm, batch = pending.norm, pending.x.shape[0]
+    conv = quant.GemvConv(conv_pool, w.conv_weight, slots, batch * num_v_heads)
+    projected = quant.quant_linear_add_norm_conv(pending.x, pending.residual, norm.weight, norm.eps,
+                                                 norm.zero_centered, in_proj, bias, conv)
+    if projected is None:
+        return None
+    y, pending.summed, counters = projected
+    out = _steps("gdn_decode_step_folded", _folded_step(y, conv_pool, state_pool, slots, w), True, w, None,
+                 counters)
+    assert out is not None
+    return out[:, 0]
+
+
+def _folded_step(y: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                 w: GDNWeights) -> GDNStepInputs:
+    """The steps' inputs from in_proj's output y [B, 1, qkv | z | b | a] whose qkv the conv has run on."""
+    num_v_heads = w.A_log.shape[0]
+    qkv, z, b, a = y.split([w.conv_weight.shape[0], num_v_heads * w.head_v_dim, num_v_heads, num_v_heads], dim=-1)
+    return GDNStepInputs(qkv, a, b, z, conv_pool, state_pool, slots, conv_done=True)
 
 
 def gdn_verify_ref(
@@ -227,11 +305,14 @@ def _tail_ref(step: GDNStepInputs, w: GDNWeights, out: torch.Tensor) -> None:
 
 
 def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
-           out: torch.Tensor | None) -> torch.Tensor | None:
+           out: torch.Tensor | None, counters: torch.Tensor | None = None) -> torch.Tensor | None:
     """The one dispatch place of the fused steps: the kernel where it applies, else the reference.
     Rows advance through counts[b] tokens (all T when None) if write_state; with z the outputs of
-    all T tokens are returned (into `out` [B, T, Hv*dv] when given)."""
+    all T tokens are returned (into `out` [B, T, Hv*dv] when given). counters: with step.conv_done,
+    the recurrent kernel's [B * Hv] int32 counters, which the GEMV that ran the conv zeroed."""
     _check(name, step, w)
+    if step.conv_done and (counters is None or counters.shape != (step.qkv.shape[0] * step.a.shape[2],)):
+        raise ValueError(f"{name}: a step after the conv needs the GEMV's zeroed counters [B * Hv]")
     if not _kernel_applies(step, w):
         dispatch.fallback(name, step.qkv, step.state_pool)
         if step.offsets is not None:
@@ -243,11 +324,15 @@ def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
     kernel_step = _kernel_layout(step)
     if step.z is not None and out is None:
         out = torch.empty(step.z.shape, dtype=step.z.dtype, device=step.z.device)
-    batch, _, channels = step.qkv.shape
-    # fp32 activations [B, T, C], then one counter per (row, value head)
-    scratch = torch.empty(batch * (step.num_tokens * channels + step.a.shape[2]), dtype=torch.float32,
-                          device=step.qkv.device)
-    # The binding takes GDNStepInputs' fields by name and reads every size and stride from them.
+    if step.conv_done:
+        scratch = counters  # [B * Hv] int32, zeroed by the GEMV that ran the conv
+    else:
+        batch, _, channels = step.qkv.shape
+        # fp32 activations [B, T, C], then one counter per (row, value head)
+        scratch = torch.empty(batch * (step.num_tokens * channels + step.a.shape[2]), dtype=torch.float32,
+                              device=step.qkv.device)
+    # The binding takes GDNStepInputs' fields by name (conv_done among them) and reads every size and
+    # stride from them.
     dispatch.extension().gdn_steps(
         **{f.name: getattr(kernel_step, f.name) for f in fields(kernel_step)},
         out=out,
@@ -364,6 +449,7 @@ def _kernel_applies(step: GDNStepInputs, w: GDNWeights) -> bool:
         and all(d % 32 == 0 and 32 <= d <= _MAX_HEAD_DIM for d in (w.head_k_dim, w.head_v_dim))
         and 2 <= w.conv_weight.shape[1] <= _MAX_CONV_KERNEL
         and step.num_tokens <= MAX_STEP_TOKENS
+        and (not step.conv_done or qkv.dtype in (torch.float16, torch.bfloat16))  # after a 16-bit GEMV
         and qkv.shape[0] <= 65535
         and qkv.shape[0] * qkv.shape[1] < 2**31
     )
@@ -433,6 +519,9 @@ def _check(name: str, step: GDNStepInputs, w: GDNWeights) -> None:
     for key in ("counts", "offsets", "fork_slots"):
         if getattr(step, key) is not None:
             expected[key] = (getattr(step, key), (batch,))
+    if step.conv_done and (num_tokens != 1 or z is None or any(
+            t is not None for t in (step.counts, step.offsets, step.fork_slots))):
+        raise ValueError(f"{name}: steps after the conv are a decode step's (1 token, z, no counts / offsets)")
     if step.width is not None and not (1 <= step.width <= min(num_tokens, MAX_STEP_TOKENS)):
         raise ValueError(f"{name}: width {step.width} out of range [1, {min(num_tokens, MAX_STEP_TOKENS)}]")
     for key, (t, shape) in expected.items():

@@ -28,7 +28,8 @@ block of 32 (`quant_linear_a8_ref` is its reference); the CUDA int4 path multipl
 weights the prefill path multiplies by. `quant_linear_ref` is the exact fp32 definition all are
 tested against. `quant_linear_add_norm` is a decoder layer's input RMSNorm (with the residual add
 before it) and the projection that reads its output: on CUDA at decode sizes one GEMV, bit-equal to
-add_rmsnorm + quant_linear.
+add_rmsnorm + quant_linear. `quant_linear_add_norm_conv` is that GEMV with a GDN decode step's conv as
+its epilogue (ops/gdn.py `gdn_decode_step_folded`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it a tiled dequa
 # K <= 8192 (past 4 rows the fold cost more than the launch it saves).
 NORM_MAX_ROWS = 4
 NORM_MAX_K = 8192
+CONV_MAX_TAPS = 8  # the conv epilogue's kernel width (csrc/quant_gemv.h: kQuantGemvConvMaxTaps)
 # fp32 weight rows dequantized at once on the CPU: cache-sized, and few GEMM calls per weight
 # (each is a barrier of torch's thread pool, which a busy machine makes slow)
 CPU_PREFILL_TILE_BYTES = 8 << 20
@@ -381,6 +383,60 @@ def quant_linear_add_norm(
     return out.view(*x.shape[:-1], qw.out_features), summed.view(x.shape)
 
 
+class GemvConv(NamedTuple):
+    """A GDN decode step's depthwise causal conv, for a norm GEMV to run on its first C outputs
+    (`quant_linear_add_norm_conv`; csrc/quant_gemv.h GemvConvArgs)."""
+
+    pool: torch.Tensor  # [S, C, K-1] conv states in x's dtype, advanced in place at `slots`
+    weight: torch.Tensor  # [C, K]
+    # [M] int64, contiguous, distinct: row m continues pool[slots[m]]. The kernel reads them before its
+    # wait for the kernel launched just before it (PDL), so they are never a copy made for the call.
+    slots: torch.Tensor
+    zeroed: int  # int32 words the call returns zeroed (the counters of the GDN recurrent kernel after it)
+
+
+def quant_linear_add_norm_conv(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered: bool,
+    qw: QuantizedWeight, bias: torch.Tensor | None, conv: GemvConv,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`quant_linear_add_norm`'s (y, s) whose GEMV also runs a GDN decode step's conv + SiLU on the first
+    C outputs of each row (the newest input of conv channel c is output c): y[..., :C] are the conv's
+    outputs, rounded to x's dtype, y[..., C:] the plain outputs, and the conv states of `conv.slots`
+    advance. Also returns `conv.zeroed` int32 zeros, written by the kernel (the counters of the GDN
+    recurrent kernel that follows it). One launch where the GEMV and the conv kernel take two;
+    reference: ops/gdn.py `quant_linear_add_norm_conv_ref` (the conv's reference is the GDN layer's).
+    None where the kernel does not take the call (nothing ran)."""
+    _check_linear(x, qw, bias)
+    rows = _norm_rows(x, residual, norm_weight, qw, bias) if _conv_fits(conv, x, qw) else None
+    if rows is None:
+        return None
+    x2, residual2 = rows
+    out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(x2)
+    zeroed = torch.empty(conv.zeroed, dtype=torch.int32, device=x.device)
+    _gemv(out, x2, qw, bias, norm=_FoldedNorm(residual2, norm_weight, summed, eps, zero_centered), conv=conv,
+          zeroed=zeroed)
+    return out.view(*x.shape[:-1], qw.out_features), summed.view(x.shape), zeroed
+
+
+def _conv_fits(conv: GemvConv, x: torch.Tensor, qw: QuantizedWeight) -> bool:
+    """Whether the GEMV of x's rows [..., K] runs `conv` as its epilogue (csrc/quant_gemv.h GemvConvArgs)."""
+    pool, weight, slots, zeroed = conv
+    if weight.dim() != 2 or pool.dim() != 3:
+        return False
+    channels, taps = weight.shape
+    return (
+        dispatch.use_kernel(pool, weight)
+        and pool.dtype == weight.dtype == x.dtype
+        and pool.device == weight.device == slots.device == x.device
+        and 16 <= channels <= qw.out_features and channels % 16 == 0 and 2 <= taps <= CONV_MAX_TAPS
+        and pool.shape[1:] == (channels, taps - 1) and pool.is_contiguous() and weight.is_contiguous()
+        and pool.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+        and slots.dtype == torch.int64 and slots.shape == (x.numel() // qw.in_features,) and slots.is_contiguous()
+        and zeroed >= 0
+    )
+
+
 def _norm_rows(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, qw: QuantizedWeight,
     bias: torch.Tensor | None,
@@ -507,11 +563,12 @@ class _FoldedNorm(NamedTuple):
 def _gemv(
     out: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, *,
     gate_up: bool = False, gate: torch.Tensor | None = None, add: torch.Tensor | None = None,
-    norm: _FoldedNorm | None = None,
+    norm: _FoldedNorm | None = None, conv: GemvConv | None = None, zeroed: torch.Tensor | None = None,
 ) -> None:
     """The kernel call: out [M, N] = x [M, K] @ W^T (+ bias), or an epilogue's output (gate_up:
     N = rows / 2; gate: [M, 1] rows, add: [M, N]), or with `norm` the GEMV of norm(x + residual)
-    (x: the residual stream's delta); `_kernel_ok` must hold."""
+    (x: the residual stream's delta), with `conv` also its conv epilogue (`zeroed`: conv.zeroed int32
+    words); `_kernel_ok` must hold."""
     dispatch.extension().quant_gemv(
         out=out,
         x=x,
@@ -527,6 +584,11 @@ def _gemv(
         residual_out=None if norm is None else norm.residual_out,
         eps=0.0 if norm is None else float(norm.eps),
         zero_centered=norm is not None and norm.zero_centered,
+        # the conv's channels and taps are conv_weight's shape, the counters to zero `zeroed`'s length
+        conv_pool=None if conv is None else conv.pool,
+        conv_weight=None if conv is None else conv.weight,
+        conv_slots=None if conv is None else conv.slots,
+        zeroed=zeroed,
     )
 
 
