@@ -49,6 +49,7 @@ int check_rotary(ArgCheck& check, const char* name, const TensorArg& x, const Te
   const std::int64_t batch = x.size(0), tokens = x.size(1), head_dim = x.size(3);
   require_head_dim(check, head_dim);
   check.require(tokens >= 1 && x.size(2) >= 1, name, " has shape ", x.shape_str(), ": no head vectors");
+  check.require(tokens <= (1 << 30), name, " has ", tokens, " tokens, past the kernel's 2^30");
   check("cos", cos).shape({batch, tokens, kAny}).dtype(x.type).unit_last_stride();
   check("sin", sin).matches(cos, "cos").unit_last_stride();
   check.require((batch == 1 || sin.stride(0) == cos.stride(0)) && (tokens == 1 || sin.stride(1) == cos.stride(1)),
@@ -74,6 +75,7 @@ void bind_attention(py::module_& m) {
         k_check.shape({kAny, kAny, kAny}).dtype({ScalarType::F16, ScalarType::BF16}).contiguous();
         const std::int64_t tokens = k.size(0), kv_heads = k.size(1), head_dim = k.size(2);
         require_head_dim(check, head_dim);
+        check.require(kv_heads >= 1, "k has no kv heads");
         const int lane_bytes = static_cast<int>(head_dim / 32 * 2);  // a lane loads D / 32 elements at once
         k_check.aligned(lane_bytes);
         check("v", v).matches(k, "k").contiguous().aligned(lane_bytes);
@@ -110,6 +112,7 @@ void bind_attention(py::module_& m) {
         const std::int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), kv_heads = k_cache.size(2);
         check.require(num_pages >= 1 && page_size >= 1 && (page_size & (page_size - 1)) == 0,
                       "the cache's page size ", page_size, " must be a power of two");
+        check.require(num_pages <= (1LL << 31) - 1, "the cache has ", num_pages, " pages, past the kernel's 2^31 - 1");
         check.require(kv_heads >= 1 && heads % kv_heads == 0, heads, " heads are not a multiple of ", kv_heads, " kv heads");
         check("block_table", block_table).shape({batch, kAny}).dtype(ScalarType::I32).contiguous();
         const std::int64_t table_width = block_table.size(1);
@@ -148,6 +151,7 @@ void bind_attention(py::module_& m) {
          bool zero_centered, std::uintptr_t stream) {
         ArgCheck check("norm_rotary");
         check("x", x).shape({kAny, kAny, kAny, kAny}).unit_last_stride();  // heads read in place, any strides
+        check.require(x.size(2) <= (1 << 20), "x has ", x.size(2), " heads, past the kernel's 2^20");
         const DType dtype = kernel_dtype(check, "x", x);
         const int rotary = check_rotary(check, "x", x, cos, sin);
         check("out", out).shape({x.size(0), x.size(1), x.size(2), x.size(3)}).dtype(x.type).contiguous();
@@ -174,6 +178,7 @@ void bind_attention(py::module_& m) {
         check("v", v).matches(k, "k").unit_last_stride();
         const std::int64_t kv_heads = k.size(2);
         check.require(kv_heads >= 1, "k has no kv heads");
+        check.require(heads + kv_heads <= (1 << 20), "q and k have ", heads, " + ", kv_heads, " heads, past the kernel's 2^20");
         const int rotary = check_rotary(check, "q", q, cos, sin);
         check("q_out", q_out).shape({batch, tokens, heads, head_dim}).dtype(q.type).contiguous();
         check("q_weight", q_weight).shape({head_dim}).dtype(q.type).contiguous();

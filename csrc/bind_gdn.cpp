@@ -128,6 +128,7 @@ void bind_gdn(py::module_& m) {
         check.require(taps >= 2 && taps <= kGdnMaxTaps, "weight has ", taps, " taps, expected 2..", kGdnMaxTaps);
         check("out", out).shape({batch, tokens, channels}).dtype(qkv.type).contiguous();
         check("conv_pool", conv_pool).shape({kAny, channels, taps - 1}).dtype(qkv.type).contiguous();
+        check.require(conv_pool.size(0) >= 1, "conv_pool has no slots");
         check("slots", slots).shape({batch}).dtype(ScalarType::I64).contiguous();
         check("valid", valid).shape({batch}).dtype(ScalarType::I64).contiguous();
         const int device = check.device();

@@ -13,7 +13,7 @@ namespace py = pybind11;
 namespace ninfer {
 namespace {
 
-// The experts and top_k routing takes (moe.cu check_route).
+// The experts and top_k routing takes: a token's probabilities in one warp's registers (moe.h).
 void require_route(const ArgCheck& check, std::int64_t experts, std::int64_t top_k) {
   check.require(experts >= 1 && experts <= kMoeMaxRouteExperts && top_k >= 1 && top_k <= std::min<std::int64_t>(experts, kMoeMaxTopK),
                 "experts ", experts, " / top_k ", top_k, " out of range (experts <= ", kMoeMaxRouteExperts,
@@ -67,6 +67,7 @@ void bind_moe(py::module_& m) {
         const DType dtype = kernel_dtype(check, "logits", logits);
         check("logits", logits).shape({kAny, kAny}).contiguous();
         const std::int64_t tokens = logits.size(0), experts = logits.size(1);
+        check.require(tokens <= (1LL << 31) - 1, "logits has ", tokens, " rows, past the kernel's 2^31 - 1");
         check("weights", weights).shape({tokens, kAny}).dtype(logits.type).contiguous();
         const std::int64_t top_k = weights.size(1);
         require_route(check, experts, top_k);

@@ -33,6 +33,8 @@ PYBIND11_MODULE(_C, m) {
         check.require(x.dim >= 1 && x.numel() > 0, "x needs at least one element");
         check.require(residual.has_value() == residual_out.has_value(), "residual and residual_out go together");
         const std::int64_t hidden = x.size(-1);
+        check.require(hidden <= (1 << 30) && x.numel() / hidden <= (1LL << 31) - 1,
+                      "x has shape ", x.shape_str(), ", out of the kernel's range");
         const DType dtype = kernel_dtype(check, "x", x);
         check("x", x).contiguous();
         check("out", out).matches(x, "x").contiguous();

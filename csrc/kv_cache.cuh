@@ -79,11 +79,4 @@ void by_kv_dtype(KVDType kv, const char* op, Launch&& launch) {
   }
 }
 
-// Host check of a writer's or reader's cache arguments: fp8 / int8 pages come with their scales.
-inline void check_kv_scales(KVDType kv, std::uintptr_t k_scale, std::uintptr_t v_scale, const char* op) {
-  if (kv != KVDType::Native && (k_scale == 0 || v_scale == 0)) {
-    throw std::invalid_argument(std::string(op) + ": fp8 / int8 caches need k_scale and v_scale");
-  }
-}
-
 }  // namespace ninfer

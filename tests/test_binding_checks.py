@@ -48,6 +48,11 @@ def test_rmsnorm_rejects_what_the_kernel_cannot_take():
         ext.rmsnorm(out, None, x.long(), None, weight, 1e-6, False, 0)
     with pytest.raises(ValueError, match="residual and residual_out go together"):
         ext.rmsnorm(out, None, x, x, weight, 1e-6, False, 0)
+    for rows, hidden in ((1, 2**30 + 8), (2**31, 8)):  # past the kernel's range: meta tensors, shapes without memory
+        big = torch.empty(rows, hidden, dtype=BF16, device="meta")
+        with pytest.raises(ValueError, match=rf"rmsnorm: x has shape \({rows}, {hidden}\), out of the kernel's range"):
+            ext.rmsnorm(torch.empty_like(big), None, big, None, torch.empty(hidden, dtype=BF16, device="meta"), 1e-6,
+                        False, 0)
     with pytest.raises(TypeError):  # the raw-pointer interface is gone: an address is not a tensor
         ext.rmsnorm(out.data_ptr(), None, x, None, weight, 1e-6, False, 0)
 

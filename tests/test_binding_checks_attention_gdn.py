@@ -48,6 +48,11 @@ def _bf16(*shape: int) -> torch.Tensor:
     return torch.randn(*shape).to(BF16)
 
 
+def _meta(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+    """A tensor of any size without memory: for the checks of sizes past the kernels' ranges."""
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
 def _offset(t: torch.Tensor, elements: int = 1) -> torch.Tensor:
     """A copy of t starting `elements` elements past an aligned address."""
     flat = torch.empty(t.numel() + elements, dtype=t.dtype)[elements:]
@@ -188,6 +193,7 @@ CONV_REJECTS: list[tuple[str, Changes]] = [
     ("out must be contiguous", lambda kw: {"out": kw["out"].transpose(0, 1).contiguous().transpose(0, 1)}),
     (r"out has shape \(3, 64, 200\)", lambda kw: {"out": kw["out"][:, :64]}),
     (r"conv_pool has shape \(5, 200, 2\), expected \(\*, 200, 3\)", lambda kw: {"conv_pool": _bf16(5, 200, 2)}),
+    ("conv_pool has no slots", lambda kw: {"conv_pool": kw["conv_pool"][:0]}),
     ("slots is int32, expected int64", lambda kw: {"slots": kw["slots"].int()}),
     (r"valid has shape \(2,\), expected \(3,\)", lambda kw: {"valid": kw["valid"][:2]}),
 ]
@@ -226,6 +232,8 @@ WRITE_KV_REJECTS: list[tuple[str, Changes]] = [
     ("k must be contiguous", lambda kw: {"k": kw["k"].transpose(0, 1).contiguous().transpose(0, 1)}),
     ("k must start at a 4-byte aligned address", lambda kw: {"k": _offset(kw["k"])}),
     (r"v has shape \(4, 2, 64\), k \(5, 2, 64\): they must match", lambda kw: {"v": kw["v"][:4]}),
+    ("k has no kv heads", lambda kw: {"k": kw["k"][:, :0], "v": kw["v"][:, :0]} |
+     {name: kw[name][:, :, :0] for name in ("k_cache", "v_cache", "k_scale", "v_scale")}),
     (r"k_cache has shape \(6, 16, 3, 64\), expected \(\*, \*, 2, 64\)", lambda kw: _cache("fp8", kv_heads=3)),
     ("k_cache is float16, expected bfloat16 or float8_e4m3fn or int8", lambda kw: _cache(None, dtype=F16)),
     ("k_cache must be contiguous", lambda kw: {"k_cache": kw["k_cache"].transpose(0, 1).contiguous()
@@ -294,6 +302,9 @@ DECODE_REJECTS: list[tuple[str, Changes]] = [
     ("out overlaps gate", lambda kw: {"gate": kw["out"]}),
     ("3 heads are not a multiple of 2 kv heads", lambda kw: {"q": _bf16(2, 3, 3, 64), "out": _bf16(2, 3, 3, 64)}),
     ("the cache's page size 12 must be a power of two", lambda kw: _cache("int8", page=12)),
+    (r"the cache has 2147483648 pages, past the kernel's 2\^31 - 1",
+     lambda kw: {name: _meta(2**31, 16, 2, 64, dtype=torch.int8) for name in ("k_cache", "v_cache")} |
+     {name: _meta(2**31, 16, 2, dtype=F32) for name in ("k_scale", "v_scale")}),
     (r"k_cache has shape \(6, 16, 2, 128\), expected \(\*, \*, \*, 64\)", lambda kw: _cache("int8", dim=128)),
     ("k_scale is float16, expected float32", lambda kw: {"k_scale": kw["k_scale"].half()}),
     ("block_table is int64, expected int32", lambda kw: {"block_table": kw["block_table"].long()}),
@@ -349,6 +360,11 @@ ROTARY_REJECTS: list[tuple[str, Changes]] = [
     ("x is int64, expected a float dtype", lambda kw: {"x": kw["x"].long()}),
     ("head_dim 96 must be 64, 128 or 256", lambda kw: {"x": _bf16(2, 5, 3, 96)}),
     (r"x has shape \(2, 0, 3, 128\): no head vectors", lambda kw: {"x": kw["x"][:, :0]}),
+    (r"x has 1073741825 tokens, past the kernel's 2\^30",
+     lambda kw: dict(x=_meta(1, 2**30 + 1, 3, 128), out=_meta(1, 2**30 + 1, 3, 128), cos=_meta(1, 2**30 + 1, 32),
+                     sin=_meta(1, 2**30 + 1, 32))),
+    (r"x has 1048577 heads, past the kernel's 2\^20",
+     lambda kw: dict(x=_meta(2, 5, 2**20 + 1, 128), out=_meta(2, 5, 2**20 + 1, 128))),
     (r"cos has shape \(1, 5, 32\), expected \(2, 5, \*\)", lambda kw: {"cos": kw["cos"][:1]}),
     ("cos is float16, expected bfloat16", lambda kw: {"cos": kw["cos"].half()}),
     (r"sin has shape \(2, 5, 16\), cos \(2, 5, 32\)", lambda kw: {"sin": kw["sin"][..., :16]}),
@@ -406,6 +422,12 @@ PROLOGUE_REJECTS: list[tuple[str, Changes]] = [
     ("k needs a contiguous last axis", lambda kw: {"k": kw["k"].transpose(2, 3).contiguous().transpose(2, 3)}),
     (r"v has shape \(2, 3, 1, 64\), k \(2, 3, 2, 64\)", lambda kw: {"v": kw["v"][:, :, :1]}),
     ("k has no kv heads", lambda kw: {"k": kw["k"][:, :, :0], "v": kw["v"][:, :, :0]}),
+    (r"q and k have 1048576 \+ 2 heads, past the kernel's 2\^20",
+     lambda kw: dict(q=_meta(2, 3, 2**20, 64), q_out=_meta(2, 3, 2**20, 64))),
+    (r"q has 1073741825 tokens, past the kernel's 2\^30",
+     lambda kw: dict(q=_meta(1, 2**30 + 1, 4, 64), q_out=_meta(1, 2**30 + 1, 4, 64), k=_meta(1, 2**30 + 1, 2, 64),
+                     v=_meta(1, 2**30 + 1, 2, 64), cos=_meta(1, 2**30 + 1, 32), sin=_meta(1, 2**30 + 1, 32),
+                     slot_mapping=_meta(1, 2**30 + 1, dtype=torch.long))),
     ("rotary_dim 14 must be even", lambda kw: {"cos": _bf16(2, 3, 14), "sin": _bf16(2, 3, 14)}),
     ("q_out must be contiguous", lambda kw: {"q_out": _bf16(2, 3, 4, 128)[..., :64]}),
     ("k_weight is float16, expected bfloat16", lambda kw: {"k_weight": kw["q_weight"].half()}),

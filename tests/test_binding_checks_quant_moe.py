@@ -425,6 +425,10 @@ ROUTE_CASES = {
     "experts past a warp's registers": (lambda: _route_args(experts=600), r"experts 600 / top_k 8 out of range"),
     "top_k past the limit": (lambda: _route_args(experts=128, top_k=65), r"experts 128 / top_k 65 out of range"),
     "top_k past the experts": (lambda: _route_args(experts=4), r"experts 4 / top_k 8 out of range"),
+    "tokens past 2^31": (lambda: _route_args(**{name: torch.empty(2**31, n, dtype=dtype, device="meta")
+                                                for name, n, dtype in (("logits", 64, BF16), ("weights", 8, BF16),
+                                                                       ("ids", 8, I32))}),
+                         r"logits has 2147483648 rows, past the kernel's 2\^31 - 1"),
 }
 
 
