@@ -40,6 +40,7 @@
 // the gate and up sums of the same output: SiLU(gate) * up is the epilogue. So every expert hit
 // by a batch is read once per block of its slots (the decode kernels of csrc/moe.cu read it once
 // per slot), which is what verify rounds, batched decode and short prompts need.
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <type_traits>
@@ -606,11 +607,80 @@ void allow_largest_stage(int device, std::size_t bytes) {
   allowed[device].store(true, std::memory_order_relaxed);
 }
 
+// SMs of a device, queried once per process (so graph captures after a warm-up query nothing).
+int sm_count(int device) {
+  static std::array<std::atomic<int>, 256> counts{};
+  if (device < 0 || device >= static_cast<int>(counts.size())) {
+    throw std::invalid_argument("quant_gemv: bad device " + std::to_string(device));
+  }
+  int sms = counts[device].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+               "cudaDeviceGetAttribute");
+    counts[device].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
+// Blocks of kKernel an SM holds at once with `stage` bytes of dynamic shared memory. Asked of the
+// driver once per kernel, device and stage size (the last size is kept: a model's calls of one
+// kernel share their k and rows), so a graph capture after the warm-up asks nothing.
+template <auto kKernel, int kThreads>
+int resident_blocks(int device, std::size_t stage) {
+  static std::array<std::atomic<std::uint64_t>, 256> last{};  // stage << 8 | blocks; 0: not asked
+  const std::uint64_t seen = last.at(device).load(std::memory_order_relaxed);
+  if (seen != 0 && seen >> 8 == stage) return static_cast<int>(seen & 0xff);
+  int blocks = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, kThreads, stage),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  blocks = std::clamp(blocks, 1, 255);
+  last[device].store(static_cast<std::uint64_t>(stage) << 8 | static_cast<std::uint64_t>(blocks),
+                     std::memory_order_relaxed);
+  return blocks;
+}
+
+// The split (1, 2, 4 .. kWarps) that runs a GEMV of `tiles` row tiles (times the grid's rows) in the
+// fewest chunk steps a warp, when `capacity` blocks fit the GPU at once: its blocks run in
+// ceil(blocks / capacity) waves of chunks / split steps each. choose_split's split stands unless
+// another is strictly shorter. Its warps-an-SM goal cannot see waves: the 27B's MLP gate_up (2,176
+// tiles, 40 chunks) at split 1 is 272 blocks, 0.69 of one wave (ncu: 16 warps an SM of 24
+// possible), where split 4 is 2.75 waves of a quarter of the steps: 41.8 -> 35.8 us on the H200,
+// the 27B's in_proj / qkv (split 4 -> 8) 6-11% faster, its decode step 2.6%; the 35B's GEMVs keep
+// their splits (docs/performance.md, seventeenth session).
+int split_for_waves(int split, std::int64_t tiles, std::int64_t chunks, std::int64_t capacity) {
+  const auto steps = [&](int s) {
+    const std::int64_t blocks = (tiles + kWarps / s - 1) / (kWarps / s);
+    return (blocks + capacity - 1) / capacity * ((chunks + s - 1) / s);
+  };
+  int best = split;
+  for (int s = 1; s <= kWarps && 2LL * s * kUnroll <= chunks; s *= 2) {
+    if (steps(s) < steps(best)) best = s;
+  }
+  return best;
+}
+
 template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
   constexpr auto kernel = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold>;
-  const int tiles_per_block = kBlockWarps / split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
+  std::size_t stage = 0;
+  if constexpr (kFold == Fold::Norm) {
+    allow_largest_stage<kernel>(a.device, kStageMaxBytes);
+    stage = stage_bytes(a.m, a.k);
+  } else if constexpr (kFold == Fold::NormConv) {
+    allow_largest_stage<kernel>(a.device, kConvStageMaxBytes);
+    stage = stage_bytes(a.m, a.k);
+  }
+  if constexpr (!kGrouped && kBlockWarps == kWarps) {  // a grouped GEMV's blocks are known on the device only
+    // the conv stage of split 1 (the most rows a block): a bound for every split
+    const std::size_t most =
+        stage + (kFold == Fold::NormConv ? conv_stage_bytes(a.m, block_rows(kWarps, 1), a.conv.taps) : 0);
+    const std::int64_t capacity = static_cast<std::int64_t>(resident_blocks<kernel, kWarps * 32>(a.device, most)) *
+                                  sm_count(a.device) / slot_blocks;
+    const std::int64_t chunks = ((a.int4 ? a.k / 2 : a.k) + kChunkBytes - 1) / kChunkBytes;
+    split = split_for_waves(split, tiles, chunks, std::max<std::int64_t>(capacity, 1));
+  }
+  const int tiles_per_block = kBlockWarps / split;
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
   const ConvEpilogue conv{reinterpret_cast<void*>(a.conv.pool), reinterpret_cast<const void*>(a.conv.weight),
                           reinterpret_cast<const std::int64_t*>(a.conv.slots),
@@ -620,14 +690,7 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
                           a.gate_stride, reinterpret_cast<const void*>(a.add), conv};
   const AddNorm norm{reinterpret_cast<const void*>(a.norm.residual), reinterpret_cast<const void*>(a.norm.weight),
                      reinterpret_cast<void*>(a.norm.residual_out), a.norm.eps, a.norm.zero_centered};
-  std::size_t stage = 0;
-  if constexpr (kFold == Fold::Norm) {
-    allow_largest_stage<kernel>(a.device, kStageMaxBytes);
-    stage = stage_bytes(a.m, a.k);
-  } else if constexpr (kFold == Fold::NormConv) {
-    allow_largest_stage<kernel>(a.device, kConvStageMaxBytes);
-    stage = stage_bytes(a.m, a.k) + conv_stage_bytes(a.m, block_rows(kBlockWarps, split), a.conv.taps);
-  }
+  if constexpr (kFold == Fold::NormConv) stage += conv_stage_bytes(a.m, block_rows(kBlockWarps, split), a.conv.taps);
   // Named by role (errors, NINFER_ABLATE): a decode step's in_proj / qkv fold the norm (a GDN in_proj
   // with its conv epilogue too: the same role), its out_proj / o_proj add the residual; all contain
   // "quant_gemv".
@@ -679,21 +742,6 @@ void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_bl
     if (split > kWarps) return by_kind(std::integral_constant<int, kWideWarps>{});
   }
   by_kind(std::integral_constant<int, kWarps>{});
-}
-
-// SMs of a device, queried once per process (so graph captures after a warm-up query nothing).
-int sm_count(int device) {
-  static std::array<std::atomic<int>, 256> counts{};
-  if (device < 0 || device >= static_cast<int>(counts.size())) {
-    throw std::invalid_argument("quant_gemv: bad device " + std::to_string(device));
-  }
-  int sms = counts[device].load(std::memory_order_relaxed);
-  if (sms == 0) {
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-               "cudaDeviceGetAttribute");
-    counts[device].store(sms, std::memory_order_relaxed);
-  }
-  return sms;
 }
 
 // Warps per tile (1, 2, 4 .. max_split): K is split until the grid has ~kWarpsPerSm warps per SM,
