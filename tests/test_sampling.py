@@ -366,13 +366,14 @@ def test_plain_greedy_rows_take_the_argmax_in_their_dtype_as_the_sampler_would(m
     logits[3, 4] = float("inf")
     logits[4] = float("-inf")
     logits[5, :] = 0.0  # all tied: id 0
+    logits[6, 3], logits[6, 8] = float("inf"), float("nan")  # +inf before a NaN
     greedy = [SamplingParams(temperature=0)] * 7
     want = Sampler().sample(logits.float(), greedy[:6] + [SamplingParams(temperature=0, logit_bias={0: 0.0})],
                             [TokenHistory([])] * 7, [None] * 7)  # a logit bias keeps the general path
     monkeypatch.setattr(sampling, "row_params", lambda params: pytest.fail("the general path ran"))
     got = Sampler().sample(logits, greedy, [TokenHistory([])] * 7, [None] * 7)
     assert got.dtype == torch.long and got.tolist() == want.tolist()
-    assert got.tolist()[1:6] == [5, -1, -1, -1, 0]
+    assert got.tolist()[1:] == [5, -1, -1, -1, 0, -1]
     assert plain_greedy(greedy) and not plain_greedy([SamplingParams(temperature=0, presence_penalty=0.5)])
     assert not plain_greedy([SamplingParams(temperature=0.7)])
 
