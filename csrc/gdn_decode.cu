@@ -39,6 +39,9 @@ using F4 = Vec<float, 4>;
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+// Pulls the line holding p into L2, neither taking a register nor waiting.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // Sum over the 16 row lanes of a strip (lane bits 1..4), keeping the two column lanes apart.
 __device__ __forceinline__ void sum_rows(F4& x) {
 #pragma unroll
@@ -179,7 +182,7 @@ __device__ __forceinline__ void load_key_head(float* q_s, float* k_s, const T* q
 // state is stored after token counts[b] - 1 (if written); the head's last block to finish
 // normalises the head's T outputs in place. Products and sums of the state update are rounded
 // separately (no fma), as torch's elementwise ops round them.
-// 8 blocks an SM for dk <= 128 (64 registers, 32 bytes spilled on sm_90): batch 8 of the 35B is
+// 8 blocks an SM for dk <= 128 (64 registers, at most 16 bytes spilled on sm_90): batch 8 of the 35B is
 // 1,024 blocks, one wave of 8 x 132 instead of 1.55 of the 5 that 96 registers allowed.
 // kConvDone: q / k / v come from qkv (T = 1: its row b, conv'd by the GEMV before) instead of act.
 template <typename T, int kMaxRows, bool kConvDone>
@@ -209,7 +212,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
   const int advance = advance_count(counts, b, num_tokens);
   const int steps = out != nullptr && counts == nullptr ? num_tokens : advance;  // block-uniform
   const std::int64_t row0 = first_row(offsets, b, seq_rows);  // token t's row: row0 + t
+  constexpr int kPerThread = kMaxHeadDim / (kWarps * 32);
+  // Constants load before the wait, with the state: after it every load is one more round trip on
+  // the critical path (~0.5 us from L2).
   const float A = expf(to_float(A_log[h]));
+  const T dt_bias_h = dt_bias[h];
 
   const int lane = threadIdx.x & 31;
   const int row_lane = lane >> 1;
@@ -228,6 +235,14 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
       if (r < rows) *reinterpret_cast<F4*>(fork + (row_lane + r * kRowLanes) * head_v_dim) = s[r];
     }
   }
+  // The gated norm's weights, last read a decode step ago, so likely gone from L2: fetched into it
+  // now, they are an L2 hit beside the outputs' reload there. Held in registers instead, they were
+  // spilled at once, the spill store waiting here for their load.
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int j = threadIdx.x + i * kWarps * 32;
+    if (out != nullptr && j < head_v_dim) prefetch_l2(norm_weight + j);
+  }
   // Only now wait for the conv kernel (or the GEMV that ran the conv) launched just before
   // (programmatic dependent launch): it writes act (qkv), never the recurrent state, and slots /
   // counts were written before it ran, so the state's loads (most of this kernel's DRAM traffic)
@@ -237,19 +252,36 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
     const std::int64_t bt = static_cast<std::int64_t>(b) * num_tokens + t;
     const float* row = kConvDone ? nullptr : act + bt * channels;
     const T* qkv_row = qkv + (row0 + t) * qkv_stride;
+    // The token's loads all issue here, before the q / k reduction's barriers, so that their L2
+    // round trips overlap instead of following one another. __ldcg: ptxas sinks ld.global.nc (what
+    // plain loads of these read-only arguments become) past the barriers.
+    const T a_t = __ldcg(a + (row0 + t) * ab_stride + h);
+    const T b_t = __ldcg(b_in + (row0 + t) * ab_stride + h);
+    F4 v;
+    if constexpr (kConvDone) {  // element loads: qkv rows need not be 8-byte aligned
+#pragma unroll
+      for (int c = 0; c < 4; ++c) v.v[c] = to_float(__ldcg(qkv_row + 2 * key_dim + h * head_v_dim + col + c));
+    } else {
+      const float4 v4 = __ldcg(reinterpret_cast<const float4*>(row + 2 * key_dim + h * head_v_dim + col));
+      v = {{v4.x, v4.y, v4.z, v4.w}};
+    }
     if (t > 0) __syncthreads();  // the previous token's q / k are read
     if constexpr (kConvDone) {
       load_key_head(q_s, k_s, qkv_row + key_head * head_k_dim, qkv_row + key_dim + key_head * head_k_dim,
                     head_k_dim, q_scale);
     } else {
-      for (int i = threadIdx.x; i < head_k_dim; i += blockDim.x) {
-        q_s[i] = row[key_head * head_k_dim + i];
-        k_s[i] = row[key_dim + key_head * head_k_dim + i];
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {  // unrolled, so that the loads issue together
+        const int i = threadIdx.x + j * kWarps * 32;
+        if (i < head_k_dim) {
+          q_s[i] = row[key_head * head_k_dim + i];
+          k_s[i] = row[key_dim + key_head * head_k_dim + i];
+        }
       }
     }
-    const float g = -A * softplus(to_float(a[(row0 + t) * ab_stride + h]) + to_float(dt_bias[h]));
+    const float g = -A * softplus(to_float(a_t) + to_float(dt_bias_h));
     const float decay = expf(g);
-    const float beta = 1.0f / (1.0f + expf(-to_float(b_in[(row0 + t) * ab_stride + h])));
+    const float beta = 1.0f / (1.0f + expf(-to_float(b_t)));
     __syncthreads();
 
     F4 pred = {};
@@ -265,18 +297,15 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
       }
     }
     sum_rows(pred);
-    F4 v;
-    if constexpr (kConvDone) {  // element loads: qkv rows need not be 8-byte aligned
-#pragma unroll
-      for (int c = 0; c < 4; ++c) v.v[c] = to_float(qkv_row[2 * key_dim + h * head_v_dim + col + c]);
-    } else {
-      v = *reinterpret_cast<const F4*>(row + 2 * key_dim + h * head_v_dim + col);
-    }
     F4 u;
 #pragma unroll
     for (int c = 0; c < 4; ++c) u.v[c] = beta * (v.v[c] - pred.v[c]);
     F4 o = {};
     const bool store = write_state && t == advance - 1;  // block-uniform
+    // The stores' row addresses come from an opaque copy of the row pitch, computed where they are
+    // used: else they are those of the loads before the wait, 16 registers held (spilled) until now.
+    int pitch = head_v_dim;
+    asm volatile("" : "+r"(pitch));
 #pragma unroll
     for (int r = 0; r < kMaxRows; ++r) {
       if (r < rows) {
@@ -288,7 +317,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
           o.v[c] += s[r].v[c] * qr;
         }
         // stored as soon as the row is final: the writes overlap the remaining rows' math
-        if (store) *reinterpret_cast<F4*>(state + (row_lane + r * kRowLanes) * head_v_dim) = s[r];
+        if (store) *reinterpret_cast<F4*>(state + (row_lane + r * kRowLanes) * pitch) = s[r];
       }
     }
     if (out != nullptr) {
@@ -309,16 +338,20 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
 
   // The head's last block: gated RMSNorm round(round(w * round(o * rstd)) * silu(z)) in place.
   __threadfence();
-  constexpr int kPerThread = kMaxHeadDim / (kWarps * 32);
   for (int t = 0; t < steps; ++t) {
     T* out_head = out + (row0 + t) * value_dim + h * head_v_dim;
     const T* z_head = z + (row0 + t) * z_stride + h * head_v_dim;
     float x[kPerThread];
+    T zv[kPerThread], w[kPerThread];  // loaded with x (L2 hits): the round trips overlap
     float sumsq = 0.0f;
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int j = threadIdx.x + i * kWarps * 32;
       x[i] = j < head_v_dim ? to_float(__ldcg(out_head + j)) : 0.0f;  // L2: other blocks wrote it
+      if (j < head_v_dim) {
+        zv[i] = z_head[j];
+        w[i] = norm_weight[j];
+      }
       sumsq += x[i] * x[i];
     }
     __syncthreads();  // group_sum's shared partials are reused token after token
@@ -327,8 +360,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
     for (int i = 0; i < kPerThread; ++i) {
       const int j = threadIdx.x + i * kWarps * 32;
       if (j < head_v_dim) {
-        const float scaled = round_to<T>(to_float(norm_weight[j]) * round_to<T>(x[i] * rstd));
-        out_head[j] = from_float<T>(scaled * silu(to_float(z_head[j])));
+        const float scaled = round_to<T>(to_float(w[i]) * round_to<T>(x[i] * rstd));
+        out_head[j] = from_float<T>(scaled * silu(to_float(zv[i])));
       }
     }
   }
