@@ -106,9 +106,14 @@ __device__ __forceinline__ const T* gate_row(const Params& p, int b, int t, int 
 // times sigmoid(gate[d]) by activation.cu's sigmoid_mul arithmetic (common.cuh sigmoid_times), so
 // the gated output is bit-equal to decode_attention followed by sigmoid_mul. Exact in T.
 template <typename T>
-__device__ __forceinline__ float output_value(float o, const T* gate, int d) {
+__device__ __forceinline__ float gated_value(float o, bool gated, float g) {
   const float a = round_to<T>(o);
-  return gate == nullptr ? a : sigmoid_times<T>(a, to_float(gate[d]));
+  return gated ? sigmoid_times<T>(a, g) : a;
+}
+
+template <typename T>
+__device__ __forceinline__ float output_value(float o, const T* gate, int d) {
+  return gated_value<T>(o, gate != nullptr, gate == nullptr ? 0.0f : to_float(gate[d]));
 }
 
 template <typename T>
@@ -511,48 +516,84 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 }
 
 // out[row] = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s over the sequence's splits.
-// Grid (D / 64, rows x kv_heads, B).
+// Grid (D / 64, rows x kv_heads, B). Every load issues before the first barrier: a thread's
+// (m, l), its first kHeld O vectors and (before the wait: the qkv projection that wrote it is
+// launches back) its gate values; the O loop used to wait out an L2 round trip per split group
+// it held, after the (m, l) pass's own.
+constexpr int kHeld = 8;  // O vectors a thread holds: 16 kHeld = 128 splits in one round of loads
+
+// 4 blocks an SM (64 registers): batch 8 at 512 is 512 blocks, one wave (3 an SM, at the 71
+// registers the held vectors take unbounded, made 1.3 waves: H200, +0.4% a batch-8 step).
 template <typename T>
-__global__ void __launch_bounds__(kReduceThreads)
+__global__ void __launch_bounds__(kReduceThreads, 4)
     decode_attention_reduce_kernel(const Params p, int head_dim) {
-  enter_kernel();
   const int rg = blockIdx.y % p.rows;
   const int kvh = blockIdx.y / p.rows;
   const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int col = tid & 15;
+  const int grp = tid >> 4;
+  const int d = blockIdx.x * kReduceCols + col * 4;
+  const int t = rg / p.group;
+  const int head = kvh * p.group + rg % p.group;
+  const T* gate = gate_row<T>(p, b, t, head);
+  float g[4] = {};
+  if (gate != nullptr && grp == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) g[i] = to_float(gate[d + i]);
+  }
   const SplitPlan plan = plan_splits(kv_length(p, p.cache_lens[b]), p.max_splits);
+  enter_kernel();
   if (plan.splits == 1) return;
 
   extern __shared__ float weights[];  // [max_splits]
   __shared__ float red[32];
   __shared__ float4 part[kReduceThreads / 16][16];
-  const int tid = threadIdx.x;
   const std::int64_t first = (static_cast<std::int64_t>(b) * p.kv_heads + kvh) * p.max_splits;
   const float* ml = p.ws_ml + rg * 2;
-  float mx = -INFINITY;
-  for (int s = tid; s < plan.splits; s += kReduceThreads) mx = fmaxf(mx, ml[(first + s) * p.rows * 2]);
+  const auto o_at = [&](int s) {
+    return *reinterpret_cast<const float4*>(p.ws_o + ((first + s) * p.rows + rg) * head_dim + d);
+  };
+  float4 held[kHeld];
+#pragma unroll
+  for (int i = 0; i < kHeld; ++i) {
+    if (grp + 16 * i < plan.splits) held[i] = o_at(grp + 16 * i);
+  }
+  float m_own = -INFINITY, l_own = 0.0f;  // split tid's
+  if (tid < plan.splits) {
+    m_own = ml[(first + tid) * p.rows * 2];
+    l_own = ml[(first + tid) * p.rows * 2 + 1];
+  }
+  float mx = m_own;
+  for (int s = tid + kReduceThreads; s < plan.splits; s += kReduceThreads) mx = fmaxf(mx, ml[(first + s) * p.rows * 2]);
   mx = block_max(mx, red);
-  float total = 0.0f;
-  for (int s = tid; s < plan.splits; s += kReduceThreads) {
-    const float* e = ml + (first + s) * p.rows * 2;
-    const float w = e[0] == -INFINITY ? 0.0f : exp2f(e[0] - mx);
+  const auto weigh = [&](int s, float m, float l, float& sum) {
+    const float w = m == -INFINITY ? 0.0f : exp2f(m - mx);
     weights[s] = w;
-    total += w * e[1];
+    sum += w * l;
+  };
+  float total = 0.0f;
+  if (tid < plan.splits) weigh(tid, m_own, l_own, total);
+  for (int s = tid + kReduceThreads; s < plan.splits; s += kReduceThreads) {
+    const float* e = ml + (first + s) * p.rows * 2;
+    weigh(s, e[0], e[1], total);
   }
   total = block_sum(total, red);  // its barriers also publish `weights`
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
 
-  const int col = tid & 15;
-  const int grp = tid >> 4;
-  const int d = blockIdx.x * kReduceCols + col * 4;
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int s = grp; s < plan.splits; s += kReduceThreads / 16) {
-    const float4 v = *reinterpret_cast<const float4*>(p.ws_o + ((first + s) * p.rows + rg) * head_dim + d);
+  const auto add = [&](int s, const float4& v) {
     const float w = weights[s];
     acc.x += w * v.x;
     acc.y += w * v.y;
     acc.z += w * v.z;
     acc.w += w * v.w;
+  };
+#pragma unroll
+  for (int i = 0; i < kHeld; ++i) {
+    if (grp + 16 * i < plan.splits) add(grp + 16 * i, held[i]);
   }
+  for (int s = grp + 16 * kHeld; s < plan.splits; s += kReduceThreads / 16) add(s, o_at(s));
   part[grp][col] = acc;
   __syncthreads();
   if (grp != 0) return;
@@ -563,14 +604,12 @@ __global__ void __launch_bounds__(kReduceThreads)
     acc.z += part[i][col].z;
     acc.w += part[i][col].w;
   }
-  const int t = rg / p.group;
-  const int head = kvh * p.group + rg % p.group;
   const std::int64_t token = static_cast<std::int64_t>(b) * p.num_new + t;
   T* dst = static_cast<T*>(p.out) + (token * p.num_heads + head) * head_dim + d;
-  const T* gate = gate_row<T>(p, b, t, head);
+  const bool gated = gate != nullptr;
   *reinterpret_cast<uint2*>(dst) =
-      make_uint2(pack2<T>(output_value<T>(acc.x * inv, gate, d), output_value<T>(acc.y * inv, gate, d + 1)),
-                 pack2<T>(output_value<T>(acc.z * inv, gate, d + 2), output_value<T>(acc.w * inv, gate, d + 3)));
+      make_uint2(pack2<T>(gated_value<T>(acc.x * inv, gated, g[0]), gated_value<T>(acc.y * inv, gated, g[1])),
+                 pack2<T>(gated_value<T>(acc.z * inv, gated, g[2]), gated_value<T>(acc.w * inv, gated, g[3])));
 }
 
 template <typename T, KVDType KV, int D, int MT>

@@ -314,6 +314,18 @@ def test_decode_kernel_matches_reference(lens, num_new, heads, kv_heads, dim, ki
 
 @cuda
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("num_new", [1, 2])
+def test_decode_kernel_past_what_a_reduce_thread_holds(kind, num_new):
+    """One kv head of one sequence over 10K keys: up to 264 splits (2 a SM), so the reduce kernel
+    reads (m, l) past one a thread and O vectors past the 128 splits it holds in registers."""
+    _need_kernels()
+    case = Case([10000], num_new, 4, 1, 128, kind, torch.bfloat16, "cuda", seed=num_new)
+    out = _run_decode(case)
+    _close(out, case.expected(), TOL)
+
+
+@cuda
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dim,heads,kv_heads,num_new", [(64, 6, 2, 4), (256, 32, 2, 16), (128, 32, 2, 16)])
 def test_decode_kernel_fp16_other_shapes(dim, heads, kv_heads, num_new, kind):
     """fp16, head_dim 64, and GQA 16 x 16 tokens (256 query rows: several row chunks per kv head)."""
