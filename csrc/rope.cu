@@ -18,23 +18,47 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 
-// One head vector normed (weight != nullptr) and rotated. Lane `lane` holds elements lane * kPer
-// .. + kPer of it in v (values of T; the norm overwrites them) and gets the same elements of the
-// result in y. cs / sn: the token's cos / sin rows. Every lane of the warp calls it (the norm's
-// sum and the rotation partner are shuffles).
+// A lane's constants for its elements of a head vector: the norm's weights and the token's cos /
+// sin (rotated lanes only: the rows are rotary_dim long). The kernels load them before the PDL
+// wait (the weights are the model's; cos / sin were computed launches back), so that after it a
+// lane's loads are its head vector's alone: one L2 round trip, not three in a row.
+template <int kPer>
+struct RotaryLane {
+  float w[kPer], c[kPer], s[kPer];
+};
+
 template <typename T, int kPer>
-__device__ __forceinline__ void norm_rotary_vector(float (&v)[kPer], const T* weight, const T* cs, const T* sn,
+__device__ __forceinline__ RotaryLane<kPer> load_rotary_lane(const T* weight, const T* cs, const T* sn, int rotary_dim,
+                                                             int lane) {
+  RotaryLane<kPer> r{};
+  const bool rotated = lane < 2 * (rotary_dim / 2 / kPer);  // as norm_rotary_vector's lanes
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (weight != nullptr) r.w[j] = to_float(weight[lane * kPer + j]);
+    if (rotated) {
+      r.c[j] = to_float(cs[lane * kPer + j]);
+      r.s[j] = to_float(sn[lane * kPer + j]);
+    }
+  }
+  return r;
+}
+
+// One head vector normed (with_norm: by r.w) and rotated. Lane `lane` holds elements lane * kPer
+// .. + kPer of it in v (values of T; the norm overwrites them) and gets the same elements of the
+// result in y. Every lane of the warp calls it (the norm's sum and the rotation partner are shuffles).
+template <typename T, int kPer>
+__device__ __forceinline__ void norm_rotary_vector(float (&v)[kPer], const RotaryLane<kPer>& r, bool with_norm,
                                                    int rotary_dim, float eps, bool zero_centered, int lane,
                                                    Vec<T, kPer>& y) {
   constexpr int kDim = 32 * kPer;
-  if (weight != nullptr) {
+  if (with_norm) {
     float sumsq = 0.0f;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) sumsq += v[j] * v[j];
     const float rstd = rsqrtf(warp_sum(sumsq) / static_cast<float>(kDim) + eps);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      const float w = to_float(weight[lane * kPer + j]);
+      const float w = r.w[j];
       const float n = v[j] * rstd;
       v[j] = zero_centered ? to_float(from_float<T>(n * (w + 1.0f)))
                            : to_float(from_float<T>(to_float(from_float<T>(n)) * w));
@@ -49,8 +73,8 @@ __device__ __forceinline__ void norm_rotary_vector(float (&v)[kPer], const T* we
   for (int j = 0; j < kPer; ++j) {
     const float other = __shfl_sync(0xffffffffu, v[j], partner);
     if (rotated) {
-      const float c = to_float(from_float<T>(v[j] * to_float(cs[lane * kPer + j])));
-      const float s = to_float(from_float<T>((first ? -other : other) * to_float(sn[lane * kPer + j])));
+      const float c = to_float(from_float<T>(v[j] * r.c[j]));
+      const float s = to_float(from_float<T>((first ? -other : other) * r.s[j]));
       y.v[j] = from_float<T>(c + s);
     } else {
       y.v[j] = from_float<T>(v[j]);
@@ -65,22 +89,24 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
                        std::int64_t stride_b, std::int64_t stride_t, std::int64_t stride_h,
                        std::int64_t cs_stride_b, std::int64_t cs_stride_t, int rotary_dim, float eps,
                        bool zero_centered, std::int64_t vectors) {
-  enter_kernel();
   constexpr int kDim = 32 * kPer;
   const std::int64_t vec = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.y;
-  if (vec >= vectors) return;  // a whole warp leaves together
   const int lane = threadIdx.x;
   const int h = static_cast<int>(vec % heads);
   const std::int64_t bt = vec / heads;
   const int t = static_cast<int>(bt % tokens);
   const std::int64_t b = bt / tokens;
+  const std::int64_t cs_row = b * cs_stride_b + t * cs_stride_t;
+  RotaryLane<kPer> r{};
+  if (vec < vectors) r = load_rotary_lane<T, kPer>(weight, cos + cs_row, sin + cs_row, rotary_dim, lane);
+  enter_kernel();
+  if (vec >= vectors) return;  // a whole warp leaves together
   const T* src = x + b * stride_b + t * stride_t + h * stride_h + lane * kPer;
   float v[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) v[j] = to_float(src[j]);
-  const std::int64_t cs_row = b * cs_stride_b + t * cs_stride_t;
   Vec<T, kPer> y;
-  norm_rotary_vector<T, kPer>(v, weight, cos + cs_row, sin + cs_row, rotary_dim, eps, zero_centered, lane, y);
+  norm_rotary_vector<T, kPer>(v, r, weight != nullptr, rotary_dim, eps, zero_centered, lane, y);
   T* dst = out + vec * kDim + lane * kPer;
 #pragma unroll
   for (int j = 0; j < kPer; ++j) dst[j] = y.v[j];
@@ -97,10 +123,12 @@ __device__ __forceinline__ const T* head_lane(const HeadsIn& in, std::int64_t b,
 template <typename T, KVDType KV, int kPer>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     norm_rotary_kv_kernel(const NormRotaryKVArgs a, std::int64_t vectors) {
-  enter_kernel();
   constexpr int kDim = 32 * kPer;
   const std::int64_t vec = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.y;
-  if (vec >= vectors) return;  // a whole warp leaves together
+  if (vec >= vectors) {  // a whole warp leaves together
+    enter_kernel();
+    return;
+  }
   const int lane = threadIdx.x;
   const int all_heads = a.heads + a.kv_heads;
   const int h = static_cast<int>(vec % all_heads);
@@ -109,15 +137,25 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const std::int64_t b = bt / a.tokens;
   const bool is_q = h < a.heads;
   const int head = is_q ? h : h - a.heads;  // q head, or kv head
+  const std::int64_t cs_row = b * a.cs_stride_b + t * a.cs_stride_t;
+  const auto* weight = reinterpret_cast<const T*>(is_q ? a.q_weight : a.k_weight);
+  const RotaryLane<kPer> r = load_rotary_lane<T, kPer>(weight, reinterpret_cast<const T*>(a.cos) + cs_row,
+                                                       reinterpret_cast<const T*>(a.sin) + cs_row, a.rotary_dim, lane);
+  const std::int64_t slot = is_q ? -1 : reinterpret_cast<const std::int64_t*>(a.slot_mapping)[bt];
+  enter_kernel();  // q, k and v are the projection's, the kernel before
   const T* src = is_q ? head_lane<T, kPer>(a.q, b, t, head, lane) : head_lane<T, kPer>(a.k, b, t, head, lane);
   float v[kPer];
+  Vec<T, kPer> value;  // a k warp's token v, loaded with its k
 #pragma unroll
   for (int j = 0; j < kPer; ++j) v[j] = to_float(src[j]);
-  const std::int64_t cs_row = b * a.cs_stride_b + t * a.cs_stride_t;
+  const bool stored = !is_q && slot >= 0 && slot < a.num_slots;
+  if (stored) {
+    const T* value_src = head_lane<T, kPer>(a.v, b, t, head, lane);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) value.v[j] = value_src[j];
+  }
   Vec<T, kPer> y;
-  norm_rotary_vector<T, kPer>(v, reinterpret_cast<const T*>(is_q ? a.q_weight : a.k_weight),
-                              reinterpret_cast<const T*>(a.cos) + cs_row, reinterpret_cast<const T*>(a.sin) + cs_row,
-                              a.rotary_dim, a.eps, a.zero_centered, lane, y);
+  norm_rotary_vector<T, kPer>(v, r, weight != nullptr, a.rotary_dim, a.eps, a.zero_centered, lane, y);
   if (is_q) {
     T* dst = reinterpret_cast<T*>(a.q_out) + (bt * a.heads + head) * kDim + lane * kPer;
 #pragma unroll
@@ -125,16 +163,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     return;
   }
 
-  const std::int64_t slot = reinterpret_cast<const std::int64_t*>(a.slot_mapping)[bt];
-  if (slot < 0 || slot >= a.num_slots) return;
+  if (!stored) return;
   const std::int64_t row = slot * a.kv_heads + head;
   store_kv_vector<T, KV, kPer>(y, reinterpret_cast<unsigned char*>(a.k_cache), reinterpret_cast<float*>(a.k_scale),
                                row, lane);
-  const T* value = head_lane<T, kPer>(a.v, b, t, head, lane);
-  Vec<T, kPer> x;
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) x.v[j] = value[j];
-  store_kv_vector<T, KV, kPer>(x, reinterpret_cast<unsigned char*>(a.v_cache), reinterpret_cast<float*>(a.v_scale),
+  store_kv_vector<T, KV, kPer>(value, reinterpret_cast<unsigned char*>(a.v_cache), reinterpret_cast<float*>(a.v_scale),
                                row, lane);
 }
 
