@@ -552,7 +552,9 @@ __global__ void __launch_bounds__(kRouterThreads)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nvec = hidden / kPer;
   const int row0 = blockIdx.x * kRouterRows;
-  // The router's rows (and the norm's weight) are constant: they load before the wait for x.
+  // The router's rows (and the norm's weight) are constant, asked for ahead of the wait for x. (In
+  // the SASS ptxas places the wait above these loads, so they are a DRAM round trip after it;
+  // branch `prewait-loads` anchors the wait below them.)
   uint4 wv[kRouterRows][kRouterVecs] = {};
   uint4 nw[kRouterVecs] = {};
 #pragma unroll
