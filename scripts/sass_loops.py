@@ -7,6 +7,12 @@ loop holds and which opcodes they are, so that a change can be judged by its SAS
 times it. No parser library reads cuobjdump's text, hence these few regular expressions.
 
     python3 scripts/sass_loops.py sass.txt.gz 'quant_gemv_kernel.*CodesE2ELi1ELNS0_6LayoutE1ELb0'
+
+With --wait it prints instead the global loads on either side of each programmatic-dependent-launch
+wait (`griddepcontrol.wait`, SASS ACQBULK), by mnemonic: ptxas places the wait as early as its
+basic block allows, so loads a kernel means to issue before the wait (weights, constants) may sit
+after it in the SASS (docs/performance.md, eighteenth session), and read-only (.CONSTANT) loads of
+the previous kernel's outputs must not sit before it.
 """
 
 from __future__ import annotations
@@ -68,11 +74,29 @@ def loops(lines: list[str]) -> list[tuple[str, int, int, Counter[str]]]:
     return found
 
 
+def loads_around_waits(lines: list[str]) -> list[tuple[int, Counter[str], Counter[str]]]:
+    """(index, loads since the previous wait or the start, loads after it up to the next) of each
+    PDL wait, loads counted by mnemonic without predicate (`LDG.E.NA.128.CONSTANT`)."""
+    program = [m.group(2) for m in map(INSTRUCTION.match, lines) if m]
+    waits = [i for i, x in enumerate(program) if opcode(x) == "ACQBULK"]
+
+    def loads(start: int, stop: int) -> Counter[str]:
+        return Counter(x.split()[1 if x.startswith("@") else 0] for x in program[start:stop] if opcode(x) == "LDG")
+
+    bounds = [0, *waits, len(program)]
+    return [(w, loads(bounds[k], w), loads(w + 1, bounds[k + 2])) for k, w in enumerate(waits)]
+
+
+def listed(counts: Counter[str]) -> str:
+    return ", ".join(f"{op} {n}" for op, n in sorted(counts.items())) or "none"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sass", type=Path, help="cuobjdump -sass output (.gz or text)")
     parser.add_argument("kernel", help="regular expression over the mangled function names")
     parser.add_argument("--top", type=int, default=14, help="opcodes shown per loop")
+    parser.add_argument("--wait", action="store_true", help="the loads on either side of each PDL wait instead")
     args = parser.parse_args()
     raw = args.sass.read_bytes()
     text = (gzip.decompress(raw) if args.sass.suffix == ".gz" else raw).decode(errors="replace")
@@ -81,6 +105,10 @@ def main() -> None:
         raise SystemExit(f"no function matches {args.kernel!r}")
     for name, lines in matched.items():
         print(name)
+        if args.wait:
+            for index, before, after in loads_around_waits(lines):
+                print(f"  wait at instruction {index}: before {listed(before)}; after {listed(after)}")
+            continue
         for label, start, end, counts in loops(lines):
             ops = ", ".join(f"{op} {n}" for op, n in counts.most_common(args.top))
             print(f"  loop {label}: {end - start + 1} instructions, HMMA {counts['HMMA']}: {ops}")

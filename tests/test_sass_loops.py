@@ -93,3 +93,33 @@ def test_command_line_reads_gzip_and_picks_kernels(tmp_path):
                              text=True)
     assert missing.returncode != 0 and "no function matches" in missing.stderr
 
+
+
+# A kernel whose early-exit path waits (griddepcontrol.wait is SASS ACQBULK) and whose main path
+# loads weights (NA), then waits, then loads the previous kernel's output (STRONG) and a constant.
+WAITS = """
+		Function : _Z5waitsPf
+        /*0000*/               @P0 BRA 0x0040 ;
+        /*0010*/                   ACQBULK ;
+        /*0020*/                   PREEXIT ;
+        /*0030*/                   EXIT ;
+        /*0040*/               @!P1 LDG.E.NA.128.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0050*/                   LDG.E.NA.128.CONSTANT R8, desc[UR4][R2.64+0x10] ;
+        /*0060*/                   ACQBULK ;
+        /*0070*/                   PREEXIT ;
+        /*0080*/                   LDG.E.128.STRONG.GPU R12, desc[UR4][R6.64] ;
+        /*0090*/               @P2 LDG.E.U16.CONSTANT R16, desc[UR4][R6.64] ;
+        /*00a0*/                   EXIT ;
+"""
+
+
+def test_loads_on_either_side_of_each_wait(tmp_path):
+    sass_loops = _module()
+    early, main = sass_loops.loads_around_waits(sass_loops.functions(WAITS)["_Z5waitsPf"])
+    assert early == (1, {}, {"LDG.E.NA.128.CONSTANT": 2})
+    assert main == (6, {"LDG.E.NA.128.CONSTANT": 2}, {"LDG.E.128.STRONG.GPU": 1, "LDG.E.U16.CONSTANT": 1})
+    dump = tmp_path / "sass.txt"
+    dump.write_text(WAITS)
+    out = subprocess.run([sys.executable, str(SCRIPT), str(dump), "waits", "--wait"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "wait at instruction 6: before LDG.E.NA.128.CONSTANT 2; after LDG.E.128.STRONG.GPU 1, LDG.E.U16.CONSTANT 1" in out
