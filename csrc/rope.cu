@@ -19,11 +19,9 @@ namespace {
 constexpr int kWarpsPerBlock = 4;
 
 // A lane's constants for its elements of a head vector: the norm's weights and the token's cos /
-// sin (rotated lanes only: the rows are rotary_dim long). The kernels ask for them ahead of the PDL
-// wait (the weights are the model's; cos / sin were computed launches back) and for the token's v
-// with its k, so that a lane's loads go out together: one L2 round trip, not three in a row. (In
-// the SASS ptxas still places the wait above the constants' loads, in the same round trip as the
-// head vector's; branch `prewait-loads` anchors the wait below them.)
+// sin (rotated lanes only: the rows are rotary_dim long). The kernels load them before the PDL
+// wait (the weights are the model's; cos / sin were computed launches back), so that after it a
+// lane's loads are its head vector's alone: one L2 round trip, not three in a row.
 template <int kPer>
 struct RotaryLane {
   float w[kPer], c[kPer], s[kPer];
