@@ -27,11 +27,18 @@ struct RotaryLane {
   float w[kPer], c[kPer], s[kPer];
 };
 
+// Lanes holding the first rotated half of a head vector (kPer elements a lane); the rotated lanes
+// are the first twice as many.
+template <int kPer>
+__device__ __forceinline__ int half_rotated_lanes(int rotary_dim) {
+  return rotary_dim / 2 / kPer;
+}
+
 template <typename T, int kPer>
 __device__ __forceinline__ RotaryLane<kPer> load_rotary_lane(const T* weight, const T* cs, const T* sn, int rotary_dim,
                                                              int lane) {
   RotaryLane<kPer> r{};
-  const bool rotated = lane < 2 * (rotary_dim / 2 / kPer);  // as norm_rotary_vector's lanes
+  const bool rotated = lane < 2 * half_rotated_lanes<kPer>(rotary_dim);
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     if (weight != nullptr) r.w[j] = to_float(weight[lane * kPer + j]);
@@ -65,7 +72,7 @@ __device__ __forceinline__ void norm_rotary_vector(float (&v)[kPer], const Rotar
     }
   }
 
-  const int half_lanes = rotary_dim / 2 / kPer;  // lanes holding the first rotated half
+  const int half_lanes = half_rotated_lanes<kPer>(rotary_dim);
   const bool first = lane < half_lanes;
   const bool rotated = lane < 2 * half_lanes;
   const int partner = first ? lane + half_lanes : (rotated ? lane - half_lanes : lane);
