@@ -553,8 +553,8 @@ __global__ void __launch_bounds__(kRouterThreads)
   const int nvec = hidden / kPer;
   const int row0 = blockIdx.x * kRouterRows;
   // The router's rows (and the norm's weight) are constant, asked for ahead of the wait for x. (In
-  // the SASS ptxas places the wait above these loads, so they are a DRAM round trip after it;
-  // branch `prewait-loads` anchors the wait below them.)
+  // the SASS ptxas places the wait above these loads, so they are a DRAM round trip after it:
+  // docs/performance.md, eighteenth session.)
   uint4 wv[kRouterRows][kRouterVecs] = {};
   uint4 nw[kRouterVecs] = {};
 #pragma unroll

@@ -94,7 +94,6 @@ def test_command_line_reads_gzip_and_picks_kernels(tmp_path):
     assert missing.returncode != 0 and "no function matches" in missing.stderr
 
 
-
 # A kernel whose early-exit path waits (griddepcontrol.wait is SASS ACQBULK) and whose main path
 # loads weights (NA), then waits, then loads the previous kernel's output (STRONG) and a constant.
 WAITS = """
