@@ -93,6 +93,40 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// Loads for before the PDL wait (launch.cuh), issued where they stand. nvcc sinks ordinary
+// read-only loads (__ldg, loads of const data) and non-volatile asm past the wait's asm: in the
+// SASS the router's weight rows, the rotary constants and the shared expert's rows in gate_up
+// all loaded after the wait, their DRAM round trip then one the kernel waits out. Volatile asm
+// stays in order with the wait (the loads are read-only: ld.global.nc).
+__device__ __forceinline__ uint4 load_early16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ std::int64_t load_early(const std::int64_t* p) {
+  long long v;
+  asm volatile("ld.global.nc.s64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+
+// An element of T as a float (load_early16's rule).
+template <typename T>
+__device__ __forceinline__ float load_early_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+  } else {
+    unsigned short bits;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(bits) : "l"(p));
+    if constexpr (std::is_same_v<T, __half>) return __half2float(__ushort_as_half(bits));
+    return __uint_as_float(static_cast<std::uint32_t>(bits) << 16);
+  }
+}
+
 // v rounded to T and back: where a torch reference rounds an intermediate to the model dtype.
 template <typename T>
 __device__ __forceinline__ float round_to(float v) {

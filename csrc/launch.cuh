@@ -42,6 +42,17 @@ __device__ __forceinline__ void enter_kernel() {
   start_dependents();
 }
 
+// enter_kernel() for a kernel that issues loads before it (weights, constants, what kernels two or
+// more launches back wrote). ptxas floats griddepcontrol.wait up past loads of its own basic block
+// (an acquire lets earlier loads sink below it: in the SASS every one of the router's weight loads
+// came after the wait), so the wait goes behind a branch on a value neither compiler knows, the
+// grid's width (never 0): a block boundary that ptxas keeps.
+__device__ __forceinline__ void enter_kernel_after_loads() {
+  unsigned blocks;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(blocks));
+  if (blocks != 0) enter_kernel();
+}
+
 // PDL on the current device: sm_90+ unless NINFER_PDL=0 (read once per process).
 inline bool pdl_enabled() {
   static const bool allowed = [] {

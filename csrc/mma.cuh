@@ -34,6 +34,16 @@ __device__ __forceinline__ uint4 load16(const void* ptr, bool pred) {
   return v;
 }
 
+// load16<true> for before the PDL wait: volatile, so that nvcc keeps it there (common.cuh load_early16).
+__device__ __forceinline__ uint4 load16_early(const void* ptr, bool pred) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+               " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+               : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+               : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
 // 16 bytes of x (an MMA's B operand) through L1, unpredicated: a lane whose x row does not exist
 // points at a real one (row 0, k 0), and its products land in C columns nobody reads, so no zeros
 // are needed (a predicated load would cost 4 moves to zero its registers and a setp).

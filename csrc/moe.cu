@@ -552,9 +552,8 @@ __global__ void __launch_bounds__(kRouterThreads)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nvec = hidden / kPer;
   const int row0 = blockIdx.x * kRouterRows;
-  // The router's rows (and the norm's weight) are constant, asked for ahead of the wait for x. (In
-  // the SASS ptxas places the wait above these loads, so they are a DRAM round trip after it:
-  // docs/performance.md, eighteenth session.)
+  // The router's rows (and the norm's weight) are constant: they load before the wait for x
+  // (load_early16 and enter_kernel_after_loads: else ptxas places the wait above them).
   uint4 wv[kRouterRows][kRouterVecs] = {};
   uint4 nw[kRouterVecs] = {};
 #pragma unroll
@@ -563,10 +562,10 @@ __global__ void __launch_bounds__(kRouterThreads)
 #pragma unroll
     for (int r = 0; r < kRouterRows; ++r) {
       if (row0 + r < rows && c < nvec) {
-        wv[r][j] = __ldg(reinterpret_cast<const uint4*>(w + static_cast<std::int64_t>(row0 + r) * hidden) + c);
+        wv[r][j] = load_early16(reinterpret_cast<const uint4*>(w + static_cast<std::int64_t>(row0 + r) * hidden) + c);
       }
     }
-    if (kNorm && c < nvec) nw[j] = __ldg(reinterpret_cast<const uint4*>(norm.weight) + c);
+    if (kNorm && c < nvec) nw[j] = load_early16(reinterpret_cast<const uint4*>(norm.weight) + c);
   }
   // Token n + 1's x (and residual) vectors are requested before token n is normed and dotted: one
   // L2 round trip for all the tokens, not one a token.
@@ -577,11 +576,12 @@ __global__ void __launch_bounds__(kRouterThreads)
       const int c = threadIdx.x + kRouterThreads * j;
       if (c >= nvec) continue;
       const std::int64_t at = static_cast<std::int64_t>(n) * nvec + c;
-      next_x[j] = __ldg(reinterpret_cast<const uint4*>(x) + at);
-      if constexpr (kNorm) next_r[j] = __ldg(reinterpret_cast<const uint4*>(norm.residual) + at);
+      // coherent loads (.cg, not .nc): ptxas may hoist read-only (.nc) loads above the wait
+      next_x[j] = __ldcg(reinterpret_cast<const uint4*>(x) + at);
+      if constexpr (kNorm) next_r[j] = __ldcg(reinterpret_cast<const uint4*>(norm.residual) + at);
     }
   };
-  enter_kernel();
+  enter_kernel_after_loads();
   load_token(0);
   for (int n = 0; n < tokens; ++n) {
     uint4 xv[kRouterVecs], rv[kRouterVecs];

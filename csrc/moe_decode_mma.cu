@@ -107,9 +107,9 @@ __global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: one token'
     for (int u = 0; u < kPartChunks; ++u) {
       const int off = (warp * chunks + u) * kChunkBytes + 16 * t;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) q[u][r] = load16<true>(rows[r] + (u < chunks ? off : 0), u < chunks);
+      for (int r = 0; r < 2; ++r) q[u][r] = load16_early(rows[r] + (u < chunks ? off : 0), u < chunks);
     }
-    enter_kernel();  // x is the router's normed output
+    enter_kernel_after_loads();  // x is the router's normed output
     const T* xr[1] = {x + static_cast<std::int64_t>(g < p.tokens ? g : 0) * p.hidden};
     float acc[1][4] = {};
     const std::uint16_t no_scale[2] = {};

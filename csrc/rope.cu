@@ -20,8 +20,10 @@ constexpr int kWarpsPerBlock = 4;
 
 // A lane's constants for its elements of a head vector: the norm's weights and the token's cos /
 // sin (rotated lanes only: the rows are rotary_dim long). The kernels load them before the PDL
-// wait (the weights are the model's; cos / sin were computed launches back), so that after it a
-// lane's loads are its head vector's alone: one L2 round trip, not three in a row.
+// wait (the weights are the model's; cos / sin were computed launches back; load_early_float and
+// enter_kernel_after_loads keep all of them there: of norm_rotary_write_kv's 24, ptxas had placed 8
+// below the wait), and the token's v with its k, so that after the wait a lane's loads go out
+// together: one L2 round trip, not three in a row.
 template <int kPer>
 struct RotaryLane {
   float w[kPer], c[kPer], s[kPer];
@@ -41,10 +43,10 @@ __device__ __forceinline__ RotaryLane<kPer> load_rotary_lane(const T* weight, co
   const bool rotated = lane < 2 * half_rotated_lanes<kPer>(rotary_dim);
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    if (weight != nullptr) r.w[j] = to_float(weight[lane * kPer + j]);
+    if (weight != nullptr) r.w[j] = load_early_float(weight + lane * kPer + j);
     if (rotated) {
-      r.c[j] = to_float(cs[lane * kPer + j]);
-      r.s[j] = to_float(sn[lane * kPer + j]);
+      r.c[j] = load_early_float(cs + lane * kPer + j);
+      r.s[j] = load_early_float(sn + lane * kPer + j);
     }
   }
   return r;
@@ -106,7 +108,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const std::int64_t cs_row = b * cs_stride_b + t * cs_stride_t;
   RotaryLane<kPer> r{};
   if (vec < vectors) r = load_rotary_lane<T, kPer>(weight, cos + cs_row, sin + cs_row, rotary_dim, lane);
-  enter_kernel();
+  enter_kernel_after_loads();
   if (vec >= vectors) return;  // a whole warp leaves together
   const T* src = x + b * stride_b + t * stride_t + h * stride_h + lane * kPer;
   float v[kPer];
@@ -148,8 +150,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const auto* weight = reinterpret_cast<const T*>(is_q ? a.q_weight : a.k_weight);
   const RotaryLane<kPer> r = load_rotary_lane<T, kPer>(weight, reinterpret_cast<const T*>(a.cos) + cs_row,
                                                        reinterpret_cast<const T*>(a.sin) + cs_row, a.rotary_dim, lane);
-  const std::int64_t slot = is_q ? -1 : reinterpret_cast<const std::int64_t*>(a.slot_mapping)[bt];
-  enter_kernel();  // q, k and v are the projection's, the kernel before
+  const std::int64_t slot = is_q ? -1 : load_early(reinterpret_cast<const std::int64_t*>(a.slot_mapping) + bt);
+  enter_kernel_after_loads();  // q, k and v are the projection's, the kernel before
   const T* src = is_q ? head_lane<T, kPer>(a.q, b, t, head, lane) : head_lane<T, kPer>(a.k, b, t, head, lane);
   float v[kPer];
   Vec<T, kPer> value;  // a k warp's token v, loaded with its k
