@@ -14,20 +14,37 @@ template <typename T, typename W, int V, bool kResidual>
 __global__ void rmsnorm_kernel(T* out, T* residual_out, const T* x, const T* residual,
                                const W* __restrict__ weight, std::int64_t rows, int hidden,
                                float eps, bool zero_centered) {
-  enter_kernel();
   using TV = Vec<T, V>;
   using WV = Vec<W, V>;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (row >= rows) return;  // only in warp-per-row blocks, where a whole warp leaves together
+  if (row >= rows) {  // only in warp-per-row blocks, where a whole warp leaves together
+    enter_kernel();
+    return;
+  }
   const int nvec = hidden / V;
+  // The weights of this thread's first vector (the model's) load before the wait, and the row's
+  // first vector stays in registers for the scaling pass: read after the reduction, both were one
+  // more round trip there (the weights from DRAM, read once a step). Other vectors as before.
+  constexpr bool kEarlyWeights = sizeof(WV) % 16 == 0;  // whole 16-byte loads
+  const WV* wv = reinterpret_cast<const WV*>(weight);
+  WV w_first{};
+  if constexpr (kEarlyWeights) {
+    if (threadIdx.x < nvec) {
+#pragma unroll
+      for (int c = 0; c < static_cast<int>(sizeof(WV) / 16); ++c) {
+        reinterpret_cast<uint4*>(&w_first)[c] = load_early16(reinterpret_cast<const uint4*>(wv + threadIdx.x) + c);
+      }
+    }
+  }
+  enter_kernel_after_loads();
   const std::int64_t base = row * hidden;
   const TV* xv = reinterpret_cast<const TV*>(x + base);
   TV* ov = reinterpret_cast<TV*>(out + base);
   TV* rov = kResidual ? reinterpret_cast<TV*>(residual_out + base) : nullptr;
   const TV* rv = kResidual ? reinterpret_cast<const TV*>(residual + base) : nullptr;
-  const WV* wv = reinterpret_cast<const WV*>(weight);
 
   float sumsq = 0.0f;
+  TV first{};
   for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
     TV a = xv[i];
     if constexpr (kResidual) {
@@ -36,14 +53,16 @@ __global__ void rmsnorm_kernel(T* out, T* residual_out, const T* x, const T* res
       for (int j = 0; j < V; ++j) a.v[j] = add_rounded(a.v[j], r.v[j]);
       rov[i] = a;
     }
+    if (i == threadIdx.x) first = a;
     sumsq = add_squares(sumsq, a);
   }
   const float rstd = rms_rstd(group_sum(sumsq), hidden, eps);
 
   const TV* src = kResidual ? rov : xv;
   for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-    const TV a = src[i];
-    const WV w = wv[i];
+    const bool own = i == threadIdx.x;
+    const TV a = own ? first : src[i];
+    const WV w = kEarlyWeights && own ? w_first : wv[i];
     TV o;
 #pragma unroll
     for (int j = 0; j < V; ++j) o.v[j] = norm_scale(a.v[j], rstd, w.v[j], zero_centered);
