@@ -171,6 +171,9 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
+// Pulls the line holding p into L2, neither taking a register nor waiting.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);

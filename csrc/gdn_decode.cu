@@ -39,9 +39,6 @@ using F4 = Vec<float, 4>;
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-// Pulls the line holding p into L2, neither taking a register nor waiting.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 // Sum over the 16 row lanes of a strip (lane bits 1..4), keeping the two column lanes apart.
 __device__ __forceinline__ void sum_rows(F4& x) {
 #pragma unroll

@@ -64,11 +64,11 @@ __device__ __forceinline__ float load_weight(const void* p, std::int64_t i, DTyp
 
 // Adds the 8 outputs' (gate, up) sums of `parts` warps in warp order and writes h with the
 // reference's roundings (linear, silu and product each in T). red: [kWarps][8][2] in shared memory,
-// warp w's entries written by its lanes t = 0 (C entries 0, 2 of output g); scale: per-row fp32
-// scales of the int8 shared expert (gate row, up row), else 1.
+// warp w's entries written by its lanes t = 0 (C entries 0, 2 of output g); gate_scale /
+// up_scale: thread i's per-row fp32 scales of the int8 shared expert (gate row, up row), else 1.
 template <typename T>
-__device__ __forceinline__ void gate_up_epilogue(T* h_out, float (*red)[8][2], int tiles, int parts, const float* scale_rows,
-                                                 std::int64_t gate_row0, int up_offset) {
+__device__ __forceinline__ void gate_up_epilogue(T* h_out, float (*red)[8][2], int tiles, int parts, float gate_scale = 1.0f,
+                                                 float up_scale = 1.0f) {
   const int i = threadIdx.x;
   if (i >= 8 * tiles) return;
   const int tile = i / 8, o = i % 8;
@@ -77,10 +77,8 @@ __device__ __forceinline__ void gate_up_epilogue(T* h_out, float (*red)[8][2], i
     gate += red[tile * parts + p][o][0];
     up += red[tile * parts + p][o][1];
   }
-  if (scale_rows != nullptr) {
-    gate *= __ldg(scale_rows + gate_row0 + i);
-    up *= __ldg(scale_rows + gate_row0 + i + up_offset);
-  }
+  gate *= gate_scale;  // exact for the routed experts' 1
+  up *= up_scale;
   h_out[i] = from_float<T>(silu_times<T>(round_to<T>(gate), round_to<T>(up)));
 }
 
@@ -102,6 +100,13 @@ __global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: one token'
     const int chunks = p.hidden / kInt8Chunk / kWarps;  // <= kPartChunks (moe_decode_mma)
     const std::uint8_t* rows[2] = {p.sq + static_cast<std::int64_t>(i0 + g) * row_bytes,
                                    p.sq + static_cast<std::int64_t>(i0 + g + p.shared_inter) * row_bytes};
+    // the epilogue's row scales (thread i: output i0 + i), with the weights: after the barrier they
+    // were one more round trip at the block's tail
+    float gate_scale = 1.0f, up_scale = 1.0f;
+    if (threadIdx.x < 8) {
+      gate_scale = __ldg(p.sscales + i0 + threadIdx.x);
+      up_scale = __ldg(p.sscales + i0 + threadIdx.x + p.shared_inter);
+    }
     uint4 q[kPartChunks][2];
 #pragma unroll
     for (int u = 0; u < kPartChunks; ++u) {
@@ -128,7 +133,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: one token'
     __syncthreads();
     for (int n = 0; n < p.tokens; ++n) {
       gate_up_epilogue<T>(h + static_cast<std::int64_t>(n) * p.h_stride + p.top_k * p.inter + i0, shared_red[n], 1,
-                          kWarps, p.sscales, i0, p.shared_inter);
+                          kWarps, gate_scale, up_scale);
     }
     return;
   }
@@ -168,7 +173,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: one token'
   // a dead expert's rows read as zeros: its h is silu(0) * 0 = 0, as in moe.cu
   gate_up_epilogue<T>(h + static_cast<std::int64_t>(n) * p.h_stride + (y % p.top_k) * p.inter +
                           (bid % p.pair_blocks) * tiles * 8,
-                      red, tiles, p.parts, nullptr, 0, 0);
+                      red, tiles, p.parts);
 }
 
 // kBlocksPerSm: 2 (92 registers) where the grid fits one wave of them (up to 2 tokens); 3 (80
@@ -210,6 +215,13 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
                            shared_live);
     }
   }
+  // The epilogue's shared-expert row scale (constant) and gate logit (the router's, two launches
+  // back) load here too: after the barrier they were one more round trip at the block's tail.
+  float shared_scale = 0.0f, gate_logit = 0.0f;
+  if (kShared && threadIdx.x < 16 && r0 + threadIdx.x < p.hidden) {
+    shared_scale = __ldg(p.sscales + r0 + threadIdx.x);
+    gate_logit = to_float(static_cast<const T*>(p.shared_gate)[n * p.gate_stride]);
+  }
   enter_kernel();  // h is gate_up's output
   const T* h_row = h + static_cast<std::int64_t>(n) * p.h_stride;
   float routed[2] = {};  // column 0 of rows g, g + 8
@@ -243,8 +255,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     shared_sum += red[w][i][1];
   }
   if constexpr (kShared) {
-    shared_sum *= __ldg(p.sscales + r0 + i);
-    const float gate_logit = to_float(static_cast<const T*>(p.shared_gate)[n * p.gate_stride]);
+    shared_sum *= shared_scale;
     acc = round_to<T>(acc) + sigmoid_times<T>(round_to<T>(shared_sum), gate_logit);
   }
   out[static_cast<std::int64_t>(n) * p.hidden + r0 + i] = from_float<T>(acc);

@@ -417,6 +417,17 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   const std::int64_t base = live[0] ? rows[0] : 0;
   const std::uint8_t* wbase = qweight + base * row_bytes;
   const std::uint16_t* sbase = static_cast<const std::uint16_t*>(scales) + base * groups;
+  // The epilogue's constants, an int8 row's scale and its bias, read once a step (so from DRAM),
+  // are asked into L2 now by the warps that write (before the wait for x in a plain GEMV); their
+  // loads, with the others' of the epilogue, come after the main loop.
+  if (part == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (!live[r]) continue;
+      if constexpr (!kInt4) prefetch_l2(static_cast<const float*>(scales) + rows[r]);
+      if (bias != nullptr) prefetch_l2(bias + rows[r]);
+    }
+  }
   // This lane's row of x (its B column) in each n8 tile: in global memory, or normed in the stage.
   std::conditional_t<kNorm, StagedX<T>, const T*> xr[kTiles];
 #pragma unroll
@@ -526,6 +537,35 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
     }
   }
 
+  // The epilogue's loads issue before the split's barrier, every entry's at once: the row scales and
+  // biases, and the residual to add and the gate logits of earlier kernels. Loaded entry by entry
+  // after the barrier, each behind the previous entry's store (which might alias it), they were a
+  // chain of round trips at the tail of every GEMV. Entry i of n8 tile tile_m: x row 8 tile_m + 2t + i % 2.
+  float row_scale[2] = {1.0f, 1.0f}, row_bias[2] = {};
+  if (part == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (!live[r]) continue;
+      if constexpr (!kInt4) row_scale[r] = __ldg(static_cast<const float*>(scales) + rows[r]);
+      if (bias != nullptr) row_bias[r] = to_float(bias[rows[r]]);
+    }
+  }
+  float added[kTiles][4] = {}, gated[kTiles][2] = {};
+  if constexpr (!kGrouped && kLayout != Layout::GateUp) {
+    if (part == 0 && (add != nullptr || gate != nullptr)) {
+#pragma unroll
+      for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int xrow = 8 * tile_m + 2 * t + (i & 1);
+          if (xrow >= m) continue;
+          if (add != nullptr && live[i >> 1]) added[tile_m][i] = to_float(add[static_cast<std::int64_t>(xrow) * n + rows[i >> 1]]);
+          if (gate != nullptr && i < 2) gated[tile_m][i] = to_float(gate[xrow * epilogue.gate_stride]);
+        }
+      }
+    }
+  }
+
   if (split > 1) {  // the tile's other warps hand their sums to its first warp
     __shared__ float partial[kBlockWarps][kTiles * 4][32];
     if (part > 0) {
@@ -550,9 +590,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if (!kInt4 && live[i >> 1]) {
-        acc[tile_m][i] *= __ldg(static_cast<const float*>(scales) + rows[i >> 1]);
-      }
+      if (!kInt4 && live[i >> 1]) acc[tile_m][i] *= row_scale[i >> 1];
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -573,10 +611,10 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
       } else {
         const std::int64_t at = out_row * n + rows[i >> 1];
         float v = acc[tile_m][i];
-        if (bias != nullptr) v += to_float(bias[rows[i >> 1]]);
+        if (bias != nullptr) v += row_bias[i >> 1];
         // csrc/activation.cu's sigmoid_mul roundings
-        if (gate != nullptr) v = sigmoid_times<T>(round_to<T>(v), to_float(gate[out_row * epilogue.gate_stride]));
-        if (add != nullptr) v = to_float(add[at]) + round_to<T>(v);
+        if (gate != nullptr) v = sigmoid_times<T>(round_to<T>(v), gated[tile_m][i & 1]);
+        if (add != nullptr) v = added[tile_m][i] + round_to<T>(v);
         if constexpr (kConv) {
           const int rows_here = block_rows(kBlockWarps, split);
           const int r = static_cast<int>(rows[i >> 1]) - rows_here * static_cast<int>(blockIdx.x);
