@@ -171,7 +171,8 @@ LIST
     # every round (AB_ROUNDS; PRESETS: preset=batch:context,... entries); before them the GPU tests
     # that NAME.tests lists, run in NAME's copy. Make each patch against this tree's HEAD: a patch
     # that does not apply (or a copy that does not build) is left out with its log, never timed on
-    # the torch references (NINFER_REQUIRE_KERNELS=1).
+    # the torch references (NINFER_REQUIRE_KERNELS=1). "main" is this working tree, uncommitted
+    # edits included. AB_VARIANTS: ab_replays.py's settings, each build timed under each (default X=0).
     # an editable install of this tree (an earlier step on a warm machine) would shadow the copies
     python3 -m pip uninstall -y -q ninfer > /dev/null 2>&1
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
@@ -199,7 +200,7 @@ LIST
       for entry in ${PRESETS:-qwen3.6-35b-a3b=1:4096,8:512}; do
         for v in $built; do
           name=${v%.patch}
-          ( cd /tmp/ab/$name && NINFER_REQUIRE_KERNELS=1 timeout 200 python3 scripts/ab_replays.py /tmp/ab/replays.json X=0 \
+          ( cd /tmp/ab/$name && NINFER_REQUIRE_KERNELS=1 timeout 200 python3 scripts/ab_replays.py /tmp/ab/replays.json ${AB_VARIANTS:-X=0} \
             --preset "${entry%%=*}" --runs "${entry#*=}" --rounds 1 2>&1 | grep "^{" \
             | sed "s/^{/{\"build\": \"$name\", \"preset\": \"${entry%%=*}\", \"call_round\": $round, /" \
             | tee -a "$OUT/builds.jsonl" )
