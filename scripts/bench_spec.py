@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_decode's kernel table
+from ninfer_core.bench import cuda_median_ms  # noqa: E402
 from ninfer_core.cache import CacheManager, KVPool  # noqa: E402
 from ninfer_core.config import ModelConfig  # noqa: E402
 from ninfer_core.engine.cuda_graph import DecodeGraphs  # noqa: E402
@@ -146,6 +147,15 @@ class Synthetic:
         assert out is not None
         out.logits.argmax(-1).cpu()
 
+    def replay_ms(self, width: int, replays: int = 20) -> float:
+        """GPU milliseconds of one batch-1 round by graph replay alone, back to back (no batch to
+        build, no logits to the host): the decode graph (width 0), or a verify graph of `width`
+        tokens and its commit graph. The graph must have run once (`decode_step` / `verify_round`)."""
+        assert self.graphs is not None
+        g = self.graphs.graphs[(1, width, ())]
+        step = (lambda: g.graph.replay()) if width == 0 else (lambda: (g.graph.replay(), g.commit.replay()))
+        return cuda_median_ms(lambda: [step() for _ in range(replays)]) / replays
+
     def ids(self, start: int, t: int) -> torch.Tensor:
         return self.tokens[:, start : start + t].to(self.device)
 
@@ -242,6 +252,7 @@ def bench_verify(args: argparse.Namespace) -> dict:
     modes = (False, True) if s.graphs is not None else (False,)
     with torch.inference_mode():
         decode = {g: timed(lambda: s.decode_step(g), s.device, args.repeats) for g in modes}
+        decode_replay = s.replay_ms(0) if s.graphs is not None else None
         rows = []
         for k in range(1, args.max_k + 1):
             row: dict = {"k": k}
@@ -249,6 +260,9 @@ def bench_verify(args: argparse.Namespace) -> dict:
                 t = timed(lambda: s.verify_round(k, k + 1, g), s.device, args.repeats)
                 name = "graph" if g else "eager"
                 row[f"verify_{name}_ms"], row[f"verify_{name}_ratio"] = t * 1e3, t / decode[g]
+            if decode_replay is not None:  # the GPU's share alone: steady where host speeds differ
+                replay = s.replay_ms(k + 1)
+                row["verify_replay_ms"], row["verify_replay_ratio"] = replay, replay / decode_replay
             best = modes[-1]
             mtp = {g: mtp_draft_cost(s, k, args.repeats, g) for g in modes} if k <= 5 else {}
             for g, t in mtp.items():
@@ -262,17 +276,21 @@ def bench_verify(args: argparse.Namespace) -> dict:
             rows.append(row)
     result = {"bench": "verify", "preset": args.preset, "weights": s.recipe.key, **env(s.device, s.dtype), "context": n,
               "decode_eager_ms": decode[False] * 1e3, "decode_graph_ms": decode[True] * 1e3 if True in decode else None,
+              "decode_replay_ms": decode_replay,
               "acceptance": args.acceptance,
               "formula": "speedup = (1 + K*a) / (verify(K) / decode + mtp_draft(K) / decode), graphs where available "
                          "(verify, decode and the MTP chain)",
               "rows": rows}
     print(f"{args.preset} on {result['device']} ({result['dtype']}, {s.recipe.key}), context {n}: decode step "
-          + ", ".join(f"{'graph' if g else 'eager'} {decode[g] * 1e3:.2f} ms" for g in modes))
-    print(f"{'K':>2} {'eager ms':>9} {'x eager':>8} {'graph ms':>9} {'x graph':>8} {'MTP eager':>10} "
+          + ", ".join(f"{'graph' if g else 'eager'} {decode[g] * 1e3:.2f} ms" for g in modes)
+          + (f", replays alone {decode_replay:.3f} ms" if decode_replay is not None else ""))
+    print(f"{'K':>2} {'eager ms':>9} {'x eager':>8} {'graph ms':>9} {'x graph':>8} {'replay ms':>9} {'x replay':>8} "
+          f"{'MTP eager':>10} "
           f"{'MTP graph':>10} {'DFlash ms':>10} {'S verify-only':>14} {'S MTP @' + format(args.acceptance, '.0%'):>10}")
     for r in rows:
         print(f"{r['k']:>2} {r['verify_eager_ms']:>9.2f} {r['verify_eager_ratio']:>8.3f} "
               f"{fmt(r.get('verify_graph_ms')):>9} {fmt(r.get('verify_graph_ratio')):>8} "
+              f"{fmt(r.get('verify_replay_ms')):>9} {fmt(r.get('verify_replay_ratio')):>8} "
               f"{fmt(r.get('mtp_draft_eager_ms')):>10} {fmt(r.get('mtp_draft_graph_ms')):>10} "
               f"{fmt(r['dflash_draft_ms']):>10} {fmt(r['speedup_verify_only'], 'x'):>14} "
               f"{fmt(r.get('mtp_speedup_at_acceptance'), 'x'):>10}")
