@@ -140,7 +140,12 @@ LIST
     timeout 300 python3 scripts/profile_prefill.py qwen3.6-35b-a3b --lengths ${PREFILL_LENGTHS:-37,128,512} \
       --json "$OUT/prefill_35b.json" 2>&1 | tail -80 ;;
   profile)
-    timeout 300 python3 scripts/profile_decode.py qwen3.6-35b-a3b --json "$OUT/profile_35b.json" 2>&1 | tail -45 ;;
+    # each PROFILES entry preset:batch:context (default the 35B at batch 1, 4K)
+    for run in ${PROFILES:-qwen3.6-35b-a3b:1:4096}; do
+      IFS=: read -r preset batch context <<< "$run"
+      timeout 300 python3 scripts/profile_decode.py "$preset" --batch "$batch" --context "$context" \
+        --json "$OUT/profile_${preset}_b${batch}_${context}.json" 2>&1 | tail -45
+    done ;;
   ab)
     # one environment switch off / on in the same call (AB_ENV=NAME, set to 0 / 1; default NINFER_PDL):
     # the GEMV shapes and the decode profile
