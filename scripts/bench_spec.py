@@ -285,8 +285,8 @@ def bench_verify(args: argparse.Namespace) -> dict:
           + ", ".join(f"{'graph' if g else 'eager'} {decode[g] * 1e3:.2f} ms" for g in modes)
           + (f", replays alone {decode_replay:.3f} ms" if decode_replay is not None else ""))
     print(f"{'K':>2} {'eager ms':>9} {'x eager':>8} {'graph ms':>9} {'x graph':>8} {'replay ms':>9} {'x replay':>8} "
-          f"{'MTP eager':>10} "
-          f"{'MTP graph':>10} {'DFlash ms':>10} {'S verify-only':>14} {'S MTP @' + format(args.acceptance, '.0%'):>10}")
+          f"{'MTP eager':>10} {'MTP graph':>10} {'DFlash ms':>10} {'S verify-only':>14} "
+          f"{'S MTP @' + format(args.acceptance, '.0%'):>10}")
     for r in rows:
         print(f"{r['k']:>2} {r['verify_eager_ms']:>9.2f} {r['verify_eager_ratio']:>8.3f} "
               f"{fmt(r.get('verify_graph_ms')):>9} {fmt(r.get('verify_graph_ratio')):>8} "
