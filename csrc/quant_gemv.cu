@@ -697,6 +697,20 @@ int split_for_waves(int split, std::int64_t tiles, std::int64_t chunks, std::int
   return best;
 }
 
+// The split of a GEMV that folds the norm in front: every block norms the rows again (x and the
+// residual from L2, two barriers: a fixed cost a block), so the grid should fit one wave with as
+// many blocks as that allows; split_for_waves' choice where even split 1 needs more. Replays on
+// the H200 (docs/performance.md, nineteenth session): the 27B's in_proj / qkv (K = 5,120; 1,030 /
+// 896 tiles) at split 2 (0.65 / 0.57 of a wave) instead of 8 (2.6 / 2.3 waves) made its decode step
+// 2.6% shorter; the 35B's (K = 2,048) keep split 4 (0.97 / 0.73 of a wave), against which 2 and 8
+// were 9-12% slower.
+int split_for_norm(int split, std::int64_t tiles, std::int64_t chunks, std::int64_t capacity) {
+  for (int s = kWarps; s >= 1; s /= 2) {
+    if (2LL * s * kUnroll <= chunks && (tiles + kWarps / s - 1) / (kWarps / s) <= capacity) return s;
+  }
+  return split_for_waves(split, tiles, chunks, capacity);
+}
+
 template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
   constexpr auto kernel = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold>;
@@ -716,7 +730,8 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
     const std::int64_t capacity = static_cast<std::int64_t>(resident_blocks<kernel, kWarps * 32>(a.device, most)) *
                                   sm_count(a.device) / slot_blocks;
     const std::int64_t chunks = ((a.int4 ? a.k / 2 : a.k) + kChunkBytes - 1) / kChunkBytes;
-    split = split_for_waves(split, tiles, chunks, std::max<std::int64_t>(capacity, 1));
+    split = kFold == Fold::None ? split_for_waves(split, tiles, chunks, std::max<std::int64_t>(capacity, 1))
+                                : split_for_norm(split, tiles, chunks, std::max<std::int64_t>(capacity, 1));
   }
   const int tiles_per_block = kBlockWarps / split;
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
