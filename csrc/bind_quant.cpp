@@ -143,12 +143,15 @@ void bind_quant(py::module_& module) {
           check("residual_out", residual_out).disjoint(weight, "conv_weight").disjoint(slots, "conv_slots");
         }
         const int device = check.device();
+        int split = 0;
         quant_gemv({out.data, x.data, qweight.data, scales.data, data_or_null(bias), m, n, k, group_size, int4,
                     dtype, device, stream, gate_up, data_or_null(gate), gate_stride, data_or_null(add),
                     {data_or_null(residual), data_or_null(norm_weight), data_or_null(residual_out), eps,
                      zero_centered},
                     {data_or_null(conv_pool), data_or_null(conv_weight), data_or_null(conv_slots),
-                     data_or_null(zeroed), channels, static_cast<int>(taps), static_cast<int>(zeroed_count)}});
+                     data_or_null(zeroed), channels, static_cast<int>(taps), static_cast<int>(zeroed_count)},
+                    &split});
+        return split;
       },
       py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias"), py::arg("stream"),
       py::arg("gate_up") = false, py::arg("gate") = py::none(), py::arg("add") = py::none(),
@@ -160,7 +163,7 @@ void bind_quant(py::module_& module) {
       "[m, n]: add + sigmoid(gate) * out; residual: x + residual into residual_out and its RMSNorm "
       "(norm_weight, eps, zero_centered) as the GEMV's input; conv_pool [S, C, K-1] (with the norm): a GDN "
       "decode conv by conv_weight [C, K] on outputs < C, rows continuing conv_slots [m] (int64), zeroing "
-      "`zeroed` (int32). See csrc/quant_gemv.h.");
+      "`zeroed` (int32). Returns the K split it ran with (warps a tile). See csrc/quant_gemv.h.");
   module.def(
       "moe_grouped_gemv",
       [](TensorArg out, TensorArg x, TensorArg qweight, TensorArg scales, TensorArg sorted_slots,

@@ -25,7 +25,8 @@
 // (a decoder layer's input norm and its mixer's first projection, quant_gemv.h): every block adds
 // x and the residual and norms the rows into shared memory, in rmsnorm_kernel's order (so bit-equal
 // to it), while its first weight loads are in flight; B is then read from there. Block 0 writes the
-// new residual.
+// new residual. Each block norms again, so its K split is the plain GEMV's halved until the grid fits
+// one wave, where it can (split_for_norm).
 //
 // Such a GEMV may also run a GDN decode step's depthwise causal conv as its epilogue (quant_gemv.h
 // GemvConvArgs): output row c of a token is the newest input of conv channel c, so the lane that
@@ -697,6 +698,22 @@ int split_for_waves(int split, std::int64_t tiles, std::int64_t chunks, std::int
   return best;
 }
 
+// The split of a GEMV that folds the norm in front: every block norms the rows again (x and the
+// residual from L2, two barriers: a fixed cost a block), so split_for_waves' split is halved until
+// the grid fits one wave, if it can. Replays on the H200 (docs/performance.md, nineteenth session):
+// the 27B's in_proj / qkv (K = 5,120; 1,030 / 896 tiles) at split 2 (0.65 / 0.57 of a wave) instead
+// of 8 (2.6 / 2.3 waves) made its decode step 2.9% shorter; the 35B's (K = 2,048) keep split 4 (0.97 /
+// 0.73 of a wave), against which 2 and 8 were 9-12% slower. Where the split differs from a plain
+// GEMV's, the fold's K sums are added in another order than the composition's (its norm stays
+// bit-equal to add_rmsnorm).
+int split_for_norm(int split, std::int64_t tiles, std::int64_t chunks, std::int64_t capacity) {
+  const int waves = split_for_waves(split, tiles, chunks, capacity);
+  for (int s = waves; s >= 1; s /= 2) {
+    if ((tiles + kWarps / s - 1) / (kWarps / s) <= capacity) return s;
+  }
+  return waves;
+}
+
 template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
   constexpr auto kernel = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold>;
@@ -716,8 +733,10 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
     const std::int64_t capacity = static_cast<std::int64_t>(resident_blocks<kernel, kWarps * 32>(a.device, most)) *
                                   sm_count(a.device) / slot_blocks;
     const std::int64_t chunks = ((a.int4 ? a.k / 2 : a.k) + kChunkBytes - 1) / kChunkBytes;
-    split = split_for_waves(split, tiles, chunks, std::max<std::int64_t>(capacity, 1));
+    split = kFold == Fold::None ? split_for_waves(split, tiles, chunks, std::max<std::int64_t>(capacity, 1))
+                                : split_for_norm(split, tiles, chunks, std::max<std::int64_t>(capacity, 1));
   }
+  if (a.split_used != nullptr) *a.split_used = split;
   const int tiles_per_block = kBlockWarps / split;
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
   const ConvEpilogue conv{reinterpret_cast<void*>(a.conv.pool), reinterpret_cast<const void*>(a.conv.weight),

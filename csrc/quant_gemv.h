@@ -96,6 +96,7 @@ struct QuantGemvArgs {
   std::uintptr_t add = 0;        // [m, n] in dtype, contiguous; 0 for none
   GemvAddNormArgs norm = {};
   GemvConvArgs conv = {};
+  int* split_used = nullptr;  // where the launch writes its K split (warps a tile); null: nowhere
 };
 
 void quant_gemv(const QuantGemvArgs& args);

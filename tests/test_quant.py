@@ -659,19 +659,36 @@ def _poison_allocations(monkeypatch) -> None:
 
 
 def _fold_check(monkeypatch, qw: QuantizedWeight, rows: int, k: int, zero_centered: bool, dtype: torch.dtype,
-                bias: torch.Tensor | None) -> None:
-    """quant_linear_add_norm against add_rmsnorm then quant_linear (both kernels): equal outputs and
-    new residual; the fold runs wherever its stage takes the rows."""
+                bias: torch.Tensor | None) -> tuple[int, int]:
+    """quant_linear_add_norm against add_rmsnorm then quant_linear (both kernels): the new residual to
+    the bit, and the output too where the fold splits K as the plain GEMV does; where it splits K
+    fewer ways (split_for_norm, csrc/quant_gemv.cu) its sums add in another order: the output is then
+    the fold kernel's and within the GEMV's rounding of the composition's. The fold runs wherever its
+    stage takes the rows. Returns (the fold's split, the plain GEMV's); (0, 0) where it composes."""
     x, residual, weight = _norm_inputs(rows, k, zero_centered, dtype, device="cuda", seed=rows + k)
     normed, want_summed = add_rmsnorm(x, residual, weight, 1e-6, zero_centered=zero_centered)
     want = quant_linear(normed, qw, bias)
+    splits = (0, 0)
+    if rows <= quant.NORM_MAX_ROWS:
+        plain, folded = torch.empty_like(want), torch.empty_like(want)
+        plain_split = quant._gemv(plain, normed, qw, bias)
+        fold_split = quant._gemv(folded, x, qw, bias,
+                                 norm=quant._FoldedNorm(residual, weight, torch.empty_like(x), 1e-6, zero_centered))
+        assert torch.equal(plain, want)  # the public op ran that plain GEMV
+        splits = (fold_split, plain_split)
     with monkeypatch.context() as fold:
         if rows <= quant.NORM_MAX_ROWS:
             fold.setattr(quant, "add_rmsnorm", _must_not_run("add_rmsnorm"))
         _poison_allocations(fold)
         y, summed = quant.quant_linear_add_norm(x, residual, weight, 1e-6, zero_centered, qw, bias)
     assert torch.equal(summed, want_summed), f"new residual differs at {rows} rows"
-    assert torch.equal(y, want), f"output differs at {rows} rows"
+    if splits[0] == splits[1]:
+        assert torch.equal(y, want), f"output differs at {rows} rows"
+    else:
+        assert splits[0] < splits[1], f"the fold splits K {splits[0]} ways, the plain GEMV {splits[1]}"
+        assert torch.equal(y, folded)
+        torch.testing.assert_close(y, want, rtol=OUT_RTOL[dtype], atol=OUT_ATOL[dtype] * want.abs().max().item())
+    return splits
 
 
 @pytest.mark.cuda
@@ -683,7 +700,8 @@ def _fold_check(monkeypatch, qw: QuantizedWeight, rows: int, k: int, zero_center
 def test_add_norm_fold_equals_add_rmsnorm_then_linear(cuda_kernels, monkeypatch, kind, group, dtype, k,
                                                       zero_centered, n):
     """Rows 1..6 (up to 4 fold, the rest compose): the normed GEMV and the new residual are
-    add_rmsnorm's + quant_linear's to the bit; odd row counts add a bias."""
+    add_rmsnorm's + quant_linear's (_fold_check: to the bit where both split K alike, as all of these
+    grids fit one wave on the H200); odd row counts add a bias."""
     qw = _cuda_norm_weight(kind, n, k, group)
     bias = _cuda_x(n, seed=k + n, dtype=dtype)
     for rows in range(1, quant.NORM_MAX_ROWS + 3):
@@ -699,6 +717,17 @@ def test_add_norm_fold_at_other_widths(cuda_kernels, monkeypatch, k, rows):
     for r in rows:
         for zero_centered in (True, False):
             _fold_check(monkeypatch, qw, r, k, zero_centered, torch.bfloat16, None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 128)])
+def test_add_norm_fold_at_the_27b_shape(cuda_kernels, monkeypatch, kind, group):
+    """The 27B's GDN in_proj (16,480 x 5,120): a plain GEMV of 1,030 tiles takes 2-3 waves at split 8,
+    the fold fewer splits (split_for_norm), whose output stays within the GEMV's rounding."""
+    qw = _cuda_norm_weight(kind, 16480, 5120, group)
+    for rows in (1, 4):
+        fold_split, plain_split = _fold_check(monkeypatch, qw, rows, 5120, True, torch.bfloat16, None)
+        assert 1 <= fold_split <= plain_split
 
 
 @pytest.mark.cuda
@@ -718,8 +747,10 @@ def test_add_norm_fold_replays_in_cuda_graph(cuda_kernels, rows):
         residual.copy_(new_residual)
         y.fill_(float("nan"))
         graph.replay()
-        normed, want_summed = add_rmsnorm(x, residual, weight, 1e-6, zero_centered=True)
-        assert torch.equal(summed, want_summed) and torch.equal(y, quant_linear(normed, qw))
+        eager_y, eager_summed = quant.quant_linear_add_norm(new_x, new_residual, weight, 1e-6, True, qw)
+        _, want_summed = add_rmsnorm(new_x, new_residual, weight, 1e-6, zero_centered=True)
+        assert torch.equal(summed, want_summed) and torch.equal(eager_summed, want_summed)
+        assert torch.equal(y, eager_y)  # the eager fold (its split; _fold_check compares it with the composition)
 
 
 @pytest.mark.cuda

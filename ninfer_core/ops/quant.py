@@ -370,7 +370,8 @@ def quant_linear_add_norm(
     """(norm(s) @ W^T (+ bias), s) for s = x + residual, norm `add_rmsnorm`'s (norm_weight, eps,
     zero_centered): a decoder layer's input norm and its mixer's first projection. At decode sizes
     on CUDA one GEMV whose blocks add and norm the rows first (a launch fewer than add_rmsnorm +
-    quant_linear, bit-equal to them); else that composition."""
+    quant_linear; its norm bit-equal to add_rmsnorm's, its K sums split as quant_linear's unless its
+    grid fits one wave only with fewer splits); else that composition."""
     _check_linear(x, qw, bias)
     rows = _norm_rows(x, residual, norm_weight, qw, bias)
     if rows is None:
@@ -564,12 +565,13 @@ def _gemv(
     out: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, *,
     gate_up: bool = False, gate: torch.Tensor | None = None, add: torch.Tensor | None = None,
     norm: _FoldedNorm | None = None, conv: GemvConv | None = None, zeroed: torch.Tensor | None = None,
-) -> None:
+) -> int:
     """The kernel call: out [M, N] = x [M, K] @ W^T (+ bias), or an epilogue's output (gate_up:
     N = rows / 2; gate: [M, 1] rows, add: [M, N]), or with `norm` the GEMV of norm(x + residual)
     (x: the residual stream's delta), with `conv` also its conv epilogue (`zeroed`: conv.zeroed int32
-    words); `_kernel_ok` must hold."""
-    dispatch.extension().quant_gemv(
+    words); `_kernel_ok` must hold. Returns the K split it ran with (warps a tile): a GEMV that folds
+    the norm may split K otherwise than the plain one (csrc/quant_gemv.cu split_for_norm)."""
+    return dispatch.extension().quant_gemv(
         out=out,
         x=x,
         qweight=qw.qweight,
