@@ -1,12 +1,13 @@
 // Bindings of the attention family: KV write (+ fp8 / int8 quantization), split-K decode
 // attention over the paged cache, the head norm + rotary alone and as the decode prologue with
-// the KV write. The tensors arrive as torch.Tensors; sizes, strides and the cache's kind are read
+// the KV write, and the per-forward rotary and KV-slot tables. The tensors arrive as torch.Tensors; sizes, strides and the cache's kind are read
 // from them and checked against decode_attention.h and rope.h before anything launches.
 #include <string>
 
 #include "bind.h"
 #include "decode_attention.h"
 #include "rope.h"
+#include "step_tables.h"
 #include "tensor_arg.h"
 
 namespace py = pybind11;
@@ -199,6 +200,53 @@ void bind_attention(py::module_& m) {
       py::arg("slot_mapping"), py::arg("eps"), py::arg("zero_centered"), py::arg("stream"),
       "norm_rotary of q and k, then k and v stored at slot_mapping [B, T] as write_kv does, in one kernel. "
       "See csrc/rope.h.");
+  m.def(
+      "rotary_tables",
+      [](TensorArg cos, TensorArg sin, TensorArg positions, TensorArg inv_freq, std::uintptr_t stream) {
+        ArgCheck check("rotary_tables");
+        check("positions", positions).dtype(ScalarType::I64).contiguous();
+        const std::int64_t tokens = positions.numel();
+        check("inv_freq", inv_freq).shape({kAny}).dtype(ScalarType::F32).contiguous();
+        const std::int64_t rotary = 2 * inv_freq.size(0);
+        check.require(rotary >= 2, "inv_freq is empty");
+        check("cos", cos).shape({tokens, rotary}).dtype({ScalarType::F32, ScalarType::F16, ScalarType::BF16})
+            .contiguous();
+        check("sin", sin).matches(cos, "cos").contiguous().disjoint(cos, "cos");
+        const DType dtype = kernel_dtype(check, "cos", cos);
+        const int device = check.device();
+        rotary_tables({cos.data, sin.data, positions.data, inv_freq.data, tokens, static_cast<int>(rotary), dtype,
+                       device, stream});
+      },
+      py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("inv_freq"), py::arg("stream"),
+      "cos / sin [tokens, R] of positions (int64, tokens in all) at inv_freq [R / 2], in one kernel. "
+      "See csrc/step_tables.h.");
+  m.def(
+      "kv_slots",
+      [](TensorArg slots, TensorArg table_out, TensorArg block_table, TensorArg cache_lens,
+         std::optional<TensorArg> valid_tokens, std::int64_t page_size, std::int64_t num_pages, std::int64_t pad_row,
+         std::uintptr_t stream) {
+        ArgCheck check("kv_slots");
+        check("block_table", block_table).shape({kAny, kAny}).dtype({ScalarType::I32, ScalarType::I64})
+            .unit_last_stride();
+        const std::int64_t batch = block_table.size(0), width = block_table.size(1);
+        check.require(batch >= 1 && batch <= 65535, "batch ", batch, " out of range 1..65535");
+        check.require(width >= 1, "block_table has no columns");
+        check.require(page_size >= 1 && num_pages >= 1 && num_pages <= (1LL << 31) - 1,
+                      "page_size ", page_size, " / num_pages ", num_pages, " out of range");
+        check("cache_lens", cache_lens).shape({batch}).dtype(ScalarType::I64).contiguous();
+        check("valid_tokens", valid_tokens).shape({batch}).dtype(ScalarType::I64).contiguous();
+        check("slots", slots).shape({batch, kAny}).dtype(ScalarType::I64).contiguous();
+        check("table_out", table_out).shape({batch, width}).dtype(ScalarType::I32).contiguous()
+            .disjoint(block_table, "block_table");
+        const int device = check.device();
+        kv_slots({slots.data, table_out.data, block_table.data, cache_lens.data, data_or_null(valid_tokens), batch,
+                  slots.size(1), width, block_table.stride(0), page_size, num_pages, pad_row,
+                  block_table.type == ScalarType::I64, device, stream});
+      },
+      py::arg("slots"), py::arg("table_out"), py::arg("block_table"), py::arg("cache_lens"), py::arg("valid_tokens"),
+      py::arg("page_size"), py::arg("num_pages"), py::arg("pad_row"), py::arg("stream"),
+      "The KV rows slots [B, T] of each row's T new tokens and the clamped int32 block table, in one kernel. "
+      "See csrc/step_tables.h.");
 }
 
 }  // namespace ninfer

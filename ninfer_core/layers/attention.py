@@ -27,6 +27,7 @@ from ..ops.activation import sigmoid_mul
 from ..ops.attention import (
     DECODE_MAX_TOKENS,
     decode_attention,
+    kv_slots,
     norm_rotary_write_kv,
     prefill_attention,
     chunk_attention,
@@ -52,16 +53,11 @@ class AttentionMetadata:
         cls, block_table: torch.Tensor, cache_lens: torch.Tensor, num_new_tokens: int, page_size: int, num_pages: int,
         host_cache_lens: tuple[int, ...] | None = None, valid_tokens: torch.Tensor | None = None, pad_kv_row: int = 0,
     ) -> AttentionMetadata:
-        table = block_table.long().clamp(0, num_pages - 1)
-        offsets = torch.arange(num_new_tokens, device=cache_lens.device)
-        index = cache_lens[:, None] + offsets  # [B, T] cache index of each new token
-        pages = table.gather(1, (index // page_size).clamp(max=table.shape[1] - 1))
-        slot_mapping = pages * page_size + index % page_size
-        if valid_tokens is not None:  # padding writes one row nobody reads
-            slot_mapping = torch.where(offsets[None, :] < valid_tokens[:, None], slot_mapping, pad_kv_row)
+        slot_mapping, table = kv_slots(block_table, cache_lens, num_new_tokens, page_size, num_pages, valid_tokens,
+                                       pad_kv_row)
         return cls(
             slot_mapping=slot_mapping,
-            block_table=table.to(torch.int32),  # what the decode kernel reads; converted once per step
+            block_table=table,  # int32: what the decode kernel reads; converted once per step
             cache_lens=cache_lens,
             host_cache_lens=host_cache_lens,
             padded=valid_tokens is not None,

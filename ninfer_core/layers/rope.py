@@ -11,7 +11,7 @@ text all three axes are equal, which reduces to plain RoPE.
 Nothing is stored in buffers: the frequencies are computed from (theta, rotary_dim) on the
 positions' device at its first call there and kept per device outside the module's state, so a
 model built on the meta device needs no buffer fix-up (and a decode step launches no kernels for
-them: four a step on a GPU).
+them). The tables of plain positions come from `ops.rope.rotary_tables`, one kernel on a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..ops.rope import apply_rotary  # noqa: F401  (the op: CPU kernel or torch reference)
+from ..ops.rope import angle_tables, rotary_tables
 
 
 class RotaryEmbedding(nn.Module):
@@ -49,13 +50,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] or [3, B, T] (t, h, w) -> cos, sin [B, T, rotary_dim] in `dtype`."""
         inv_freq = self.inv_freq(positions.device)
-        freqs = positions[..., None].float() * inv_freq  # [B, T, R/2] or [3, B, T, R/2]
-        if positions.dim() == 3:
-            if self.mrope_section is None:
-                raise ValueError("3-axis (mRoPE) positions given to a model without mrope_section")
-            freqs = self._interleave_axes(freqs)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        if positions.dim() != 3:
+            return rotary_tables(positions, inv_freq, dtype)
+        if self.mrope_section is None:
+            raise ValueError("3-axis (mRoPE) positions given to a model without mrope_section")
+        return angle_tables(self._interleave_axes(positions[..., None].float() * inv_freq), dtype)
 
     def _interleave_axes(self, freqs: torch.Tensor) -> torch.Tensor:
         """[3, B, T, R/2] per-axis angles -> [B, T, R/2] with each slot read from its axis."""

@@ -9,6 +9,8 @@ Query t of sequence b (cache index cache_lens[b] + t, its own k/v already writte
 indices 0 .. cache_lens[b] + t. `attention_ref` is the reference of both attention ops: masked
 SDPA over the whole gathered (dequantized) block table.
 
+  kv_slots           a forward's KV rows of its new tokens and the clamped int32 block table: one
+                     CUDA kernel (csrc/step_tables.cu) for the torch expression's 11 launches
   write_kv           CUDA kernel: one warp per (token, kv head), quantizing with the warp's absmax;
                      on the CPU (csrc/cpu/decode_ops.h) row copies into a cache of k's dtype
   norm_rotary_write_kv  a decode step's prologue: `norm_rotary` of q and k, then `write_kv`, in
@@ -60,6 +62,42 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 def dequantize_kv(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """round_dtype(stored * scale): what the decode kernel computes too, bit for bit."""
     return (values.float() * scale[..., None]).to(dtype)
+
+
+def kv_slots_ref(block_table: torch.Tensor, cache_lens: torch.Tensor, num_new_tokens: int, page_size: int,
+                 num_pages: int, valid_tokens: torch.Tensor | None = None, pad_row: int = 0,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot_mapping [B, T] int64: the cache row of each of a row's T new tokens, block_table [B, P]
+    int32 clamped to real pages); with valid_tokens, the tokens past them write row pad_row."""
+    table = block_table.long().clamp(0, num_pages - 1)
+    offsets = torch.arange(num_new_tokens, device=cache_lens.device)
+    index = cache_lens[:, None] + offsets  # [B, T] cache index of each new token
+    pages = table.gather(1, (index // page_size).clamp(0, table.shape[1] - 1))
+    slots = pages * page_size + index % page_size
+    if valid_tokens is not None:  # padding writes one row nobody reads
+        slots = torch.where(offsets[None, :] < valid_tokens[:, None], slots, pad_row)
+    return slots, table.to(torch.int32)
+
+
+def kv_slots(block_table: torch.Tensor, cache_lens: torch.Tensor, num_new_tokens: int, page_size: int,
+             num_pages: int, valid_tokens: torch.Tensor | None = None, pad_row: int = 0,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kv_slots_ref`, in one kernel on CUDA."""
+    tensors = (block_table, cache_lens) if valid_tokens is None else (block_table, cache_lens, valid_tokens)
+    if not (block_table.device.type == "cuda" and dispatch.kernels_available()
+            and all(t.device == block_table.device for t in tensors) and block_table.dim() == 2
+            and block_table.dtype in (torch.int32, torch.int64) and block_table.shape[1] >= 1
+            and 1 <= block_table.shape[0] <= 65535 and num_new_tokens >= 1
+            and all(t.dtype == torch.int64 for t in tensors[1:])):
+        return kv_slots_ref(block_table, cache_lens, num_new_tokens, page_size, num_pages, valid_tokens, pad_row)
+    batch, width = block_table.shape
+    slots = torch.empty(batch, num_new_tokens, dtype=torch.int64, device=block_table.device)
+    table = torch.empty(batch, width, dtype=torch.int32, device=block_table.device)
+    dispatch.extension().kv_slots(
+        slots=slots, table_out=table, block_table=block_table if block_table.stride(-1) == 1 else block_table.contiguous(),
+        cache_lens=cache_lens.contiguous(), valid_tokens=None if valid_tokens is None else valid_tokens.contiguous(),
+        page_size=page_size, num_pages=num_pages, pad_row=pad_row, stream=dispatch.stream_handle(slots))
+    return slots, table
 
 
 def write_kv_ref(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -5,7 +5,9 @@ csrc/cpu/decode_ops.h instead (the ~10 torch ops of the expression cost more tha
 decode step). `norm_rotary` is the attention layer's whole q / k path, the head RMSNorm then the
 rotary: one kernel on CUDA (csrc/rope.cu), ~7 torch ops per tensor otherwise. A decode step runs
 q and k through `ops.attention.norm_rotary_write_kv` instead: the same kernel code for both, with
-the KV append, in one launch.
+the KV append, in one launch. `rotary_tables` makes the cos / sin tables of a forward's positions:
+one kernel on CUDA (csrc/step_tables.cu) where the torch expression is 7 launches at the head of
+every decode step.
 """
 
 from __future__ import annotations
@@ -14,6 +16,35 @@ import torch
 
 from . import dispatch
 from .rmsnorm import rmsnorm
+
+
+def rotary_tables_ref(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] -> cos, sin [..., R] in dtype: the fp32 angles positions * inv_freq [R/2],
+    repeated for both halves of a rotate-half table, rounded once."""
+    return angle_tables(positions[..., None].float() * inv_freq, dtype)
+
+
+def angle_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 angles [..., R/2] -> cos, sin [..., R] in dtype (each angle for both halves)."""
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_tables_ref`, in one kernel on CUDA (int64 positions, fp32 inv_freq on its device)."""
+    if not (positions.device.type == "cuda" and dispatch.kernels_available() and positions.dtype == torch.int64
+            and positions.numel() > 0 and inv_freq.dtype == torch.float32 and inv_freq.device == positions.device
+            and dtype in (torch.float32, torch.float16, torch.bfloat16)):
+        return rotary_tables_ref(positions, inv_freq, dtype)
+    shape = (*positions.shape, 2 * inv_freq.shape[0])
+    cos = torch.empty(shape, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    dispatch.extension().rotary_tables(cos=cos.view(-1, shape[-1]), sin=sin.view(-1, shape[-1]),
+                                       positions=positions.contiguous(), inv_freq=inv_freq.contiguous(),
+                                       stream=dispatch.stream_handle(cos))
+    return cos, sin
 
 
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
