@@ -182,7 +182,8 @@ LIST
     python3 -m pip uninstall -y -q ninfer > /dev/null 2>&1
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
       dir=/tmp/ab/${v%.patch}; rm -rf "$dir"; mkdir -p "$dir"
-      git ls-files -z | xargs -0 cp --parents -t "$dir"
+      # untracked files too: the tool copies new files of this tree, which the machine's index may not list
+      git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$dir"
       ( cd "$dir" && { [ "$v" = main ] || git apply "$OLDPWD/$v"; } \
         && CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps --target "$dir/site" . \
         && cp "$dir"/site/ninfer_core/_*.so "$dir/ninfer_core/" && touch "$dir/.built" ) > "$OUT/build_${v%.patch}.log" 2>&1 &
