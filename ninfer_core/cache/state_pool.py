@@ -62,10 +62,10 @@ class StatePool:
         return self.bytes_per_slot * self.num_slots
 
     def reset(self, slot: int) -> None:
-        """Zero a slot: the state of a sequence that has seen no tokens."""
-        for i in self.layers:
-            self.conv[i][slot].zero_()
-            self.recurrent[i][slot].zero_()
+        """Zero a slot: the state of a sequence that has seen no tokens. One multi-tensor kernel a
+        dtype (torch's foreach ops) where a zero_ a tensor took two launches per GDN layer (60 for
+        the 35B) at every new sequence."""
+        torch._foreach_zero_(self._slot(slot))
 
     def snapshot(self, slot: int) -> StateSnapshot:
         return StateSnapshot(
@@ -74,11 +74,12 @@ class StatePool:
         )
 
     def restore(self, slot: int, snap: StateSnapshot) -> None:
-        for i in self.layers:
-            self.conv[i][slot].copy_(snap.conv[i])
-            self.recurrent[i][slot].copy_(snap.recurrent[i])
+        torch._foreach_copy_(self._slot(slot), [*(snap.conv[i] for i in self.layers),
+                                                *(snap.recurrent[i] for i in self.layers)])
 
     def copy(self, src: int, dst: int) -> None:
-        for i in self.layers:
-            self.conv[i][dst].copy_(self.conv[i][src])
-            self.recurrent[i][dst].copy_(self.recurrent[i][src])
+        torch._foreach_copy_(self._slot(dst), self._slot(src))
+
+    def _slot(self, slot: int) -> list[torch.Tensor]:
+        """A slot's state tensors (views into the pools): every layer's conv, then every recurrent."""
+        return [*(self.conv[i][slot] for i in self.layers), *(self.recurrent[i][slot] for i in self.layers)]
