@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ninfer_core.cache import CacheManager, KVPool
+from ninfer_core.cache.state_pool import StatePool
 from ninfer_core.config import ModelConfig
 from ninfer_core.errors import ContextLengthError, NinferError
 
@@ -129,6 +130,17 @@ def test_snapshot_restore_and_copy_state():
     for i in m.cache.state.layers:
         assert torch.equal(m.cache.state.recurrent[i][b.slot], before[i])
         assert torch.equal(m.cache.state.conv[i][b.slot], snap.conv[i])
+
+
+def test_state_slot_ops_without_gdn_layers():
+    """A model without GDN layers (Llama): its state pool holds nothing, and zeroing, restoring or
+    copying a slot does nothing (the foreach ops it uses take no empty list)."""
+    pool = StatePool([], num_slots=2, conv_dim=16, conv_kernel=4, num_v_heads=2, head_k_dim=3, head_v_dim=5,
+                     dtype=torch.float16, device="cpu")
+    pool.reset(1)
+    pool.restore(0, pool.snapshot(1))
+    pool.copy(0, 1)
+    assert pool.nbytes == 0 and pool.snapshot(0).conv == {}
 
 
 def test_invalid_sizes_rejected():

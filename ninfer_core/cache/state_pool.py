@@ -65,7 +65,8 @@ class StatePool:
         """Zero a slot: the state of a sequence that has seen no tokens. One multi-tensor kernel a
         dtype (torch's foreach ops) where a zero_ a tensor took two launches per GDN layer (60 for
         the 35B) at every new sequence."""
-        torch._foreach_zero_(self._slot(slot))
+        if self.layers:  # the foreach ops take no empty list (a model without GDN layers)
+            torch._foreach_zero_(self._slot(slot))
 
     def snapshot(self, slot: int) -> StateSnapshot:
         return StateSnapshot(
@@ -74,11 +75,13 @@ class StatePool:
         )
 
     def restore(self, slot: int, snap: StateSnapshot) -> None:
-        torch._foreach_copy_(self._slot(slot), [*(snap.conv[i] for i in self.layers),
-                                                *(snap.recurrent[i] for i in self.layers)])
+        if self.layers:
+            torch._foreach_copy_(self._slot(slot), [*(snap.conv[i] for i in self.layers),
+                                                    *(snap.recurrent[i] for i in self.layers)])
 
     def copy(self, src: int, dst: int) -> None:
-        torch._foreach_copy_(self._slot(dst), self._slot(src))
+        if self.layers:
+            torch._foreach_copy_(self._slot(dst), self._slot(src))
 
     def _slot(self, slot: int) -> list[torch.Tensor]:
         """A slot's state tensors (views into the pools): every layer's conv, then every recurrent."""
