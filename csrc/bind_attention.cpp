@@ -1,7 +1,8 @@
 // Bindings of the attention family: KV write (+ fp8 / int8 quantization), split-K decode
 // attention over the paged cache, the head norm + rotary alone and as the decode prologue with
-// the KV write, and the per-forward rotary and KV-slot tables. The tensors arrive as torch.Tensors; sizes, strides and the cache's kind are read
-// from them and checked against decode_attention.h and rope.h before anything launches.
+// the KV write, and the per-forward rotary and KV-slot tables. The tensors arrive as
+// torch.Tensors; sizes, strides and the cache's kind are read from them and checked against
+// decode_attention.h, rope.h and step_tables.h before anything launches.
 #include <string>
 
 #include "bind.h"

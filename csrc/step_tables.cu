@@ -89,19 +89,15 @@ void kv_slots(const KVSlotsArgs& a) {
   DeviceGuard guard(a.device);
   const dim3 grid(static_cast<unsigned>(std::min<std::int64_t>((a.table_width + kThreads - 1) / kThreads, 64)),
                   static_cast<unsigned>(a.batch));
-  auto* slots = reinterpret_cast<std::int64_t*>(a.slots);
-  auto* table_out = reinterpret_cast<int*>(a.table_out);
-  const auto* lens = reinterpret_cast<const std::int64_t*>(a.cache_lens);
-  const auto* valid = reinterpret_cast<const std::int64_t*>(a.valid_tokens);
-  if (a.table_int64) {
-    launch_kernel("kv_slots kernel launch", kv_slots_kernel<std::int64_t>, grid, kThreads, 0, as_stream(a.stream),
-                  slots, table_out, reinterpret_cast<const std::int64_t*>(a.block_table), lens, valid, a.tokens,
-                  a.table_width, a.table_stride, a.page_size, a.num_pages, a.pad_row);
-  } else {
-    launch_kernel("kv_slots kernel launch", kv_slots_kernel<int>, grid, kThreads, 0, as_stream(a.stream), slots,
-                  table_out, reinterpret_cast<const int*>(a.block_table), lens, valid, a.tokens, a.table_width,
-                  a.table_stride, a.page_size, a.num_pages, a.pad_row);
-  }
+  const auto launch = [&](auto index) {  // the block table's element type
+    using Index = decltype(index);
+    launch_kernel("kv_slots kernel launch", kv_slots_kernel<Index>, grid, kThreads, 0, as_stream(a.stream),
+                  reinterpret_cast<std::int64_t*>(a.slots), reinterpret_cast<int*>(a.table_out),
+                  reinterpret_cast<const Index*>(a.block_table), reinterpret_cast<const std::int64_t*>(a.cache_lens),
+                  reinterpret_cast<const std::int64_t*>(a.valid_tokens), a.tokens, a.table_width, a.table_stride,
+                  a.page_size, a.num_pages, a.pad_row);
+  };
+  a.table_int64 ? launch(std::int64_t{}) : launch(int{});
 }
 
 }  // namespace ninfer
