@@ -100,15 +100,18 @@ void bind_quant(py::module_& module) {
           check("residual_out", residual_out).disjoint(x, "x").disjoint(*residual, "residual");
           check("out", out).disjoint(x, "x").disjoint(*residual, "residual").disjoint(*residual_out, "residual_out");
         }
-        // The GDN decode conv as the norm GEMV's epilogue (GemvConvArgs): channels and taps from the
-        // weight, the counters to zero from `zeroed`.
+        // The GDN decode conv as the GEMV's epilogue, with the norm or without it (GemvConvArgs):
+        // channels and taps from the weight, the counters to zero from `zeroed`.
         const bool conv = conv_pool.has_value();
         check.require(conv_weight.has_value() == conv && conv_slots.has_value() == conv,
                       "conv_pool, conv_weight and conv_slots go together");
         check.require(conv || !zeroed, "zeroed goes with the conv");
         std::int64_t channels = 0, taps = 0, zeroed_count = 0;
         if (conv) {
-          check.require(norm, "the conv epilogue needs the folded norm (residual)");
+          check.require(dtype != DType::F32, "the conv epilogue needs fp16 / bf16 x");
+          check.require(!gate_up && !gate && !add, "the conv epilogue takes no gate_up, gate or add");
+          check.require(norm || m <= kQuantGemvConvMaxRows, "the conv epilogue without the norm takes m <= ",
+                        kQuantGemvConvMaxRows, " rows, got m=", m);
           check("conv_weight", conv_weight).shape({kAny, kAny}).dtype(x.type).contiguous().aligned(16);
           channels = conv_weight->size(0);
           taps = conv_weight->size(1);
@@ -130,8 +133,9 @@ void bind_quant(py::module_& module) {
           // any other operand, and out and residual_out none with the conv's inputs.
           const TensorArg &pool = *conv_pool, &weight = *conv_weight, &slots = *conv_slots;
           const std::pair<const char*, const TensorArg*> operands[] = {
-              {"x", &x}, {"qweight", &qweight}, {"scales", &scales}, {"residual", &*residual},
-              {"norm_weight", &*norm_weight}, {"residual_out", &*residual_out}, {"out", &out},
+              {"x", &x}, {"qweight", &qweight}, {"scales", &scales}, {"residual", residual ? &*residual : nullptr},
+              {"norm_weight", norm_weight ? &*norm_weight : nullptr},
+              {"residual_out", residual_out ? &*residual_out : nullptr}, {"out", &out},
               {"conv_weight", &weight}, {"conv_slots", &slots}, {"bias", bias ? &*bias : nullptr}};
           for (const auto& [name, other] : operands) {
             if (other == nullptr) continue;
@@ -141,6 +145,7 @@ void bind_quant(py::module_& module) {
           zeroed_check.disjoint(pool, "conv_pool");
           check("out", out).disjoint(weight, "conv_weight").disjoint(slots, "conv_slots");
           check("residual_out", residual_out).disjoint(weight, "conv_weight").disjoint(slots, "conv_slots");
+          check("out", out).disjoint(x, "x");  // without the norm: read by other blocks while one writes
         }
         const int device = check.device();
         int split = 0;

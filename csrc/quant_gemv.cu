@@ -179,7 +179,7 @@ struct Epilogue {
 
 // What a plain 16-bit GEMV folds in around its product: nothing, the add + RMSNorm in front
 // (AddNorm), or that and the GDN conv after (ConvEpilogue).
-enum class Fold { None, Norm, NormConv };
+enum class Fold { None, Norm, NormConv, Conv };
 
 // The add + RMSNorm in front of a plain GEMV (quant_gemv.h GemvAddNormArgs): all null without it.
 struct AddNorm {
@@ -365,15 +365,19 @@ __device__ void add_norm_rows(T* stage, const T* __restrict__ x, const AddNorm& 
 // registers may then take what one block an SM leaves.
 // kFold: Norm: x is the delta of a residual stream, normed with `norm` into the stage first (plain
 // 16-bit Dense GEMVs of up to kQuantGemvNormMaxRows rows: one block row); NormConv: and the conv
-// epilogue (epilogue.conv).
+// epilogue (epilogue.conv); Conv: the conv epilogue alone (x read as in a plain GEMV, the stage holding
+// the conv's part only; up to kQuantGemvConvMaxRows rows).
 template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold>
 __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMinBlocks<T, kTiles> : 1)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
                       Epilogue epilogue, AddNorm norm, int m, int n, int k, int group_size, int split,
                       Grouping grouping) {
-  constexpr bool kNorm = kFold != Fold::None, kConv = kFold == Fold::NormConv;
-  static_assert(!kNorm || (!std::is_same_v<T, float> && kLayout == Layout::Dense && !kGrouped));
+  constexpr bool kNorm = kFold == Fold::Norm || kFold == Fold::NormConv;
+  constexpr bool kConv = kFold == Fold::NormConv || kFold == Fold::Conv;
+  static_assert(!(kNorm || kConv) || (!std::is_same_v<T, float> && kLayout == Layout::Dense && !kGrouped));
+  // the conv's part of the stage: after the norm's rows, or the whole stage without the norm
+  T* const conv_at = kNorm ? conv_stage<T>(m, k) : stage_rows<T>();
   constexpr bool kTensorCores = !std::is_same_v<T, float>;
   constexpr bool kInt4 = kCodes != Codes::Int8;
   const T* bias = static_cast<const T*>(epilogue.bias);
@@ -504,7 +508,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   if constexpr (kNorm) stage_norm_weight<T, kBlockWarps>(stage_rows<T>(), norm, m, k);
   if constexpr (kConv) {
     const int rows_here = block_rows(kBlockWarps, split);
-    stage_conv<T, kBlockWarps>(conv_stage<T>(m, k), epilogue.conv, m, rows_here * blockIdx.x, rows_here);
+    stage_conv<T, kBlockWarps>(conv_at, epilogue.conv, m, rows_here * blockIdx.x, rows_here);
   }
   if constexpr (!kGrouped) enter_kernel();
   if constexpr (kNorm) add_norm_rows<T, kBlockWarps>(stage_rows<T>(), x, norm, m, k);
@@ -536,6 +540,11 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
         }
       }
     }
+  }
+
+  if constexpr (kConv && !kNorm) {  // the staged conv weights and states (the norm's barriers do this)
+    cp_async_wait_all();
+    __syncthreads();
   }
 
   // The epilogue's loads issue before the split's barrier, every entry's at once: the row scales and
@@ -620,7 +629,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
           const int rows_here = block_rows(kBlockWarps, split);
           const int r = static_cast<int>(rows[i >> 1]) - rows_here * static_cast<int>(blockIdx.x);
           if (rows[i >> 1] < epilogue.conv.channels) {
-            v = conv_output<T>(conv_stage<T>(m, k), epilogue.conv, rows_here, xrow, r, rows[i >> 1], from_float<T>(v));
+            v = conv_output<T>(conv_at, epilogue.conv, rows_here, xrow, r, rows[i >> 1], from_float<T>(v));
           }
         }
         out[at] = from_float<T>(v);
@@ -726,15 +735,17 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
     allow_largest_stage<kernel>(a.device, kConvStageMaxBytes);
     stage = stage_bytes(a.m, a.k);
   }
+  constexpr bool kConv = kFold == Fold::NormConv || kFold == Fold::Conv;
   if constexpr (!kGrouped && kBlockWarps == kWarps) {  // a grouped GEMV's blocks are known on the device only
     // the conv stage of split 1 (the most rows a block): a bound for every split
     const std::size_t most =
-        stage + (kFold == Fold::NormConv ? conv_stage_bytes(a.m, block_rows(kWarps, 1), a.conv.taps) : 0);
+        stage + (kConv ? conv_stage_bytes(a.m, block_rows(kWarps, 1), a.conv.taps) : 0);
     const std::int64_t capacity = static_cast<std::int64_t>(resident_blocks<kernel, kWarps * 32>(a.device, most)) *
                                   sm_count(a.device) / slot_blocks;
     const std::int64_t chunks = ((a.int4 ? a.k / 2 : a.k) + kChunkBytes - 1) / kChunkBytes;
-    split = kFold == Fold::None ? split_for_waves(split, tiles, chunks, std::max<std::int64_t>(capacity, 1))
-                                : split_for_norm(split, tiles, chunks, std::max<std::int64_t>(capacity, 1));
+    split = kFold == Fold::None || kFold == Fold::Conv
+                ? split_for_waves(split, tiles, chunks, std::max<std::int64_t>(capacity, 1))
+                : split_for_norm(split, tiles, chunks, std::max<std::int64_t>(capacity, 1));
   }
   if (a.split_used != nullptr) *a.split_used = split;
   const int tiles_per_block = kBlockWarps / split;
@@ -747,11 +758,12 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
                           a.gate_stride, reinterpret_cast<const void*>(a.add), conv};
   const AddNorm norm{reinterpret_cast<const void*>(a.norm.residual), reinterpret_cast<const void*>(a.norm.weight),
                      reinterpret_cast<void*>(a.norm.residual_out), a.norm.eps, a.norm.zero_centered};
-  if constexpr (kFold == Fold::NormConv) stage += conv_stage_bytes(a.m, block_rows(kBlockWarps, split), a.conv.taps);
+  if constexpr (kConv) stage += conv_stage_bytes(a.m, block_rows(kBlockWarps, split), a.conv.taps);
   // Named by role (errors, NINFER_ABLATE): a decode step's in_proj / qkv fold the norm (a GDN in_proj
   // with its conv epilogue too: the same role), its out_proj / o_proj add the residual; all contain
   // "quant_gemv".
   const char* what = kGrouped                    ? "quant_gemv grouped (MoE) kernel launch"
+                     : kFold == Fold::Conv       ? "quant_gemv conv kernel launch"
                      : kFold != Fold::None       ? "quant_gemv norm kernel launch"
                      : kLayout == Layout::GateUp ? "quant_gemv gate_up kernel launch"
                      : a.add != 0                ? "quant_gemv add kernel launch"
@@ -763,7 +775,9 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
                 grouping);
 }
 
-static_assert(kQuantGemvNormMaxRows <= 8, "the norm's rows fit one n8 tile (kTiles = 1)");
+static_assert(kQuantGemvNormMaxRows <= 8 && kQuantGemvConvMaxRows <= 8, "the norm's / conv's rows fit one n8 tile (kTiles = 1)");
+static_assert(conv_stage_bytes(kQuantGemvConvMaxRows, kWarps * kTileRows, kQuantGemvConvMaxTaps) <= 48 * 1024,
+              "a conv-only stage fits the dynamic shared memory a kernel gets unasked");
 
 // split > kWarps: blocks of kWideWarps (plain 16-bit GEMVs only, choose_split).
 template <typename T, Layout kLayout, bool kGrouped, Fold kFold = Fold::None>
@@ -774,7 +788,7 @@ void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_bl
     constexpr int kBlockWarps = decltype(block_warps)::value;
     switch (tiles) {
       case 1: launch<T, kCodes, 1, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping); break;
-      case 2:  // m > 8: never with the norm (m <= kQuantGemvNormMaxRows)
+      case 2:  // m > 8: never with the norm or the conv (m <= kQuantGemvNormMaxRows, kQuantGemvConvMaxRows)
         if constexpr (kFold == Fold::None) {
           launch<T, kCodes, 2, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping);
         }
@@ -831,9 +845,10 @@ void quant_gemv(const QuantGemvArgs& a) {
     using T = decltype(type);
     if (a.gate_up) {
       launch_typed<T, Layout::GateUp, false>(a, split, tiles, row_blocks);
-    } else if (a.norm.residual == 0) {
+    } else if (a.norm.residual == 0 && a.conv.pool == 0) {
       launch_typed<T, Layout::Dense, false>(a, split, tiles, row_blocks);
-    } else if constexpr (!std::is_same_v<T, float>) {  // the folded norm: fp16 / bf16 only
+    } else if constexpr (!std::is_same_v<T, float>) {  // the folded norm / conv: fp16 / bf16 only
+      if (a.norm.residual == 0) return launch_typed<T, Layout::Dense, false, Fold::Conv>(a, split, tiles, row_blocks);
       if (a.conv.pool != 0) {
         launch_typed<T, Layout::Dense, false, Fold::NormConv>(a, split, tiles, row_blocks);
       } else {

@@ -19,6 +19,7 @@ inline constexpr int kQuantGemvMaxRows = 1024;
 inline constexpr int kQuantGemvNormMaxRows = 4;
 inline constexpr int kQuantGemvNormMaxK = 8192;
 inline constexpr int kQuantGemvConvMaxTaps = 8;  // the conv epilogue's kernel width (GemvConvArgs)
+inline constexpr int kQuantGemvConvMaxRows = 8;  // its rows without the norm (with it, the norm's limit)
 
 // Weight formats (ninfer_core/ops/quant.py):
 //   int8: qweight int8 [n, k], scales fp32 [n]; w = q * scale.
@@ -51,15 +52,17 @@ struct GemvAddNormArgs {
   bool zero_centered = false;
 };
 
-// The conv (pool != 0) a norm GEMV may run as its epilogue: a GDN decode step's depthwise causal
-// conv + SiLU (ninfer_core/ops/gdn.py gdn_decode_step_folded), one launch fewer than its own kernel.
+// The conv (pool != 0) a GEMV may run as its epilogue: a GDN decode step's depthwise causal conv +
+// SiLU (ninfer_core/ops/gdn.py gdn_decode_step_folded), one launch fewer than its own kernel; with
+// the norm folded in front (up to kQuantGemvNormMaxRows rows) or without it (a plain 16-bit GEMV of
+// up to kQuantGemvConvMaxRows rows, the norm run before: batches past the norm's limit).
 // Output c < channels of row i is the newest input of channel c's conv, whose state pool[slots[i]]
 // [channels, taps - 1] holds the previous inputs, oldest first:
 //   out[i, c] = round(silu(sum_j weight[c, j] w_j)),  w = [state | round(v)],  v the plain output,
 // in fp32 with one FMA a tap, oldest first (gdn_decode.cu's conv kernel, bit for bit); the state
 // drops its oldest input for round(v). Outputs c >= channels are the plain ones. The kernel also
 // zeroes zeroed[0 .. zeroed_count - 1] (int32): the completion counters of the GDN recurrent kernel
-// that follows it, which the conv kernel zeroes otherwise. Needs the norm; channels % 16 == 0 and
+// that follows it, which the conv kernel zeroes otherwise. Dense layout; channels % 16 == 0 and
 // <= n, 2 <= taps <= kQuantGemvConvMaxTaps; pool (contiguous [S, channels, taps - 1]) and weight
 // ([channels, taps]) in dtype and 16-byte aligned, overlapping no other operand; slots [m] int64,
 // distinct. Weights, states and slots are read before the wait for the kernel launched just before

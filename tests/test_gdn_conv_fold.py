@@ -255,35 +255,42 @@ def test_unfolded_calls_pass_no_conv(monkeypatch):
 
 
 def test_conv_fold_declines_what_the_gemv_cannot_run(monkeypatch):
-    """quant_linear_add_norm_conv returns None (no kernel call) past the norm's rows, for fp32, for a
+    """quant_linear_add_norm_conv returns None (no kernel call) past the conv's rows, for fp32, for a
     conv the epilogue does not take (C % 16, 9 taps, a misaligned or strided pool, another dtype,
     int32 or strided slots: a copy would be written by the launch just before); 4 rows of 16-bit
-    activations run it."""
-    calls = record_kernel_calls(monkeypatch, "quant_gemv")
-    case = fold_case(SMALL_ODD, 5, torch.bfloat16, seed=6)
+    activations run it in one call (the norm folded), 5 and 8 rows in two (the norm's kernel first)."""
+    calls = record_kernel_calls(monkeypatch, "quant_gemv", "rmsnorm")
+    case = fold_case(SMALL_ODD, 9, torch.bfloat16, seed=6)
     x, residual, weight, eps, zc, qw = norm_args(case)
     pool, conv = case["conv_pool"], conv_of(case)
     shifted = torch.empty(pool.numel() + 8, dtype=pool.dtype)[1 : pool.numel() + 1].view(pool.shape)
-    cases = {  # name: (x, residual, norm weight, conv, runs)
-        "4 rows": (x[:4], residual[:4], weight, conv._replace(slots=conv.slots[:4]), True),
-        "5 rows": (x, residual, weight, conv, False),
+    cases = {  # name: (x, residual, norm weight, conv, calls made)
+        "4 rows": (x[:4], residual[:4], weight, conv._replace(slots=conv.slots[:4]), 1),
+        "5 rows": (x[:5], residual[:5], weight, conv._replace(slots=conv.slots[:5]), 2),
+        "8 rows": (x[:8], residual[:8], weight, conv._replace(slots=conv.slots[:8]), 2),
+        "9 rows": (x, residual, weight, conv, 0),
         "fp32": (x[:2].float(), residual[:2].float(), weight.float(),
-                 conv._replace(pool=pool.float(), weight=conv.weight.float(), slots=conv.slots[:2]), False),
+                 conv._replace(pool=pool.float(), weight=conv.weight.float(), slots=conv.slots[:2]), 0),
         "C % 16": (x[:2], residual[:2], weight, conv._replace(pool=pool[:, 8:].contiguous(), weight=conv.weight[8:],
-                                                               slots=conv.slots[:2]), False),
+                                                               slots=conv.slots[:2]), 0),
         "9 taps": (x[:2], residual[:2], weight, conv._replace(pool=pool.repeat(1, 1, 3)[..., :8].contiguous(),
                                                                weight=conv.weight.repeat(1, 3)[:, :9].contiguous(),
-                                                               slots=conv.slots[:2]), False),
-        "misaligned pool": (x[:2], residual[:2], weight, conv._replace(pool=shifted, slots=conv.slots[:2]), False),
-        "strided pool": (x[:2], residual[:2], weight, conv._replace(pool=pool[::2], slots=conv.slots[:2] // 2), False),
-        "fp16 pool": (x[:2], residual[:2], weight, conv._replace(pool=pool.half(), slots=conv.slots[:2]), False),
-        "int32 slots": (x[:2], residual[:2], weight, conv._replace(slots=conv.slots[:2].int()), False),
-        "strided slots": (x[:2], residual[:2], weight, conv._replace(slots=conv.slots[:4:2]), False),
+                                                               slots=conv.slots[:2]), 0),
+        "misaligned pool": (x[:2], residual[:2], weight, conv._replace(pool=shifted, slots=conv.slots[:2]), 0),
+        "strided pool": (x[:2], residual[:2], weight, conv._replace(pool=pool[::2], slots=conv.slots[:2] // 2), 0),
+        "fp16 pool": (x[:2], residual[:2], weight, conv._replace(pool=pool.half(), slots=conv.slots[:2]), 0),
+        "int32 slots": (x[:2], residual[:2], weight, conv._replace(slots=conv.slots[:2].int()), 0),
+        "strided slots": (x[:2], residual[:2], weight, conv._replace(slots=conv.slots[:4:2]), 0),
     }
-    for name, (x_, residual_, weight_, conv_, runs) in cases.items():
+    for name, (x_, residual_, weight_, conv_, made) in cases.items():
         calls.clear()
         got = quant.quant_linear_add_norm_conv(x_, residual_, weight_, eps, zc, qw, None, conv_)
-        assert (got is not None, len(calls)) == ((True, 1) if runs else (False, 0)), name
+        assert (got is not None, len(calls)) == (made > 0, made), name
+        if made == 2:  # add_rmsnorm's kernel, then the GEMV with the conv alone, reading its output
+            norm_call, gemv = calls
+            assert "qweight" not in norm_call and gemv["residual"] is None and gemv["norm_weight"] is None
+            assert gemv["conv_pool"] is conv_.pool and gemv["conv_slots"] is conv_.slots
+            assert gemv["x"].data_ptr() == norm_call["out"].data_ptr() and gemv["x"].shape == (x_.shape[0], 256)
 
 
 def test_fold_checks_its_inputs():
@@ -409,8 +416,11 @@ CONV_GEMV_CASES = {  # name: (the arguments, the error)
     "weight alone": (lambda: _conv_gemv_kwargs() | dict(conv_pool=None, conv_slots=None),
                      "conv_pool, conv_weight and conv_slots go together"),
     "zeroed alone": (lambda: _conv_gemv_kwargs() | NO_CONV, "zeroed goes with the conv"),
-    "no norm": (lambda: _conv_gemv_kwargs() | dict(residual=None, norm_weight=None, residual_out=None),
-                "the conv epilogue needs the folded norm"),
+    "no norm past 8 rows": (lambda: _conv_gemv_kwargs(m=9) | dict(residual=None, norm_weight=None, residual_out=None),
+                            "the conv epilogue without the norm takes m <= 8 rows, got m=9"),
+    "gate_up": (lambda: _conv_gemv_kwargs() | dict(gate_up=True, out=torch.empty(3, 24, dtype=BF16), residual=None,
+                                                   norm_weight=None, residual_out=None),
+                "the conv epilogue takes no gate_up, gate or add"),
     "weight dtype": (lambda: _with(_conv_gemv_kwargs(), conv_weight=lambda kw: kw["conv_weight"].float()),
                      "conv_weight is float32, expected bfloat16"),
     "weight rank": (lambda: _with(_conv_gemv_kwargs(), conv_weight=lambda kw: kw["conv_weight"][None]),
@@ -573,9 +583,10 @@ CONV_GEMV_SHAPES = [(1024, 1040, 256), (8192, 12352, 2048), (512, 4608, 2048), (
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", CONV_GEMV_SHAPES, ids=str)
 def test_conv_gemv_equals_gemv_then_conv_kernel(cuda_kernels, monkeypatch, shape, dtype, kind, group):
-    """Rows 1..4 (odd counts with a bias): the outputs past C and the new residual are
-    quant_linear_add_norm's, the first C the prefill conv kernel's over those projections (the same
-    FMA order and roundings), and the pools that kernel's, all bit for bit; every counter zeroed."""
+    """Rows 1..8 (odd counts with a bias; past 4 the norm runs first and the GEMV takes the conv
+    alone): the outputs past C and the new residual are quant_linear_add_norm's, the first C the
+    prefill conv kernel's over those projections (the same FMA order and roundings), and the pools
+    that kernel's, all bit for bit; every counter zeroed."""
     channels, n, hidden = shape
     gen = torch.Generator().manual_seed(n + hidden)
     qw = quantize((torch.randn(n, hidden, generator=gen) / hidden**0.5).cuda(), kind, group)
@@ -583,10 +594,10 @@ def test_conv_gemv_equals_gemv_then_conv_kernel(cuda_kernels, monkeypatch, shape
     pool = torch.randn(9, channels, 3, generator=gen).to(dtype).cuda()
     bias = torch.randn(n, generator=gen).to(dtype).cuda()
     norm_weight = (torch.randn(hidden, generator=gen) * 0.2).to(dtype).cuda()
-    for rows in range(1, quant.NORM_MAX_ROWS + 1):
+    for rows in range(1, quant.CONV_MAX_ROWS + 1):
         x = torch.randn(rows, 1, hidden, generator=gen).to(dtype).cuda()
         residual = (torch.randn(rows, 1, hidden, generator=gen) * 2).to(dtype).cuda()
-        slots = torch.tensor([7, 2, 4, 0][:rows], device="cuda")
+        slots = torch.tensor([7, 2, 4, 0, 8, 1, 5, 3][:rows], device="cuda")
         b = bias if rows % 2 else None
         plain, want_summed = quant.quant_linear_add_norm(x, residual, norm_weight, EPS, True, qw, b)
         want_pool = pool.clone()
@@ -634,8 +645,10 @@ def test_conv_gemv_rejects_what_it_cannot_run(cuda_kernels):
     with pytest.raises(ValueError, match="quant_gemv: conv_weight has 312 channels"):
         quant._gemv(out, x[:, 0], qw, None, norm=norm, conv=conv._replace(pool=conv.pool[:, 8:].contiguous(),
                                                                           weight=conv.weight[8:].contiguous()))
-    with pytest.raises(ValueError, match="quant_gemv: the conv epilogue needs the folded norm"):
-        quant._gemv(out, x[:, 0], qw, None, conv=conv)
+    nine = fold_case(SMALL_ODD, 9, torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="quant_gemv: the conv epilogue without the norm takes m <= 8 rows, got m=9"):
+        quant._gemv(torch.empty(9, qw.out_features, dtype=x.dtype, device="cuda"), nine["x"][:, 0], nine["qw"], None,
+                    conv=conv_of(nine))
 
 
 @pytest.mark.cuda
@@ -644,10 +657,11 @@ def test_conv_gemv_rejects_what_it_cannot_run(cuda_kernels):
 @pytest.mark.parametrize("shape", [SHAPE_35B, SMALL_ODD, (1, 3, 64, 96, 3), (2, 4, 256, 256, 4),
                                    (3, 3, 160, 32, 2), (1, 2, 32, 224, 8)], ids=str)
 def test_folded_step_equals_unfolded_kernels(cuda_kernels, shape, dtype, kind, group):
-    """gdn_decode_step_folded against quant_linear_add_norm + gdn_decode_step, batches 1..4: outputs,
-    new residual, conv and recurrent pools bit for bit; close to the reference composition."""
+    """gdn_decode_step_folded against quant_linear_add_norm + gdn_decode_step, batches 1..8 (past 4
+    the norm first, the conv still in the GEMV): outputs, new residual, conv and recurrent pools bit
+    for bit; close to the reference composition."""
     hidden = 2048 if shape == SHAPE_35B else 512
-    for batch in range(1, quant.NORM_MAX_ROWS + 1):
+    for batch in range(1, quant.CONV_MAX_ROWS + 1):
         case = fold_case(shape, batch, dtype, "cuda", kind, group, hidden, seed=batch + sum(shape))
         before, unfolded, ref_case = (with_pool_copies(case) for _ in range(3))
         out, summed = folded_step(case)

@@ -64,6 +64,7 @@ CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it a tiled dequa
 NORM_MAX_ROWS = 4
 NORM_MAX_K = 8192
 CONV_MAX_TAPS = 8  # the conv epilogue's kernel width (csrc/quant_gemv.h: kQuantGemvConvMaxTaps)
+CONV_MAX_ROWS = 8  # its rows without the norm folded in front (kQuantGemvConvMaxRows)
 # fp32 weight rows dequantized at once on the CPU: cache-sized, and few GEMM calls per weight
 # (each is a barrier of torch's thread pool, which a busy machine makes slow)
 CPU_PREFILL_TILE_BYTES = 8 << 20
@@ -404,20 +405,29 @@ def quant_linear_add_norm_conv(
     C outputs of each row (the newest input of conv channel c is output c): y[..., :C] are the conv's
     outputs, rounded to x's dtype, y[..., C:] the plain outputs, and the conv states of `conv.slots`
     advance. Also returns `conv.zeroed` int32 zeros, written by the kernel (the counters of the GDN
-    recurrent kernel that follows it). One launch where the GEMV and the conv kernel take two;
-    reference: ops/gdn.py `quant_linear_add_norm_conv_ref` (the conv's reference is the GDN layer's).
-    None where the kernel does not take the call (nothing ran)."""
+    recurrent kernel that follows it). One launch where the GEMV and the conv kernel take two (past the
+    norm's rows, up to CONV_MAX_ROWS: add_rmsnorm, then the GEMV with the conv alone); reference:
+    ops/gdn.py `quant_linear_add_norm_conv_ref` (the conv's reference is the GDN layer's). None where
+    the kernel does not take the call (nothing ran)."""
     _check_linear(x, qw, bias)
-    rows = _norm_rows(x, residual, norm_weight, qw, bias) if _conv_fits(conv, x, qw) else None
-    if rows is None:
+    if not _conv_fits(conv, x, qw):
         return None
-    x2, residual2 = rows
-    out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(x2)
     zeroed = torch.empty(conv.zeroed, dtype=torch.int32, device=x.device)
-    _gemv(out, x2, qw, bias, norm=_FoldedNorm(residual2, norm_weight, summed, eps, zero_centered), conv=conv,
-          zeroed=zeroed)
-    return out.view(*x.shape[:-1], qw.out_features), summed.view(x.shape), zeroed
+    rows = _norm_rows(x, residual, norm_weight, qw, bias)
+    if rows is not None:
+        x2, residual2 = rows
+        out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
+        summed = torch.empty_like(x2)
+        _gemv(out, x2, qw, bias, norm=_FoldedNorm(residual2, norm_weight, summed, eps, zero_centered), conv=conv,
+              zeroed=zeroed)
+        return out.view(*x.shape[:-1], qw.out_features), summed.view(x.shape), zeroed
+    plain = _epilogue_rows(x, qw, bias)
+    if plain is None or plain.shape[0] > CONV_MAX_ROWS or x.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    normed, summed = add_rmsnorm(x, residual, norm_weight, eps, zero_centered=zero_centered)
+    out = torch.empty(plain.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
+    _gemv(out, normed.reshape(plain.shape), qw, bias, conv=conv, zeroed=zeroed)
+    return out.view(*x.shape[:-1], qw.out_features), summed, zeroed
 
 
 def _conv_fits(conv: GemvConv, x: torch.Tensor, qw: QuantizedWeight) -> bool:
