@@ -323,8 +323,9 @@ def bench(
     for p in r.prefill:
         print(f"prefill {p.tokens:>6} tokens: {p.tok_s:10.1f} tok/s ({p.seconds:.2f} s)")
     for d in r.decode:
+        graph = "" if d.graph_ms_per_step is None else f"; the graph alone {d.graph_ms_per_step:.3f} ms"
         print(f"decode  batch {d.batch:>2} @ {d.context:>6}: {d.tok_s:10.1f} tok/s ({d.ms_per_step:.2f} ms/step, "
-              f"{d.gb_s:.0f} GB/s, {100 * d.roofline_fraction:.1f}% of roofline)")
+              f"{d.gb_s:.0f} GB/s, {100 * d.roofline_fraction:.1f}% of roofline{graph})")
 
 
 models_cli.register(cli)

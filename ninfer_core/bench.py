@@ -6,7 +6,8 @@ CUDA graphs, without tokenizer or sampling beyond argmax, so the numbers are the
 - prefill tok/s for each prompt length (one sequence, chunks of `prefill_chunk`);
 - decode tok/s at each context length (batch 1) and aggregate decode tok/s at each batch size.
   The KV pages of the context are reserved but not prefilled: decode cost depends on the length,
-  not the content, so a 32K-context decode is measured without a 32K prefill first.
+  not the content, so a 32K-context decode is measured without a 32K prefill first. With CUDA
+  graphs each decode run also gives the graph's replay alone (the GPU-bound step).
 
 Roofline: a decode step must read every weight it touches once (the embedding row, the hit experts
 only: E * (1 - (1 - k/E)^B) of them for B tokens), each row's KV (its context x bytes per token) and
@@ -77,6 +78,9 @@ class DecodeRun:
     bytes_per_step: int
     gb_s: float
     roofline_fraction: float  # of the measured copy bandwidth
+    # one replay of the step's CUDA graph, replayed back to back: the GPU's step without this loop's
+    # host work (the batch's tensors, the argmax); None without decode graphs
+    graph_ms_per_step: float | None = None
 
 
 @dataclass
@@ -198,11 +202,15 @@ class _Harness:
             logits=logits,
         )
 
-    def replay_ms(self, batch: int, replays: int = 20) -> float:
+    def replay_ms(self, batch: int, replays: int = 20) -> float | None:
         """Milliseconds of one replay of the batch's decode graph (captured by an earlier `decode`),
-        replayed back to back: the GPU's step time without the host work of building a batch."""
+        replayed back to back: the GPU's step time without the host work of building a batch. None
+        where no graph took the batch."""
         assert self.graphs is not None
-        graph = next(g.graph for key, g in self.graphs.graphs.items() if key[:2] == (batch, 0))
+        bucket = self.graphs.bucket(batch)
+        graph = next((g.graph for key, g in self.graphs.graphs.items() if key[:2] == (bucket, 0)), None)
+        if graph is None:
+            return None
         return cuda_median_ms(lambda: [graph.replay() for _ in range(replays)]) / replays
 
     def random_ids(self, rows: int, cols: int) -> torch.Tensor:
@@ -254,12 +262,14 @@ class _Harness:
 
         seconds = _timed(run, self.device) / steps
         self.release(seqs)
+        graph_ms = self.replay_ms(batch) if self.graphs is not None else None
         kv = self.manager.cache.kv.bytes_per_token * (context + steps // 2)
         state = 2 * self.manager.cache.state.bytes_per_slot
         moved = decode_weight_bytes(self.model, self.config, batch) + batch * (kv + state)
         return DecodeRun(batch=batch, context=context, ms_per_step=seconds * 1e3, tok_s=batch / seconds,
                          bytes_per_step=moved, gb_s=moved / seconds / 1e9,
-                         roofline_fraction=moved / seconds / bandwidth if math.isfinite(bandwidth) else float("nan"))
+                         roofline_fraction=moved / seconds / bandwidth if math.isfinite(bandwidth) else float("nan"),
+                         graph_ms_per_step=graph_ms)
 
 
 def graph_replay_ms(fn: Callable[[], object], replays: int = 20) -> float:
