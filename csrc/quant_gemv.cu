@@ -40,12 +40,12 @@
 // warp's 16 A rows are 8 gate rows and the 8 matching up rows, so each lane's C fragment holds
 // the gate and up sums of the same output: SiLU(gate) * up is the epilogue. So every expert hit
 // by a batch is read once per block of its slots (the decode kernels of csrc/moe.cu read it once
-// per slot), which is what verify rounds, batched decode and short prompts need.
+// per slot), which is what verify rounds, batched decode and short prompts need. A down warp takes
+// two row tiles one after another (kRowTiles): at K = 512 a tile is two steps, and the next tile's
+// loads are on their way while this one writes its outputs.
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstdio>
-#include <cstdlib>
 #include <type_traits>
 
 #include "common.cuh"
@@ -848,7 +848,7 @@ static_assert(conv_stage_bytes(kQuantGemvConvMaxRows, kWarps * kTileRows, kQuant
               "a conv-only stage fits the dynamic shared memory a kernel gets unasked");
 
 // split > kWarps: blocks of kWideWarps (plain 16-bit GEMVs only, choose_split).
-// row_tiles_per_warp (kRowTiles): 1, or 2 / 4 for grouped GEMVs of 8-slot blocks at split 1.
+// row_tiles_per_warp (kRowTiles): 1, or 2 for grouped GEMVs of 8-slot blocks at split 1.
 template <typename T, Layout kLayout, bool kGrouped, Fold kFold = Fold::None>
 void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks,
                   Grouping grouping = {}, int row_tiles_per_warp = 1) {
@@ -859,7 +859,6 @@ void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_bl
       case 1:
         if constexpr (kGrouped) {
           if (row_tiles_per_warp == 2) return launch<T, kCodes, 1, kLayout, true, kBlockWarps, kFold, 2>(a, split, slot_blocks, grouping);
-          if (row_tiles_per_warp == 4) return launch<T, kCodes, 1, kLayout, true, kBlockWarps, kFold, 4>(a, split, slot_blocks, grouping);
         }
         launch<T, kCodes, 1, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping);
         break;
@@ -906,17 +905,6 @@ int choose_split(const QuantGemvArgs& a, std::int64_t tiles, int max_split) {
   return split;
 }
 
-// EXPERIMENT (temporary switch for the A/B): NINFER_GROUPED_ROW_TILES="down,gate_up" row tiles a
-// warp of a grouped GEMV takes (1, 2 or 4; default 1,1).
-int grouped_row_tiles(bool gate_up) {
-  static const std::array<int, 2> chosen = [] {
-    std::array<int, 2> v{1, 1};
-    if (const char* env = std::getenv("NINFER_GROUPED_ROW_TILES")) std::sscanf(env, "%d,%d", &v[0], &v[1]);
-    return v;
-  }();
-  return chosen[gate_up ? 1 : 0];
-}
-
 }  // namespace
 
 // The launchers trust their arguments: the binding (bind_quant.cpp) is their one caller and checks
@@ -956,7 +944,11 @@ void moe_grouped_gemv(const GroupedGemvArgs& g) {
   const int split = choose_split(a, row_tiles(a.n, layout) * g.blocks, kWarps);
   const int tiles = g.block_m / 8;
   const auto blocks = static_cast<unsigned>(g.blocks);
-  const int per_warp = split == 1 ? grouped_row_tiles(g.gate_up) : 1;
+  // Row tiles a warp takes: 2 for down at split 1 (K = inter: the 35B's 512 is 2 steps a tile), 1 for
+  // gate_up. H200, bench_moe_triton.py (docs/performance.md, twenty-second session), 8-slot blocks, ms
+  // a layer 1 -> 2 tiles: 37 tokens 0.136 -> 0.133, 64 0.166 -> 0.161, 128 0.194 -> 0.188, 8 and 16
+  // level; 4 tiles for down lost at 8 / 16 tokens (+5%), 2 for gate_up lost at 16 to 64 (+4-9%).
+  const int per_warp = split == 1 && !g.gate_up ? 2 : 1;
   const auto go = [&](auto type) {
     using T = decltype(type);
     if (g.gate_up) {
