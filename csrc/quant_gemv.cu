@@ -40,7 +40,9 @@
 // warp's 16 A rows are 8 gate rows and the 8 matching up rows, so each lane's C fragment holds
 // the gate and up sums of the same output: SiLU(gate) * up is the epilogue. So every expert hit
 // by a batch is read once per block of its slots (the decode kernels of csrc/moe.cu read it once
-// per slot), which is what verify rounds, batched decode and short prompts need.
+// per slot), which is what verify rounds, batched decode and short prompts need. A down warp takes
+// two row tiles one after another (kRowTiles): at K = 512 a tile is two steps, and the next tile's
+// loads are on their way while this one writes its outputs.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -367,7 +369,11 @@ __device__ void add_norm_rows(T* stage, const T* __restrict__ x, const AddNorm& 
 // 16-bit Dense GEMVs of up to kQuantGemvNormMaxRows rows: one block row); NormConv: and the conv
 // epilogue (epilogue.conv); Conv: the conv epilogue alone (x read as in a plain GEMV, the stage holding
 // the conv's part only; up to kQuantGemvConvMaxRows rows).
-template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold>
+// kRowTiles: row tiles a warp takes one after another (grouped GEMVs at split 1 only): a short K
+// (the MoE down's 512) is a few steps a tile, so the next tile's first loads go out while this one
+// ends and writes its outputs, instead of a warp (and a block) ending after every tile.
+template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold,
+          int kRowTiles>
 __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMinBlocks<T, kTiles> : 1)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
@@ -376,6 +382,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   constexpr bool kNorm = kFold == Fold::Norm || kFold == Fold::NormConv;
   constexpr bool kConv = kFold == Fold::NormConv || kFold == Fold::Conv;
   static_assert(!(kNorm || kConv) || (!std::is_same_v<T, float> && kLayout == Layout::Dense && !kGrouped));
+  static_assert(kRowTiles == 1 || (kGrouped && !std::is_same_v<T, float>));
   // the conv's part of the stage: after the norm's rows, or the whole stage without the norm
   T* const conv_at = kNorm ? conv_stage<T>(m, k) : stage_rows<T>();
   constexpr bool kTensorCores = !std::is_same_v<T, float>;
@@ -386,7 +393,8 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int part = warp % split;  // this warp's share of its tile's chunks
-  const std::int64_t tile = static_cast<std::int64_t>(blockIdx.x) * (kBlockWarps / split) + warp / split;
+  const std::int64_t tile = (static_cast<std::int64_t>(blockIdx.x) * (kBlockWarps / split) + warp / split) * kRowTiles;
+  constexpr int kTileStep = kLayout == Layout::GateUp ? 8 : kTileRows;  // rows from a tile to the next
   const int row_bytes = kInt4 ? k / 2 : k;
   const int groups = kInt4 ? k / group_size : 0;
   // a chunk's group: (2 * offset) / group_size, a shift (group sizes are powers of two)
@@ -394,9 +402,13 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   // A rows g and g + 8 of the warp's tile: 16 consecutive weight rows, or for gate_up output g
   // of an 8-wide tile as its gate row and its up row (n rows further).
   const std::int64_t pair = kLayout == Layout::GateUp ? n : 8;
-  const std::int64_t rows[2] = {tile * (kLayout == Layout::GateUp ? 8 : kTileRows) + g,
-                                tile * (kLayout == Layout::GateUp ? 8 : kTileRows) + g + pair};
-  const bool live[2] = {rows[0] < n, kLayout == Layout::GateUp ? rows[0] < n : rows[1] < n};
+  std::int64_t rows[2] = {tile * kTileStep + g, tile * kTileStep + g + pair};  // the tile being computed
+  const auto rows_live = [&](std::int64_t row, bool (&live)[2]) {
+    live[0] = row < n;
+    live[1] = kLayout == Layout::GateUp ? row < n : row + pair < n;
+  };
+  bool live[2];
+  rows_live(rows[0], live);
   const int chunks = (row_bytes + kChunkBytes - 1) / kChunkBytes;
   const int* block_slots = nullptr;
   if constexpr (!kGrouped) {  // block y: rows 8 kTiles y .. of x and out (m > 16: short prefills)
@@ -427,10 +439,15 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   // loads, with the others' of the epilogue, come after the main loop.
   if (part == 0) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (!live[r]) continue;
-      if constexpr (!kInt4) prefetch_l2(static_cast<const float*>(scales) + rows[r]);
-      if (bias != nullptr) prefetch_l2(bias + rows[r]);
+    for (int j = 0; j < kRowTiles; ++j) {
+      bool tile_live[2];
+      rows_live(rows[0] + j * kTileStep, tile_live);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (!tile_live[r]) continue;
+        if constexpr (!kInt4) prefetch_l2(static_cast<const float*>(scales) + rows[r] + j * kTileStep);
+        if (bias != nullptr) prefetch_l2(bias + rows[r] + j * kTileStep);
+      }
     }
   }
   // This lane's row of x (its B column) in each n8 tile: in global memory, or normed in the stage.
@@ -459,18 +476,25 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   // faster for the 27B and 4% slower for the 35B on the H200: occupancy, not load depth, binds.)
   uint4 q[2][kUnroll][2];
   std::uint16_t sc[2][kUnroll][2] = {};
-  const std::uint8_t* wnext = wbase + part * kUnroll * kChunkBytes + 16 * t;
   const int chunk_groups = kInt4 ? (2 * kChunkBytes) >> group_log2 : 0;  // scales a chunk's row spans
-  const std::uint16_t* snext = sbase + part * kUnroll * chunk_groups + ((32 * t) >> group_log2);
-  int left = row_bytes - part * kUnroll * kChunkBytes - 16 * t;  // bytes of the row from wnext on
   const int stride = split * kUnroll;
+  const int first = part * kUnroll;
+  const int tile_steps = (chunks + kUnroll - 1) / kUnroll;  // a row tile's (kRowTiles > 1: split 1)
+  // The load side runs up to two steps ahead of the compute side, so into the next row tile at the
+  // end of one: its own tile's rows, liveness and step count.
+  const std::uint8_t* wnext = wbase + first * kChunkBytes + 16 * t;
+  const std::uint16_t* snext = sbase + first * chunk_groups + ((32 * t) >> group_log2);
+  int left = row_bytes - first * kChunkBytes - 16 * t;  // bytes of the row from wnext on
+  bool load_live[2] = {live[0], live[1]};
+  std::int64_t load_row = rows[0];
+  int load_steps = 0;  // of the load tile, asked for
   const auto load_step = [&](int b) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const bool in = u * kChunkBytes < left;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const bool pred = live[r] && in;
+        const bool pred = load_live[r] && in;
         q[b][u][r] = load16<true>(wnext + r * pair * row_bytes + u * kChunkBytes, pred);
         if constexpr (kInt4) sc[b][u][r] = load2(snext + r * pair * groups + u * chunk_groups, pred);
       }
@@ -478,6 +502,16 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
     wnext += stride * kChunkBytes;
     snext += stride * chunk_groups;
     left -= stride * kChunkBytes;
+    if constexpr (kRowTiles > 1) {
+      if (++load_steps == tile_steps) {  // on to the next tile's first step
+        load_steps = 0;
+        wnext += kTileStep * row_bytes - tile_steps * stride * kChunkBytes;
+        snext += kTileStep * groups - tile_steps * stride * chunk_groups;
+        left = row_bytes - first * kChunkBytes - 16 * t;
+        load_row += kTileStep;
+        rows_live(load_row, load_live);
+      }
+    }
   };
   float acc[kTiles][4] = {};
   float sum[2][8 * kTiles] = {};  // fp32 path: per (weight row, x row), this lane's k only
@@ -502,9 +536,8 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   // dependent launch: the previous kernel may still be running; weights are never written) and
   // norms it: a warp of a short K (out_proj split 16 ways: 2 steps) has asked for all of its
   // weights by then. Each buffer is refilled right after it is computed.
-  const int first = part * kUnroll;
   load_step(0);
-  if (first + stride < chunks) load_step(1);
+  if (kRowTiles > 1 || first + stride < chunks) load_step(1);
   if constexpr (kNorm) stage_norm_weight<T, kBlockWarps>(stage_rows<T>(), norm, m, k);
   if constexpr (kConv) {
     const int rows_here = block_rows(kBlockWarps, split);
@@ -512,128 +545,162 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   }
   if constexpr (!kGrouped) enter_kernel();
   if constexpr (kNorm) add_norm_rows<T, kBlockWarps>(stage_rows<T>(), x, norm, m, k);
-  for (int c = first; c < chunks; c += 2 * stride) {
-    compute_step(0, c);
-    if (c + 2 * stride < chunks) load_step(0);
-    if (c + stride >= chunks) break;
-    compute_step(1, c + stride);
-    if (c + 3 * stride < chunks) load_step(1);
-  }
-
-  if constexpr (!kTensorCores) {
-    // Add the four lanes of each row, then keep the entries of this lane's MMA C fragment.
+  // The tile's outputs: its sums (of every split part) through the epilogue into out.
+  __shared__ float partial[kBlockWarps][kTiles * 4][32];  // split > 1: the tile's other warps' sums
+  const auto finish_tile = [&]() {
+    if constexpr (!kTensorCores) {
+      // Add the four lanes of each row, then keep the entries of this lane's MMA C fragment.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < 2; ++r) {
 #pragma unroll
-      for (int row = 0; row < 8 * kTiles; ++row) {
-        sum[r][row] += __shfl_xor_sync(0xffffffffu, sum[r][row], 1);
-        sum[r][row] += __shfl_xor_sync(0xffffffffu, sum[r][row], 2);
-      }
-    }
-#pragma unroll
-    for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int tt = 0; tt < 4; ++tt) {
-          if (t == tt) acc[tile_m][i] = sum[i >> 1][8 * tile_m + 2 * tt + (i & 1)];
+        for (int row = 0; row < 8 * kTiles; ++row) {
+          sum[r][row] += __shfl_xor_sync(0xffffffffu, sum[r][row], 1);
+          sum[r][row] += __shfl_xor_sync(0xffffffffu, sum[r][row], 2);
         }
       }
-    }
-  }
-
-  if constexpr (kConv && !kNorm) {  // the staged conv weights and states (the norm's barriers do this)
-    cp_async_wait_all();
-    __syncthreads();
-  }
-
-  // The epilogue's loads issue before the split's barrier, every entry's at once: the row scales and
-  // biases, and the residual to add and the gate logits of earlier kernels. Loaded entry by entry
-  // after the barrier, each behind the previous entry's store (which might alias it), they were a
-  // chain of round trips at the tail of every GEMV. Entry i of n8 tile tile_m: x row 8 tile_m + 2t + i % 2.
-  float row_scale[2] = {1.0f, 1.0f}, row_bias[2] = {};
-  if (part == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (!live[r]) continue;
-      if constexpr (!kInt4) row_scale[r] = __ldg(static_cast<const float*>(scales) + rows[r]);
-      if (bias != nullptr) row_bias[r] = to_float(bias[rows[r]]);
-    }
-  }
-  float added[kTiles][4] = {}, gated[kTiles][2] = {};
-  if constexpr (!kGrouped && kLayout != Layout::GateUp) {
-    if (part == 0 && (add != nullptr || gate != nullptr)) {
 #pragma unroll
       for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int xrow = 8 * tile_m + 2 * t + (i & 1);
-          if (xrow >= m) continue;
-          if (add != nullptr && live[i >> 1]) added[tile_m][i] = to_float(add[static_cast<std::int64_t>(xrow) * n + rows[i >> 1]]);
-          if (gate != nullptr && i < 2) gated[tile_m][i] = to_float(gate[xrow * epilogue.gate_stride]);
-        }
-      }
-    }
-  }
-
-  if (split > 1) {  // the tile's other warps hand their sums to its first warp
-    __shared__ float partial[kBlockWarps][kTiles * 4][32];
-    if (part > 0) {
 #pragma unroll
-      for (int i = 0; i < kTiles * 4; ++i) partial[warp][i][lane] = acc[i / 4][i % 4];
-    }
-    __syncthreads();
-    if (part > 0) return;
-    for (int other = 1; other < split; ++other) {
-#pragma unroll
-      for (int i = 0; i < kTiles * 4; ++i) acc[i / 4][i % 4] += partial[warp + other][i][lane];
-    }
-  }
-
-  if constexpr (kConv) {  // the counters of the GDN recurrent kernel launched next
-    if (blockIdx.x == 0 && warp == 0) {
-      for (int i = lane; i < epilogue.conv.zeroed_count; i += 32) epilogue.conv.zeroed[i] = 0u;
-    }
-  }
-  // C fragment entry i of n8 tile tile_m: A row g (i < 2) or g + pair, x row 8 tile_m + 2t + i % 2.
-#pragma unroll
-  for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (!kInt4 && live[i >> 1]) acc[tile_m][i] *= row_scale[i >> 1];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int xrow = 8 * tile_m + 2 * t + (i & 1);
-      std::int64_t out_row = xrow;  // the row of out this entry belongs to
-      if constexpr (kGrouped) {
-        out_row = __ldg(block_slots + xrow);
-        if (out_row >= grouping.num_slots) continue;
-      } else if (xrow >= m) {
-        continue;
-      }
-      if (!live[i >> 1]) continue;
-      if constexpr (kLayout == Layout::GateUp) {
-        if (i >= 2) continue;  // entries 2, 3 are the up sums of entries 0, 1
-        // The reference's roundings: linear, silu and the product each in T.
-        out[out_row * n + rows[0]] =
-            from_float<T>(silu_times<T>(round_to<T>(acc[tile_m][i]), round_to<T>(acc[tile_m][i + 2])));
-      } else {
-        const std::int64_t at = out_row * n + rows[i >> 1];
-        float v = acc[tile_m][i];
-        if (bias != nullptr) v += row_bias[i >> 1];
-        // csrc/activation.cu's sigmoid_mul roundings
-        if (gate != nullptr) v = sigmoid_times<T>(round_to<T>(v), gated[tile_m][i & 1]);
-        if (add != nullptr) v = added[tile_m][i] + round_to<T>(v);
-        if constexpr (kConv) {
-          const int rows_here = block_rows(kBlockWarps, split);
-          const int r = static_cast<int>(rows[i >> 1]) - rows_here * static_cast<int>(blockIdx.x);
-          if (rows[i >> 1] < epilogue.conv.channels) {
-            v = conv_output<T>(conv_at, epilogue.conv, rows_here, xrow, r, rows[i >> 1], from_float<T>(v));
+          for (int tt = 0; tt < 4; ++tt) {
+            if (t == tt) acc[tile_m][i] = sum[i >> 1][8 * tile_m + 2 * tt + (i & 1)];
           }
         }
-        out[at] = from_float<T>(v);
       }
+    }
+
+    if constexpr (kConv && !kNorm) {  // the staged conv weights and states (the norm's barriers do this)
+      cp_async_wait_all();
+      __syncthreads();
+    }
+
+    // The epilogue's loads issue before the split's barrier, every entry's at once: the row scales and
+    // biases, and the residual to add and the gate logits of earlier kernels. Loaded entry by entry
+    // after the barrier, each behind the previous entry's store (which might alias it), they were a
+    // chain of round trips at the tail of every GEMV. Entry i of n8 tile tile_m: x row 8 tile_m + 2t + i % 2.
+    float row_scale[2] = {1.0f, 1.0f}, row_bias[2] = {};
+    if (part == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (!live[r]) continue;
+        if constexpr (!kInt4) row_scale[r] = __ldg(static_cast<const float*>(scales) + rows[r]);
+        if (bias != nullptr) row_bias[r] = to_float(bias[rows[r]]);
+      }
+    }
+    float added[kTiles][4] = {}, gated[kTiles][2] = {};
+    if constexpr (!kGrouped && kLayout != Layout::GateUp) {
+      if (part == 0 && (add != nullptr || gate != nullptr)) {
+#pragma unroll
+        for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int xrow = 8 * tile_m + 2 * t + (i & 1);
+            if (xrow >= m) continue;
+            if (add != nullptr && live[i >> 1]) added[tile_m][i] = to_float(add[static_cast<std::int64_t>(xrow) * n + rows[i >> 1]]);
+            if (gate != nullptr && i < 2) gated[tile_m][i] = to_float(gate[xrow * epilogue.gate_stride]);
+          }
+        }
+      }
+    }
+
+    if (split > 1) {  // the tile's other warps hand their sums to its first warp
+      if (part > 0) {
+#pragma unroll
+        for (int i = 0; i < kTiles * 4; ++i) partial[warp][i][lane] = acc[i / 4][i % 4];
+      }
+      __syncthreads();
+      if (part > 0) return;
+      for (int other = 1; other < split; ++other) {
+#pragma unroll
+        for (int i = 0; i < kTiles * 4; ++i) acc[i / 4][i % 4] += partial[warp + other][i][lane];
+      }
+    }
+
+    if constexpr (kConv) {  // the counters of the GDN recurrent kernel launched next
+      if (blockIdx.x == 0 && warp == 0) {
+        for (int i = lane; i < epilogue.conv.zeroed_count; i += 32) epilogue.conv.zeroed[i] = 0u;
+      }
+    }
+    // C fragment entry i of n8 tile tile_m: A row g (i < 2) or g + pair, x row 8 tile_m + 2t + i % 2.
+#pragma unroll
+    for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (!kInt4 && live[i >> 1]) acc[tile_m][i] *= row_scale[i >> 1];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int xrow = 8 * tile_m + 2 * t + (i & 1);
+        std::int64_t out_row = xrow;  // the row of out this entry belongs to
+        if constexpr (kGrouped) {
+          out_row = __ldg(block_slots + xrow);
+          if (out_row >= grouping.num_slots) continue;
+        } else if (xrow >= m) {
+          continue;
+        }
+        if (!live[i >> 1]) continue;
+        if constexpr (kLayout == Layout::GateUp) {
+          if (i >= 2) continue;  // entries 2, 3 are the up sums of entries 0, 1
+          // The reference's roundings: linear, silu and the product each in T.
+          out[out_row * n + rows[0]] =
+              from_float<T>(silu_times<T>(round_to<T>(acc[tile_m][i]), round_to<T>(acc[tile_m][i + 2])));
+        } else {
+          const std::int64_t at = out_row * n + rows[i >> 1];
+          float v = acc[tile_m][i];
+          if (bias != nullptr) v += row_bias[i >> 1];
+          // csrc/activation.cu's sigmoid_mul roundings
+          if (gate != nullptr) v = sigmoid_times<T>(round_to<T>(v), gated[tile_m][i & 1]);
+          if (add != nullptr) v = added[tile_m][i] + round_to<T>(v);
+          if constexpr (kConv) {
+            const int rows_here = block_rows(kBlockWarps, split);
+            const int r = static_cast<int>(rows[i >> 1]) - rows_here * static_cast<int>(blockIdx.x);
+            if (rows[i >> 1] < epilogue.conv.channels) {
+              v = conv_output<T>(conv_at, epilogue.conv, rows_here, xrow, r, rows[i >> 1], from_float<T>(v));
+            }
+          }
+          out[at] = from_float<T>(v);
+        }
+      }
+    }
+  };
+  if constexpr (kRowTiles == 1) {
+    for (int c = first; c < chunks; c += 2 * stride) {
+      compute_step(0, c);
+      if (c + 2 * stride < chunks) load_step(0);
+      if (c + stride >= chunks) break;
+      compute_step(1, c + stride);
+      if (c + 3 * stride < chunks) load_step(1);
+    }
+    finish_tile();
+  } else {  // the same steps numbered over the warp's tiles: the loads run on into the next tile
+    // The chunk of the compute side's next step; past a tile's last the tile's outputs are written
+    // and the compute side moves on to the next tile.
+    const auto next_chunk = [&](int c) {
+      c += kUnroll;
+      if (c >= chunks) {
+        finish_tile();
+        c = 0;
+        rows[0] += kTileStep;
+        rows[1] += kTileStep;
+        rows_live(rows[0], live);
+#pragma unroll
+        for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[tile_m][i] = 0.0f;
+        }
+      }
+      return c;
+    };
+    const int steps = kRowTiles * tile_steps;
+    for (int s = 0, c = 0; s < steps; s += 2) {
+      compute_step(0, c);
+      if (s + 2 < steps) load_step(0);
+      c = next_chunk(c);
+      if (s + 1 >= steps) break;
+      compute_step(1, c);
+      if (s + 3 < steps) load_step(1);
+      c = next_chunk(c);
     }
   }
 }
@@ -723,9 +790,10 @@ int split_for_norm(int split, std::int64_t tiles, std::int64_t chunks, std::int6
   return waves;
 }
 
-template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold>
+template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold,
+          int kRowTiles = 1>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
-  constexpr auto kernel = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold>;
+  constexpr auto kernel = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold, kRowTiles>;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   std::size_t stage = 0;
   if constexpr (kFold == Fold::Norm) {
@@ -748,7 +816,7 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
                 : split_for_norm(split, tiles, chunks, std::max<std::int64_t>(capacity, 1));
   }
   if (a.split_used != nullptr) *a.split_used = split;
-  const int tiles_per_block = kBlockWarps / split;
+  const int tiles_per_block = kBlockWarps / split * kRowTiles;
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
   const ConvEpilogue conv{reinterpret_cast<void*>(a.conv.pool), reinterpret_cast<const void*>(a.conv.weight),
                           reinterpret_cast<const std::int64_t*>(a.conv.slots),
@@ -780,14 +848,20 @@ static_assert(conv_stage_bytes(kQuantGemvConvMaxRows, kWarps * kTileRows, kQuant
               "a conv-only stage fits the dynamic shared memory a kernel gets unasked");
 
 // split > kWarps: blocks of kWideWarps (plain 16-bit GEMVs only, choose_split).
+// row_tiles_per_warp (kRowTiles): 1, or 2 for grouped GEMVs of 8-slot blocks at split 1.
 template <typename T, Layout kLayout, bool kGrouped, Fold kFold = Fold::None>
 void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks,
-                  Grouping grouping = {}) {
+                  Grouping grouping = {}, int row_tiles_per_warp = 1) {
   const auto pick = [&](auto codes, auto block_warps) {
     constexpr Codes kCodes = decltype(codes)::value;
     constexpr int kBlockWarps = decltype(block_warps)::value;
     switch (tiles) {
-      case 1: launch<T, kCodes, 1, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping); break;
+      case 1:
+        if constexpr (kGrouped) {
+          if (row_tiles_per_warp == 2) return launch<T, kCodes, 1, kLayout, true, kBlockWarps, kFold, 2>(a, split, slot_blocks, grouping);
+        }
+        launch<T, kCodes, 1, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping);
+        break;
       case 2:  // m > 8: never with the norm or the conv (m <= kQuantGemvNormMaxRows, kQuantGemvConvMaxRows)
         if constexpr (kFold == Fold::None) {
           launch<T, kCodes, 2, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping);
@@ -870,12 +944,17 @@ void moe_grouped_gemv(const GroupedGemvArgs& g) {
   const int split = choose_split(a, row_tiles(a.n, layout) * g.blocks, kWarps);
   const int tiles = g.block_m / 8;
   const auto blocks = static_cast<unsigned>(g.blocks);
+  // Row tiles a warp takes: 2 for down at split 1 (K = inter: the 35B's 512 is 2 steps a tile), 1 for
+  // gate_up. H200, bench_moe_triton.py (docs/performance.md, twenty-second session), 8-slot blocks, ms
+  // a layer 1 -> 2 tiles: 37 tokens 0.136 -> 0.133, 64 0.166 -> 0.161, 128 0.194 -> 0.188, 8 and 16
+  // level; 4 tiles for down lost at 8 / 16 tokens (+5%), 2 for gate_up lost at 16 to 64 (+4-9%).
+  const int per_warp = split == 1 && !g.gate_up ? 2 : 1;
   const auto go = [&](auto type) {
     using T = decltype(type);
     if (g.gate_up) {
-      launch_typed<T, Layout::GateUp, true>(a, split, tiles, blocks, grouping);
+      launch_typed<T, Layout::GateUp, true>(a, split, tiles, blocks, grouping, per_warp);
     } else {
-      launch_typed<T, Layout::Down, true>(a, split, tiles, blocks, grouping);
+      launch_typed<T, Layout::Down, true>(a, split, tiles, blocks, grouping, per_warp);
     }
   };
   a.dtype == DType::F16 ? go(__half{}) : go(__nv_bfloat16{});
