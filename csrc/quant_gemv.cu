@@ -848,7 +848,7 @@ static_assert(conv_stage_bytes(kQuantGemvConvMaxRows, kWarps * kTileRows, kQuant
               "a conv-only stage fits the dynamic shared memory a kernel gets unasked");
 
 // split > kWarps: blocks of kWideWarps (plain 16-bit GEMVs only, choose_split).
-// row_tiles_per_warp (kRowTiles): 1, or 2 for grouped GEMVs of 8-slot blocks at split 1.
+// row_tiles_per_warp (kRowTiles): 1, or 2 for grouped down GEMVs of 8-slot blocks at split 1.
 template <typename T, Layout kLayout, bool kGrouped, Fold kFold = Fold::None>
 void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks,
                   Grouping grouping = {}, int row_tiles_per_warp = 1) {
@@ -857,7 +857,7 @@ void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_bl
     constexpr int kBlockWarps = decltype(block_warps)::value;
     switch (tiles) {
       case 1:
-        if constexpr (kGrouped) {
+        if constexpr (kGrouped && kLayout == Layout::Down) {
           if (row_tiles_per_warp == 2) return launch<T, kCodes, 1, kLayout, true, kBlockWarps, kFold, 2>(a, split, slot_blocks, grouping);
         }
         launch<T, kCodes, 1, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping);
