@@ -198,7 +198,8 @@ LIST
       [ -f "$name.tests" ] || continue
       echo "== $name: tests"
       # serial: under pytest-xdist the copies' runs collected nothing ("no tests ran") twice on the H200
-      ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:${PYTHONPATH:-} timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q \
+      # the copy's site/ holds ninfer_app (app/ installed under its package name) for the CLI tests
+      ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q \
           -rs -p no:cacheprovider -p no:xdist $(cat "$OLDPWD/$name.tests") 2>&1 | tee "$OUT/tests_$name.log" \
           | grep -vE "^(SKIPPED|PASSED)" | tail -30 )
     done
