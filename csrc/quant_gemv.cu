@@ -848,7 +848,7 @@ static_assert(conv_stage_bytes(kQuantGemvConvMaxRows, kWarps * kTileRows, kQuant
               "a conv-only stage fits the dynamic shared memory a kernel gets unasked");
 
 // split > kWarps: blocks of kWideWarps (plain 16-bit GEMVs only, choose_split).
-// row_tiles_per_warp (kRowTiles): 1, or 2 for grouped down GEMVs of 8-slot blocks at split 1.
+// row_tiles_per_warp (kRowTiles): 1, or 2 for grouped down GEMVs of 8- and 16-slot blocks at split 1.
 template <typename T, Layout kLayout, bool kGrouped, Fold kFold = Fold::None>
 void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks,
                   Grouping grouping = {}, int row_tiles_per_warp = 1) {
@@ -863,6 +863,9 @@ void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_bl
         launch<T, kCodes, 1, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping);
         break;
       case 2:  // m > 8: never with the norm or the conv (m <= kQuantGemvNormMaxRows, kQuantGemvConvMaxRows)
+        if constexpr (kGrouped && kLayout == Layout::Down) {
+          if (row_tiles_per_warp == 2) return launch<T, kCodes, 2, kLayout, true, kBlockWarps, kFold, 2>(a, split, slot_blocks, grouping);
+        }
         if constexpr (kFold == Fold::None) {
           launch<T, kCodes, 2, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping);
         }
@@ -945,9 +948,10 @@ void moe_grouped_gemv(const GroupedGemvArgs& g) {
   const int tiles = g.block_m / 8;
   const auto blocks = static_cast<unsigned>(g.blocks);
   // Row tiles a warp takes: 2 for down at split 1 (K = inter: the 35B's 512 is 2 steps a tile), 1 for
-  // gate_up. H200, bench_moe_triton.py (docs/performance.md, twenty-second session), 8-slot blocks, ms
-  // a layer 1 -> 2 tiles: 37 tokens 0.136 -> 0.133, 64 0.166 -> 0.161, 128 0.194 -> 0.188, 8 and 16
-  // level; 4 tiles for down lost at 8 / 16 tokens (+5%), 2 for gate_up lost at 16 to 64 (+4-9%).
+  // gate_up. H200, bench_moe_triton.py (docs/performance.md, twenty-second session), ms a layer 1 -> 2
+  // tiles: 8-slot blocks 37 tokens 0.136 -> 0.133, 64 0.166 -> 0.161, 128 0.194 -> 0.188, 8 and 16
+  // level; 16-slot blocks 384 tokens 0.335 -> 0.326, 512 0.428 -> 0.414; 4 tiles for down lost at 8 /
+  // 16 tokens (+5%), 2 for gate_up lost at 16 to 64 (+4-9%).
   const int per_warp = split == 1 && !g.gate_up ? 2 : 1;
   const auto go = [&](auto type) {
     using T = decltype(type);

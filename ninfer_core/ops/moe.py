@@ -448,10 +448,11 @@ def grouped_gemv_fits(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor
 
 def grouped_gemv_block_m(slots: int, num_experts: int) -> int:
     """Slots per block (8, 16 or 32) for the slots an expert gets on average: smaller blocks pad
-    less, larger ones read an expert fewer times. (H200, 35B shape: 8 is fastest to 4 slots an
-    expert, 16 at 8, 16 and 32 tie at 16: scripts/bench_moe_triton.py.)"""
+    less, larger ones read an expert fewer times. (H200, 35B shape, scripts/bench_moe_triton.py,
+    twenty-second session: 8 is fastest to 8 slots an expert (256 tokens: 0.254 against 0.270 ms),
+    16 at 12 and 16 (0.326 / 0.414 against 0.346 / 0.425); 16 and 32 tied at 16 earlier.)"""
     per_expert = slots / num_experts
-    return 8 if per_expert <= 6 else 16 if per_expert <= 24 else 32
+    return 8 if per_expert <= 8 else 16 if per_expert <= 24 else 32
 
 
 def moe_experts_grouped_gemv(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor,
