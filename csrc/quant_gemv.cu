@@ -610,7 +610,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
         for (int i = 0; i < kTiles * 4; ++i) partial[warp][i][lane] = acc[i / 4][i % 4];
       }
       __syncthreads();
-      if (part > 0) return;
+      if (part > 0) return;  // its work is done (split > 1 has one tile a warp: the kernel ends here)
       for (int other = 1; other < split; ++other) {
 #pragma unroll
         for (int i = 0; i < kTiles * 4; ++i) acc[i / 4][i % 4] += partial[warp + other][i][lane];
