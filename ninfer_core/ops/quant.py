@@ -412,18 +412,19 @@ def quant_linear_add_norm_conv(
     _check_linear(x, qw, bias)
     if not _conv_fits(conv, x, qw):
         return None
-    zeroed = torch.empty(conv.zeroed, dtype=torch.int32, device=x.device)
     rows = _norm_rows(x, residual, norm_weight, qw, bias)
     if rows is not None:
         x2, residual2 = rows
         out = torch.empty(x2.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
         summed = torch.empty_like(x2)
+        zeroed = torch.empty(conv.zeroed, dtype=torch.int32, device=x.device)
         _gemv(out, x2, qw, bias, norm=_FoldedNorm(residual2, norm_weight, summed, eps, zero_centered), conv=conv,
               zeroed=zeroed)
         return out.view(*x.shape[:-1], qw.out_features), summed.view(x.shape), zeroed
     plain = _epilogue_rows(x, qw, bias)
     if plain is None or plain.shape[0] > CONV_MAX_ROWS or x.dtype not in (torch.float16, torch.bfloat16):
         return None
+    zeroed = torch.empty(conv.zeroed, dtype=torch.int32, device=x.device)
     normed, summed = add_rmsnorm(x, residual, norm_weight, eps, zero_centered=zero_centered)
     out = torch.empty(plain.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
     _gemv(out, normed.reshape(plain.shape), qw, bias, conv=conv, zeroed=zeroed)
