@@ -11,10 +11,10 @@ is a comma list of settings applied before its graphs are captured:
 
 --runs: batch:context pairs; each prints the median of 10 x 20 back-to-back replays (ms a step).
 
-The first harness a process builds replays its batch-1 graph ~2.4% faster than every later one
-(H200, 35B at 4K: 1.655 against 1.694 ms; not the clock, which nvidia-smi shows at 1,980 MHz
-throughout, nor the KV cache's placement: one cache for all variants gave the same), so a warm-up
-harness is built, captured and dropped first: every variant is then measured alike.
+A process's only CUDA graph replays ~2% faster than any graph once a second one has been captured
+(H200, 35B at 4K: 1.663 against 1.698 ms for the same batch-1 graph; not the clock, the KV cache's
+placement or the graph pool: docs/performance.md, twenty-first and twenty-second sessions), so a
+warm-up harness is built, captured and dropped first: every variant is then measured alike.
 """
 
 from __future__ import annotations
