@@ -169,6 +169,28 @@ void bind_moe(py::module_& m) {
       "See csrc/moe.h.");
 
   m.def(
+      "moe_combine",
+      [](TensorArg out, TensorArg y, TensorArg weights, std::uintptr_t stream) {
+        ArgCheck check("moe_combine");
+        const DType dtype = kernel_dtype(check, "y", y);
+        check("y", y).dtype({ScalarType::F16, ScalarType::BF16}).shape({kAny, kAny}).contiguous().aligned(16);
+        const DType weights_dtype = kernel_dtype(check, "weights", weights);
+        check("weights", weights).shape({kAny, kAny}).contiguous();
+        const std::int64_t tokens = weights.size(0), top_k = weights.size(1), hidden = y.size(1);
+        check.require(top_k >= 1 && top_k <= kMoeMaxTopK, "top_k ", top_k, " out of range (1 .. ", kMoeMaxTopK, ")");
+        check.require(hidden % 8 == 0, "y has ", hidden, " columns, not a multiple of 8 (16-byte loads)");
+        check.require(tokens * top_k <= (1LL << 31) - 1 && tokens * hidden <= (1LL << 34),
+                      "tokens ", tokens, " past the kernel's int indices");
+        check("y", y).shape({tokens * top_k, hidden});
+        check("out", out).shape({tokens, hidden}).dtype(y.type).contiguous().aligned(16);
+        const int device = check.device();
+        moe_combine({out.data, y.data, weights.data, tokens, top_k, hidden, dtype, weights_dtype, device, stream});
+      },
+      py::arg("out"), py::arg("y"), py::arg("weights"), py::arg("stream"),
+      "out [tokens, hidden] = each token's top_k slot rows of y [tokens * top_k, hidden] weighted by "
+      "weights [tokens, top_k] and summed. See csrc/moe.h.");
+
+  m.def(
       "moe_decode",
       [](TensorArg out, TensorArg h, TensorArg x, TensorArg weights, TensorArg ids, TensorArg gate_up,
          std::optional<TensorArg> gate_up_scales, TensorArg down, std::optional<TensorArg> down_scales,

@@ -685,6 +685,51 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
+// A thread owns 8 elements of a token's row: it reads them from each of the token's top_k slot rows
+// of y (16 bytes each, 8 rows' loads in flight together) and writes their weighted sum.
+// Replaces combine_slots_ref's cuBLAS bmm, which took 6.4 us for 64 tokens at the 35B shape (2.3 MB;
+// docs/performance.md, twenty-second session) and, being no PDL kernel, waited for the down GEMV's
+// last block before it started.
+constexpr int kCombineThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(T* __restrict__ out, const T* __restrict__ y, const void* __restrict__ weights,
+                   DType weights_dtype, int tokens, int top_k, int hidden) {
+  enter_kernel();  // y is the kernel before's output
+  constexpr int kPer = 8;
+  using TV = Vec<T, kPer>;
+  const int vecs = hidden / kPer;
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * kCombineThreads + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(tokens) * vecs) return;
+  const int n = static_cast<int>(i / vecs);
+  const uint4* rows = reinterpret_cast<const uint4*>(y) + static_cast<std::int64_t>(n) * top_k * vecs + i % vecs;
+  constexpr int kBatch = 8;  // slot rows whose loads go out together (predicated), then added in slot order
+  float acc[kPer] = {};
+  for (int j0 = 0; j0 < top_k; j0 += kBatch) {
+    uint4 raw[kBatch];
+    float w[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const bool live = j0 + u < top_k;
+      w[u] = live ? load_float(weights, n * top_k + j0 + u, weights_dtype) : 0.0f;
+      raw[u] = live ? rows[static_cast<std::int64_t>(j0 + u) * vecs] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (j0 + u >= top_k) break;
+      const float wu = round_to<T>(w[u]);
+      const TV& v = *reinterpret_cast<const TV*>(&raw[u]);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) acc[e] = fmaf(wu, to_float(v.v[e]), acc[e]);
+    }
+  }
+  TV sum;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) sum.v[e] = from_float<T>(acc[e]);
+  reinterpret_cast<TV*>(out)[i] = sum;
+}
+
 // ---------------------------------------------------------------- launchers
 
 template <typename T, typename Launch>
@@ -837,6 +882,21 @@ void moe_align(const MoeAlignArgs& a) {
                 as_stream(a.stream), reinterpret_cast<int*>(a.sorted_slots), reinterpret_cast<int*>(a.block_experts),
                 reinterpret_cast<int*>(a.used), reinterpret_cast<const int*>(a.ids), static_cast<int>(a.slots),
                 static_cast<int>(a.experts), a.block_m, static_cast<int>(a.capacity));
+}
+
+void moe_combine(const MoeCombineArgs& a) {
+  if (a.tokens == 0) return;
+  DeviceGuard guard(a.device);
+  const std::int64_t threads = a.tokens * (a.hidden / 8);
+  const auto blocks = static_cast<unsigned>((threads + kCombineThreads - 1) / kCombineThreads);
+  const auto go = [&](auto type) {
+    using T = decltype(type);
+    launch_kernel("moe combine kernel launch", combine_kernel<T>, blocks, kCombineThreads, 0, as_stream(a.stream),
+                  reinterpret_cast<T*>(a.out), reinterpret_cast<const T*>(a.y),
+                  reinterpret_cast<const void*>(a.weights), a.weights_dtype, static_cast<int>(a.tokens),
+                  static_cast<int>(a.top_k), static_cast<int>(a.hidden));
+  };
+  a.dtype == DType::F16 ? go(__half{}) : go(__nv_bfloat16{});
 }
 
 void moe_decode(const MoeDecodeArgs& a) {

@@ -96,6 +96,25 @@ inline std::int64_t moe_align_capacity(std::int64_t slots, std::int64_t experts,
 
 void moe_align(const MoeAlignArgs& args);
 
+// out [tokens, hidden] = sum_j weights[n, j] * y[n * top_k + j] for each token n: the grouped paths'
+// slot outputs y [tokens * top_k, hidden] (f16 / bf16, hidden % 8 == 0) weighted by the routing and
+// summed, as ninfer_core/ops/moe_align.py combine_slots_ref does (its roundings: the weights rounded to
+// y's dtype, fp32 sums, one rounding). weights [tokens, top_k] f32 / f16 / bf16, top_k <= kMoeMaxTopK.
+struct MoeCombineArgs {
+  std::uintptr_t out;
+  std::uintptr_t y;
+  std::uintptr_t weights;
+  std::int64_t tokens;
+  std::int64_t top_k;
+  std::int64_t hidden;
+  DType dtype;
+  DType weights_dtype;
+  int device;
+  std::uintptr_t stream;
+};
+
+void moe_combine(const MoeCombineArgs& args);
+
 // How a fused expert tensor [E, N, K] is stored (the formats of ninfer_core/ops/quant.py).
 enum class ExpertKind : int {
   Dense = 0,  // weight: [E, N, K] in the activation dtype; scales: 0

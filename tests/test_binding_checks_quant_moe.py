@@ -1,5 +1,5 @@
 """The quant and MoE bindings (quant_gemv, moe_grouped_gemv, dequant; moe_route, moe_router,
-moe_align, moe_decode) check shapes, strides and dtypes in C++ (csrc/tensor_arg.h) before anything
+moe_align, moe_combine, moe_decode) check shapes, strides and dtypes in C++ (csrc/tensor_arg.h) before anything
 launches; see tests/test_binding_checks.py. Each op's wrapper, routed to its kernel path on CPU
 tensors, must reach the device check (DeviceError) for the shapes the GPU tests run (batch 1 and 8,
 int8 and int4 in every group size, every epilogue, grouped and shared experts, the router with the
@@ -197,7 +197,8 @@ def test_grouped_gemv_and_align_pass_the_checks(kernels_on_cpu, monkeypatch, fmt
         reaches_launch(lambda: moe_align._align_kernel(ids, 16, block))
     launched = _each_launch(monkeypatch)
     out = moe.moe_experts_grouped_gemv(x, gate_up, down, weights, ids, block_m)
-    assert launched == ["moe_grouped_gemv", "moe_grouped_gemv"] and out.shape == x.shape  # gate_up, then down
+    # gate_up, down, then the slots' weighted sum
+    assert launched == ["moe_grouped_gemv", "moe_grouped_gemv", "moe_combine"] and out.shape == x.shape
 
 
 # ---------------------------------------------------------------- each wrong argument is named
@@ -528,6 +529,37 @@ def test_moe_align_rejects_what_the_kernel_cannot_take(case):
     reaches_launch(lambda: ext.moe_align(**_align_args(ids=torch.zeros(3, 2, dtype=I32))))  # any shape of ids
     args, match = ALIGN_CASES[case]
     rejects(lambda: ext.moe_align(**args()), "moe_align: " + match)
+
+
+def _combine_args(tokens=3, top_k=4, hidden=64, **changes) -> dict:
+    return dict(out=torch.empty(tokens, hidden, dtype=BF16), y=_randn(tokens * top_k, hidden),
+                weights=_randn(tokens, top_k, seed=1, dtype=torch.float32), stream=0) | changes
+
+
+COMBINE_CASES = {
+    "y dtype": (lambda: _combine_args(y=torch.ones(12, 64)), "y is float32, expected float16 or bfloat16"),
+    "y aligned": (lambda: _combine_args(y=_misaligned(12, 64)), "y must start at a 16-byte aligned address"),
+    "y strides": (lambda: _combine_args(y=_transposed(12, 64)), "y must be contiguous"),
+    "y rows": (lambda: _combine_args(y=_randn(11, 64)), r"y has shape \(11, 64\), expected \(12, 64\)"),
+    "hidden": (lambda: _combine_args(y=_randn(12, 60), out=torch.empty(3, 60, dtype=BF16)),
+               "y has 60 columns, not a multiple of 8"),
+    "top_k": (lambda: _combine_args(weights=_randn(1, 65), y=_randn(65, 64), out=torch.empty(1, 64, dtype=BF16)),
+              r"top_k 65 out of range \(1 .. 64\)"),
+    "weights dtype": (lambda: _combine_args(weights=torch.ones(3, 4, dtype=I32)), "weights is int32, expected a float dtype"),
+    "weights strides": (lambda: _combine_args(weights=_transposed(3, 4)), "weights must be contiguous"),
+    "out shape": (lambda: _combine_args(out=torch.empty(4, 64, dtype=BF16)), r"out has shape \(4, 64\), expected \(3, 64\)"),
+    "out dtype": (lambda: _combine_args(out=torch.empty(3, 64, dtype=torch.float16)), "out is float16, expected bfloat16"),
+    "out aligned": (lambda: _combine_args(out=_misaligned(3, 64)), "out must start at a 16-byte aligned address"),
+}
+
+
+@pytest.mark.parametrize("case", COMBINE_CASES)
+def test_moe_combine_rejects_what_the_kernel_cannot_take(case):
+    reaches_launch(lambda: ext.moe_combine(**_combine_args()))
+    reaches_launch(lambda: ext.moe_combine(**_combine_args(weights=_randn(3, 4), y=_randn(12, 64, dtype=torch.float16),
+                                                            out=torch.empty(3, 64, dtype=torch.float16))))
+    args, match = COMBINE_CASES[case]
+    rejects(lambda: ext.moe_combine(**args()), "moe_combine: " + match)
 
 
 def _decode_args(fmt="int4", hidden=64, inter=32, tokens=2, top_k=2, shared=False, **changes) -> dict:

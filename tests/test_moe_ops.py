@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ninfer_core.engine.graph_capture import capture
 from ninfer_core.layers.moe import Experts
-from ninfer_core.ops import dispatch, moe
+from ninfer_core.ops import dispatch, moe, moe_align
 from ninfer_core.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from ninfer_core.ops.activation import sigmoid_mul, silu_mul
 from ninfer_core.ops.quant import QuantizedWeight, dequantize, quant_linear, quantize
@@ -681,6 +681,29 @@ def test_grouped_gemv_all_tokens_on_the_same_experts(cuda_kernels, fmt):
     """64 slots per expert: several full blocks of one expert."""
     ids = torch.tensor([[5, 0, 255, 17, 3, 128, 64, 200]] * 64, dtype=torch.int32, device="cuda")
     _grouped_gemv_check(64, 256, 8, 2048, 512, fmt, ids=ids, block_m=16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("weights_fp32", [False, True])
+@pytest.mark.parametrize("tokens, top_k, hidden", [(1, 1, 8), (3, 4, 384), (37, 8, 2048), (64, 8, 2048)])
+def test_combine_slots_kernel_matches_float64(cuda_kernels, monkeypatch, dtype, weights_fp32, tokens, top_k, hidden):
+    """Each token's slot rows weighted and summed: the weights rounded to the rows' dtype, the sum
+    exact (float64), one rounding; the kernel's fp32 sum may land one ulp away, or a few fp32 ulps of
+    the terms where they cancel. Through the wrapper, on the kernel (each call counted)."""
+    g = torch.Generator(device="cuda").manual_seed(tokens * top_k)
+    y = torch.randn(tokens * top_k, hidden, generator=g, device="cuda").to(dtype)
+    weights = torch.rand(tokens, top_k, generator=g, device="cuda").to(torch.float32 if weights_fp32 else dtype)
+    calls = []
+    real = moe_align._combine_kernel
+    monkeypatch.setattr(moe_align, "_combine_kernel", lambda *a: calls.append(1) or real(*a))
+    out = moe_align.combine_slots(weights, y)
+    assert calls and out.dtype == dtype and out.shape == (tokens, hidden)
+    terms = weights.to(dtype).double().unsqueeze(-1) * y.double().view(tokens, top_k, hidden)
+    exact = terms.sum(1)
+    bound = torch.finfo(dtype).eps * exact.abs() + 2.0**-20 * terms.abs().sum(1)
+    assert ((out.double() - exact).abs() <= bound).all()
+    _assert_close(out, moe_align.combine_slots_ref(weights, y), TOL[dtype])
 
 
 @pytest.mark.cuda

@@ -4,7 +4,8 @@ Both grouped quantized paths (the CUDA grouped GEMV in ops/moe.py and the Triton
 ops/moe_triton.py) take blocks of `block_m` positions that share one expert. The grouping runs
 on the device with no host sync, so forwards that contain it are captured by CUDA graphs; its
 shapes depend only on the slot count (`align_capacity`), never on the routing. On CUDA it is one
-kernel (csrc/moe.cu, `moe_align`); the torch reference below is ~12 ops with a sort.
+kernel (csrc/moe.cu, `moe_align`); the torch reference below is ~12 ops with a sort. The slot
+outputs come back together through `combine_slots` (one kernel on CUDA, a bmm for reference).
 """
 
 from __future__ import annotations
@@ -56,9 +57,26 @@ def align_by_expert_ref(ids: torch.Tensor, num_experts: int, block_m: int) -> Al
 
 def combine_slots(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """out [N, H] = sum_j weights[n, j] * y[n * k + j]: each token's k slot outputs (y [N * k, H],
-    in (token, slot) order) weighted and summed by one bmm (fp32 accumulation, no atomics)."""
+    in (token, slot) order) weighted and summed; on CUDA one kernel (csrc/moe.cu, `moe_combine`)
+    for fp16 / bf16 rows of a multiple of 8, else the reference."""
+    if (y.dtype in (torch.float16, torch.bfloat16) and y.shape[1] % 8 == 0 and y.is_contiguous()
+            and y.data_ptr() % 16 == 0 and dispatch.use_kernel(y, weights)):
+        return _combine_kernel(weights, y)
+    return combine_slots_ref(weights, y)
+
+
+def combine_slots_ref(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Torch reference of `combine_slots`: one bmm (the weights rounded to y's dtype, fp32 sums,
+    one rounding; no atomics)."""
     tokens, top_k = weights.shape
     return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(tokens, top_k, -1)).squeeze(1)
+
+
+def _combine_kernel(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    weights = weights.contiguous()
+    out = torch.empty(weights.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+    dispatch.extension().moe_combine(out=out, y=y, weights=weights, stream=dispatch.stream_handle(y))
+    return out
 
 
 def _align_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
