@@ -143,10 +143,9 @@ class DecodeGraphs:
 
     def _load_inputs(self, batch: ForwardBatch, graph: _Graph) -> None:
         b = batch.batch_size
-        graph.ids[:b].copy_(batch.input_ids)
-        graph.positions[:b].copy_(batch.positions)
-        self.cache_lens[:b].copy_(batch.cache_lens)
-        self.slots[:b].copy_(batch.slots)
+        # the four int64 inputs in one launch (torch's multi-tensor copy), not four copy kernels
+        torch._foreach_copy_([graph.ids[:b], graph.positions[:b], self.cache_lens[:b], self.slots[:b]],
+                             [batch.input_ids, batch.positions, batch.cache_lens, batch.slots])
         width = batch.block_table.shape[1]
         self.block_table[:b, :width].copy_(batch.block_table)
         if b < graph.ids.shape[0]:

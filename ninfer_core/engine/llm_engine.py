@@ -368,7 +368,9 @@ class LLMEngine:
 
     def _launch_sampling(self, plan: StepPlan, rows: list[Sequence], logits: list[torch.Tensor]) -> LaunchedStep:
         """Queue the sampling of the forward's rows and the copy of their tokens to the host."""
-        tokens, logprobs = self._sample(rows, torch.cat(logits)) if rows else (torch.empty(0, dtype=torch.long), None)
+        tokens, logprobs = torch.empty(0, dtype=torch.long), None
+        if rows:  # one part's logits as they are (a graph's static output: sampled before the next replay)
+            tokens, logprobs = self._sample(rows, logits[0] if len(logits) == 1 else torch.cat(logits))
         if tokens.device.type != "cuda":
             return LaunchedStep(plan, rows, tokens, tokens, None, logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
