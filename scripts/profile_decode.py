@@ -3,6 +3,8 @@
 Runs eager decode steps (the same kernels a CUDA graph replays) under torch.profiler and prints
 each kernel's calls per step and its share of the GPU time, next to the graph-replay step time.
     python3 scripts/profile_decode.py qwen3.6-35b-a3b [--context 4096] [--batch 1] [--json OUT]
+`--timeline OUT` adds the graph replay's kernels in launch order (start, length, the gap before
+each: what the step spends between kernels rather than in them).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--timeline", type=Path, help="JSON of one graph replay's kernels in order")
     args = parser.parse_args()
     setup = BenchSetup(model=args.preset, device="cuda", weights=args.weights, prefill_lengths=(),
                        decode_contexts=(args.context,), decode_batches=(args.batch,), decode_steps=args.steps,
@@ -38,6 +41,8 @@ def main() -> None:
     # replay_ms is the GPU's time alone
     graphed = harness.decode(args.batch, args.context, float("nan"))
     graph_ms, replay_ms = graphed.ms_per_step, graphed.graph_ms_per_step
+    if args.timeline:
+        timeline(harness, args.batch, args.timeline)
     harness.graphs = None  # eager: the profiler sees every kernel
     harness.decode(args.batch, args.context, float("nan"))  # warm-up
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -61,6 +66,36 @@ def kernel_rows(prof: profile, steps: int) -> list[tuple[float, float, str]]:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name].append(event.device_time)
     return sorted(((sum(t) / steps, len(t) / steps, name) for name, t in kernels.items()), reverse=True)
+
+
+def timeline(harness: _Harness, batch: int, out: Path, replays: int = 5) -> None:
+    """One graph replay's kernels in order (the median replay by span): name, start and length in
+    us from the replay's first kernel, and the gap since the latest end before it (negative:
+    overlapped, as PDL's early launch does)."""
+    bucket = harness.graphs.bucket(batch)
+    graph = next(g.graph for key, g in harness.graphs.graphs.items() if key[:2] == (bucket, 0))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    per = len(kernels) // replays
+    runs = [kernels[i * per:(i + 1) * per] for i in range(replays)]
+    run = sorted(runs, key=lambda r: max(k[1] for k in r) - r[0][0])[replays // 2]
+    t0, latest, rows = run[0][0], run[0][0], []
+    for start, end, name in run:
+        rows.append({"start_us": start - t0, "us": end - start, "gap_us": start - latest, "name": name})
+        latest = max(latest, end)
+    span = latest - t0
+    gaps = sum(r["gap_us"] for r in rows if r["gap_us"] > 0)
+    print(f"timeline: {len(rows)} kernels, span {span:.1f} us, {gaps:.1f} us in gaps between them")
+    for r in rows[:60]:
+        print(f"{r['start_us']:8.1f} {r['us']:7.1f} {r['gap_us']:+6.1f}  {r['name'][:100]}")
+    out.write_text(json.dumps({"span_us": span, "gap_us": gaps, "kernels": rows}, indent=1))
 
 
 def print_rows(rows: list[tuple[float, float, str]], top: int = 40) -> None:
