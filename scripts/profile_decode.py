@@ -93,7 +93,7 @@ def timeline(harness: _Harness, batch: int, out: Path, replays: int = 5) -> None
     span = latest - t0
     gaps = sum(r["gap_us"] for r in rows if r["gap_us"] > 0)
     print(f"timeline: {len(rows)} kernels, span {span:.1f} us, {gaps:.1f} us in gaps between them")
-    for r in rows[:60]:
+    for r in rows[:40] + rows[-15:]:  # the step's start and end: the layers in between repeat
         print(f"{r['start_us']:8.1f} {r['us']:7.1f} {r['gap_us']:+6.1f}  {r['name'][:100]}")
     out.write_text(json.dumps({"span_us": span, "gap_us": gaps, "kernels": rows}, indent=1))
 
