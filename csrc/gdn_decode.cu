@@ -6,9 +6,13 @@
 //      l2-normalised per key head and token; the activations go to an fp32 scratch [B, T, C]; the
 //      conv state becomes the last K-1 inputs up to token counts[b] (when written).
 //   2. recurrence: the fp32 state is read once and written at most once (decay, delta-rule write,
-//      read-out per token, all in registers), by blocks of 32 value columns of one (sequence, value
-//      head), so batch 1 already has B * Hv * dv / 32 blocks (128 for the 35B); the last block of a
-//      head to finish applies the head's gated RMSNorm to its T outputs.
+//      read-out per token, all in registers), by blocks of 8-column strips of one (sequence, value
+//      head). Blocks of 32 columns put batch 1 on B * Hv * dv / 32 SMs (128 for the 35B), the
+//      state's reads spread wide; the last block of a head to finish applies the head's gated
+//      RMSNorm to its T outputs (a fence, an atomic and a reload). Where the batch's heads alone
+//      fill every SM (and dk, dv <= 128), a block holds the whole head (dv / 8 warps) and
+//      normalises each token's outputs itself, in shared memory: batch 8 of the 35B 1.6% faster a
+//      step, batch 1 1.2% slower (H200, twenty-third session).
 // Two kernels because one key head's q / k feed Hv / Hk value heads: its conv state may only be
 // shifted after every reader has read it, and the second launch orders that for free.
 // A decode step whose conv ran in the in_proj GEMV's epilogue (conv_done, quant_gemv.h GemvConvArgs)
@@ -29,11 +33,22 @@ constexpr int kMaxTaps = kGdnMaxTaps;
 constexpr int kMaxHeadDim = kGdnMaxHeadDim;
 // Kernel 2 tiles the state in column strips: a warp owns kStripCols columns (2 lanes x float4,
 // one 32-byte sector per row) and walks all dk rows with 16 lanes, kMaxRows float4 per lane in
-// registers, so its column sums are warp shuffles only. A block is kWarps strips.
+// registers, so its column sums are warp shuffles only. A block is a head's dv / kStripCols strips
+// (at most kHeadWarps: dv <= 128) or kWarps of them.
 constexpr int kStripCols = 8;
 constexpr int kRowLanes = 16;
 constexpr int kWarps = 4;
-constexpr int kBlockCols = kWarps * kStripCols;
+constexpr int kHeadWarps = 16;
+// Elements of a head vector (dk or dv) a thread of the recurrent kernel takes: the smallest block, 4
+// warps, covers kMaxHeadDim in two.
+constexpr int kPerThread = kMaxHeadDim / (kWarps * 32);
+
+// Whether a recurrent-kernel block holds a whole head (dv / 8 warps) rather than 32 columns: where
+// dk, dv <= 128 and the batch's B Hv heads fill the device's SMs.
+bool whole_head_blocks(const GdnStepsArgs& a) {
+  return a.head_k_dim <= 8 * kRowLanes && a.head_v_dim <= kHeadWarps * kStripCols &&
+         a.batch * a.num_v_heads >= sm_count(a.device);
+}
 
 using F4 = Vec<float, 4>;
 
@@ -141,31 +156,33 @@ __global__ void __launch_bounds__(kMaxHeadDim)
 // kConvDone: q and k of one key head (the conv's outputs, in T) into q_s / k_s, l2-normalised, q
 // also scaled: gdn_conv_kernel's values bit for bit. That kernel adds element i's square in warp
 // i / 32 of its block (an element a thread), then the warp totals, zero-padded to 32, with another
-// warp_sum; here a thread holds elements i and i + 128, and their totals go to the same places.
+// warp_sum; here a thread holds elements i and i + threads (the block's), and their totals go to the
+// same places.
 template <typename T>
 __device__ __forceinline__ void load_key_head(float* q_s, float* k_s, const T* q, const T* k, int head_k_dim,
-                                              float q_scale) {
-  constexpr int kPerThread = kMaxHeadDim / (kWarps * 32);
-  __shared__ float totals[2][kPerThread * kWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+                                              float q_scale, int threads) {
+  constexpr int kGroups = kMaxHeadDim / 32;
+  __shared__ float totals[2][kGroups];
+  const int lane = threadIdx.x & 31;
   float qv[kPerThread], kv[kPerThread];
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
-    const int i = threadIdx.x + j * kWarps * 32;
+    const int i = threadIdx.x + j * threads;
     qv[j] = i < head_k_dim ? to_float(q[i]) : 0.0f;
     kv[j] = i < head_k_dim ? to_float(k[i]) : 0.0f;
     const float q_total = warp_sum(qv[j] * qv[j]), k_total = warp_sum(kv[j] * kv[j]);
-    if (lane == 0) {
-      totals[0][j * kWarps + warp] = q_total;
-      totals[1][j * kWarps + warp] = k_total;
+    const int group = j * (threads / 32) + (threadIdx.x >> 5);  // i / 32
+    if (lane == 0 && group < kGroups) {  // warp-uniform
+      totals[0][group] = q_total;
+      totals[1][group] = k_total;
     }
   }
   __syncthreads();
-  const float q_rstd = rsqrtf(warp_sum(lane < kPerThread * kWarps ? totals[0][lane] : 0.0f) + 1e-6f);
-  const float k_rstd = rsqrtf(warp_sum(lane < kPerThread * kWarps ? totals[1][lane] : 0.0f) + 1e-6f);
+  const float q_rstd = rsqrtf(warp_sum(lane < kGroups ? totals[0][lane] : 0.0f) + 1e-6f);
+  const float k_rstd = rsqrtf(warp_sum(lane < kGroups ? totals[1][lane] : 0.0f) + 1e-6f);
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
-    const int i = threadIdx.x + j * kWarps * 32;
+    const int i = threadIdx.x + j * threads;
     if (i < head_k_dim) {
       q_s[i] = qv[j] * q_rstd * q_scale;
       k_s[i] = kv[j] * k_rstd;
@@ -173,17 +190,42 @@ __device__ __forceinline__ void load_key_head(float* q_s, float* k_s, const T* q
   }
 }
 
-// grid B * Hv * (dv / 32), block 4 warps: each block owns 32 columns of one (sequence, value
-// head) state, each warp one 8-column strip over all dk rows, kept in registers across the tokens.
-// Per token the block writes its o columns (rounded to the model dtype) into `out` (if any); the
-// state is stored after token counts[b] - 1 (if written); the head's last block to finish
-// normalises the head's T outputs in place. Products and sums of the state update are rounded
-// separately (no fma), as torch's elementwise ops round them.
-// 8 blocks an SM for dk <= 128 (64 registers, at most 16 bytes spilled on sm_90): batch 8 of the 35B is
-// 1,024 blocks, one wave of 8 x 132 instead of 1.55 of the 5 that 96 registers allowed.
-// kConvDone: q / k / v come from qkv (T = 1: its row b, conv'd by the GEMV before) instead of act.
-template <typename T, int kMaxRows, bool kConvDone>
-__global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
+// The gated RMSNorm of one token's head outputs x (rounded to T), round(round(w * round(x * rstd)) *
+// silu(z)), into out_head: x, z and w of elements threadIdx.x + i threads (the block's), zeros past
+// dv (kPer: enough of them for dv).
+template <typename T, int kPer>
+__device__ __forceinline__ void gated_norm(T* out_head, const float (&x)[kPer], const T (&zv)[kPer],
+                                           const T (&w)[kPer], int head_v_dim, float eps, int threads) {
+  float sumsq = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) sumsq += x[i] * x[i];
+  __syncthreads();  // group_sum's shared partials are reused token after token
+  const float rstd = rsqrtf(group_sum(sumsq) / static_cast<float>(head_v_dim) + eps);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int j = threadIdx.x + i * threads;
+    if (j < head_v_dim) {
+      const float scaled = round_to<T>(to_float(w[i]) * round_to<T>(x[i] * rstd));
+      out_head[j] = from_float<T>(scaled * silu(to_float(zv[i])));
+    }
+  }
+}
+
+// grid B * Hv * splits, block dv / 8 warps (kWholeHead) or 4: each block owns dv / splits columns of one
+// (sequence, value head) state, each warp one 8-column strip over all dk rows, kept in registers
+// across the tokens. The state is stored after token counts[b] - 1 (if written). With outputs (`out`):
+// a block holding the whole head (splits == 1) normalises each token's o in shared memory and writes
+// the result; else a block writes its o columns (rounded to the model dtype) into `out`, and the
+// head's last block to finish normalises the head's T outputs there in place (a fence, an atomic and
+// a reload on the step's critical path). Products and sums of the state update are rounded separately
+// (no fma), as torch's elementwise ops round them.
+// 64 registers for dk <= 128 (at most 16 bytes spilled on sm_90, 28 for whole heads): 8 blocks of 4
+// warps an SM, or 2 whole-head blocks of the 35B, so batch 8's blocks are one wave (96 registers gave
+// 1.55). kWholeHead: a block holds the whole head (a template parameter: the other kernels keep the
+// registers they had). kConvDone: q / k / v come from qkv (T = 1: its row b, conv'd by the GEMV
+// before) instead of act.
+template <typename T, int kMaxRows, bool kConvDone, bool kWholeHead>
+__global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kWholeHead ? 2 : kMaxRows == 8 ? 8 : 1)
     gdn_recurrent_kernel(T* out, float* __restrict__ state_pool, const float* __restrict__ act,
                          const T* __restrict__ qkv, std::int64_t qkv_stride, float q_scale,
                          unsigned* __restrict__ done, const T* __restrict__ a,
@@ -197,8 +239,12 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
                          float eps) {
   __shared__ float q_s[kMaxHeadDim];
   __shared__ float k_s[kMaxHeadDim];
+  __shared__ float o_s[kMaxHeadDim];  // a whole-head block's o of the token, rounded to T
   __shared__ bool last;
-  const int splits = head_v_dim / kBlockCols;
+  // a constant for 4-warp blocks: a register fewer than blockDim.x, and their kernels kept theirs
+  const int threads = kWholeHead ? static_cast<int>(blockDim.x) : kWarps * 32;
+  const int block_cols = threads / 32 * kStripCols;
+  const int splits = head_v_dim / block_cols;
   const int bh = blockIdx.x / splits;
   const int b = bh / num_v_heads;
   const int h = bh % num_v_heads;
@@ -209,7 +255,6 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
   const int advance = advance_count(counts, b, num_tokens);
   const int steps = out != nullptr && counts == nullptr ? num_tokens : advance;  // block-uniform
   const std::int64_t row0 = first_row(offsets, b, seq_rows);  // token t's row: row0 + t
-  constexpr int kPerThread = kMaxHeadDim / (kWarps * 32);
   // Constants load before the wait, with the state: after it every load is one more round trip on
   // the critical path (~0.5 us from L2).
   const float A = expf(to_float(A_log[h]));
@@ -218,7 +263,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
   const int lane = threadIdx.x & 31;
   const int row_lane = lane >> 1;
   const int rows = head_k_dim / kRowLanes;
-  const int col = (blockIdx.x % splits) * kBlockCols + (threadIdx.x >> 5) * kStripCols + (lane & 1) * 4;
+  const int col = (blockIdx.x % splits) * block_cols + (threadIdx.x >> 5) * kStripCols + (lane & 1) * 4;
   float* state = state_pool + (slots[b] * num_v_heads + h) * head_k_dim * head_v_dim + col;
   F4 s[kMaxRows];
 #pragma unroll
@@ -237,7 +282,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
   // spilled at once, the spill store waiting here for their load.
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    const int j = threadIdx.x + i * kWarps * 32;
+    const int j = threadIdx.x + i * threads;
     if (out != nullptr && j < head_v_dim) prefetch_l2(norm_weight + j);
   }
   // Only now wait for the conv kernel (or the GEMV that ran the conv) launched just before
@@ -265,11 +310,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
     if (t > 0) __syncthreads();  // the previous token's q / k are read
     if constexpr (kConvDone) {
       load_key_head(q_s, k_s, qkv_row + key_head * head_k_dim, qkv_row + key_dim + key_head * head_k_dim,
-                    head_k_dim, q_scale);
+                    head_k_dim, q_scale, threads);
     } else {
 #pragma unroll
       for (int j = 0; j < kPerThread; ++j) {  // unrolled, so that the loads issue together
-        const int i = threadIdx.x + j * kWarps * 32;
+        const int i = threadIdx.x + j * threads;
         if (i < head_k_dim) {
           q_s[i] = row[key_head * head_k_dim + i];
           k_s[i] = row[key_dim + key_head * head_k_dim + i];
@@ -319,14 +364,27 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
     }
     if (out != nullptr) {
       sum_rows(o);
-      if (row_lane == 0) {
-        T* out_row = out + (row0 + t) * value_dim + h * head_v_dim;
+      T* out_head = out + (row0 + t) * value_dim + h * head_v_dim;
+      if constexpr (kWholeHead) {
+        // the norm's inputs (the block's 4 dv threads take one element each, or none), in flight
+        // over the barrier (loaded with the token's other inputs, they were held in spilled registers)
+        const bool norms = static_cast<int>(threadIdx.x) < head_v_dim;
+        const T zv[1] = {norms ? __ldcg(z + (row0 + t) * z_stride + h * head_v_dim + threadIdx.x) : from_float<T>(0.0f)};
+        const T w[1] = {norms ? __ldcg(norm_weight + threadIdx.x) : from_float<T>(0.0f)};
+        if (row_lane == 0) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) out_row[col + c] = from_float<T>(o.v[c]);  // o.to(model dtype)
+          for (int c = 0; c < 4; ++c) o_s[col + c] = round_to<T>(o.v[c]);  // o.to(model dtype)
+        }
+        __syncthreads();
+        const float x[1] = {static_cast<int>(threadIdx.x) < head_v_dim ? o_s[threadIdx.x] : 0.0f};
+        gated_norm(out_head, x, zv, w, head_v_dim, eps, threads);
+      } else if (row_lane == 0) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out_head[col + c] = from_float<T>(o.v[c]);  // o.to(model dtype)
       }
     }
   }
-  if (out == nullptr) return;
+  if (out == nullptr || kWholeHead) return;
   if (row_lane == 0) __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(done + bh, 1u) == static_cast<unsigned>(splits - 1);
@@ -340,27 +398,16 @@ __global__ void __launch_bounds__(kWarps * 32, kMaxRows == 8 ? 8 : 1)
     const T* z_head = z + (row0 + t) * z_stride + h * head_v_dim;
     float x[kPerThread];
     T zv[kPerThread], w[kPerThread];  // loaded with x (L2 hits): the round trips overlap
-    float sumsq = 0.0f;
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
-      const int j = threadIdx.x + i * kWarps * 32;
+      const int j = threadIdx.x + i * threads;
       x[i] = j < head_v_dim ? to_float(__ldcg(out_head + j)) : 0.0f;  // L2: other blocks wrote it
       if (j < head_v_dim) {
         zv[i] = z_head[j];
         w[i] = norm_weight[j];
       }
-      sumsq += x[i] * x[i];
     }
-    __syncthreads();  // group_sum's shared partials are reused token after token
-    const float rstd = rsqrtf(group_sum(sumsq) / static_cast<float>(head_v_dim) + eps);
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int j = threadIdx.x + i * kWarps * 32;
-      if (j < head_v_dim) {
-        const float scaled = round_to<T>(to_float(w[i]) * round_to<T>(x[i] * rstd));
-        out_head[j] = from_float<T>(scaled * silu(to_float(zv[i])));
-      }
-    }
+    gated_norm(out_head, x, zv, w, head_v_dim, eps, threads);
   }
 }
 
@@ -389,13 +436,20 @@ void launch(const GdnStepsArgs& a) {
                   a.q_scale);
   }
 
-  const dim3 grid(static_cast<unsigned>(a.batch * a.num_v_heads * (a.head_v_dim / kBlockCols)));
-  const bool narrow = a.head_k_dim <= 8 * kRowLanes;
-  auto kernel = narrow ? gdn_recurrent_kernel<T, 8, false> : gdn_recurrent_kernel<T, 16, false>;
+  const bool whole = whole_head_blocks(a), narrow = a.head_k_dim <= 8 * kRowLanes;
+  const int threads = whole ? a.head_v_dim / kStripCols * 32 : kWarps * 32;
+  const dim3 grid(static_cast<unsigned>(a.batch * a.num_v_heads * (a.head_v_dim / (threads / 32 * kStripCols))));
+  auto kernel = whole    ? gdn_recurrent_kernel<T, 8, false, true>
+                : narrow ? gdn_recurrent_kernel<T, 8, false, false>
+                         : gdn_recurrent_kernel<T, 16, false, false>;
   if constexpr (!std::is_same_v<T, float>) {  // conv_done: after a 16-bit GEMV only (the binding checks)
-    if (a.conv_done) kernel = narrow ? gdn_recurrent_kernel<T, 8, true> : gdn_recurrent_kernel<T, 16, true>;
+    if (a.conv_done) {
+      kernel = whole    ? gdn_recurrent_kernel<T, 8, true, true>
+               : narrow ? gdn_recurrent_kernel<T, 8, true, false>
+                        : gdn_recurrent_kernel<T, 16, true, false>;
+    }
   }
-  launch_kernel("gdn recurrent kernel launch", kernel, grid, kWarps * 32, 0, stream, reinterpret_cast<T*>(a.out),
+  launch_kernel("gdn recurrent kernel launch", kernel, grid, threads, 0, stream, reinterpret_cast<T*>(a.out),
                 reinterpret_cast<float*>(a.state_pool), act, qkv, a.qkv_stride, a.q_scale, done,
                 reinterpret_cast<const T*>(a.a),
                 reinterpret_cast<const T*>(a.b), reinterpret_cast<const T*>(a.z), reinterpret_cast<const T*>(a.A_log),
@@ -407,9 +461,9 @@ void launch(const GdnStepsArgs& a) {
 }  // namespace
 
 // Trusts its arguments: the binding (bind_gdn.cpp) checks them against gdn_decode.h. Left here: the
-// recurrent kernel's grid limit, one block per kBlockCols value columns of a (sequence, value head).
+// recurrent kernel's grid limit, at most one block per 32 value columns of a (sequence, value head).
 void gdn_steps(const GdnStepsArgs& a) {
-  if (a.batch * a.num_v_heads * (a.head_v_dim / kBlockCols) > std::numeric_limits<int>::max()) {
+  if (a.batch * a.num_v_heads * (a.head_v_dim / (kWarps * kStripCols)) > std::numeric_limits<int>::max()) {
     throw std::invalid_argument("gdn_steps: too many (sequence, value head) blocks for the grid");
   }
   if (a.batch == 0) return;

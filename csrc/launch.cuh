@@ -15,6 +15,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -51,6 +53,21 @@ __device__ __forceinline__ void enter_kernel_after_loads() {
   unsigned blocks;
   asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(blocks));
   if (blocks != 0) enter_kernel();
+}
+
+// SMs of a device, queried once per process (so graph captures after a warm-up query nothing).
+inline int sm_count(int device) {
+  static std::array<std::atomic<int>, 256> counts{};
+  if (device < 0 || device >= static_cast<int>(counts.size())) {
+    throw std::invalid_argument("sm_count: bad device " + std::to_string(device));
+  }
+  int sms = counts[device].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+               "cudaDeviceGetAttribute");
+    counts[device].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
 }
 
 // PDL on the current device: sm_90+ unless NINFER_PDL=0 (read once per process).

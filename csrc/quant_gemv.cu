@@ -722,21 +722,6 @@ void allow_largest_stage(int device, std::size_t bytes) {
   allowed[device].store(true, std::memory_order_relaxed);
 }
 
-// SMs of a device, queried once per process (so graph captures after a warm-up query nothing).
-int sm_count(int device) {
-  static std::array<std::atomic<int>, 256> counts{};
-  if (device < 0 || device >= static_cast<int>(counts.size())) {
-    throw std::invalid_argument("quant_gemv: bad device " + std::to_string(device));
-  }
-  int sms = counts[device].load(std::memory_order_relaxed);
-  if (sms == 0) {
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-               "cudaDeviceGetAttribute");
-    counts[device].store(sms, std::memory_order_relaxed);
-  }
-  return sms;
-}
-
 // Blocks of kKernel an SM holds at once with `stage` bytes of dynamic shared memory. Asked of the
 // driver once per kernel, device and stage size (the last size is kept: a model's calls of one
 // kernel share their k and rows), so a graph capture after the warm-up asks nothing.

@@ -333,10 +333,10 @@ GPU_SHAPES = [
     SHAPE_35B,
     SHAPE_27B,
     SMALL_ODD,
-    (1, 3, 64, 96, 3),  # dk != dv, 3 column blocks, odd K
+    (1, 3, 64, 96, 3),  # dk != dv, a whole head of 12 warps a block, odd K
     (2, 4, 256, 256, 4),  # largest heads: 16 rows per lane, 8 column blocks
-    (3, 3, 160, 32, 2),  # rows per lane not a power of two, one column block, K = 2
-    (1, 2, 32, 224, 8),  # widest conv (8 taps), 7 column blocks
+    (3, 3, 160, 32, 2),  # rows per lane not a power of two, one column block (the whole head), K = 2
+    (1, 2, 32, 224, 8),  # widest conv (8 taps), 7 column blocks (a head wider than a block)
 ]
 
 
@@ -392,6 +392,18 @@ def test_kernel_other_dtypes(cuda_kernels, shape, dtype):
 @pytest.mark.cuda
 def test_kernel_batch_64(cuda_kernels):
     _run_kernel_case(SHAPE_35B, 64, torch.bfloat16)
+
+
+def whole_head_batch(shape) -> int:
+    """The smallest batch whose B * Hv heads fill the GPU's SMs: the recurrent kernel's blocks then
+    hold whole heads (where dk, dv <= 128) and apply the gated norm in shared memory."""
+    return -(-torch.cuda.get_device_properties(0).multi_processor_count // shape[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_kernel_at_batches_that_fill_the_sms(cuda_kernels, shape):
+    _run_kernel_case(shape, whole_head_batch(shape), torch.bfloat16)
 
 
 def _run_kernel_case(shape, batch: int, dtype: torch.dtype) -> None:
@@ -471,19 +483,21 @@ def test_unsupported_shapes_fall_back(cuda_kernels):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fill", [False, True], ids=["batch4", "fill_sms"])
 @pytest.mark.parametrize("tokens", [2, 4, 16])
 @pytest.mark.parametrize("shape", [SHAPE_35B, SMALL_ODD, (1, 3, 64, 96, 3), (2, 4, 256, 256, 4)], ids=str)
-def test_verify_and_commit_kernels(cuda_kernels, shape, tokens):
+def test_verify_and_commit_kernels(cuda_kernels, shape, tokens, fill):
     """Verify: every token's output against the reference and float64, pools untouched (bitwise).
-    Commit with per-row counts (0, 1, some, all): pools against the reference and float64."""
-    batch, dtype = 4, torch.bfloat16
+    Commit with per-row counts (0, 1, some, all): pools against the reference and float64. At 4
+    rows, and at a batch that fills the SMs (whole-head blocks)."""
+    batch, dtype = max(4, whole_head_batch(shape)) if fill else 4, torch.bfloat16
     case = make_case(shape, batch, dtype, "cuda", seed=tokens + sum(shape), tokens=tokens)
     before, ref_case = with_pool_copies(case), with_pool_copies(case)
     out = gdn_ops.gdn_verify(**case)
     assert torch.equal(case["conv_pool"], before["conv_pool"]) and torch.equal(case["state_pool"], before["state_pool"])
     assert not out.isnan().any()
     torch.testing.assert_close(out, gdn_ops.gdn_verify_ref(**ref_case), rtol=OUT_TOL[dtype], atol=OUT_TOL[dtype])
-    counts = [0, 1, tokens // 2 + 1, tokens]
+    counts = [0, 1, tokens // 2 + 1] + [tokens] * (batch - 3)
     want_out, want_conv, want_state = steps_f64(before, counts)
     torch.testing.assert_close(out.double().cpu(), want_out, rtol=2 * OUT_TOL[dtype], atol=2 * OUT_TOL[dtype])
     device_counts = torch.tensor(counts, device="cuda")
@@ -500,17 +514,20 @@ def test_verify_and_commit_kernels(cuda_kernels, shape, tokens):
 
 
 @pytest.mark.cuda
-def test_kernel_commit_is_kernel_decode_bitwise(cuda_kernels):
+@pytest.mark.parametrize("fill", [False, True], ids=["batch3", "fill_sms"])
+def test_kernel_commit_is_kernel_decode_bitwise(cuda_kernels, fill):
     """The kernel's verify outputs and committed states equal its own decode steps bit for bit:
-    the same per-token math, so speculation changes no GDN rounding."""
+    the same per-token math, so speculation changes no GDN rounding (with blocks of 32 columns, and
+    of whole heads)."""
     tokens, dtype = 4, torch.bfloat16
-    case = make_case(SHAPE_35B, 3, dtype, "cuda", seed=21, tokens=tokens)
+    batch = whole_head_batch(SHAPE_35B) if fill else 3
+    case = make_case(SHAPE_35B, batch, dtype, "cuda", seed=21, tokens=tokens)
     decoded = with_pool_copies(case)
     out = gdn_ops.gdn_verify(**case)
     for t in range(tokens):
         one = {n: decoded[n][:, t].contiguous() for n in ("qkv", "a", "b", "z")}
         assert torch.equal(gdn_ops.gdn_decode_step(**{**decoded, **one}), out[:, t])
-    gdn_ops.gdn_commit(**without_z(case), counts=torch.full((3,), tokens, device="cuda"))
+    gdn_ops.gdn_commit(**without_z(case), counts=torch.full((batch,), tokens, device="cuda"))
     assert torch.equal(case["conv_pool"], decoded["conv_pool"]) and torch.equal(case["state_pool"], decoded["state_pool"])
 
 
