@@ -11,8 +11,9 @@
 //      state's reads spread wide; the last block of a head to finish applies the head's gated
 //      RMSNorm to its T outputs (a fence, an atomic and a reload). Where the batch's heads alone
 //      fill every SM (and dk, dv <= 128), a block holds the whole head (dv / 8 warps) and
-//      normalises each token's outputs itself, in shared memory: batch 8 of the 35B 1.6% faster a
-//      step, batch 1 1.2% slower (H200, twenty-third session).
+//      normalises each token's outputs itself, in shared memory: whole heads made a step of the
+//      35B 1.7% faster at batch 8 and 1.1% slower at batch 1 (32 blocks where 128 read the state;
+//      H200, twenty-third session).
 // Two kernels because one key head's q / k feed Hv / Hk value heads: its conv state may only be
 // shifted after every reader has read it, and the second launch orders that for free.
 // A decode step whose conv ran in the in_proj GEMV's epilogue (conv_done, quant_gemv.h GemvConvArgs)
