@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,7 +28,7 @@ from ninfer_core.ops import moe_triton  # noqa: E402
 from ninfer_core.ops.moe_align import align_by_expert, combine_slots  # noqa: E402
 from ninfer_core.engine.graph_capture import capture  # noqa: E402
 from ninfer_core.ops.quant import quantize  # noqa: E402
-from profile_decode import kernel_rows, print_rows  # noqa: E402
+from profile_decode import kernel_rows, print_rows, profile_replays  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, TOP_K, GROUP = 256, 2048, 512, 8, 128
 TOKENS = "1,2,4,8,16,24,37,48,64,96,128,256,512,1024,2048,8192"
@@ -57,13 +56,7 @@ def timed(fn, ref: torch.Tensor) -> tuple[float, float]:
 def kernel_profile(fn, replays: int = 20) -> list[tuple[float, float, str]]:
     """(GPU us per call, launches per call, kernel) of fn's CUDA graph, largest first."""
     graph, _ = capture(fn)
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    return kernel_rows(prof, replays)
+    return kernel_rows(profile_replays(graph, replays), replays)
 
 
 def main() -> None:

@@ -59,6 +59,20 @@ def main() -> None:
                                          "kernels": [dict(us=u, calls=c, name=n) for u, c, n in rows]}, indent=1))
 
 
+def profile_replays(graph: torch.cuda.CUDAGraph, replays: int, apart: bool = False) -> profile:
+    """torch.profiler over `replays` replays of a graph after one warm-up replay (apart: each
+    synchronised before the next, so that replays never overlap)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            if apart:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    return prof
+
+
 def kernel_rows(prof: profile, steps: int) -> list[tuple[float, float, str]]:
     """(GPU us per step, calls per step, kernel name), largest first."""
     kernels: dict[str, list[float]] = defaultdict(list)
@@ -74,13 +88,7 @@ def timeline(harness: _Harness, batch: int, out: Path, replays: int = 5) -> None
     overlapped, as PDL's early launch does)."""
     bucket = harness.graphs.bucket(batch)
     graph = next(g.graph for key, g in harness.graphs.graphs.items() if key[:2] == (bucket, 0))
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-            torch.cuda.synchronize()
+    prof = profile_replays(graph, replays, apart=True)
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
     per = len(kernels) // replays
