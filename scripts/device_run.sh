@@ -2,7 +2,8 @@
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
 #   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu sass profile ab replays issue15 patch
-#   NO_BUILD=1 VARIANTS="main a.patch b.patch" scripts/device_run.sh builds
+#   NO_BUILD=1 VARIANTS="main a.patch b.patch" scripts/device_run.sh builds pack
+# `pack` last: everything under $OUT in one results.tgz (the device tool brings back a few files only).
 # Wheels for packages missing there travel in .whl/ (scripts/device_wheels.sh fetches them);
 # `scripts/make_bench_model.py` writes the weight-less exact-shape model directories (.bench/)
 # that `serve` uses.
@@ -174,7 +175,9 @@ LIST
     # VARIANTS entry ("main" or a `git diff` file that travels untracked) is a copy of the tracked
     # files, patched and built in parallel; then the replays of each, the variants alternating in
     # every round (AB_ROUNDS; PRESETS: preset=batch:context,... entries); before them the GPU tests
-    # that NAME.tests lists, run in NAME's copy. Make each patch against this tree's HEAD: a patch
+    # that NAME.tests lists (one pytest argument a line: `-k` and its expression on two lines), run in
+    # NAME's copy; after them, with ENGINE_ROUNDS=N, `bench engine` (the engine loop: TPOT at batch 1
+    # and 8, TTFT of 37 tokens) of each build, alternating, N rounds. Make each patch against this tree's HEAD: a patch
     # that does not apply (or a copy that does not build) is left out with its log, never timed on
     # the torch references (NINFER_REQUIRE_KERNELS=1). "main" is this working tree, uncommitted
     # edits included. AB_VARIANTS: ab_replays.py's settings, each build timed under each (default X=0).
@@ -196,11 +199,12 @@ LIST
     for v in $built; do  # a patch's GPU tests: the test files listed in NAME.tests beside NAME.patch
       name=${v%.patch}
       [ -f "$name.tests" ] || continue
+      mapfile -t test_args < "$name.tests"
       echo "== $name: tests"
       # serial: under pytest-xdist the copies' runs collected nothing ("no tests ran") twice on the H200
       # the copy's site/ holds ninfer_app (app/ installed under its package name) for the CLI tests
       ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q \
-          -rs -p no:cacheprovider -p no:xdist $(cat "$OLDPWD/$name.tests") 2>&1 | tee "$OUT/tests_$name.log" \
+          -rs -p no:cacheprovider -p no:xdist "${test_args[@]}" 2>&1 | tee "$OUT/tests_$name.log" \
           | grep -vE "^(SKIPPED|PASSED)" | tail -30 )
     done
     for round in $(seq 1 ${AB_ROUNDS:-2}); do
@@ -213,7 +217,24 @@ LIST
             | tee -a "$OUT/builds.jsonl" )
         done
       done
+    done
+    if [ "${ENGINE_ROUNDS:-0}" -gt 0 ]; then  # the model directory, made with a built copy's package (none is installed)
+      set -- $built
+      PYTHONPATH=/tmp/ab/${1%.patch}:${PYTHONPATH:-} bench_model
+    fi
+    for round in $(seq 1 ${ENGINE_ROUNDS:-0}); do
+      for v in $built; do
+        name=${v%.patch}
+        ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} NINFER_REQUIRE_KERNELS=1 timeout 200 \
+            python3 -m ninfer_app bench engine "$OLDPWD/.bench/qwen3.6-35b-a3b" --random-weights --json --lengths 37 \
+            --repeats 2 --batches 1,8 --tokens 256 2> "$OUT/engine_${name}_round$round.err" \
+            | sed "s/^{/{\"build\": \"$name\", \"call_round\": $round, /" | tee -a "$OUT/builds_engine.jsonl" | cut -c1-600 )
+      done
     done ;;
+  pack)
+    # everything under $OUT in one results.tgz: the device tool brings back only a few files
+    tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tgz "$OUT/"
+    echo "== pack: $(tar tzf "$OUT/results.tgz" | wc -l) entries in results.tgz" ;;
   issue15)
     # issue 15's table in one go: graph replays (35B batch 1 at 4K, batch 8 at 512; 27B batch 1 at
     # 4K), the K = 3 verify round / step, the 64-token MoE prefill, the engine's decode and TTFT
