@@ -220,7 +220,7 @@ __device__ __forceinline__ void gated_norm(T* out_head, const float (&x)[kPer], 
 // head's last block to finish normalises the head's T outputs there in place (a fence, an atomic and
 // a reload on the step's critical path). Products and sums of the state update are rounded separately
 // (no fma), as torch's elementwise ops round them.
-// 64 registers for dk <= 128 (at most 16 bytes spilled on sm_90, 28 for whole heads): 8 blocks of 4
+// 64 registers for dk <= 128 (at most 16 bytes spilled on sm_90, whole heads too): 8 blocks of 4
 // warps an SM, or 2 whole-head blocks of the 35B, so batch 8's blocks are one wave (96 registers gave
 // 1.55). kWholeHead: a block holds the whole head (a template parameter: the other kernels keep the
 // registers they had). kConvDone: q / k / v come from qkv (T = 1: its row b, conv'd by the GEMV
