@@ -42,6 +42,7 @@ else
   build
 fi
 ninfer() { python3 -m ninfer_app "$@"; }
+variant() { basename "${1%.patch}"; }  # a builds entry's name: main, or its patch file's name less .patch
 
 for step in "$@"; do
   echo "== step $step"
@@ -172,7 +173,7 @@ LIST
     replays "$OUT/patch_after.json" ${AB_PRESET:-qwen3.6-35b-a3b} ${AB_RUNS:-1:4096,8:512} ;;
   builds)
     # A/B of several changes in one call, without installing this tree (run with NO_BUILD=1): each
-    # VARIANTS entry ("main" or a `git diff` file that travels untracked) is a copy of the tracked
+    # VARIANTS entry ("main" or a `git diff` file: untracked, or queued in scripts/device_queue/) is a copy of the tracked
     # files, patched and built in parallel; then the replays of each, the variants alternating in
     # every round (AB_ROUNDS; PRESETS: preset=batch:context,... entries); before them the GPU tests
     # that NAME.tests lists (one pytest argument a line: `-k` and its expression on two lines), run in
@@ -184,22 +185,22 @@ LIST
     # an editable install of this tree (an earlier step on a warm machine) would shadow the copies
     python3 -m pip uninstall -y -q ninfer > /dev/null 2>&1
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
-      dir=/tmp/ab/${v%.patch}; rm -rf "$dir"; mkdir -p "$dir"
+      dir=/tmp/ab/$(variant $v); rm -rf "$dir"; mkdir -p "$dir"
       # untracked files too: the tool copies new files of this tree, which the machine's index may not list
       git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$dir"
       ( cd "$dir" && { [ "$v" = main ] || git apply "$OLDPWD/$v"; } \
         && CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps --target "$dir/site" . \
-        && cp "$dir"/site/ninfer_core/_*.so "$dir/ninfer_core/" && touch "$dir/.built" ) > "$OUT/build_${v%.patch}.log" 2>&1 &
+        && cp "$dir"/site/ninfer_core/_*.so "$dir/ninfer_core/" && touch "$dir/.built" ) > "$OUT/build_$(variant $v).log" 2>&1 &
     done
     wait; echo "== builds done: $SECONDS s"; find "$OUT" -name 'build_*.log' -empty -delete
     built=""
     for v in $VARIANTS; do
-      if [ -f "/tmp/ab/${v%.patch}/.built" ]; then built="$built $v"; else echo "== ${v%.patch}: NOT BUILT, left out"; tail -n 5 "$OUT/build_${v%.patch}.log"; fi
+      if [ -f "/tmp/ab/$(variant $v)/.built" ]; then built="$built $v"; else echo "== $(variant $v): NOT BUILT, left out"; tail -n 5 "$OUT/build_$(variant $v).log"; fi
     done
     for v in $built; do  # a patch's GPU tests: the test files listed in NAME.tests beside NAME.patch
-      name=${v%.patch}
-      [ -f "$name.tests" ] || continue
-      mapfile -t test_args < "$name.tests"
+      name=$(variant $v)
+      [ -f "${v%.patch}.tests" ] || continue
+      mapfile -t test_args < "${v%.patch}.tests"
       echo "== $name: tests"
       # serial: under pytest-xdist the copies' runs collected nothing ("no tests ran") twice on the H200
       # the copy's site/ holds ninfer_app (app/ installed under its package name) for the CLI tests
@@ -213,7 +214,7 @@ LIST
     for round in $(seq 1 ${AB_ROUNDS:-2}); do
       for entry in ${PRESETS:-qwen3.6-35b-a3b=1:4096,8:512}; do
         for v in $(in_order $round); do
-          name=${v%.patch}
+          name=$(variant $v)
           ( cd /tmp/ab/$name && NINFER_REQUIRE_KERNELS=1 timeout 200 python3 scripts/ab_replays.py /tmp/ab/replays.json ${AB_VARIANTS:-X=0} \
             --preset "${entry%%=*}" --runs "${entry#*=}" --rounds 1 2>&1 | grep "^{" \
             | sed "s/^{/{\"build\": \"$name\", \"preset\": \"${entry%%=*}\", \"call_round\": $round, /" \
@@ -223,11 +224,11 @@ LIST
     done
     if [ "${ENGINE_ROUNDS:-0}" -gt 0 ]; then  # the model directory, made with a built copy's package (none is installed)
       set -- $built
-      PYTHONPATH=/tmp/ab/${1%.patch}:${PYTHONPATH:-} bench_model
+      PYTHONPATH=/tmp/ab/$(variant $1):${PYTHONPATH:-} bench_model
     fi
     for round in $(seq 1 ${ENGINE_ROUNDS:-0}); do
       for v in $(in_order $round); do
-        name=${v%.patch}
+        name=$(variant $v)
         ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} NINFER_REQUIRE_KERNELS=1 timeout 200 \
             python3 -m ninfer_app bench engine "$OLDPWD/.bench/qwen3.6-35b-a3b" --random-weights --json --lengths 37 \
             --repeats 2 --batches 1,8 --tokens 256 2> "$OUT/engine_${name}_round$round.err" \
