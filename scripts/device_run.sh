@@ -42,7 +42,8 @@ else
   build
 fi
 ninfer() { python3 -m ninfer_app "$@"; }
-variant() { basename "${1%.patch}"; }  # a builds entry's name: main, or its patch file's name less .patch
+# a builds entry's name: main, or its patch files' names less .patch ("a.patch+b.patch": both applied)
+variant() { local p names=""; for p in ${1//+/ }; do names+="${names:++}$(basename "${p%.patch}")"; done; echo "$names"; }
 
 for step in "$@"; do
   echo "== step $step"
@@ -173,7 +174,8 @@ LIST
     replays "$OUT/patch_after.json" ${AB_PRESET:-qwen3.6-35b-a3b} ${AB_RUNS:-1:4096,8:512} ;;
   builds)
     # A/B of several changes in one call, without installing this tree (run with NO_BUILD=1): each
-    # VARIANTS entry ("main" or a `git diff` file: untracked, or queued in scripts/device_queue/) is a copy of the tracked
+    # VARIANTS entry ("main" or a `git diff` file: untracked, or queued in scripts/device_queue/; "a.patch+b.patch"
+    # applies both) is a copy of the tracked
     # files, patched and built in parallel; then the replays of each, the variants alternating in
     # every round (AB_ROUNDS; PRESETS: preset=batch:context,... entries); before them the GPU tests
     # that NAME.tests lists (one pytest argument a line: `-k` and its expression on two lines), run in
@@ -188,7 +190,7 @@ LIST
       dir=/tmp/ab/$(variant $v); rm -rf "$dir"; mkdir -p "$dir"
       # untracked files too: the tool copies new files of this tree, which the machine's index may not list
       git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$dir"
-      ( cd "$dir" && { [ "$v" = main ] || git apply "$OLDPWD/$v"; } \
+      ( cd "$dir" && { [ "$v" = main ] || for p in ${v//+/ }; do git apply "$OLDPWD/$p" || exit 1; done; } \
         && CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps --target "$dir/site" . \
         && cp "$dir"/site/ninfer_core/_*.so "$dir/ninfer_core/" && touch "$dir/.built" ) > "$OUT/build_$(variant $v).log" 2>&1 &
     done
