@@ -27,6 +27,14 @@ def test_queued_patch_applies_to_this_checkout(patch: Path):
     if not _in_git_checkout():
         pytest.skip("not a git checkout")
     check = subprocess.run(["git", "apply", "--check", str(patch)], cwd=ROOT, capture_output=True, text=True)
+    if check.returncode != 0:
+        def applied(*where: str) -> bool:
+            command = ["git", "apply", "--check", "--reverse", *where, str(patch)]
+            return subprocess.run(command, cwd=ROOT, capture_output=True).returncode == 0
+
+        assert not applied("--cached"), f"{patch.name} is in the index (landed?): take it out of the queue"
+        if applied():
+            pytest.skip(f"{patch.name} is applied in this working tree only")
     assert check.returncode == 0, f"{patch.name} no longer applies (re-make it against main):\n{check.stderr}"
 
 
