@@ -174,9 +174,9 @@ LIST
     replays "$OUT/patch_after.json" ${AB_PRESET:-qwen3.6-35b-a3b} ${AB_RUNS:-1:4096,8:512} ;;
   builds)
     # A/B of several changes in one call, without installing this tree (run with NO_BUILD=1): each
-    # VARIANTS entry ("main" or a `git diff` file: untracked, or queued in scripts/device_queue/; "a.patch+b.patch"
-    # applies both) is a copy of the tracked
-    # files, patched and built in parallel; then the replays of each, the variants alternating in
+    # VARIANTS entry ("main" or a `git diff` file: untracked, or queued in scripts/device_queue/;
+    # "a.patch+b.patch" applies both) is a copy of the tracked files, patched and built in
+    # parallel; then the replays of each, the variants alternating in
     # every round (AB_ROUNDS; PRESETS: preset=batch:context,... entries); before them the GPU tests
     # that NAME.tests lists (one pytest argument a line: `-k` and its expression on two lines), run in
     # NAME's copy; after them, with ENGINE_ROUNDS=N, `bench engine` (the engine loop: TPOT at batch 1
