@@ -364,7 +364,7 @@ def test_bad_requests_get_openai_error_bodies(server):
     assert_error(post(server, url, {"messages": [{"role": "robot", "content": "x"}]}), 400, param="messages[0].role")
     assert_error(post(server, url, {"model": "m"}), 400, param="messages")
     assert_error(post(server, url, {"messages": HI, "temperature": -1}), 400)
-    assert_error(post(server, url, {"messages": HI, "n": 2}), 400, param="n")
+    assert_error(post(server, url, {"messages": HI, "n": 0}), 400, param="n")
     assert_error(post(server, url, {"messages": HI, "top_logprobs": 2}), 400, param="top_logprobs")
     assert_error(post(server, url, {"messages": HI, "response_format": {"type": "yaml"}}), 400,
                  param="response_format.type")

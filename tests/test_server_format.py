@@ -119,6 +119,24 @@ def test_chat_stream_accumulates_in_the_openai_helper(client):
     assert final.usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS
 
 
+def test_tool_calls_of_each_choice_whole_and_in_the_stream_helper(client):
+    """n = 2: each choice carries its own calls (ids unique across the response), and the openai
+    helper assembles the interleaved stream into the same choices."""
+    whole = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, n=2)
+    with client.chat.completions.stream(model="m", messages=MESSAGES, tools=TOOLS, n=2,
+                                        stream_options={"include_usage": True}) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion()
+    for r in (whole, streamed):
+        assert [c.index for c in r.choices] == [0, 1]
+        assert all(calls_of(c.message.tool_calls) == EXPECTED_CALLS and c.message.content == CONTENT
+                   and c.finish_reason == "tool_calls" for c in r.choices)
+        assert len({call.id for c in r.choices for call in c.message.tool_calls}) == 4
+        assert r.usage.completion_tokens == 2 * len(PIECES)
+        assert r.usage.completion_tokens_details.reasoning_tokens == 2 * REASONING_TOKENS
+
+
 def test_async_client_stream_accumulation(server):
     async def run() -> tuple[str, str, dict[int, dict], str | None]:
         client = openai.AsyncOpenAI(base_url=server[0].url + "/v1", api_key="unused", max_retries=0)

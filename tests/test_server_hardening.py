@@ -225,10 +225,10 @@ def test_requests_whose_client_left_while_queued_are_never_run(model):
 # -- 4. every response is counted, a 500 carries no exception text --------------------------------------
 
 def test_an_unexpected_error_is_a_counted_500_without_its_text(server, monkeypatch, caplog):
-    def broken(request):
+    def broken(request, n):
         raise RuntimeError("secret detail /home/someone/.cache")
 
-    monkeypatch.setattr(server.service, "submit_chat", broken)
+    monkeypatch.setattr(server.service, "submit_chat_choices", broken)
     before = metric(server, CHAT, 500)
     with caplog.at_level(logging.ERROR):
         with pytest.raises(openai.InternalServerError) as err:

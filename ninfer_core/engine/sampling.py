@@ -259,6 +259,16 @@ def row_params(params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Te
             column("top_p", 1.0, torch.float64), column("min_p", 0.0, torch.float64))
 
 
+def choice_sampling(sampling: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of n answers to one prompt (OpenAI's `n`): choice i draws from seed + i
+    (modulo 2**64, as the generator takes it), so a seeded request's choices differ from each other
+    and each is reproducible; choice 0 is the request's own. Unseeded choices draw from OS entropy."""
+    if n < 1:
+        raise NinferError(f"n must be at least 1, got {n}")
+    seeds = [sampling.seed if sampling.seed is None else (sampling.seed + i) % 2**64 for i in range(n)]
+    return [sampling] + [replace(sampling, seed=seed) for seed in seeds[1:]]
+
+
 def plain_greedy(params: Sequence[SamplingParams]) -> bool:
     """Every row takes the argmax of its logits as they come: greedy, no penalties, no logit bias."""
     return all(p.is_greedy and not p.has_penalties and not p.logit_bias for p in params)

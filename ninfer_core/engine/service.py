@@ -32,7 +32,7 @@ from ..threads import release_openmp_workers
 from .grammar import Grammar
 from .llm_engine import EngineStats
 from .request import GenerationRequest, StepOutput
-from .sampling import SamplingParams
+from .sampling import SamplingParams, choice_sampling
 
 log = logging.getLogger(__name__)
 
@@ -283,9 +283,28 @@ class EngineService:
         return stream
 
     def submit_chat(self, request: ChatRequest) -> ChatStream:
+        return self.submit_chat_choices(request, 1)[0]
+
+    def submit_chat_choices(self, request: ChatRequest, n: int) -> list[ChatStream]:
+        """`submit_choices` of a chat, its prompt rendered once."""
         prepared = self.llm.prepare_chat(request)
-        return ChatStream(self.submit(prepared.prompt_token_ids, request.sampling, prepared.multimodal,
-                                      prepared.checkpoints, grammar=prepared.grammar), prepared)
+        return [ChatStream(tokens, prepared) for tokens in self.submit_choices(
+            prepared.prompt_token_ids, request.sampling, n, prepared.multimodal, prepared.checkpoints, prepared.grammar)]
+
+    def submit_choices(self, prompt_token_ids: list[int], sampling: SamplingParams, n: int,
+                       multimodal: MultimodalPrompt | None = None, checkpoints: tuple[int, ...] = (),
+                       grammar: Grammar | None = None) -> list[TokenStream]:
+        """n answers to one prompt (OpenAI's `n`): n requests, choice i seeded seed + i (engine/sampling.py
+        `choice_sampling`); if one is refused, the ones before it are cancelled and its error raised."""
+        streams: list[TokenStream] = []
+        try:
+            for choice in choice_sampling(sampling, n):
+                streams.append(self.submit(prompt_token_ids, choice, multimodal, checkpoints, grammar))
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        return streams
 
     def chat(self, request: ChatRequest) -> Iterator[ChatStreamEvent]:
         """Like LLM.chat, but through the shared engine (safe while other requests run)."""

@@ -1,7 +1,9 @@
 """POST /v1/completions: the legacy text-completion API (raw prompt, no chat template).
 
 `logprobs: N` reports each generated token's logprob and its N most likely alternatives (N <= 20;
-the prompt's own logprobs, asked with `echo`, are not computed)."""
+the prompt's own logprobs, asked with `echo`, are not computed). `n` answers are n requests of the
+prompt in one batch (generation.start_choices), each under its choice `index`; `best_of` may only
+equal `n` (no ranking of extra answers)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,13 @@ from ..tokenizer import Tokenizer
 from .body import read_model
 from .chat_input import sampling_params
 from .errors import ApiError
-from .generation import Started, collect, start, stream_response
+from .generation import (
+    Started,
+    collect_choices,
+    merged_events,
+    start_choices,
+    stream_response,
+)
 from .ids import new_id
 from .logprobs import completion_logprobs
 from .schemas import CompletionRequest
@@ -56,9 +64,10 @@ def usage(prompt: int, completion: int, last: StepOutput | None) -> dict[str, An
 @router.post("/v1/completions", response_model=None)
 async def completions(request: Request) -> Response:
     body = await read_model(request, CompletionRequest)
-    for name, value in (("n", body.n), ("best_of", body.best_of)):
-        if value not in (None, 1):
-            raise ApiError(400, f"{name}={value} is not supported; this server returns one choice", param=name)
+    n = body.n or 1
+    if body.best_of not in (None, n):
+        raise ApiError(400, f"best_of={body.best_of} is not supported: ranking answers beyond n is not done "
+                            f"(leave it out, or set it to n={n})", param="best_of")
     if body.logprobs is not None and body.echo:
         raise ApiError(400, "logprobs with echo (the prompt's logprobs) are not supported", param="logprobs")
     if body.suffix:
@@ -66,53 +75,55 @@ async def completions(request: Request) -> Response:
     sampling = sampling_params(body, body.max_tokens, body.stop, logprobs=body.logprobs)
     echo = ""  # the prompt's text, when the answer repeats it
 
-    def submit(service: EngineService) -> TokenStream:
+    def submit(service: EngineService) -> list[TokenStream]:
         nonlocal echo
         llm = service.llm
         ids, echo = prompt_ids(body.prompt, llm.tokenizer, llm.loaded.config.vocab_size, echo=body.echo)
-        return service.submit(ids, sampling)
+        return service.submit_choices(ids, sampling, n)
 
-    started = await start(request, body.model, submit)
-    head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": started.model}
-    tokenizer = started.lease.service.llm.tokenizer
+    choices = await start_choices(request, body.model, submit)
+    head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": choices[0].model}
+    tokenizer = choices[0].lease.service.llm.tokenizer
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _chunks(started, head, echo, include_usage, tokenizer if body.logprobs is not None else None)
-        return stream_response(started, chunks, lambda err: sse({"error": err.error_object()}) + DONE)
-    outputs: list[StepOutput] = await collect(request, started)
-    logprobs = None
-    if body.logprobs is not None:
-        logprobs = completion_logprobs(tokenizer, [e for o in outputs for e in o.text_logprobs()])
+        chunks = _chunks(choices, head, echo, include_usage, tokenizer if body.logprobs is not None else None)
+        return stream_response(choices, chunks, lambda err: sse({"error": err.error_object()}) + DONE)
+    answers: list[list[StepOutput]] = await collect_choices(request, choices)
+    tokens = [o for outputs in answers for o in outputs]
     return JSONResponse({
         **head,
-        "choices": [{"index": 0, "text": echo + "".join(o.text_delta for o in outputs), "logprobs": logprobs,
-                     "finish_reason": outputs[-1].finish_reason}],
-        "usage": usage(started.prompt_tokens, sum(len(o.new_token_ids) for o in outputs), outputs[-1]),
+        "choices": [{"index": i, "text": echo + "".join(o.text_delta for o in outputs),
+                     "logprobs": None if body.logprobs is None else completion_logprobs(
+                         tokenizer, [e for o in outputs for e in o.text_logprobs()]),
+                     "finish_reason": outputs[-1].finish_reason} for i, outputs in enumerate(answers)],
+        "usage": usage(choices[0].prompt_tokens, sum(len(o.new_token_ids) for o in tokens), answers[0][-1]),
     })
 
 
-async def _chunks(started: Started, head: dict[str, Any], echo: str, include_usage: bool,
+async def _chunks(choices: list[Started], head: dict[str, Any], echo: str, include_usage: bool,
                   tokenizer: Tokenizer | None) -> AsyncIterator[bytes]:
-    """`tokenizer`: given when the request asked for logprobs (each chunk carries its tokens')."""
-    offset = 0  # characters sent so far (the logprobs' text_offset)
+    """Each choice's text under its `index` as it comes (with echo, the prompt first); `tokenizer`:
+    given when the request asked for logprobs (each chunk carries its tokens')."""
+    offsets = [0] * len(choices)  # characters of each choice sent so far (the logprobs' text_offset)
 
-    def chunk(text: str, finish_reason: str | None, out: StepOutput | None = None) -> bytes:
-        nonlocal offset
+    def chunk(i: int, text: str, finish_reason: str | None, out: StepOutput | None = None) -> bytes:
         logprobs = None
         if tokenizer is not None and out is not None:
-            logprobs = completion_logprobs(tokenizer, out.text_logprobs(), offset)
-        offset += len(text)
-        data = {**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            logprobs = completion_logprobs(tokenizer, out.text_logprobs(), offsets[i])
+        offsets[i] += len(text)
+        data = {**head, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
         return sse({**data, "usage": None} if include_usage else data)
 
     if echo:
-        yield chunk(echo, None)
-    generated, last = 0, None
-    async for out in started.events:
+        for i in range(len(choices)):
+            yield chunk(i, echo, None)
+    generated, first_last = 0, None
+    async for i, out in merged_events(choices):
         generated += len(out.new_token_ids)
-        last = out
+        if i == 0:
+            first_last = out
         if out.text_delta or out.finished or (tokenizer is not None and out.text_logprobs()):
-            yield chunk(out.text_delta, out.finish_reason if out.finished else None, out)
+            yield chunk(i, out.text_delta, out.finish_reason if out.finished else None, out)
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(started.prompt_tokens, generated, last)})
+        yield sse({**head, "choices": [], "usage": usage(choices[0].prompt_tokens, generated, first_last)})
     yield DONE

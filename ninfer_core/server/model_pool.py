@@ -117,6 +117,11 @@ class Lease:
         self._resident = resident
         self._released = False
 
+    def share(self) -> Lease:
+        """Another hold on the same model (one per choice of an `n` > 1 request: each ends on its own)."""
+        self._pool._retain(self._resident)
+        return Lease(self._pool, self._resident)
+
     def release(self) -> None:
         if not self._released:
             self._released = True
@@ -263,6 +268,10 @@ class ModelPool:
             self._cond.notify_all()
         log.info("loaded %s", name)
         return Lease(self, resident)
+
+    def _retain(self, resident: Resident) -> None:
+        with self._cond:
+            resident.leases += 1
 
     def _release(self, resident: Resident) -> None:
         with self._cond:

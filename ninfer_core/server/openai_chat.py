@@ -7,12 +7,14 @@ arguments and whose later fragments carry only the index and argument text, `fin
 `tool_calls` once a call was made, and with `stream_options.include_usage` a null `usage` on
 every chunk plus one final chunk with empty `choices` and the usage. With `logprobs`, a step's
 token logprobs ride on the next chunk sent (every answer token, reasoning included, in order).
+`n` answers are n requests of one prompt in the same batch (generation.start_choices): their chunks
+interleave as they come, each under its choice `index`; the usage counts the prompt once.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -33,7 +35,7 @@ from .chat_input import (
     tool_constraint,
 )
 from .errors import ApiError
-from .generation import Started, collect, start, stream_response
+from .generation import Started, collect_choices, merged_events, start_choices, stream_response
 from .ids import new_id
 from .logprobs import chat_logprobs
 from .schemas import ChatCompletionRequest, plain
@@ -44,8 +46,6 @@ SYSTEM_FINGERPRINT = "ninfer"
 
 
 def build_chat_request(body: ChatCompletionRequest) -> ChatRequest:
-    if body.n not in (None, 1):
-        raise ApiError(400, f"n={body.n} is not supported; this server returns one choice (n=1)", param="n")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     fmt = body.response_format
@@ -68,18 +68,20 @@ def build_chat_request(body: ChatCompletionRequest) -> ChatRequest:
                         reasoning_effort=body.reasoning_effort, constraint=constraint)
 
 
-def chat_usage(result: ChatResult) -> dict[str, Any]:
-    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
-    spec = result.spec
+def chat_usage(results: Sequence[ChatResult]) -> dict[str, Any]:
+    """The usage of a response's choices: the prompt once (every choice reads the same one), the
+    answers' tokens summed."""
+    prompt, completion = len(results[0].prompt_token_ids), sum(len(r.token_ids) for r in results)
+    specs = [r.spec for r in results if r.spec]
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": result.timings.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": results[0].timings.cached_tokens},
         # accepted / rejected prediction tokens: the speculative decoder's draft counters
-        "completion_tokens_details": {"reasoning_tokens": result.reasoning_tokens,
-                                      "accepted_prediction_tokens": spec.accepted if spec else 0,
-                                      "rejected_prediction_tokens": spec.rejected if spec else 0},
+        "completion_tokens_details": {"reasoning_tokens": sum(r.reasoning_tokens for r in results),
+                                      "accepted_prediction_tokens": sum(s.accepted for s in specs),
+                                      "rejected_prediction_tokens": sum(s.rejected for s in specs)},
     }
 
 
@@ -107,57 +109,62 @@ def message_json(result: ChatResult, ids: ToolCallIds) -> dict[str, Any]:
 async def chat_completions(request: Request) -> Response:
     body = await read_model(request, ChatCompletionRequest)
     chat = build_chat_request(body)
-    started = await start(request, body.model, lambda service: service.submit_chat(chat), chat=chat)
+    n = body.n or 1
+    choices = await start_choices(request, body.model, lambda service: service.submit_chat_choices(chat, n), chat=chat)
     completion_id, created = new_id("chatcmpl-"), int(time.time())
-    model = started.model
-    ids = ToolCallIds()
-    tokenizer = started.lease.service.llm.tokenizer
+    model = choices[0].model
+    tokenizer = choices[0].lease.service.llm.tokenizer
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _chunks(started, completion_id, created, model, ids, include_usage, tokenizer)
-        return stream_response(started, chunks, lambda err: sse({"error": err.error_object()}) + DONE)
-    result: ChatResult = (await collect(request, started))[-1].result
-    logprobs = chat_logprobs(tokenizer, result.logprobs) if result.logprobs is not None else None
+        chunks = _chunks(choices, completion_id, created, model, include_usage, tokenizer)
+        return stream_response(choices, chunks, lambda err: sse({"error": err.error_object()}) + DONE)
+    results: list[ChatResult] = [events[-1].result for events in await collect_choices(request, choices)]
     return JSONResponse({
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [{"index": 0, "message": message_json(result, ids), "logprobs": logprobs,
-                     "finish_reason": result.finish_reason}],
-        "usage": chat_usage(result),
+        "choices": [{"index": i, "message": message_json(result, ToolCallIds()),
+                     "logprobs": chat_logprobs(tokenizer, result.logprobs) if result.logprobs is not None else None,
+                     "finish_reason": result.finish_reason} for i, result in enumerate(results)],
+        "usage": chat_usage(results),
     })
 
 
-async def _chunks(started: Started, completion_id: str, created: int, model: str, ids: ToolCallIds,
-                  include_usage: bool, tokenizer: Tokenizer) -> AsyncIterator[bytes]:
+async def _chunks(choices: list[Started], completion_id: str, created: int, model: str, include_usage: bool,
+                  tokenizer: Tokenizer) -> AsyncIterator[bytes]:
+    """Each choice's deltas under its `index`, as they come; the usage chunk once every choice ended."""
     head = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": SYSTEM_FINGERPRINT}
-    pending: list[TokenLogprob] = []  # logprobs not sent yet: they go with the next chunk
+    pending: list[list[TokenLogprob]] = [[] for _ in choices]  # logprobs not sent yet: with the choice's next chunk
+    ids = [ToolCallIds() for _ in choices]
+    results: dict[int, ChatResult] = {}
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        logprobs = chat_logprobs(tokenizer, pending) if pending else None
-        pending.clear()
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    def chunk(i: int, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        logprobs = chat_logprobs(tokenizer, pending[i]) if pending[i] else None
+        pending[i].clear()
+        choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         data = {**head, "choices": [choice]}
         return sse({**data, "usage": None} if include_usage else data)
 
-    yield chunk({"role": "assistant", "content": ""})
-    async for event in started.events:
+    for i in range(len(choices)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for i, event in merged_events(choices):
         if isinstance(event, LogprobsDelta):
-            pending += event.logprobs
+            pending[i] += event.logprobs
         elif isinstance(event, ReasoningDelta):
-            yield chunk({"reasoning_content": event.text, "reasoning": event.text})
+            yield chunk(i, {"reasoning_content": event.text, "reasoning": event.text})
         elif isinstance(event, ContentDelta):
-            yield chunk({"content": event.text})
+            yield chunk(i, {"content": event.text})
         elif isinstance(event, ToolCallStart):
-            yield chunk({"tool_calls": [{"index": event.index, "id": ids[event.index], "type": "function",
-                                         "function": {"name": event.name, "arguments": ""}}]})
+            yield chunk(i, {"tool_calls": [{"index": event.index, "id": ids[i][event.index], "type": "function",
+                                            "function": {"name": event.name, "arguments": ""}}]})
         elif isinstance(event, ToolCallArgsDelta):
-            yield chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
+            yield chunk(i, {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
         elif isinstance(event, ChatFinished):
-            yield chunk({}, event.result.finish_reason)
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": chat_usage(event.result)})
+            results[i] = event.result
+            yield chunk(i, {}, event.result.finish_reason)
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": chat_usage([results[i] for i in sorted(results)])})
     yield DONE

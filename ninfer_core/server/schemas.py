@@ -27,6 +27,8 @@ from .body import BadJson, parse_json
 TokenCount = Annotated[int, Field(ge=1, le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+MAX_CHOICES = 128  # OpenAI's bound on `n`
+Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
 JsonSchema = dict[str, Any] | bool
 
 
@@ -173,7 +175,7 @@ class ChatCompletionRequest(SamplingFields):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: Choices | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
@@ -193,8 +195,8 @@ class CompletionRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     echo: bool = False
     suffix: str | None = None
-    n: int | None = None
-    best_of: int | None = None
+    n: Choices | None = None
+    best_of: Choices | None = None
     logprobs: TopLogprobs | None = None
 
 
