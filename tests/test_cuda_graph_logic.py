@@ -245,3 +245,34 @@ def test_prefill_graphs_fork_a_prompt_anywhere(target, fake_graphs, monkeypatch)
     # one chunk, forked at 100 (chunked rule twice) and 148 (fused steps); then resumed at 100, at 148
     assert replayed == [(150, [100, 148], False), (30, [], None), (3, [], None)]
     assert cached == [0, 100, 148]
+
+
+def test_a_scored_prompt_runs_beside_graph_replays(target, fake_graphs, monkeypatch):
+    """A prompt whose tokens are scored (logits at every row) is read eagerly, with the plain prompt
+    read in the same step (a step replays graphs only when all its parts have one), the decodes of
+    both by decode graphs: the scores and the tokens are the graph-less engine's."""
+    monkeypatch.setattr(prefill_graph, "graph_row_limit", lambda model: None)
+
+    def run(eng: LLMEngine) -> tuple[list, dict]:
+        scored = GenerationRequest(PROMPTS[2], greedy(6, prompt_logprobs=2))
+        plain = GenerationRequest(PROMPTS[0], greedy(6))
+        tokens: dict[str, list[int]] = {scored.request_id: [], plain.request_id: []}
+        entries = []
+        for out in eng.generate([scored, plain]):
+            tokens[out.request_id] += out.new_token_ids
+            entries += out.prompt_logprobs or []
+        return entries, list(tokens.values())
+
+    want_entries, want_tokens = run(engine(target, None, graphs=False))
+    eng = engine(target, None, graphs=True)
+    eng.prefill_graphs = PrefillGraphs(eng.model, eng.cache, 512, None)
+    eng.prefill_graphs.capture_all()
+    replayed = []
+    forward = eng.prefill_graphs.forward
+    eng.prefill_graphs.forward = lambda batch: replayed.append(batch.num_new_tokens) or forward(batch)
+    entries, tokens = run(eng)
+    assert tokens == want_tokens and replayed == [] and FakeGraph.replays > 0
+    assert len(entries) == len(PROMPTS[2]) - 1
+    for got, want in zip(entries, want_entries):
+        assert got.token_id == want.token_id and [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)

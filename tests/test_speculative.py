@@ -151,7 +151,7 @@ def test_metrics_per_request_and_aggregate(target):
     assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["drafted"])
     totals = llm.stats().spec
     assert (totals.drafted, totals.accepted, totals.rounds) == (spec["drafted"], spec["accepted"], spec["rounds"])
-    usage = chat_usage(result)["completion_tokens_details"]
+    usage = chat_usage([result])["completion_tokens_details"]
     assert (usage["accepted_prediction_tokens"], usage["rejected_prediction_tokens"]) == (
         spec["accepted"], spec["rejected"])
     plain = load(target).chat_result(ChatRequest(messages=[{"role": "user", "content": "hi"}], sampling=greedy(3)))

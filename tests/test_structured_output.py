@@ -268,7 +268,7 @@ def test_completion_logprobs_agree_with_log_softmax(server, client, model):
      "tool_choice"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2, "echo": True}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21, "echo": True}, "logprobs"),
     ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 3}}}},
      "text.format"),
 ])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +39,7 @@ from .grammar import constrain
 from .logprobs import LogprobRows, TokenLogprob, log_softmax_rows
 from .request import GenerationRequest, SpecStats, StepOutput
 from .penalties import PenaltyTables
+from .prompt_logprobs import ChunkScores, score_chunks, scored_chunk
 from .sampling import Sampler, SamplingParams, plain_greedy
 from .scheduler import PrefillChunk, Scheduler, StepPlan
 from .sequence import Sequence
@@ -102,6 +103,7 @@ class LaunchedStep:
     host: torch.Tensor  # [R] the copy on the host (pinned on CUDA)
     done: torch.cuda.Event | None
     logprobs: LogprobRows | None = None  # on the host once `done`
+    prompt_scores: list[ChunkScores] = field(default_factory=list)  # on the host once `done`
 
 
 class LLMEngine:
@@ -143,7 +145,8 @@ class LLMEngine:
         self.sampler = Sampler()
         # a checkpoint inside a prompt chunk is a fork of the GDN state, not a chunk end (layers/gdn.py)
         self.scheduler = Scheduler(cache, prefill_chunk, forks=cache.prefix is not None, fork_tail=MAX_STEP_TOKENS,
-                                   graph_piece=prefill_graphs.buckets[-1] if prefill_graphs and prefill_graphs.buckets else 0)
+                                   graph_piece=prefill_graphs.buckets[-1] if prefill_graphs and prefill_graphs.buckets else 0,
+                                   scored_chunk=scored_chunk(config.vocab_size))
         self.eos_ids = frozenset(self.defaults.eos_token_ids or config.eos_token_ids or tokenizer.eos_token_ids)
         self._launched: LaunchedStep | None = None
         self._penalties: PenaltyTables | None = None  # allocated for the first request with penalties
@@ -202,6 +205,7 @@ class LLMEngine:
             generator=None if params.is_greedy else params.make_generator(self._generator_device()),
             max_new_tokens=min(params.max_tokens or room, room),
             grammar=request.grammar.matcher() if request.grammar is not None else None,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * (n - 1),
         )
         if self.speculator is not None and draft_limit:
             seq.draft_limit = draft_limit
@@ -255,10 +259,10 @@ class LLMEngine:
             assert self._launched is None
             outputs += self._speculative_step(plan)
         else:
-            rows, logits = self._launch_forward(plan)
+            rows, logits, scored = self._launch_forward(plan)
             if self._launched is not None and any(s.grammar is not None for s in rows):
                 outputs += self.sync()  # the masks need its tokens accepted: done while the forward runs
-            launched = self._launch_sampling(plan, rows, logits)
+            launched = self._launch_sampling(plan, rows, logits, scored)
             if self._launched is not None:
                 outputs += self._complete(self._launched)
             self._launched = launched
@@ -344,15 +348,18 @@ class LLMEngine:
 
     # -- a plain step: launch, then complete -------------------------------------------------
 
-    def _launch_forward(self, plan: StepPlan) -> tuple[list[Sequence], list[torch.Tensor]]:
-        """Queue the plan's forward; the rows that sample and their logits (not yet ready)."""
+    def _launch_forward(self, plan: StepPlan) -> tuple[list[Sequence], list[torch.Tensor], list[ChunkScores]]:
+        """Queue the plan's forward; the rows that sample and their logits (not yet ready), and the
+        scores of the prompt tokens it read for requests that asked (being copied to the host)."""
         parts: list[ForwardBatch] = []
         if plan.decodes:
             parts.append(self._decode_batch(plan.decodes, self._launched))
         parts, outs = self._forward_with_chunks(parts, plan.prefills)
         rows = list(plan.decodes)
         logits = [outs[0].logits[:, -1]] if plan.decodes else []
-        for chunk, out in zip(plan.prefills, outs[len(outs) - len(plan.prefills):]):
+        prefilled = outs[len(outs) - len(plan.prefills):]
+        scored = score_chunks(plan.prefills, prefilled, to_host=True)
+        for chunk, out in zip(plan.prefills, prefilled):
             if chunk.last:
                 rows.append(chunk.seq)
                 logits.append(out.logits[:, -1])
@@ -364,21 +371,22 @@ class LLMEngine:
             seq.inflight += 1
         for seq in rows:
             seq.num_pending += 1
-        return rows, logits
+        return rows, logits, scored
 
-    def _launch_sampling(self, plan: StepPlan, rows: list[Sequence], logits: list[torch.Tensor]) -> LaunchedStep:
+    def _launch_sampling(self, plan: StepPlan, rows: list[Sequence], logits: list[torch.Tensor],
+                         scored: list[ChunkScores]) -> LaunchedStep:
         """Queue the sampling of the forward's rows and the copy of their tokens to the host."""
         tokens, logprobs = torch.empty(0, dtype=torch.long), None
         if rows:  # one part's logits as they are (a graph's static output: sampled before the next replay)
             tokens, logprobs = self._sample(rows, logits[0] if len(logits) == 1 else torch.cat(logits))
-        if tokens.device.type != "cuda":
-            return LaunchedStep(plan, rows, tokens, tokens, None, logprobs)
+        if self.device.type != "cuda" or not (rows or scored):  # nothing to wait for on the host
+            return LaunchedStep(plan, rows, tokens, tokens, None, logprobs, scored)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         logprobs = logprobs.to_host() if logprobs is not None else None
         done = torch.cuda.Event()
         done.record()
-        return LaunchedStep(plan, rows, tokens, host, done, logprobs)
+        return LaunchedStep(plan, rows, tokens, host, done, logprobs, scored)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, LogprobRows | None]:
         """One token per row on the device ([R] int64, -1 where the logits are not finite) and the
@@ -424,6 +432,8 @@ class LLMEngine:
         now = time.perf_counter()
         tokens = step.host.tolist()
         logprobs = step.logprobs.entries(tokens) if step.logprobs is not None else {}
+        for scores in step.prompt_scores:  # before the first tokens, which hand them out
+            scores.fill()
         for row, (seq, token) in enumerate(zip(step.rows, tokens)):
             seq.num_pending -= 1
             if seq.finished:
@@ -468,6 +478,8 @@ class LLMEngine:
                                           capture_layers=capture if verify else ()))
         parts, outs = self._forward_with_chunks(parts, plan.prefills)
         self._count(plan)
+        for scores in score_chunks(plan.prefills, outs[len(outs) - len(plan.prefills):], to_host=False):
+            scores.fill()
         outputs: list[StepOutput] = []
         if seqs:
             batch, out = parts[0], outs[0]
@@ -600,7 +612,7 @@ class LLMEngine:
     def _prefill_batch(self, chunk: PrefillChunk) -> ForwardBatch:
         seq = chunk.seq
         ids = [seq.token_at(i) for i in range(chunk.start, chunk.end)]
-        batch = self._rows_batch([seq], [ids], "last" if chunk.last else "none",
+        batch = self._rows_batch([seq], [ids], "all" if seq.scores_prompt else "last" if chunk.last else "none",
                                  capture_layers=self.speculator.capture_layers(seq) if self.speculator else ())
         batch.fork = self._fork(chunk)
         mm = seq.request.multimodal
@@ -717,6 +729,8 @@ class LLMEngine:
             text += check.text + ("" if check.stop else seq.stops.flush())
         if seq.finished:
             self._finish_timings(seq)
+        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # with the first token
+        assert prompt_logprobs is None or all(e is not None for e in prompt_logprobs), "a prompt token was not scored"
         return StepOutput(
             request_id=seq.request_id,
             new_token_ids=taken,
@@ -727,6 +741,7 @@ class LLMEngine:
             timings=seq.timings if seq.finished else None,
             spec=seq.spec if seq.finished else None,
             logprobs=logprobs[: len(taken)] if logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,  # type: ignore[arg-type]  # every entry set (asserted)
         )
 
     def _push(self, seq: Sequence, token: int) -> str:

@@ -107,6 +107,9 @@ class StepOutput:
     # engine's fault (errors.EngineError): a request's own faults are refused by add_request
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked (SamplingParams.logprobs)
+    # with the first token, when the request asked (SamplingParams.prompt_logprobs): one per prompt
+    # token after the first (nothing predicts the first)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def text_logprobs(self) -> list[TokenLogprob]:
         """The logprobs of the new tokens that are text: all but an end-of-answer or stop id that

@@ -106,6 +106,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
     logprobs: int | None = None  # report each token's logprob and this many alternatives (0..20); None = off
+    # the same for the prompt's tokens (all but the first, which nothing predicts): OpenAI's echo with
+    # logprobs. The prompt is then read without the prefix cache (its tokens need their logits).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -142,9 +145,10 @@ class SamplingParams:
                  f"logit_bias must map token ids in [0, 2**31) to numbers, got {bias!r:.200}")
         bad = next((v for v in bias.values() if not (_is_number(v) and low <= v <= high)), None)
         _require(bad is None, "logit_bias", f"logit_bias values must be in [{low:g}, {high:g}], got {bad!r}")
-        n = self.logprobs
-        _require(n is None or (_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS), "logprobs",
-                 f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), got {n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            _require(n is None or (_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS), name,
+                     f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), got {n!r}")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """The token ids this request names exist in a model's vocabulary (logit_bias would index past it)."""

@@ -69,19 +69,21 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cache: CacheManager, max_batched_tokens: int, forks: bool = False, fork_tail: int = 0,
-                 graph_piece: int = 0):
+                 graph_piece: int = 0, scored_chunk: int = 0):
         """forks: a chunk takes the first checkpoint inside it as a fork (ForwardBatch.fork), and a
         second one if that lies within `fork_tail` tokens of the chunk's end, and ends at the next
         one; else every checkpoint ends a chunk. graph_piece: the longest prompt chunk a CUDA graph
         reads; a prompt with more than that left, but at most `pieces_up_to` (PIECES_RATIO times
         that), is read in pieces of that length: an eager forward's host time (~4,400 launches,
-        ~150 ms on the 35B) is more than the pieces' extra weight reads there."""
+        ~150 ms on the 35B) is more than the pieces' extra weight reads there. scored_chunk: the
+        longest chunk of a prompt whose tokens are scored (logits at every token; 0: no cap)."""
         self.cache = cache
         self.max_batched_tokens = max_batched_tokens
         self.forks = forks
         self.fork_tail = fork_tail
         self.graph_piece = graph_piece
         self.pieces_up_to = int(graph_piece * PIECES_RATIO)
+        self.scored_chunk = scored_chunk
         self.max_running = cache.max_seqs  # the service may cap it lower (--max-concurrency)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admitted, in admission order; each holds a slot
@@ -164,6 +166,8 @@ class Scheduler:
             room = (len(seq.cache.pages) + self.cache.free_pages) * page
             left = seq.prefill_len - seq.num_cached
             piece = self.graph_piece if 0 < self.graph_piece < left <= self.pieces_up_to else left
+            if seq.scores_prompt and self.scored_chunk:
+                piece = min(piece, self.scored_chunk)
             reach = min(seq.num_cached + piece, seq.num_cached + budget, room)
             cuts = self._checkpoints_ahead(seq)
             forks = [cuts.pop(0)] if self.forks and cuts and cuts[0] < reach else []
@@ -206,7 +210,8 @@ class Scheduler:
         while self.waiting and self.cache.num_free_slots and len(self.running) < self.max_running:
             seq = self.waiting[0]
             tokens, keys = seq.tokens(seq.prefill_len), seq.media_keys(seq.prefill_len)
-            hit = prefix.lookup(tokens, keys, seq.prefill_len) if prefix is not None else None
+            # a scored prompt needs the logits of every token: nothing of it comes from the cache
+            hit = prefix.lookup(tokens, keys, seq.prefill_len) if prefix is not None and not seq.scores_prompt else None
             need = math.ceil((seq.prefill_len + 1) / self.cache.page_size)
             if hit is not None:  # shared pages need none of their own, but stop being evictable
                 need += sum(page in prefix.evictable for page in hit.pages) - len(hit.pages)

@@ -17,6 +17,7 @@ from ..cache import SequenceCache
 from ..detokenizer import IncrementalDetokenizer
 from ..stop_strings import StopStringFilter
 from .grammar import GrammarMatcher
+from .logprobs import TokenLogprob
 from .request import GenerationRequest, SpecStats, Timings
 from .sampling import TokenHistory
 
@@ -43,6 +44,14 @@ class Sequence:
     draft_limit: int = 0  # speculative drafts per round (0: plain decode)
     spec: SpecStats | None = None  # speculative totals, when draft_limit > 0
     grammar: GrammarMatcher | None = None  # a constrained request: every answer token goes through it
+    # SamplingParams.prompt_logprobs: entry i is prompt token i + 1's, filled as its chunk is read, handed
+    # out with the first token (then None: a preempted request reading its prompt again scores nothing)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt chunks need logits at every token (their logprobs are still to be reported)."""
+        return self.prompt_logprobs is not None
 
     def __post_init__(self) -> None:
         self.prefill_len = self.prefill_len or len(self.request.prompt_token_ids)

@@ -179,7 +179,7 @@ def one_constraint(json_output: JsonOutput | None, tools: ToolCallOutput | None)
 
 
 def sampling_params(fields: SamplingFields, max_tokens: int | None, stop: str | list[str] | None,
-                    logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams, which checks every range (SamplingParamError names the field)."""
     return SamplingParams(
         temperature=fields.temperature,
@@ -196,6 +196,7 @@ def sampling_params(fields: SamplingFields, max_tokens: int | None, stop: str | 
         ignore_eos=fields.ignore_eos,
         logit_bias=_logit_bias(fields.logit_bias or {}),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

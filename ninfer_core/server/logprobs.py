@@ -26,16 +26,19 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> dict
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-    """`offset`: characters of text before the first token (an echoed prompt, earlier chunks)."""
-    tokens = [token_text(tokenizer, e.token_id) for e in entries]
+def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob], offset: int = 0,
+                        unscored: int | None = None) -> dict[str, Any]:
+    """`offset`: characters of text before the first token (an echoed prompt, earlier chunks);
+    `unscored`: a token before the entries that has no logprob (an echoed prompt's first: null)."""
+    first = [] if unscored is None else [unscored]
+    tokens = [token_text(tokenizer, t) for t in first + [e.token_id for e in entries]]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+        "token_logprobs": [None for _ in first] + [e.logprob for e in entries],
+        "top_logprobs": [None for _ in first] + [{token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
         "text_offset": offsets,
     }
