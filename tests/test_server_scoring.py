@@ -1,7 +1,8 @@
-"""Scoring text through /v1/completions, as evaluation harnesses do (lm-eval's `local-completions`:
-a list of prompts, `echo`, `logprobs`, one answer token): the prompt tokens' logprobs against
-transformers' log-softmax of the same ids (tiny random Qwen3.5 MoE, CPU, float32), on the real server
-through the openai client and raw HTTP."""
+"""Scoring and counting text on the real server (tiny random Qwen3.5 MoE, CPU, float32), through the
+openai client and raw HTTP: /v1/completions as evaluation harnesses use it (lm-eval's
+`local-completions`: a list of prompts, `echo`, `logprobs`, one answer token), the prompt tokens'
+logprobs against transformers' log-softmax of the same ids; /tokenize and /detokenize against the
+tokenizer and the chat endpoint's own prompt count."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from ninfer_core.server.app import ServerHandle
+from ninfer_core.llm import ChatRequest
 from server_harness import load_tiny_llm, sse_json, write_model
 
 PROMPTS = ["The capital of France is Paris", "Two plus two is four"]
@@ -110,3 +112,44 @@ def test_bad_prompt_lists_are_400_naming_the_prompt(server, body, param):
     assert r.json()["error"]["param"] == param
     stats = server.service.stats()
     assert stats.engine.running == 0 and stats.waiting == 0
+
+
+# -- /tokenize, /detokenize ----------------------------------------------------------------------------
+
+def call(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json={"model": "m", **body}, timeout=60)
+
+
+def test_tokenize_text_in_vllm_and_llama_cpp_shapes(server):
+    tokenizer = server.service.llm.tokenizer
+    text = PROMPTS[0]
+    r = call(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == server.service.context_limit
+    assert r["token_strs"] == ["The", " capital", " of", " France", " is", " Paris"]  # no BOS in this tokenizer
+    bare = call(server, "/tokenize", {"content": text, "add_special": False}).json()  # llama.cpp's names
+    assert bare["tokens"] == tokenizer.encode(text, add_special_tokens=False) and bare["token_strs"] is None
+    back = call(server, "/detokenize", {"tokens": ids}).json()
+    assert back["prompt"] == back["content"] == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_tokenize_a_chat_counts_what_the_chat_endpoint_reads(server, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
+    r = call(server, "/tokenize", {"messages": messages}).json()
+    expected = server.service.llm.prepare_chat(ChatRequest(messages=messages)).prompt_token_ids
+    assert r["tokens"] == expected
+    answer = client.chat.completions.create(model="m", messages=messages, max_tokens=1)
+    assert answer.usage.prompt_tokens == r["count"]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {"prompt": "a", "content": "b"}, "content"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+])
+def test_bad_tokenizer_requests_are_400(server, path, body, param):
+    r = call(server, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

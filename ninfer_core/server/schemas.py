@@ -321,3 +321,22 @@ class MessagesRequest(SamplingFields, CountTokensRequest):
     tool_choice: AnthropicToolChoice | None = None
     metadata: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+# -- tokenizer endpoints (vLLM's and llama.cpp's shapes) -----------------------------------------
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None  # raw text (vLLM)
+    content: str | None = None  # raw text (llama.cpp's name)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)  # a chat, rendered as for an answer
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # vLLM: default true for text, false for a chat
+    add_special: bool | None = None  # llama.cpp's name
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId] = Field(min_length=1)
