@@ -23,7 +23,7 @@ Path = tuple[str | int, ...]
 CHAT = {
     "model": "m", "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 1,
     "presence_penalty": 0.1, "frequency_penalty": 0.1, "repetition_penalty": 1.1, "stop": ["\n\n"],
-    "stop_token_ids": [1], "ignore_eos": False, "logit_bias": {"5": 1}, "n": 1, "stream": False,
+    "stop_token_ids": [1], "ignore_eos": False, "logit_bias": {"5": 1}, "n": 2, "stream": False,
     "stream_options": {"include_usage": True}, "response_format": {"type": "text"}, "reasoning_effort": "low",
     "chat_template_kwargs": {"enable_thinking": False},
     "messages": [
@@ -54,8 +54,12 @@ CHAT_MEDIA = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "cont
     {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/a.mp4"}}]}]}
 COMPLETION = {"model": "m", "prompt": "hello", "max_tokens": 3, "echo": True, "stop": "x", "logit_bias": {"1": -1},
               "seed": 3, "temperature": 0.7, "stream": False, "n": 1, "best_of": 1, "suffix": None}
-COMPLETION_IDS = {"prompt": [[1, 2, 3]], "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True},
-                  "logprobs": 2}
+COMPLETION_IDS = {"prompt": [[1, 2, 3], [4, 5]], "n": 2, "echo": True, "max_tokens": 2, "stream": True,
+                  "stream_options": {"include_usage": True}, "logprobs": 2}
+TOKENIZE = {"model": "m", "messages": CHAT["messages"], "tools": CHAT["tools"], "return_token_strs": True,
+            "chat_template_kwargs": {"enable_thinking": False}}
+TOKENIZE_TEXT = {"content": "hello", "add_special": False, "add_special_tokens": True}
+DETOKENIZE = {"model": "m", "tokens": [1, 2, 3]}
 RESPONSE = {
     "model": "m", "max_output_tokens": 3, "instructions": "be brief", "store": False, "stream": False,
     "input": [
@@ -96,7 +100,8 @@ ENDPOINTS = [
     ("/v1/completions", COMPLETION_IDS), ("/v1/responses", RESPONSE), ("/v1/messages", MESSAGE),
     ("/v1/messages/count_tokens", COUNT), ("/v1/chat/completions", CHAT_STRUCTURED),
     ("/v1/chat/completions", CHAT_FORCED_TOOL), ("/v1/responses", RESPONSE_STRUCTURED),
-    ("/v1/messages", MESSAGE_FORCED_TOOL),
+    ("/v1/messages", MESSAGE_FORCED_TOOL), ("/tokenize", TOKENIZE), ("/tokenize", TOKENIZE_TEXT),
+    ("/detokenize", DETOKENIZE),
 ]
 
 
