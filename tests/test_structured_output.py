@@ -7,6 +7,7 @@ answers valid."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import anthropic
@@ -204,6 +205,53 @@ def test_constrained_rows_leave_the_others_alone(client):
     assert results["free"] == alone
     jsonschema.validate(json.loads(results["json"].choices[0].message.content), PERSON)
     assert_valid_calls(results["tools"].choices[0].message.tool_calls)
+
+
+# -- vLLM's guided decoding: regex, choice, EBNF grammar, JSON on completions ------------------------
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_guided_choice_and_regex_answers_match(server, seed):
+    base = {"model": "m", "messages": HI, "temperature": 1.0, "seed": seed, "max_tokens": 60, **NO_THINKING}
+    chosen = post(server, "/v1/chat/completions", {**base, "n": 3, "guided_choice": ["yes", "no", "maybe later"]})
+    assert chosen.status_code == 200, chosen.text
+    assert all(c["message"]["content"] in ("yes", "no", "maybe later") for c in chosen.json()["choices"])
+    pattern = "[0-9]{3}-[a-z]{2,4}"
+    matched = post(server, "/v1/chat/completions", {**base, "structured_outputs": {"regex": pattern}}).json()
+    assert re.fullmatch(pattern, matched["choices"][0]["message"]["content"])
+
+
+def test_guided_grammar_and_json_on_completions(server):
+    """A raw prompt opens no reasoning: the constraint holds from the first token (streamed too)."""
+    ebnf = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c] | "x" [0-9]'
+    body = {"model": "m", "prompt": "List:", "max_tokens": 40, "temperature": 1.0, "seed": 4, "guided_grammar": ebnf}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]
+    assert whole["finish_reason"] == "stop" and re.fullmatch(r"\((?:[a-c]|x[0-9])(?:,(?:[a-c]|x[0-9]))*\)", whole["text"])
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        streamed = "".join(f["choices"][0]["text"] for f in sse_json(r)[:-1])
+    assert streamed == whole["text"]
+    for extra in ({"guided_json": json.dumps(PERSON)},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}):
+        r = post(server, "/v1/completions", {"model": "m", "prompt": "Person:", "max_tokens": 400, "seed": 5, **extra})
+        assert r.status_code == 200, r.text
+        jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), PERSON)
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/chat/completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs.regex"),
+    ("/v1/chat/completions", {"guided_regex": "(("}, "guided_regex"),
+    ("/v1/chat/completions", {"guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"guided_grammar": "root ::= "}, "guided_grammar"),
+    ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
+    ("/v1/completions", {"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs.json"),
+])
+def test_bad_guided_constraints_are_400s_naming_the_field(server, path, extra, param):
+    base = {"model": "m", "max_tokens": 2} | ({"messages": HI} if path == "/v1/chat/completions" else {"prompt": "x"})
+    r = post(server, path, base | extra)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert server.service.stats().engine.running == 0
 
 
 # -- logprobs -------------------------------------------------------------------------------------

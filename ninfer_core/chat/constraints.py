@@ -8,6 +8,9 @@
   more calls (exactly one when `single`), nothing else, in Qwen's XML form exactly as the chat
   templates write it:  <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n
   ...</function>\\n</tool_call>, calls separated by one newline.
+- `RegexOutput`, `ChoiceOutput`, `GrammarOutput` (vLLM's guided_regex / guided_choice /
+  guided_grammar, or `structured_outputs`): the answer matches a regular expression, is one of the
+  given strings, or is a sentence of an EBNF grammar (xgrammar's dialect, root rule `root`).
 - Thinking: when the prompt opens <think>, the grammar first lets the reasoning run to </think>
   (then the blank line Qwen writes); otherwise it starts with the answer's first token.
 
@@ -106,7 +109,42 @@ class ToolCallOutput:
         return {"type": "sequence", "elements": elements} if elements else _const("")
 
 
-OutputConstraint = JsonOutput | ToolCallOutput
+@dataclass(frozen=True)
+class RegexOutput:
+    """The answer matches `pattern` whole (xgrammar's regex dialect: no look-arounds, no back-references)."""
+
+    pattern: str
+    source: str = "guided_regex"
+
+    def answer_format(self) -> Format:
+        return {"type": "regex", "pattern": self.pattern}
+
+
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """The answer is exactly one of `choices`."""
+
+    choices: Sequence[str]
+    source: str = "guided_choice"
+
+    def answer_format(self) -> Format:
+        if not self.choices or not all(isinstance(c, str) and c for c in self.choices):
+            raise ConstraintError("the choices must be a non-empty list of non-empty strings", self.source)
+        return {"type": "or", "elements": [_const(c) for c in self.choices]}
+
+
+@dataclass(frozen=True)
+class GrammarOutput:
+    """The answer is a sentence of the EBNF grammar `ebnf` (its rule `root`)."""
+
+    ebnf: str
+    source: str = "guided_grammar"
+
+    def answer_format(self) -> Format:
+        return {"type": "grammar", "grammar": self.ebnf}
+
+
+OutputConstraint = JsonOutput | ToolCallOutput | RegexOutput | ChoiceOutput | GrammarOutput
 
 
 def structural_tag(constraint: OutputConstraint, *, reasoning: bool) -> Format:

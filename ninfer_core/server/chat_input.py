@@ -21,13 +21,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat.constraints import JsonOutput, OutputConstraint, ToolCallOutput
+from ..chat.constraints import (
+    ChoiceOutput,
+    GrammarOutput,
+    JsonOutput,
+    OutputConstraint,
+    RegexOutput,
+    ToolCallOutput,
+)
 from ..engine.sampling import SamplingParams
 from ..llm import ChatRequest
 from ..media.limits import MediaError
 from ..media.sources import MediaKind, part_reference
+from .body import BadJson, parse_json
 from .errors import ApiError
-from .schemas import SamplingFields
+from .schemas import GuidedFields, ResponseFormat, SamplingFields
 
 TEXT_PARTS = ("text", "input_text", "output_text")
 UNSUPPORTED_PARTS = ("input_audio", "audio", "file", "input_file", "document")
@@ -171,11 +179,54 @@ def json_constraint(kind: str, schema: Any, where: str) -> JsonOutput | None:
     return JsonOutput(schema, source=where)
 
 
-def one_constraint(json_output: JsonOutput | None, tools: ToolCallOutput | None) -> OutputConstraint | None:
-    if json_output is not None and tools is not None:
-        raise ApiError(400, f"{json_output.source} asks for JSON while tool_choice forces tool calls: choose one",
-                       param="tool_choice")
-    return json_output or tools
+def response_format_constraint(fmt: ResponseFormat | None) -> JsonOutput | None:
+    """Chat Completions' (and vLLM's Completions') `response_format` -> the JSON a grammar forces."""
+    if fmt is None:
+        return None
+    return json_constraint(fmt.type, fmt.json_schema.json_schema if fmt.json_schema else None, "response_format")
+
+
+def one_constraint(*constraints: OutputConstraint | None) -> OutputConstraint | None:
+    """The one constraint a request sets (None: none); two are a 400 naming the later field."""
+    given = [c for c in constraints if c is not None]
+    if len(given) > 1:
+        first, second = given[:2]
+        raise ApiError(400, f"{first.source} and {second.source} both constrain the answer: choose one",
+                       param=second.source)
+    return given[0] if given else None
+
+
+def guided_constraint(fields: GuidedFields) -> OutputConstraint | None:
+    """vLLM's guided_json / guided_regex / guided_choice / guided_grammar and `structured_outputs`
+    (json / regex / choice / grammar) -> the constraint; at most one may be set."""
+    kinds = ("json", "regex", "choice", "grammar")
+    given = [(kind, f"guided_{kind}", getattr(fields, f"guided_{kind}")) for kind in kinds]
+    if (nested := fields.structured_outputs) is not None:
+        given += [(kind, f"structured_outputs.{kind}", getattr(nested, "json_" if kind == "json" else kind))
+                  for kind in kinds]
+    constraints: list[OutputConstraint] = []
+    for kind, where, value in given:
+        if value is None:
+            continue
+        if kind == "json":
+            constraints.append(JsonOutput(_schema(value, where), source=where))
+        elif kind == "regex":
+            constraints.append(RegexOutput(value, source=where))
+        elif kind == "choice":
+            constraints.append(ChoiceOutput(tuple(value), source=where))
+        else:
+            constraints.append(GrammarOutput(value, source=where))
+    return one_constraint(*constraints)
+
+
+def _schema(value: Any, where: str) -> Any:
+    """A JSON Schema given as an object or as its JSON text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_json(value)
+    except BadJson as e:
+        raise ApiError(400, f"{where}: the schema text {e}", param=where) from None
 
 
 def sampling_params(fields: SamplingFields, max_tokens: int | None, stop: str | list[str] | None,

@@ -21,7 +21,12 @@ from ..engine.request import StepOutput
 from ..engine.service import EngineService, TokenStream
 from ..tokenizer import Tokenizer
 from .body import read_model
-from .chat_input import sampling_params
+from .chat_input import (
+    guided_constraint,
+    one_constraint,
+    response_format_constraint,
+    sampling_params,
+)
 from .errors import ApiError
 from .generation import (
     Started,
@@ -89,6 +94,7 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     sampling = sampling_params(body, body.max_tokens, body.stop, logprobs=body.logprobs,
                                prompt_logprobs=body.logprobs if body.echo else None)
+    constraint = one_constraint(response_format_constraint(body.response_format), guided_constraint(body))
     prompts: list[Prompt] = []
 
     def submit(service: EngineService) -> list[TokenStream]:
@@ -97,10 +103,12 @@ async def completions(request: Request) -> Response:
         if len(prompts) * n > MAX_CHOICES:
             raise ApiError(400, f"{len(prompts)} prompts x n={n} answers is more than {MAX_CHOICES} choices",
                            param="n")
+        # a raw prompt opens no reasoning block: the constraint holds from the first token
+        grammar = None if constraint is None else llm.compile_constraint(constraint, reasoning=False)
         streams: list[TokenStream] = []
         try:
             for prompt in prompts:
-                streams += service.submit_choices(prompt.ids, sampling, n)
+                streams += service.submit_choices(prompt.ids, sampling, n, grammar=grammar)
         except BaseException:
             for stream in streams:
                 stream.cancel()

@@ -28,8 +28,9 @@ from .body import read_model
 from .chat_input import (
     chat_content,
     chat_request,
-    json_constraint,
+    guided_constraint,
     one_constraint,
+    response_format_constraint,
     sampling_params,
     select_tools,
     tool_constraint,
@@ -48,9 +49,6 @@ SYSTEM_FINGERPRINT = "ninfer"
 def build_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    fmt = body.response_format
-    json_output = json_constraint(fmt.type, fmt.json_schema.json_schema if fmt.json_schema else None,
-                                  "response_format") if fmt else None
     messages = []
     for i, message in enumerate(body.messages):
         m = plain(message)
@@ -60,8 +58,8 @@ def build_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     named = hasattr(body.tool_choice, "function")
     choice = body.tool_choice.function.name if named else body.tool_choice  # type: ignore[union-attr]
     declared = select_tools(tools, choice)  # type: ignore[arg-type]
-    constraint = one_constraint(json_output, tool_constraint(declared, choice, named=named,  # type: ignore[arg-type]
-                                                             parallel=body.parallel_tool_calls))
+    forced = tool_constraint(declared, choice, named=named, parallel=body.parallel_tool_calls)  # type: ignore[arg-type]
+    constraint = one_constraint(response_format_constraint(body.response_format), guided_constraint(body), forced)
     sampling = sampling_params(body, body.max_completion_tokens or body.max_tokens, body.stop,
                                logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     return chat_request(messages, sampling, tools=declared, template_kwargs=body.chat_template_kwargs,

@@ -155,6 +155,26 @@ class ResponseFormat(_Open):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: one of these constrains the answer."""
+
+    json_: JsonSchema | str | None = Field(None, alias="json")  # a schema, or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF, rule `root`
+
+
+class GuidedFields(_Body):
+    """vLLM's structured-output fields (the older guided_* names and `structured_outputs`), read by
+    chat and completions."""
+
+    guided_json: JsonSchema | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
@@ -165,7 +185,7 @@ class ChatMessage(_Open):
     reasoning: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, GuidedFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ChatTool] | None = None
@@ -186,7 +206,7 @@ class ChatCompletionRequest(SamplingFields):
 
 # -- OpenAI completions -------------------------------------------------------------------------
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, GuidedFields):
     model: str | None = None
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: TokenCount | None = 16  # OpenAI's default for this legacy endpoint
@@ -198,6 +218,7 @@ class CompletionRequest(SamplingFields):
     n: Choices | None = None
     best_of: Choices | None = None
     logprobs: TopLogprobs | None = None
+    response_format: ResponseFormat | None = None
 
 
 # -- OpenAI Responses ---------------------------------------------------------------------------
