@@ -60,6 +60,11 @@ TOKENIZE = {"model": "m", "messages": CHAT["messages"], "tools": CHAT["tools"], 
             "chat_template_kwargs": {"enable_thinking": False}}
 TOKENIZE_TEXT = {"content": "hello", "add_special": False, "add_special_tokens": True}
 DETOKENIZE = {"model": "m", "tokens": [1, 2, 3]}
+COMPLETION_GUIDED = {"prompt": "x", "max_tokens": 3, "guided_choice": ["ab", "c"], "guided_regex": None,
+                     "structured_outputs": {"grammar": None, "json": None}}
+CHAT_GUIDED = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+               "structured_outputs": {"regex": "[a-z]{1,4}", "choice": None}, "guided_grammar": None,
+               "guided_json": None, "chat_template_kwargs": {"enable_thinking": False}}
 RESPONSE = {
     "model": "m", "max_output_tokens": 3, "instructions": "be brief", "store": False, "stream": False,
     "input": [
@@ -101,7 +106,7 @@ ENDPOINTS = [
     ("/v1/messages/count_tokens", COUNT), ("/v1/chat/completions", CHAT_STRUCTURED),
     ("/v1/chat/completions", CHAT_FORCED_TOOL), ("/v1/responses", RESPONSE_STRUCTURED),
     ("/v1/messages", MESSAGE_FORCED_TOOL), ("/tokenize", TOKENIZE), ("/tokenize", TOKENIZE_TEXT),
-    ("/detokenize", DETOKENIZE),
+    ("/detokenize", DETOKENIZE), ("/v1/completions", COMPLETION_GUIDED), ("/v1/chat/completions", CHAT_GUIDED),
 ]
 
 
