@@ -32,7 +32,7 @@ from .chat.output_parser import (
 )
 from .chat.constraints import ConstraintError, JsonOutput, OutputConstraint, structural_tag
 from .chat.reasoning import prompt_opens_reasoning
-from .chat.template import ChatTemplate, load_chat_template
+from .chat.template import ChatTemplate, load_chat_template, open_final_message
 from .engine.cuda_graph import DecodeGraphs
 from .engine.grammar import Grammar, GrammarCompiler, GrammarError
 from .engine.logprobs import TokenLogprob
@@ -171,6 +171,7 @@ class ChatRequest:
     enable_thinking: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     constraint: OutputConstraint | None = None  # the answer after the reasoning must match it
+    continue_final: bool = False  # the last message is an assistant's text that the answer continues
 
 
 def tool_call_json(index: int, name: str, arguments: str) -> dict[str, Any]:
@@ -359,13 +360,15 @@ class LLM:
             raise ConstraintError(str(e), constraint.source) from None
 
     def render_prompt(self, request: ChatRequest, messages: Sequence[Mapping[str, Any]] | None = None) -> str:
-        return self.template.render(
-            request.messages if messages is None else messages,
+        messages = request.messages if messages is None else messages
+        prompt = self.template.render(
+            messages,
             tools=request.tools,
-            add_generation_prompt=True,
+            add_generation_prompt=not request.continue_final,
             enable_thinking=request.enable_thinking,
             **request.template_kwargs,
         )
+        return open_final_message(prompt, messages[-1]) if request.continue_final else prompt
 
     def prepare_chat(self, request: ChatRequest) -> PreparedChat:
         """Template + tokenizer work of one chat request (no engine state: safe from any thread)."""
@@ -415,7 +418,7 @@ class LLM:
         (Qwen's `<think>` opener: a thinking model's history drops the reasoning). The next turn
         then resumes there, not before this turn's last message, which may be long (pasted code).
         Short prompts skip it, as the scheduler's split of the last token (an extra step each)."""
-        if len(ids) < SPLIT_MIN:
+        if len(ids) < SPLIT_MIN or request.continue_final:  # a continued message: the next turn rewrites it
             return ()
         try:
             # the history of the next turn: this answer, then a new question after it

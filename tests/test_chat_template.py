@@ -20,6 +20,7 @@ from ninfer_core.chat.template import (
     ChatTemplateError,
     load_chat_template,
     normalize_messages,
+    open_final_message,
 )
 from ninfer_core.resources import asset_path
 from ninfer_core.tokenizer import Tokenizer
@@ -243,3 +244,23 @@ def test_tools_a_template_cannot_render_are_refused_and_thinking_is_detected():
     fallback = load_chat_template()
     assert fallback.supports_tools and fallback.supports_thinking
     assert "get_weather" in fallback.render(messages, tools=[tool])
+
+
+@pytest.mark.parametrize("which", ["fallback", "qwen3.6"])
+def test_a_final_assistant_message_is_continued(fallback: ChatTemplate, qwen_tokenizer: Tokenizer, which: str) -> None:
+    """The prefilled answer ends the prompt where the generation prompt (thinking off: an empty
+    reasoning block) plus that text would; with reasoning, after its closed block."""
+    template = fallback if which == "fallback" else load_chat_template(qwen_tokenizer)
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    prefill = {"role": "assistant", "content": "My favourite colour is"}
+    prompt = open_final_message(template.render([*history, prefill], add_generation_prompt=False), prefill)
+    assert prompt == template.render(history, enable_thinking=False) + "My favourite colour is"
+    reasoned = {"role": "assistant", "reasoning_content": "Pick one.", "content": [{"type": "text", "text": "Blue"}]}
+    prompt = open_final_message(template.render([*history, reasoned], add_generation_prompt=False), reasoned)
+    assert prompt == template.render(history, add_generation_prompt=False) + THINK_ON + "Pick one.\n</think>\n\nBlue"
+
+
+def test_a_final_message_without_text_cannot_be_continued() -> None:
+    for message in ({"role": "assistant", "content": ""}, {"role": "assistant", "content": "not there"}):
+        with pytest.raises(ChatTemplateError, match="cannot be continued"):
+            open_final_message("<|im_start|>assistant\n", message)

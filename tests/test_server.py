@@ -273,6 +273,30 @@ def test_anthropic_messages(server, model):
     assert count.input_tokens == whole.usage.input_tokens
 
 
+def test_an_assistant_prefill_is_continued(server, client, model):
+    """vLLM's continue_final_message and Anthropic's trailing assistant turn: the prompt ends with the
+    prefill's text (the template's answer header with an empty reasoning block, then the text), and
+    the answer is transformers' greedy continuation of those ids."""
+    llm = server.service.llm
+    messages = [*HI, {"role": "assistant", "content": "Hello"}]
+    prompt_ids = llm.tokenizer.encode_prompt(llm.template.render(HI, enable_thinking=False) + "Hello")
+    assert llm.prepare_chat(ChatRequest(messages=messages, continue_final=True)).prompt_token_ids == prompt_ids
+    expected = parse_output(llm.tokenizer.decode(reference_tokens(model[1], prompt_ids, 8), skip_special_tokens=True),
+                            starts_in_reasoning=False)
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"continue_final_message": True, "ignore_eos": True})
+    assert (chat.choices[0].message.content or "") == expected.content and chat.usage.prompt_tokens == len(prompt_ids)
+    anthropic_client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    message = anthropic_client.messages.create(model="m", max_tokens=8, messages=messages,
+                                               extra_body={"temperature": 0, "ignore_eos": True})
+    assert "".join(b.text for b in message.content if b.type == "text") == expected.content
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(prompt_ids)  # Anthropic's split
+    for extra, param in (({}, "messages"), ({"response_format": {"type": "json_object"}}, "response_format")):
+        asking = messages if extra else HI  # a user turn last: nothing to continue
+        assert_error(post(server, "/v1/chat/completions", {"messages": asking, "continue_final_message": True,
+                                                           **extra}), 400, param=param)
+
+
 def test_async_clients_on_every_endpoint(server):
     async def run():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)

@@ -171,6 +171,28 @@ def load_chat_template(tokenizer: Tokenizer | None = None, override: str | Path 
     return ChatTemplate.from_file(asset_path(FALLBACK_TEMPLATE), bos, eos)
 
 
+def message_text(message: Mapping[str, Any]) -> str:
+    """A message's text: its string content, or its text parts joined."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else []
+    return "".join(p["text"] for p in parts if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+
+
+def open_final_message(prompt: str, message: Mapping[str, Any]) -> str:
+    """A prompt rendered without a generation prompt, cut right after the final message's text, so
+    the answer continues that message (an assistant prefill: Anthropic's trailing assistant message,
+    vLLM's continue_final_message). As transformers' continue_final_message, the text is found by
+    its last occurrence, stripped as templates strip it."""
+    text = message_text(message).strip()
+    at = prompt.rfind(text) if text else -1
+    if at < 0:
+        raise ChatTemplateError("the chat template does not write the final message's text into the prompt, so "
+                                "it cannot be continued")
+    return prompt[: at + len(text)]
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Copies of the messages in the one shape templates read (see the module docstring)."""
     out = []

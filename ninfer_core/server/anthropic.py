@@ -149,8 +149,11 @@ def build(body: MessagesRequest | CountTokensRequest) -> ChatRequest:
         single = forced is not None and bool(forced.disable_parallel_tool_use)
         constraint = tool_constraint(declared, tool_choice(forced), named=forced is not None and forced.type == "tool",
                                      parallel=not single)
-    return chat_request(chat_messages(body.system, body.messages), sampling, tools=declared, template_kwargs=kwargs,
-                        enable_thinking=thinking_on(body.thinking), constraint=constraint)
+    messages = chat_messages(body.system, body.messages)
+    # Anthropic's prefill: a conversation that ends with an assistant turn is continued from its text
+    return chat_request(messages, sampling, tools=declared, template_kwargs=kwargs,
+                        enable_thinking=thinking_on(body.thinking), constraint=constraint,
+                        continue_final=messages[-1].get("role") == "assistant")
 
 
 # -- output -----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from ..chat.constraints import (
     RegexOutput,
     ToolCallOutput,
 )
+from ..chat.template import message_text
 from ..engine.sampling import SamplingParams
 from ..llm import ChatRequest
 from ..media.limits import MediaError
@@ -271,8 +272,17 @@ def chat_request(
     reasoning_effort: str | None = None,
     enable_thinking: bool | None = None,
     constraint: OutputConstraint | None = None,
+    continue_final: bool = False,
 ) -> ChatRequest:
-    """The engine request; `enable_thinking` (when given) is the API's own thinking switch."""
+    """The engine request; `enable_thinking` (when given) is the API's own thinking switch;
+    `continue_final`: the answer continues the final message, an assistant's text (a prefill)."""
+    if continue_final:
+        if messages[-1].get("role") != "assistant" or not message_text(messages[-1]).strip():
+            raise ApiError(400, "continuing the final message needs the messages to end with an assistant message "
+                                "that has text", param="messages")
+        if constraint is not None:
+            raise ApiError(400, f"{constraint.source} cannot constrain an answer that continues the final message",
+                           param=constraint.source)
     kwargs = dict(template_kwargs or {})
     reserved = [k for k in _RESERVED_TEMPLATE_KEYS if k in kwargs]
     if reserved:
@@ -283,4 +293,4 @@ def chat_request(
         thinking = enable_thinking
     kwargs.pop("enable_thinking", None)
     return ChatRequest(messages=messages, sampling=sampling, tools=tools, enable_thinking=thinking,
-                       template_kwargs=kwargs, constraint=constraint)
+                       template_kwargs=kwargs, constraint=constraint, continue_final=continue_final)

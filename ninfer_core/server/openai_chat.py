@@ -63,7 +63,8 @@ def build_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     sampling = sampling_params(body, body.max_completion_tokens or body.max_tokens, body.stop,
                                logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     return chat_request(messages, sampling, tools=declared, template_kwargs=body.chat_template_kwargs,
-                        reasoning_effort=body.reasoning_effort, constraint=constraint)
+                        reasoning_effort=body.reasoning_effort, constraint=constraint,
+                        continue_final=body.continue_final_message)
 
 
 def chat_usage(results: Sequence[ChatResult]) -> dict[str, Any]:

@@ -202,6 +202,7 @@ class ChatCompletionRequest(SamplingFields, GuidedFields):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    continue_final_message: bool = False  # vLLM's: the answer continues the final (assistant) message
 
 
 # -- OpenAI completions -------------------------------------------------------------------------
