@@ -61,6 +61,33 @@ def test_echo_with_logprobs_scores_every_prompt_token(server, client, model):
     assert r.usage.completion_tokens == 2
 
 
+def test_lm_eval_loglikelihood_requests(server, model):
+    """lm-eval's `local-completions` loglikelihood: token-id prompts (context + continuation) in one
+    request, temperature 0, max_tokens 1, logprobs 1, echo; it sums token_logprobs[ctxlen:-1] and calls
+    the continuation greedy when each of its tokens is the top alternative."""
+    contexts = [[5, 17, 42, 99], [3, 250, 7]]
+    with torch.no_grad():  # the second continuation is the model's own greedy one
+        greedy_ids = model[1].generate(torch.tensor([contexts[1]]), max_new_tokens=3, min_new_tokens=3,
+                                       do_sample=False, eos_token_id=None)[0, 3:].tolist()
+    continuations = [[11, 12], greedy_ids]
+    verdicts = []
+    body = {"model": "m", "prompt": [c + x for c, x in zip(contexts, continuations)], "temperature": 0,
+            "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    out = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    for choice, context, continuation in zip(sorted(out["choices"], key=lambda c: c["index"]), contexts, continuations):
+        ids = context + continuation
+        with torch.no_grad():
+            scores = torch.log_softmax(model[1](torch.tensor([ids])).logits[0].double(), dim=-1)
+        rows = range(len(context) - 1, len(ids) - 1)  # row i predicts token i + 1
+        logprobs = choice["logprobs"]["token_logprobs"][len(context):-1]
+        assert sum(logprobs) == pytest.approx(sum(scores[i, ids[i + 1]].item() for i in rows), abs=1e-4)
+        tops = choice["logprobs"]["top_logprobs"][len(context):-1]
+        greedy = all(lp == max(top.values()) for lp, top in zip(logprobs, tops))
+        assert greedy == all(int(scores[i].argmax()) == ids[i + 1] for i in rows)
+        verdicts.append(greedy)
+    assert verdicts[1], "the model's own greedy continuation is greedy"
+
+
 def test_streamed_scores_equal_the_whole(server):
     body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "logprobs": 1, "echo": True,
             "ignore_eos": True}
@@ -153,3 +180,16 @@ def test_bad_tokenizer_requests_are_400(server, path, body, param):
     r = call(server, path, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_tokenizer_info_names_the_special_tokens_and_the_template(server):
+    """What lm-eval's remote tokenizer reads (GET /tokenizer_info, then /tokenize with prompt and
+    add_special_tokens false, /detokenize answering `prompt`)."""
+    llm = server.service.llm
+    info = httpx.get(server.url + "/tokenizer_info", timeout=60).json()
+    assert info["eos_token"] == llm.tokenizer.eos_token and info["bos_token"] == llm.tokenizer.bos_token
+    assert info["chat_template"] == llm.template.templates["default"]
+    assert info["model_max_length"] == server.service.context_limit
+    tokens = call(server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert tokens == [llm.tokenizer.token_to_id(info["eos_token"])]
+    assert httpx.get(server.url + "/tokenizer_info?model=nope", timeout=60).status_code == 404

@@ -2,7 +2,8 @@
 shapes (`prompt` / `messages`; `count`, `max_model_len`, `tokens`, `token_strs`) and llama.cpp's
 (`content`, `add_special`; the text back as `content` too), so token-counting clients of either work.
 A chat is rendered as for an answer (the template's generation prompt included, media counted as the
-chat endpoint would read them)."""
+chat endpoint would read them). GET /tokenizer_info (vLLM's) names the special tokens and gives the
+chat template: with it and /tokenize, lm-eval's `local-completions` tokenizes on the server."""
 
 from __future__ import annotations
 
@@ -45,6 +46,20 @@ async def tokenize(request: Request) -> JSONResponse:
         answer: dict[str, Any] = {"count": len(ids), "max_model_len": held.service.context_limit, "tokens": ids,
                                   "token_strs": [token_text(llm.tokenizer, t) for t in ids]
                                   if body.return_token_strs else None}
+    finally:
+        held.release()
+    return JSONResponse(answer)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request, model: str | None = None) -> JSONResponse:
+    held = await lease(request, model)
+    try:
+        llm = held.service.llm
+        tokenizer, template = llm.tokenizer, llm.template
+        answer = {"tokenizer_class": "ninfer", "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+                  "pad_token": None, "model_max_length": held.service.context_limit,
+                  "chat_template": template.templates.get("default")}
     finally:
         held.release()
     return JSONResponse(answer)
