@@ -54,6 +54,9 @@ def test_cached_tokens_in_every_api_and_metrics(servers):
     completion_again = client.completions.create(model="m", prompt=long, max_tokens=3, temperature=0)
     assert completion.choices[0].text == completion_again.choices[0].text
     assert completion_again.usage.prompt_tokens_details.cached_tokens == completion_again.usage.prompt_tokens - 1
+    streamed = list(client.completions.create(model="m", prompt=long, max_tokens=3, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == completion_again.usage.prompt_tokens - 1
 
     claude = anthropic.Anthropic(base_url=cached.url, api_key="x", max_retries=0)
     message = claude.messages.create(model="m", max_tokens=4, system=SYSTEM,

@@ -69,16 +69,14 @@ def read_prompts(prompt: str | list[str] | list[int] | list[list[int]], tokenize
             raise ApiError(400, f"prompt token id {outside} is outside the vocabulary [0, {vocab_size})", param=param)
         ids = list(one)
         prompts.append(Prompt(ids, tokenizer.decode(ids, skip_special_tokens=True) if echo else ""))
-    if not prompts:
-        raise ApiError(400, "the prompt is empty", param="prompt")
     return prompts
 
 
-def usage(prompts: list[Prompt], completion: int, first: StepOutput | None) -> dict[str, Any]:
+def usage(prompts: list[Prompt], completion: int, finished: StepOutput | None) -> dict[str, Any]:
     """Each prompt once (its `n` answers read it once each, but OpenAI counts it once); the cached
-    tokens are the first choice's."""
+    tokens are those of the first choice (`finished`: its last output, which has the timings)."""
     prompt = sum(len(p.ids) for p in prompts)
-    cached = first.timings.cached_tokens if first is not None and first.timings is not None else 0
+    cached = finished.timings.cached_tokens if finished is not None and finished.timings is not None else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -173,11 +171,11 @@ async def _chunks(choices: list[Started], of_choice: list[Prompt], prompts: list
             if echo_pending[i]:
                 echo_pending[i] = False
                 yield chunk(i, prompt.text, None)
-    generated, first = 0, None
+    generated, finished = 0, None
     async for i, out in merged_events(choices):
         generated += len(out.new_token_ids)
         if i == 0:
-            first = first or out
+            finished = out
         if echo_pending[i]:
             assert scoring is not None
             echo_pending[i] = False
@@ -186,5 +184,5 @@ async def _chunks(choices: list[Started], of_choice: list[Prompt], prompts: list
             logprobs = None if scoring is None else scoring.answer(out, offsets[i])
             yield chunk(i, out.text_delta, out.finish_reason if out.finished else None, logprobs)
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(prompts, generated, first)})
+        yield sse({**head, "choices": [], "usage": usage(prompts, generated, finished)})
     yield DONE
