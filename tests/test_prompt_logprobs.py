@@ -108,3 +108,4 @@ def test_a_one_token_prompt_has_no_prompt_logprobs(target):
     asking = GenerationRequest([7], greedy(2, prompt_logprobs=1))
     entries, _ = scored(llm, [asking], asking)
     assert entries == []
+

@@ -233,6 +233,17 @@ def test_sampling_knobs_and_stop(server, client):
     assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
 
 
+def test_min_tokens_holds_back_the_end(server):
+    """vLLM's min_tokens: an answer pushed to end at once (its end id biased +100) runs 4 tokens first."""
+    eos = sorted(server.service.engine.eos_ids)[0]
+    body = {"model": "m", "prompt": "The quick", "max_tokens": 10, "temperature": 0, "logit_bias": {str(eos): 100}}
+    at_once = post(server, "/v1/completions", body).json()
+    held = post(server, "/v1/completions", {**body, "min_tokens": 4}).json()
+    assert at_once["usage"]["completion_tokens"] == 1 and at_once["choices"][0]["finish_reason"] == "stop"
+    assert held["usage"]["completion_tokens"] == 5 and held["choices"][0]["finish_reason"] == "stop"
+    assert_error(post(server, "/v1/completions", {**body, "min_tokens": 11}), 400, "invalid_value", "min_tokens")
+
+
 def test_responses_and_previous_response_id(server, client):
     llm = server.service.llm
     first = client.responses.create(model="m", input="Say hi", max_output_tokens=6, temperature=0)

@@ -1,6 +1,6 @@
-"""Constrained rows and logprobs inside the engine loop: with overlapped steps (constrained rows
-keep them: their masks follow the previous step's tokens; every row gets the tokens of steps run
-one at a time), and with speculative decoding
+"""Constrained rows (grammars, min_tokens) and logprobs inside the engine loop: with overlapped steps
+(constrained rows keep them: their masks follow the previous step's tokens; every row gets the
+tokens of steps run one at a time), and with speculative decoding
 (constrained rows never draft and are masked in the verify; logprobs of accepted drafts equal those
 of plain decoding)."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from ninfer_core.chat.constraints import JsonOutput
 from ninfer_core.engine.request import GenerationRequest
-from ninfer_core.engine.sampling import Sampler, SamplingParams
+from ninfer_core.engine.sampling import Sampler, SamplingParamError, SamplingParams
 from ninfer_core.engine.speculative import Speculator
 from speculative_harness import PROMPTS, ScriptedDrafter, greedy, load, run, write_target
 
@@ -89,3 +89,37 @@ def test_speculation_skips_constrained_rows_and_keeps_logprobs(target):
         assert [t for t, _ in spec.top] == [t for t, _ in plain.top]
     for ids in tokens.values():
         assert_valid(llm, ids)
+
+
+def test_min_tokens_hold_back_the_end_of_the_answer(target):
+    """An answer pushed to end at once (the end-of-answer id biased +100) runs min_tokens tokens first:
+    those are the greedy tokens with that id banned, then it ends; with overlapped steps, beside a
+    drafting request (min_tokens rows never draft), and with the stop ids banned too."""
+    llm = load(target)
+    eos = sorted(llm.engine.eos_ids)[0]
+    banned = greedy(5, logit_bias={eos: -100.0})
+    expected = [t for out in llm.engine.generate([GenerationRequest(PROMPTS[0], banned)]) for t in out.new_token_ids]
+    assert eos not in expected
+    for overlap in (False, True):
+        llm.engine.overlap = overlap
+        pushed = SamplingParams(temperature=0, max_tokens=20, min_tokens=5, logit_bias={eos: 100.0})
+        outs = list(llm.engine.generate([GenerationRequest(PROMPTS[0], pushed)]))
+        tokens = [t for out in outs for t in out.new_token_ids]
+        assert tokens == expected + [eos] and outs[-1].finish_reason == "stop"
+    drafting = GenerationRequest(PROMPTS[1], greedy(12), draft_tokens=3)  # its steps are speculative ones
+    script = [t for out in load(target).engine.generate([GenerationRequest(PROMPTS[1], greedy(12))])
+              for t in out.new_token_ids]
+    llm.engine.speculator = Speculator(ScriptedDrafter({drafting.request_id: script}, llm.loaded.config.vocab_size),
+                                       3, Sampler())
+    pushed = GenerationRequest(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, min_tokens=5,
+                                                          logit_bias={eos: 100.0}))
+    outs = list(llm.engine.generate([drafting, pushed]))
+    assert [t for o in outs if o.request_id == pushed.request_id for t in o.new_token_ids] == expected + [eos]
+    assert any(o.drafted for o in outs) and not any(o.drafted for o in outs if o.request_id == pushed.request_id)
+    llm.engine.speculator = None
+    stop_id = expected[0]  # a stop id that the greedy answer would write first
+    held = SamplingParams(temperature=0, max_tokens=3, min_tokens=3, stop_token_ids=[stop_id], logit_bias={eos: -100.0})
+    tokens = [t for out in llm.engine.generate([GenerationRequest(PROMPTS[0], held)]) for t in out.new_token_ids]
+    assert len(tokens) == 3 and stop_id not in tokens
+    with pytest.raises(SamplingParamError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)

@@ -194,8 +194,9 @@ class LLMEngine:
                 raise NinferError(f"the media layout covers {covered} tokens but the prompt has {n}")
         params = request.sampling.with_defaults(self.defaults)
         request.sampling = params
-        # a constrained row needs its mask from the previous token: it never drafts
-        draft_limit = self.speculator.limit(request) if self.speculator is not None and request.grammar is None else 0
+        # a constrained row needs its mask from the previous token (so does one with min_tokens): it never drafts
+        masked = request.grammar is not None or params.min_tokens > 0
+        draft_limit = self.speculator.limit(request) if self.speculator is not None and not masked else 0
         room = self.max_context - n
         seq = Sequence(
             request=request,
@@ -260,8 +261,8 @@ class LLMEngine:
             outputs += self._speculative_step(plan)
         else:
             rows, logits, scored = self._launch_forward(plan)
-            if self._launched is not None and any(s.grammar is not None for s in rows):
-                outputs += self.sync()  # the masks need its tokens accepted: done while the forward runs
+            if self._launched is not None and any(s.grammar is not None or s.bans_end for s in rows):
+                outputs += self.sync()  # the masks need its tokens (counted): done while the forward runs
             launched = self._launch_sampling(plan, rows, logits, scored)
             if self._launched is not None:
                 outputs += self._complete(self._launched)
@@ -400,6 +401,7 @@ class LLMEngine:
         if not argmax_only:
             logits = logits.float()  # the sampler's kernel, the penalties and the masks take fp32
         scores = log_softmax_rows(logits, [p.logprobs for p in params])
+        logits = self._ban_ends(seqs, logits)
         logits = constrain(logits, [None if s.finished else s.grammar for s in seqs])
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         slots = None
@@ -419,6 +421,18 @@ class LLMEngine:
         if penalised:
             tables.record(slots, tokens.index_select(0, index))
         return tokens, scores.pick(tokens) if scores is not None else None
+
+    def _ban_ends(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """The logits ([R, V], or [R, T, V] of a verify) with the end-of-answer and stop ids at -inf
+        in the rows whose answer may not end yet (min_tokens); the others' as they are."""
+        rows = [i for i, s in enumerate(seqs) if s.bans_end]
+        if not rows:
+            return logits
+        out = logits.clone()  # a graph's static output, or logits that logprobs read as they came
+        for i in rows:
+            ids = sorted(self.eos_ids | set(seqs[i].request.sampling.stop_token_ids))
+            out[i, ..., ids] = float("-inf")
+        return out
 
     def _penalty_tables(self) -> PenaltyTables:
         if self._penalties is None:
@@ -484,7 +498,7 @@ class LLMEngine:
         if seqs:
             batch, out = parts[0], outs[0]
             assert out.logits is not None
-            kept = spec.judge(seqs, drafts, out.logits)
+            kept = spec.judge(seqs, drafts, self._ban_ends(seqs, out.logits))
             logprobs = self._verify_logprobs(seqs, kept, out.logits)
             if verify:
                 self._commit(batch, out, torch.tensor([len(k) for k in kept], dtype=torch.long, device=self.device))

@@ -101,6 +101,7 @@ class SamplingParams:
     repetition_penalty: float | None = None  # [0.01, 100]; 1 = off, > 1 discourages repeats
     seed: int | None = None  # fixes this request's draws, whatever else is in the batch
     max_tokens: int | None = None  # >= 1; None = until the context is full
+    min_tokens: int = 0  # no end-of-answer token nor stop_token_ids before this many tokens (vLLM's)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -133,6 +134,9 @@ class SamplingParams:
         n = self.max_tokens
         _require(n is None or (_is_int(n) and 1 <= n <= _INT64_MAX), "max_tokens",
                  f"max_tokens must be an integer >= 1 below 2**63, got {n!r}")
+        m = self.min_tokens
+        _require(_is_int(m) and 0 <= m <= _INT64_MAX and (n is None or m <= n), "min_tokens",
+                 f"min_tokens must be an integer from 0 to max_tokens, got {m!r}")
         _require(isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop), "stop",
                  f"stop must be a list of non-empty strings, got {self.stop!r:.200}")
         _require(isinstance(self.stop_token_ids, list) and all(_is_token_id(x) for x in self.stop_token_ids),

@@ -49,6 +49,11 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
+    def bans_end(self) -> bool:
+        """Its answer may not end yet (SamplingParams.min_tokens): end-of-answer and stop ids are masked."""
+        return len(self.output_ids) < self.request.sampling.min_tokens
+
+    @property
     def scores_prompt(self) -> bool:
         """Its prompt chunks need logits at every token (their logprobs are still to be reported)."""
         return self.prompt_logprobs is not None

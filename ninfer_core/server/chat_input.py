@@ -243,6 +243,7 @@ def sampling_params(fields: SamplingFields, max_tokens: int | None, stop: str | 
         frequency_penalty=fields.frequency_penalty,
         seed=fields.seed,
         max_tokens=max_tokens,
+        min_tokens=fields.min_tokens or 0,
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         stop_token_ids=list(fields.stop_token_ids or []),
         ignore_eos=fields.ignore_eos,

@@ -77,6 +77,7 @@ class SamplingFields(_Body):
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as text, OpenAI's form) -> bias
 
 
