@@ -109,3 +109,15 @@ def test_a_one_token_prompt_has_no_prompt_logprobs(target):
     entries, _ = scored(llm, [asking], asking)
     assert entries == []
 
+
+
+@pytest.mark.cuda
+def test_prompt_logprobs_on_cuda_match_transformers(target):
+    """On the GPU (fp32, decode graphs on, steps overlapped): the scores come back through the pinned
+    copy the step's event guards, also for a chunk step that samples nothing."""
+    llm = load(target[0], device="cuda")
+    llm.engine.scheduler.scored_chunk = 8
+    asking = GenerationRequest(PROMPT, greedy(4, prompt_logprobs=TOP))
+    beside = GenerationRequest(PROMPTS[1], greedy(12))
+    entries, _ = scored(llm, [beside, asking], asking)
+    assert_matches(entries, reference(target[1], PROMPT), PROMPT)
