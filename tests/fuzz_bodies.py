@@ -62,6 +62,14 @@ TOKENIZE_TEXT = {"content": "hello", "add_special": False, "add_special_tokens":
 DETOKENIZE = {"model": "m", "tokens": [1, 2, 3]}
 COMPLETION_GUIDED = {"prompt": "x", "max_tokens": 3, "guided_choice": ["ab", "c"], "guided_regex": None,
                      "structured_outputs": {"grammar": None, "json": None}}
+OLLAMA_CHAT = {"model": "m", "stream": False, "think": False, "format": "json", "options": {
+    "temperature": 0.5, "top_k": 5, "top_p": 0.9, "num_predict": 3, "stop": ["x"], "seed": 1, "repeat_penalty": 1.1},
+    "messages": [{"role": "user", "content": "hi", "images": None},
+                 {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+                 {"role": "tool", "content": "42", "tool_name": "f"}],
+    "tools": CHAT["tools"]}
+OLLAMA_GENERATE = {"model": "m", "prompt": "hello", "system": "s", "raw": False, "stream": True,
+                   "options": {"num_predict": 2}}
 CHAT_GUIDED = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                "structured_outputs": {"regex": "[a-z]{1,4}", "choice": None}, "guided_grammar": None,
                "guided_json": None, "chat_template_kwargs": {"enable_thinking": False}}
@@ -107,6 +115,7 @@ ENDPOINTS = [
     ("/v1/chat/completions", CHAT_FORCED_TOOL), ("/v1/responses", RESPONSE_STRUCTURED),
     ("/v1/messages", MESSAGE_FORCED_TOOL), ("/tokenize", TOKENIZE), ("/tokenize", TOKENIZE_TEXT),
     ("/detokenize", DETOKENIZE), ("/v1/completions", COMPLETION_GUIDED), ("/v1/chat/completions", CHAT_GUIDED),
+    ("/api/chat", OLLAMA_CHAT), ("/api/generate", OLLAMA_GENERATE),
 ]
 
 
@@ -223,6 +232,11 @@ def check_response(response: httpx.Response, stream_body: bytes | None = None) -
         return
     if stream_body is None:
         response.json()
+        return
+    if response.headers["content-type"].startswith("application/x-ndjson"):  # Ollama's lines
+        for line in stream_body.decode().splitlines():
+            error = json.loads(line).get("error")
+            assert error is None or error.get("type") not in ("server_error", "api_error"), line
         return
     for line in stream_body.decode().splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":

@@ -41,7 +41,7 @@ def send(handle: ServerHandle, path: str, content: bytes) -> int:
     with httpx.stream("POST", handle.url + path, content=content, headers=headers, timeout=120) as response:
         data = response.read()
     STATUSES[(path, response.status_code)] += 1
-    is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
+    is_stream = response.headers.get("content-type", "").startswith(("text/event-stream", "application/x-ndjson"))
     check_response(response, data if is_stream else None)
     return response.status_code
 

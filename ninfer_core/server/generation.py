@@ -181,7 +181,8 @@ async def merged_events(choices: Sequence[Started]) -> AsyncIterator[tuple[int, 
 
 
 def stream_response(
-    started: Started | Sequence[Started], body: AsyncIterator[bytes], error_frame: Callable[[ApiError], bytes]
+    started: Started | Sequence[Started], body: AsyncIterator[bytes], error_frame: Callable[[ApiError], bytes],
+    media_type: str = "text/event-stream",
 ) -> StreamingResponse:
     """SSE response of `body`; an error mid-stream becomes `error_frame(error)`; a disconnect
     (the body's task is cancelled) or any end cancels the engine request (every choice's)."""
@@ -197,4 +198,4 @@ def stream_response(
             for choice in choices:
                 choice.end()
 
-    return sse_response(frames())
+    return sse_response(frames(), media_type)

@@ -38,10 +38,13 @@ def resident_json(resident: Resident, keep_alive_s: float | None) -> dict[str, A
     engine = service.stats().engine
     cache = service.engine.cache
     kv_resident, state_bytes = cache.resident_kv_bytes, cache.state_bytes
+    memory = engine.weight_bytes + kv_resident + state_bytes
+    on_gpu = service.llm.loaded.device.type == "cuda"
     return {
         "name": resident.name, "device": str(service.llm.loaded.device), "weights": engine.weights,
+        "model": resident.name, "size": memory, "size_vram": memory if on_gpu else 0,  # Ollama's names
         "weight_bytes": engine.weight_bytes, "kv_bytes": engine.kv_bytes, "kv_resident_bytes": kv_resident,
-        "state_bytes": state_bytes, "memory_bytes": engine.weight_bytes + kv_resident + state_bytes,
+        "state_bytes": state_bytes, "memory_bytes": memory,
         "context_length": service.context_limit,
         "loaded_at": resident.loaded_at, "last_used": resident.last_used,
         "expires_at": resident.expires_at(keep_alive_s), "requests": resident.leases,

@@ -363,3 +363,60 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId] = Field(min_length=1)
+
+
+# -- Ollama's native API (/api/chat, /api/generate) ----------------------------------------------
+
+class OllamaFunctionCall(_Open):
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class OllamaToolCall(_Open):
+    function: OllamaFunctionCall
+
+
+class OllamaMessage(_Open):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None  # base64 image files
+    thinking: str | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None
+
+
+class OllamaOptions(_Open):
+    """The sampling options read (others, such as num_ctx or num_gpu, are accepted and ignored)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    num_predict: int | None = None  # -1 / -2: until the context is full
+    stop: list[str] | None = None
+    seed: int | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class OllamaBody(_Body):
+    model: str = Field(min_length=1)  # required, as Ollama requires it
+    format: Literal["", "json"] | dict[str, Any] | None = None  # JSON mode, or a JSON Schema
+    options: OllamaOptions | None = None
+    stream: bool = True
+    think: bool | None = None
+    keep_alive: str | int | float | None = None  # the pool's own keep-alive applies
+
+
+class OllamaChatRequest(OllamaBody):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[ChatTool] | None = None
+
+
+class OllamaGenerateRequest(OllamaBody):
+    prompt: str = ""
+    system: str | None = None
+    images: list[str] | None = None
+    raw: bool = False  # the prompt as it is, no chat template
+    suffix: str | None = None

@@ -17,5 +17,6 @@ def sse(data: Mapping[str, Any], event: str | None = None) -> bytes:
     return f"{head}data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
-def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+def sse_response(body: AsyncIterator[bytes], media_type: str = "text/event-stream") -> StreamingResponse:
+    """A stream of SSE frames (or, with another media type, of lines such as Ollama's NDJSON)."""
+    return StreamingResponse(body, media_type=media_type, headers=SSE_HEADERS)
