@@ -295,6 +295,23 @@ def test_anthropic_image_blocks(served, media, web):
     assert_error(post(served.default, "/v1/messages", bad), "invalid_media", "messages[0].content[0].source", "base64")
 
 
+def test_ollama_images(served, media):
+    """Ollama's base64 `images` (no media type: sniffed) reach the tower: the prompt is the reference's
+    and the answer its text up to any end-of-answer token (Ollama has no ignore_eos)."""
+    encoded = base64.b64encode(media.image).decode()
+    options = {"temperature": 0, "num_predict": NEW}
+    for path, body, key in (
+            ("/api/chat", {"messages": [{"role": "user", "content": "Describe", "images": [encoded]}]}, "message"),
+            ("/api/generate", {"prompt": "Describe", "images": [encoded]}, "response")):
+        r = post(served.default, path, {"model": "m", "stream": False, "think": False, "options": options, **body})
+        assert r.status_code == 200, r.text
+        answer = r.json()[key]
+        text = answer["content"] if key == "message" else answer
+        assert r.json()["prompt_eval_count"] == len(served.image.prompt_token_ids)
+        assert served.image.text.startswith(text) and text
+    assert_idle(served)
+
+
 # -- refused media ---------------------------------------------------------------------------------
 
 def test_failed_downloads_are_400_naming_the_part_and_url(served, media, web):
