@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from fuzz_bodies import ENDPOINTS, check_response, encode, mutated, raw_bodies
 from ninfer_core.server.app import ServerHandle
-from server_harness import load_tiny_llm, write_model
+from server_harness import serve_tiny
 
 LONG_RUN = os.environ.get("NINFER_FUZZ_EXAMPLES")
 FUZZ = settings(max_examples=int(LONG_RUN or 40), deadline=None, derandomize=not LONG_RUN, database=None,
@@ -29,10 +29,7 @@ STATUSES: Counter[tuple[str, int]] = Counter()
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    directory, _ = write_model(tmp_path_factory, "tiny_fuzz", max_positions=1024)
-    handle = ServerHandle.start(load_tiny_llm(directory, max_context=1024), port=0, model_id="m")
-    yield handle
-    handle.stop()
+    yield from serve_tiny(tmp_path_factory, "tiny_fuzz", 1024)
     print("\nfuzz statuses:", ", ".join(f"{path} {status}: {n}" for (path, status), n in sorted(STATUSES.items())))
 
 

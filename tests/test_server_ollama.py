@@ -15,7 +15,7 @@ import ollama
 import pytest
 
 from ninfer_core.server.app import ServerHandle
-from server_harness import ScriptedEngine, load_tiny_llm, pieces_of, write_model
+from server_harness import ScriptedEngine, load_tiny_llm, pieces_of, serve_tiny, write_model
 
 HI = [{"role": "user", "content": "Say hi"}]
 GREEDY = {"temperature": 0, "num_predict": 8, "num_ctx": 4096}  # num_ctx: accepted, ignored
@@ -24,10 +24,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    directory, _ = write_model(tmp_path_factory, "tiny_ollama", max_positions=2048)
-    handle = ServerHandle.start(load_tiny_llm(directory, max_context=2048), port=0, model_id="m")
-    yield handle
-    handle.stop()
+    yield from serve_tiny(tmp_path_factory, "tiny_ollama", 2048)
 
 
 @pytest.fixture(scope="module")
