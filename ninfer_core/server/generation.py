@@ -162,6 +162,10 @@ async def collect_choices(request: Request, choices: Sequence[Started]) -> list[
 async def merged_events(choices: Sequence[Started]) -> AsyncIterator[tuple[int, Any]]:
     """(choice index, event) of every choice's stream as they come (each choice's in its order); a
     choice's error is raised at once (the caller's end() then stops the others)."""
+    if len(choices) == 1:  # one answer: its events as they are (no task a token on the served path)
+        async for event in choices[0].events:
+            yield 0, event
+        return
     iterators = [c.events for c in choices]
     waiting = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(iterators)}
     try:
@@ -177,7 +181,8 @@ async def merged_events(choices: Sequence[Started]) -> AsyncIterator[tuple[int, 
                 waiting[asyncio.ensure_future(iterators[i].__anext__())] = i
     finally:
         for task in waiting:
-            task.cancel()
+            if not task.cancel() and not task.cancelled():
+                task.exception()  # a sibling that ended too (say with the same error): not logged as unread
 
 
 def stream_response(
