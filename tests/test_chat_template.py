@@ -260,6 +260,16 @@ def test_a_final_assistant_message_is_continued(fallback: ChatTemplate, qwen_tok
     assert prompt == template.render(history, add_generation_prompt=False) + THINK_ON + "Pick one.\n</think>\n\nBlue"
 
 
+def test_a_final_message_of_parts_is_continued_after_its_last_text(fallback: ChatTemplate) -> None:
+    """As transformers reads content parts: the last text part ends the prompt (a picture between
+    two texts: their joined text is nowhere in the prompt)."""
+    history = [{"role": "user", "content": "Describe it."}]
+    prefill = {"role": "assistant", "content": [{"type": "text", "text": "It shows"}, {"type": "image"},
+                                                {"type": "text", "text": "a cat and"}]}
+    prompt = open_final_message(fallback.render([*history, prefill], add_generation_prompt=False), prefill)
+    assert prompt.endswith("It shows<|vision_start|><|image_pad|><|vision_end|>a cat and")
+
+
 def test_a_final_message_without_text_cannot_be_continued() -> None:
     for message in ({"role": "assistant", "content": ""}, {"role": "assistant", "content": "not there"}):
         with pytest.raises(ChatTemplateError, match="cannot be continued"):

@@ -171,13 +171,15 @@ def load_chat_template(tokenizer: Tokenizer | None = None, override: str | Path 
     return ChatTemplate.from_file(asset_path(FALLBACK_TEMPLATE), bos, eos)
 
 
-def message_text(message: Mapping[str, Any]) -> str:
-    """A message's text: its string content, or its text parts joined."""
+def final_text(message: Mapping[str, Any]) -> str:
+    """The text a continued message ends with: its string content, or its last text part (as
+    transformers reads a final message's content parts)."""
     content = message.get("content")
     if isinstance(content, str):
         return content
-    parts = content if isinstance(content, list) else []
-    return "".join(p["text"] for p in parts if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+    parts = [p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)] \
+        if isinstance(content, list) else []
+    return parts[-1] if parts else ""
 
 
 def open_final_message(prompt: str, message: Mapping[str, Any]) -> str:
@@ -185,7 +187,7 @@ def open_final_message(prompt: str, message: Mapping[str, Any]) -> str:
     the answer continues that message (an assistant prefill: Anthropic's trailing assistant message,
     vLLM's continue_final_message). As transformers' continue_final_message, the text is found by
     its last occurrence, stripped as templates strip it."""
-    text = message_text(message).strip()
+    text = final_text(message).strip()
     at = prompt.rfind(text) if text else -1
     if at < 0:
         raise ChatTemplateError("the chat template does not write the final message's text into the prompt, so "

@@ -29,7 +29,7 @@ from ..chat.constraints import (
     RegexOutput,
     ToolCallOutput,
 )
-from ..chat.template import message_text
+from ..chat.template import final_text
 from ..engine.sampling import SamplingParams
 from ..llm import ChatRequest
 from ..media.limits import MediaError
@@ -278,7 +278,7 @@ def chat_request(
     """The engine request; `enable_thinking` (when given) is the API's own thinking switch;
     `continue_final`: the answer continues the final message, an assistant's text (a prefill)."""
     if continue_final:
-        if messages[-1].get("role") != "assistant" or not message_text(messages[-1]).strip():
+        if messages[-1].get("role") != "assistant" or not final_text(messages[-1]).strip():
             raise ApiError(400, "continuing the final message needs the messages to end with an assistant message "
                                 "that has text", param="messages")
         if constraint is not None:
