@@ -273,8 +273,8 @@ def choice_sampling(sampling: SamplingParams, n: int) -> list[SamplingParams]:
     and each is reproducible; choice 0 is the request's own. Unseeded choices draw from OS entropy."""
     if n < 1:
         raise NinferError(f"n must be at least 1, got {n}")
-    seeds = [sampling.seed if sampling.seed is None else (sampling.seed + i) % 2**64 for i in range(n)]
-    return [sampling] + [replace(sampling, seed=seed) for seed in seeds[1:]]
+    return [sampling] + [replace(sampling, seed=None if sampling.seed is None else (sampling.seed + i) % 2**64)
+                         for i in range(1, n)]
 
 
 def plain_greedy(params: Sequence[SamplingParams]) -> bool:

@@ -57,8 +57,12 @@ def _error_line(error: ApiError) -> bytes:
     return _line({"error": error.error_object()})
 
 
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
 def _head(model: str) -> dict[str, Any]:
-    return {"model": model, "created_at": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
+    return {"model": model, "created_at": _now()}
 
 
 def _sampling(options: OllamaOptions | None) -> SamplingParams:
@@ -245,8 +249,7 @@ async def _raw_lines(started: Started, prompt_tokens: int) -> AsyncIterator[byte
 async def tags(request: Request) -> JSONResponse:
     """Every model served by name (sizes and digests are not known before a model is loaded: 0, "")."""
     details = {"format": "", "family": "", "families": None, "parameter_size": "", "quantization_level": ""}
-    now = _head("")["created_at"]
-    return JSONResponse({"models": [{"name": name, "model": name, "modified_at": now, "size": 0, "digest": "",
+    return JSONResponse({"models": [{"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "",
                                      "details": details} for name in pool_of(request).names.names()]})
 
 
