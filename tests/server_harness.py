@@ -33,17 +33,22 @@ def write_model(tmp_path_factory: Any, name: str = "tiny_server", max_positions:
     return directory, hf_model.eval()
 
 
-def serve_tiny(tmp_path_factory: Any, name: str, max_context: int) -> Iterator[Any]:
-    """The body of a module's server fixture (`yield from serve_tiny(...)`): a fresh tiny model
+def serve(directory: Path, max_context: int = MAX_CONTEXT) -> Iterator[Any]:
+    """The body of a module's server fixture (`yield from serve(...)`): the tiny model in `directory`
     served as "m" on a free loopback port, stopped afterwards."""
     from ninfer_core.server.app import ServerHandle
 
-    directory, _ = write_model(tmp_path_factory, name, max_positions=max_context)
     handle = ServerHandle.start(load_tiny_llm(directory, max_context=max_context), port=0, model_id="m")
     try:
         yield handle
     finally:
         handle.stop()
+
+
+def serve_tiny(tmp_path_factory: Any, name: str, max_context: int) -> Iterator[Any]:
+    """`serve` of a fresh tiny model."""
+    directory, _ = write_model(tmp_path_factory, name, max_positions=max_context)
+    yield from serve(directory, max_context)
 
 
 def sse_events(response: httpx.Response) -> Iterator[tuple[str | None, str]]:

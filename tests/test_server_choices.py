@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from ninfer_core.server.app import ServerHandle
-from server_harness import load_tiny_llm, sse_json, wait_for, write_model
+from server_harness import load_tiny_llm, serve, sse_json, wait_for, write_model
 
 HI = [{"role": "user", "content": "Say hi"}]
 SAMPLED = {"temperature": 1.0, "top_p": 0.95, "max_tokens": 10, "ignore_eos": True}
@@ -28,9 +28,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    handle = ServerHandle.start(load_tiny_llm(model[0]), port=0, model_id="m")
-    yield handle
-    handle.stop()
+    yield from serve(model[0])
 
 
 def post(server, path: str, body) -> httpx.Response:

@@ -31,7 +31,7 @@ from ninfer_core.server.app import ServerHandle
 from ninfer_core.server.body import BadJson, parse_json
 from ninfer_core.server.hosts import HostPolicy, OriginPolicy
 from ninfer_core.server.stop_signals import StopSignals
-from server_harness import MAX_CONTEXT, load_tiny_llm, sse_json, wait_for, write_model
+from server_harness import MAX_CONTEXT, load_tiny_llm, serve, sse_json, wait_for, write_model
 
 HI = [{"role": "user", "content": "Say hi"}]
 
@@ -43,9 +43,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    handle = ServerHandle.start(load_tiny_llm(model[0]), port=0, model_id="m")
-    yield handle
-    handle.stop()
+    yield from serve(model[0])
 
 
 def raw_post(handle: ServerHandle, path: str, body: bytes | str, **headers: str) -> httpx.Response:

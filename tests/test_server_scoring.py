@@ -11,9 +11,8 @@ import openai
 import pytest
 import torch
 
-from ninfer_core.server.app import ServerHandle
 from ninfer_core.llm import ChatRequest
-from server_harness import load_tiny_llm, sse_json, write_model
+from server_harness import serve, sse_json, write_model
 
 PROMPTS = ["The capital of France is Paris", "Two plus two is four"]
 
@@ -25,9 +24,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    handle = ServerHandle.start(load_tiny_llm(model[0]), port=0, model_id="m")
-    yield handle
-    handle.stop()
+    yield from serve(model[0])
 
 
 @pytest.fixture(scope="module")
