@@ -39,28 +39,19 @@ from .tui.settings import default_model
 if TYPE_CHECKING:
     from ninfer_core.llm import EngineOptions
 
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
-
 
 def _env(name: str) -> str:
     return f"NINFER_{name}"
 
 
-def parse_keep_alive(value: str) -> float | None:
-    """`5m`, `30s`, `1h`, `90` (seconds), `0` (unload after each request), `-1` / `forever` -> None."""
-    text = value.strip().lower()
-    if text in ("-1", "forever", "inf"):
-        return None
-    scale = _DURATION_UNITS.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in _DURATION_UNITS else text
+def keep_alive_flag(value: str) -> float:
+    """--keep-alive in seconds (model_pool.FOREVER for -1)."""
+    from ninfer_core.server.keep_alive import parse_keep_alive
+
     try:
-        seconds = float(number) * scale
-    except ValueError:
-        raise NinferError(f"--keep-alive: expected a duration such as 5m, 30s, 1h, 0 or -1 (forever), "
-                          f"got '{value}'") from None
-    if seconds < 0:
-        raise NinferError(f"--keep-alive must not be negative (use -1 for forever), got '{value}'")
-    return seconds
+        return parse_keep_alive(value)
+    except ValueError as e:
+        raise NinferError(f"--keep-alive: {e}") from None
 
 
 def on_demand_options(options: EngineOptions, spec: str) -> EngineOptions:
@@ -121,8 +112,9 @@ def serve(
                                                  "recently used idle one making room).",
                                             envvar=_env("MAX_LOADED"))] = 1,
     keep_alive: Annotated[str, typer.Option(help="How long a model loaded on demand stays after its last request "
-                                                 "(5m, 30s, 1h; 0: unload at once; -1: forever). The startup model "
-                                                 "stays until another needs its place.",
+                                                 "(5m, 30s, 1h30m; 0: unload at once; -1: forever). The startup model "
+                                                 "stays until another needs its place (or a request's "
+                                                 "keep_alive says otherwise).",
                                             envvar=_env("KEEP_ALIVE"))] = "5m",
     kv_capacity: Annotated[str, typer.Option(help=KV_CAPACITY_HELP, envvar=_env("KV_CAPACITY"))] = "auto",
     kv_dtype: Annotated[str, typer.Option(help=KV_DTYPE_HELP, envvar=_env("KV_DTYPE"))] = "auto",
@@ -193,7 +185,7 @@ def serve(
                                 draft_model=draft_model, adaptive_draft=adaptive_draft, prefix_cache=prefix_cache,
                                 prefix_cache_gb=prefix_cache_gb)
         check_engine_options(options)
-        pool = PoolOptions(max_loaded=max_loaded, keep_alive_s=parse_keep_alive(keep_alive))
+        pool = PoolOptions(max_loaded=max_loaded, keep_alive_s=keep_alive_flag(keep_alive))
         apply_cpu_runtime(threads, cpu_math)
         name, spec = startup_model(model or default_model())
         name = model_name or name

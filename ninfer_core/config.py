@@ -218,7 +218,8 @@ def config_from_hf_dict(raw: dict, path: Path) -> ModelConfig:
         mtp_num_layers=f.integer("mtp_num_hidden_layers", 0, low=0),
         bos_token_id=either.integer("bos_token_id", None, low=0, high=MAX_VOCAB),
         eos_token_ids=either.token_ids("eos_token_id"),
-        torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"),
+        torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype")
+                        or "bfloat16"),
         quantization=quantization,
         has_vision="vision_config" in raw,
     )

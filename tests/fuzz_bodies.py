@@ -67,9 +67,10 @@ OLLAMA_CHAT = {"model": "m", "stream": False, "think": False, "format": "json", 
     "messages": [{"role": "user", "content": "hi", "images": None},
                  {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
                  {"role": "tool", "content": "42", "tool_name": "f"}],
-    "tools": CHAT["tools"]}
+    "tools": CHAT["tools"], "keep_alive": 0}
+OLLAMA_SHOW = {"model": "m", "verbose": True}
 OLLAMA_GENERATE = {"model": "m", "prompt": "hello", "system": "s", "raw": False, "stream": True,
-                   "options": {"num_predict": 2}}
+                   "options": {"num_predict": 2}, "keep_alive": "5m"}
 CHAT_GUIDED = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                "structured_outputs": {"regex": "[a-z]{1,4}", "choice": None}, "guided_grammar": None,
                "guided_json": None, "chat_template_kwargs": {"enable_thinking": False}}
@@ -115,7 +116,7 @@ ENDPOINTS = [
     ("/v1/chat/completions", CHAT_FORCED_TOOL), ("/v1/responses", RESPONSE_STRUCTURED),
     ("/v1/messages", MESSAGE_FORCED_TOOL), ("/tokenize", TOKENIZE), ("/tokenize", TOKENIZE_TEXT),
     ("/detokenize", DETOKENIZE), ("/v1/completions", COMPLETION_GUIDED), ("/v1/chat/completions", CHAT_GUIDED),
-    ("/api/chat", OLLAMA_CHAT), ("/api/generate", OLLAMA_GENERATE),
+    ("/api/chat", OLLAMA_CHAT), ("/api/generate", OLLAMA_GENERATE), ("/api/show", OLLAMA_SHOW),
 ]
 
 

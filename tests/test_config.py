@@ -31,6 +31,9 @@ def test_qwen_layouts_map_to_the_same_text_config(tmp_path, multimodal, moe):
     else:
         assert cfg.intermediate_size == hf.intermediate_size
     assert cfg.mtp_num_layers == 1
+    raw = json.loads((tmp_path / "config.json").read_text())
+    stored = raw.get("dtype") or raw.get("torch_dtype") or raw["text_config"]["dtype"]
+    assert cfg.torch_dtype == str(stored).removeprefix("torch.")  # transformers writes it at the top level
 
 
 def write_config(tmp_path, raw) -> None:

@@ -8,6 +8,7 @@ as in test_server_format.py."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -37,9 +38,10 @@ def openai_chat(server, messages, **extra) -> dict:
     return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
 
 
-@pytest.mark.parametrize("think", [None, False])
+@pytest.mark.parametrize("think", [None, False, "low"])  # a level (gpt-oss's) switches thinking on
 def test_chat_equals_chat_completions_whole_and_streamed(server, client, think):
-    expected = openai_chat(server, HI, **({} if think is None else {"chat_template_kwargs": {"enable_thinking": think}}))
+    expected = openai_chat(server, HI, **({} if think is None else
+                                          {"chat_template_kwargs": {"enable_thinking": think is not False}}))
     whole = client.chat(model="m", messages=HI, options=GREEDY, think=think)
     assert whole.message.content == (expected["content"] or "")
     assert (whole.message.thinking or "") == expected.get("reasoning_content", "")
@@ -138,3 +140,15 @@ def test_tool_calls_come_back_as_ollama_calls(tmp_path_factory):
         assert "<parameter=city>\nParis\n</parameter>" in prompt and "<tool_response>\nsunny\n</tool_response>" in prompt
     finally:
         handle.stop()
+
+
+def test_keep_alive_never_unloads_a_model_this_server_could_not_load_again(server, client):
+    """This server was given one model and has no loader: a request's keep_alive 0 is ignored (the
+    next request must still find the model) and an unload request is refused."""
+    assert client.chat(model="m", messages=HI, options=GREEDY, keep_alive=0).done
+    time.sleep(1.5)  # the keep-alive reaper looks every second
+    assert [m["name"] for m in httpx.get(server.url + "/api/ps").json()["models"]] == ["m"]
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.generate(model="m", keep_alive=0)
+    assert caught.value.status_code == 409 and "stays loaded" in str(caught.value)
+    assert client.generate(model="m", prompt="Hi", options=GREEDY).done

@@ -22,4 +22,5 @@ class PullCancelled(HubError):
 
 
 class ModelNotFoundError(HubError):
-    """A model name that is neither in the local registry nor a known alias."""
+    """A model name that is neither in the local registry nor a known alias, or a repository or
+    revision the hub does not have."""

@@ -13,7 +13,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from .errors import HubError, HubOfflineError
+from .errors import HubError, HubOfflineError, ModelNotFoundError
 from .files import RemoteFile, RepoSnapshot
 from .retry import (
     RETRYABLE_STATUS,
@@ -34,11 +34,11 @@ def hub_http_error(e: HfHubHTTPError, repo_id: str, endpoint: str) -> HubError |
             "(or run `hf auth login`) with an account that has access"
         )
     if isinstance(e, RepositoryNotFoundError) or status == 401:
-        return HubError(
+        return ModelNotFoundError(
             f"{repo_id}: no such model repository on {endpoint} (or it is private: set HF_TOKEN to a token with access)"
         )
     if isinstance(e, RevisionNotFoundError):
-        return HubError(f"{repo_id}: no such revision (branch, tag or commit)")
+        return ModelNotFoundError(f"{repo_id}: no such revision (branch, tag or commit)")
     if status in RETRYABLE_STATUS:
         return TransientError(f"{repo_id}: hub answered HTTP {status}", retry_after_seconds(e.response.headers))
     return HubError(f"{repo_id}: hub request failed (HTTP {status}): {str(e).splitlines()[0]}")

@@ -174,6 +174,15 @@ def _fill(
     model.load_weights(get, names - consumed)
 
 
+def read_config_and_tokenizer(path: Path) -> tuple[ModelConfig, Tokenizer]:
+    """What a model's files say without its weights: its config and tokenizer (chat template
+    included), from a GGUF file's metadata or a checkpoint directory's JSON files."""
+    if path.is_file():
+        gguf = open_gguf(path)
+        return gguf.config, gguf.load_tokenizer()
+    return load_config(path), Tokenizer.from_model_dir(path)
+
+
 def load_model(
     spec: str | None, device: str = "auto", dtype: str = "auto", random_weights: bool = False, weights: str = "auto"
 ) -> LoadedModel:

@@ -22,6 +22,7 @@ from ..engine.service import EngineService
 from ..errors import NinferError
 from ..llm import LLM
 from .errors import ApiError
+from .keep_alive import FOREVER
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +80,13 @@ class FixedNames:
 @dataclass(frozen=True)
 class PoolOptions:
     max_loaded: int = 1
-    keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S  # None: never unload for idleness
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S  # FOREVER: never unload for idleness
     wait_s: float = DEFAULT_WAIT_S
 
     def __post_init__(self) -> None:
         if self.max_loaded < 1:
             raise NinferError(f"--max-loaded must be at least 1, got {self.max_loaded}")
-        if self.keep_alive_s is not None and self.keep_alive_s < 0:
+        if not self.keep_alive_s >= 0:
             raise NinferError(f"--keep-alive must not be negative, got {self.keep_alive_s}")
 
 
@@ -97,14 +98,17 @@ class Resident:
     service: EngineService
     loaded_at: float
     last_used: float
-    startup: bool = False  # the startup model: no keep-alive expiry
+    startup: bool = False  # the startup model: no keep-alive expiry unless a request sets one
     borrowed: bool = False  # the caller's service: never stopped or unloaded here
     leases: int = 0
+    keep_alive_s: float | None = None  # the last request's own (Ollama's keep_alive); None: the default
 
-    def expires_at(self, keep_alive_s: float | None) -> float | None:
-        if self.startup or self.borrowed or keep_alive_s is None:
+    def expires_at(self, default_s: float) -> float | None:
+        """When the model unloads if no request comes (None: never)."""
+        keep = self.keep_alive_s if self.keep_alive_s is not None else FOREVER if self.startup else default_s
+        if self.borrowed or keep == FOREVER:
             return None
-        return self.last_used + keep_alive_s
+        return self.last_used + keep
 
 
 class Lease:
@@ -116,6 +120,13 @@ class Lease:
         self._pool = pool
         self._resident = resident
         self._released = False
+
+    def keep_alive(self, seconds: float) -> None:
+        """This request's keep-alive (Ollama's): how long the model stays after its last request,
+        from now until a request without one resets it to the default. Ignored by a pool that could
+        not load the model again (no loader: a server given one model)."""
+        if self._pool.reloads:
+            self._resident.keep_alive_s = seconds
 
     def share(self) -> Lease:
         """Another hold on the same model (one per choice of an `n` > 1 request: each ends on its own)."""
@@ -148,6 +159,11 @@ class ModelPool:
         self.created = int(time.time())
         self._reaper = threading.Thread(target=self._reap, name="ninfer-keep-alive", daemon=True)
         self._reaper.start()
+
+    @property
+    def reloads(self) -> bool:
+        """Whether a model unloaded here can be loaded again on demand."""
+        return self._loader is not None
 
     # -- adding the startup model ---------------------------------------------------------------
 
@@ -209,6 +225,7 @@ class ModelPool:
                 if resident is not None:
                     resident.leases += 1
                     resident.last_used = time.time()
+                    resident.keep_alive_s = None  # each request sets its own (Ollama's) or the default
                     return Lease(self, resident)
                 if name not in self._loading:
                     victim = self._make_room()
@@ -322,7 +339,7 @@ class ModelPool:
                 if not expired:
                     self._cond.wait(timeout=1.0)
             for r in expired:
-                log.info("unloading %s after %.0f s idle", r.name, keep)
+                log.info("unloading %s after %.0f s idle", r.name, now - r.last_used)
                 self._unload(r)
             expired = []
 

@@ -15,6 +15,7 @@ from ..capabilities import Capabilities
 from .body import read_json
 from .errors import ApiError
 from .generation import pool_of
+from .keep_alive import FOREVER
 from .model_pool import ModelPool, Resident
 
 router = APIRouter()
@@ -31,7 +32,7 @@ def model_card(pool: ModelPool, name: str) -> dict[str, Any]:
             "capabilities": Capabilities.of(service.llm).names()}
 
 
-def resident_json(resident: Resident, keep_alive_s: float | None) -> dict[str, Any]:
+def resident_json(resident: Resident, keep_alive_s: float) -> dict[str, Any]:
     """A loaded model for `ninfer ps`: memory is weights + the KV in memory (on the CPU, what has been
     written; `kv_bytes` is the pool's capacity) + GDN state."""
     service = resident.service
@@ -79,7 +80,8 @@ async def loaded_models(request: Request) -> JSONResponse:
     pool = pool_of(request)
     keep = pool.options.keep_alive_s
     return JSONResponse({"models": [resident_json(r, keep) for r in pool.residents()], "loading": pool.loading(),
-                         "max_loaded": pool.options.max_loaded, "keep_alive_s": keep,
+                         "max_loaded": pool.options.max_loaded,
+                         "keep_alive_s": None if keep == FOREVER else keep,
                          "threads": torch.get_num_threads()})
 
 

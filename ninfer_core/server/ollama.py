@@ -1,7 +1,7 @@
 """Ollama's native API, for the clients written against it (the `ollama` libraries, Open WebUI's
 Ollama connection, editor plugins): POST /api/chat and /api/generate (newline-delimited JSON
-streams by default, `stream: false` for one object), GET /api/tags and /api/version, POST /api/show.
-(`/api/ps` and `/api/stop` are ninfer's own, in models.py.)
+streams by default, `stream: false` for one object). The model management endpoints are in
+ollama_models.py; `/api/ps` and `/api/stop` are ninfer's own, in models.py.
 
 A chat runs the same path as Chat Completions (chat_input.chat_request: template, tools, thinking,
 media); `options` map to the sampling parameters (num_predict -> max_tokens, repeat_penalty ->
@@ -9,7 +9,9 @@ repetition_penalty; num_ctx and other runtime options are ignored: the server's 
 `format` ("json" or a JSON Schema) is enforced by a grammar, `think` switches thinking, whose text
 comes as `message.thinking` (`thinking` with generate). Tool calls arrive whole, with arguments as
 an object. The final line carries Ollama's counters (durations in nanoseconds). Errors keep the
-server's error object under `error`.
+server's error object under `error`. `keep_alive` (seconds, or a duration such as "10m"; negative:
+forever) sets how long the model stays after this request; a load request (no messages / prompt)
+with keep_alive 0 unloads it.
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
-from .. import __version__
-from ..capabilities import Capabilities
 from ..chat.constraints import JsonOutput
 from ..chat.output_parser import ContentDelta, ReasoningDelta
 from ..engine.request import StepOutput, Timings
@@ -34,6 +35,7 @@ from .body import read_model
 from .chat_input import chat_content, chat_request, select_tools
 from .errors import ApiError
 from .generation import Started, collect, lease, pool_of, start, stream_response
+
 from .schemas import (
     OllamaBody,
     OllamaChatRequest,
@@ -132,12 +134,31 @@ def _result_counters(result: ChatResult) -> dict[str, Any]:
     return _counters(len(result.prompt_token_ids), len(result.token_ids), result.timings, result.finish_reason)
 
 
-async def _loaded(request: Request, model: str | None, key: str) -> JSONResponse:
-    """Ollama's load request (no messages / prompt): the model is loaded, nothing generated."""
-    held = await lease(request, model)
-    name = held.name
-    held.release()
+def _started(started: Started, body: OllamaBody) -> Started:
+    """The started request, its model kept for the request's keep_alive (seconds, read by the schema)."""
+    if body.keep_alive is not None:
+        started.lease.keep_alive(body.keep_alive)
+    return started
+
+
+async def _loaded(request: Request, body: OllamaBody, key: str) -> JSONResponse:
+    """Ollama's load request (no messages / prompt): the model is loaded, nothing generated; with
+    keep_alive 0 it is unloaded instead (if it is loaded)."""
+    keep = body.keep_alive
     empty = {"role": "assistant", "content": ""} if key == "message" else ""
+    if keep == 0:
+        pool = pool_of(request)
+        name, _ = pool.resolve(body.model)
+        if not pool.reloads:
+            raise ApiError(409, f"'{name}' stays loaded: this server could not load it again", param="keep_alive",
+                           code="model_pinned")
+        await run_in_threadpool(pool.unload, name)  # joins the engine thread
+        return JSONResponse({**_head(name), key: empty, "done": True, "done_reason": "unload"})
+    held = await lease(request, body.model)
+    name = held.name
+    if keep is not None:
+        held.keep_alive(keep)
+    held.release()
     return JSONResponse({**_head(name), key: empty, "done": True, "done_reason": "load"})
 
 
@@ -150,10 +171,11 @@ def _chat(messages: list[dict[str, Any]], body: OllamaBody, tools: list[dict[str
 async def chat(request: Request) -> Response:
     body = await read_model(request, OllamaChatRequest)
     if not body.messages:
-        return await _loaded(request, body.model, "message")
+        return await _loaded(request, body, "message")
     request_chat = _chat([_message(m, f"messages[{i}].content") for i, m in enumerate(body.messages)], body,
                          plain(body.tools) if body.tools else None)
-    started = await start(request, body.model, lambda service: service.submit_chat(request_chat), chat=request_chat)
+    started = _started(await start(request, body.model, lambda service: service.submit_chat(request_chat),
+                                   chat=request_chat), body)
     if body.stream:
         return stream_response(started, _chat_lines(started, "message"), _error_line, media_type=NDJSON)
     result: ChatResult = (await collect(request, started))[-1].result
@@ -196,14 +218,15 @@ async def generate(request: Request) -> Response:
     if body.suffix:
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     if not body.prompt and not body.images:
-        return await _loaded(request, body.model, "response")
+        return await _loaded(request, body, "response")
     if body.raw:
         if body.images:
             raise ApiError(400, "images need the chat template: leave out raw", param="images")
         return await _raw(request, body)
     system = [{"role": "system", "content": body.system}] if body.system else []
     request_chat = _chat([*system, {"role": "user", "content": _content(body.prompt, body.images, "prompt")}], body)
-    started = await start(request, body.model, lambda service: service.submit_chat(request_chat), chat=request_chat)
+    started = _started(await start(request, body.model, lambda service: service.submit_chat(request_chat),
+                                   chat=request_chat), body)
     if body.stream:
         return stream_response(started, _chat_lines(started, "response"), _error_line, media_type=NDJSON)
     result: ChatResult = (await collect(request, started))[-1].result
@@ -224,7 +247,7 @@ async def _raw(request: Request, body: OllamaGenerateRequest) -> Response:
         grammar = None if constraint is None else llm.compile_constraint(constraint, reasoning=False)
         return service.submit(ids, sampling, grammar=grammar)
 
-    started = await start(request, body.model, submit)
+    started = _started(await start(request, body.model, submit), body)
     if body.stream:
         return stream_response(started, _raw_lines(started, prompt_tokens), _error_line, media_type=NDJSON)
     outputs: list[StepOutput] = await collect(request, started)
@@ -243,33 +266,3 @@ async def _raw_lines(started: Started, prompt_tokens: int) -> AsyncIterator[byte
         if out.finished:
             yield _line({**_head(started.model), "response": "",
                          **_counters(prompt_tokens, generated, out.timings, out.finish_reason)})
-
-
-@router.get("/api/tags")
-async def tags(request: Request) -> JSONResponse:
-    """Every model served by name (sizes and digests are not known before a model is loaded: 0, "")."""
-    details = {"format": "", "family": "", "families": None, "parameter_size": "", "quantization_level": ""}
-    return JSONResponse({"models": [{"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "",
-                                     "details": details} for name in pool_of(request).names.names()]})
-
-
-@router.get("/api/version")
-async def version() -> JSONResponse:
-    return JSONResponse({"version": __version__})
-
-
-@router.post("/api/show")
-async def show(request: Request) -> JSONResponse:
-    body = await read_model(request, OllamaBody)
-    held = await lease(request, body.model)
-    try:
-        llm, limit = held.service.llm, held.service.context_limit
-        arch = llm.loaded.config.arch
-        answer = {"modelfile": "", "parameters": "", "template": llm.template.templates.get("default", ""),
-                  "details": {"format": "", "family": arch, "families": [arch], "parameter_size": "",
-                              "quantization_level": ""},
-                  "model_info": {"general.architecture": arch, f"{arch}.context_length": limit},
-                  "capabilities": Capabilities.of(llm).names()}
-    finally:
-        held.release()
-    return JSONResponse(answer)

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.logprobs import MAX_TOP_LOGPROBS
 from .body import BadJson, parse_json
+from .keep_alive import parse_keep_alive
 
 TokenCount = Annotated[int, Field(ge=1, le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -405,8 +406,33 @@ class OllamaBody(_Body):
     format: Literal["", "json"] | dict[str, Any] | None = None  # JSON mode, or a JSON Schema
     options: OllamaOptions | None = None
     stream: bool = True
-    think: bool | None = None
-    keep_alive: str | int | float | None = None  # the pool's own keep-alive applies
+    think: bool | Literal["high", "medium", "low"] | None = None  # a level (gpt-oss's) means on: Qwen has none
+    keep_alive: str | int | float | None = None  # seconds once read; None: the pool's own keep-alive applies
+
+    @field_validator("think")
+    @classmethod
+    def _thinking(cls, value: bool | str | None) -> bool | None:
+        return True if isinstance(value, str) else value
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _seconds(cls, value: str | float | None) -> float | None:
+        return None if value is None else parse_keep_alive(value)  # a ValueError is the request's 400
+
+
+class OllamaModelRequest(_Body):
+    model: str | None = None
+    name: str | None = None  # older clients' spelling of model
+
+
+class OllamaPullRequest(OllamaModelRequest):
+    insecure: bool = False  # accepted, meaningless here: the hub is always HTTPS
+    stream: bool = True
+
+
+class OllamaCopyRequest(_Body):
+    source: str = Field(min_length=1)
+    destination: str = Field(min_length=1)
 
 
 class OllamaChatRequest(OllamaBody):
