@@ -25,6 +25,7 @@ from .engine_flags import (
     apply_cpu_runtime,
     check_engine_options,
 )
+from .models_cli import pull_if_needed
 
 if TYPE_CHECKING:
     from ninfer_core.llm import EngineOptions
@@ -74,6 +75,8 @@ def chat(
         apply_cpu_runtime(threads, cpu_math)
     except NinferError as e:
         fail(str(e))
+    if endpoint is None:
+        pull_if_needed(model)
     open_tui(model, image=[str(p) for p in image or []], endpoint=endpoint, api_key=api_key, engine=engine)
 
 

@@ -31,6 +31,7 @@ from .engine_flags import (
     parse_int_list,
     parse_kv_capacity,
 )
+from .models_cli import pull_if_needed
 from .output import fail
 from .tui.settings import default_model
 
@@ -248,7 +249,9 @@ def run(
             max_tokens=max_tokens, stop=list(stop or []), stop_token_ids=list(stop_token_id or []),
         )
         constraint = _output_format(output_format)
-        llm = LLM.load(model or default_model(), options)
+        spec = model or default_model()
+        pull_if_needed(spec)
+        llm = LLM.load(spec, options)
         request = ChatRequest(messages=chat_messages, sampling=sampling, tools=tools, enable_thinking=not no_thinking,
                               constraint=constraint)
         if json_out:

@@ -136,6 +136,12 @@ def pull_command(
     workers: Annotated[int, typer.Option(help="Files downloaded at once.")] = 4,
 ) -> None:
     """Download a model's inference files from the hub, verify their hashes, mark it ready."""
+    entry = pull_with_progress(model, revision, file, workers)
+    print(f"{entry.display_name}: ready at {entry.path}")
+
+
+def pull_with_progress(model: str, revision: str | None = None, file: str | None = None, workers: int = 4):
+    """`ninfer pull`'s work: progress bars on stderr, then the memory estimate; exits on failure."""
     from ninfer_core import hub
 
     view = _ProgressView()
@@ -151,7 +157,17 @@ def pull_command(
         err.print(f"memory: {_fit_line(hub.fit_for(entry.key, gpu=hub.local_gpu()))}")
     except NinferError as e:
         err.print(f"memory: {e}")
-    print(f"{entry.display_name}: ready at {entry.path}")
+    return entry
+
+
+def pull_if_needed(model: str | None) -> None:
+    """Pull a hub model that is not on this machine before `ninfer run / chat / serve` load it, as
+    `ollama run` does (HF_HUB_OFFLINE=1 turns it into the offline error)."""
+    from ninfer_core import hub
+
+    if model is not None and hub.pull_needed(model):
+        err.print(f"{model} is not on this machine yet: pulling it (`ninfer pull {model}`)")
+        pull_with_progress(model)
 
 
 # ---- verify -------------------------------------------------------------------------------------

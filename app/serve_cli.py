@@ -33,6 +33,7 @@ from .engine_flags import (
     describe_engine,
     parse_kv_capacity,
 )
+from .models_cli import pull_if_needed
 from .output import fail
 from .tui.settings import default_model
 
@@ -187,6 +188,7 @@ def serve(
         check_engine_options(options)
         pool = PoolOptions(max_loaded=max_loaded, keep_alive_s=keep_alive_flag(keep_alive))
         apply_cpu_runtime(threads, cpu_math)
+        pull_if_needed(model or default_model())
         name, spec = startup_model(model or default_model())
         name = model_name or name
         handle = ServerHandle.start(lambda: LLM.load(spec, options), host, port, api_key=api_key,

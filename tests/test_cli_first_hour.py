@@ -117,7 +117,9 @@ def test_missing_paths_are_not_sent_to_the_hub():
         line = one_line_error(ninfer("run", spec, "hi"), f"{spec}: no such file or directory")
         assert "pull" not in line
         one_line_error(ninfer("show", spec), "no such file or directory")
-    one_line_error(ninfer("run", "org/not-pulled", "hi"), "run `ninfer pull org/not-pulled` first")
+    offline = ninfer("run", "org/not-pulled", "hi", HF_HUB_OFFLINE="1")  # a hub name is pulled first
+    notice, error = [line for line in offline.stderr.splitlines() if line.strip()]
+    assert offline.returncode == 1 and "pulling it" in notice and error.startswith("error: ") and "HF_HUB_OFFLINE" in error
 
 
 def test_an_image_for_a_text_only_model_is_refused_cleanly(model_dir, tmp_path):

@@ -525,5 +525,28 @@ def test_run_a_pulled_model_by_name(tmp_path, hub):
                               "--temperature", "0", "--json"], hub, tmp_path, HF_HUB_OFFLINE="1")
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["token_ids"]) == 3
-    missing = ninfer_subprocess(["run", "org/other", "--prompt", "hi"], hub, tmp_path, HF_HUB_OFFLINE="1")
-    assert_one_line_error(missing.stderr, "ninfer pull org/other")
+    offline = ninfer_subprocess(["run", "org/other", "--prompt", "hi"], hub, tmp_path, HF_HUB_OFFLINE="1")
+    notice, error = [line for line in offline.stderr.splitlines() if line.strip()]
+    assert offline.returncode == 1 and "org/other is not on this machine yet: pulling it" in notice
+    assert_one_line_error(error, "offline mode", "HF_HUB_OFFLINE")
+
+
+def test_run_pulls_a_hub_model_it_does_not_have_first(tmp_path, hub):
+    """`ninfer run org/name` of a model not on this machine pulls it (as `ollama run` does), then
+    answers; the next run downloads nothing. A name the hub lacks is the pull's one-line error."""
+    source = tmp_path / "src"
+    write_tiny_model_dir(source, moe=False)
+    hub.add_repo("org/tiny-auto", {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()})
+    args = ["--prompt", "hi", "--max-tokens", "3", "--device", "cpu", "--temperature", "0", "--json"]
+    first = ninfer_subprocess(["run", "org/tiny-auto", *args], hub, tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "pulling it" in first.stderr and "memory:" in first.stderr
+    assert set(fetched(hub)) == {p.name for p in source.iterdir()}
+    served = len(hub.log)
+    again = ninfer_subprocess(["run", "org/tiny-auto", *args], hub, tmp_path)
+    assert again.returncode == 0 and "pulling" not in again.stderr and len(hub.log) == served
+    assert json.loads(again.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
+    direct = ninfer_subprocess(["run", str(source), *args], hub, tmp_path)
+    assert json.loads(direct.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]  # the same model
+    missing = ninfer_subprocess(["run", "org/nothing-here", *args], hub, tmp_path)
+    assert missing.returncode == 1 and "no such model repository" in missing.stderr.splitlines()[-1]

@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 from .aliases import ALIASES, Alias, alias_for_repo, resolve_alias
-from .catalog import CatalogModel, LocalModels, find_model, list_models, locate
+from .catalog import CatalogModel, LocalModels, find_model, list_models, locate, pull_needed
 from .errors import HubError, HubOfflineError, IntegrityError, ModelNotFoundError, PullCancelled
 from .events import Done, Event, EventCallback, Failed, FileStarted, FileVerified, Progress, PullStarted, Retry
 from .estimate import fit_for
@@ -24,7 +24,7 @@ _LAZY = {"PullOptions": "pulling", "pull": "pulling", "RetryPolicy": "retry",
 
 __all__ = [
     "ALIASES", "Alias", "alias_for_repo", "resolve_alias",
-    "CatalogModel", "LocalModels", "find_model", "list_models", "locate",
+    "CatalogModel", "LocalModels", "find_model", "list_models", "locate", "pull_needed",
     "HubError", "HubOfflineError", "IntegrityError", "ModelNotFoundError", "PullCancelled",
     "Done", "Event", "EventCallback", "Failed", "FileStarted", "FileVerified", "Progress", "PullStarted", "Retry",
     "fit_for", "FitEstimate", "GpuMemory", "count_params", "estimate_fit", "local_gpu",

@@ -188,6 +188,17 @@ def find_model(spec: str, models: list[CatalogModel] | None = None) -> CatalogMo
     return next((m for w in wanted for m in models if m.answers_to(w)), None)
 
 
+def pull_needed(spec: str) -> bool:
+    """Whether `spec` names a hub model this machine does not have yet (an alias or `org/name`,
+    neither pulled nor added): what `ninfer run / chat / serve` pull before loading, as `ollama run`
+    does. A partly pulled model counts (its pull resumes); a path or a GGUF file's key never does."""
+    if Path(spec).expanduser().exists() or looks_like_path(spec) or ":" in spec:
+        return False
+    if find_model(spec) is not None:
+        return False
+    return resolve_alias(spec.partition("@")[0]) is not None or "/" in spec
+
+
 def locate(spec: str) -> Path:
     """What `ninfer run SPEC` loads: a path on disk, else a model by name (see the module doc)."""
     path = Path(spec).expanduser()
@@ -203,6 +214,6 @@ def locate(spec: str) -> Path:
         if not found.path.exists():
             raise ModelLoadError(f"{spec}: its path {found.path} is gone (`ninfer rm {found.name}` forgets it)")
         return found.path
-    if resolve_alias(spec) or "/" in spec:
+    if pull_needed(spec):
         raise ModelLoadError(f"{spec}: not downloaded yet: run `ninfer pull {spec}` first")
     raise ModelLoadError(f"{spec}: no such model directory or file, and no model of that name (`ninfer ls`)")
