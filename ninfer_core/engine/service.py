@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -289,17 +289,20 @@ class EngineService:
         """`submit_choices` of a chat, its prompt rendered once."""
         prepared = self.llm.prepare_chat(request)
         return [ChatStream(tokens, prepared) for tokens in self.submit_choices(
-            prepared.prompt_token_ids, request.sampling, n, prepared.multimodal, prepared.checkpoints, prepared.grammar)]
+            [prepared.prompt_token_ids], request.sampling, n, prepared.multimodal, prepared.checkpoints,
+            prepared.grammar)]
 
-    def submit_choices(self, prompt_token_ids: list[int], sampling: SamplingParams, n: int,
+    def submit_choices(self, prompts: Sequence[list[int]], sampling: SamplingParams, n: int,
                        multimodal: MultimodalPrompt | None = None, checkpoints: tuple[int, ...] = (),
                        grammar: Grammar | None = None) -> list[TokenStream]:
-        """n answers to one prompt (OpenAI's `n`): n requests, choice i seeded seed + i (engine/sampling.py
-        `choice_sampling`); if one is refused, the ones before it are cancelled and its error raised."""
+        """n answers to each prompt (OpenAI's `n`, Completions' list of prompts): choice p * n + i answers
+        prompt p, seeded seed + i (engine/sampling.py `choice_sampling`). All or none: if one is
+        refused, the ones before it are cancelled and its error raised."""
         streams: list[TokenStream] = []
         try:
-            for choice in choice_sampling(sampling, n):
-                streams.append(self.submit(prompt_token_ids, choice, multimodal, checkpoints, grammar))
+            for prompt_token_ids in prompts:
+                for choice in choice_sampling(sampling, n):
+                    streams.append(self.submit(prompt_token_ids, choice, multimodal, checkpoints, grammar))
         except BaseException:
             for stream in streams:
                 stream.cancel()

@@ -103,15 +103,7 @@ async def completions(request: Request) -> Response:
                            param="n")
         # a raw prompt opens no reasoning block: the constraint holds from the first token
         grammar = None if constraint is None else llm.compile_constraint(constraint, reasoning=False)
-        streams: list[TokenStream] = []
-        try:
-            for prompt in prompts:
-                streams += service.submit_choices(prompt.ids, sampling, n, grammar=grammar)
-        except BaseException:
-            for stream in streams:
-                stream.cancel()
-            raise
-        return streams
+        return service.submit_choices([prompt.ids for prompt in prompts], sampling, n, grammar=grammar)
 
     choices = await start_choices(request, body.model, submit)
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": choices[0].model}
