@@ -54,19 +54,21 @@ def run_steps(model: torch.nn.Module, seed: int = 3) -> list[torch.Tensor]:
     return outs
 
 
-def fused_and_reference(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+def fused_and_reference(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Logits with the fused calls and with every layer's forward; the number of layers of each fused call."""
     calls = []
-    fused = cpu_layer.decode_layer
+    fused = cpu_layer.decode_layers
 
-    def counted(*args):
-        out = fused(*args)
-        calls.append(out is not None)
+    def counted(layers, *args):
+        out = fused(layers, *args)
+        if out is not None:
+            calls.append(len(layers))
         return out
 
-    monkeypatch.setattr(cpu_layer, "decode_layer", counted)
+    monkeypatch.setattr(cpu_layer, "decode_layers", counted)
     ours = run_steps(model)
-    monkeypatch.setattr(cpu_layer, "decode_layer", lambda *args: None)
-    return ours, run_steps(model), sum(calls)
+    monkeypatch.setattr(cpu_layer, "decode_layers", lambda *args: None)
+    return ours, run_steps(model), calls
 
 
 @pytest.mark.parametrize("math", ["exact", "int8"])
@@ -75,16 +77,23 @@ def test_fused_layer_equals_the_layer_forward(tmp_path, monkeypatch, arch, math)
     monkeypatch.setenv(dispatch.CPU_MATH_ENV, math)
     model = compact_tiny(tmp_path, arch)
     ours, reference, fused_calls = fused_and_reference(model, monkeypatch)
-    assert fused_calls == 2 * (3 + 3 + 3)  # both layers of every forward: 3 + 3 prompt chunks, 3 steps
+    assert fused_calls == [2] * (3 + 3 + 3)  # both layers in one call, every forward: 3 + 3 prompt chunks, 3 steps
     for got, want in zip(ours, reference):
         assert torch.equal(got, want)
 
 
 def test_layers_the_kernel_does_not_cover_run_their_forward(tmp_path, monkeypatch):
     model = compact_tiny(tmp_path, "llama")
+    reference = run_steps(model)
     model.layers[1].self_attn.output_gate = True  # Qwen3.5's gated attention: not this kernel's
     assert cpu_layer._make_plan(model.layers[1]) == ()
     assert cpu_layer._make_plan(model.layers[0]) != ()
+    model.layers[1].self_attn.output_gate = False  # (its forward without a gate projection is the plain one)
+    model.layers[1].__dict__["_cpu_decode_plan"] = (model.layers[1].input_layernorm.weight.data_ptr(), ())
+    ours, _, fused_calls = fused_and_reference(model, monkeypatch)
+    assert fused_calls == [1] * 9  # the stack is refused; layer 0 alone is fused in each forward
+    for got, want in zip(ours, reference):
+        assert torch.equal(got, want)
     float_model = build_model(model.config, torch.device("cpu"), torch.float32)  # dense fp32 weights
     assert cpu_layer._make_plan(float_model.layers[0]) == ()
 
@@ -92,6 +101,6 @@ def test_layers_the_kernel_does_not_cover_run_their_forward(tmp_path, monkeypatc
 def test_smollm_decodes_the_same_fused(monkeypatch, smollm_path):
     model = load_model(str(smollm_path), "cpu").model
     ours, reference, fused_calls = fused_and_reference(model, monkeypatch)
-    assert fused_calls > 0
+    assert fused_calls and set(fused_calls) == {model.config.num_layers}  # the whole stack in one call
     for got, want in zip(ours, reference):
         assert torch.equal(got, want)

@@ -1,6 +1,7 @@
 // pybind11 module ninfer_core._cpu: the CPU kernels (raw-pointer interface like ninfer_core._C;
 // call them through ninfer_core.ops). The GIL is released while a kernel runs.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <stdexcept>
 
@@ -150,35 +151,64 @@ PYBIND11_MODULE(_cpu, m) {
     }
     return l;
   };
+  // A layer's constant arguments, made once per layer (ops/cpu_layer.py caches it): the step's fields are
+  // filled in by decode_layers. layer: (input_norm, post_norm, q_norm, k_norm, eps, hidden, heads, kv_heads,
+  // head_dim, intermediate, scale); linears: (qkv, o, gate_up, down). Pointers as ints, 0 for none.
+  py::class_<ninfer::cpu::DecodeLayerArgs>(m, "LayerPlan");
   m.def(
-      "decode_layer",
-      [layer_linear](const py::tuple& layer, const py::tuple& linears, const py::tuple& step) {
-        // layer: (input_norm, post_norm, q_norm, k_norm, eps, hidden, heads, kv_heads, head_dim, intermediate);
-        // linears: (qkv, o, gate_up, down); step: (x, residual, out, residual_out, cos, sin, k_cache, v_cache,
-        // slots, block_table, cache_lens, batch, num_new, page_size, table_width, scale, scratch, threads,
-        // int8_activations, rotary_dim). Pointers as ints, 0 for none.
+      "layer_plan",
+      [layer_linear](const py::tuple& layer, const py::tuple& linears) {
         const auto f = [](const py::handle& h) { return reinterpret_cast<float*>(h.cast<std::uintptr_t>()); };
         const auto i64 = [](const py::handle& h) { return h.cast<std::int64_t>(); };
         ninfer::cpu::DecodeLayerArgs a{};
         a.input_norm = f(layer[0]), a.post_norm = f(layer[1]), a.q_norm = f(layer[2]), a.k_norm = f(layer[3]);
         a.eps = layer[4].cast<float>();
         a.hidden = i64(layer[5]), a.heads = i64(layer[6]), a.kv_heads = i64(layer[7]), a.head_dim = i64(layer[8]);
-        a.intermediate = i64(layer[9]);
+        a.intermediate = i64(layer[9]), a.scale = layer[10].cast<float>();
         a.qkv = layer_linear(linears[0]), a.o = layer_linear(linears[1]);
         a.gate_up = layer_linear(linears[2]), a.down = layer_linear(linears[3]);
-        a.x = f(step[0]), a.residual = f(step[1]), a.out = f(step[2]), a.residual_out = f(step[3]);
-        a.cos = f(step[4]), a.sin = f(step[5]), a.k_cache = f(step[6]), a.v_cache = f(step[7]);
+        return a;
+      },
+      py::arg("layer"), py::arg("linears"));
+  m.def(
+      "decode_layers",
+      [](const std::vector<const ninfer::cpu::DecodeLayerArgs*>& plans, const std::vector<std::uintptr_t>& k_caches,
+         const std::vector<std::uintptr_t>& v_caches, const py::tuple& step) {
+        // step: (x, residual, out_a, residual_out_a, out_b, residual_out_b, cos, sin, slots, block_table,
+        // cache_lens, batch, num_new, page_size, table_width, scratch, threads, int8_activations, rotary_dim).
+        // Layer i reads the stream layer i - 1 wrote (layer 0: x, residual) and writes pair a (even i) or b.
+        if (plans.empty() || k_caches.size() != plans.size() || v_caches.size() != plans.size()) {
+          throw std::invalid_argument("decode_layers: one plan and one K / V cache per layer");
+        }
+        const auto f = [](const py::handle& h) { return reinterpret_cast<float*>(h.cast<std::uintptr_t>()); };
+        const auto i64 = [](const py::handle& h) { return h.cast<std::int64_t>(); };
+        ninfer::cpu::DecodeLayerArgs a{};
+        const float* x = f(step[0]);
+        const float* residual = f(step[1]);
+        float* const out[2] = {f(step[2]), f(step[4])};
+        float* const residual_out[2] = {f(step[3]), f(step[5])};
+        a.cos = f(step[6]), a.sin = f(step[7]);
         a.slots = reinterpret_cast<const std::int64_t*>(step[8].cast<std::uintptr_t>());
         a.block_table = reinterpret_cast<const std::int32_t*>(step[9].cast<std::uintptr_t>());
         a.cache_lens = reinterpret_cast<const std::int64_t*>(step[10].cast<std::uintptr_t>());
         a.batch = i64(step[11]), a.num_new = i64(step[12]), a.page_size = i64(step[13]), a.table_width = i64(step[14]);
-        a.scale = step[15].cast<float>(), a.scratch = f(step[16]), a.threads = step[17].cast<int>();
-        a.int8_activations = step[18].cast<bool>(), a.rotary_dim = i64(step[19]);
+        a.scratch = f(step[15]), a.threads = step[16].cast<int>();
+        a.int8_activations = step[17].cast<bool>(), a.rotary_dim = i64(step[18]);
         py::gil_scoped_release release;
-        ninfer::cpu::decode_layer(a);
+        for (std::size_t i = 0; i < plans.size(); ++i) {
+          ninfer::cpu::DecodeLayerArgs layer = *plans[i];
+          layer.cos = a.cos, layer.sin = a.sin, layer.slots = a.slots, layer.block_table = a.block_table;
+          layer.cache_lens = a.cache_lens, layer.batch = a.batch, layer.num_new = a.num_new;
+          layer.page_size = a.page_size, layer.table_width = a.table_width, layer.scratch = a.scratch;
+          layer.threads = a.threads, layer.int8_activations = a.int8_activations, layer.rotary_dim = a.rotary_dim;
+          layer.k_cache = reinterpret_cast<float*>(k_caches[i]), layer.v_cache = reinterpret_cast<float*>(v_caches[i]);
+          layer.x = x, layer.residual = residual, layer.out = out[i % 2], layer.residual_out = residual_out[i % 2];
+          ninfer::cpu::decode_layer(layer);
+          x = layer.out, residual = layer.residual_out;
+        }
       },
-      py::arg("layer"), py::arg("linears"), py::arg("step"),
-      "One Llama-family attention layer's decode step (csrc/cpu/decode_layer.h); tuples of ints / floats.");
+      py::arg("plans"), py::arg("k_caches"), py::arg("v_caches"), py::arg("step"),
+      "Consecutive Llama-family attention layers' decode step (csrc/cpu/decode_layer.h), one call for all.");
   m.def("decode_layer_scratch", &ninfer::cpu::decode_layer_scratch, py::arg("tokens"), py::arg("hidden"),
         py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
         "Floats of scratch decode_layer needs.");

@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
         hidden]: norms and the FFN run once over all of them (one read of the weights), the mixer
         per part."""
         if x.device.type == "cpu" and isinstance(step, StepContext):
-            fused = cpu_layer.decode_layer(self, x, residual, step)  # the same, in one kernel call
+            fused = cpu_layer.decode_layers([self], x, residual, step)  # the same, in one kernel call
             if fused is not None:
                 return fused
         if residual is None:
@@ -213,11 +213,17 @@ class DecoderModel(nn.Module):
         """The decoder stack and the final norm: (normed output, the last layer's output before
         the norm, the residual stream after each layer in `capture_layers`)."""
         captured: dict[int, torch.Tensor] = {}
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, step)
-            if layer.layer_idx in capture_layers:
-                captured[layer.layer_idx] = x + residual
+        stack = None
+        if x.device.type == "cpu" and isinstance(step, StepContext) and not capture_layers:
+            stack = cpu_layer.decode_layers(self.layers, x, None, step)  # every layer in one kernel call
+        if stack is not None:
+            x, residual = stack
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, step)
+                if layer.layer_idx in capture_layers:
+                    captured[layer.layer_idx] = x + residual
         normed, x = self.norm.add_norm(x, residual)
         return normed, x, captured
 

@@ -1,8 +1,9 @@
-"""One attention decoder layer's decode step on the CPU in one kernel call (csrc/cpu/decode_layer.h).
+"""Attention decoder layers' decode step on the CPU in one kernel call (csrc/cpu/decode_layer.h):
+the whole stack of a Llama-family model, or one layer.
 
-Its reference is the layer's own forward (models/decoder.py DecoderLayer over layers/attention.py
+Its reference is the layers' own forward (models/decoder.py DecoderLayer over layers/attention.py
 and layers/mlp.py), which calls the same CPU kernels one at a time from Python; the fused call
-runs them in the same order on the same values, so the two agree to the bit. `decode_layer`
+runs them in the same order on the same values, so the two agree to the bit. `decode_layers`
 returns None whenever a layer or a step is not the plain case the kernel covers: Llama-family
 attention (no output gate, plain RMSNorms, optional q/k norms and qkv bias), a dense MLP, compact
 weights the CPU kernels run (K-quant blocks only with the bf16 / int8 maths: exact math multiplies
@@ -11,6 +12,7 @@ them dequantized), an fp32 cache without scales, up to 16 new tokens per sequenc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,41 +28,44 @@ if TYPE_CHECKING:
 _NO_PLAN = ()  # a layer the kernel cannot run (cached as such)
 
 
-def decode_layer(
-    layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, step: StepContext
+def decode_layers(
+    layers: Sequence[DecoderLayer], x: torch.Tensor, residual: torch.Tensor | None, step: StepContext
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(the layer's output, the residual stream after its mixer) like DecoderLayer.forward, or None."""
-    plan = _layer_plan(layer)
+    """(the last layer's output, the residual stream after its mixer) of consecutive layers, as
+    their DecoderLayer.forward calls would give, in one kernel call; or None. The decoder stack runs
+    all its layers so when every one is covered (a small model's step then pays one Python call, not
+    one per layer: ~40 us each on this machine), a layer on its own otherwise."""
+    plans = [_layer_plan(layer) for layer in layers]
     math = dispatch.cpu_math()
-    if not plan or not dispatch.cpu_kernels_available() or (plan[2] and math == "exact"):
-        return None  # exact math multiplies K-quant weights dequantized (ops/kquant.py): the layer's forward
+    if not all(plans) or not dispatch.cpu_kernels_available() or (math == "exact" and any(p[1] for p in plans)):
+        return None  # exact math multiplies K-quant weights dequantized (ops/kquant.py): the layers' forward
     batch, num_new, hidden = x.shape
-    kv, meta = step.cache.kv.layer(layer.layer_idx), step.attn
+    meta = step.attn
+    kvs = [step.cache.kv.layer(layer.layer_idx) for layer in layers]
     tensors = (x, step.cos, step.sin) if residual is None else (x, residual, step.cos, step.sin)
-    if not (num_new <= DECODE_MAX_TOKENS and not kv.quantized and kv.k.dtype == torch.float32
+    if not (num_new <= DECODE_MAX_TOKENS and all(not kv.quantized and kv.k.dtype == torch.float32 for kv in kvs)
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
             and meta.slot_mapping.is_contiguous() and meta.block_table.is_contiguous()
             and meta.cache_lens.dtype == torch.int64 and meta.cache_lens.is_contiguous()):
         return None
-    attn = layer.self_attn
     tokens = batch * num_new
-    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    pairs = [(torch.empty_like(x), torch.empty_like(x)) for _ in range(min(2, len(layers)))]
     ext = dispatch.cpu_extension()
-    scratch = scratch_buffer(ext.decode_layer_scratch(tokens, hidden, attn.num_heads, attn.num_kv_heads,
-                                                      attn.head_dim, layer.mlp.down_proj.in_features),
-                             torch.float32, "decode_layer")
-    ext.decode_layer(plan[0], plan[1], (
-        x.data_ptr(), 0 if residual is None else residual.data_ptr(), out.data_ptr(), residual_out.data_ptr(),
-        step.cos.data_ptr(), step.sin.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), meta.slot_mapping.data_ptr(),
-        meta.block_table.data_ptr(), meta.cache_lens.data_ptr(), batch, num_new, kv.page_size,
-        meta.block_table.shape[1], float(attn.scale), scratch.data_ptr(), dispatch.cpu_threads(),
-        math == "int8", step.cos.shape[-1]))
-    return out, residual_out
+    scratch = scratch_buffer(max(ext.decode_layer_scratch(tokens, *p[2]) for p in plans), torch.float32,
+                             "decode_layer")
+    (out_a, res_a), (out_b, res_b) = pairs[0], pairs[-1]
+    ext.decode_layers([p[0] for p in plans], [kv.k.data_ptr() for kv in kvs], [kv.v.data_ptr() for kv in kvs], (
+        x.data_ptr(), 0 if residual is None else residual.data_ptr(), out_a.data_ptr(), res_a.data_ptr(),
+        out_b.data_ptr(), res_b.data_ptr(), step.cos.data_ptr(), step.sin.data_ptr(), meta.slot_mapping.data_ptr(),
+        meta.block_table.data_ptr(), meta.cache_lens.data_ptr(), batch, num_new, kvs[0].page_size,
+        meta.block_table.shape[1], scratch.data_ptr(), dispatch.cpu_threads(), math == "int8", step.cos.shape[-1]))
+    return pairs[(len(layers) - 1) % 2]
 
 
 def _layer_plan(layer: DecoderLayer) -> tuple:
-    """The kernel's layer arguments (pointers into the layer's tensors), made once per layer and
-    again only when its weights were replaced; () when the kernel does not cover the layer."""
+    """(the kernel's LayerPlan: pointers into the layer's tensors, whether it has K-quant weights,
+    its scratch sizes), made once per layer and again only when its weights were replaced; () when
+    the kernel does not cover the layer."""
     key = layer.input_layernorm.weight.data_ptr()
     cached = layer.__dict__.get("_cpu_decode_plan")
     if cached is not None and cached[0] == key:
@@ -71,7 +76,7 @@ def _layer_plan(layer: DecoderLayer) -> tuple:
 
 
 def _make_plan(layer: DecoderLayer) -> tuple:
-    if layer.is_linear or not hasattr(layer.mlp, "gate_up_proj"):
+    if layer.is_linear or not hasattr(layer.mlp, "gate_up_proj") or dispatch.cpu_extension() is None:
         return _NO_PLAN
     attn, mlp = layer.self_attn, layer.mlp
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -86,9 +91,13 @@ def _make_plan(layer: DecoderLayer) -> tuple:
     weights = tuple((m.out_features, 0 if m.bias is None else m.bias.data_ptr(), isinstance(m, KQuantLinear),
                      m.quantized.cpu_plan) for m in linears)
     q_norm, k_norm = (0, 0) if attn.q_norm is None else (attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr())
-    return ((layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), q_norm,
-             k_norm, float(layer.input_layernorm.eps), mlp.down_proj.out_features, attn.num_heads, attn.num_kv_heads,
-             attn.head_dim, mlp.down_proj.in_features), weights, any(isinstance(m, KQuantLinear) for m in linears))
+    hidden, intermediate = mlp.down_proj.out_features, mlp.down_proj.in_features
+    plan = dispatch.cpu_extension().layer_plan(
+        (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), q_norm, k_norm,
+         float(layer.input_layernorm.eps), hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, intermediate,
+         float(attn.scale)), weights)
+    return (plan, any(isinstance(m, KQuantLinear) for m in linears),
+            (hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, intermediate))
 
 
 def _fp32(t: torch.Tensor) -> bool:
