@@ -253,6 +253,31 @@ def test_decode_attention_matches_reference(num_new, threads, monkeypatch):
     torch.testing.assert_close(out, attention.attention_ref(q, kv, table, lens, 0.125), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("num_new", [1, 3])
+@pytest.mark.parametrize("dim", [64, 36])  # 36: a tail after the vectors of every instruction set
+def test_decode_attention_over_chunks_of_keys(isa, num_new, dim, monkeypatch):
+    """Keys split into chunks of 256 whose softmax sums are merged: sequences of 700, 255 and 5 keys
+    (three chunks, one chunk to the token, one short one) against the float64 reference; the
+    threads split the chunks, and the bits do not depend on how many."""
+    pages, page_size, kv_heads = 540, 4, 2
+    g = torch.Generator().manual_seed(5)
+    kv = KVLayer(torch.randn(pages, page_size, kv_heads, dim, generator=g),
+                 torch.randn(pages, page_size, kv_heads, dim, generator=g) * 3)
+    q = torch.randn(3, num_new, 6, dim, generator=g) * 2
+    table = torch.randperm(pages, generator=g).to(torch.int32)[: 3 * 180].view(3, 180)  # 720 tokens each
+    lens = torch.tensor([700, 256 - num_new, 5])
+    outs = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(dispatch, "cpu_threads", lambda threads=threads: threads)
+        out = torch.full_like(q, float("nan"))
+        attention.decode_attention(q, kv, table, lens, dim ** -0.5, out=out)
+        outs.append(out)
+    as64 = KVLayer(kv.k.double(), kv.v.double())
+    want = attention.attention_ref(q.double(), as64, table, lens, dim ** -0.5)
+    torch.testing.assert_close(outs[0].double(), want, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(outs[0], other) for other in outs[1:])
+
+
 def test_silu_mul_prefill_rows_take_torch(monkeypatch):
     """The CPU kernel takes decode-sized row counts; a prefill's rows go to torch's vectorized ops."""
     real = dispatch.cpu_extension()

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_kernels.h"
 #include "thread_pool.h"
 
 namespace ninfer::cpu {
@@ -80,56 +81,54 @@ void write_kv(std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k, 
   }
 }
 
-namespace {
-
-// The query heads of one kv head, for one (sequence, token): scores of every key they see, their
-// softmax, then one pass over V that serves all of the group's heads (GQA reads each K / V row
-// once). `scratch`: group * (keys + dim) floats.
-void attend_group(const AttentionArgs& a, std::int64_t b, std::int64_t t, std::int64_t kv_head, float* scratch) {
-  const std::int64_t dim = a.dim, group = a.heads / a.kv_heads, keys = a.cache_lens[b] + t + 1;
-  const float* q = a.q + ((b * a.num_new + t) * a.heads + kv_head * group) * dim;
-  float* probs = scratch;                 // [group][keys]
-  float* acc = scratch + group * keys;    // [group][dim]
-  auto row = [&](std::int64_t j) {
-    const std::int64_t page = a.block_table[b * a.table_width + j / a.page_size];
-    return ((page * a.page_size + j % a.page_size) * a.kv_heads + kv_head) * dim;
-  };
-  for (std::int64_t j = 0; j < keys; ++j) {
-    const float* k = a.k_cache + row(j);
-    for (std::int64_t g = 0; g < group; ++g) probs[g * keys + j] = dot(q + g * dim, k, dim) * a.scale;
-  }
-  for (std::int64_t g = 0; g < group; ++g) {
-    float* p = probs + g * keys;
-    float max = -INFINITY, total = 0;
-    for (std::int64_t j = 0; j < keys; ++j) max = p[j] > max ? p[j] : max;
-    for (std::int64_t j = 0; j < keys; ++j) total += (p[j] = std::exp(p[j] - max));
-    for (std::int64_t j = 0; j < keys; ++j) p[j] /= total;
-  }
-  for (std::int64_t i = 0; i < group * dim; ++i) acc[i] = 0;
-  for (std::int64_t j = 0; j < keys; ++j) {
-    const float* v = a.v_cache + row(j);
-    for (std::int64_t g = 0; g < group; ++g) {
-      const float p = probs[g * keys + j];
-      float* o = acc + g * dim;
-      for (std::int64_t i = 0; i < dim; ++i) o[i] += p * v[i];
-    }
-  }
-  std::memcpy(a.out + ((b * a.num_new + t) * a.heads + kv_head * group) * dim, acc, group * dim * sizeof(float));
-}
-
-}  // namespace
+// Keys per work item. Fixed, so that a result does not depend on the thread count; 256 keys of one kv
+// head are 64 KB of K and V at head_dim 64, a chunk's scores a few KB.
+constexpr std::int64_t kAttentionChunk = 256;
 
 void decode_attention(const AttentionArgs& a) {
-  const std::int64_t items = a.batch * a.num_new * a.kv_heads;
+  const std::int64_t group = a.heads / a.kv_heads, queries = a.batch * a.num_new * a.kv_heads;
   std::int64_t longest = 0;
   for (std::int64_t b = 0; b < a.batch; ++b) longest = a.cache_lens[b] > longest ? a.cache_lens[b] : longest;
-  const std::int64_t scratch = (a.heads / a.kv_heads) * (longest + a.num_new + a.dim);
-  // threads only where the work pays for waking them: a short context is a few microseconds
-  const bool long_enough = a.batch * a.num_new * a.heads * (longest + a.num_new) * a.dim >= (1 << 18);
+  const std::int64_t chunks = (longest + a.num_new + kAttentionChunk - 1) / kAttentionChunk;  // per query, at most
+  const std::int64_t items = queries * chunks;
+  // per item: each head's max and sum, its weighted values, its chunk's scores
+  std::vector<float> m(items * group), l(items * group, 0.0f), acc(items * group * a.dim);
+  std::vector<float> scores(items * group * kAttentionChunk);
+  // threads only where the work pays for handing it over: a short context is a few microseconds
+  const bool long_enough = a.batch * a.num_new * a.heads * (longest + a.num_new) * a.dim >= (1 << 16);
+  const IsaKernels& impl = active_kernels();
   parallel_for(items, long_enough ? a.threads : 1, [&](std::int64_t item) {
-    std::vector<float> buffer(scratch);
-    attend_group(a, item / (a.num_new * a.kv_heads), item / a.kv_heads % a.num_new, item % a.kv_heads, buffer.data());
+    const std::int64_t query = item / chunks, c = item % chunks;
+    const std::int64_t b = query / (a.num_new * a.kv_heads), t = query / a.kv_heads % a.num_new;
+    const std::int64_t keys = a.cache_lens[b] + t + 1, j0 = c * kAttentionChunk;
+    if (j0 >= keys) return;  // a shorter sequence than the longest: l stays 0
+    const std::int64_t j1 = keys < j0 + kAttentionChunk ? keys : j0 + kAttentionChunk;
+    impl.attend_chunk(a, b, t, query % a.kv_heads, j0, j1, scores.data() + item * group * kAttentionChunk,
+                      m.data() + item * group, l.data() + item * group, acc.data() + item * group * a.dim);
   });
+  // merge each query head's chunks: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
+  for (std::int64_t query = 0; query < queries; ++query) {
+    const std::int64_t b = query / (a.num_new * a.kv_heads), t = query / a.kv_heads % a.num_new;
+    const std::int64_t kv_head = query % a.kv_heads;
+    for (std::int64_t g = 0; g < group; ++g) {
+      float* out = a.out + ((b * a.num_new + t) * a.heads + kv_head * group + g) * a.dim;
+      float top = -INFINITY, total = 0;
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        const std::int64_t at = (query * chunks + c) * group + g;
+        if (l[at] > 0) top = m[at] > top ? m[at] : top;
+      }
+      for (std::int64_t i = 0; i < a.dim; ++i) out[i] = 0;
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        const std::int64_t at = (query * chunks + c) * group + g;
+        if (l[at] == 0) continue;
+        const float w = std::exp(m[at] - top);
+        total += w * l[at];
+        const float* part = acc.data() + at * a.dim;
+        for (std::int64_t i = 0; i < a.dim; ++i) out[i] += w * part[i];
+      }
+      for (std::int64_t i = 0; i < a.dim; ++i) out[i] /= total;
+    }
+  }
 }
 
 }  // namespace ninfer::cpu

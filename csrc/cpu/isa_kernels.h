@@ -2,6 +2,7 @@
 // isa_*.cpp files only, each after defining its V.
 #pragma once
 
+#include "attention_kernels.h"
 #include "kquant_kernels.h"
 #include "quant_kernels_a8.h"
 
@@ -18,7 +19,8 @@ IsaKernels make_kernels(const char* name) {
           &Kernels<V>::dequantize_rows,
           &KQuantKernels<V>::rows,
           &KQuantKernels<V>::quantize,
-          &KQuantKernels<V>::dequantize_rows};
+          &KQuantKernels<V>::dequantize_rows,
+          &AttentionKernels<V>::chunk};
 }
 
 }  // namespace
