@@ -46,7 +46,7 @@ def _env(name: str) -> str:
 
 
 def keep_alive_flag(value: str) -> float:
-    """--keep-alive in seconds (model_pool.FOREVER for -1)."""
+    """--keep-alive in seconds (keep_alive.FOREVER for -1)."""
     from ninfer_core.server.keep_alive import parse_keep_alive
 
     try:

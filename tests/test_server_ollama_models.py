@@ -327,6 +327,10 @@ def test_delete_removes_pulled_files_forgets_local_models_and_unloads_them(serve
         with pytest.raises(ollama.ResponseError) as caught:
             client.delete(missing)
         assert caught.value.status_code == 404
+    for body in ({}, {"model": ""}):
+        refused = httpx.request("DELETE", server.url + "/api/delete", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+        assert httpx.post(server.url + "/api/pull", json=body).status_code == 400
 
 
 def test_copy_gives_a_model_a_second_name(server, client):

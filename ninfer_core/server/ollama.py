@@ -35,7 +35,6 @@ from .body import read_model
 from .chat_input import chat_content, chat_request, select_tools
 from .errors import ApiError
 from .generation import Started, collect, lease, pool_of, start, stream_response
-
 from .schemas import (
     OllamaBody,
     OllamaChatRequest,

@@ -257,9 +257,7 @@ async def _pulled(request: Request, spec: str, gguf_file: str | None,
 @router.post("/api/pull", response_model=None)
 async def pull(request: Request) -> Response:
     body = await read_model(request, OllamaPullRequest)
-    name = body.model or body.name
-    if not name:
-        raise ApiError(400, "expected {\"model\": NAME}", param="model")
+    name = _named(body)
     spec, gguf_file = pull_spec(name)
     from ..hub.pulling import parse_spec  # huggingface_hub's network stack: on first use
 
@@ -301,6 +299,13 @@ async def _pull_lines(request: Request, spec: str, gguf_file: str | None) -> Asy
 # -- delete, copy -------------------------------------------------------------------------------
 
 
+def _named(body: OllamaModelRequest) -> str:
+    name = body.model or body.name
+    if not name:
+        raise ApiError(400, "expected {\"model\": NAME}", param="model")
+    return name
+
+
 def _catalog_model(requested: str) -> CatalogModel:
     model = find_model(requested)
     if model is None:
@@ -326,7 +331,7 @@ def _delete(pool: ModelPool, requested: str) -> None:
 @router.delete("/api/delete")
 async def delete(request: Request) -> Response:
     body = await read_model(request, OllamaModelRequest)
-    await run_in_threadpool(_delete, pool_of(request), body.model or body.name or "")
+    await run_in_threadpool(_delete, pool_of(request), _named(body))
     return Response(status_code=200)
 
 
