@@ -273,7 +273,8 @@ def _gate_fits(gate: torch.Tensor, q: torch.Tensor) -> bool:
 
 def _cpu_decode_attention(q: torch.Tensor, kv: KVLayer, block_table: torch.Tensor, cache_lens: torch.Tensor,
                           scale: float, out: torch.Tensor | None) -> torch.Tensor:
-    """csrc/cpu/decode_ops.h: one pass of online softmax per (sequence, token, head), fp32."""
+    """csrc/cpu/decode_ops.h: chunks of 256 keys per (sequence, token, kv head) on the pool's threads
+    (attention_kernels.h, per instruction set), their softmax sums merged; fp32."""
     batch, num_new, heads, dim = q.shape
     out = torch.empty_like(q) if out is None else _checked_out(out, q)
     dispatch.cpu_extension().decode_attention(
