@@ -1,7 +1,7 @@
 """A GGUF model on the CPU: ninfer against llama.cpp in one run, and the compact weights' accuracy.
 
     python3 scripts/bench_cpu_gguf.py speed MODEL.gguf --llama-bench PATH/llama-bench [--threads 1,2]
-        [--prompt 128] [--gen 64] [--depth 64] [--repeats 5] [--dtype auto|float32] [--json OUT]
+        [--prompt 128] [--gen 64] [--depth 64] [--repeats 5] [--dtype auto|float32] [--kv-dtype auto|bf16] [--json OUT]
     python3 scripts/bench_cpu_gguf.py accuracy MODEL.gguf [--tokens 300] [--json OUT]
 
 speed: for each thread count, `repeats` rounds that alternate ninfer and llama-bench (ninfer first
@@ -63,10 +63,11 @@ def llama_bench(binary: Path, model: Path, threads: int, args: list[str]) -> flo
 def speed(args: argparse.Namespace) -> dict:
     setup = BenchSetup(model=str(args.model), device="cpu", dtype=args.dtype, prefill_lengths=(args.prompt,),
                        decode_contexts=(args.depth,), decode_batches=(1,), decode_steps=args.gen,
-                       prefill_chunk=max(args.prompt, 1))
+                       prefill_chunk=max(args.prompt, 1), kv_dtype=args.kv_dtype)
     model, config, dev, dtype, recipe = _build(setup)
     harness = _Harness(model, config, dev, dtype, setup)
-    report = dict(model=str(args.model), weights=recipe.label(dtype), weight_bytes=weight_bytes(model),
+    report = dict(model=str(args.model), weights=recipe.label(dtype), kv_dtype=args.kv_dtype,
+                  weight_bytes=weight_bytes(model),
                   file_bytes=args.model.stat().st_size, isa=_isa(), math=dispatch.cpu_math(),
                   cpu=platform.processor() or platform.machine(),
                   torch=torch.__version__, date=time.strftime("%Y-%m-%d"), runs=[])
@@ -151,6 +152,8 @@ def main() -> None:
     s.add_argument("--depth", type=int, default=64)
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--dtype", default="auto", choices=("auto", "float32"))
+    s.add_argument("--kv-dtype", default="auto", help="ninfer's KV cache (auto: fp32 on the CPU; bf16 is llama.cpp's "
+                                                      "f16 in bytes)")
     a = sub.add_parser("accuracy")
     a.add_argument("model", type=Path)
     a.add_argument("--tokens", type=int, default=300)

@@ -185,10 +185,12 @@ class Runner:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.device = torch.device(device)
-        self.manager = CacheManager(model.config, max_tokens, max_seqs, page_size, dtype=dtype, device=device)
+        self.manager = CacheManager(model.config, max_tokens, max_seqs, page_size, dtype=dtype, device=device,
+                                    kv_dtype=kv_dtype)
 
     def new_seq(self) -> Seq:
         return Seq(self.manager.allocate())

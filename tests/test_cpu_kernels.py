@@ -230,13 +230,18 @@ def _cache(pages: int = 12, page_size: int = 4, kv_heads: int = 2, dim: int = 64
                    torch.randn(pages, page_size, kv_heads, dim, generator=g))
 
 
-def test_write_kv_copies_rows_to_their_slots():
-    kv, ref = _cache(), _cache()
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_copies_rows_to_their_slots(cache_dtype):
+    """fp32 rows into an fp32 cache, or rounded into a bf16 one as torch's .to() rounds (ties to even, inf,
+    NaN a NaN)."""
+    kv, ref = (KVLayer(c.k.to(cache_dtype), c.v.to(cache_dtype)) for c in (_cache(), _cache()))
     k, v = torch.randn(2, 3, 2, 64), torch.randn(2, 3, 2, 64)
+    k[0, 0, 0, :4] = torch.tensor([float("nan"), float("inf"), 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8])  # ties to even
     slots = torch.tensor([[5, 6, 7], [40, 41, 2]])
     attention.write_kv(kv, k, v, slots)
     attention.write_kv_ref(ref, k, v, slots)
-    assert torch.equal(kv.k, ref.k) and torch.equal(kv.v, ref.v)
+    torch.testing.assert_close(kv.k, ref.k, rtol=0, atol=0, equal_nan=True)  # (NaN's bits may differ)
+    assert torch.equal(kv.v, ref.v) and kv.k.isnan().sum() == 1
 
 
 @pytest.mark.parametrize("num_new", [1, 4])  # decode, a speculative verify
@@ -253,16 +258,17 @@ def test_decode_attention_matches_reference(num_new, threads, monkeypatch):
     torch.testing.assert_close(out, attention.attention_ref(q, kv, table, lens, 0.125), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_new", [1, 3])
 @pytest.mark.parametrize("dim", [64, 36])  # 36: a tail after the vectors of every instruction set
-def test_decode_attention_over_chunks_of_keys(isa, num_new, dim, monkeypatch):
+def test_decode_attention_over_chunks_of_keys(isa, num_new, dim, cache_dtype, monkeypatch):
     """Keys split into chunks of 256 whose softmax sums are merged: sequences of 700, 255 and 5 keys
     (three chunks, one chunk to the token, one short one) against the float64 reference; the
     threads split the chunks, and the bits do not depend on how many."""
     pages, page_size, kv_heads = 540, 4, 2
     g = torch.Generator().manual_seed(5)
-    kv = KVLayer(torch.randn(pages, page_size, kv_heads, dim, generator=g),
-                 torch.randn(pages, page_size, kv_heads, dim, generator=g) * 3)
+    kv = KVLayer(torch.randn(pages, page_size, kv_heads, dim, generator=g).to(cache_dtype),
+                 (torch.randn(pages, page_size, kv_heads, dim, generator=g) * 3).to(cache_dtype))
     q = torch.randn(3, num_new, 6, dim, generator=g) * 2
     table = torch.randperm(pages, generator=g).to(torch.int32)[: 3 * 180].view(3, 180)  # 720 tokens each
     lens = torch.tensor([700, 256 - num_new, 5])

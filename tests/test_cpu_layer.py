@@ -40,12 +40,12 @@ def compact_tiny(tmp_path, arch: str) -> torch.nn.Module:
     return model.eval()
 
 
-def run_steps(model: torch.nn.Module, seed: int = 3) -> list[torch.Tensor]:
+def run_steps(model: torch.nn.Module, seed: int = 3, kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Prompts in chunks of up to 7 tokens, then steps of 1 and 3 tokens of both sequences."""
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     a, b = (torch.randint(1, vocab, (n,), generator=g).tolist() for n in (24, 15))
-    runner = Runner(model, max_tokens=128, max_seqs=2, page_size=4)
+    runner = Runner(model, max_tokens=128, max_seqs=2, page_size=4, kv_dtype=kv_dtype)
     seq_a, seq_b = runner.new_seq(), runner.new_seq()
     outs = [runner.prefill(seq_a, a[:18], chunk=7), runner.prefill(seq_b, b[:9], chunk=4)]
     for width in (1, 3, 1):
@@ -54,7 +54,8 @@ def run_steps(model: torch.nn.Module, seed: int = 3) -> list[torch.Tensor]:
     return outs
 
 
-def fused_and_reference(model, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+def fused_and_reference(model, monkeypatch, kv_dtype: torch.dtype | None = None
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
     """Logits with the fused calls and with every layer's forward; the number of layers of each fused call."""
     calls = []
     fused = cpu_layer.decode_layers
@@ -66,9 +67,9 @@ def fused_and_reference(model, monkeypatch) -> tuple[list[torch.Tensor], list[to
         return out
 
     monkeypatch.setattr(cpu_layer, "decode_layers", counted)
-    ours = run_steps(model)
+    ours = run_steps(model, kv_dtype=kv_dtype)
     monkeypatch.setattr(cpu_layer, "decode_layers", lambda *args: None)
-    return ours, run_steps(model), calls
+    return ours, run_steps(model, kv_dtype=kv_dtype), calls
 
 
 @pytest.mark.parametrize("math", ["exact", "int8"])
@@ -80,6 +81,21 @@ def test_fused_layer_equals_the_layer_forward(tmp_path, monkeypatch, arch, math)
     assert fused_calls == [2] * (3 + 3 + 3)  # both layers in one call, every forward: 3 + 3 prompt chunks, 3 steps
     for got, want in zip(ours, reference):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_layer_with_a_bf16_cache_equals_the_layer_forward(tmp_path, monkeypatch, arch):
+    """`--kv-dtype bf16` on the CPU: the fused stack rounds k / v into the cache and widens them out as
+    the layers' own kernel calls do (those are checked against torch and float64 in test_cpu_kernels)."""
+    model = compact_tiny(tmp_path, arch)
+    ours, reference, fused_calls = fused_and_reference(model, monkeypatch, kv_dtype=torch.bfloat16)
+    assert fused_calls == [2] * (3 + 3 + 3)
+    for got, want in zip(ours, reference):
+        assert torch.equal(got, want)
+    fp32_cache = run_steps(model)
+    for got, want in zip(ours[2:], fp32_cache[2:]):  # the decode steps: the cache's rounding only
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+        assert not torch.equal(got, want)
 
 
 def test_layers_the_kernel_does_not_cover_run_their_forward(tmp_path, monkeypatch):

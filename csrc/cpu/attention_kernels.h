@@ -17,21 +17,34 @@ template <class V>
 struct AttentionKernels {
   using F = typename V::F;
 
-  static float dot(const float* a, const float* b, std::int64_t n) {
+  // A cache row's values: fp32, or bf16 widened (exactly) to fp32.
+  static F load(const float* p) { return V::load(p); }
+  static F load(const std::uint16_t* p) { return V::bf16s(p); }
+  static float value(float x) { return x; }
+  static float value(std::uint16_t x) {
+    const std::uint32_t bits = static_cast<std::uint32_t>(x) << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+  }
+
+  template <class T>
+  static float dot(const float* a, const T* b, std::int64_t n) {
     F acc = V::zero();
     std::int64_t i = 0;
-    for (; i + V::W <= n; i += V::W) acc = V::fma(V::load(a + i), V::load(b + i), acc);
+    for (; i + V::W <= n; i += V::W) acc = V::fma(V::load(a + i), load(b + i), acc);
     float total = V::sum(acc);
-    for (; i < n; ++i) total += a[i] * b[i];
+    for (; i < n; ++i) total += a[i] * value(b[i]);
     return total;
   }
 
   // out[i] += p * v[i]
-  static void axpy(float* out, float p, const float* v, std::int64_t n) {
+  template <class T>
+  static void axpy(float* out, float p, const T* v, std::int64_t n) {
     const F s = V::splat(p);
     std::int64_t i = 0;
-    for (; i + V::W <= n; i += V::W) V::store(out + i, V::fma(s, V::load(v + i), V::load(out + i)));
-    for (; i < n; ++i) out[i] += p * v[i];
+    for (; i + V::W <= n; i += V::W) V::store(out + i, V::fma(s, load(v + i), V::load(out + i)));
+    for (; i < n; ++i) out[i] += p * value(v[i]);
   }
 
   // Keys [j0, j1) of sequence b's token t for the query heads of kv_head: per head g, m[g] = the
@@ -39,6 +52,18 @@ struct AttentionKernels {
   // `scores`: group * (j1 - j0) floats. Each K / V row is read once for the group.
   static void chunk(const AttentionArgs& a, std::int64_t b, std::int64_t t, std::int64_t kv_head, std::int64_t j0,
                     std::int64_t j1, float* scores, float* m, float* l, float* acc) {
+    if (a.bf16_cache) {
+      chunk_of(reinterpret_cast<const std::uint16_t*>(a.k_cache), reinterpret_cast<const std::uint16_t*>(a.v_cache),
+               a, b, t, kv_head, j0, j1, scores, m, l, acc);
+    } else {
+      chunk_of(a.k_cache, a.v_cache, a, b, t, kv_head, j0, j1, scores, m, l, acc);
+    }
+  }
+
+  template <class T>
+  static void chunk_of(const T* k_cache, const T* v_cache, const AttentionArgs& a, std::int64_t b, std::int64_t t,
+                       std::int64_t kv_head, std::int64_t j0, std::int64_t j1, float* scores, float* m, float* l,
+                       float* acc) {
     const std::int64_t dim = a.dim, group = a.heads / a.kv_heads, n = j1 - j0;
     const float* q = a.q + ((b * a.num_new + t) * a.heads + kv_head * group) * dim;
     const auto row = [&](std::int64_t j) {
@@ -46,7 +71,7 @@ struct AttentionKernels {
       return ((page * a.page_size + j % a.page_size) * a.kv_heads + kv_head) * dim;
     };
     for (std::int64_t j = j0; j < j1; ++j) {
-      const float* k = a.k_cache + row(j);
+      const T* k = k_cache + row(j);
       for (std::int64_t g = 0; g < group; ++g) scores[g * n + (j - j0)] = dot(q + g * dim, k, dim) * a.scale;
     }
     for (std::int64_t g = 0; g < group; ++g) {
@@ -60,7 +85,7 @@ struct AttentionKernels {
     }
     for (std::int64_t i = 0; i < group * dim; ++i) acc[i] = 0;
     for (std::int64_t j = j0; j < j1; ++j) {
-      const float* v = a.v_cache + row(j);
+      const T* v = v_cache + row(j);
       for (std::int64_t g = 0; g < group; ++g) axpy(acc + g * dim, scores[g * n + (j - j0)], v, dim);
     }
   }
