@@ -55,6 +55,21 @@ __device__ __forceinline__ void enter_kernel_after_loads() {
   if (blocks != 0) enter_kernel();
 }
 
+// enter_kernel_after_loads() that lets the next kernel start before this one waits: it may then run
+// while the kernel before this one still does, so only for a kernel whose successor reads before its
+// own wait nothing that kernel writes (what kernels three or more launches back wrote is complete:
+// the kernel before this one started only after its own wait). norm_rotary_write_kv's successor,
+// decode attention, reads older keys and host tables there, so it launches while the q|k|v
+// projection runs.
+__device__ __forceinline__ void start_dependents_then_wait_after_loads() {
+  unsigned blocks;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(blocks));
+  if (blocks != 0) {
+    start_dependents();
+    wait_for_inputs();
+  }
+}
+
 // SMs of a device, queried once per process (so graph captures after a warm-up query nothing).
 inline int sm_count(int device) {
   static std::array<std::atomic<int>, 256> counts{};

@@ -151,7 +151,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const RotaryLane<kPer> r = load_rotary_lane<T, kPer>(weight, reinterpret_cast<const T*>(a.cos) + cs_row,
                                                        reinterpret_cast<const T*>(a.sin) + cs_row, a.rotary_dim, lane);
   const std::int64_t slot = is_q ? -1 : load_early(reinterpret_cast<const std::int64_t*>(a.slot_mapping) + bt);
-  enter_kernel_after_loads();  // q, k and v are the projection's, the kernel before
+  // q, k and v are the projection's, the kernel before; decode attention, next, reads no output of
+  // it before its wait (launch.cuh)
+  start_dependents_then_wait_after_loads();
   const T* src = is_q ? head_lane<T, kPer>(a.q, b, t, head, lane) : head_lane<T, kPer>(a.k, b, t, head, lane);
   float v[kPer];
   Vec<T, kPer> value;  // a k warp's token v, loaded with its k
