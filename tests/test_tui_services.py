@@ -170,6 +170,38 @@ async def test_wizard_lists_every_local_model_adds_a_path_and_enter_acts(model_d
         await wait_until(pilot, lambda: not screen.query_one("#pull").disabled, what="the pull to end")
 
 
+async def test_model_command_pulls_a_missing_model_then_uses_it(model_dir, ref_llm, home, fake_hub):
+    """`/model org/name` of a model this machine lacks pulls it in the wizard (as `ninfer run` does),
+    keeping the model in use until the pull has succeeded, then switches to it; a pull that fails
+    leaves the chat on its model."""
+    settings = tui_settings(home)
+    settings.models[REPO] = ModelPrefs(preset="test")  # the pulled copy answers greedily too
+    options = PullOptions(endpoint=fake_hub.url, max_workers=1, retry=RetryPolicy(attempts=1))
+    app = make_app(model_dir, home, settings=settings, pull_options=options)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        before = app.backend
+
+        await submit(pilot, "/model org/not-on-the-hub")
+        await wait_until(pilot, lambda: noticed(app, "not-on-the-hub", "error"), what="the failed pull")
+        assert isinstance(app.screen, ModelsScreen) and app.backend is before
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: app.chat_screen is app.screen, what="the chat")
+
+        fake_hub.faults.chunk_delay = 0.03
+        await submit(pilot, f"/model {REPO}")
+        await wait_until(pilot, lambda: isinstance(app.screen, ModelsScreen) and any(
+            r.done > 0 for r in app.screen.query(FileRow)), what="the pull to start")
+        assert app.backend is before  # still chatting with the old model while the files come
+        fake_hub.faults.chunk_delay = 0.0
+        await wait_until(pilot, lambda: app.backend is not None and app.backend.name == REPO, what="the pulled model")
+        assert app.screen is app.chat_screen and Registry().load(REPO) is not None
+        await submit(pilot, "Hello")
+        await answered(pilot, 2)
+        reply = app.chat_screen.chat.messages[-1]
+    assert reply.reasoning == reference(ref_llm, [{"role": "user", "content": "Hello"}]).reasoning
+
+
 # ---- server toggle -------------------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ from textual.message import Message
 from textual.screen import Screen
 
 from ninfer_core.errors import NinferError
-from ninfer_core.hub import ALIASES, PullOptions, list_models
+from ninfer_core.hub import ALIASES, PullOptions, list_models, pull_needed
 from ninfer_core.llm import LLM, EngineOptions
 
 from .backend import Backend, LocalBackend
@@ -113,6 +113,11 @@ class NinferApp(App):
         if chat is not None and chat.generating:
             self.notify("stop the answer first (Esc)", severity="warning")
             return
+        if not self.launch.endpoint and pull_needed(spec):
+            # as `ninfer run` does: pull it first (the wizard shows the progress), then load it; the
+            # model in use stays loaded until the pull has succeeded
+            self.action_models(pull=spec)
+            return
         self._restart_server = self.server.running
         self.server.stop()
         if self.backend is not None:
@@ -201,11 +206,14 @@ class NinferApp(App):
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
 
-    def action_models(self) -> None:
+    def action_models(self, pull: str | None = None) -> None:
+        """The model wizard; `pull`: a hub model to pull there at once and use once pulled."""
         from .screens.models import ModelsScreen
 
         if not isinstance(self.screen, ModelsScreen):
-            self.push_screen(ModelsScreen())
+            self.push_screen(ModelsScreen(pull_then_use=pull))
+        elif pull is not None:
+            self.screen.pull_then_use(pull)
 
     def action_server(self) -> None:
         from .screens.server import ServerScreen

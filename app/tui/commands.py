@@ -19,7 +19,7 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
-    Command("model", "/model [NAME]", "switch model (no name: open the model wizard)"),
+    Command("model", "/model [NAME]", "switch model, pulling it first if needed (no name: the model wizard)"),
     Command("system", "/system [TEXT | clear]", "this model's system prompt (no text: show it)"),
     Command("think", "/think [on | off]", "thinking on or off (no argument: toggle)"),
     Command("preset", "/preset [NAME]", "this model's sampling preset (no name: list them)"),

@@ -42,8 +42,9 @@ class PullEvent(Message):
 
 
 class PullEnded(Message):
-    def __init__(self, entry: hub.ModelEntry | None, error: str | None) -> None:
+    def __init__(self, spec: str, entry: hub.ModelEntry | None, error: str | None) -> None:
         super().__init__()
+        self.spec = spec
         self.entry = entry
         self.error = error
 
@@ -79,8 +80,9 @@ class ModelsScreen(Screen):
     app: NinferApp
     BINDINGS = [binding("screen.close", "app.pop_screen")]
 
-    def __init__(self) -> None:
+    def __init__(self, pull_then_use: str | None = None) -> None:
         super().__init__()
+        self._use_when_pulled = pull_then_use  # `/model NAME` of a model this machine lacks
         self._cancel: threading.Event | None = None
         self._gpu: hub.GpuMemory | None = None
         self._done: dict[str, int] = {}  # bytes downloaded per file of the pull in progress
@@ -130,6 +132,14 @@ class ModelsScreen(Screen):
         local.add_columns("model", "source", "size", "status", "fit", "")
         self.refresh_catalog()
         self.refresh_local()
+        if self._use_when_pulled is not None:
+            self.pull_then_use(self._use_when_pulled)
+
+    def pull_then_use(self, spec: str) -> None:
+        """Pull `spec`, then switch the chat to it and close the wizard (`/model NAME`)."""
+        self._use_when_pulled = spec
+        self.query_one("#spec", Input).value = spec
+        self.start_pull()
 
     # -- tables -------------------------------------------------------------------------------
 
@@ -319,9 +329,9 @@ class ModelsScreen(Screen):
             entry = hub.pull(spec, on_event=lambda e: self.post_message(PullEvent(e)), cancel=cancel,
                              options=self.app.pull_options)
         except NinferError as e:
-            self.post_message(PullEnded(None, str(e)))
+            self.post_message(PullEnded(spec, None, str(e)))
             return
-        self.post_message(PullEnded(entry, None))
+        self.post_message(PullEnded(spec, entry, None))
 
     async def _row(self, name: str, size: int) -> FileRow:
         rows = [r for r in self.query(FileRow) if r.file_name == name]
@@ -374,7 +384,13 @@ class ModelsScreen(Screen):
         if message.error:
             self.notify(message.error, title="pull stopped", severity="error", timeout=10)
             self.query_one("#pull-log", RichLog).write(f"pull stopped: {message.error}")  # kept whole, wrapped
+            self._use_when_pulled = None
         else:
             assert message.entry is not None
+            use, self._use_when_pulled = self._use_when_pulled, None
+            if use is not None and message.spec == use:
+                self.app.switch_model(use)
+                self.dismiss()
+                return
             self.notify(f"{message.entry.display_name} is ready: Use now, or Set default", timeout=6)
         self.refresh_local()
