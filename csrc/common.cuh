@@ -201,6 +201,31 @@ __device__ __forceinline__ float group_sum(float v) {
   return warp_sum(v);
 }
 
+// Thread block clusters (sm_90+; launch.cuh launch_kernel_in_clusters): a barrier over every thread
+// of the cluster's blocks (writes to shared memory before it are seen by all after it), and a load of
+// another block's shared variable (`local`: this block's copy of it) by the block's rank.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __trap();  // callers take the cluster path only where clusters_supported()
+#endif
+}
+
+__device__ __forceinline__ float load_from_cluster_block(const float* local, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(local));
+  std::uint32_t remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+#else
+  __trap();
+  return 0.0f;
+#endif
+}
+
 // RMSNorm's sum of squares in rmsnorm_kernel's order, which the kernels that fold the norm in
 // repeat: a row of nvec vectors gets rms_row_threads(nvec) threads, thread i adding the squares of
 // vectors i, i + threads, ... in element order (add_squares); the threads of each warp add up with

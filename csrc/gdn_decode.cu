@@ -9,7 +9,9 @@
 //      read-out per token, all in registers), by blocks of 8-column strips of one (sequence, value
 //      head). Blocks of 32 columns put batch 1 on B * Hv * dv / 32 SMs (128 for the 35B), the
 //      state's reads spread wide; the last block of a head to finish applies the head's gated
-//      RMSNorm to its T outputs (a fence, an atomic and a reload). Where the batch's heads alone
+//      RMSNorm to its T outputs (a fence, an atomic and a reload); on sm_90+ a head's blocks are one
+//      thread block cluster instead, each normalising its own columns with the head's sum of squares
+//      read from the others' shared memory. Where the batch's heads alone
 //      fill every SM (and dk, dv <= 128), a block holds the whole head (dv / 8 warps) and
 //      normalises each token's outputs itself, in shared memory: whole heads made a step of the
 //      35B 1.7% faster at batch 8 and 1.1% slower at batch 1 (32 blocks where 128 read the state;
@@ -191,9 +193,15 @@ __device__ __forceinline__ void load_key_head(float* q_s, float* k_s, const T* q
   }
 }
 
-// The gated RMSNorm of one token's head outputs x (rounded to T), round(round(w * round(x * rstd)) *
-// silu(z)), into out_head: x, z and w of elements threadIdx.x + i threads (the block's), zeros past
-// dv (kPer: enough of them for dv).
+// One element of the gated RMSNorm: round(round(w * round(x * rstd)) * silu(z)).
+template <typename T>
+__device__ __forceinline__ T gated_norm_value(float x, float rstd, T w, T z) {
+  const float scaled = round_to<T>(to_float(w) * round_to<T>(x * rstd));
+  return from_float<T>(scaled * silu(to_float(z)));
+}
+
+// The gated RMSNorm of one token's head outputs x (rounded to T) into out_head: x, z and w of
+// elements threadIdx.x + i threads (the block's), zeros past dv (kPer: enough of them for dv).
 template <typename T, int kPer>
 __device__ __forceinline__ void gated_norm(T* out_head, const float (&x)[kPer], const T (&zv)[kPer],
                                            const T (&w)[kPer], int head_v_dim, float eps, int threads) {
@@ -205,10 +213,7 @@ __device__ __forceinline__ void gated_norm(T* out_head, const float (&x)[kPer], 
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int j = threadIdx.x + i * threads;
-    if (j < head_v_dim) {
-      const float scaled = round_to<T>(to_float(w[i]) * round_to<T>(x[i] * rstd));
-      out_head[j] = from_float<T>(scaled * silu(to_float(zv[i])));
-    }
+    if (j < head_v_dim) out_head[j] = gated_norm_value(x[i], rstd, w[i], zv[i]);
   }
 }
 
@@ -223,9 +228,11 @@ __device__ __forceinline__ void gated_norm(T* out_head, const float (&x)[kPer], 
 // 64 registers for dk <= 128 (at most 16 bytes spilled on sm_90, whole heads too): 8 blocks of 4
 // warps an SM, or 2 whole-head blocks of the 35B, so batch 8's blocks are one wave (96 registers gave
 // 1.55). kWholeHead: a block holds the whole head (a template parameter: the other kernels keep the
-// registers they had). kConvDone: q / k / v come from qkv (T = 1: its row b, conv'd by the GEMV
+// registers they had). kCluster (sm_90+, dv <= 128, with outputs): the head's
+// blocks are one thread block cluster and normalise their own columns, the head's sum of squares
+// gathered from their shared memory (one cluster barrier a token) instead of by the last block. kConvDone: q / k / v come from qkv (T = 1: its row b, conv'd by the GEMV
 // before) instead of act.
-template <typename T, int kMaxRows, bool kConvDone, bool kWholeHead>
+template <typename T, int kMaxRows, bool kConvDone, bool kWholeHead, bool kCluster>
 __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kWholeHead ? 2 : kMaxRows == 8 ? 8 : 1)
     gdn_recurrent_kernel(T* out, float* __restrict__ state_pool, const float* __restrict__ act,
                          const T* __restrict__ qkv, std::int64_t qkv_stride, float q_scale,
@@ -240,7 +247,8 @@ __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kW
                          float eps) {
   __shared__ float q_s[kMaxHeadDim];
   __shared__ float k_s[kMaxHeadDim];
-  __shared__ float o_s[kMaxHeadDim];  // a whole-head block's o of the token, rounded to T
+  __shared__ float o_s[kMaxHeadDim];  // a whole-head (cluster) block's o of the token (its columns), rounded to T
+  __shared__ float sumsq_s[kGdnMaxStepTokens];  // kCluster: each token's sum of squares of the block's o
   __shared__ bool last;
   // a constant for 4-warp blocks: a register fewer than blockDim.x, and their kernels kept theirs
   const int threads = kWholeHead ? static_cast<int>(blockDim.x) : kWarps * 32;
@@ -379,13 +387,37 @@ __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kW
         __syncthreads();
         const float x[1] = {static_cast<int>(threadIdx.x) < head_v_dim ? o_s[threadIdx.x] : 0.0f};
         gated_norm(out_head, x, zv, w, head_v_dim, eps, threads);
+      } else if constexpr (kCluster) {
+        // The block's 32 columns go to warp 0, lane i taking column i as warp i of the head's last
+        // block does below: the cluster's sums add up in that block's order, the outputs bit-equal.
+        const int first_col = (blockIdx.x % splits) * block_cols;
+        const bool norms = threadIdx.x < 32;
+        const T zv = norms ? __ldcg(z + (row0 + t) * z_stride + h * head_v_dim + first_col + lane) : from_float<T>(0.0f);
+        const T w = norms ? __ldcg(norm_weight + first_col + lane) : from_float<T>(0.0f);
+        if (row_lane == 0) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) o_s[col - first_col + c] = round_to<T>(o.v[c]);  // o.to(model dtype)
+        }
+        __syncthreads();
+        const float x = norms ? o_s[lane] : 0.0f;
+        if (norms) {
+          const float total = warp_sum(x * x);
+          if (lane == 0) sumsq_s[t] = total;
+        }
+        cluster_sync();
+        if (norms) {
+          const float part = lane < splits ? load_from_cluster_block(&sumsq_s[t], lane) : 0.0f;
+          const float rstd = rsqrtf(warp_sum(part) / static_cast<float>(head_v_dim) + eps);
+          out_head[first_col + lane] = gated_norm_value(x, rstd, w, zv);
+        }
       } else if (row_lane == 0) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) out_head[col + c] = from_float<T>(o.v[c]);  // o.to(model dtype)
       }
     }
   }
-  if (out == nullptr || kWholeHead) return;
+  if constexpr (kCluster) cluster_sync();  // the others' reads of this block's sums are done
+  if (out == nullptr || kWholeHead || kCluster) return;
   if (row_lane == 0) __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(done + bh, 1u) == static_cast<unsigned>(splits - 1);
@@ -439,18 +471,26 @@ void launch(const GdnStepsArgs& a) {
 
   const bool whole = whole_head_blocks(a), narrow = a.head_k_dim <= 8 * kRowLanes;
   const int threads = whole ? a.head_v_dim / kStripCols * 32 : kWarps * 32;
-  const dim3 grid(static_cast<unsigned>(a.batch * a.num_v_heads * (a.head_v_dim / (threads / 32 * kStripCols))));
-  auto kernel = whole    ? gdn_recurrent_kernel<T, 8, false, true>
-                : narrow ? gdn_recurrent_kernel<T, 8, false, false>
-                         : gdn_recurrent_kernel<T, 16, false, false>;
+  const int splits = a.head_v_dim / (threads / 32 * kStripCols);
+  // A cluster's norm is bit-equal to the last block's where that block's 4 warps hold one column each.
+  // Taken where the grid is one block an SM or less: the 35B's batch 1 (128 blocks) went 1.6758 ->
+  // 1.6675 ms with clusters, the 27B's (192 blocks) 7.364 -> 7.392 ms (H200, twenty-seventh session).
+  const bool cluster = !whole && narrow && splits > 1 && a.out != 0 && a.head_v_dim <= kWarps * 32 &&
+                       a.batch * a.num_v_heads * splits <= sm_count(a.device) && clusters_supported();
+  const dim3 grid(static_cast<unsigned>(a.batch * a.num_v_heads * splits));
+  const auto pick = [&](auto conv_done) {
+    constexpr bool kConvDone = decltype(conv_done)::value;
+    return whole     ? gdn_recurrent_kernel<T, 8, kConvDone, true, false>
+           : cluster ? gdn_recurrent_kernel<T, 8, kConvDone, false, true>
+           : narrow  ? gdn_recurrent_kernel<T, 8, kConvDone, false, false>
+                     : gdn_recurrent_kernel<T, 16, kConvDone, false, false>;
+  };
+  auto kernel = pick(std::false_type{});
   if constexpr (!std::is_same_v<T, float>) {  // conv_done: after a 16-bit GEMV only (the binding checks)
-    if (a.conv_done) {
-      kernel = whole    ? gdn_recurrent_kernel<T, 8, true, true>
-               : narrow ? gdn_recurrent_kernel<T, 8, true, false>
-                        : gdn_recurrent_kernel<T, 16, true, false>;
-    }
+    if (a.conv_done) kernel = pick(std::true_type{});
   }
-  launch_kernel("gdn recurrent kernel launch", kernel, grid, threads, 0, stream, reinterpret_cast<T*>(a.out),
+  launch_kernel_in_clusters("gdn recurrent kernel launch", kernel, grid, threads, 0, stream,
+                cluster ? static_cast<unsigned>(splits) : 1u, reinterpret_cast<T*>(a.out),
                 reinterpret_cast<float*>(a.state_pool), act, qkv, a.qkv_stride, a.q_scale, done,
                 reinterpret_cast<const T*>(a.a),
                 reinterpret_cast<const T*>(a.b), reinterpret_cast<const T*>(a.z), reinterpret_cast<const T*>(a.A_log),

@@ -85,25 +85,32 @@ inline int sm_count(int device) {
   return sms;
 }
 
-// PDL on the current device: sm_90+ unless NINFER_PDL=0 (read once per process).
-inline bool pdl_enabled() {
-  static const bool allowed = [] {
-    const char* value = std::getenv("NINFER_PDL");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
-  if (!allowed) return false;
+// Compute capability major of the current device (queried once per device).
+inline int current_major() {
   static std::array<std::atomic<int>, 64> majors{};  // compute capability major + 1; 0: not asked
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 0 || device >= static_cast<int>(majors.size())) return false;
+  if (device < 0 || device >= static_cast<int>(majors.size())) return 0;
   int major = majors[device].load(std::memory_order_relaxed) - 1;
   if (major < 0) {
     check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
                "cudaDeviceGetAttribute");
     majors[device].store(major + 1, std::memory_order_relaxed);
   }
-  return major >= 9;
+  return major;
 }
+
+// PDL on the current device: sm_90+ unless NINFER_PDL=0 (read once per process).
+inline bool pdl_enabled() {
+  static const bool allowed = [] {
+    const char* value = std::getenv("NINFER_PDL");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return allowed && current_major() >= 9;
+}
+
+// Thread block clusters (blocks that share their shared memory): sm_90+.
+inline bool clusters_supported() { return current_major() >= 9; }
 
 // For timing only: a launch whose `what` contains one of the '+'-separated names in NINFER_ABLATE
 // is skipped (its outputs are then garbage). Graph replays with a kernel left out give its share
@@ -122,24 +129,38 @@ inline bool ablated(const char* what) {
   return false;
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...), with PDL where it is on; errors raise, naming
+// kernel<<<grid, block, smem, stream>>>(args...) in clusters of `cluster` blocks along x (1: no
+// clusters; more only where clusters_supported()), with PDL where it is on; errors raise, naming
 // `what`.
 template <typename... Params, typename... Args>
-void launch_kernel(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
-                   std::size_t smem, cudaStream_t stream, Args&&... args) {
+void launch_kernel_in_clusters(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
+                               std::size_t smem, cudaStream_t stream, unsigned cluster, Args&&... args) {
   if (ablated(what)) return;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
+  std::array<cudaLaunchAttribute, 2> attributes{};
+  unsigned count = 0;
+  if (pdl_enabled()) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attributes[count].id = cudaLaunchAttributeClusterDimension;
+    attributes[count++].val.clusterDim = {cluster, 1, 1};
+  }
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  const bool pdl = pdl_enabled();
-  config.attrs = pdl ? &attribute : nullptr;
-  config.numAttrs = pdl ? 1 : 0;
+  config.attrs = count > 0 ? attributes.data() : nullptr;
+  config.numAttrs = count;
   check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), what);
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with PDL where it is on.
+template <typename... Params, typename... Args>
+void launch_kernel(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
+                   std::size_t smem, cudaStream_t stream, Args&&... args) {
+  launch_kernel_in_clusters(what, kernel, grid, block, smem, stream, 1u, std::forward<Args>(args)...);
 }
 
 }  // namespace ninfer

@@ -299,9 +299,11 @@ def test_prefill_forks_match_the_split(model_dir, weights, length, checkpoints, 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_folded_input_norm_is_bit_equal(model_dir, weights, monkeypatch):
     """A decode step (4 rows) and a verify round (1 row x 4 tokens) of the quantized tiny model with
-    each mixer's input norm folded into its first GEMV (quant_linear_add_norm's kernel) give the
-    logits, the residual stream after every layer, the GDN states and records of the same steps with
-    add_rmsnorm + quant_linear, bit for bit; the fold ran in every layer after the first."""
+    each mixer's input norm folded into its first GEMV (quant_linear_add_norm's kernel), and the
+    final norm into lm_head's (every row gets logits), give the logits, the hidden states, the
+    residual stream after every layer, the GDN states and records of the same steps with
+    add_rmsnorm + quant_linear, bit for bit; the fold ran in every layer after the first and in
+    lm_head."""
     from ninfer_core.ops import quant
 
     llm = load(model_dir, weights=weights, cuda_graphs=False)
@@ -309,6 +311,7 @@ def test_folded_input_norm_is_bit_equal(model_dir, weights, monkeypatch):
     first_projections = [layer.linear_attn.in_proj if layer.is_linear else layer.self_attn.qkv_proj
                          for layer in model.layers[1:]]
     assert all(isinstance(p.linear, quant.QuantLinear) for p in first_projections)
+    assert isinstance(model.lm_head, quant.QuantLinear)
     seqs = [cache.allocate() for _ in PROMPTS]
     state = cache.cache.state
     with torch.inference_mode():
@@ -339,12 +342,14 @@ def test_folded_input_norm_is_bit_equal(model_dir, weights, monkeypatch):
             out = model.forward(batch, cache.cache)
         records = [t for i in sorted(out.gdn_records or {}) for t in vars(out.gdn_records[i]).values()]
         states = [t for i in state.layers for t in (state.conv[i], state.recurrent[i])]
-        return [t.clone() for t in (out.logits, out.captured, *records, *states)]
+        return [t.clone() for t in (out.logits, out.hidden_states, out.captured, *records, *states)]
 
     for batch in batches:
+        assert batch.logits == "all"
         folds.clear()
         fused = run(batch)
-        assert sum(folds) == len(first_projections)
+        assert sum(folds) == len(first_projections) + 1  # + lm_head's
+        assert folds[-1], "the final norm was not folded into lm_head"
         with monkeypatch.context() as unfolded:
             unfolded.setattr(quant, "_norm_rows", lambda *args: None)  # add_rmsnorm + quant_linear
             folds.clear()

@@ -514,6 +514,26 @@ def test_verify_and_commit_kernels(cuda_kernels, shape, tokens, fill):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("tokens", [None, 4], ids=["decode", "verify"])
+@pytest.mark.parametrize("shape", [SHAPE_35B, (2, 4, 64, 64, 4)], ids=str)
+def test_split_head_norm_equals_whole_head_norm_bitwise(cuda_kernels, shape, tokens, rows):
+    """A head split over blocks of 32 columns gets its gated norm from a thread block cluster (sm_90+,
+    a grid of at most one block an SM: the 35B's batch 1) or from its last block (the 35B's batch 3,
+    older GPUs): either way bit-equal to a block holding the whole head, so a sequence's outputs and
+    state do not depend on the batch it decodes in."""
+    batch = whole_head_batch(shape)
+    full = make_case(shape, batch, torch.bfloat16, "cuda", seed=5, tokens=tokens)
+    few = with_pool_copies({**full, **{n: full[n][:rows] for n in ("qkv", "a", "b", "z", "slots")}})
+    step = gdn_ops.gdn_decode_step if tokens is None else gdn_ops.gdn_verify
+    whole, split = step(**full), step(**few)
+    assert not split.isnan().any()
+    assert torch.equal(split, whole[:rows])
+    kept = few["slots"]
+    assert torch.equal(few["state_pool"][kept], full["state_pool"][kept])
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("fill", [False, True], ids=["batch3", "fill_sms"])
 def test_kernel_commit_is_kernel_decode_bitwise(cuda_kernels, fill):
     """The kernel's verify outputs and committed states equal its own decode steps bit for bit:

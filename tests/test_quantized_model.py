@@ -255,3 +255,59 @@ def test_concurrent_model_builds_leave_torch_init_as_it_was():
         t.join()
     assert {name: getattr(nn.init, name) for name in _INITIALISERS} == before
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("logits", ["all", "last"])
+def test_final_norm_is_folded_into_lm_head(model_dir, monkeypatch, logits):
+    """Where every row gets logits (a decode step), the final norm goes to lm_head as a PendingNorm
+    (`project_pending`: on CUDA one GEMV): its logits equal lm_head(norm(x + residual)) of the last
+    layer's output and the hidden states x + residual, bit for bit, and equal the unfolded path's. A
+    prompt asking for its last row only keeps the add_norm kernel before lm_head."""
+    import ninfer_core.models.decoder as decoder
+
+    loaded = load(model_dir, "int8")
+    model = loaded.model
+    assert isinstance(model.lm_head, QuantLinear)
+    prompts = [PROMPT[:9], PROMPT[4:]]
+    seen = []
+    project = decoder.project_pending
+
+    def recorded(linear, pending):
+        seen.append((linear, pending.x.clone(), pending.residual.clone()))
+        y = project(linear, pending)
+        assert pending.summed is not None
+        return y
+
+    monkeypatch.setattr(decoder, "project_pending", recorded)
+
+    def decode() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = CacheManager(loaded.config, max_tokens=64, max_seqs=2, dtype=loaded.dtype, device="cpu")
+        seqs = [cache.allocate() for _ in prompts]
+        with torch.inference_mode():
+            for seq, ids in zip(seqs, prompts):
+                cache.reserve(seq, len(ids) + 1)
+                batch = ForwardBatch(input_ids=torch.tensor([ids]), positions=torch.arange(len(ids))[None],
+                                     cache_lens=torch.tensor([0]), slots=torch.tensor([seq.slot]),
+                                     block_table=cache.block_table([seq]), logits="last")
+                model.forward(batch, cache.cache)
+            assert not seen  # a prompt's last row: not every row gets logits
+            lens = torch.tensor([len(p) for p in prompts])
+            batch = ForwardBatch(input_ids=torch.tensor([[3], [250]]), positions=lens[:, None], cache_lens=lens,
+                                 slots=torch.tensor([s.slot for s in seqs]), block_table=cache.block_table(seqs),
+                                 logits=logits)
+            out = model.forward(batch, cache.cache)
+        return out.logits, out.hidden_states
+
+    folded_logits, folded_hidden = decode()
+    assert len(seen) == 1 and seen[0][0] is model.lm_head
+    _, x, residual = seen.pop()
+    with torch.inference_mode():
+        normed, summed = model.norm.add_norm(x, residual)
+        want = model.lm_head(normed).float()
+    assert folded_logits.shape == (2, 1, model.config.vocab_size)
+    assert torch.equal(folded_logits, want) and torch.equal(folded_hidden, summed)
+
+    monkeypatch.setattr(decoder, "_every_row_logits", lambda batch: False)  # the unfolded path
+    unfolded_logits, unfolded_hidden = decode()
+    assert not seen
+    assert torch.equal(folded_logits, unfolded_logits) and torch.equal(folded_hidden, unfolded_hidden)

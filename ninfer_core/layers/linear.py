@@ -8,7 +8,8 @@ shared-expert gate) run as one Linear whose output is split. Checkpoints keep th
 the merged tensor's rows) and the quantized fill (`models/quantize.py`: concatenated along dim 0)
 alike. The merged names are what `state_dict()` holds (the quantized artifact). A mixer's merged
 input projection may get its input before the layer's RMSNorm (`PendingNorm`): a quantized one then
-runs the add + norm inside its GEMV (`quant_linear_add_norm`, one launch fewer).
+runs the add + norm inside its GEMV (`project_pending`, `quant_linear_add_norm`: one launch fewer);
+so does the decoder's lm_head with the final norm.
 """
 
 from __future__ import annotations
@@ -35,20 +36,22 @@ class MergedLinear(nn.Module):
         self.linear = nn.Linear(in_features, sum(self.parts.values()), bias=bias)
 
     def forward(self, x: torch.Tensor | PendingNorm) -> tuple[torch.Tensor, ...]:
-        return self.split(self._project_pending(x) if isinstance(x, PendingNorm) else self.linear(x))
-
-    def _project_pending(self, pending: PendingNorm) -> torch.Tensor:
-        """linear(h) of a pending norm's h, setting pending.summed: one GEMV with the add + norm in
-        front for a quantized linear (at decode sizes on CUDA), else the add_norm kernel first."""
-        linear, norm = self.linear, pending.norm
-        if not isinstance(linear, QuantLinear):
-            return linear(pending.normed())
-        y, pending.summed = quant_linear_add_norm(pending.x, pending.residual, norm.weight, norm.eps,
-                                                  norm.zero_centered, linear.quantized, linear.bias)
-        return y
+        return self.split(project_pending(self.linear, x) if isinstance(x, PendingNorm) else self.linear(x))
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(list(self.parts.values()), dim=-1)
+
+
+def project_pending(linear: nn.Module, pending: PendingNorm) -> torch.Tensor:
+    """linear(h) of a pending norm's h, setting pending.summed: one GEMV with the add + norm in
+    front for a QuantLinear (at decode sizes on CUDA), else the add_norm kernel first (any other
+    linear: nn.Linear, KQuantLinear). A mixer's first projection and the decoder's lm_head."""
+    norm = pending.norm
+    if not isinstance(linear, QuantLinear):
+        return linear(pending.normed())
+    y, pending.summed = quant_linear_add_norm(pending.x, pending.residual, norm.weight, norm.eps,
+                                              norm.zero_centered, linear.quantized, linear.bias)
+    return y
 
 
 def merged_sources(module: nn.Module) -> dict[str, list[tuple[str, int]]]:

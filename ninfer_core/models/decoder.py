@@ -21,7 +21,7 @@ from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.gdn import GatedDeltaNet, GDNRecord
-from ..layers.linear import load_parameters
+from ..layers.linear import load_parameters, project_pending
 from ..layers.mlp import MLP
 from ..layers.moe import SparseMoE
 from ..layers.norm import PendingNorm, RMSNorm
@@ -153,12 +153,18 @@ class DecoderModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:
         step = self._step_context(batch, cache)
-        normed, x, captured = self._layers(self._embed(batch), step, batch.capture_layers)
-        if batch.valid_tokens is not None and batch.logits == "last":  # the last real token of each row
-            index = (batch.valid_tokens - 1)[:, None, None].expand(-1, 1, normed.shape[-1])
-            logits = self._logits(normed.gather(1, index))
+        delta, residual, captured = self._layers(self._embed(batch), step, batch.capture_layers)
+        if _every_row_logits(batch):  # the final norm folded into lm_head's GEMV (a decode step: a launch fewer)
+            pending = PendingNorm(delta, residual, self.norm)
+            logits = project_pending(self.lm_head, pending).float()
+            x = pending.summed
         else:
-            logits = None if batch.logits == "none" else self._logits(_logit_rows(normed, batch.logits))
+            normed, x = self.norm.add_norm(delta, residual)
+            if batch.valid_tokens is not None and batch.logits == "last":  # the last real token of each row
+                index = (batch.valid_tokens - 1)[:, None, None].expand(-1, 1, normed.shape[-1])
+                logits = self._logits(normed.gather(1, index))
+            else:
+                logits = None if batch.logits == "none" else self._logits(_logit_rows(normed, batch.logits))
         features = torch.cat([captured[i] for i in batch.capture_layers], dim=-1) if batch.capture_layers else None
         return ForwardOutput(logits=logits, hidden_states=x, captured=features, gdn_records=step.gdn_records)
 
@@ -172,7 +178,8 @@ class DecoderModel(nn.Module):
         steps = [self._step_context(p, cache) for p in parts]
         embeds = torch.cat([self._embed(p).flatten(0, 1) for p in parts])
         layers = tuple(sorted({i for p in parts for i in p.capture_layers}))
-        normed, x, captured = self._layers(embeds, MixedStep(steps, shapes), layers)
+        delta, residual, captured = self._layers(embeds, MixedStep(steps, shapes), layers)
+        normed, x = self.norm.add_norm(delta, residual)
         sizes = [b * t for b, t in shapes]
         xs = [rows.view(b, t, -1) for rows, (b, t) in zip(x.split(sizes), shapes)]
         wanted = [_logit_rows(rows.view(b, t, -1), p.logits)
@@ -210,8 +217,9 @@ class DecoderModel(nn.Module):
     def _layers(
         self, x: torch.Tensor, step: StepContext | MixedStep, capture_layers: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
-        """The decoder stack and the final norm: (normed output, the last layer's output before
-        the norm, the residual stream after each layer in `capture_layers`)."""
+        """The decoder stack: (delta, residual) of the last layer, whose sum is the output before
+        the final norm (left to the caller, which may fold it into lm_head), and the residual stream
+        after each layer in `capture_layers`."""
         captured: dict[int, torch.Tensor] = {}
         stack = None
         if x.device.type == "cpu" and isinstance(step, StepContext) and not capture_layers:
@@ -224,8 +232,7 @@ class DecoderModel(nn.Module):
                 x, residual = layer(x, residual, step)
                 if layer.layer_idx in capture_layers:
                     captured[layer.layer_idx] = x + residual
-        normed, x = self.norm.add_norm(x, residual)
-        return normed, x, captured
+        return x, residual, captured
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.lm_head(normed).float()
@@ -236,6 +243,14 @@ class DecoderModel(nn.Module):
         `to_empty()` after a meta-device build unties lm_head from the embeddings)."""
         self.tie_weights()
         load_parameters(self, get, names)
+
+
+def _every_row_logits(batch: ForwardBatch) -> bool:
+    """Whether every row of the batch gets logits ("all", or "last" of one new token and no
+    padding), so that lm_head can take the final norm's input whole."""
+    if batch.logits == "all":
+        return True
+    return batch.logits == "last" and batch.num_new_tokens == 1 and batch.valid_tokens is None
 
 
 def _logit_rows(x: torch.Tensor, which: str) -> torch.Tensor:
