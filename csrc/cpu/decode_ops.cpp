@@ -73,15 +73,10 @@ void rotary(float* out, const float* x, const float* cos, const float* sin, std:
 
 void write_kv_bf16(std::uintptr_t k_cache, std::uintptr_t v_cache, const float* k, const float* v,
                    const std::int64_t* slots, std::int64_t tokens, std::int64_t row) {
-  const auto to_bf16 = [](float x) -> std::uint16_t {  // round to nearest even, as torch; NaN -> a quiet NaN
-    std::uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    return x != x ? 0x7fc0 : static_cast<std::uint16_t>((bits + ((bits >> 16) & 1) + 0x7fff) >> 16);
-  };
   for (std::int64_t t = 0; t < tokens; ++t) {
     auto* kc = reinterpret_cast<std::uint16_t*>(k_cache) + slots[t] * row;
     auto* vc = reinterpret_cast<std::uint16_t*>(v_cache) + slots[t] * row;
-    for (std::int64_t i = 0; i < row; ++i) kc[i] = to_bf16(k[t * row + i]), vc[i] = to_bf16(v[t * row + i]);
+    for (std::int64_t i = 0; i < row; ++i) kc[i] = bf16_bits(k[t * row + i]), vc[i] = bf16_bits(v[t * row + i]);
   }
 }
 

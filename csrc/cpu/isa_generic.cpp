@@ -25,12 +25,8 @@ struct Generic {
       dst[2 * i + 1] = hi.v[i];
     }
   }
-  static void store_bf16(std::uint16_t* p, F a) {  // round to nearest even; NaN -> 0x7fc0, as torch
-    for (int i = 0; i < W; ++i) {
-      std::uint32_t bits;
-      std::memcpy(&bits, &a.v[i], 4);
-      p[i] = a.v[i] != a.v[i] ? 0x7fc0 : static_cast<std::uint16_t>((bits + ((bits >> 16) & 1) + 0x7fff) >> 16);
-    }
+  static void store_bf16(std::uint16_t* p, F a) {
+    for (int i = 0; i < W; ++i) p[i] = bf16_bits(a.v[i]);
   }
   static F splat(float s) {
     F r;

@@ -73,6 +73,13 @@ constexpr std::int64_t kMaxGroups = 4096;  // scale groups per weight row (quant
 
 inline std::int64_t lesser(std::int64_t a, std::int64_t b) { return a < b ? a : b; }
 
+// x as bf16 bits: round to nearest even as torch does; NaN -> 0x7fc0 (a quiet NaN, torch's).
+inline std::uint16_t bf16_bits(float x) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return x != x ? 0x7fc0 : static_cast<std::uint16_t>((bits + ((bits >> 16) & 1) + 0x7fff) >> 16);
+}
+
 // IEEE half -> float, exact (subnormals included): the tails the vector conversion leaves.
 inline float half_to_float(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000) << 16;
