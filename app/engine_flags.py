@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 WEIGHTS_HELP = ("Weights: auto (GPU: models of 2B+ parameters int4 experts/MLP + int8 rest, else the model dtype; "
                 "CPU: a GGUF's own quantization, int8 for other checkpoints, the model dtype when --dtype is given), "
                 "bf16, int8, int4. Quantized checkpoints are cached on disk after the first load.")
-KV_DTYPE_HELP = "KV cache: auto (the model dtype), bf16, fp16, fp8 (e4m3) or int8."
+KV_DTYPE_HELP = "KV cache: auto (the model dtype; fp16 on the CPU), fp32, bf16, fp16, fp8 (e4m3) or int8."
 KV_CAPACITY_HELP = ("KV cache tokens over all sequences: auto (GPU: the memory left after weights and workspace; "
                     "CPU: max-context x sequences) or a number.")
 THREADS_HELP = (f"CPU threads for the model's math (default: ${THREADS_ENV}, else the physical cores this process "

@@ -1,8 +1,8 @@
 """A GGUF model on the CPU: ninfer against llama.cpp in one run, and the compact weights' accuracy.
 
     python3 scripts/bench_cpu_gguf.py speed MODEL.gguf --llama-bench PATH/llama-bench [--threads 1,2]
-        [--prompt 128] [--gen 64] [--depth 64] [--repeats 5] [--dtype auto|float32] [--kv-dtype auto|bf16] [--json OUT]
-    python3 scripts/bench_cpu_gguf.py accuracy MODEL.gguf [--tokens 300] [--json OUT]
+        [--prompt 128] [--gen 64] [--depth 64] [--repeats 5] [--dtype auto|float32] [--kv-dtype auto|bf16|fp16] [--json OUT]
+    python3 scripts/bench_cpu_gguf.py accuracy MODEL.gguf [--tokens 300] [--kv-dtypes auto,bf16,fp16] [--json OUT]
 
 speed: for each thread count, `repeats` rounds that alternate ninfer and llama-bench (ninfer first
 in even rounds, llama.cpp first in odd ones), so both see the same machine. ninfer runs its own
@@ -19,7 +19,8 @@ accuracy: the compact weights (`--weights auto`) against the exact fp32 path (`-
 every tensor dequantized) teacher-forced over `tokens` tokens of prose and code: the decode path
 one token per forward (the CPU kernels), and the prefill path one forward for all tokens (the
 dequantized weights). KL(fp32 || compact) in nats per token, top-1 agreement, resident weight
-bytes against the file size.
+bytes against the file size. Each of `kv_dtypes` is a KV cache of the compact model (auto: fp32 on the
+CPU); the reference always has an fp32 cache, so a 16-bit cache's KL adds its rounding to the weights'.
 """
 
 from __future__ import annotations
@@ -99,9 +100,10 @@ def speed(args: argparse.Namespace) -> dict:
 
 
 @torch.inference_mode()
-def logits(loaded: LoadedModel, ids: list[int], one_by_one: bool) -> torch.Tensor:
+def logits(loaded: LoadedModel, ids: list[int], one_by_one: bool, kv_dtype: str = "auto") -> torch.Tensor:
     """Teacher-forced next-token log-probabilities [len(ids), V] (fp64)."""
-    cache = CacheManager(loaded.config, max_tokens=len(ids), max_seqs=1, dtype=loaded.dtype, device="cpu")
+    cache = CacheManager(loaded.config, max_tokens=len(ids), max_seqs=1, dtype=loaded.dtype, device="cpu",
+                         kv_dtype=None if kv_dtype == "auto" else kv_dtype)
     seq = cache.allocate()
     cache.reserve(seq, len(ids))
     steps = [(i, i + 1) for i in range(len(ids))] if one_by_one else [(0, len(ids))]
@@ -123,13 +125,16 @@ def accuracy(args: argparse.Namespace) -> dict:
     report = dict(model=str(args.model), weights=compact.recipe.label(compact.dtype), tokens=len(ids),
                   weight_bytes=weight_bytes(compact.model), file_bytes=args.model.stat().st_size, isa=_isa(),
                   math=dispatch.cpu_math())
-    for path, one_by_one in (("decode", True), ("prefill", False)):
-        ours = logits(compact, ids, one_by_one)
-        kl = (reference.exp() * (reference - ours)).sum(-1)
-        report[path] = dict(kl_mean=kl.mean().item(), kl_max=kl.max().item(),
-                            top1=(reference.argmax(-1) == ours.argmax(-1)).double().mean().item())
-        print(f"{path} path: KL {report[path]['kl_mean']:.3g} nats/token (max {report[path]['kl_max']:.3g}), "
-              f"top-1 agreement {report[path]['top1']:.4f} over {len(ids)} tokens", flush=True)
+    for kv_dtype in args.kv_dtypes:
+        for path, one_by_one in (("decode", True), ("prefill", False)):
+            ours = logits(compact, ids, one_by_one, kv_dtype)
+            kl = (reference.exp() * (reference - ours)).sum(-1)
+            key = path if kv_dtype == "auto" else f"{path}_kv_{kv_dtype}"
+            report[key] = dict(kl_mean=kl.mean().item(), kl_max=kl.max().item(),
+                               top1=(reference.argmax(-1) == ours.argmax(-1)).double().mean().item())
+            print(f"{path} path, {kv_dtype} KV: KL {report[key]['kl_mean']:.3g} nats/token (max "
+                  f"{report[key]['kl_max']:.3g}), top-1 agreement {report[key]['top1']:.4f} over {len(ids)} tokens",
+                  flush=True)
     ratio = report["weight_bytes"] / report["file_bytes"]
     print(f"resident weights {report['weight_bytes'] / 1e6:.1f} MB = {ratio:.3f}x the file", flush=True)
     return report
@@ -152,11 +157,12 @@ def main() -> None:
     s.add_argument("--depth", type=int, default=64)
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--dtype", default="auto", choices=("auto", "float32"))
-    s.add_argument("--kv-dtype", default="auto", help="ninfer's KV cache (auto: fp32 on the CPU; bf16 is llama.cpp's "
-                                                      "f16 in bytes)")
+    s.add_argument("--kv-dtype", default="auto", help="ninfer's KV cache (auto: fp32 on the CPU; bf16 / fp16: "
+                                                      "llama.cpp's f16 in bytes)")
     a = sub.add_parser("accuracy")
     a.add_argument("model", type=Path)
     a.add_argument("--tokens", type=int, default=300)
+    a.add_argument("--kv-dtypes", type=lambda v: v.split(","), default=["auto"])
     for p in (s, a):
         p.add_argument("--json", type=Path)
     args = parser.parse_args()

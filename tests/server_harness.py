@@ -23,7 +23,8 @@ MAX_SEQS = 8
 
 
 def load_tiny_llm(directory: Path, **overrides: Any) -> LLM:
-    options = dict(device="cpu", dtype="float32", max_seqs=MAX_SEQS, max_context=MAX_CONTEXT)
+    # the exact fp32 path, its KV cache too (the CPU default is fp16): the tests compare with transformers
+    options = dict(device="cpu", dtype="float32", kv_dtype="fp32", max_seqs=MAX_SEQS, max_context=MAX_CONTEXT)
     return LLM.load(str(directory), EngineOptions(**{**options, **overrides}))
 
 

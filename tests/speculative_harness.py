@@ -43,7 +43,8 @@ def write_drafter(tmp_path_factory: Any, target_dir: Path, **kwargs: Any) -> tup
 
 
 def load(directory: Path, **options: Any) -> LLM:
-    base = dict(device="cpu", dtype="float32", max_seqs=4, max_context=512)
+    # the exact fp32 path, its KV cache too (the CPU default is fp16): the tests compare with transformers
+    base = dict(device="cpu", dtype="float32", kv_dtype="fp32", max_seqs=4, max_context=512)
     return LLM.load(str(directory), EngineOptions(**{**base, **options}))
 
 

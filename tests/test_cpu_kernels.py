@@ -230,18 +230,31 @@ def _cache(pages: int = 12, page_size: int = 4, kv_heads: int = 2, dim: int = 64
                    torch.randn(pages, page_size, kv_heads, dim, generator=g))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+# Values where rounding to a 16-bit float is easy to get wrong: ties to even, overflow, fp16's subnormals.
+NARROW_EDGES = {
+    torch.bfloat16: [float("nan"), float("inf"), 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(2.0 ** 127) * 1.999],
+    torch.float16: [float("-nan"), float("inf"), 1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, 65519.0, 65520.0, -65536.0,
+                    2.0 ** -14, 2.0 ** -14 - 2.0 ** -25, 2.0 ** -25, 1.5 * 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -26,
+                    -(2.0 ** -24) * 2.5, 1e-30, -0.0],
+}
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_write_kv_copies_rows_to_their_slots(cache_dtype):
-    """fp32 rows into an fp32 cache, or rounded into a bf16 one as torch's .to() rounds (ties to even, inf,
-    NaN a NaN)."""
+    """fp32 rows into an fp32 cache, or rounded into a bf16 / fp16 one as torch's .to() rounds: ties to
+    even, overflow, subnormals, values across fp16's exponents; NaN a NaN (fp16: torch's bits too)."""
     kv, ref = (KVLayer(c.k.to(cache_dtype), c.v.to(cache_dtype)) for c in (_cache(), _cache()))
     k, v = torch.randn(2, 3, 2, 64), torch.randn(2, 3, 2, 64)
-    k[0, 0, 0, :4] = torch.tensor([float("nan"), float("inf"), 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8])  # ties to even
+    edges = NARROW_EDGES.get(cache_dtype, [float("nan")])
+    k[0, 0, 0, : len(edges)] = torch.tensor(edges)
+    v[1, 2] = torch.randn(2, 64) * torch.pow(2.0, torch.randint(-30, 18, (2, 64)).float())  # 2^-30 .. 2^17
     slots = torch.tensor([[5, 6, 7], [40, 41, 2]])
     attention.write_kv(kv, k, v, slots)
     attention.write_kv_ref(ref, k, v, slots)
-    torch.testing.assert_close(kv.k, ref.k, rtol=0, atol=0, equal_nan=True)  # (NaN's bits may differ)
+    torch.testing.assert_close(kv.k, ref.k, rtol=0, atol=0, equal_nan=True)  # (bf16: NaN's bits may differ)
     assert torch.equal(kv.v, ref.v) and kv.k.isnan().sum() == 1
+    if cache_dtype == torch.float16:
+        assert torch.equal(kv.k.view(torch.int16), ref.k.view(torch.int16))
 
 
 @pytest.mark.parametrize("num_new", [1, 4])  # decode, a speculative verify
@@ -258,7 +271,7 @@ def test_decode_attention_matches_reference(num_new, threads, monkeypatch):
     torch.testing.assert_close(out, attention.attention_ref(q, kv, table, lens, 0.125), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_new", [1, 3])
 @pytest.mark.parametrize("dim", [64, 36])  # 36: a tail after the vectors of every instruction set
 def test_decode_attention_over_chunks_of_keys(isa, num_new, dim, cache_dtype, monkeypatch):

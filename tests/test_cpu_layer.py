@@ -83,12 +83,14 @@ def test_fused_layer_equals_the_layer_forward(tmp_path, monkeypatch, arch, math)
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fused_layer_with_a_bf16_cache_equals_the_layer_forward(tmp_path, monkeypatch, arch):
-    """`--kv-dtype bf16` on the CPU: the fused stack rounds k / v into the cache and widens them out as
-    the layers' own kernel calls do (those are checked against torch and float64 in test_cpu_kernels)."""
+def test_fused_layer_with_a_16_bit_cache_equals_the_layer_forward(tmp_path, monkeypatch, arch, kv_dtype):
+    """`--kv-dtype bf16 / fp16` on the CPU: the fused stack rounds k / v into the cache and widens them
+    out as the layers' own kernel calls do (those are checked against torch and float64 in
+    test_cpu_kernels)."""
     model = compact_tiny(tmp_path, arch)
-    ours, reference, fused_calls = fused_and_reference(model, monkeypatch, kv_dtype=torch.bfloat16)
+    ours, reference, fused_calls = fused_and_reference(model, monkeypatch, kv_dtype=kv_dtype)
     assert fused_calls == [2] * (3 + 3 + 3)
     for got, want in zip(ours, reference):
         assert torch.equal(got, want)
@@ -120,3 +122,22 @@ def test_smollm_decodes_the_same_fused(monkeypatch, smollm_path):
     assert fused_calls and set(fused_calls) == {model.config.num_layers}  # the whole stack in one call
     for got, want in zip(ours, reference):
         assert torch.equal(got, want)
+
+
+def test_the_cpu_engine_keeps_an_fp16_cache_by_default(monkeypatch, smollm_path):
+    """`--kv-dtype auto` on the CPU: an fp16 cache (llama.cpp's default) that the fused stack reads;
+    the README's model answers a greedy prompt as with the exact fp32 cache; `fp32` keeps that one."""
+    from ninfer_core.engine.sampling import SamplingParams
+    from ninfer_core.llm import LLM, EngineOptions
+
+    calls = []
+    fused = cpu_layer.decode_layers
+    monkeypatch.setattr(cpu_layer, "decode_layers", lambda *a: calls.append(1) or fused(*a))
+    prompt = list(range(1000, 1040))
+    tokens = {}
+    for kv in ("auto", "fp32"):
+        llm = LLM.load(str(smollm_path), EngineOptions(device="cpu", kv_dtype=kv))
+        sampling = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        tokens[llm.stats().kv_dtype] = [t for out in llm.complete(prompt, sampling) for t in out.new_token_ids]
+    assert set(tokens) == {"fp16", "fp32"} and calls
+    assert tokens["fp16"] == tokens["fp32"] and len(tokens["fp16"]) == 24

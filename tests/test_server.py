@@ -573,7 +573,7 @@ def test_ninfer_serve_command(model, tmp_path):
         ps = httpx.get(url + "/api/ps", headers={"Authorization": "Bearer k"}).json()
         assert ps["threads"] == 1 and [m["name"] for m in ps["models"]] == [served.id]  # NINFER_THREADS applied
         ready = proc.stderr.readline()  # the startup report: capacity, formats
-        assert "ready (context 128 tokens" in ready and "weights float32" in ready and "KV fp32 1,024 tokens" in ready, ready
+        assert "ready (context 128 tokens" in ready and "weights float32" in ready and "KV fp16 1,024 tokens" in ready, ready
         assert "CUDA graphs off" in ready
     finally:
         proc.send_signal(signal.SIGINT)

@@ -9,24 +9,35 @@
 #include <cstdint>
 
 #include "decode_ops.h"
+#include "quant_kernels.h"
 
 namespace ninfer::cpu {
 namespace {
+
+// A 16-bit cache element, by what it holds (the same bits, two widenings).
+struct Bf16 {
+  std::uint16_t bits;
+};
+struct Half {
+  std::uint16_t bits;
+};
 
 template <class V>
 struct AttentionKernels {
   using F = typename V::F;
 
-  // A cache row's values: fp32, or bf16 widened (exactly) to fp32.
+  // A cache row's values: fp32, or bf16 / fp16 widened (exactly) to fp32.
   static F load(const float* p) { return V::load(p); }
-  static F load(const std::uint16_t* p) { return V::bf16s(p); }
+  static F load(const Bf16* p) { return V::bf16s(reinterpret_cast<const std::uint16_t*>(p)); }
+  static F load(const Half* p) { return V::halves(reinterpret_cast<const std::uint16_t*>(p)); }
   static float value(float x) { return x; }
-  static float value(std::uint16_t x) {
-    const std::uint32_t bits = static_cast<std::uint32_t>(x) << 16;
+  static float value(Bf16 x) {
+    const std::uint32_t bits = static_cast<std::uint32_t>(x.bits) << 16;
     float f;
     __builtin_memcpy(&f, &bits, 4);
     return f;
   }
+  static float value(Half x) { return half_to_float(x.bits); }
 
   template <class T>
   static float dot(const float* a, const T* b, std::int64_t n) {
@@ -52,11 +63,16 @@ struct AttentionKernels {
   // `scores`: group * (j1 - j0) floats. Each K / V row is read once for the group.
   static void chunk(const AttentionArgs& a, std::int64_t b, std::int64_t t, std::int64_t kv_head, std::int64_t j0,
                     std::int64_t j1, float* scores, float* m, float* l, float* acc) {
-    if (a.bf16_cache) {
-      chunk_of(reinterpret_cast<const std::uint16_t*>(a.k_cache), reinterpret_cast<const std::uint16_t*>(a.v_cache),
-               a, b, t, kv_head, j0, j1, scores, m, l, acc);
-    } else {
-      chunk_of(a.k_cache, a.v_cache, a, b, t, kv_head, j0, j1, scores, m, l, acc);
+    switch (a.cache) {
+      case CacheType::F32: chunk_of(a.k_cache, a.v_cache, a, b, t, kv_head, j0, j1, scores, m, l, acc); break;
+      case CacheType::BF16:
+        chunk_of(reinterpret_cast<const Bf16*>(a.k_cache), reinterpret_cast<const Bf16*>(a.v_cache), a, b, t, kv_head,
+                 j0, j1, scores, m, l, acc);
+        break;
+      case CacheType::F16:
+        chunk_of(reinterpret_cast<const Half*>(a.k_cache), reinterpret_cast<const Half*>(a.v_cache), a, b, t, kv_head,
+                 j0, j1, scores, m, l, acc);
+        break;
     }
   }
 

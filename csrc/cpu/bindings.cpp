@@ -29,6 +29,18 @@ KQuantWeight kquant_weight(std::uintptr_t data, std::int64_t k, const py::tuple&
   return w;
 }
 
+// ops/attention.py CACHE_TYPES' number of a KV cache's element type (0 fp32, 1 bf16, 2 fp16).
+ninfer::cpu::CacheType cache_of(int type) {
+  if (type < 0 || type > 2) throw std::invalid_argument("KV cache type: 0 (fp32), 1 (bf16) or 2 (fp16)");
+  return static_cast<ninfer::cpu::CacheType>(type);
+}
+
+// A 16-bit one (write_kv_narrow's).
+ninfer::cpu::CacheType narrow_cache(int type) {
+  if (type != 1 && type != 2) throw std::invalid_argument("write_kv_narrow: cache_type 1 (bf16) or 2 (fp16)");
+  return cache_of(type);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -118,30 +130,31 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("tokens"),
       py::arg("row_bytes"), "Copy token rows to the flat cache rows `slots` (int64).");
   m.def(
-      "write_kv_bf16",
+      "write_kv_narrow",
       [](std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k, std::uintptr_t v, std::uintptr_t slots,
-         std::int64_t tokens, std::int64_t row) {
-        ninfer::cpu::write_kv_bf16(k_cache, v_cache, reinterpret_cast<const float*>(k), reinterpret_cast<const float*>(v),
-                                   reinterpret_cast<const std::int64_t*>(slots), tokens, row);
+         std::int64_t tokens, std::int64_t row, int cache_type) {
+        ninfer::cpu::write_kv_narrow(k_cache, v_cache, reinterpret_cast<const float*>(k), reinterpret_cast<const float*>(v),
+                                     reinterpret_cast<const std::int64_t*>(slots), tokens, row, narrow_cache(cache_type));
       },
       py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("tokens"),
-      py::arg("row"), "fp32 token rows (`row` values) rounded into a bf16 cache's rows `slots` (int64).");
+      py::arg("row"), py::arg("cache_type"),
+      "fp32 token rows (`row` values) rounded into a bf16 (1) or fp16 (2) cache's rows `slots` (int64).");
   m.def(
       "decode_attention",
       [](std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_cache, std::uintptr_t v_cache,
          std::uintptr_t block_table, std::uintptr_t cache_lens, std::int64_t batch, std::int64_t num_new,
          std::int64_t heads, std::int64_t kv_heads, std::int64_t dim, std::int64_t page_size,
-         std::int64_t table_width, float scale, int threads, bool bf16_cache) {
+         std::int64_t table_width, float scale, int threads, int cache_type) {
         ninfer::cpu::decode_attention({reinterpret_cast<float*>(out), reinterpret_cast<const float*>(q),
                                        reinterpret_cast<const float*>(k_cache), reinterpret_cast<const float*>(v_cache),
                                        reinterpret_cast<const std::int32_t*>(block_table),
                                        reinterpret_cast<const std::int64_t*>(cache_lens), batch, num_new, heads,
-                                       kv_heads, dim, page_size, table_width, scale, threads, bf16_cache});
+                                       kv_heads, dim, page_size, table_width, scale, threads, cache_of(cache_type)});
       },
       py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
       py::arg("cache_lens"), py::arg("batch"), py::arg("num_new"), py::arg("heads"), py::arg("kv_heads"),
       py::arg("dim"), py::arg("page_size"), py::arg("table_width"), py::arg("scale"), py::arg("threads"),
-      py::arg("bf16_cache"),
+      py::arg("cache_type"),
       py::call_guard<py::gil_scoped_release>(),
       "fp32 causal attention over a paged cache (int32 block table, int64 lengths). See csrc/cpu/decode_ops.h.");
   // A linear as a tuple (n, bias, kquant, plan): the output width, the bias pointer (0 for none), and the weight's
@@ -186,7 +199,7 @@ PYBIND11_MODULE(_cpu, m) {
          const std::vector<std::uintptr_t>& v_caches, const py::tuple& step) {
         // step: (x, residual, out_a, residual_out_a, out_b, residual_out_b, cos, sin, slots, block_table,
         // cache_lens, batch, num_new, page_size, table_width, scratch, threads, int8_activations, rotary_dim,
-        // bf16_cache).
+        // cache_type).
         // Layer i reads the stream layer i - 1 wrote (layer 0: x, residual) and writes pair a (even i) or b.
         if (plans.empty() || k_caches.size() != plans.size() || v_caches.size() != plans.size()) {
           throw std::invalid_argument("decode_layers: one plan and one K / V cache per layer");
@@ -204,7 +217,7 @@ PYBIND11_MODULE(_cpu, m) {
         a.cache_lens = reinterpret_cast<const std::int64_t*>(step[10].cast<std::uintptr_t>());
         a.batch = i64(step[11]), a.num_new = i64(step[12]), a.page_size = i64(step[13]), a.table_width = i64(step[14]);
         a.scratch = f(step[15]), a.threads = step[16].cast<int>();
-        a.int8_activations = step[17].cast<bool>(), a.rotary_dim = i64(step[18]), a.bf16_cache = step[19].cast<bool>();
+        a.int8_activations = step[17].cast<bool>(), a.rotary_dim = i64(step[18]), a.cache = cache_of(step[19].cast<int>());
         py::gil_scoped_release release;
         for (std::size_t i = 0; i < plans.size(); ++i) {
           ninfer::cpu::DecodeLayerArgs layer = *plans[i];
@@ -212,7 +225,7 @@ PYBIND11_MODULE(_cpu, m) {
           layer.cache_lens = a.cache_lens, layer.batch = a.batch, layer.num_new = a.num_new;
           layer.page_size = a.page_size, layer.table_width = a.table_width, layer.scratch = a.scratch;
           layer.threads = a.threads, layer.int8_activations = a.int8_activations, layer.rotary_dim = a.rotary_dim;
-          layer.bf16_cache = a.bf16_cache;
+          layer.cache = a.cache;
           layer.k_cache = reinterpret_cast<float*>(k_caches[i]), layer.v_cache = reinterpret_cast<float*>(v_caches[i]);
           layer.x = x, layer.residual = residual, layer.out = out[i % 2], layer.residual_out = residual_out[i % 2];
           ninfer::cpu::decode_layer(layer);

@@ -60,14 +60,14 @@ void decode_layer(const DecodeLayerArgs& a) {
   rotary(q, q, a.cos, a.sin, tokens, a.heads, a.head_dim, a.rotary_dim);
   rotary(k, k, a.cos, a.sin, tokens, a.kv_heads, a.head_dim, a.rotary_dim);
   const auto k_cache = reinterpret_cast<std::uintptr_t>(a.k_cache), v_cache = reinterpret_cast<std::uintptr_t>(a.v_cache);
-  if (a.bf16_cache) {
-    write_kv_bf16(k_cache, v_cache, k, v, a.slots, tokens, kv_width);
+  if (a.cache != CacheType::F32) {
+    write_kv_narrow(k_cache, v_cache, k, v, a.slots, tokens, kv_width, a.cache);
   } else {
     write_kv(k_cache, v_cache, reinterpret_cast<std::uintptr_t>(k), reinterpret_cast<std::uintptr_t>(v), a.slots, tokens,
              kv_width * static_cast<std::int64_t>(sizeof(float)));
   }
   decode_attention({attention, q, a.k_cache, a.v_cache, a.block_table, a.cache_lens, a.batch, a.num_new, a.heads,
-                    a.kv_heads, a.head_dim, a.page_size, a.table_width, a.scale, a.threads, a.bf16_cache});
+                    a.kv_heads, a.head_dim, a.page_size, a.table_width, a.scale, a.threads, a.cache});
   linear(a.o, o, attention, tokens, a);
   // h = norm(o + stream); the stream goes on in residual_out
   add_rmsnorm(normed, a.residual_out, o, a.residual_out, a.post_norm, tokens, a.hidden, a.eps, false);

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "decode_ops.h"
 #include "kquant.h"
 #include "quant_matmul.h"
 
@@ -35,9 +36,9 @@ struct DecodeLayerArgs {
   float* residual_out;    // [tokens, hidden] x + residual + attention: the stream after this layer's mixer
   const float* cos;       // [tokens, rotary_dim]
   const float* sin;
-  float* k_cache;  // [pages, page_size, kv_heads, head_dim] fp32, or bf16 with bf16_cache
+  float* k_cache;  // [pages, page_size, kv_heads, head_dim] of `cache`'s type
   float* v_cache;
-  bool bf16_cache;
+  CacheType cache;
   const std::int64_t* slots;         // [tokens] flat cache row of each new token
   const std::int32_t* block_table;   // [batch, table_width]
   const std::int64_t* cache_lens;    // [batch]

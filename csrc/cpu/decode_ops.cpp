@@ -71,12 +71,13 @@ void rotary(float* out, const float* x, const float* cos, const float* sin, std:
   }
 }
 
-void write_kv_bf16(std::uintptr_t k_cache, std::uintptr_t v_cache, const float* k, const float* v,
-                   const std::int64_t* slots, std::int64_t tokens, std::int64_t row) {
+void write_kv_narrow(std::uintptr_t k_cache, std::uintptr_t v_cache, const float* k, const float* v,
+                     const std::int64_t* slots, std::int64_t tokens, std::int64_t row, CacheType cache) {
+  const auto narrow = cache == CacheType::BF16 ? bf16_bits : half_bits;
   for (std::int64_t t = 0; t < tokens; ++t) {
     auto* kc = reinterpret_cast<std::uint16_t*>(k_cache) + slots[t] * row;
     auto* vc = reinterpret_cast<std::uint16_t*>(v_cache) + slots[t] * row;
-    for (std::int64_t i = 0; i < row; ++i) kc[i] = bf16_bits(k[t * row + i]), vc[i] = bf16_bits(v[t * row + i]);
+    for (std::int64_t i = 0; i < row; ++i) kc[i] = narrow(k[t * row + i]), vc[i] = narrow(v[t * row + i]);
   }
 }
 

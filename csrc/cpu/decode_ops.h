@@ -25,9 +25,12 @@ void rotary(float* out, const float* x, const float* cos, const float* sin, std:
 // Rows of `row_bytes` bytes (one token's kv heads) to the flat cache rows `slots` of k / v.
 void write_kv(std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k, std::uintptr_t v,
               const std::int64_t* slots, std::int64_t tokens, std::int64_t row_bytes);
-// The same from fp32 rows of `row` values into a bf16 cache (rounded to nearest even, as torch's .to()).
-void write_kv_bf16(std::uintptr_t k_cache, std::uintptr_t v_cache, const float* k, const float* v,
-                   const std::int64_t* slots, std::int64_t tokens, std::int64_t row);
+// What the rows of a KV cache hold: fp32, or a 16-bit float the kernels round fp32 into and widen back
+// out of (ops/attention.py CACHE_TYPES gives the numbers).
+enum class CacheType : int { F32 = 0, BF16 = 1, F16 = 2 };
+// The same from fp32 rows of `row` values into a bf16 or fp16 cache (rounded to nearest even, as torch's .to()).
+void write_kv_narrow(std::uintptr_t k_cache, std::uintptr_t v_cache, const float* k, const float* v,
+                     const std::int64_t* slots, std::int64_t tokens, std::int64_t row, CacheType cache);
 
 // Causal attention of `num_new` new tokens per sequence over a paged fp32 KV cache (the contract
 // of ops/attention.py decode_attention): q, out [batch, num_new, heads, dim]; cache
@@ -43,7 +46,7 @@ struct AttentionArgs {
   std::int64_t batch, num_new, heads, kv_heads, dim, page_size, table_width;
   float scale;
   int threads;
-  bool bf16_cache = false;  // k_cache / v_cache hold bf16 values (the pointers then point at them)
+  CacheType cache = CacheType::F32;  // what k_cache / v_cache hold (the pointers then point at it)
 };
 void decode_attention(const AttentionArgs& args);
 

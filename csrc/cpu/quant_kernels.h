@@ -80,6 +80,25 @@ inline std::uint16_t bf16_bits(float x) {
   return x != x ? 0x7fc0 : static_cast<std::uint16_t>((bits + ((bits >> 16) & 1) + 0x7fff) >> 16);
 }
 
+// x as IEEE half bits, rounded to nearest even as torch's .to(float16): |x| >= 65520 -> inf, NaN -> a
+// quiet NaN with x's sign, below 2^-14 the subnormals (round(|x| 2^24) units of 2^-24).
+inline std::uint16_t half_bits(float x) {
+  std::uint32_t f;
+  std::memcpy(&f, &x, 4);
+  const auto sign = static_cast<std::uint16_t>((f >> 16) & 0x8000);
+  const std::uint32_t a = f & 0x7fffffff;
+  if (a > 0x7f800000) return sign | 0x7e00;
+  if (a >= 0x477ff000) return sign | 0x7c00;
+  if (a >= 0x38800000) {  // a normal half: the exponent rebiased (127 -> 15), 23 mantissa bits rounded to 10
+    const std::uint32_t r = a - 0x38000000;
+    return sign | static_cast<std::uint16_t>((r + 0xfff + ((r >> 13) & 1)) >> 13);
+  }
+  if (a < 0x33000000) return sign;  // below 2^-25 (and 2^-25, a tie, to the even 0)
+  const std::uint32_t exponent = a >> 23, mantissa = (a & 0x7fffff) | 0x800000;
+  const std::uint32_t shift = 126 - exponent;  // |x| 2^24 = mantissa >> shift
+  return sign | static_cast<std::uint16_t>((mantissa + (1u << (shift - 1)) - 1 + ((mantissa >> shift) & 1)) >> shift);
+}
+
 // IEEE half -> float, exact (subnormals included): the tails the vector conversion leaves.
 inline float half_to_float(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000) << 16;

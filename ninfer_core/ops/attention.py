@@ -42,6 +42,8 @@ from .rope import norm_rotary, rotary_kernel_fits
 
 DECODE_MAX_TOKENS = 16  # new tokens per sequence the decode kernel takes (speculative K + 1 <= 16)
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+# The CPU kernels' numbers for a KV cache's element type (csrc/cpu/decode_ops.h CacheType)
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _HEAD_DIMS = (64, 128, 256)  # what the kernels are compiled for
 _CHUNK_HEAD_DIMS = (32, 64, 128, 256)  # tl.dot needs >= 16; powers of two for the tiles
 _LOG2E = 1.4426950408889634  # the chunk kernel's softmax runs in base 2
@@ -117,11 +119,11 @@ def write_kv_ref(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: to
 def write_kv(kv: KVLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v [B, T, Hkv, D] at the flat cache rows (page * page_size + row) `slot_mapping` [B, T]."""
     if _cpu_fits(kv, k, v) and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous():
-        # row copies (csrc/cpu/decode_ops.h): the cache holds k's dtype, or bf16 rounded from fp32
+        # row copies (csrc/cpu/decode_ops.h): the cache holds k's dtype, or bf16 / fp16 rounded from fp32
         ext, row = dispatch.cpu_extension(), k.shape[-1] * k.shape[-2]
-        if _bf16_beside_fp32(kv, k):
-            ext.write_kv_bf16(kv.k.data_ptr(), kv.v.data_ptr(), k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(),
-                              slot_mapping.numel(), row)
+        if _narrow_beside_fp32(kv, k):
+            ext.write_kv_narrow(kv.k.data_ptr(), kv.v.data_ptr(), k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(),
+                                slot_mapping.numel(), row, CACHE_TYPES[kv.k.dtype])
         else:
             ext.write_kv(kv.k.data_ptr(), kv.v.data_ptr(), k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(),
                          slot_mapping.numel(), row * k.element_size())
@@ -284,7 +286,7 @@ def _cpu_decode_attention(q: torch.Tensor, kv: KVLayer, block_table: torch.Tenso
     dispatch.cpu_extension().decode_attention(
         out.data_ptr(), q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), block_table.data_ptr(), cache_lens.data_ptr(),
         batch, num_new, heads, kv.k.shape[2], dim, kv.page_size, block_table.shape[1], float(scale),
-        dispatch.cpu_threads(), kv.k.dtype == torch.bfloat16,
+        dispatch.cpu_threads(), CACHE_TYPES[kv.k.dtype],
     )
     return out
 
@@ -437,18 +439,18 @@ def _cache_readable(kv: KVLayer, dtype: torch.dtype) -> bool:
     return kv.k.dtype in QMAX if kv.quantized else kv.k.dtype == dtype
 
 
-def _bf16_beside_fp32(kv: KVLayer, x: torch.Tensor) -> bool:
-    """A bf16 cache beside fp32 activations (`--kv-dtype bf16` on the CPU): the kernels round into
-    it and widen out of it."""
-    return kv.k.dtype == torch.bfloat16 and x.dtype == torch.float32
+def _narrow_beside_fp32(kv: KVLayer, x: torch.Tensor) -> bool:
+    """A bf16 / fp16 cache beside fp32 activations (`--kv-dtype bf16 / fp16` on the CPU): the kernels
+    round into it and widen out of it."""
+    return kv.k.dtype in (torch.bfloat16, torch.float16) and x.dtype == torch.float32
 
 
 def _cpu_fits(kv: KVLayer, *xs: torch.Tensor) -> bool:
     """Whether the CPU kernels take these activations with this cache: contiguous, on the CPU, the
-    cache in the activations' dtype or bf16 beside fp32 activations (no fp8 / int8 scales)."""
+    cache in the activations' dtype or bf16 / fp16 beside fp32 activations (no fp8 / int8 scales)."""
     return (
         not kv.quantized
-        and all(x.device.type == "cpu" and x.is_contiguous() and (x.dtype == kv.k.dtype or _bf16_beside_fp32(kv, x))
+        and all(x.device.type == "cpu" and x.is_contiguous() and (x.dtype == kv.k.dtype or _narrow_beside_fp32(kv, x))
                 for x in xs)
         and kv.k.device.type == "cpu" and kv.v.dtype == kv.k.dtype and kv.k.is_contiguous() and kv.v.is_contiguous()
         and xs[0].shape[-1] == kv.k.shape[-1]

@@ -7,7 +7,7 @@ runs them in the same order on the same values, so the two agree to the bit. `de
 returns None whenever a layer or a step is not the plain case the kernel covers: Llama-family
 attention (no output gate, plain RMSNorms, optional q/k norms and qkv bias), a dense MLP, compact
 weights the CPU kernels run (K-quant blocks only with the bf16 / int8 maths: exact math multiplies
-them dequantized), an fp32 or bf16 cache without scales, up to 16 new tokens per sequence.
+them dequantized), an fp32, bf16 or fp16 cache without scales, up to 16 new tokens per sequence.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import dispatch
-from .attention import DECODE_MAX_TOKENS
+from .attention import CACHE_TYPES, DECODE_MAX_TOKENS
 from .kquant import KQuantLinear
 from .quant import QuantLinear, scratch_buffer
 
@@ -43,8 +43,8 @@ def decode_layers(
     meta = step.attn
     kvs = [step.cache.kv.layer(layer.layer_idx) for layer in layers]
     tensors = (x, step.cos, step.sin) if residual is None else (x, residual, step.cos, step.sin)
-    cache_dtype = kvs[0].k.dtype  # fp32, or bf16 (the kernel rounds into it)
-    if not (num_new <= DECODE_MAX_TOKENS and cache_dtype in (torch.float32, torch.bfloat16)
+    cache_dtype = kvs[0].k.dtype  # fp32, or bf16 / fp16 (the kernel rounds into it)
+    if not (num_new <= DECODE_MAX_TOKENS and cache_dtype in CACHE_TYPES
             and all(not kv.quantized and kv.k.dtype == kv.v.dtype == cache_dtype for kv in kvs)
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
             and meta.slot_mapping.is_contiguous() and meta.block_table.is_contiguous()
@@ -61,7 +61,7 @@ def decode_layers(
         out_b.data_ptr(), res_b.data_ptr(), step.cos.data_ptr(), step.sin.data_ptr(), meta.slot_mapping.data_ptr(),
         meta.block_table.data_ptr(), meta.cache_lens.data_ptr(), batch, num_new, kvs[0].page_size,
         meta.block_table.shape[1], scratch.data_ptr(), dispatch.cpu_threads(), math == "int8", step.cos.shape[-1],
-        cache_dtype == torch.bfloat16))
+        CACHE_TYPES[cache_dtype]))
     return pairs[(len(layers) - 1) % 2]
 
 
