@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .cache import CacheManager
+from .cache.kv_pool import engine_kv_dtype
 from .cache.manager import DEFAULT_PAGE_SIZE
 from .config import ModelConfig
 from .engine.cuda_graph import DecodeGraphs
@@ -174,7 +175,7 @@ class _Harness:
         per_seq = math.ceil((setup.batch_context + setup.decode_steps + 2) / DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE
         tokens = max(self.max_context, max_batch * per_seq)
         self.manager = CacheManager(config, max_tokens=tokens, max_seqs=max_batch, dtype=dtype, device=device,
-                                    kv_dtype=None if setup.kv_dtype == "auto" else setup.kv_dtype,
+                                    kv_dtype=engine_kv_dtype(setup.kv_dtype, device, dtype),
                                     scratch=device.type == "cuda")
         self.graphs = None
         if setup.cuda_graphs and device.type == "cuda":

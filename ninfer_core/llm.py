@@ -19,6 +19,7 @@ import torch
 from .cache import CacheManager
 from .cache.manager import DEFAULT_PAGE_SIZE
 from .cache.prefix_cache import SPLIT_MIN
+from .cache.kv_pool import engine_kv_dtype
 from .cache.sizing import plan_cache
 from .cache.state_pool import state_bytes_per_slot
 from .chat.output_parser import (
@@ -59,16 +60,6 @@ CPU_PREFILL_CHUNK = 1024
 LARGE_GPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK, LARGE_GPU_BYTES = 8192, 4096, 48 << 30
 DEFAULT_PREFIX_CACHE_GB = {"cpu": 0.25, "cuda": 2.0}
 MAX_CHECKPOINTS = 256
-
-
-def engine_kv_dtype(requested: str, loaded: LoadedModel) -> str:
-    """The KV cache an engine makes. `auto`: the model dtype, except that an fp32 model on the CPU gets
-    fp16, as llama.cpp does: the CPU kernels round k / v into it and widen them out, and a decode step
-    reads half of fp32's KV bytes (SmolLM2 at 2,048 tokens, 1 thread: 38.9 -> 44.1 tok/s) for 2.4e-7
-    nats a token of KL (bf16: 1.3e-5; docs/performance.md). `--kv-dtype fp32` keeps the exact cache."""
-    if requested == "auto" and loaded.device.type == "cpu" and loaded.dtype == torch.float32:
-        return "fp16"
-    return requested
 
 
 @dataclass
@@ -291,7 +282,7 @@ class LLM:
             raise NinferError(f"--max-context {options.max_context} exceeds the model's limit of {model_limit} tokens")
         graphs = options.cuda_graphs and device.type == "cuda" and kernels_available()
         checkpoints = options.checkpoint_slots(state_bytes_per_slot(loaded.config, loaded.dtype), device)
-        plan = plan_cache(loaded.config, device, loaded.dtype, kv_dtype=engine_kv_dtype(options.kv_dtype, loaded),
+        plan = plan_cache(loaded.config, device, loaded.dtype, kv_dtype=engine_kv_dtype(options.kv_dtype, device, loaded.dtype),
                           max_seqs=options.max_seqs, max_context=options.max_context,
                           default_context=DEFAULT_MAX_CONTEXT[device.type], kv_capacity=options.kv_capacity,
                           extra_state_slots=checkpoints)

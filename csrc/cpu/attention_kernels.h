@@ -49,13 +49,23 @@ struct AttentionKernels {
     return total;
   }
 
-  // out[i] += p * v[i]
-  template <class T>
-  static void axpy(float* out, float p, const T* v, std::int64_t n) {
-    const F s = V::splat(p);
-    std::int64_t i = 0;
-    for (; i + V::W <= n; i += V::W) V::store(out + i, V::fma(s, load(v + i), V::load(out + i)));
-    for (; i < n; ++i) out[i] += p * value(v[i]);
+  // e^x for x <= 0 (softmax weights), W at a time: x = n ln2 + r with |r| <= ln2 / 2, e^r from Cephes'
+  // degree-6 polynomial (within a few ulp of expf), times 2^n. x is held above -86 (e^-86 = 4e-38),
+  // where the 2^n scaling stays normal on every instruction set: a weight that small adds nothing to
+  // sums of terms near 1. A scalar expf a score took ~3 ms of a 2,048-token step of the README's model.
+  static F exp_nonpositive(F x) {
+    x = V::max(x, V::splat(-86.0f));
+    const F n = V::round(V::mul(x, V::splat(1.44269504f)));
+    F r = V::fma(n, V::splat(-0.693359375f), x);  // ln2 in two parts, so that r is exact
+    r = V::fma(n, V::splat(2.12194440e-4f), r);
+    F p = V::splat(1.9875691500e-4f);
+    p = V::fma(p, r, V::splat(1.3981999507e-3f));
+    p = V::fma(p, r, V::splat(8.3334519073e-3f));
+    p = V::fma(p, r, V::splat(4.1665795894e-2f));
+    p = V::fma(p, r, V::splat(1.6666665459e-1f));
+    p = V::fma(p, r, V::splat(5.0000001201e-1f));
+    p = V::fma(p, V::mul(r, r), V::add(r, V::splat(1.0f)));
+    return V::times_pow2(p, n);
   }
 
   // Keys [j0, j1) of sequence b's token t for the query heads of kv_head: per head g, m[g] = the
@@ -82,27 +92,58 @@ struct AttentionKernels {
                        float* acc) {
     const std::int64_t dim = a.dim, group = a.heads / a.kv_heads, n = j1 - j0;
     const float* q = a.q + ((b * a.num_new + t) * a.heads + kv_head * group) * dim;
-    const auto row = [&](std::int64_t j) {
-      const std::int64_t page = a.block_table[b * a.table_width + j / a.page_size];
-      return ((page * a.page_size + j % a.page_size) * a.kv_heads + kv_head) * dim;
-    };
+    std::int64_t rows[kAttentionChunk];  // the chunk's cache rows (decode_ops.cpp: n <= kAttentionChunk)
     for (std::int64_t j = j0; j < j1; ++j) {
-      const T* k = k_cache + row(j);
-      for (std::int64_t g = 0; g < group; ++g) scores[g * n + (j - j0)] = dot(q + g * dim, k, dim) * a.scale;
+      const std::int64_t page = a.block_table[b * a.table_width + j / a.page_size];
+      rows[j - j0] = ((page * a.page_size + j % a.page_size) * a.kv_heads + kv_head) * dim;
+    }
+    for (std::int64_t j = 0; j < n; ++j) {
+      const T* k = k_cache + rows[j];
+      for (std::int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(q + g * dim, k, dim) * a.scale;
     }
     for (std::int64_t g = 0; g < group; ++g) {
       float* p = scores + g * n;
-      float max = -INFINITY, total = 0;
+      float max = -INFINITY;
       for (std::int64_t j = 0; j < n; ++j) max = p[j] > max ? p[j] : max;
+      F sums = V::zero();
+      std::int64_t j = 0;
+      for (; j + V::W <= n; j += V::W) {
+        const F e = exp_nonpositive(V::add(V::load(p + j), V::splat(-max)));
+        V::store(p + j, e);
+        sums = V::add(sums, e);
+      }
+      float total = V::sum(sums);
       // __builtin_expf, not std::exp: an inline library function would be a COMDAT copy that the
       // linker may take from the AVX-512 file (see quant_kernels.h)
-      for (std::int64_t j = 0; j < n; ++j) total += (p[j] = __builtin_expf(p[j] - max));
+      for (; j < n; ++j) total += (p[j] = __builtin_expf(p[j] - max));
       m[g] = max, l[g] = total;
     }
-    for (std::int64_t i = 0; i < group * dim; ++i) acc[i] = 0;
-    for (std::int64_t j = j0; j < j1; ++j) {
-      const T* v = v_cache + row(j);
-      for (std::int64_t g = 0; g < group; ++g) axpy(acc + g * dim, scores[g * n + (j - j0)], v, dim);
+    // acc[g] = sum_j p[g][j] v_j: kAccs vectors of a head's output in registers over all the chunk's keys
+    // (the V rows come from L1 / L2 again for each head of the group), not loaded and stored a key.
+    constexpr std::int64_t kAccs = 4;
+    for (std::int64_t g = 0; g < group; ++g) {
+      const float* p = scores + g * n;
+      float* out = acc + g * dim;
+      std::int64_t i = 0;
+      for (; i + kAccs * V::W <= dim; i += kAccs * V::W) {
+        F s[kAccs] = {V::zero(), V::zero(), V::zero(), V::zero()};
+        for (std::int64_t j = 0; j < n; ++j) {
+          const F w = V::splat(p[j]);
+          const T* v = v_cache + rows[j] + i;
+          for (std::int64_t u = 0; u < kAccs; ++u) s[u] = V::fma(w, load(v + u * V::W), s[u]);
+        }
+        for (std::int64_t u = 0; u < kAccs; ++u) V::store(out + i + u * V::W, s[u]);
+      }
+      for (; i + V::W <= dim; i += V::W) {
+        F s = V::zero();
+        for (std::int64_t j = 0; j < n; ++j) s = V::fma(V::splat(p[j]), load(v_cache + rows[j] + i), s);
+        V::store(out + i, s);
+      }
+      for (; i < dim; ++i) {
+        float s = 0;
+        for (std::int64_t j = 0; j < n; ++j) s += p[j] * value(v_cache[rows[j] + i]);
+        out[i] = s;
+      }
     }
   }
 };

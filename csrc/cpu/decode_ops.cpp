@@ -91,9 +91,6 @@ void write_kv(std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k, 
   }
 }
 
-// Keys per work item. Fixed, so that a result does not depend on the thread count; 256 keys of one kv
-// head are 64 KB of K and V at head_dim 64, a chunk's scores a few KB.
-constexpr std::int64_t kAttentionChunk = 256;
 
 void decode_attention(const AttentionArgs& a) {
   const std::int64_t group = a.heads / a.kv_heads, queries = a.batch * a.num_new * a.kv_heads;

@@ -32,6 +32,10 @@ enum class CacheType : int { F32 = 0, BF16 = 1, F16 = 2 };
 void write_kv_narrow(std::uintptr_t k_cache, std::uintptr_t v_cache, const float* k, const float* v,
                      const std::int64_t* slots, std::int64_t tokens, std::int64_t row, CacheType cache);
 
+// Keys per work item. Fixed, so that a result does not depend on the thread count; 256 keys of one kv
+// head are 64 KB of K and V at head_dim 64, a chunk's scores a few KB.
+inline constexpr std::int64_t kAttentionChunk = 256;
+
 // Causal attention of `num_new` new tokens per sequence over a paged fp32 KV cache (the contract
 // of ops/attention.py decode_attention): q, out [batch, num_new, heads, dim]; cache
 // [pages, page_size, kv_heads, dim]; token i of sequence b in page block_table[b][i / page_size];

@@ -45,6 +45,18 @@ struct Generic {
     for (int i = 0; i < W; ++i) c.v[i] += a.v[i] * b.v[i];
     return c;
   }
+  static F max(F a, F b) {
+    for (int i = 0; i < W; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+    return a;
+  }
+  static F round(F a) {
+    for (int i = 0; i < W; ++i) a.v[i] = __builtin_rintf(a.v[i]);
+    return a;
+  }
+  static F times_pow2(F x, F n) {
+    for (int i = 0; i < W; ++i) x.v[i] = __builtin_ldexpf(x.v[i], static_cast<int>(n.v[i]));
+    return x;
+  }
   static float sum(F a) {
     float s = 0;
     for (int i = 0; i < W; ++i) s += a.v[i];
