@@ -282,7 +282,8 @@ class LLM:
             raise NinferError(f"--max-context {options.max_context} exceeds the model's limit of {model_limit} tokens")
         graphs = options.cuda_graphs and device.type == "cuda" and kernels_available()
         checkpoints = options.checkpoint_slots(state_bytes_per_slot(loaded.config, loaded.dtype), device)
-        plan = plan_cache(loaded.config, device, loaded.dtype, kv_dtype=engine_kv_dtype(options.kv_dtype, device, loaded.dtype),
+        kv_dtype = engine_kv_dtype(options.kv_dtype, device, loaded.dtype)
+        plan = plan_cache(loaded.config, device, loaded.dtype, kv_dtype=kv_dtype,
                           max_seqs=options.max_seqs, max_context=options.max_context,
                           default_context=DEFAULT_MAX_CONTEXT[device.type], kv_capacity=options.kv_capacity,
                           extra_state_slots=checkpoints)
