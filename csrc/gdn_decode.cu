@@ -228,10 +228,10 @@ __device__ __forceinline__ void gated_norm(T* out_head, const float (&x)[kPer], 
 // 64 registers for dk <= 128 (at most 16 bytes spilled on sm_90, whole heads too): 8 blocks of 4
 // warps an SM, or 2 whole-head blocks of the 35B, so batch 8's blocks are one wave (96 registers gave
 // 1.55). kWholeHead: a block holds the whole head (a template parameter: the other kernels keep the
-// registers they had). kCluster (sm_90+, dv <= 128, with outputs): the head's
-// blocks are one thread block cluster and normalise their own columns, the head's sum of squares
-// gathered from their shared memory (one cluster barrier a token) instead of by the last block. kConvDone: q / k / v come from qkv (T = 1: its row b, conv'd by the GEMV
-// before) instead of act.
+// registers they had). kCluster (sm_90+, dv <= 128, with outputs): the head's blocks are one thread
+// block cluster and normalise their own columns, the head's sum of squares gathered from their shared
+// memory (one cluster barrier a token) instead of by the last block. kConvDone: q / k / v come from
+// qkv (T = 1: its row b, conv'd by the GEMV before) instead of act.
 template <typename T, int kMaxRows, bool kConvDone, bool kWholeHead, bool kCluster>
 __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kWholeHead ? 2 : kMaxRows == 8 ? 8 : 1)
     gdn_recurrent_kernel(T* out, float* __restrict__ state_pool, const float* __restrict__ act,

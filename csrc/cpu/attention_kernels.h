@@ -31,12 +31,7 @@ struct AttentionKernels {
   static F load(const Bf16* p) { return V::bf16s(reinterpret_cast<const std::uint16_t*>(p)); }
   static F load(const Half* p) { return V::halves(reinterpret_cast<const std::uint16_t*>(p)); }
   static float value(float x) { return x; }
-  static float value(Bf16 x) {
-    const std::uint32_t bits = static_cast<std::uint32_t>(x.bits) << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, 4);
-    return f;
-  }
+  static float value(Bf16 x) { return bf16_to_float(x.bits); }
   static float value(Half x) { return half_to_float(x.bits); }
 
   template <class T>

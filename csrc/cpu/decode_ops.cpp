@@ -91,7 +91,6 @@ void write_kv(std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k, 
   }
 }
 
-
 void decode_attention(const AttentionArgs& a) {
   const std::int64_t group = a.heads / a.kv_heads, queries = a.batch * a.num_new * a.kv_heads;
   std::int64_t longest = 0;

@@ -67,12 +67,9 @@ struct Generic {
     for (int i = 0; i < W; ++i) r.v[i] = half_to_float(p[i]);
     return r;
   }
-  static F bf16s(const std::uint16_t* p) {  // bf16 -> fp32: the bits shifted up (exact)
+  static F bf16s(const std::uint16_t* p) {
     F r;
-    for (int i = 0; i < W; ++i) {
-      const std::uint32_t bits = static_cast<std::uint32_t>(p[i]) << 16;
-      std::memcpy(&r.v[i], &bits, 4);
-    }
+    for (int i = 0; i < W; ++i) r.v[i] = bf16_to_float(p[i]);
     return r;
   }
   static F bytes(const std::int8_t* p) {

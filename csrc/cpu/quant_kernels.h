@@ -80,6 +80,14 @@ inline std::uint16_t bf16_bits(float x) {
   return x != x ? 0x7fc0 : static_cast<std::uint16_t>((bits + ((bits >> 16) & 1) + 0x7fff) >> 16);
 }
 
+// bf16 bits -> float: the bits shifted up (exact).
+inline float bf16_to_float(std::uint16_t h) {
+  const std::uint32_t bits = static_cast<std::uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // x as IEEE half bits, rounded to nearest even as torch's .to(float16): |x| >= 65520 -> inf, NaN -> a
 // quiet NaN with x's sign, below 2^-14 the subnormals (round(|x| 2^24) units of 2^-24).
 inline std::uint16_t half_bits(float x) {
