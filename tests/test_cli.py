@@ -149,8 +149,9 @@ def test_bench_synthetic_tiny_json():
                   "--contexts", "64", "--batches", "1,3", "--batch-context", "40", "--decode-steps", "3", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    # the CPU's `auto`: compact weights (int8) unless --dtype is given
+    # the CPU's `auto`: compact weights (int8) unless --dtype is given, and the engine's fp16 KV cache
     assert out["model"] == "tiny-qwen3.6-moe" and out["weights"] == "int8-v2" and out["cuda_graphs"] is False
+    assert out["kv_dtype"] == "fp16"
     assert [p["tokens"] for p in out["prefill"]] == [32, 48] and all(p["tok_s"] > 0 for p in out["prefill"])
     assert [(d["batch"], d["context"]) for d in out["decode"]] == [(1, 64), (3, 40)]
     one, three = out["decode"]
