@@ -297,6 +297,30 @@ def test_decode_attention_over_chunks_of_keys(isa, num_new, dim, cache_dtype, mo
     assert all(torch.equal(outs[0], other) for other in outs[1:])
 
 
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_attention_tokens_of_a_step_equal_each_token_alone(isa, cache_dtype, monkeypatch):
+    """A step's new tokens share each chunk's K / V rows (a 16-bit cache's widened once for all of
+    them); every token still gets, to the bit, what it gets as a decode step of its own over its own
+    context: 11 tokens from 250 (crossing the chunk at 256), from 509 (crossing 512), from 3."""
+    monkeypatch.setattr(dispatch, "cpu_threads", lambda: 2)
+    pages, page_size, kv_heads, dim, num_new = 300, 4, 2, 64, 11
+    g = torch.Generator().manual_seed(11)
+    kv = KVLayer(torch.randn(pages, page_size, kv_heads, dim, generator=g).to(cache_dtype),
+                 (torch.randn(pages, page_size, kv_heads, dim, generator=g) * 3).to(cache_dtype))
+    q = torch.randn(3, num_new, 6, dim, generator=g) * 2
+    table = torch.randint(0, pages, (3, 200), generator=g, dtype=torch.int32)  # 800 tokens each
+    lens = torch.tensor([250, 509, 3])
+    together = torch.full_like(q, float("nan"))
+    attention.decode_attention(q, kv, table, lens, dim ** -0.5, out=together)
+    for t in range(num_new):
+        alone = torch.full_like(q[:, t:t + 1], float("nan"))
+        attention.decode_attention(q[:, t:t + 1].contiguous(), kv, table, lens + t, dim ** -0.5, out=alone)
+        assert torch.equal(together[:, t:t + 1], alone), t
+    as64 = KVLayer(kv.k.double(), kv.v.double())
+    want = attention.attention_ref(q.double(), as64, table, lens, dim ** -0.5)
+    torch.testing.assert_close(together.double(), want, rtol=1e-5, atol=1e-5)
+
 def test_silu_mul_prefill_rows_take_torch(monkeypatch):
     """The CPU kernel takes decode-sized row counts; a prefill's rows go to torch's vectorized ops."""
     real = dispatch.cpu_extension()

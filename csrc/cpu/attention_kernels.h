@@ -1,5 +1,5 @@
 // GQA decode attention over one chunk of keys, written once for every instruction set V (included
-// by isa_kernels.h): decode_ops.cpp's decode_attention splits each (sequence, token, kv head)'s keys
+// by isa_kernels.h): decode_ops.cpp's decode_attention splits each (sequence, kv head)'s keys
 // into fixed chunks, runs them on the pool's threads and merges their softmax sums. Why here and
 // not in decode_ops.cpp: that file is compiled for any x86-64, where its loops ran at SSE2 width;
 // at a few thousand keys attention took more time than the layer's matmuls.
@@ -63,35 +63,75 @@ struct AttentionKernels {
     return V::times_pow2(p, n);
   }
 
-  // Keys [j0, j1) of sequence b's token t for the query heads of kv_head: per head g, m[g] = the
-  // largest scaled score, l[g] = sum exp(score - m[g]), acc[g] = sum exp(score - m[g]) v [dim].
-  // `scores`: group * (j1 - j0) floats. Each K / V row is read once for the group.
-  static void chunk(const AttentionArgs& a, std::int64_t b, std::int64_t t, std::int64_t kv_head, std::int64_t j0,
-                    std::int64_t j1, float* scores, float* m, float* l, float* acc) {
+  // Keys [j0, j0 + kAttentionChunk) of sequence b for the query heads of kv_head, for each of its new
+  // tokens up to the token's causal limit: per token t and head g (at [t * group + g]),
+  // m = the largest scaled score, l = sum exp(score - m), acc = sum exp(score - m) v [dim]; a token
+  // that sees none of the chunk's keys is skipped (its l stays 0). `scores`: group * kAttentionChunk
+  // floats; `widened`: 2 * kAttentionChunk * dim floats for a 16-bit cache's chunk.
+  static void chunk(const AttentionArgs& a, std::int64_t b, std::int64_t kv_head, std::int64_t j0,
+                    float* scores, float* widened, float* m, float* l, float* acc) {
     switch (a.cache) {
-      case CacheType::F32: chunk_of(a.k_cache, a.v_cache, a, b, t, kv_head, j0, j1, scores, m, l, acc); break;
+      case CacheType::F32: tokens_of(a.k_cache, a.v_cache, a, b, kv_head, j0, scores, widened, m, l, acc); break;
       case CacheType::BF16:
-        chunk_of(reinterpret_cast<const Bf16*>(a.k_cache), reinterpret_cast<const Bf16*>(a.v_cache), a, b, t, kv_head,
-                 j0, j1, scores, m, l, acc);
+        tokens_of(reinterpret_cast<const Bf16*>(a.k_cache), reinterpret_cast<const Bf16*>(a.v_cache), a, b, kv_head, j0,
+                  scores, widened, m, l, acc);
         break;
       case CacheType::F16:
-        chunk_of(reinterpret_cast<const Half*>(a.k_cache), reinterpret_cast<const Half*>(a.v_cache), a, b, t, kv_head,
-                 j0, j1, scores, m, l, acc);
+        tokens_of(reinterpret_cast<const Half*>(a.k_cache), reinterpret_cast<const Half*>(a.v_cache), a, b, kv_head, j0,
+                  scores, widened, m, l, acc);
         break;
     }
   }
 
+  // The chunk's K / V rows are read from memory once for all the tokens (a speculative verify, a short
+  // follow-up message): each token's pass finds them in L2. A 16-bit cache's rows are widened once into
+  // `widened` when more than one token reads them (widening is exact: the same sums to the bit), not
+  // once per token and head.
   template <class T>
-  static void chunk_of(const T* k_cache, const T* v_cache, const AttentionArgs& a, std::int64_t b, std::int64_t t,
-                       std::int64_t kv_head, std::int64_t j0, std::int64_t j1, float* scores, float* m, float* l,
-                       float* acc) {
-    const std::int64_t dim = a.dim, group = a.heads / a.kv_heads, n = j1 - j0;
-    const float* q = a.q + ((b * a.num_new + t) * a.heads + kv_head * group) * dim;
-    std::int64_t rows[kAttentionChunk];  // the chunk's cache rows (decode_ops.cpp: n <= kAttentionChunk)
-    for (std::int64_t j = j0; j < j1; ++j) {
+  static void tokens_of(const T* k_cache, const T* v_cache, const AttentionArgs& a, std::int64_t b,
+                        std::int64_t kv_head, std::int64_t j0, float* scores, float* widened, float* m, float* l,
+                        float* acc) {
+    const std::int64_t dim = a.dim, group = a.heads / a.kv_heads;
+    const std::int64_t end = lesser(j0 + kAttentionChunk, a.cache_lens[b] + a.num_new);  // the last token's keys
+    std::int64_t rows[kAttentionChunk];  // the chunk's cache rows
+    for (std::int64_t j = j0; j < end; ++j) {
       const std::int64_t page = a.block_table[b * a.table_width + j / a.page_size];
       rows[j - j0] = ((page * a.page_size + j % a.page_size) * a.kv_heads + kv_head) * dim;
     }
+    const std::int64_t n = end - j0;
+    const bool widen = sizeof(T) == 2 && a.num_new > 1;
+    if (widen) {
+      for (std::int64_t j = 0; j < n; ++j) {
+        widen_row(k_cache + rows[j], widened + j * dim, dim);
+        widen_row(v_cache + rows[j], widened + (n + j) * dim, dim);
+        rows[j] = j * dim;
+      }
+    }
+    for (std::int64_t t = 0; t < a.num_new; ++t) {
+      const std::int64_t keys = lesser(end, a.cache_lens[b] + t + 1) - j0;
+      if (keys <= 0) continue;
+      const float* q = a.q + ((b * a.num_new + t) * a.heads + kv_head * group) * dim;
+      const std::int64_t at = t * group;
+      if (widen) {
+        attend(widened, widened + n * dim, rows, keys, q, a, scores, m + at, l + at, acc + at * dim);
+      } else {
+        attend(k_cache, v_cache, rows, keys, q, a, scores, m + at, l + at, acc + at * dim);
+      }
+    }
+  }
+
+  template <class T>
+  static void widen_row(const T* from, float* to, std::int64_t dim) {
+    std::int64_t i = 0;
+    for (; i + V::W <= dim; i += V::W) V::store(to + i, load(from + i));
+    for (; i < dim; ++i) to[i] = value(from[i]);
+  }
+
+  // One token's query heads of a kv head over n keys at rows[0, n) of k_cache / v_cache.
+  template <class T>
+  static void attend(const T* k_cache, const T* v_cache, const std::int64_t* rows, std::int64_t n, const float* q,
+                     const AttentionArgs& a, float* scores, float* m, float* l, float* acc) {
+    const std::int64_t dim = a.dim, group = a.heads / a.kv_heads;
     for (std::int64_t j = 0; j < n; ++j) {
       const T* k = k_cache + rows[j];
       for (std::int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(q + g * dim, k, dim) * a.scale;

@@ -92,47 +92,51 @@ void write_kv(std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k, 
 }
 
 void decode_attention(const AttentionArgs& a) {
-  const std::int64_t group = a.heads / a.kv_heads, queries = a.batch * a.num_new * a.kv_heads;
+  const std::int64_t group = a.heads / a.kv_heads, heads = a.batch * a.kv_heads;
   std::int64_t longest = 0;
   for (std::int64_t b = 0; b < a.batch; ++b) longest = a.cache_lens[b] > longest ? a.cache_lens[b] : longest;
-  const std::int64_t chunks = (longest + a.num_new + kAttentionChunk - 1) / kAttentionChunk;  // per query, at most
-  const std::int64_t items = queries * chunks;
-  // per item: each head's max and sum, its weighted values, its chunk's scores
-  std::vector<float> m(items * group), l(items * group, 0.0f), acc(items * group * a.dim);
+  const std::int64_t chunks = (longest + a.num_new + kAttentionChunk - 1) / kAttentionChunk;  // per kv head, at most
+  // A work item: a (sequence, kv head)'s chunk of keys for all its new tokens, which then read each K / V
+  // row from memory once, not once a token (attention_kernels.h).
+  const std::int64_t items = heads * chunks, per_item = a.num_new * group;
+  // per item and token: each head's max and sum, its weighted values; per item: its chunk's scores
+  std::vector<float> m(items * per_item), l(items * per_item, 0.0f), acc(items * per_item * a.dim);
   std::vector<float> scores(items * group * kAttentionChunk);
   // threads only where the work pays for handing it over: a short context is a few microseconds
   const bool long_enough = a.batch * a.num_new * a.heads * (longest + a.num_new) * a.dim >= (1 << 16);
   const IsaKernels& impl = active_kernels();
   parallel_for(items, long_enough ? a.threads : 1, [&](std::int64_t item) {
-    const std::int64_t query = item / chunks, c = item % chunks;
-    const std::int64_t b = query / (a.num_new * a.kv_heads), t = query / a.kv_heads % a.num_new;
-    const std::int64_t keys = a.cache_lens[b] + t + 1, j0 = c * kAttentionChunk;
-    if (j0 >= keys) return;  // a shorter sequence than the longest: l stays 0
-    const std::int64_t j1 = keys < j0 + kAttentionChunk ? keys : j0 + kAttentionChunk;
-    impl.attend_chunk(a, b, t, query % a.kv_heads, j0, j1, scores.data() + item * group * kAttentionChunk,
-                      m.data() + item * group, l.data() + item * group, acc.data() + item * group * a.dim);
+    const std::int64_t b = item / chunks / a.kv_heads, kv_head = item / chunks % a.kv_heads;
+    const std::int64_t j0 = item % chunks * kAttentionChunk;
+    if (j0 >= a.cache_lens[b] + a.num_new) return;  // a shorter sequence than the longest: l stays 0
+    thread_local std::vector<float> widened;  // a 16-bit chunk's K and V rows as fp32
+    if (a.cache != CacheType::F32 && a.num_new > 1) widened.resize(2 * kAttentionChunk * a.dim);
+    impl.attend_chunk(a, b, kv_head, j0, scores.data() + item * group * kAttentionChunk,
+                      widened.data(), m.data() + item * per_item, l.data() + item * per_item,
+                      acc.data() + item * per_item * a.dim);
   });
   // merge each query head's chunks: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
-  for (std::int64_t query = 0; query < queries; ++query) {
-    const std::int64_t b = query / (a.num_new * a.kv_heads), t = query / a.kv_heads % a.num_new;
-    const std::int64_t kv_head = query % a.kv_heads;
-    for (std::int64_t g = 0; g < group; ++g) {
-      float* out = a.out + ((b * a.num_new + t) * a.heads + kv_head * group + g) * a.dim;
-      float top = -INFINITY, total = 0;
-      for (std::int64_t c = 0; c < chunks; ++c) {
-        const std::int64_t at = (query * chunks + c) * group + g;
-        if (l[at] > 0) top = m[at] > top ? m[at] : top;
+  for (std::int64_t head = 0; head < heads; ++head) {
+    const std::int64_t b = head / a.kv_heads, kv_head = head % a.kv_heads;
+    for (std::int64_t t = 0; t < a.num_new; ++t) {
+      for (std::int64_t g = 0; g < group; ++g) {
+        float* out = a.out + ((b * a.num_new + t) * a.heads + kv_head * group + g) * a.dim;
+        float top = -INFINITY, total = 0;
+        for (std::int64_t c = 0; c < chunks; ++c) {
+          const std::int64_t at = (head * chunks + c) * per_item + t * group + g;
+          if (l[at] > 0) top = m[at] > top ? m[at] : top;
+        }
+        for (std::int64_t i = 0; i < a.dim; ++i) out[i] = 0;
+        for (std::int64_t c = 0; c < chunks; ++c) {
+          const std::int64_t at = (head * chunks + c) * per_item + t * group + g;
+          if (l[at] == 0) continue;
+          const float w = std::exp(m[at] - top);
+          total += w * l[at];
+          const float* part = acc.data() + at * a.dim;
+          for (std::int64_t i = 0; i < a.dim; ++i) out[i] += w * part[i];
+        }
+        for (std::int64_t i = 0; i < a.dim; ++i) out[i] /= total;
       }
-      for (std::int64_t i = 0; i < a.dim; ++i) out[i] = 0;
-      for (std::int64_t c = 0; c < chunks; ++c) {
-        const std::int64_t at = (query * chunks + c) * group + g;
-        if (l[at] == 0) continue;
-        const float w = std::exp(m[at] - top);
-        total += w * l[at];
-        const float* part = acc.data() + at * a.dim;
-        for (std::int64_t i = 0; i < a.dim; ++i) out[i] += w * part[i];
-      }
-      for (std::int64_t i = 0; i < a.dim; ++i) out[i] /= total;
     }
   }
 }

@@ -59,9 +59,9 @@ struct IsaKernels {
                           float* sums32);
   void (*kquant_dequantize_rows)(const KQuantSpan& s, std::int64_t k, std::int64_t r0, std::int64_t r1, void* out,
                                  bool bf16);
-  // decode attention over keys [j0, j1) (attention_kernels.h)
-  void (*attend_chunk)(const AttentionArgs& a, std::int64_t b, std::int64_t t, std::int64_t kv_head, std::int64_t j0,
-                       std::int64_t j1, float* scores, float* m, float* l, float* acc);
+  // decode attention of a sequence's new tokens over a chunk of keys from j0 (attention_kernels.h)
+  void (*attend_chunk)(const AttentionArgs& a, std::int64_t b, std::int64_t kv_head, std::int64_t j0, float* scores,
+                       float* widened, float* m, float* l, float* acc);
 };
 
 // Everything below has internal linkage on purpose: each isa_*.cpp compiles its own copy with its
