@@ -218,8 +218,9 @@ class _Harness:
         return torch.randint(0, self.config.vocab_size, (rows, cols), generator=self.generator).to(self.device)
 
     @torch.inference_mode()
-    def prefill(self, length: int) -> PrefillRun:
-        seqs = self.sequences(1, length)
+    def prefill(self, length: int, context: int = 0) -> PrefillRun:
+        """`length` new tokens after `context` tokens already in the cache (a follow-up message)."""
+        seqs = self.sequences(1, context + length)
         ids = self.random_ids(1, length)
         chunk = self.setup.prefill_chunk
 
@@ -228,12 +229,12 @@ class _Harness:
             for start in range(0, length, chunk):
                 piece = ids[:, start : start + chunk]
                 last = start + piece.shape[1] == length
-                lens = torch.tensor([start], device=self.device)
+                lens = torch.tensor([context + start], device=self.device)
                 out = self.model.forward(self.batch(seqs, piece, lens, "last" if last else "none"), self.manager.cache)
             return out.logits[:, -1].argmax(-1)
 
         warm = min(length, chunk)  # a full chunk: autotuned kernels (fla, grouped GEMM) settle first
-        self.model.forward(self.batch(seqs, ids[:, :warm], torch.tensor([0], device=self.device), "last"),
+        self.model.forward(self.batch(seqs, ids[:, :warm], torch.tensor([context], device=self.device), "last"),
                            self.manager.cache)
         self.manager.cache.state.reset(seqs[0].slot)
         seconds = _timed(run, self.device)

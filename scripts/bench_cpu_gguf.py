@@ -1,14 +1,16 @@
 """A GGUF model on the CPU: ninfer against llama.cpp in one run, and the compact weights' accuracy.
 
     python3 scripts/bench_cpu_gguf.py speed MODEL.gguf --llama-bench PATH/llama-bench [--threads 1,2]
-        [--prompt 128] [--gen 64] [--depth 64] [--repeats 5] [--dtype auto|float32] [--kv-dtype auto|bf16|fp16] [--json OUT]
+        [--prompt 128] [--prompt-depth 0] [--gen 64] [--depth 64] [--repeats 5] [--dtype auto|float32]
+        [--kv-dtype auto|fp32|bf16|fp16] [--json OUT]
     python3 scripts/bench_cpu_gguf.py accuracy MODEL.gguf [--tokens 300] [--kv-dtypes auto,bf16,fp16] [--json OUT]
 
 speed: for each thread count, `repeats` rounds that alternate ninfer and llama-bench (ninfer first
 in even rounds, llama.cpp first in odd ones), so both see the same machine. ninfer runs its own
-forward as `ninfer bench` does (no tokenizer or sampling): a prefill of `prompt` tokens, then `gen`
-decode steps at a context of `depth` tokens (`--dtype float32`: the exact fp32 path, every tensor
-dequantized at load, which was the CPU path before the compact weights); llama-bench runs pp`prompt` and tg`gen` at depth
+forward as `ninfer bench` does (no tokenizer or sampling): a prefill of `prompt` tokens after
+`prompt_depth` tokens already in the cache (a follow-up message), then `gen` decode steps at a context
+of `depth` tokens (`--dtype float32`: the exact fp32 path, every tensor
+dequantized at load, which was the CPU path before the compact weights); llama-bench runs pp`prompt` at depth `prompt_depth` and tg`gen` at depth
 `depth` (-d) with the same thread count. Medians of the rounds and their ratio are printed. Only
 decode-sized and prefill-sized forwards are timed, never the load.
 
@@ -19,8 +21,8 @@ accuracy: the compact weights (`--weights auto`) against the exact fp32 path (`-
 every tensor dequantized) teacher-forced over `tokens` tokens of prose and code: the decode path
 one token per forward (the CPU kernels), and the prefill path one forward for all tokens (the
 dequantized weights). KL(fp32 || compact) in nats per token, top-1 agreement, resident weight
-bytes against the file size. Each of `kv_dtypes` is a KV cache of the compact model (auto: fp32 on the
-CPU); the reference always has an fp32 cache, so a 16-bit cache's KL adds its rounding to the weights'.
+bytes against the file size. Each of `kv_dtypes` is a KV cache of the compact model (auto: fp16 for
+an fp32 model on the CPU, cache/kv_pool.py engine_kv_dtype); the reference always has an fp32 cache, so a 16-bit cache's KL adds its rounding to the weights'.
 """
 
 from __future__ import annotations
@@ -62,29 +64,32 @@ def llama_bench(binary: Path, model: Path, threads: int, args: list[str]) -> flo
 
 
 def speed(args: argparse.Namespace) -> dict:
-    setup = BenchSetup(model=str(args.model), device="cpu", dtype=args.dtype, prefill_lengths=(args.prompt,),
+    setup = BenchSetup(model=str(args.model), device="cpu", dtype=args.dtype,
+                       prefill_lengths=(args.prompt_depth + args.prompt,),
                        decode_contexts=(args.depth,), decode_batches=(1,), decode_steps=args.gen,
                        prefill_chunk=max(args.prompt, 1), kv_dtype=args.kv_dtype)
     model, config, dev, dtype, recipe = _build(setup)
     harness = _Harness(model, config, dev, dtype, setup)
     report = dict(model=str(args.model), weights=recipe.label(dtype), kv_dtype=args.kv_dtype,
+                  prompt=args.prompt, prompt_depth=args.prompt_depth, gen=args.gen, depth=args.depth,
                   weight_bytes=weight_bytes(model),
                   file_bytes=args.model.stat().st_size, isa=_isa(), math=dispatch.cpu_math(),
                   cpu=platform.processor() or platform.machine(),
                   torch=torch.__version__, date=time.strftime("%Y-%m-%d"), runs=[])
     for threads in args.threads:
         torch.set_num_threads(threads)
-        harness.prefill(args.prompt)  # warm-up at this thread count
+        harness.prefill(args.prompt, args.prompt_depth)  # warm-up at this thread count
         rounds = []
         for r in range(args.repeats):
             row = {}
             order = ("ninfer", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "ninfer")
             for who in order:
                 if who == "ninfer":
-                    row["ninfer_pp"] = harness.prefill(args.prompt).tok_s
+                    row["ninfer_pp"] = harness.prefill(args.prompt, args.prompt_depth).tok_s
                     row["ninfer_tg"] = harness.decode(1, args.depth, float("nan")).tok_s
                 else:
-                    row["llama_pp"] = llama_bench(args.llama_bench, args.model, threads, ["-p", str(args.prompt), "-n", "0"])
+                    row["llama_pp"] = llama_bench(args.llama_bench, args.model, threads,
+                                                  ["-p", str(args.prompt), "-n", "0", "-d", str(args.prompt_depth)])
                     row["llama_tg"] = llama_bench(args.llama_bench, args.model, threads,
                                                   ["-p", "0", "-n", str(args.gen), "-d", str(args.depth)])
             rounds.append(row)
@@ -153,12 +158,13 @@ def main() -> None:
     s.add_argument("--llama-bench", type=Path, required=True)
     s.add_argument("--threads", type=lambda v: [int(t) for t in v.split(",")], default=[1, 2])
     s.add_argument("--prompt", type=int, default=128)
+    s.add_argument("--prompt-depth", type=int, default=0, help="tokens in the cache before the prompt")
     s.add_argument("--gen", type=int, default=64)
     s.add_argument("--depth", type=int, default=64)
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--dtype", default="auto", choices=("auto", "float32"))
-    s.add_argument("--kv-dtype", default="auto", help="ninfer's KV cache (auto: fp32 on the CPU; bf16 / fp16: "
-                                                      "llama.cpp's f16 in bytes)")
+    s.add_argument("--kv-dtype", default="auto", help="ninfer's KV cache (auto: fp16 for an fp32 model on the "
+                                                      "CPU, llama.cpp's f16; fp32: the exact cache)")
     a = sub.add_parser("accuracy")
     a.add_argument("model", type=Path)
     a.add_argument("--tokens", type=int, default=300)
