@@ -102,6 +102,7 @@ struct AttentionKernels {
     const bool widen = sizeof(T) == 2 && a.num_new > 1;
     if (widen) {
       for (std::int64_t j = 0; j < n; ++j) {
+        if (j + kAhead < n) prefetch_rows(k_cache, v_cache, rows[j + kAhead], dim);
         widen_row(k_cache + rows[j], widened + j * dim, dim);
         widen_row(v_cache + rows[j], widened + (n + j) * dim, dim);
         rows[j] = j * dim;
@@ -120,6 +121,20 @@ struct AttentionKernels {
     }
   }
 
+  // Rows ahead of the one in use are asked for from memory: a decode step's cache is past the L3 (the
+  // weights stream through it every step), and the hardware prefetchers did not follow rows a kv head
+  // apart (2,048 keys from DRAM, one thread: 471 -> 301 us a layer; 8, 16 or 32 rows ahead alike).
+  static constexpr std::int64_t kAhead = 8;
+  template <class T>
+  static void prefetch_rows(const T* k_cache, const T* v_cache, std::int64_t row, std::int64_t dim) {
+    const auto* k = reinterpret_cast<const char*>(k_cache + row);
+    const auto* v = reinterpret_cast<const char*>(v_cache + row);
+    for (std::int64_t byte = 0; byte < dim * static_cast<std::int64_t>(sizeof(T)); byte += 64) {
+      __builtin_prefetch(k + byte);
+      __builtin_prefetch(v + byte);
+    }
+  }
+
   template <class T>
   static void widen_row(const T* from, float* to, std::int64_t dim) {
     std::int64_t i = 0;
@@ -133,6 +148,7 @@ struct AttentionKernels {
                      const AttentionArgs& a, float* scores, float* m, float* l, float* acc) {
     const std::int64_t dim = a.dim, group = a.heads / a.kv_heads;
     for (std::int64_t j = 0; j < n; ++j) {
+      if (j + kAhead < n) prefetch_rows(k_cache, v_cache, rows[j + kAhead], dim);
       const T* k = k_cache + rows[j];
       for (std::int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(q + g * dim, k, dim) * a.scale;
     }
