@@ -20,7 +20,7 @@ from ninfer_core.ops.quant import QuantizedWeight, dequantize, dequantize_ref, q
 
 pytestmark = pytest.mark.skipif(dispatch.cpu_extension() is None, reason="ninfer_core._cpu not built")
 
-ISAS = ["avx512", "avx2", "generic"]
+ISAS = ["avx512bf16", "avx512", "avx2", "generic"]
 
 
 @pytest.fixture(params=ISAS)
@@ -155,6 +155,38 @@ def test_dequantize_kernel_is_the_reference_bit_for_bit(isa, fmt):
     # code * scale + offset in fp32: the product exact for 16-bit scales, one rounding per operation
     exact = _weights64(qw)
     assert (dequantize_ref(qw, torch.float64) - exact).abs().max() <= 2**-23 * exact.abs().max()
+
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_dequantize_to_bf16_rounds_as_torch_at_the_edges(isa, kind):
+    """bf16 tiles where rounding is easy to get wrong (ties, overflow, NaN, fp32 subnormals, which
+    AVX512-BF16's conversion would flush): weights of code +-1 (int4: 0 or 1, zero offsets) times a
+    scale at such a value, every other value plain, bit for bit torch's .to(bfloat16) (a NaN as a
+    NaN: torch's own bits for one differ between its scalar and vector conversions)."""
+    edges = NARROW_EDGES[torch.bfloat16] + [float("-nan"), 1e-40, -3e-39, 2.0 ** -126, 2.0 ** -133, 0.0, -0.0]
+    g = torch.Generator().manual_seed(4)
+    group = 16 if kind == "int8" else 32
+    scales = torch.rand(8, 64, generator=g) * 4 - 2
+    scales.view(-1)[torch.randperm(scales.numel(), generator=g)[: len(edges)]] = torch.tensor(edges)
+    codes = torch.randint(-1 if kind == "int8" else 0, 2, (8, 64 * group), generator=g, dtype=torch.int8)
+    if kind == "int4":  # two codes a byte
+        nibbles = codes.to(torch.uint8)
+        codes = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    qw = QuantizedWeight(kind, codes, scales, group, None if kind == "int8" else torch.zeros_like(scales))
+    assert qw.cpu_plan is not None
+    out = dequantize(qw, torch.bfloat16)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:  # zeros as +0: the kernel adds the (zero) offset
+        return torch.where(t == 0, torch.zeros_like(t), t).view(torch.int16)
+
+    want = dequantize_ref(qw, torch.bfloat16)
+    assert torch.equal(out.isnan(), want.isnan()) and out.isnan().any()
+    assert torch.equal(bits(out[~want.isnan()]), bits(want[~want.isnan()]))
+    assert (out.float().abs() < 2.0 ** -126).logical_and(out != 0).any()
+    ext = dispatch.cpu_extension()
+    ext.use_isa("generic")  # and every instruction set to the bit, a NaN's included
+    assert torch.equal(out.view(torch.int16), dequantize(qw, torch.bfloat16).view(torch.int16))
 
 
 def test_many_rows_multiply_the_dequantized_weight(monkeypatch):

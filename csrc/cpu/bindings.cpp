@@ -238,7 +238,7 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
         "Floats of scratch decode_layer needs.");
   m.def("use_isa", &ninfer::cpu::use_isa, py::arg("name"),
-        "Run the quant kernels with the best instruction set up to `name` (avx512, avx2, generic) this CPU has; "
+        "Run the quant kernels with the best instruction set up to `name` (avx512bf16, avx512, avx2, generic) this CPU has; "
         "returns it. Not while a kernel runs.");
-  m.def("isa", &ninfer::cpu::isa, "The instruction set the kernels run with: avx512, avx2 or generic.");
+  m.def("isa", &ninfer::cpu::isa, "The instruction set the kernels run with: avx512bf16, avx512, avx2 or generic.");
 }

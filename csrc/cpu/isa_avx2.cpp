@@ -12,11 +12,16 @@ struct Avx2 {
   static F zero() { return _mm256_setzero_ps(); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  // dst[2i] = lo[i], dst[2i + 1] = hi[i]
-  static void store_pairs(float* dst, F lo, F hi) {
+  // (first, second) = lo and hi interleaved: lo[0], hi[0], lo[1], hi[1], ..
+  static void interleave(F lo, F hi, F& first, F& second) {
     const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);  // per 128-bit lane
-    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(a, b, 0x20));
-    _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    first = _mm256_permute2f128_ps(a, b, 0x20);
+    second = _mm256_permute2f128_ps(a, b, 0x31);
+  }
+  static void store_bf16_pairs(std::uint16_t* p, F lo, F hi) {  // lo, hi interleaved as bf16
+    F first, second;
+    interleave(lo, hi, first, second);
+    store_bf16(p, first), store_bf16(p + W, second);
   }
   static void store_bf16(std::uint16_t* p, F v) {  // round to nearest even; NaN -> 0x7fc0, as torch
     const __m256i bits = _mm256_castps_si256(v);

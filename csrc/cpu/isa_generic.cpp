@@ -19,11 +19,17 @@ struct Generic {
   static void store(float* p, F a) {
     for (int i = 0; i < W; ++i) p[i] = a.v[i];
   }
-  static void store_pairs(float* dst, F lo, F hi) {
+  static void interleave(F lo, F hi, F& first, F& second) {
     for (int i = 0; i < W; ++i) {
-      dst[2 * i] = lo.v[i];
-      dst[2 * i + 1] = hi.v[i];
+      F& half = i < W / 2 ? first : second;
+      half.v[2 * (i % (W / 2))] = lo.v[i];
+      half.v[2 * (i % (W / 2)) + 1] = hi.v[i];
     }
+  }
+  static void store_bf16_pairs(std::uint16_t* p, F lo, F hi) {  // lo, hi interleaved as bf16
+    F first, second;
+    interleave(lo, hi, first, second);
+    store_bf16(p, first), store_bf16(p + W, second);
   }
   static void store_bf16(std::uint16_t* p, F a) {
     for (int i = 0; i < W; ++i) p[i] = bf16_bits(a.v[i]);

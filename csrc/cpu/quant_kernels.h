@@ -1,7 +1,8 @@
-// The CPU quant kernels, written once over a vector type V. Each isa_*.cpp defines its V and
-// compiles this header with its instruction set; quant_matmul.cpp picks one at run time.
+// The CPU quant kernels, written once over a vector type V. Each isa_*.cpp defines its V (the two
+// AVX-512 ones share isa_avx512.h's) and compiles this header with its instruction set;
+// quant_matmul.cpp picks one at run time.
 //
-// V provides: F (W floats), zero, load, store, store_pairs (interleaved), store_bf16, splat, add, mul, fma, sum (horizontal), halves (W fp16 -> F),
+// V provides: F (W floats), zero, load, store, interleave (two F's lanes in turn), store_bf16(_pairs), splat, add, mul, fma, sum (horizontal), halves (W fp16 -> F),
 // bytes (W signed bytes -> F) and nibbles (W bytes -> their low and their high nibbles as two F).
 // The int4 loop reads 2W inputs per W code bytes: the W low nibbles are inputs 0, 2, .., 2W - 2
 // and the high ones 1, 3, .., 2W - 1, so x is first arranged to that order (`arrange`) and the
@@ -291,15 +292,15 @@ struct Kernels {
 
   // Rows [n0, n1) of the dense weight into out (row n0 first): code * scale + offset, a product
   // then a sum (the reference's two roundings).
-  // In bf16 (round to nearest even, torch's conversion), through one fp32 row: a bf16 GEMM
+  // In bf16 (round to nearest even, torch's conversion) straight from the registers: a bf16 GEMM
   // takes the tile without a second pass over it.
   static void dequantize_rows(const QuantWeight& w, void* out, bool bf16, std::int64_t n0, std::int64_t n1) {
     const std::int64_t groups = w.k / w.group;
     float scale[kMaxGroups], offset[kMaxGroups];
-    float* row = bf16 ? static_cast<float*>(std::malloc(w.k * sizeof(float))) : nullptr;
     for (std::int64_t n = n0; n < n1; ++n) {
       block_params(w, n, 1, scale, offset);
-      float* dst = bf16 ? row : static_cast<float*>(out) + (n - n0) * w.k;
+      float* wide = static_cast<float*>(out) + (n - n0) * w.k;
+      auto* narrow = static_cast<std::uint16_t*>(out) + (n - n0) * w.k;
       for (std::int64_t g = 0; g < groups; ++g) {
         const F s = V::splat(scale[g]), o = has_offsets(w) ? V::splat(offset[g]) : V::zero();
         const std::int64_t begin = g * w.group, end = begin + w.group;
@@ -308,19 +309,24 @@ struct Kernels {
           for (std::int64_t c = begin; c < end; c += 2 * W) {
             F lo, hi;
             V::nibbles(codes + c / 2, lo, hi);
-            V::store_pairs(dst + c, V::add(V::mul(lo, s), o), V::add(V::mul(hi, s), o));
+            lo = V::add(V::mul(lo, s), o), hi = V::add(V::mul(hi, s), o);
+            if (bf16) {
+              V::store_bf16_pairs(narrow + c, lo, hi);
+            } else {
+              F first, second;
+              V::interleave(lo, hi, first, second);
+              V::store(wide + c, first), V::store(wide + c + W, second);
+            }
           }
         } else {
           const auto* codes = reinterpret_cast<const std::int8_t*>(w.codes) + n * w.k;
-          for (std::int64_t c = begin; c < end; c += W) V::store(dst + c, V::add(V::mul(V::bytes(codes + c), s), o));
+          for (std::int64_t c = begin; c < end; c += W) {
+            const F v = V::add(V::mul(V::bytes(codes + c), s), o);
+            bf16 ? V::store_bf16(narrow + c, v) : V::store(wide + c, v);
+          }
         }
       }
-      if (bf16) {
-        auto* narrow = static_cast<std::uint16_t*>(out) + (n - n0) * w.k;
-        for (std::int64_t c = 0; c < w.k; c += W) V::store_bf16(narrow + c, V::load(row + c));
-      }
     }
-    std::free(row);
   }
 };
 
@@ -330,6 +336,11 @@ struct Kernels {
 extern const IsaKernels kGenericKernels;
 extern const IsaKernels kAvx2Kernels;
 extern const IsaKernels kAvx512Kernels;
+// The AVX512-BF16 dequantizations (isa_avx512bf16.cpp, where the compiler takes -mavx512bf16).
+using DequantizeRows = decltype(IsaKernels::dequantize_rows);
+using KQuantDequantizeRows = decltype(IsaKernels::kquant_dequantize_rows);
+extern const DequantizeRows kAvx512Bf16Dequantize;
+extern const KQuantDequantizeRows kAvx512Bf16KQuantDequantize;
 
 // The instruction set the kernels run with, picked once per process (quant_matmul.cpp).
 const IsaKernels& active_kernels();

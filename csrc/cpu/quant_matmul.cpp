@@ -32,6 +32,9 @@ bool cpu_has(const char* feature) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vnni");
   }
+  if (!std::strcmp(feature, "avx512bf16")) {
+    return cpu_has("avx512") && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
+  }
   if (!std::strcmp(feature, "avx2")) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   }
@@ -39,12 +42,30 @@ bool cpu_has(const char* feature) {
   return false;
 }
 
-// The kernels of `name` ("" or "avx512": the best this CPU runs; "avx2"; "generic"): the
-// instruction sets up to the one named that this CPU has.
+#if defined(NINFER_CPU_AVX512BF16)
+// The AVX-512 kernels with the AVX512-BF16 dequantizations.
+const IsaKernels& avx512_bf16() {
+  static const IsaKernels kernels = [] {
+    IsaKernels k = kAvx512Kernels;
+    k.name = "avx512bf16";
+    k.dequantize_rows = kAvx512Bf16Dequantize;
+    k.kquant_dequantize_rows = kAvx512Bf16KQuantDequantize;
+    return k;
+  }();
+  return kernels;
+}
+#endif
+
+// The kernels of `name` ("" or "avx512bf16": the best this CPU runs; "avx512"; "avx2"; "generic"):
+// the instruction sets up to the one named that this CPU has.
 const IsaKernels* pick(const std::string& name) {
+#if defined(NINFER_CPU_AVX512BF16)
+  if ((name.empty() || name == "avx512bf16") && cpu_has("avx512bf16")) return &avx512_bf16();
+#endif
 #if defined(NINFER_CPU_X86)
-  if ((name.empty() || name == "avx512") && cpu_has("avx512")) return &kAvx512Kernels;
-  if ((name.empty() || name == "avx512" || name == "avx2") && cpu_has("avx2")) return &kAvx2Kernels;
+  const bool avx512_or_more = name.empty() || name == "avx512bf16" || name == "avx512";
+  if (avx512_or_more && cpu_has("avx512")) return &kAvx512Kernels;
+  if ((avx512_or_more || name == "avx2") && cpu_has("avx2")) return &kAvx2Kernels;
 #endif
   return &kGenericKernels;
 }
