@@ -18,11 +18,6 @@ struct Avx2 {
     first = _mm256_permute2f128_ps(a, b, 0x20);
     second = _mm256_permute2f128_ps(a, b, 0x31);
   }
-  static void store_bf16_pairs(std::uint16_t* p, F lo, F hi) {  // lo, hi interleaved as bf16
-    F first, second;
-    interleave(lo, hi, first, second);
-    store_bf16(p, first), store_bf16(p + W, second);
-  }
   static void store_bf16(std::uint16_t* p, F v) {  // round to nearest even; NaN -> 0x7fc0, as torch
     const __m256i bits = _mm256_castps_si256(v);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));

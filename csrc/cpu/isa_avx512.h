@@ -21,11 +21,6 @@ struct Avx512 {
     second = _mm512_permutex2var_ps(lo, _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8),
                                     hi);
   }
-  static void store_bf16_pairs(std::uint16_t* p, F lo, F hi) {  // lo, hi interleaved as bf16
-    F first, second;
-    interleave(lo, hi, first, second);
-    store_bf16(p, first), store_bf16(p + W, second);
-  }
   static void store_bf16(std::uint16_t* p, F v) {  // round to nearest even; NaN -> 0x7fc0, as torch
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));

@@ -20,7 +20,9 @@ struct Avx512Bf16 : Avx512 {
   // lo and hi interleaved (lo[0], hi[0], lo[1], ..) as bf16: one conversion of both, one permutation
   static void store_bf16_pairs(std::uint16_t* p, F lo, F hi) {
     if (_mm512_fpclass_ps_mask(lo, 0x01 | 0x20 | 0x80) | _mm512_fpclass_ps_mask(hi, 0x01 | 0x20 | 0x80)) {
-      return Avx512::store_bf16_pairs(p, lo, hi);
+      F first, second;
+      interleave(lo, hi, first, second);
+      return Avx512::store_bf16(p, first), Avx512::store_bf16(p + W, second);
     }
     const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // lo in the low half
     const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,

@@ -26,11 +26,6 @@ struct Generic {
       half.v[2 * (i % (W / 2)) + 1] = hi.v[i];
     }
   }
-  static void store_bf16_pairs(std::uint16_t* p, F lo, F hi) {  // lo, hi interleaved as bf16
-    F first, second;
-    interleave(lo, hi, first, second);
-    store_bf16(p, first), store_bf16(p + W, second);
-  }
   static void store_bf16(std::uint16_t* p, F a) {
     for (int i = 0; i < W; ++i) p[i] = bf16_bits(a.v[i]);
   }

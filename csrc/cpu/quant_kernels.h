@@ -2,7 +2,7 @@
 // AVX-512 ones share isa_avx512.h's) and compiles this header with its instruction set;
 // quant_matmul.cpp picks one at run time.
 //
-// V provides: F (W floats), zero, load, store, interleave (two F's lanes in turn), store_bf16(_pairs), splat, add, mul, fma, sum (horizontal), halves (W fp16 -> F),
+// V provides: F (W floats), zero, load, store, interleave (two F's lanes in turn), store_bf16, splat, add, mul, fma, sum (horizontal), halves (W fp16 -> F),
 // bytes (W signed bytes -> F) and nibbles (W bytes -> their low and their high nibbles as two F).
 // The int4 loop reads 2W inputs per W code bytes: the W low nibbles are inputs 0, 2, .., 2W - 2
 // and the high ones 1, 3, .., 2W - 1, so x is first arranged to that order (`arrange`) and the
@@ -123,6 +123,16 @@ inline float half_to_float(std::uint16_t h) {
   f *= 0x1p112f;
   return sign ? -f : f;
 }
+
+// Whether V converts two interleaved vectors to bf16 at once (`store_bf16_pairs`, AVX512-BF16's).
+template <class V, class = void>
+struct HasBf16Pairs {
+  static constexpr bool value = false;
+};
+template <class V>
+struct HasBf16Pairs<V, decltype(void(&V::store_bf16_pairs))> {
+  static constexpr bool value = true;
+};
 
 template <class V>
 struct Kernels {
@@ -310,13 +320,16 @@ struct Kernels {
             F lo, hi;
             V::nibbles(codes + c / 2, lo, hi);
             lo = V::add(V::mul(lo, s), o), hi = V::add(V::mul(hi, s), o);
-            if (bf16) {
-              V::store_bf16_pairs(narrow + c, lo, hi);
-            } else {
-              F first, second;
-              V::interleave(lo, hi, first, second);
-              V::store(wide + c, first), V::store(wide + c + W, second);
+            if constexpr (HasBf16Pairs<V>::value) {
+              if (bf16) {
+                V::store_bf16_pairs(narrow + c, lo, hi);
+                continue;
+              }
             }
+            F first, second;
+            V::interleave(lo, hi, first, second);
+            bf16 ? V::store_bf16(narrow + c, first) : V::store(wide + c, first);
+            bf16 ? V::store_bf16(narrow + c + W, second) : V::store(wide + c + W, second);
           }
         } else {
           const auto* codes = reinterpret_cast<const std::int8_t*>(w.codes) + n * w.k;
