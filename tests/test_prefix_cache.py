@@ -1,4 +1,5 @@
-"""Prefix reuse (cache/prefix_cache.py) on a tiny Qwen3.5 MoE model (GDN + attention), CPU fp32.
+"""Prefix reuse (cache/prefix_cache.py) on a tiny Qwen3.5 MoE model (GDN + attention), CPU fp32, and on
+the real SmolLM2 (no recurrent state).
 
 The reference is the same engine with the prefix cache off: every answer must be identical, hit or
 miss. Hits are checked through the engine's counters (prompt tokens served from the cache).
@@ -146,6 +147,44 @@ def test_checkpoints_stay_within_their_slots(model_dir):
         answer(llm, [i + 1] * 3 + SYSTEM)
     assert len(prefix.checkpoints) <= slots
     assert llm.stats().prefix_checkpoints == len(prefix.checkpoints)
+
+
+def test_without_recurrent_state_whole_pages_are_resume_points():
+    """A model without GDN layers resumes after any indexed full page its prompt repeats, with no
+    checkpoint (and none of its state to copy); short of one token, as with a checkpoint."""
+    from ninfer_core.cache.prefix_cache import page_hashes
+
+    cache = PrefixCache(page_size=4, checkpoint_slots=[9], interval=16, stateless=True)
+    tokens = list(range(1, 12))
+    for page, h in enumerate(page_hashes(tokens, None, 4)):  # pages 0 and 1: tokens 1..8
+        cache.index(page, h, tuple(tokens[4 * page : 4 * page + 4]))
+    hit = cache.lookup(tokens + [50], None, 12)
+    assert (hit.tokens, hit.pages, hit.checkpoint) == (8, [0, 1], None)
+    assert cache.lookup(tokens[:8], None, 8).tokens == 4  # the last prompt token is always computed
+    assert cache.lookup(tokens[:4] + [60] * 6, None, 10).pages == [0]
+    assert cache.lookup([60] + tokens, None, 12) is None
+    stateful = PrefixCache(page_size=4, checkpoint_slots=[9], interval=16)
+    for page, h in enumerate(page_hashes(tokens, None, 4)):
+        stateful.index(page, h, tuple(tokens[4 * page : 4 * page + 4]))
+    assert stateful.lookup(tokens + [50], None, 12) is None  # a GDN state exists only at checkpoints
+
+
+def test_a_model_without_recurrent_state_reuses_pages_and_short_prompts(smollm_path):
+    """The README's model (Llama family, no GDN): a short prompt sent again (a regenerated answer)
+    computes only its last token, a prompt sharing another's beginning resumes after their common
+    whole pages, and every answer equals the cache-off engine's."""
+    options = dict(device="cpu", max_seqs=2, max_context=512, kv_dtype="fp32")
+    cached = LLM.load(str(smollm_path), EngineOptions(**options))
+    plain = LLM.load(str(smollm_path), EngineOptions(**options, prefix_cache=False))
+    page = cached.engine.cache.page_size
+    short = list(range(1000, 1000 + 2 * page + 5))
+    first, hit = answer(cached, short)
+    assert hit == 0
+    again, hit = answer(cached, short)
+    assert first == again == answer(plain, short)[0] and hit == len(short) - 1
+    other = short[: page + 3] + [7, 8, 9]  # shares one whole page and three tokens of the next
+    got, hit = answer(cached, other)
+    assert got == answer(plain, other)[0] and hit == page
 
 
 def test_lookup_matches_tokens_not_just_hashes():

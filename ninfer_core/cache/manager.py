@@ -116,8 +116,8 @@ class CacheManager:
             config, self.num_pages + extra, page_size, max_seqs + extra + checkpoints, dtype, device, kv_dtype
         )
         first = max_seqs + extra
-        self.prefix = (PrefixCache(page_size, list(range(first + checkpoints - 1, first - 1, -1)), checkpoint_interval)
-                       if checkpoints else None)
+        self.prefix = (PrefixCache(page_size, list(range(first + checkpoints - 1, first - 1, -1)), checkpoint_interval,
+                                   stateless=self.cache.state.nbytes == 0) if checkpoints else None)
         self._refs: dict[int, int] = {}  # page -> holders (sequences and checkpoints)
         self._checkpoint_refs: dict[int, int] = {}  # page -> holders that are checkpoints
         self.scratch_slot = max_seqs if scratch else None
@@ -283,6 +283,8 @@ class CacheManager:
             self._append(seq, page)
             seq.hashes.append(page_hash)
         ckpt = hit.checkpoint
+        if ckpt is None:  # whole pages of a model without recurrent state
+            return
         if ckpt.page is not None:
             page = self._take_page()
             self.cache.kv.copy_page(ckpt.page, page)

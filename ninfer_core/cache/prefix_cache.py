@@ -18,6 +18,9 @@ of every answer, within the slots the memory budget allows (least recently used 
 
 A hit resumes at the longest p with a checkpoint whose prefix the prompt repeats, its pages
 indexed, and p < prompt length (the last prompt token is always computed: it gives the logits).
+A model without recurrent state (no GDN layer: the Llama family) needs no snapshot to resume, so
+there every indexed full page the prompt repeats is a resume point too, and every prompt, short
+ones included, is checkpointed one token before its end (a fork inside its chunk: no extra step).
 vLLM's hybrid prefix caching and SGLang's hybrid radix cache work the same way; this one keys
 checkpoints by (page-chain hash, tail tokens) instead of a radix tree.
 """
@@ -46,7 +49,7 @@ class Hit:
     tokens: int
     pages: list[int]  # the full pages to share, in order
     hashes: list[int]  # their hash chain
-    checkpoint: Checkpoint
+    checkpoint: Checkpoint | None  # None: whole pages only (a model without recurrent state)
 
 
 def chain(prev: int, tokens: list[int], keys: list[object] | None, start: int, end: int) -> int:
@@ -67,10 +70,13 @@ def page_hashes(tokens: list[int], keys: list[object] | None, page_size: int) ->
 class PrefixCache:
     """The index of shared pages and checkpoints; CacheManager owns the pages themselves."""
 
-    def __init__(self, page_size: int, checkpoint_slots: list[int], interval: int, split_min: int = SPLIT_MIN):
+    def __init__(self, page_size: int, checkpoint_slots: list[int], interval: int, split_min: int = SPLIT_MIN,
+                 stateless: bool = False):
         self.page_size = page_size
         self.interval = interval  # checkpoint every this many tokens of a long prompt (a page multiple)
-        self.split_min = split_min  # prompts from this long are also checkpointed before their last token
+        self.stateless = stateless  # no recurrent state: any full page boundary is a resume point
+        # prompts from this long are also checkpointed before their last token (all, without state)
+        self.split_min = 0 if stateless else split_min
         self.pages: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash -> (page, its tokens)
         self.page_hash: dict[int, int] = {}  # page -> hash
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU, held by nobody
@@ -89,7 +95,8 @@ class PrefixCache:
         self.hit_tokens += hit.tokens if hit is not None else 0
 
     def lookup(self, tokens: list[int], keys: list[object] | None, limit: int) -> Hit | None:
-        """The longest cached prefix of `tokens` shorter than `limit` (pages + checkpoint)."""
+        """The longest cached prefix of `tokens` shorter than `limit`: pages + a checkpoint, or without
+        recurrent state whole pages alone."""
         hashes = page_hashes(tokens[:limit], keys, self.page_size)
         pages = []
         for i, h in enumerate(hashes):
@@ -98,7 +105,8 @@ class PrefixCache:
             if entry is None or entry[1] != tuple(tokens[start : start + self.page_size]):
                 break
             pages.append(entry[0])
-        for full in range(len(pages), -1, -1):
+        whole = min(len(pages), (limit - 1) // self.page_size) if self.stateless else 0
+        for full in range(len(pages), whole - 1, -1):
             anchor = hashes[full - 1] if full else ROOT
             start = full * self.page_size
             best = None
@@ -111,7 +119,7 @@ class PrefixCache:
             if best is not None:
                 self.checkpoints.move_to_end(best.slot)
                 return Hit(best.tokens, pages[:full], hashes[:full], best)
-        return None
+        return Hit(whole * self.page_size, pages[:whole], hashes[:whole], None) if whole else None
 
     # -- pages ----------------------------------------------------------------------------------
 

@@ -194,7 +194,8 @@ class Scheduler:
         """Whether the state before the prompt's last token is kept: with the prefix cache, a long
         prompt is checkpointed one token before its end, so that sending it again (a regenerated
         answer, a retried request) finds all but that token cached; short prompts skip it (a
-        checkpoint slot; without forks, a step), and so do prompts with a checkpoint of their own
+        checkpoint slot; without forks, a step) unless the model has no recurrent state (its
+        checkpoints hold none: PrefixCache.split_min), and so do prompts with a checkpoint of their own
         in their last page (a chat's answer start: sent again, it hits there)."""
         prefix = self.cache.prefix
         return (prefix is not None and seq.prefill_len >= prefix.split_min
