@@ -203,12 +203,38 @@ def test_cpu_tensors_never_reach_the_extension(monkeypatch):
     monkeypatch.setattr(dispatch, "extension", lambda: _FakeExtension())
     logits = _distinct_logits(2, 8, torch.bfloat16, "cpu")
     weights, ids = moe.moe_route(logits, 2, True)
-    gate_up, down = _experts(8, 64, 32, "int4", group=32)
+    gate_up, down = _experts(8, 64, 32, "bf16", group=32)
     x = _inputs(2, 64)
     assert torch.equal(
         moe.moe_experts(x, gate_up, down, weights, ids),
         moe.moe_experts_ref(x, gate_up, down, weights, ids),
     )
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 40])  # a decode step's GEMVs; a prompt's GEMMs past CPU_GEMV_ROWS rows
+def test_cpu_experts_run_on_the_quant_kernels(monkeypatch, fmt, tokens):
+    """Quantized experts on the CPU: each hit expert's two projections on the CPU quant kernels,
+    a slice of the weights each (never the whole expert dequantized, as the reference does), the
+    reference's sums to fp32 accuracy against float64."""
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    real, calls = dispatch.cpu_extension(), []
+
+    class Recording:
+        def __getattr__(self, name):
+            if name in ("quant_matmul", "dequantize"):
+                calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(dispatch, "cpu_extension", lambda: Recording())
+    gate_up, down = _experts(8, 64, 32, fmt, dtype=torch.float32, group=32, seed=2)
+    weights, ids = _routing(tokens, 8, 2, dtype=torch.float32, seed=2)
+    ids[:] = ids[0]  # a prompt's 40 rows on the same two experts: their GEMMs over dequantized tiles
+    x = _inputs(tokens, 64, dtype=torch.float32, seed=2)
+    out = moe.moe_experts(x, gate_up, down, weights, ids)
+    assert calls == (["quant_matmul"] if tokens == 1 else ["dequantize"]) * 4  # 2 experts, 2 projections
+    _assert_close(out, _expected(x, gate_up, down, weights, ids), 1e-5)
+    _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), 1e-5)
 
 
 def test_bad_shapes_raise():

@@ -22,7 +22,10 @@ Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate ro
             host sync at any N.
   grouped   CUDA, larger N otherwise (prefill): the (token, slot) pairs sorted by expert and one
             grouped GEMM per projection (`moe_experts_grouped`).
-  reference CPU, or NINFER_DISABLE_KERNELS=1: the loop over hit experts (`moe_experts_ref`).
+  cpu       CPU, int8 / int4 experts: the reference's loop over hit experts, each projection on the
+            CPU quant kernels (a GEMV per expert, a GEMM over dequantized tiles for a prompt's many
+            rows: ops/quant.py) where the reference dequantizes every hit expert whole, every step.
+  reference CPU otherwise, or NINFER_DISABLE_KERNELS=1: the loop over hit experts (`moe_experts_ref`).
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, moe_triton
-from .activation import row_view
+from .activation import row_view, silu_mul
 from .moe_align import Aligned, align_by_expert, combine_slots
-from .quant import QuantizedWeight, dequantize
+from .quant import QuantizedWeight, dequantize, quant_linear
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +223,25 @@ def moe_experts_ref(
     return out
 
 
+def _cpu_experts_fit(gate_up: ExpertTensor, down: ExpertTensor) -> bool:
+    return (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
+            and dispatch.cpu_kernels_available() and gate_up.experts[0].cpu_plan is not None
+            and down.experts[0].cpu_plan is not None)
+
+
+def _cpu_experts(
+    x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
+) -> torch.Tensor:
+    """`moe_experts_ref`'s loop with each hit expert's projections on the CPU quant kernels."""
+    out = torch.zeros_like(x)
+    for expert in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == expert)
+        h = silu_mul(quant_linear(x[token], gate_up.experts[expert]))
+        y = quant_linear(h, down.experts[expert]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
 def moe_experts(
     x: torch.Tensor,
     gate_up: ExpertTensor,
@@ -230,6 +252,8 @@ def moe_experts(
     """x [N, H] -> [N, H]: out[n] = sum_j weights[n, j] * down[e] @ (silu(g) * u) with
     [g | u] = gate_up[e] @ x[n], e = ids[n, j]. See the module docstring for the paths."""
     _check(x, gate_up, down, weights, ids)
+    if x.device.type == "cpu" and _cpu_experts_fit(gate_up, down):
+        return _cpu_experts(x, gate_up, down, weights, ids)
     if x.device.type != "cuda" or dispatch.kernels_disabled():
         dispatch.fallback("moe_experts", x)
         return moe_experts_ref(x, gate_up, down, weights, ids)

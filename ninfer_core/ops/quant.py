@@ -158,6 +158,14 @@ class QuantizedWeight:
         return (self.qweight.data_ptr(), self.scales.data_ptr(), offsets, self.in_features, group,
                 self.kind == "int4", _CPU_SCALE_TYPES.index(self.scales.dtype))
 
+    @functools.cached_property
+    def experts(self) -> tuple[QuantizedWeight, ...]:
+        """Each expert's [N, K] weight of an [E, N, K] one, as views: the CPU kernels take one at a
+        time (ops/moe.py), each with its own plan, made once."""
+        return tuple(QuantizedWeight(self.kind, self.qweight[e], self.scales[e], self.group_size,
+                                     None if self.offsets is None else self.offsets[e])
+                     for e in range(self.qweight.shape[0]))
+
     @property
     def out_features(self) -> int:
         return self.qweight.shape[-2]
