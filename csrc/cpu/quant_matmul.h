@@ -48,8 +48,8 @@ void quant_matmul(const MatmulArgs& args);
 void dequantize(const QuantWeight& w, std::int64_t first, std::int64_t count, std::uintptr_t out, bool bf16,
                 int threads);
 
-// The instruction set the kernels run with on this CPU: "avx512", "avx2" or "generic".
-// NINFER_CPU_ISA=avx2|generic picks a lower one.
+// The instruction set the kernels run with on this CPU: "avx512bf16", "avx512", "avx2" or "generic".
+// NINFER_CPU_ISA=avx512|avx2|generic picks a lower one.
 const char* isa();
 
 // Switch to the best instruction set up to `name` that this CPU has, and return it: tests run
