@@ -202,6 +202,17 @@ def _launch_router(
 # ---------------------------------------------------------------- experts
 
 
+def _hit_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 ffn: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """out[n] = sum_j weights[n, j] * ffn(ids[n, j], x[n]): the experts that were hit in turn, each
+    over the rows of its tokens, in id order."""
+    out = torch.zeros_like(x)
+    for expert in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == expert)
+        out.index_add_(0, token, (ffn(expert, x[token]) * weights[token, slot, None]).to(out.dtype))
+    return out
+
+
 def moe_experts_ref(
     x: torch.Tensor,
     gate_up: ExpertTensor,
@@ -213,14 +224,12 @@ def moe_experts_ref(
     each dequantized to x's dtype; every step rounds to x's dtype like transformers' loop."""
     _check(x, gate_up, down, weights, ids)
     inter = down.shape[2]
-    out = torch.zeros_like(x)
-    for expert in torch.unique(ids).tolist():
-        token, slot = torch.where(ids == expert)
-        gu = F.linear(x[token], _dense(gate_up, expert, expert + 1, x.dtype)[0])
-        h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = F.linear(h, _dense(down, expert, expert + 1, x.dtype)[0]) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
-    return out
+
+    def ffn(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gu = F.linear(rows, _dense(gate_up, expert, expert + 1, x.dtype)[0])
+        return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], _dense(down, expert, expert + 1, x.dtype)[0])
+
+    return _hit_experts(x, weights, ids, ffn)
 
 
 def _cpu_experts_fit(gate_up: ExpertTensor, down: ExpertTensor) -> bool:
@@ -233,13 +242,8 @@ def _cpu_experts(
     x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
 ) -> torch.Tensor:
     """`moe_experts_ref`'s loop with each hit expert's projections on the CPU quant kernels."""
-    out = torch.zeros_like(x)
-    for expert in torch.unique(ids).tolist():
-        token, slot = torch.where(ids == expert)
-        h = silu_mul(quant_linear(x[token], gate_up.experts[expert]))
-        y = quant_linear(h, down.experts[expert]) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
-    return out
+    return _hit_experts(x, weights, ids, lambda expert, rows: quant_linear(
+        silu_mul(quant_linear(rows, gate_up.experts[expert])), down.experts[expert]))
 
 
 def moe_experts(
