@@ -109,8 +109,8 @@ void decode_attention(const AttentionArgs& a) {
     const std::int64_t b = item / chunks / a.kv_heads, kv_head = item / chunks % a.kv_heads;
     const std::int64_t j0 = item % chunks * kAttentionChunk;
     if (j0 >= a.cache_lens[b] + a.num_new) return;  // a shorter sequence than the longest: l stays 0
-    thread_local std::vector<float> widened;  // a 16-bit chunk's K and V rows as fp32
-    if (a.cache != CacheType::F32 && a.num_new > 1) widened.resize(2 * kAttentionChunk * a.dim);
+    thread_local std::vector<float> widened;  // a 16-bit chunk's K and V rows as fp32, where the kernel widens
+    widened.resize(2 * kAttentionChunk * a.dim);
     impl.attend_chunk(a, b, kv_head, j0, scores.data() + item * group * kAttentionChunk,
                       widened.data(), m.data() + item * per_item, l.data() + item * per_item,
                       acc.data() + item * per_item * a.dim);
