@@ -33,6 +33,7 @@ from ninfer_core.layers.gdn import (
 from ninfer_core.ops import dispatch
 from ninfer_core.ops import gdn as gdn_ops
 from kernel_stub import record_kernel_calls
+from test_cpu_kernels import isa  # noqa: F401  (the fixture: every instruction set)
 
 torch.set_num_threads(1)  # small tensors: thread start-up dominates and cores are shared
 
@@ -175,8 +176,10 @@ def _config(shape, hidden: int = 48) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_reference_is_the_layer_t1_path(dtype):
-    """forward(T=1) now goes through ops.gdn.gdn_decode_step: bit for bit the former path."""
+def test_reference_is_the_layer_t1_path(dtype, monkeypatch):
+    """forward(T=1) now goes through ops.gdn.gdn_decode_step: bit for bit the former path (the
+    reference's; the CPU kernel, fp32, is tested against it below)."""
+    monkeypatch.setenv(dispatch.DISABLE_ENV, "1")
     torch.manual_seed(0)
     shape = (2, 4, 16, 8, 4)
     layer = GatedDeltaNet(_config(shape)).to(dtype)
@@ -325,6 +328,122 @@ def test_verify_and_commit_check_shapes():
         gdn_ops.gdn_commit(**without_z(case), counts=torch.tensor([1]))
     with pytest.raises(ValueError, match="token axis"):
         gdn_ops.gdn_verify(**{**case, "qkv": case["qkv"][:, 0]})
+
+
+# ---------------------------------------------------------------- CPU: the CPU kernel (fp32)
+
+cpu_kernel = pytest.mark.skipif(dispatch.cpu_extension() is None, reason="ninfer_core._cpu not built")
+CPU_SHAPES = [SHAPE_35B, SMALL_ODD, (1, 3, 16, 8, 3), (2, 4, 256, 256, 4), (1, 2, 32, 224, 8), (3, 3, 40, 20, 2)]
+
+
+@pytest.fixture
+def cpu_gdn_calls(monkeypatch) -> list[tuple]:
+    """The CPU extension's gdn_steps calls (passed on to it): a test sees that the kernel ran."""
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    ext, calls = dispatch.cpu_extension(), []
+
+    def gdn_steps(*args):
+        calls.append(args)
+        return ext.gdn_steps(*args)
+
+    monkeypatch.setattr(dispatch, "cpu_extension", lambda: SimpleNamespace(gdn_steps=gdn_steps))
+    return calls
+
+
+def _merged(case: dict) -> dict:
+    """case's qkv / z / b / a as slices of one projection [B, (T,) C + Hv*dv + 2 Hv] (in_proj's output),
+    which the kernel reads in place."""
+    names = ("qkv", "z", "b", "a")
+    views = torch.cat([case[n] for n in names], dim=-1).split([case[n].shape[-1] for n in names], dim=-1)
+    return {**case, **dict(zip(names, views, strict=True))}
+
+
+@cpu_kernel
+@pytest.mark.usefixtures("isa")
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
+def test_cpu_kernel_decode_matches_reference_and_float64(cpu_gdn_calls, shape, batch):
+    case = _merged(make_case(shape, batch, torch.float32, seed=batch))
+    before, ref = with_pool_copies(case), with_pool_copies(case)
+    out = torch.full(case["z"].shape, float("nan"))
+    assert gdn_ops.gdn_decode_step(**case, out=out) is out
+    assert len(cpu_gdn_calls) == 1
+    assert [cpu_gdn_calls[0][i] for i in (1, 2, 3, 4)] == [case[n].data_ptr() for n in ("qkv", "a", "b", "z")]
+    _check_step(case, before, out, ref, gdn_ops.gdn_decode_step_ref(**ref))
+
+
+@cpu_kernel
+@pytest.mark.usefixtures("isa")
+@pytest.mark.parametrize("shape", [SHAPE_35B, SMALL_ODD, (1, 3, 16, 8, 3), (3, 3, 40, 20, 2)], ids=str)
+def test_cpu_kernel_verify_and_commit(cpu_gdn_calls, shape):
+    """A 5-token verify leaves the pools; a commit of 0 / 1 / 3 / 5 tokens per row advances each row
+    that far (float64 and the references), other slots untouched."""
+    case = _merged(make_case(shape, 4, torch.float32, seed=3, tokens=5))
+    before, ref = with_pool_copies(case), with_pool_copies(case)
+    out = gdn_ops.gdn_verify(**case)
+    assert torch.equal(case["conv_pool"], before["conv_pool"])
+    assert torch.equal(case["state_pool"], before["state_pool"])
+    want_out, want_conv, want_state = steps_f64(before, COUNTS)
+    assert_rel(out, want_out, 1e-5)
+    assert_rel(out, gdn_ops.gdn_verify_ref(**ref), 1e-5)
+    counts = torch.tensor(COUNTS)
+    gdn_ops.gdn_commit(**without_z(case), counts=counts)
+    gdn_ops.gdn_commit_ref(**without_z(ref), counts=counts)
+    assert len(cpu_gdn_calls) == 2
+    assert torch.equal(case["conv_pool"], ref["conv_pool"]) and torch.equal(case["conv_pool"].double(), want_conv)
+    assert_rel(case["state_pool"], want_state, 1e-5)
+    assert_rel(case["state_pool"], ref["state_pool"], 1e-5)
+    untouched = torch.ones(case["state_pool"].shape[0], dtype=torch.bool)
+    untouched[case["slots"]] = False
+    assert torch.equal(case["state_pool"][untouched], before["state_pool"][untouched])
+
+
+@cpu_kernel
+def test_cpu_kernel_commit_is_its_decode_steps(cpu_gdn_calls):
+    """Committing n tokens = n decode steps of the kernel, to the bit (the same per-token math)."""
+    case = make_case(SMALL_ODD, 4, torch.float32, seed=12, tokens=5)
+    decoded = with_pool_copies(case)
+    for t in range(5):
+        rows = [r for r, n in enumerate(COUNTS) if n > t]
+        one = {n: decoded[n][rows, t] for n in ("qkv", "a", "b", "z")}
+        gdn_ops.gdn_decode_step(**{**decoded, **one, "slots": decoded["slots"][rows]})
+    gdn_ops.gdn_commit(**without_z(case), counts=torch.tensor(COUNTS))
+    assert len(cpu_gdn_calls) == 6
+    assert torch.equal(case["conv_pool"], decoded["conv_pool"])
+    assert torch.equal(case["state_pool"], decoded["state_pool"])
+
+
+@cpu_kernel
+def test_cpu_kernel_threads_give_the_same_bits(cpu_gdn_calls):
+    """Work items do not depend on the thread count (a conv block, a value head: each on one thread)."""
+    results = []
+    for threads in (1, 2, 3):
+        case = make_case(SHAPE_35B, 2, torch.float32, seed=5, tokens=3)
+        with torch.inference_mode():
+            torch.set_num_threads(threads)
+            try:
+                results.append((gdn_ops.gdn_verify(**case), case["state_pool"]))
+                gdn_ops.gdn_commit(**without_z(case), counts=torch.tensor([2, 3]))
+            finally:
+                torch.set_num_threads(1)
+    assert all(torch.equal(r[0], results[0][0]) and torch.equal(r[1], results[0][1]) for r in results)
+    assert [call[-1] for call in cpu_gdn_calls] == [1, 1, 2, 2, 3, 3]  # the threads argument
+
+
+@cpu_kernel
+def test_cpu_kernel_takes_only_fp32_decode_verify_commit(cpu_gdn_calls):
+    """bf16 models and a forked prefill's tail run the reference on the CPU; the binding rejects
+    what its stack buffers cannot hold."""
+    case = make_case(SMALL_ODD, 2, torch.bfloat16)
+    gdn_ops.gdn_decode_step(**case)
+    case = make_case(SMALL_ODD, 2, torch.float32, tokens=4)
+    out = torch.zeros_like(case["z"])
+    gdn_ops.gdn_prefill_tail(case["qkv"], case["a"], case["b"], case["z"], case["conv_pool"], case["state_pool"],
+                             case["slots"], case["w"], offsets=torch.tensor([1, 0]), counts=torch.tensor([3, 2]),
+                             fork_slots=torch.tensor([0, 1]), width=3, out=out)
+    assert cpu_gdn_calls == []
+    with pytest.raises(ValueError, match="1-16 tokens"):
+        dispatch.cpu_extension().gdn_steps(*[0] * 13, 1, 17, 2, 6, 32, 32, 4, 1, 1, 1, 0.1, 1e-6, True, 1)
 
 
 # ---------------------------------------------------------------- GPU: the CUDA kernel
@@ -548,7 +667,8 @@ def test_kernel_commit_is_kernel_decode_bitwise(cuda_kernels, fill):
         one = {n: decoded[n][:, t].contiguous() for n in ("qkv", "a", "b", "z")}
         assert torch.equal(gdn_ops.gdn_decode_step(**{**decoded, **one}), out[:, t])
     gdn_ops.gdn_commit(**without_z(case), counts=torch.full((batch,), tokens, device="cuda"))
-    assert torch.equal(case["conv_pool"], decoded["conv_pool"]) and torch.equal(case["state_pool"], decoded["state_pool"])
+    assert torch.equal(case["conv_pool"], decoded["conv_pool"])
+    assert torch.equal(case["state_pool"], decoded["state_pool"])
 
 
 @pytest.mark.cuda

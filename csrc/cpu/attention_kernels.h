@@ -10,6 +10,7 @@
 
 #include "decode_ops.h"
 #include "quant_kernels.h"
+#include "vector_math.h"
 
 namespace ninfer::cpu {
 namespace {
@@ -42,25 +43,6 @@ struct AttentionKernels {
     float total = V::sum(acc);
     for (; i < n; ++i) total += a[i] * value(b[i]);
     return total;
-  }
-
-  // e^x for x <= 0 (softmax weights), W at a time: x = n ln2 + r with |r| <= ln2 / 2, e^r from Cephes'
-  // degree-6 polynomial (within a few ulp of expf), times 2^n. x is held above -86 (e^-86 = 4e-38),
-  // where the 2^n scaling stays normal on every instruction set: a weight that small adds nothing to
-  // sums of terms near 1. A scalar expf a score took ~3 ms of a 2,048-token step of the README's model.
-  static F exp_nonpositive(F x) {
-    x = V::max(x, V::splat(-86.0f));
-    const F n = V::round(V::mul(x, V::splat(1.44269504f)));
-    F r = V::fma(n, V::splat(-0.693359375f), x);  // ln2 in two parts, so that r is exact
-    r = V::fma(n, V::splat(2.12194440e-4f), r);
-    F p = V::splat(1.9875691500e-4f);
-    p = V::fma(p, r, V::splat(1.3981999507e-3f));
-    p = V::fma(p, r, V::splat(8.3334519073e-3f));
-    p = V::fma(p, r, V::splat(4.1665795894e-2f));
-    p = V::fma(p, r, V::splat(1.6666665459e-1f));
-    p = V::fma(p, r, V::splat(5.0000001201e-1f));
-    p = V::fma(p, V::mul(r, r), V::add(r, V::splat(1.0f)));
-    return V::times_pow2(p, n);
   }
 
   // Keys [j0, j0 + kAttentionChunk) of sequence b for the query heads of kv_head, for each of its new
@@ -159,7 +141,7 @@ struct AttentionKernels {
       F sums = V::zero();
       std::int64_t j = 0;
       for (; j + V::W <= n; j += V::W) {
-        const F e = exp_nonpositive(V::add(V::load(p + j), V::splat(-max)));
+        const F e = VectorMath<V>::exp(V::add(V::load(p + j), V::splat(-max)));  // vector_math.h
         V::store(p + j, e);
         sums = V::add(sums, e);
       }

@@ -7,6 +7,7 @@
 
 #include "decode_layer.h"
 #include "decode_ops.h"
+#include "gdn_step.h"
 #include "kquant.h"
 #include "quant_matmul.h"
 
@@ -157,6 +158,33 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("cache_type"),
       py::call_guard<py::gil_scoped_release>(),
       "fp32 causal attention over a paged cache (int32 block table, int64 lengths). See csrc/cpu/decode_ops.h.");
+  m.def(
+      "gdn_steps",
+      [](std::uintptr_t out, std::uintptr_t qkv, std::uintptr_t a, std::uintptr_t b, std::uintptr_t z,
+         std::uintptr_t conv_pool, std::uintptr_t state_pool, std::uintptr_t slots, std::uintptr_t counts,
+         std::uintptr_t conv_weight, std::uintptr_t A_log, std::uintptr_t dt_bias, std::uintptr_t norm_weight,
+         std::int64_t batch, std::int64_t tokens, std::int64_t num_k_heads, std::int64_t num_v_heads,
+         std::int64_t head_k_dim, std::int64_t head_v_dim, std::int64_t taps, std::int64_t qkv_stride,
+         std::int64_t ab_stride, std::int64_t z_stride, float q_scale, float eps, bool write_state, int threads) {
+        // the kernel's stack window and head split rely on these (ops/gdn.py checks shapes against each other)
+        if (tokens < 1 || tokens > ninfer::cpu::kMaxTokens || taps < 2 || taps > ninfer::cpu::kMaxTaps ||
+            num_k_heads < 1 || num_v_heads % num_k_heads || head_k_dim < 1 || head_v_dim < 1 || (out && !z)) {
+          throw std::invalid_argument("gdn_steps: 1-16 tokens, 2-8 taps, value heads a multiple of key heads, z with out");
+        }
+        const auto f = [](std::uintptr_t p) { return reinterpret_cast<const float*>(p); };
+        ninfer::cpu::gdn_steps({reinterpret_cast<float*>(out), f(qkv), f(a), f(b), f(z), reinterpret_cast<float*>(conv_pool),
+                                reinterpret_cast<float*>(state_pool), reinterpret_cast<const std::int64_t*>(slots),
+                                reinterpret_cast<const std::int64_t*>(counts), f(conv_weight), f(A_log), f(dt_bias),
+                                f(norm_weight), batch, tokens, num_k_heads, num_v_heads, head_k_dim, head_v_dim, taps,
+                                qkv_stride, ab_stride, z_stride, q_scale, eps, write_state, threads});
+      },
+      py::arg("out"), py::arg("qkv"), py::arg("a"), py::arg("b"), py::arg("z"), py::arg("conv_pool"),
+      py::arg("state_pool"), py::arg("slots"), py::arg("counts"), py::arg("conv_weight"), py::arg("A_log"),
+      py::arg("dt_bias"), py::arg("norm_weight"), py::arg("batch"), py::arg("tokens"), py::arg("num_k_heads"),
+      py::arg("num_v_heads"), py::arg("head_k_dim"), py::arg("head_v_dim"), py::arg("taps"), py::arg("qkv_stride"),
+      py::arg("ab_stride"), py::arg("z_stride"), py::arg("q_scale"), py::arg("eps"), py::arg("write_state"),
+      py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
+      "The fused GDN steps on fp32 tensors (pointers as ints, 0 for none). See csrc/cpu/gdn_step.h.");
   // A linear as a tuple (n, bias, kquant, plan): the output width, the bias pointer (0 for none), and the weight's
   // cpu_plan, ops/quant.py's (codes, scales, offsets, k, group, int4, scale_type) or with kquant ops/kquant.py's.
   const auto layer_linear = [](const py::tuple& t) {

@@ -42,6 +42,14 @@ struct Generic {
     for (int i = 0; i < W; ++i) a.v[i] *= b.v[i];
     return a;
   }
+  static F sub(F a, F b) {
+    for (int i = 0; i < W; ++i) a.v[i] -= b.v[i];
+    return a;
+  }
+  static F div(F a, F b) {
+    for (int i = 0; i < W; ++i) a.v[i] /= b.v[i];
+    return a;
+  }
   static F fma(F a, F b, F c) {
     for (int i = 0; i < W; ++i) c.v[i] += a.v[i] * b.v[i];
     return c;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "attention_kernels.h"
+#include "gdn_kernels.h"
 #include "kquant_kernels.h"
 #include "quant_kernels_a8.h"
 
@@ -20,7 +21,9 @@ IsaKernels make_kernels(const char* name) {
           &KQuantKernels<V>::rows,
           &KQuantKernels<V>::quantize,
           &KQuantKernels<V>::dequantize_rows,
-          &AttentionKernels<V>::chunk};
+          &AttentionKernels<V>::chunk,
+          &GdnKernels<V>::conv,
+          &GdnKernels<V>::head};
 }
 
 }  // namespace

@@ -2,8 +2,9 @@
 // AVX-512 ones share isa_avx512.h's) and compiles this header with its instruction set;
 // quant_matmul.cpp picks one at run time.
 //
-// V provides: F (W floats), zero, load, store, interleave (two F's lanes in turn), store_bf16, splat, add, mul, fma, sum (horizontal), halves (W fp16 -> F),
-// bytes (W signed bytes -> F) and nibbles (W bytes -> their low and their high nibbles as two F).
+// V provides: F (W floats), zero, load, store, interleave (two F's lanes in turn), store_bf16, splat,
+// add, sub, mul, div, fma, max, round, times_pow2, sum (horizontal), halves (W fp16 -> F), bytes (W
+// signed bytes -> F) and nibbles (W bytes -> their low and their high nibbles as two F).
 // The int4 loop reads 2W inputs per W code bytes: the W low nibbles are inputs 0, 2, .., 2W - 2
 // and the high ones 1, 3, .., 2W - 1, so x is first arranged to that order (`arrange`) and the
 // codes are never shuffled.
@@ -14,6 +15,7 @@
 #include <cstring>
 
 #include "decode_ops.h"
+#include "gdn_step.h"
 #include "quant_matmul.h"
 
 namespace ninfer::cpu {
@@ -63,6 +65,11 @@ struct IsaKernels {
   // decode attention of a sequence's new tokens over a chunk of keys from j0 (attention_kernels.h)
   void (*attend_chunk)(const AttentionArgs& a, std::int64_t b, std::int64_t kv_head, std::int64_t j0, float* scores,
                        float* widened, float* m, float* l, float* acc);
+  // the fused GDN steps (gdn_kernels.h): a block of channels' conv, one (sequence, value head)'s rule
+  void (*gdn_conv)(const GdnStepArgs& a, std::int64_t b, std::int64_t c0, std::int64_t c1, std::int64_t keep,
+                   float* mixed);
+  void (*gdn_head)(const GdnStepArgs& a, const float* mixed, std::int64_t b, std::int64_t h, std::int64_t keep,
+                   float* work);
 };
 
 // Everything below has internal linkage on purpose: each isa_*.cpp compiles its own copy with its
