@@ -213,28 +213,86 @@ def test_cpu_tensors_never_reach_the_extension(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("tokens", [1, 40])  # a decode step's GEMVs; a prompt's GEMMs past CPU_GEMV_ROWS rows
-def test_cpu_experts_run_on_the_quant_kernels(monkeypatch, fmt, tokens):
-    """Quantized experts on the CPU: each hit expert's two projections on the CPU quant kernels,
-    a slice of the weights each (never the whole expert dequantized, as the reference does), the
-    reference's sums to fp32 accuracy against float64."""
-    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
-    real, calls = dispatch.cpu_extension(), []
-
-    class Recording:
-        def __getattr__(self, name):
-            if name in ("quant_matmul", "dequantize"):
-                calls.append(name)
-            return getattr(real, name)
-
-    monkeypatch.setattr(dispatch, "cpu_extension", lambda: Recording())
+def test_cpu_experts_run_on_the_quant_kernels(cpu_calls, fmt, tokens):
+    """Quantized experts on the CPU: a decode step's rows in one call, a prompt's each hit expert's two
+    projections on the quant kernels' tiles (never the whole expert dequantized, as the reference
+    does); the reference's sums to fp32 accuracy against float64."""
     gate_up, down = _experts(8, 64, 32, fmt, dtype=torch.float32, group=32, seed=2)
     weights, ids = _routing(tokens, 8, 2, dtype=torch.float32, seed=2)
     ids[:] = ids[0]  # a prompt's 40 rows on the same two experts: their GEMMs over dequantized tiles
     x = _inputs(tokens, 64, dtype=torch.float32, seed=2)
     out = moe.moe_experts(x, gate_up, down, weights, ids)
-    assert calls == (["quant_matmul"] if tokens == 1 else ["dequantize"]) * 4  # 2 experts, 2 projections
+    assert cpu_calls == (["moe_experts"] if tokens == 1 else ["dequantize"] * 4)  # 2 experts, 2 projections
     _assert_close(out, _expected(x, gate_up, down, weights, ids), 1e-5)
     _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), 1e-5)
+
+
+@pytest.fixture
+def cpu_calls(monkeypatch) -> list[str]:
+    """The CPU extension's matmul / dequantize / moe_experts calls, passed on to it."""
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    real, calls = dispatch.cpu_extension(), []
+
+    class Recording:
+        def __getattr__(self, name):
+            if name in ("quant_matmul", "dequantize", "moe_experts"):
+                calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(dispatch, "cpu_extension", lambda: Recording())
+    return calls
+
+
+def _python_loop(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """The loop over hit experts with each projection on the quant kernels, from Python."""
+    return moe._hit_experts(x, weights, ids, lambda e, rows: quant_linear(
+        silu_mul(quant_linear(rows, gate_up.experts[e])), down.experts[e]))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_cpu_experts_in_one_call_are_the_python_loop(cpu_calls, fmt, tokens):
+    """The decode rows' one call (csrc/cpu/moe_step.h) runs the loop's GEMVs in its order: the same
+    bits, experts hit by several tokens included; with the shared expert, the composition of the
+    layer (MLP.gated: routed + sigmoid(gate) * shared(x)) to the bit as well."""
+    gate_up, down = _experts(8, 64, 32, fmt, dtype=torch.float32, group=32, seed=3)
+    weights, ids = _routing(tokens, 8, 3, dtype=torch.float32, seed=tokens)
+    x = _inputs(tokens, 64, dtype=torch.float32, seed=3)
+    out = moe.moe_experts(x, gate_up, down, weights, ids)
+    assert cpu_calls == ["moe_experts"]
+    assert torch.equal(out, _python_loop(x, gate_up, down, weights, ids))
+    shared_gate_up, shared_down = (quantize(torch.randn(shape, generator=torch.Generator().manual_seed(4)) / 8, fmt,
+                                            32) for shape in ((64, 64), (64, 32)))
+    gate = torch.randn(tokens, 3)[:, 2:]  # a column of the router's output: rows 3 floats apart
+    shared = moe.SharedExpert(shared_gate_up, shared_down, gate)
+    cpu_calls.clear()
+    with_shared = moe.moe_experts_with_shared(x, gate_up, down, weights, ids, shared)
+    assert cpu_calls == ["moe_experts"]
+    composed = sigmoid_mul(quant_linear(silu_mul(quant_linear(x, shared_gate_up)), shared_down), gate, add=out)
+    assert torch.equal(with_shared, composed)
+
+
+def test_cpu_experts_call_rejects_bad_ids():
+    """An expert id past the experts raises before anything runs (the Python loop's IndexError)."""
+    gate_up, down = _experts(8, 64, 32, "int8", dtype=torch.float32, group=32)
+    weights, ids = _routing(2, 8, 2, dtype=torch.float32)
+    ids[1, 1] = 8
+    with pytest.raises(IndexError, match="out of range"):
+        moe.moe_experts(_inputs(2, 64, dtype=torch.float32), gate_up, down, weights, ids)
+
+
+def test_quantized_experts_keep_one_weight_object():
+    """Experts gives the same QuantizedWeight while its buffers stay (its per-expert CPU plans are
+    made once), a new one after they are replaced."""
+    experts = Experts(4, 64, 32)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.05)
+    experts.quantize_("int8")
+    first = experts.gate_up
+    assert experts.gate_up is first and experts.down is not first
+    experts.gate_up_scales = experts.gate_up_scales.clone()  # a buffer replaced (as a load or .to() does)
+    assert experts.gate_up is not first and experts.gate_up.scales is experts.gate_up_scales
 
 
 def test_bad_shapes_raise():

@@ -9,6 +9,7 @@
 #include "decode_ops.h"
 #include "gdn_step.h"
 #include "kquant.h"
+#include "moe_step.h"
 #include "quant_matmul.h"
 
 namespace py = pybind11;
@@ -40,6 +41,13 @@ ninfer::cpu::CacheType cache_of(int type) {
 ninfer::cpu::CacheType narrow_cache(int type) {
   if (type != 1 && type != 2) throw std::invalid_argument("write_kv_narrow: cache_type 1 (bf16) or 2 (fp16)");
   return cache_of(type);
+}
+
+// A weight from ops/quant.py's cpu_plan (codes, scales, offsets, k, group, int4, scale_type) and its rows n.
+QuantWeight quant_weight(const py::tuple& plan, std::int64_t n) {
+  return {plan[0].cast<std::uintptr_t>(), plan[1].cast<std::uintptr_t>(), plan[2].cast<std::uintptr_t>(), n,
+          plan[3].cast<std::int64_t>(),   plan[4].cast<std::int64_t>(),   plan[5].cast<bool>(),
+          static_cast<ScaleType>(plan[6].cast<int>())};
 }
 
 }  // namespace
@@ -185,6 +193,49 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("ab_stride"), py::arg("z_stride"), py::arg("q_scale"), py::arg("eps"), py::arg("write_state"),
       py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
       "The fused GDN steps on fp32 tensors (pointers as ints, 0 for none). See csrc/cpu/gdn_step.h.");
+  // experts: (cpu_plan, n, (codes, scales, offsets) strides in bytes between experts); shared: None or
+  // ((gate_up plan, n), (down plan, n), gate pointer, gate stride in floats)
+  m.def(
+      "moe_experts",
+      [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t weights, std::uintptr_t ids, std::int64_t tokens,
+         std::int64_t top_k, std::int64_t num_experts, const py::tuple& gate_up, const py::tuple& down,
+         const py::object& shared, int threads, bool int8_activations) {
+        const auto experts = [](const py::tuple& t) {
+          const auto strides = t[2].cast<py::tuple>();
+          return ninfer::cpu::ExpertWeights{quant_weight(t[0].cast<py::tuple>(), t[1].cast<std::int64_t>()),
+                                            strides[0].cast<std::int64_t>(), strides[1].cast<std::int64_t>(),
+                                            strides[2].cast<std::int64_t>()};
+        };
+        ninfer::cpu::MoeArgs a{reinterpret_cast<float*>(out), reinterpret_cast<const float*>(x),
+                               reinterpret_cast<const float*>(weights), reinterpret_cast<const std::int32_t*>(ids),
+                               tokens, top_k, num_experts, experts(gate_up), experts(down), nullptr, nullptr,
+                               nullptr, 0, threads, int8_activations};
+        if (a.gate_up.first.n % 2 || a.down.first.k * 2 != a.gate_up.first.n || a.gate_up.first.k != a.down.first.n) {
+          throw std::invalid_argument("moe_experts: gate_up [E, 2I, H] and down [E, H, I] do not match");
+        }
+        QuantWeight shared_gate_up{}, shared_down{};
+        if (!shared.is_none()) {
+          const auto t = shared.cast<py::tuple>();
+          const auto part = [](const py::handle& h) {
+            const auto p = h.cast<py::tuple>();
+            return quant_weight(p[0].cast<py::tuple>(), p[1].cast<std::int64_t>());
+          };
+          shared_gate_up = part(t[0]), shared_down = part(t[1]);
+          if (shared_gate_up.n % 2 || shared_down.k * 2 != shared_gate_up.n || shared_down.n != a.down.first.n ||
+              shared_gate_up.k != a.down.first.n) {
+            throw std::invalid_argument("moe_experts: the shared gate_up [2I, H] and down [H, I] do not match");
+          }
+          a.shared_gate_up = &shared_gate_up, a.shared_down = &shared_down;
+          a.shared_gate = reinterpret_cast<const float*>(t[2].cast<std::uintptr_t>());
+          a.shared_gate_stride = t[3].cast<std::int64_t>();
+        }
+        py::gil_scoped_release released;
+        ninfer::cpu::moe_experts(a);
+      },
+      py::arg("out"), py::arg("x"), py::arg("weights"), py::arg("ids"), py::arg("tokens"), py::arg("top_k"),
+      py::arg("num_experts"), py::arg("gate_up"), py::arg("down"), py::arg("shared"), py::arg("threads"),
+      py::arg("int8_activations"),
+      "The routed (and shared) experts of fp32 rows. See csrc/cpu/moe_step.h.");
   // A linear as a tuple (n, bias, kquant, plan): the output width, the bias pointer (0 for none), and the weight's
   // cpu_plan, ops/quant.py's (codes, scales, offsets, k, group, int4, scale_type) or with kquant ops/kquant.py's.
   const auto layer_linear = [](const py::tuple& t) {

@@ -74,14 +74,16 @@ class Experts(nn.Module):
         return sync_free_tokens(self.gate_up, self.down)
 
     def _tensor(self, part: str) -> ExpertTensor:
+        """The part's tensor; quantized, one QuantizedWeight kept while its buffers stay the same objects
+        (what it caches, the CPU kernels' per-expert plans, is made once, not every step)."""
         if self.kind is None:
             return getattr(self, f"{part}_proj")
-        return QuantizedWeight(
-            self.kind,
-            getattr(self, f"{part}_qweight"),
-            getattr(self, f"{part}_scales"),
-            self.group_size,
-        )
+        qweight, scales = getattr(self, f"{part}_qweight"), getattr(self, f"{part}_scales")
+        kept = self.__dict__.get(f"_{part}_quantized")
+        if kept is None or kept.qweight is not qweight or kept.scales is not scales:
+            kept = QuantizedWeight(self.kind, qweight, scales, self.group_size)
+            self.__dict__[f"_{part}_quantized"] = kept
+        return kept
 
 
 class SparseMoE(nn.Module):

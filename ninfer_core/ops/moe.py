@@ -23,8 +23,10 @@ Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate ro
   grouped   CUDA, larger N otherwise (prefill): the (token, slot) pairs sorted by expert and one
             grouped GEMM per projection (`moe_experts_grouped`).
   cpu       CPU, int8 / int4 experts: the reference's loop over hit experts, each projection on the
-            CPU quant kernels (a GEMV per expert, a GEMM over dequantized tiles for a prompt's many
-            rows: ops/quant.py) where the reference dequantizes every hit expert whole, every step.
+            CPU quant kernels (a GEMM over dequantized tiles for a prompt's many rows: ops/quant.py)
+            where the reference dequantizes every hit expert whole, every step; a decode step's rows
+            (up to CPU_GEMV_ROWS) in one call with the shared expert (csrc/cpu/moe_step.h: the same
+            GEMVs in the same order, one call where the loop took ~10 torch ops an expert).
   reference CPU otherwise, or NINFER_DISABLE_KERNELS=1: the loop over hit experts (`moe_experts_ref`).
 """
 
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 from . import dispatch, moe_triton
 from .activation import row_view, silu_mul
 from .moe_align import Aligned, align_by_expert, combine_slots
-from .quant import QuantizedWeight, dequantize, quant_linear
+from .quant import CPU_GEMV_ROWS, QuantizedWeight, dequantize, quant_linear
 
 log = logging.getLogger(__name__)
 
@@ -241,9 +243,49 @@ def _cpu_experts_fit(gate_up: ExpertTensor, down: ExpertTensor) -> bool:
 def _cpu_experts(
     x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
 ) -> torch.Tensor:
-    """`moe_experts_ref`'s loop with each hit expert's projections on the CPU quant kernels."""
+    """`moe_experts_ref`'s loop with each hit expert's projections on the CPU quant kernels: a decode
+    step's few rows in one call (`_cpu_experts_call`), a prompt's from Python (its GEMMs dominate)."""
+    out = _cpu_experts_call(x, gate_up, down, weights, ids, None)
+    if out is not None:
+        return out
     return _hit_experts(x, weights, ids, lambda expert, rows: quant_linear(
         silu_mul(quant_linear(rows, gate_up.experts[expert])), down.experts[expert]))
+
+
+def _cpu_experts_call(
+    x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
+    shared: SharedExpert | None,
+) -> torch.Tensor | None:
+    """The routed experts (and the shared one, gated, where given) of up to CPU_GEMV_ROWS fp32 rows in
+    one call (csrc/cpu/moe_step.h: the loop's GEMVs in its order, ~10 torch ops an expert saved);
+    None where it does not apply."""
+    shared_plan = None if shared is None else _cpu_shared_plan(shared, x.shape[0])
+    if not (x.shape[0] <= CPU_GEMV_ROWS and x.dtype == weights.dtype == torch.float32 and ids.dtype == torch.int32
+            and (shared is None or shared_plan is not None)):
+        return None
+    x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
+    out = torch.empty_like(x)
+    dispatch.cpu_extension().moe_experts(
+        out.data_ptr(), x.data_ptr(), weights.data_ptr(), ids.data_ptr(), x.shape[0], ids.shape[1], gate_up.shape[0],
+        _cpu_expert_plan(gate_up), _cpu_expert_plan(down), shared_plan, dispatch.cpu_threads(),
+        dispatch.cpu_math() == "int8")
+    return out
+
+
+def _cpu_expert_plan(w: QuantizedWeight) -> tuple:
+    """moe_experts' view of stacked experts: the first's plan, its rows, the byte strides between experts."""
+    strides = tuple(0 if t is None else t.stride(0) * t.element_size() for t in (w.qweight, w.scales, w.offsets))
+    return w.experts[0].cpu_plan, w.out_features, strides
+
+
+def _cpu_shared_plan(shared: SharedExpert, tokens: int) -> tuple | None:
+    """moe_experts' shared expert (plans, rows, the gate logits' pointer and row stride), or None."""
+    gate = row_view(shared.gate, 1) if shared.gate.shape == (tokens, 1) else None
+    plans = (shared.gate_up.cpu_plan, shared.down.cpu_plan)
+    if gate is None or gate.dtype != torch.float32 or None in plans:
+        return None
+    return ((plans[0], shared.gate_up.out_features), (plans[1], shared.down.out_features), gate.data_ptr(),
+            gate.stride(0))
 
 
 def moe_experts(
@@ -285,10 +327,15 @@ def moe_experts_with_shared(
     shared: SharedExpert,
 ) -> torch.Tensor | None:
     """`moe_experts` plus the shared expert in the decode kernels' two launches (its rows ride
-    along with the routed experts' instead of four launches of their own), with the roundings of
-    the composition; None where the decode kernels do not take them (fp16 / bf16 x, quantized
-    experts, a decode-sized batch): the caller then composes `moe_experts` and the shared expert."""
+    along with the routed experts' instead of four launches of their own; on the CPU in the experts'
+    one call), with the roundings of the composition; None where the kernels do not take them (fp16 /
+    bf16 x, quantized experts, a decode-sized batch): the caller then composes `moe_experts` and the
+    shared expert."""
     _check(x, gate_up, down, weights, ids)
+    out = _cpu_experts_call(x, gate_up, down, weights, ids, shared) if x.device.type == "cpu" and _cpu_experts_fit(
+        gate_up, down) else None
+    if out is not None:
+        return out
     if not dispatch.use_kernel(x) or x.dtype not in (torch.float16, torch.bfloat16) or not all(
             isinstance(w, QuantizedWeight) for w in (gate_up, down, shared.gate_up, shared.down)):
         return None

@@ -1,0 +1,71 @@
+#include "moe_step.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "decode_ops.h"
+
+namespace ninfer::cpu {
+namespace {
+
+QuantWeight expert(const ExpertWeights& w, std::int64_t e) {
+  QuantWeight q = w.first;
+  q.codes += e * w.codes_stride;
+  q.scales += e * w.scales_stride;
+  if (q.offsets) q.offsets += e * w.offsets_stride;
+  return q;
+}
+
+// out [rows, H] = down(silu(g) * u) with [g | u] = gate_up(x [rows, H]); h, act: scratch
+void ffn(const QuantWeight& gate_up, const QuantWeight& down, const float* x, std::int64_t rows, float* h, float* act,
+         float* out, const MoeArgs& a) {
+  const auto p = [](const float* f) { return reinterpret_cast<std::uintptr_t>(f); };
+  quant_matmul({gate_up, p(h), p(x), 0, rows, a.threads, a.int8_activations});
+  silu_mul(act, h, rows, gate_up.n / 2);
+  quant_matmul({down, p(out), p(act), 0, rows, a.threads, a.int8_activations});
+}
+
+}  // namespace
+
+void moe_experts(const MoeArgs& a) {
+  const std::int64_t hidden = a.down.first.n, pairs = a.tokens * a.top_k;
+  const std::int64_t widest = std::max(a.gate_up.first.n, a.shared_gate_up ? a.shared_gate_up->n : 0);
+  std::vector<float> rows(a.tokens * hidden), h(a.tokens * widest), act(a.tokens * widest / 2), y(a.tokens * hidden);
+  std::vector<std::int64_t> order(pairs);  // (token, slot) pairs by expert, then token
+  for (std::int64_t i = 0; i < pairs; ++i) {
+    if (a.ids[i] < 0 || a.ids[i] >= a.num_experts) throw std::out_of_range("moe_experts: an expert id out of range");
+    order[i] = i;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](std::int64_t i, std::int64_t j) { return a.ids[i] < a.ids[j]; });
+  std::memset(a.out, 0, a.tokens * hidden * sizeof(float));
+  for (std::int64_t first = 0; first < pairs;) {
+    const std::int32_t e = a.ids[order[first]];
+    std::int64_t last = first;
+    for (; last < pairs && a.ids[order[last]] == e; ++last) {
+      std::memcpy(rows.data() + (last - first) * hidden, a.x + order[last] / a.top_k * hidden, hidden * sizeof(float));
+    }
+    const std::int64_t count = last - first;
+    ffn(expert(a.gate_up, e), expert(a.down, e), rows.data(), count, h.data(), act.data(), y.data(), a);
+    for (std::int64_t r = 0; r < count; ++r) {
+      const std::int64_t pair = order[first + r];
+      const float w = a.weights[pair];
+      float* o = a.out + pair / a.top_k * hidden;
+      const float* yr = y.data() + r * hidden;
+      for (std::int64_t i = 0; i < hidden; ++i) o[i] += yr[i] * w;
+    }
+    first = last;
+  }
+  if (!a.shared_gate_up) return;
+  ffn(*a.shared_gate_up, *a.shared_down, a.x, a.tokens, h.data(), act.data(), y.data(), a);
+  for (std::int64_t t = 0; t < a.tokens; ++t) {
+    const float gate = 1.0f / (1.0f + std::exp(-a.shared_gate[t * a.shared_gate_stride]));
+    float* o = a.out + t * hidden;
+    const float* yr = y.data() + t * hidden;
+    for (std::int64_t i = 0; i < hidden; ++i) o[i] += gate * yr[i];
+  }
+}
+
+}  // namespace ninfer::cpu
