@@ -497,10 +497,13 @@ def test_disconnects_free_the_kv_and_the_server_keeps_serving(server, client):
     wait_for(lambda: stats(server).engine.running == 0, what="the stream's request to be dropped")
     assert stats(server).engine.generated_tokens - generated < 200  # dropped, not run to the end
     generated = stats(server).engine.generated_tokens
-    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
-        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    # a non-streaming client that gives up: 400 tokens take the tiny model well over the 50 ms it waits
+    # (~1 ms a token here; 200 tokens and 0.5 s passed once its CPU decode step fell under 2.5 ms)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 400},
+                   timeout=httpx.Timeout(60, read=0.05))
     wait_for(lambda: stats(server).engine.running == 0, what="the non-stream request to be dropped")
-    assert stats(server).engine.generated_tokens - generated < 200
+    assert stats(server).engine.generated_tokens - generated < 400
     after = stats(server)
     assert after.engine.kv_used_tokens == 0 and after.kv_reserved_tokens == 0 and after.waiting == 0
     r = client.chat.completions.create(model="m", messages=HI, max_tokens=3, extra_body={"ignore_eos": True})
