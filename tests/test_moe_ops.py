@@ -272,6 +272,21 @@ def test_cpu_experts_in_one_call_are_the_python_loop(cpu_calls, fmt, tokens):
     assert torch.equal(with_shared, composed)
 
 
+def test_cpu_prompt_experts_past_a_few_rows_take_the_tiled_gemm(cpu_calls):
+    """A prompt's hit experts (more tokens than a decode step's one call takes) run the GEMV kernel up
+    to CPU_PREFILL_EXPERT_GEMV_ROWS rows and the tiled GEMM past them; the sums stay the reference's."""
+    gate_up, down = _experts(4, 64, 32, "int4", dtype=torch.float32, group=32, seed=5)
+    weights, _ = _routing(20, 4, 2, dtype=torch.float32, seed=5)
+    few = moe.CPU_PREFILL_EXPERT_GEMV_ROWS
+    # expert 0 in every row; expert 1 in `few` rows, expert 3 in the other 20 - few (> few)
+    ids = torch.tensor([[0, 1 if t < few else 3] for t in range(20)], dtype=torch.int32)
+    x = _inputs(20, 64, dtype=torch.float32, seed=5)
+    out = moe.moe_experts(x, gate_up, down, weights, ids)
+    tiled, gemv = ["dequantize"] * 2, ["quant_matmul"] * 2  # gate_up, then down
+    assert cpu_calls == tiled + gemv + tiled
+    _assert_close(out, _expected(x, gate_up, down, weights, ids), 1e-5)
+
+
 def test_cpu_experts_call_rejects_bad_ids():
     """An expert id past the experts raises before anything runs (the Python loop's IndexError)."""
     gate_up, down = _experts(8, 64, 32, "int8", dtype=torch.float32, group=32)

@@ -67,6 +67,12 @@ GROUPED_GEMV_MAX_TOKENS = 512
 # the engine's largest decode graph bucket, sync-free.
 QUANTIZED_DECODE_ALONE_TOKENS = 64
 SYNC_FREE_UNLIMITED = 1 << 30
+# A prompt's rows per hit expert up to which the CPU takes the GEMV kernel, past it the tiled GEMM: the
+# 35B's expert shapes tie at 6 rows (gate_up 1,024 x 2,048 int4, one thread: 8 rows 0.72 vs 0.56 ms, 16
+# rows 1.53 vs 0.68; down 2,048 x 512: 6 rows 0.26 vs 0.27, 16 rows 0.93 vs 0.38), where the general
+# CPU_GEMV_ROWS keeps decode and verify rows (the same math as a decode step's) on the GEMV. A 512-token
+# prompt through 4 of the 35B's layers: -12% (twenty-ninth session, docs/performance.md).
+CPU_PREFILL_EXPERT_GEMV_ROWS = 6
 _MAX_TOP_K = 64  # csrc/moe.cu's limits
 _MAX_ROUTE_EXPERTS = 512  # a token's probabilities in one warp's registers
 _MAX_SHARED_BYTES = 48 * 1024
@@ -249,7 +255,8 @@ def _cpu_experts(
     if out is not None:
         return out
     return _hit_experts(x, weights, ids, lambda expert, rows: quant_linear(
-        silu_mul(quant_linear(rows, gate_up.experts[expert])), down.experts[expert]))
+        silu_mul(quant_linear(rows, gate_up.experts[expert], cpu_gemv_rows=CPU_PREFILL_EXPERT_GEMV_ROWS)),
+        down.experts[expert], cpu_gemv_rows=CPU_PREFILL_EXPERT_GEMV_ROWS))
 
 
 def _cpu_experts_call(

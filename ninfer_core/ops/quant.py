@@ -311,15 +311,16 @@ def quant_linear_a8_ref(
 
 
 def quant_linear(
-    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, *, cpu_gemv_rows: int = CPU_GEMV_ROWS
 ) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, for a 2-D quantized weight."""
+    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, for a 2-D quantized weight. On the CPU the
+    GEMV kernel takes up to `cpu_gemv_rows` rows (a prefill's callers may set fewer: ops/moe.py)."""
     _check_linear(x, qw, bias)
     rows = x.numel() // qw.in_features
     if x.device.type == "cpu" and qw.cpu_plan is not None and dispatch.cpu_kernels_available():
         # a small model's decode step is ~120 of these calls: no work here beyond the kernel's
         x2 = x.reshape(rows, qw.in_features)
-        out = (_cpu_tiled_linear if rows > CPU_GEMV_ROWS else _cpu_matmul)(x2, qw, bias).view(x.shape[:-1] + (-1,))
+        out = (_cpu_tiled_linear if rows > cpu_gemv_rows else _cpu_matmul)(x2, qw, bias).view(x.shape[:-1] + (-1,))
         return out if out.dtype == x.dtype else out.to(x.dtype)
     if rows > (CUDA_MAX_GEMV_ROWS if x.device.type == "cuda" else MAX_GEMV_ROWS):
         # Prefill: with many rows the product is compute-bound; a GEMM (cuBLAS tensor cores, or
