@@ -304,15 +304,22 @@ def test_verify_and_commit_references_match_float64(shape, dtype):
     assert_rel(case["state_pool"], want_state, 1e-5)
 
 
+def _decoded_through_counts(case: dict, decode_step) -> dict:
+    """A copy of a multi-token case whose pools went through row r's first COUNTS[r] tokens by
+    `decode_step` calls, one token at a time."""
+    decoded = with_pool_copies(case)
+    for t in range(case["qkv"].shape[1]):
+        rows = [r for r, n in enumerate(COUNTS) if n > t]
+        one = {n: decoded[n][rows, t] for n in ("qkv", "a", "b", "z")}
+        decode_step(**{**decoded, **one, "slots": decoded["slots"][rows]})
+    return decoded
+
+
 def test_commit_reference_is_decode_steps():
     """Committing n tokens = n decode steps of the reference (up to fp32 rounding: one pass over the
     tokens vs one call per token); other slots untouched."""
     case = make_case(SMALL_ODD, 4, torch.float32, seed=12, tokens=5)
-    decoded = with_pool_copies(case)
-    for t in range(5):
-        rows = [r for r, n in enumerate(COUNTS) if n > t]
-        one = {n: decoded[n][rows, t] for n in ("qkv", "a", "b", "z")}
-        gdn_ops.gdn_decode_step_ref(**{**decoded, **one, "slots": decoded["slots"][rows]})
+    decoded = _decoded_through_counts(case, gdn_ops.gdn_decode_step_ref)
     before = with_pool_copies(case)
     gdn_ops.gdn_commit_ref(**without_z(case), counts=torch.tensor(COUNTS))
     assert torch.equal(case["conv_pool"], decoded["conv_pool"])
@@ -402,11 +409,7 @@ def test_cpu_kernel_verify_and_commit(cpu_gdn_calls, shape):
 def test_cpu_kernel_commit_is_its_decode_steps(cpu_gdn_calls):
     """Committing n tokens = n decode steps of the kernel, to the bit (the same per-token math)."""
     case = make_case(SMALL_ODD, 4, torch.float32, seed=12, tokens=5)
-    decoded = with_pool_copies(case)
-    for t in range(5):
-        rows = [r for r, n in enumerate(COUNTS) if n > t]
-        one = {n: decoded[n][rows, t] for n in ("qkv", "a", "b", "z")}
-        gdn_ops.gdn_decode_step(**{**decoded, **one, "slots": decoded["slots"][rows]})
+    decoded = _decoded_through_counts(case, gdn_ops.gdn_decode_step)
     gdn_ops.gdn_commit(**without_z(case), counts=torch.tensor(COUNTS))
     assert len(cpu_gdn_calls) == 6
     assert torch.equal(case["conv_pool"], decoded["conv_pool"])
