@@ -288,6 +288,8 @@ def bench(
     batch_context: Annotated[int, typer.Option(help="Context of the batch > 1 decode runs.")] = 4096,
     decode_steps: Annotated[int, typer.Option(help="Decode steps timed per run.")] = 32,
     prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens.")] = 8192,
+    layers: Annotated[Optional[int], typer.Option(help="Only the preset's first N layers (its exact shapes where "
+                                                       "the whole model does not fit, e.g. the 35B on a CPU).")] = None,
     weights: WeightsOpt = "auto",
     kv_dtype: KvDtypeOpt = "auto",
     cuda_graphs: Annotated[bool, typer.Option(help="Decode with CUDA graphs (GPU).")] = True,
@@ -310,7 +312,7 @@ def bench(
             model=synthetic or model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
             prefill_lengths=parse_int_list(prefill, "--prefill"), decode_contexts=parse_int_list(contexts, "--contexts"),
             decode_batches=parse_int_list(batches, "--batches"), batch_context=batch_context,
-            decode_steps=decode_steps, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
+            decode_steps=decode_steps, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs, layers=layers,
         )
         report = run_bench(setup, progress=lambda msg: typer.secho(msg, err=True, dim=True))
     except NinferError as e:

@@ -22,7 +22,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
@@ -61,6 +61,7 @@ class BenchSetup:
     prefill_chunk: int = 8192
     cuda_graphs: bool = True
     seed: int = 0
+    layers: int | None = None  # a preset's first N layers: its exact shapes on a machine too small for all
 
 
 @dataclass
@@ -156,9 +157,15 @@ def _build(setup: BenchSetup) -> tuple[nn.Module, ModelConfig, torch.device, tor
     dev = resolve_device(setup.device)
     if setup.model in PRESETS:
         config = preset(setup.model)
+        if setup.layers is not None:
+            if not 1 <= setup.layers <= config.num_layers:
+                raise NinferError(f"--layers must be 1..{config.num_layers} for {setup.model}, got {setup.layers}")
+            config = replace(config, num_layers=setup.layers, layer_types=config.layer_types[: setup.layers])
         dtype = resolve_dtype(setup.dtype, dev)
         recipe = resolve_recipe(setup.weights, dev, dtype, count_params(config), exact=setup.dtype != "auto")
         return random_model(config, dev, dtype, recipe, setup.seed), config, dev, dtype, recipe
+    if setup.layers is not None:
+        raise NinferError("--layers takes a preset's first layers (--synthetic); a checkpoint runs whole")
     loaded = load_model(setup.model, setup.device, setup.dtype, weights=setup.weights)
     return loaded.model, loaded.config, loaded.device, loaded.dtype, loaded.recipe
 
@@ -320,7 +327,7 @@ def run_bench(setup: BenchSetup, progress: Callable[[str], None] = lambda _: Non
     weights_per_token = decode_weight_bytes(model, config, 1)
     state = 2 * harness.manager.cache.state.bytes_per_slot
     report = BenchReport(
-        model=setup.model,
+        model=setup.model if setup.layers is None else f"{setup.model} (first {setup.layers} layers)",
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         dtype=str(dtype).removeprefix("torch."),
         weights=recipe.label(dtype),

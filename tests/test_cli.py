@@ -161,6 +161,21 @@ def test_bench_synthetic_tiny_json():
     assert_clean_error(ninfer("bench"), "--synthetic")
 
 
+def test_bench_first_layers_of_a_preset():
+    """--layers N: the preset's first N layers, the same shapes (half the layers: half the layers'
+    weights a token, the embedding and lm_head unchanged); out of range is a clear error."""
+    def report(*extra: str) -> dict:
+        proc = ninfer("bench", "--synthetic", "tiny-qwen3.6-moe", "--device", "cpu", "--prefill", "none",
+                      "--contexts", "32", "--batches", "1", "--decode-steps", "2", "--json", *extra)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    whole, half = report(), report("--layers", "2")
+    assert half["model"] == "tiny-qwen3.6-moe (first 2 layers)" and whole["model"] == "tiny-qwen3.6-moe"
+    assert half["weight_bytes"] < whole["weight_bytes"]
+    assert_clean_error(ninfer("bench", "--synthetic", "tiny-qwen3.6-moe", "--layers", "5"), "--layers must be 1..4")
+
+
 @pytest.mark.cuda
 def test_bench_times_the_decode_graph_alone():
     """With CUDA graphs each decode run also gives its graph's replay alone, shorter than the step with
