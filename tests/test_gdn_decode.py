@@ -417,6 +417,28 @@ def test_cpu_kernel_commit_is_its_decode_steps(cpu_gdn_calls):
 
 
 @cpu_kernel
+@pytest.mark.usefixtures("isa")
+def test_cpu_stepped_prefill_matches_float64(cpu_gdn_calls):
+    """A 40-token prefill of 2 rows as fused steps (16 tokens a call, cut at checkpoints 7 and 40):
+    float64's outputs and pools, each checkpoint's slots holding the pools after its tokens."""
+    case = make_case(SMALL_ODD, 2, torch.float32, seed=9, tokens=40)
+    before = with_pool_copies(case)
+    fork_slots = {7: torch.tensor([5, 6]), 40: torch.tensor([0, 1])}  # 7 slots, the rows' 2 and 4
+    assert case["slots"].tolist() == [2, 4]
+    args = {k: case[k] for k in ("qkv", "a", "b", "z", "conv_pool", "state_pool", "slots", "w")}
+    out = gdn_ops.gdn_prefill_stepped(**args, cuts=list(fork_slots.items()))
+    assert len(cpu_gdn_calls) == len(sorted({0, 7, 16, 32, 40})) - 1
+    want_out, want_conv, want_state = steps_f64(before)
+    assert_rel(out, want_out, 1e-5)
+    assert torch.equal(case["conv_pool"][case["slots"]].double(), want_conv[case["slots"]])
+    assert_rel(case["state_pool"][case["slots"]], want_state[case["slots"]], 1e-5)
+    for at, slots in fork_slots.items():
+        _, at_conv, at_state = steps_f64(before, [at, at])
+        assert torch.equal(case["conv_pool"][slots].double(), at_conv[case["slots"]])
+        assert_rel(case["state_pool"][slots], at_state[case["slots"]], 1e-5)
+
+
+@cpu_kernel
 def test_cpu_kernel_threads_give_the_same_bits(cpu_gdn_calls):
     """Work items do not depend on the thread count (a conv block, a value head: each on one thread)."""
     results = []

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ninfer_core.models.base import StateFork
+from ninfer_core.ops import dispatch
 from ninfer_core.ops import gdn as gdn_ops
 from test_speculative_rollback import gdn_layer_and_pools
 
@@ -113,11 +114,46 @@ def test_an_eager_row_with_host_positions_runs_each_side_alone(second, monkeypat
     lengths = []  # the tokens each run of the rule reads
     rule = gdn_ops.gated_delta_rule_prefill
     monkeypatch.setattr(gdn_ops, "gated_delta_rule_prefill", lambda q, *rest: lengths.append(q.shape[1]) or rule(q, *rest))
+    monkeypatch.setattr(gdn_ops, "cpu_steps_apply", lambda *args: False)  # the chunked rule (the stepped one: below)
     with torch.no_grad():
         conv_masked, state_masked = conv.clone(), state.clone()
         want = layer(x, conv_masked, state_masked, slots, None, fork(False))
         got = layer(x, conv, state, slots, None, fork(True))
     assert lengths == [40, 40, 11, (second or 40) - 11]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(conv, conv_masked, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(state, state_masked, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(dispatch.cpu_extension() is None, reason="ninfer_core._cpu not built")
+@pytest.mark.parametrize("second", [None, 37], ids=["one_fork", "then_tail"])
+def test_a_cpu_row_with_host_positions_runs_the_fused_steps(second, monkeypatch):
+    """On the CPU (fp32, the CPU kernel) a row with host fork positions, or none, runs the fused steps
+    16 tokens a call, cut at the forks (ops/gdn.py gdn_prefill_stepped): the chunked rule's outputs,
+    pooled state and fork slots (the masked runs: device positions), without the rule."""
+    monkeypatch.delenv(dispatch.DISABLE_ENV, raising=False)
+    layer, conv, state, gen = gdn_layer_and_pools(1)
+    conv, state = torch.cat([conv, conv, conv]), torch.cat([state, state, state])  # row 0, fork 1, then 2
+    x = torch.randn(1, 40, 24, generator=gen)
+    slots = torch.tensor([0])
+    then = None if second is None else StateFork(torch.tensor([second]), torch.tensor([2]), host_tokens=second)
+    host = StateFork(torch.tensor([11]), torch.tensor([1]), tail=False, then=then, host_tokens=11)
+    device = StateFork(torch.tensor([11]), torch.tensor([1]), tail=False,
+                       then=None if second is None else StateFork(torch.tensor([second]), torch.tensor([2])))
+    lengths, pieces = [], []  # tokens of each chunked rule's run, of each fused steps' call
+    rule, steps = gdn_ops.gated_delta_rule_prefill, gdn_ops._steps
+    monkeypatch.setattr(gdn_ops, "gated_delta_rule_prefill",
+                        lambda q, *rest: lengths.append(q.shape[1]) or rule(q, *rest))
+    monkeypatch.setattr(gdn_ops, "_steps",
+                        lambda name, step, *rest: pieces.append(step.num_tokens) or steps(name, step, *rest))
+    with torch.no_grad():
+        conv_masked, state_masked = conv.clone(), state.clone()
+        want = layer(x, conv_masked, state_masked, slots, None, device)
+        assert lengths == [40, 40] and pieces == ([] if second is None else [16])  # the masked runs: its tail's width
+        pieces.clear()
+        got = layer(x, conv, state, slots, None, host)
+    assert lengths == [40, 40]  # nothing more of the chunked rule
+    assert pieces == ([11, 5, 16, 8] if second is None else [11, 5, 16, 5, 3])  # cut at 11 (and 37), 16 a call
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(conv, conv_masked, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(state, state_masked, atol=2e-5, rtol=2e-5)

@@ -212,6 +212,18 @@ class GDNRecord:
     b: torch.Tensor  # [B, T, Hv]
 
 
+def _host_cuts(fork: StateFork | None, batch: int) -> list[tuple[int, torch.Tensor]] | None:
+    """A fork's checkpoints as (tokens, slots) with the tokens on the host (one row's), [] without a
+    fork; None where they are on the device only or the batch has several rows."""
+    cuts: list[tuple[int, torch.Tensor]] = []
+    while fork is not None:
+        if fork.host_tokens is None or batch != 1:
+            return None
+        cuts.append((fork.host_tokens, fork.slots))
+        fork = fork.then
+    return cuts
+
+
 class GatedDeltaNet(nn.Module):
     """One GDN mixer layer; reads and updates its conv / recurrent state pools in place."""
 
@@ -251,6 +263,12 @@ class GatedDeltaNet(nn.Module):
         tokens is also written to slot fork.slots[b]."""
         if x.shape[1] == 1:
             return self.out_proj(self._decode(x, conv_pool, state_pool, slots))[:, None]
+        cuts = _host_cuts(fork, x.shape[0])
+        if valid_tokens is None and cuts is not None and gdn_ops.cpu_steps_apply(conv_pool, state_pool, self.weights):
+            # the CPU: the fused steps beat the chunked rule's torch ops at every length (gdn_prefill_stepped)
+            qkv, z, b, a = self.in_proj(x)
+            return self.out_proj(gdn_ops.gdn_prefill_stepped(qkv, a, b, z, conv_pool, state_pool, slots, self.weights,
+                                                             cuts))
         if fork is not None:
             valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, x.shape[1])
             if fork.tail:

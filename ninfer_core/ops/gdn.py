@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -291,6 +291,31 @@ def gdn_prefill_tail(
     _steps("gdn_prefill_tail", step, True, w, out)
 
 
+def gdn_prefill_stepped(
+    qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, conv_pool: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, w: GDNWeights, cuts: Sequence[tuple[int, torch.Tensor]] = (),
+) -> torch.Tensor:
+    """A prefill chunk [B, T, ...] as fused steps of up to MAX_STEP_TOKENS tokens: the pools of `slots`
+    advance through all T tokens; after `at` tokens of each (at, fork_slots) in `cuts` (0 < at <= T)
+    both pools are also copied to fork_slots (a checkpoint). Returns the normed outputs [B, T, Hv*dv].
+    Where the CPU kernel takes them (`cpu_steps_apply`) the chunked rule's ~100 torch ops cost more:
+    one 35B-shape layer, one thread, 4 / 16 / 64 / 256 tokens: 11.4 / 11.2 / 16.5 / 67 ms chunked,
+    0.5 / 1.9 / ~7.6 / ~30 ms stepped."""
+    batch, total = qkv.shape[:2]
+    out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    edges = sorted({*range(0, total, MAX_STEP_TOKENS), *(at for at, _ in cuts), total})
+    for start, stop in zip(edges, edges[1:]):
+        piece = [t[:, start:stop] for t in (qkv, a, b, z, out)]
+        part = piece[4] if piece[4].is_contiguous() else torch.empty_like(piece[4])
+        _steps("gdn_prefill_stepped", GDNStepInputs(*piece[:4], conv_pool, state_pool, slots), True, w, part)
+        if part is not piece[4]:
+            piece[4].copy_(part)
+        for at, fork_slots in cuts:
+            if at == stop:
+                conv_pool[fork_slots], state_pool[fork_slots] = conv_pool[slots], state_pool[slots]
+    return out
+
+
 def _tail_ref(step: GDNStepInputs, w: GDNWeights, out: torch.Tensor) -> None:
     """`gdn_prefill_tail` composed of the reference steps: gather the rows, step, scatter the kept ones."""
     assert step.offsets is not None and step.counts is not None and step.z is not None
@@ -373,21 +398,26 @@ def _cpu_steps(step: GDNStepInputs, write_state: bool, w: GDNWeights, out: torch
     return out
 
 
+def cpu_steps_apply(conv_pool: torch.Tensor, state_pool: torch.Tensor, w: GDNWeights) -> bool:
+    """Whether the CPU kernel takes a layer's fused steps: an fp32 model on the CPU, contiguous pools."""
+    tensors = (conv_pool, state_pool, w.conv_weight, w.A_log, w.dt_bias, w.norm_weight)
+    return (dispatch.use_cpu_kernel(*tensors) and all(t.dtype == torch.float32 for t in tensors)
+            and state_pool.is_contiguous() and conv_pool.is_contiguous()
+            and 2 <= w.conv_weight.shape[1] <= _MAX_CONV_KERNEL)
+
+
 def _cpu_kernel_applies(step: GDNStepInputs, w: GDNWeights) -> bool:
-    """fp32 models on the CPU, the steps of a decode, verify or commit (a forked prefill's tail and steps
-    after a GEMV's conv are CUDA's)."""
-    tensors = [t for t in (step.qkv, step.a, step.b, step.z, step.conv_pool, step.state_pool, w.conv_weight, w.A_log,
-                           w.dt_bias, w.norm_weight) if t is not None]
+    """`cpu_steps_apply`, and the call's own tensors fp32 on the CPU: a decode, verify, commit or
+    stepped prefill (a forked prefill's tail and steps after a GEMV's conv are CUDA's)."""
+    tensors = [t for t in (step.qkv, step.a, step.b, step.z) if t is not None]
     return (
-        dispatch.use_cpu_kernel(*tensors, step.slots, *([] if step.counts is None else [step.counts]))
+        cpu_steps_apply(step.conv_pool, step.state_pool, w)
+        and dispatch.use_cpu_kernel(*tensors, step.slots, *([] if step.counts is None else [step.counts]))
         and all(t.dtype == torch.float32 for t in tensors)
         and step.offsets is None
         and step.fork_slots is None
         and not step.conv_done
-        and step.state_pool.is_contiguous()
-        and step.conv_pool.is_contiguous()
         and step.num_tokens <= MAX_STEP_TOKENS
-        and 2 <= w.conv_weight.shape[1] <= _MAX_CONV_KERNEL
     )
 
 
