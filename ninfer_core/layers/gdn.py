@@ -263,12 +263,11 @@ class GatedDeltaNet(nn.Module):
         tokens is also written to slot fork.slots[b]."""
         if x.shape[1] == 1:
             return self.out_proj(self._decode(x, conv_pool, state_pool, slots))[:, None]
-        cuts = _host_cuts(fork, x.shape[0])
-        if valid_tokens is None and cuts is not None and gdn_ops.cpu_steps_apply(conv_pool, state_pool, self.weights):
+        cuts, w = _host_cuts(fork, x.shape[0]), self.weights
+        if valid_tokens is None and cuts is not None and gdn_ops.cpu_steps_apply(conv_pool, state_pool, w):
             # the CPU: the fused steps beat the chunked rule's torch ops at every length (gdn_prefill_stepped)
             qkv, z, b, a = self.in_proj(x)
-            return self.out_proj(gdn_ops.gdn_prefill_stepped(qkv, a, b, z, conv_pool, state_pool, slots, self.weights,
-                                                             cuts))
+            return self.out_proj(gdn_ops.gdn_prefill_stepped(qkv, a, b, z, conv_pool, state_pool, slots, w, cuts))
         if fork is not None:
             valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, x.shape[1])
             if fork.tail:

@@ -305,11 +305,12 @@ def gdn_prefill_stepped(
     out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     edges = sorted({*range(0, total, MAX_STEP_TOKENS), *(at for at, _ in cuts), total})
     for start, stop in zip(edges, edges[1:]):
-        piece = [t[:, start:stop] for t in (qkv, a, b, z, out)]
-        part = piece[4] if piece[4].is_contiguous() else torch.empty_like(piece[4])
-        _steps("gdn_prefill_stepped", GDNStepInputs(*piece[:4], conv_pool, state_pool, slots), True, w, part)
-        if part is not piece[4]:
-            piece[4].copy_(part)
+        inputs = (t[:, start:stop] for t in (qkv, a, b, z))
+        rows = out[:, start:stop]  # contiguous for one sequence; several: written through a copy
+        written = rows if rows.is_contiguous() else torch.empty_like(rows)
+        _steps("gdn_prefill_stepped", GDNStepInputs(*inputs, conv_pool, state_pool, slots), True, w, written)
+        if written is not rows:
+            rows.copy_(written)
         for at, fork_slots in cuts:
             if at == stop:
                 conv_pool[fork_slots], state_pool[fork_slots] = conv_pool[slots], state_pool[slots]
