@@ -20,9 +20,10 @@ sensitive, so they keep int8):
         tensors without a mapping (float, Q2_K, Q3_K, IQ*) are quantized to int8 per row with
         fp16 scales.
 Small projections (< 64 outputs) and the router with the shared-expert gate (one merged Linear)
-stay in the model dtype under int8 / int4: their bytes do not matter and routing is sensitive to
-them. GDN a/b are rows of the merged GDN input projection (`layers/linear.py`) and share its int8
-format (scales are per output row, so they keep their own range).
+stay in the model dtype under int8 / int4 (the router under gguf too): their bytes do not matter
+and routing is sensitive to them. GDN a/b are rows of the merged GDN input projection
+(`layers/linear.py`) and share its int8 format (scales are per output row, so they keep their own
+range).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class QuantRecipe:
         """The format of one Linear (`sources`: the checkpoint tensors behind its weight), None to
         keep it in the model dtype."""
         if self.mode == "gguf":
+            if router:  # llama.cpp keeps the router in float too (ffn_gate_inp: F32)
+                return None
             formats = [self.file_format(src) for src in sources]
             if all(isinstance(f, KQuantFormat) for f in formats):
                 parts = tuple(part for f in formats for part in f.parts)

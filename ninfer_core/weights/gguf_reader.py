@@ -8,17 +8,22 @@ cannot tell the two formats apart: `get` dequantizes them (`gguf.quants.dequanti
 Q5_0, Q5_1, Q8_0, K-quants, F16, BF16, F32), and `get_quantized` hands the quantized ones over
 in our own formats without a second quantization (weights/gguf_quant.py: the CPU's compact path).
 
-Two llama.cpp conventions are undone here:
+llama.cpp's conventions are undone here:
 - tensor shapes are stored in ggml order (fastest dimension first); the numpy views the reader
   returns are already [rows, cols], which is the torch `nn.Linear` layout.
 - for the `llama` architecture the converter permutes the rows of q and k within each head from
   rotate-half pairs (i, i + d/2) to interleaved pairs (2i, 2i + 1); we permute them back.
+- Qwen3.5 / 3.6 files (`qwen35`, `qwen35moe`) have their own names, stored norm offsets, tiled
+  value heads and split experts: weights/gguf_qwen35.py.
+A permutation of rows is applied to quantized tensors as well (rows are independent); one of
+columns or a change of values only to float ones, so such a tensor has no `quant_format`.
 """
 
 from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +36,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from ..config import MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ConfigFields, ModelConfig
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer as NinferTokenizer
+from .gguf_qwen35 import QWEN35_ARCHS, TensorFix, canonical_part, qwen35_config, tensor_fix
 
 if TYPE_CHECKING:  # torch (through ops / gguf_quant) is imported by the tensor readers only:
     import torch  # `ninfer ls` / `show` read a GGUF's config without it
@@ -38,8 +44,9 @@ if TYPE_CHECKING:  # torch (through ops / gguf_quant) is imported by the tensor 
     from ..ops.kquant import KQuantFormat
     from ..ops.quant import QuantFormat, QuantizedWeight
 
-# GGUF `general.architecture` -> ModelConfig.arch. Only these share llama's decoder layout.
-GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF `general.architecture` -> ModelConfig.arch: llama's decoder layout, then Qwen3.5 / 3.6.
+LLAMA_LAYOUT_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHS = {**LLAMA_LAYOUT_ARCHS, **QWEN35_ARCHS}
 
 # Architectures whose llama.cpp converter interleaves the q / k rotary pairs.
 _PERMUTED_QK_ARCHS = ("llama",)
@@ -88,13 +95,12 @@ def gguf_to_canonical_name(gguf_name: str) -> str | None:
     return None
 
 
-def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation: per head, row 2i+h goes back to row h*d/2 + i."""
-    rows = w.shape[0]
+def rotary_rows(rows: int, n_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation undone: HF row h*d/2 + i of a head is the file's row 2i + h."""
     if rows % (2 * n_heads):
         raise ModelLoadError(f"cannot un-permute {rows} rows over {n_heads} heads (not a multiple of 2 x heads)")
     half = rows // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return np.arange(rows).reshape(n_heads, half, 2).transpose(0, 2, 1).reshape(-1)
 
 
 # Pre-tokenizer split regexes, keyed by `tokenizer.ggml.pre` (llama.cpp's names for them).
@@ -223,20 +229,43 @@ class GGUFCheckpoint:
                 f"{self.path}: GGUF architecture '{self.gguf_arch}' is not supported "
                 f"(supported: {', '.join(GGUF_ARCHS)})"
             )
-        self._tensors: dict[str, ReaderTensor] = {}
+        # canonical name -> its file tensors (two for experts stored as gate and up halves)
+        self._tensors: dict[str, list[ReaderTensor | None]] = {}
+        canonical = self._name_map()
         unknown = []
         for t in self._reader.tensors:
-            name = gguf_to_canonical_name(t.name)
-            if name is None:
+            found = canonical(t.name)
+            if found is None:
                 unknown.append(t.name)
-            else:
-                self._tensors[name] = t
+                continue
+            name, part, count = found
+            parts = self._tensors.setdefault(name, [None] * count)
+            if len(parts) != count or parts[part] is not None:
+                raise ModelLoadError(f"{self.path}: tensor '{t.name}' appears twice")
+            parts[part] = t
         if "rope_freqs.weight" in unknown:
             raise ModelLoadError(
                 f"{self.path}: RoPE frequency scaling (tensor 'rope_freqs.weight', Llama 3.x) is not supported yet"
             )
         if unknown:
             raise ModelLoadError(f"{self.path}: unknown tensors for '{self.gguf_arch}': {', '.join(unknown[:8])}")
+        halves = [name for name, parts in self._tensors.items() if None in parts]
+        if halves:
+            raise ModelLoadError(f"{self.path}: '{halves[0]}' has a gate or an up half but not both")
+
+    def _name_map(self) -> Callable[[str], tuple[str, int, int] | None]:
+        """File tensor name -> (canonical name, part, parts): the arch's naming."""
+        if self.gguf_arch in QWEN35_ARCHS:
+            f = ConfigFields(self._arch_key, str(self.path), f"{self.gguf_arch}.")
+            blocks = f.integer("block_count")
+            num_layers = blocks - f.integer("nextn_predict_layers", 0, low=0, high=blocks - 1)
+            return lambda gguf_name: canonical_part(gguf_name, num_layers)
+
+        def llama(gguf_name: str) -> tuple[str, int, int] | None:
+            name = gguf_to_canonical_name(gguf_name)
+            return None if name is None else (name, 0, 1)
+
+        return llama
 
     # ---- metadata -------------------------------------------------------------------------------
 
@@ -263,6 +292,26 @@ class GGUFCheckpoint:
     def config(self) -> ModelConfig:
         f = ConfigFields(self._arch_key, str(self.path), f"{self.gguf_arch}.")
         hidden = f.integer("embedding_length", high=MAX_WIDTH)
+        vocab = f.integer("vocab_size", None, high=MAX_VOCAB)
+        if vocab is None:  # older files: the vocabulary size is the token list's length
+            tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise ModelLoadError(f"{self.path}: no '{self.gguf_arch}.vocab_size' and no tokenizer.ggml.tokens")
+            vocab = len(tokens.data)  # tokens the file really holds: no bound needed
+        common = dict(
+            arch=GGUF_ARCHS[self.gguf_arch],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            tie_word_embeddings="lm_head.weight" not in self._tensors,
+            bos_token_id=self._token_id("bos"),
+            eos_token_ids=self._stop_token_ids(),
+            torch_dtype=_FILE_TYPE_DTYPE.get(self.metadata("general.file_type"), "bfloat16"),
+        )
+        scaling = self._arch_key("rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise ModelLoadError(f"{self.path}: RoPE scaling '{scaling}' is not supported yet")
+        if self.gguf_arch in QWEN35_ARCHS:
+            return qwen35_config(f, self._arch_key, common)
         num_layers = f.integer("block_count", low=0)
         num_heads = f.integer("attention.head_count")
         if isinstance(self._arch_key("attention.head_count_kv"), list):
@@ -270,19 +319,8 @@ class GGUFCheckpoint:
         num_kv_heads = f.integer("attention.head_count_kv", num_heads)
         head_dim = f.integer("attention.key_length", max(hidden // num_heads, 1))
         rotary_dims = f.integer("rope.dimension_count", head_dim, high=head_dim)
-        scaling = self._arch_key("rope.scaling.type", "none")
-        if scaling not in ("none", None):
-            raise ModelLoadError(f"{self.path}: RoPE scaling '{scaling}' is not supported yet")
-        vocab = f.integer("vocab_size", None, high=MAX_VOCAB)
-        if vocab is None:  # older files: the vocabulary size is the token list's length
-            tokens = self._reader.fields.get("tokenizer.ggml.tokens")
-            if tokens is None:
-                raise ModelLoadError(f"{self.path}: no '{self.gguf_arch}.vocab_size' and no tokenizer.ggml.tokens")
-            vocab = len(tokens.data)  # tokens the file really holds: no bound needed
         return ModelConfig(
-            arch=GGUF_ARCHS[self.gguf_arch],
-            vocab_size=vocab,
-            hidden_size=hidden,
+            **common,
             num_layers=num_layers,
             layer_types=["full_attention"] * num_layers,
             num_heads=num_heads,
@@ -294,11 +332,7 @@ class GGUFCheckpoint:
             qk_norm="layers.0.self_attn.q_norm.weight" in self._tensors,
             attention_bias="layers.0.self_attn.q_proj.bias" in self._tensors,
             intermediate_size=f.integer("feed_forward_length", high=MAX_WIDTH),
-            tie_word_embeddings="lm_head.weight" not in self._tensors,
             max_position_embeddings=f.integer("context_length", 32768, high=MAX_POSITIONS),
-            bos_token_id=self._token_id("bos"),
-            eos_token_ids=self._stop_token_ids(),
-            torch_dtype=_FILE_TYPE_DTYPE.get(self.metadata("general.file_type"), "bfloat16"),
         )
 
     # ---- tensors --------------------------------------------------------------------------------
@@ -307,17 +341,31 @@ class GGUFCheckpoint:
         """Canonical HF names of every tensor in the file (no `lm_head.weight` when tied)."""
         return set(self._tensors)
 
-    def _tensor(self, name: str) -> ReaderTensor:
-        t = self._tensors.get(name)
-        if t is None:
+    def _parts(self, name: str) -> list[ReaderTensor]:
+        parts = self._tensors.get(name)
+        if parts is None:
             raise ModelLoadError(f"{self.path}: no tensor '{name}'")
-        return t
+        return parts  # type: ignore[return-value]  # no None left after __init__'s check
 
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Dequantized tensor in HF layout ([out, in] for linears), float32 unless `dtype` is given."""
-        import torch
+    def _single(self, name: str) -> ReaderTensor:
+        """The one file tensor behind `name`, for the quantized paths."""
+        parts = self._parts(name)
+        if len(parts) != 1:
+            raise ModelLoadError(f"{self.path}: '{name}' is made of {len(parts)} file tensors")
+        return parts[0]
 
-        t = self._tensor(name)
+    def _fix(self, name: str) -> TensorFix | None:
+        """What the converter did to this tensor, to undo (weights/gguf_qwen35.py; llama's q / k rows)."""
+        if self.gguf_arch in QWEN35_ARCHS:
+            return tensor_fix(name, self.config)
+        if self.gguf_arch in _PERMUTED_QK_ARCHS and name.startswith("layers.") and (
+                ".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            heads = self.config.num_heads if ".self_attn.q_proj." in name else self.config.num_kv_heads
+            return TensorFix(rows=rotary_rows(int(self._single(name).shape[-1]), heads))
+        return None
+
+    def _values(self, t: ReaderTensor) -> np.ndarray:
+        """One file tensor dequantized to float32, in HF dimension order."""
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         try:
             values = dequantize(t.data, t.tensor_type)
@@ -328,57 +376,79 @@ class GGUFCheckpoint:
         values = np.require(values, dtype=np.float32, requirements=["C", "W"])
         if values.size != int(np.prod(shape)):
             raise ModelLoadError(f"{self.path}: tensor '{t.name}' holds {values.size} values, shape says {shape}")
-        w = self._unpermute(name, torch.from_numpy(values.reshape(shape)))
+        return values.reshape(shape)
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dequantized tensor in HF layout ([out, in] for linears), float32 unless `dtype` is given."""
+        import torch
+
+        parts = [self._values(t) for t in self._parts(name)]
+        if len(parts) > 1 and len({p.shape for p in parts}) > 1:
+            raise ModelLoadError(f"{self.path}: the halves of '{name}' differ in shape")
+        w = torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2))
+        fix = self._fix(name)
+        if fix is not None:
+            w = self._reorder(name, w, fix)
+            if fix.value is not None:
+                w = fix.value(w)
         return w if dtype is None else w.to(dtype)
+
+    def _reorder(self, name: str, w, fix: TensorFix):
+        """Rows (of values, codes or scales) and float columns back in HF order."""
+        for dim, order in ((0, fix.rows), (1, fix.cols)):
+            if order is None:
+                continue
+            if w.dim() <= dim or w.shape[dim] != len(order):
+                raise ModelLoadError(f"{self.path}: '{name}' has shape {tuple(w.shape)}, "
+                                     f"expected {len(order)} along dimension {dim}")
+            w = w.index_select(dim, _index(order))
+        return w
 
     def quant_format(self, name: str) -> QuantFormat | KQuantFormat | None:
         """The format a tensor keeps on the CPU: a Q4_K / Q6_K matrix its blocks as they are
         (`get_blocks`), other types the format `get_quantized` gives; None when it has none (a
-        float tensor, or a block type without an exact mapping)."""
+        float tensor, a block type without an exact mapping, a tensor whose columns or values the
+        converter changed, or one made of several file tensors)."""
         from ..ops.kquant import KQuantFormat
         from .gguf_quant import gguf_format
         from .kquant_layout import block_type
 
-        t = self._tensor(name)
+        parts, fix = self._parts(name), self._fix(name)
+        moved = fix is not None and (fix.cols is not None or fix.value is not None)
+        if len(parts) != 1 or len(parts[0].shape) != 2 or moved:
+            return None
+        t = parts[0]
         block = block_type(t.tensor_type)
-        if block is not None and len(t.shape) == 2:
+        if block is not None:
             return KQuantFormat(((block, int(t.shape[1])),))
         return gguf_format(t.tensor_type)
 
     def get_blocks(self, name: str) -> np.ndarray:
         """A quantized matrix's blocks as the file holds them, [rows, bytes per row] (uint8), rows in
         HF order."""
-        t = self._tensor(name)
+        t = self._single(name)
         blocks = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # a view of the read-only map
-        if not self._permuted(name):
+        fix = self._fix(name)
+        if fix is None:
             return blocks
         import torch
 
-        return self._unpermute(name, torch.from_numpy(blocks.copy())).numpy()
+        return self._reorder(name, torch.from_numpy(blocks.copy()), fix).numpy()
 
     def get_quantized(self, name: str) -> QuantizedWeight:
         """A quantized 2-D tensor in our format (`quant_format` must not be None), HF layout."""
         from ..ops.quant import QuantizedWeight
         from .gguf_quant import gguf_quantized
 
-        t = self._tensor(name)
+        t = self._single(name)
         cols, rows = (int(s) for s in t.shape.tolist())
         qw = gguf_quantized(t.data, t.tensor_type, rows, cols)
-        offsets = None if qw.offsets is None else self._unpermute(name, qw.offsets)
-        return QuantizedWeight(qw.kind, self._unpermute(name, qw.qweight), self._unpermute(name, qw.scales),
+        fix = self._fix(name)
+        if fix is None:
+            return qw
+        offsets = None if qw.offsets is None else self._reorder(name, qw.offsets, fix)
+        return QuantizedWeight(qw.kind, self._reorder(name, qw.qweight, fix), self._reorder(name, qw.scales, fix),
                                qw.group_size, offsets)
-
-    def _permuted(self, name: str) -> bool:
-        """Whether the converter permuted this tensor's rows (llama's q / k)."""
-        return (self.gguf_arch in _PERMUTED_QK_ARCHS and name.startswith("layers.")
-                and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name))
-
-    def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        """Undo the converter's q / k row permutation (rows of any per-row tensor: values, codes, scales)."""
-        if not self._permuted(name):
-            return rows
-        heads = self.config.num_heads if ".self_attn.q_proj." in name else self.config.num_kv_heads
-        return unpermute_rotary_rows(rows, heads)
 
     # ---- tokenizer ------------------------------------------------------------------------------
 
@@ -433,6 +503,12 @@ class GGUFCheckpoint:
             chat_template=self.metadata("tokenizer.chat_template"),
             source=str(self.path),
         )
+
+
+def _index(order: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64))
 
 
 def open_gguf(path: str | Path) -> GGUFCheckpoint:

@@ -1,0 +1,215 @@
+"""Qwen3.5 / 3.6 GGUF files (`qwen35`, `qwen35moe`) as llama.cpp's own converter writes them.
+
+Tiny random transformers checkpoints (MoE in the multimodal release layout, dense text-only, both
+with the real Qwen3.6 tokenizer and an MTP head) go through llama.cpp's convert_hf_to_gguf.py
+(tests/llama_cpp_convert.py); what we read back must be the checkpoint: config, every tensor
+(norm offsets, A_log, tiled value heads, split experts, the MTP block undone), the tokenizer and
+chat template, and the model's logits and greedy tokens against transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+from torch import nn
+
+from hf_reference import Runner, assert_close_rel
+from llama_cpp_convert import convert_hf_to_gguf, llama_cpp_converter  # noqa: F401  (fixture)
+from ninfer_core.config import load_config
+from ninfer_core.engine.sampling import SamplingParams
+from ninfer_core.errors import ModelLoadError
+from ninfer_core.llm import LLM, ChatRequest, EngineOptions
+from ninfer_core.models.loader import LoadedModel, load_model
+from ninfer_core.ops.quant import dequantize_ref
+from ninfer_core.weights.checkpoint import open_checkpoint
+from ninfer_core.weights.gguf_qwen35 import v_head_rows
+from ninfer_core.weights.gguf_reader import FastGGUFReader, open_gguf
+from ninfer_core.weights.text_weights import TextWeights
+from qwen_assets import IM_END, qwen_reference, qwen_tokenizer_dir  # noqa: F401  (fixture)
+from tiny_checkpoints import write_tiny_qwen
+
+VOCAB = 248320  # the real tokenizer's: the converter checks every token id fits
+TEMPLATE = (Path(__file__).parent.parent / "assets" / "chat_template.jinja").read_text()
+PROMPT = [9707, 11, 1879, 0, 2130, 77, 4087, 1532, 30, 248045]
+
+
+def _model_dir(tmp_path_factory, tokenizer_dir, name: str, moe: bool):
+    directory = tmp_path_factory.mktemp(name)
+    reference = write_tiny_qwen(directory, moe=moe, multimodal=moe, text_overrides=dict(vocab_size=VOCAB))
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, directory / file.name)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return directory, reference
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, llama_cpp_converter, qwen_tokenizer_dir):  # noqa: F811
+    """{"moe" | "dense": (checkpoint dir, transformers reference, {outtype: gguf path})}"""
+    out = {}
+    for name, moe, outtypes in (("moe", True, ("f32", "q8_0")), ("dense", False, ("f32",))):
+        directory, reference = _model_dir(tmp_path_factory, qwen_tokenizer_dir, name, moe)
+        files = {t: convert_hf_to_gguf(llama_cpp_converter, directory, directory.parent / f"{name}-{t}.gguf", t)
+                 for t in outtypes}
+        out[name] = (directory, reference, files)
+    return out
+
+
+@pytest.mark.parametrize("name", ["moe", "dense"])
+def test_config_is_the_checkpoints(converted, name):
+    directory, _, files = converted[name]
+    expected, got = load_config(directory), open_gguf(files["f32"]).config
+    assert got.arch == ("qwen3_5_moe" if name == "moe" else "qwen3_5")
+    assert got.rms_eps == pytest.approx(expected.rms_eps, rel=1e-7)  # stored as float32
+    assert got.eos_token_ids == [IM_END]
+    for field in expected.__dataclass_fields__:
+        if field not in ("rms_eps", "eos_token_ids", "has_vision"):  # vision: a separate mmproj file
+            assert getattr(got, field) == getattr(expected, field), field
+    assert got.mtp_num_layers == 1 and got.num_layers == 4
+
+
+@pytest.mark.parametrize("name", ["moe", "dense"])
+def test_every_tensor_is_the_checkpoints(converted, name):
+    directory, _, files = converted[name]
+    expected, gguf = TextWeights(open_checkpoint(directory)), open_gguf(files["f32"])
+    assert gguf.names() == expected.names()
+    assert any(n.startswith("mtp.layers.0.") for n in gguf.names())
+    for tensor in sorted(expected.names()):
+        want, got = expected.get(tensor, torch.float32), gguf.get(tensor)
+        assert got.shape == want.shape, tensor
+        # norms come back from 1 + w and A_log from -exp(A_log): a rounding of float32 apart
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=tensor)
+
+
+def test_the_value_heads_really_move(converted):
+    """The file's value heads are tiled (a GDN layer has 2 key heads, 4 value heads): read as they
+    lie, in_proj_z would not be the checkpoint's, so the un-tiling above is doing the work."""
+    directory, _, files = converted["moe"]
+    expected = TextWeights(open_checkpoint(directory)).get("layers.0.linear_attn.in_proj_z.weight", torch.float32)
+    raw = next(t for t in FastGGUFReader(files["f32"]).tensors if t.name == "blk.0.attn_gate.weight")
+    as_stored = torch.from_numpy(np.array(raw.data))
+    assert not torch.allclose(as_stored, expected)
+    assert torch.equal(as_stored[torch.from_numpy(v_head_rows(2, 4, 8))], expected)
+
+
+def test_q8_0_rows_keep_their_blocks(converted):
+    """A Q8_0 file: the quantized path (codes and scales re-ordered) gives what the float path
+    gives, and both are the checkpoint to within Q8_0's step; out_proj (columns moved) has no
+    quantized format of its own."""
+    directory, _, files = converted["moe"]
+    gguf, expected = open_gguf(files["q8_0"]), TextWeights(open_checkpoint(directory))
+    for tensor in ("layers.0.linear_attn.in_proj_qkv.weight", "layers.1.linear_attn.in_proj_z.weight",
+                   "layers.3.self_attn.q_proj.weight"):
+        qw = gguf.get_quantized(tensor)
+        torch.testing.assert_close(dequantize_ref(qw, torch.float32), gguf.get(tensor), rtol=0, atol=1e-6)
+        want = expected.get(tensor, torch.float32)
+        assert (gguf.get(tensor) - want).abs().max() <= want.abs().max() / 127
+    assert gguf.quant_format("layers.0.linear_attn.out_proj.weight") is None
+    assert gguf.quant_format("layers.0.linear_attn.in_proj_qkv.weight") is not None
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["moe", "dense"])
+def test_logits_match_transformers(converted, name):
+    _, reference, files = converted[name]
+    loaded = load_model(str(files["f32"]), "cpu", "float32")
+    ids = torch.tensor([PROMPT])
+    want = reference(input_ids=ids, use_cache=False).logits.float()
+    runner = Runner(loaded.model)
+    got = runner.step([runner.new_seq()], ids).logits
+    assert_close_rel(got, want, 1e-4)
+    mtp = {k: v for k, v in loaded.model.mtp_weights.items()}
+    assert set(mtp) == set(reference.mtp_reference)
+    for k, v in reference.mtp_reference.items():
+        torch.testing.assert_close(mtp[k], v, rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_greedy_tokens_match_transformers_through_the_engine(converted):
+    _, reference, files = converted["moe"]
+    llm = LLM.load(str(files["f32"]), EngineOptions(device="cpu", dtype="float32", max_context=64))
+    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [t for out in llm.complete(PROMPT, sampling) for t in out.new_token_ids]
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT):]
+    assert got == want.tolist()
+
+
+def test_quantized_file_runs_close_to_its_dequantized_self(converted):
+    """The CPU's default recipe for a GGUF (its own Q8_0 blocks, rows re-ordered; int8 where
+    columns moved) against the same file dequantized to float32: the file's rounding is common
+    to both (the tiny random model is sensitive to it: ~18% of the logits' scale from
+    transformers' float weights), what differs is only our quantized path."""
+    _, _, files = converted["moe"]
+
+    def logits(dtype: str) -> tuple[LoadedModel, torch.Tensor]:
+        loaded = load_model(str(files["q8_0"]), "cpu", dtype)
+        runner = Runner(loaded.model)
+        return loaded, runner.step([runner.new_seq()], torch.tensor([PROMPT])).logits[0]
+
+    (compact, got), (exact, want) = logits("auto"), logits("float32")
+    assert (compact.recipe.mode, exact.recipe.mode) == ("gguf", "bf16")
+    layer = compact.model.layers[0]
+    assert type(layer.mlp.gates.linear) is nn.Linear  # the router stays float, as in llama.cpp
+    assert type(layer.linear_attn.in_proj.linear) is not nn.Linear
+    assert_close_rel(got, want, 0.03)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_tokenizer_and_template_come_from_the_file(converted):
+    directory, _, files = converted["moe"]
+    tokenizer = open_gguf(files["f32"]).load_tokenizer()
+    texts = ["Hello, world! 12345", "naïve café — 東京 🚀\n\n  def f(x):\treturn x**2",
+             "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        assert tokenizer.encode(text) == qwen_reference().encode(text), text
+    assert tokenizer.chat_template == TEMPLATE
+    llm = LLM.load(str(files["f32"]), EngineOptions(device="cpu", dtype="float32", max_context=64))
+    request = ChatRequest(messages=[{"role": "user", "content": "hi"}])
+    assert "<|im_start|>assistant" in llm.render_prompt(request)
+
+
+def _rewrite(source, target, drop: str = "", extra: dict | None = None, tokenizer: bool = True):
+    """A copy of a GGUF file without the tensors named `drop`, with metadata `extra` changed (and
+    without the tokenizer's half a million merges when `tokenizer` is False: seconds to write)."""
+    reader = FastGGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(target), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in (extra or {}) or (
+                not tokenizer and key.startswith("tokenizer.")):
+            continue
+        value, kind = field.contents(), field.types[0]
+        if kind.name == "ARRAY":
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, kind)
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key, value)
+    for t in reader.tensors:
+        if t.name != drop:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def test_broken_files_are_one_clear_error(converted, tmp_path):
+    _, _, files = converted["moe"]
+    half = _rewrite(files["f32"], tmp_path / "half.gguf", drop="blk.1.ffn_up_exps.weight", tokenizer=False)
+    with pytest.raises(ModelLoadError, match="layers.1.mlp.experts.gate_up_proj.*gate or an up half"):
+        open_gguf(half)
+    too_many = _rewrite(files["f32"], tmp_path / "mtp.gguf", extra={"qwen35moe.nextn_predict_layers": 9},
+                        tokenizer=False)
+    with pytest.raises(ModelLoadError, match="nextn_predict_layers"):
+        open_gguf(too_many)
+    no_a = _rewrite(files["f32"], tmp_path / "no_a.gguf", drop="blk.0.ssm_a")
+    with pytest.raises(ModelLoadError, match="A_log"):
+        load_model(str(no_a), "cpu", "float32")
