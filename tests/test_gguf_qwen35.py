@@ -16,23 +16,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
-from torch import nn
-
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter, quants
 from hf_reference import Runner, assert_close_rel
 from llama_cpp_convert import convert_hf_to_gguf, llama_cpp_converter  # noqa: F401  (fixture)
+from qwen_assets import IM_END, qwen_reference, qwen_tokenizer_dir  # noqa: F401  (fixture)
+from tiny_checkpoints import write_tiny_qwen
+from torch import nn
+
 from ninfer_core.config import load_config
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.errors import ModelLoadError
 from ninfer_core.llm import LLM, ChatRequest, EngineOptions
 from ninfer_core.models.loader import LoadedModel, load_model
-from ninfer_core.ops.quant import dequantize_ref
+from ninfer_core.models.quantize import GGUF_FALLBACK
+from ninfer_core.ops.quant import QuantFormat, dequantize_ref
 from ninfer_core.weights.checkpoint import open_checkpoint
 from ninfer_core.weights.gguf_qwen35 import v_head_rows
 from ninfer_core.weights.gguf_reader import FastGGUFReader, open_gguf
 from ninfer_core.weights.text_weights import TextWeights
-from qwen_assets import IM_END, qwen_reference, qwen_tokenizer_dir  # noqa: F401  (fixture)
-from tiny_checkpoints import write_tiny_qwen
 
 VOCAB = 248320  # the real tokenizer's: the converter checks every token id fits
 TEMPLATE = (Path(__file__).parent.parent / "assets" / "chat_template.jinja").read_text()
@@ -157,8 +159,35 @@ def test_quantized_file_runs_close_to_its_dequantized_self(converted):
     layer = compact.model.layers[0]
     assert type(layer.mlp.gates.linear) is nn.Linear  # the router stays float, as in llama.cpp
     assert type(layer.linear_attn.in_proj.linear) is not nn.Linear
+    # the routed experts keep the file's Q8_0 codes (its F16 down: int8 per row)
+    experts, gguf = layer.mlp.experts, open_gguf(files["q8_0"])
+    assert experts.formats == {"gate_up": QuantFormat("int8", 32, torch.float16), "down": GGUF_FALLBACK}
+    torch.testing.assert_close(dequantize_ref(experts.gate_up, torch.float32),
+                               gguf.get("layers.0.mlp.experts.gate_up_proj"), rtol=0, atol=1e-6)
     assert_close_rel(got, want, 0.03)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_4_bit_experts_keep_their_codes(converted, tmp_path):
+    """Routed experts stored 4-bit (Q4_1 here, as a Q4_K file's gate / up): on the CPU they stay
+    4-bit with the file's scales and minimums (int4 g32 + offsets), not re-quantized to int8, and
+    the model runs as the same file dequantized to float32 does."""
+    _, _, files = converted["moe"]
+    path = _rewrite(files["f32"], tmp_path / "q4_1-experts.gguf",
+                    requantize=("ffn_gate_exps.weight", "ffn_up_exps.weight"))
+    gguf = open_gguf(path)
+    compact, exact = load_model(str(path), "cpu"), load_model(str(path), "cpu", "float32")
+    for i in range(4):
+        experts = compact.model.layers[i].mlp.experts
+        assert experts.formats["gate_up"] == QuantFormat("int4", 32, torch.float16, offsets=True)
+        assert experts.gate_up_qweight.dtype == torch.uint8  # two codes a byte
+        torch.testing.assert_close(dequantize_ref(experts.gate_up, torch.float32),
+                                   gguf.get(f"layers.{i}.mlp.experts.gate_up_proj"), rtol=0, atol=1e-6)
+    logits = {}
+    for name, loaded in (("compact", compact), ("exact", exact)):
+        runner = Runner(loaded.model)
+        logits[name] = runner.step([runner.new_seq()], torch.tensor([PROMPT])).logits[0]
+    assert_close_rel(logits["compact"], logits["exact"], 0.03)
 
 
 def test_tokenizer_and_template_come_from_the_file(converted):
@@ -174,9 +203,11 @@ def test_tokenizer_and_template_come_from_the_file(converted):
     assert "<|im_start|>assistant" in llm.render_prompt(request)
 
 
-def _rewrite(source, target, drop: str = "", extra: dict | None = None, tokenizer: bool = True):
+def _rewrite(source, target, drop: str = "", extra: dict | None = None, tokenizer: bool = True,
+             requantize: tuple[str, ...] = ()):
     """A copy of a GGUF file without the tensors named `drop`, with metadata `extra` changed (and
-    without the tokenizer's half a million merges when `tokenizer` is False: seconds to write)."""
+    without the tokenizer's half a million merges when `tokenizer` is False: seconds to write);
+    float tensors whose names end with one of `requantize` stored as Q4_1 (gguf-py's encoder)."""
     reader = FastGGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(str(target), arch)
@@ -192,7 +223,9 @@ def _rewrite(source, target, drop: str = "", extra: dict | None = None, tokenize
     for key, value in (extra or {}).items():
         writer.add_uint32(key, value)
     for t in reader.tensors:
-        if t.name != drop:
+        if t.name.endswith(requantize) and requantize:
+            writer.add_tensor(t.name, quants.quantize(np.array(t.data), Q.Q4_1), raw_dtype=Q.Q4_1)
+        elif t.name != drop:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -22,7 +22,7 @@ from ninfer_core.layers.moe import Experts
 from ninfer_core.ops import dispatch, moe, moe_align
 from ninfer_core.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from ninfer_core.ops.activation import sigmoid_mul, silu_mul
-from ninfer_core.ops.quant import QuantizedWeight, dequantize, quant_linear, quantize
+from ninfer_core.ops.quant import QuantFormat, QuantizedWeight, dequantize, quant_linear, quantize
 from kernel_stub import record_kernel_calls
 
 FORMATS = ["bf16", "int8", "int4"]
@@ -303,7 +303,7 @@ def test_quantized_experts_keep_one_weight_object():
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0, 0.05)
-    experts.quantize_("int8")
+    experts.quantize_(QuantFormat("int8"))
     first = experts.gate_up
     assert experts.gate_up is first and experts.down is not first
     experts.gate_up_scales = experts.gate_up_scales.clone()  # a buffer replaced (as a load or .to() does)
@@ -330,8 +330,9 @@ def test_experts_quantize_state_dict_round_trip(kind, group):
         for p in source.parameters():
             p.normal_(0, 0.05)
     dense_gate_up = source.gate_up.detach().clone()
-    assert source.kind is None and isinstance(source.gate_up, torch.Tensor)
-    source.quantize_(kind, group)
+    fmt = QuantFormat(kind, group)
+    assert not source.formats and isinstance(source.gate_up, torch.Tensor)
+    source.quantize_(fmt)
     assert list(source.parameters()) == []
     state = source.state_dict()
     assert set(state) == {"gate_up_qweight", "gate_up_scales", "down_qweight", "down_scales"}
@@ -339,12 +340,12 @@ def test_experts_quantize_state_dict_round_trip(kind, group):
     assert source.gate_up.shape == dense_gate_up.shape and source.down.shape == (6, 256, 128)
     assert torch.equal(source.gate_up.qweight, quantize(dense_gate_up, kind, group).qweight)
     with pytest.raises(ValueError, match="already quantized"):
-        source.quantize_(kind, group)
+        source.quantize_(fmt)
 
     with torch.device("meta"):  # what the loader does: shapes first, then the artifact
         target = Experts(6, 256, 128)
-    target.quantize_(kind, group)
-    assert target.gate_up_qweight.is_meta and target.group_size == source.group_size
+    target.quantize_(fmt)
+    assert target.gate_up_qweight.is_meta and target.formats == source.formats == {"gate_up": fmt, "down": fmt}
     target.to_empty(device="cpu")
     target.load_state_dict(state)
     for name, t in source.state_dict().items():

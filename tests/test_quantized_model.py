@@ -22,7 +22,7 @@ from ninfer_core.errors import NinferError
 from ninfer_core.layers.moe import Experts
 from ninfer_core.models.base import ForwardBatch
 from ninfer_core.models.loader import LoadedModel, load_model
-from ninfer_core.ops.quant import QuantLinear, dequantize_ref, quantize
+from ninfer_core.ops.quant import QuantFormat, QuantLinear, dequantize_ref, quantize
 from ninfer_core.weights import quant_cache
 from tiny_model_dir import write_tiny_model_dir
 
@@ -63,7 +63,7 @@ def dequantized_reference(directory: Path, quantized: LoadedModel) -> LoadedMode
             q = modules.get(name)
             if isinstance(q, QuantLinear):
                 module.weight = nn.Parameter(dequantize_ref(q.quantized, torch.float32))  # unties a tied lm_head
-            elif isinstance(q, Experts) and q.kind is not None:
+            elif isinstance(q, Experts) and q.formats:
                 module.gate_up_proj.copy_(dequantize_ref(q.gate_up, torch.float32))
                 module.down_proj.copy_(dequantize_ref(q.down, torch.float32))
     return ref
@@ -73,13 +73,13 @@ def test_recipes_assign_formats(model_dir):
     int4 = load(model_dir, "int4").model
     layer = int4.layers[0]
     assert isinstance(int4.lm_head, QuantLinear) and int4.lm_head.kind == "int8"
-    assert layer.mlp.experts.kind == "int4" and layer.mlp.experts.group_size == 32
+    assert layer.mlp.experts.formats == {"gate_up": QuantFormat("int4", 32), "down": QuantFormat("int4", 32)}
     shared_gate_up = layer.mlp.shared_expert.gate_up_proj.linear
     assert isinstance(shared_gate_up, QuantLinear) and shared_gate_up.kind == "int8"
     assert type(layer.mlp.gates.linear) is nn.Linear  # router + shared-expert gate stay exact
     assert isinstance(layer.linear_attn.in_proj.linear, QuantLinear)  # qkv, z, b, a: one int8 GEMM
     int8 = load(model_dir, "int8").model
-    assert int8.layers[0].mlp.experts.kind == "int8"
+    assert int8.layers[0].mlp.experts.formats["down"] == QuantFormat("int8")
     assert not any(isinstance(m, QuantLinear) for m in load(model_dir, "bf16").model.modules())
     with pytest.raises(NinferError, match="--weights"):
         load(model_dir, "int3")
@@ -195,7 +195,7 @@ def test_fp8_checkpoint_is_quantized_from_exact_values(tmp_path):
     _fill(model, TextWeights(open_checkpoint(tmp_path, config.quantization)), torch.bfloat16, torch.device("cpu"),
           fp8_source=True, recipe=QuantRecipe("int4"))
     experts = model.layers[0].mlp.experts
-    exact = quantize(reference["layers.0.mlp.experts.gate_up_proj"].float(), "int4", experts.group_size)
+    exact = quantize(reference["layers.0.mlp.experts.gate_up_proj"].float(), "int4", experts.formats["gate_up"].group_size)
     assert torch.equal(experts.gate_up_qweight, exact.qweight) and torch.equal(experts.gate_up_scales, exact.scales)
     o_proj = model.layers[3].self_attn.o_proj
     exact = quantize(reference["layers.3.self_attn.o_proj.weight"].float(), "int8")

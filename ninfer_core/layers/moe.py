@@ -23,7 +23,7 @@ from ..ops.moe import (
     moe_router,
     sync_free_tokens,
 )
-from ..ops.quant import QuantizedWeight, quantize
+from ..ops.quant import QuantFormat, QuantizedWeight, quantize
 from .linear import MergedLinear
 from .mlp import MLP
 from .norm import RMSNorm
@@ -33,8 +33,9 @@ _PARTS = ("gate_up", "down")
 
 class Experts(nn.Module):
     """The fused expert tensors under the checkpoint's names (`gate_up_proj`, `down_proj`), or,
-    after `quantize_`, their int8 / int4 form as buffers (`{part}_qweight`, `{part}_scales`),
-    so that `state_dict()` is the quantized artifact. `gate_up` / `down` give either form."""
+    after `quantize_`, each part in its quantized format as buffers (`{part}_qweight`,
+    `{part}_scales`, and `{part}_offsets` for a GGUF's affine blocks), so that `state_dict()` is
+    the quantized artifact. `gate_up` / `down` give either form."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -42,23 +43,27 @@ class Experts(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.kind: str | None = None
-        self.group_size: int | None = None
+        self.formats: dict[str, QuantFormat] = {}  # part -> its format once quantized
 
     @torch.no_grad()
-    def quantize_(self, kind: str, group_size: int = 128) -> None:
-        """Replace both tensors by their quantized form (on the meta device: shapes only);
-        group_size applies to int4 only."""
-        if self.kind is not None:
-            raise ValueError(f"experts are already quantized ({self.kind})")
-        quantized = {
-            part: quantize(getattr(self, f"{part}_proj"), kind, group_size) for part in _PARTS
-        }
-        for part, qw in quantized.items():
+    def quantize_(self, gate_up: QuantFormat, down: QuantFormat | None = None) -> None:
+        """Replace both tensors by their quantized form (`down` defaults to gate_up's format): on
+        the meta device empty buffers the loader fills, else the weights quantized now."""
+        if self.formats:
+            raise ValueError(f"experts are already quantized ({self.formats['gate_up'].kind})")
+        for part, fmt in (("gate_up", gate_up), ("down", down or gate_up)):
+            full = getattr(self, f"{part}_proj")
+            if full.is_meta:
+                qw = QuantizedWeight.empty(fmt, full.shape[-2], full.shape[-1], full.device, batch=full.shape[:-2])
+            else:
+                qw = quantize(full, fmt.kind, fmt.group_size, fmt.scale_dtype)
+                if qw.format != fmt:
+                    raise ValueError(f"experts cannot be quantized to {fmt} here (only {qw.format})")
             delattr(self, f"{part}_proj")
-            self.register_buffer(f"{part}_qweight", qw.qweight)
-            self.register_buffer(f"{part}_scales", qw.scales)
-        self.kind, self.group_size = qw.kind, qw.group_size
+            for name in ("qweight", "scales", "offsets"):
+                if getattr(qw, name) is not None:
+                    self.register_buffer(f"{part}_{name}", getattr(qw, name))
+            self.formats[part] = fmt
 
     @property
     def gate_up(self) -> ExpertTensor:
@@ -76,12 +81,13 @@ class Experts(nn.Module):
     def _tensor(self, part: str) -> ExpertTensor:
         """The part's tensor; quantized, one QuantizedWeight kept while its buffers stay the same objects
         (what it caches, the CPU kernels' per-expert plans, is made once, not every step)."""
-        if self.kind is None:
+        fmt = self.formats.get(part)
+        if fmt is None:
             return getattr(self, f"{part}_proj")
-        qweight, scales = getattr(self, f"{part}_qweight"), getattr(self, f"{part}_scales")
+        buffers = [getattr(self, f"{part}_{name}", None) for name in ("qweight", "scales", "offsets")]
         kept = self.__dict__.get(f"_{part}_quantized")
-        if kept is None or kept.qweight is not qweight or kept.scales is not scales:
-            kept = QuantizedWeight(self.kind, qweight, scales, self.group_size)
+        if kept is None or any(a is not b for a, b in zip((kept.qweight, kept.scales, kept.offsets), buffers)):
+            kept = QuantizedWeight(fmt.kind, *buffers[:2], fmt.group_size, buffers[2])
             self.__dict__[f"_{part}_quantized"] = kept
         return kept
 

@@ -16,9 +16,10 @@ sensitive, so they keep int8):
         own quantization: Q4_K / Q6_K matrices their blocks as they are (ops/kquant.py; a merged
         projection of up to 8 such parts stacks them, whatever their mix), other types mapped to our
         formats without a second grid (weights/gguf_quant.py), a merged projection in its parts'
-        common format (ops/quant_convert.py; a K-quant part beside another type is mapped too);
-        tensors without a mapping (float, Q2_K, Q3_K, IQ*) are quantized to int8 per row with
-        fp16 scales.
+        common format (ops/quant_convert.py; a K-quant part beside another type is mapped too),
+        routed experts each part in its mapped format (a Q4_K_M file's gate / up int4 g32 with
+        offsets, its Q6_K down int8 g16); tensors without a mapping (float, Q2_K, Q3_K, IQ*) are
+        quantized to int8 per row with fp16 scales.
 Small projections (< 64 outputs) and the router with the shared-expert gate (one merged Linear)
 stay in the model dtype under int8 / int4 (the router under gguf too): their bytes do not matter
 and routing is sensitive to them. GDN a/b are rows of the merged GDN input projection
@@ -107,18 +108,23 @@ class QuantRecipe:
         """The embedding table's format: the file's under gguf (None: float in the file), else none."""
         return self.file_formats.get("embed_tokens.weight") if self.mode == "gguf" else None
 
-    def experts_format(self, experts: Experts) -> tuple[str, int] | None:
+    def experts_format(self, name: str, experts: Experts) -> tuple[QuantFormat, QuantFormat] | None:
+        """The (gate_up, down) formats of a layer's routed experts (`name`: the module's), None to
+        keep them in the model dtype. gguf: each part in the file's format where it maps to ours
+        (a Q4_K file's gate / up: int4 g32 with offsets, its Q6_K down: int8 g16), else
+        GGUF_FALLBACK."""
         if not self.quantized:
             return None
+        if self.mode == "gguf":
+            return tuple(_mapped(self.file_format(f"{name}.{part}_proj")) for part in ("gate_up", "down"))
         group = int4_group(experts.gate_up_proj.shape[-1], experts.down_proj.shape[-1])
-        if self.mode == "int4" and group is not None:
-            return "int4", group
-        return "int8", 0
+        fmt = QuantFormat("int4", group) if self.mode == "int4" and group is not None else QuantFormat("int8")
+        return fmt, fmt
 
 
 def _mapped(fmt: QuantFormat | KQuantFormat) -> QuantFormat:
-    """A K-quant tensor merged with a part of another type: its blocks mapped to our formats
-    (weights/gguf_quant.py) like that part's."""
+    """A K-quant tensor where the K-quant kernels do not take it (merged with a part of another
+    type, or routed experts): its blocks mapped to our formats (weights/gguf_quant.py)."""
     if isinstance(fmt, QuantFormat):
         return fmt
     from ..weights.gguf_quant import gguf_format
@@ -163,8 +169,8 @@ def apply_recipe_(model: nn.Module, recipe: QuantRecipe) -> None:
     routers = {id(m.gates.linear) for m in model.modules() if isinstance(m, SparseMoE)}
     sources = merged_sources(model)
     for name, module in list(model.named_modules()):
-        if isinstance(module, Experts) and (fmt := recipe.experts_format(module)) is not None:
-            module.quantize_(*fmt)
+        if isinstance(module, Experts) and (formats := recipe.experts_format(name, module)) is not None:
+            module.quantize_(*formats)
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 full = f"{name}.{child_name}" if name else child_name
@@ -242,11 +248,19 @@ def fill_quantized_(
                 _store(module, "", quantize(weight, fmt.kind, fmt.group_size, fmt.scale_dtype))
             # a tied lm_head reads the embedding's tensor but does not consume it
             consumed.update(source_names(sources, prefix + "weight"))
-        elif isinstance(module, Experts) and module.kind is not None:
-            for part in ("gate_up_proj", "down_proj"):
-                _store(module, f"{part.removesuffix('_proj')}_", quantize(get(prefix + part).to(device), module.kind,
-                                                                         module.group_size))
-                consumed.add(prefix + part)
+        elif isinstance(module, Experts) and module.formats:
+            for part, fmt in module.formats.items():
+                source = f"{prefix}{part}_proj"
+                if recipe.mode == "gguf" and recipe.file_formats.get(source):  # the file's codes as they are
+                    qw = get_quantized(source)
+                else:
+                    qw = quantize(get(source).to(device), fmt.kind, fmt.group_size, fmt.scale_dtype)
+                expected = tuple(getattr(module, f"{part}_qweight").shape)
+                if qw.format != fmt or tuple(qw.qweight.shape) != expected:
+                    raise ModelLoadError(f"'{source}' is {qw.format} of shape {tuple(qw.shape)}, expected {fmt} "
+                                         f"with codes {expected}")
+                _store(module, f"{part}_", qw)
+                consumed.add(source)
     return consumed
 
 

@@ -462,7 +462,9 @@ def _decode_plan(
 def _kernel_weights(w: ExpertTensor, x: torch.Tensor, cols: int) -> _KernelWeights | None:
     if isinstance(w, QuantizedWeight):
         q, scales, group = w.qweight, w.scales, w.group_size
-        if w.kind == "int8" and q.dtype == torch.int8 and scales.dtype == torch.float32:
+        if w.offsets is not None:  # a GGUF's affine blocks: the CPU kernels' format
+            return None
+        if w.kind == "int8" and q.dtype == torch.int8 and scales.dtype == torch.float32 and group == 0:
             plan, vec = (q, scales, 0), 16
         elif w.kind == "int4" and q.dtype == torch.uint8 and scales.dtype == torch.bfloat16:
             if group < 32 or group & (group - 1) or cols % group:
@@ -633,7 +635,8 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
 def _dense(w: ExpertTensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
     """Experts start..stop-1 of w as a [stop - start, N, K] tensor in dtype."""
     if isinstance(w, QuantizedWeight):
-        part = QuantizedWeight(w.kind, w.qweight[start:stop], w.scales[start:stop], w.group_size)
+        part = QuantizedWeight(w.kind, w.qweight[start:stop], w.scales[start:stop], w.group_size,
+                               None if w.offsets is None else w.offsets[start:stop])
         return dequantize(part, dtype)
     return w[start:stop].to(dtype)
 

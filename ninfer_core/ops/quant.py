@@ -125,12 +125,12 @@ class QuantizedWeight:
 
     @classmethod
     def empty(cls, fmt: QuantFormat, out_features: int, in_features: int,
-              device: torch.device | str | None) -> QuantizedWeight:
-        """Uninitialised tensors of `fmt` for an [out_features, in_features] weight."""
+              device: torch.device | str | None, batch: tuple[int, ...] = ()) -> QuantizedWeight:
+        """Uninitialised tensors of `fmt` for a [*batch, out_features, in_features] weight."""
         if fmt.kind == "int4":
             _check_group(fmt.group_size, in_features)
-        codes = (out_features, in_features // 2 if fmt.kind == "int4" else in_features)
-        scales = (out_features, in_features // fmt.group_size) if fmt.group_size else (out_features,)
+        codes = (*batch, out_features, in_features // 2 if fmt.kind == "int4" else in_features)
+        scales = (*batch, out_features, *((in_features // fmt.group_size,) if fmt.group_size else ()))
         return cls(
             fmt.kind,
             torch.empty(codes, dtype=_CODES[fmt.kind], device=device),

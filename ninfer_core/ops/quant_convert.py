@@ -22,7 +22,9 @@ from .quant import GROUP_SIZES, QuantFormat, QuantizedWeight
 
 
 def common_format(formats: Sequence[QuantFormat], in_features: int) -> QuantFormat:
-    """The narrowest format every one of `formats` converts to exactly."""
+    """The narrowest format every one of `formats` converts to exactly (their own when they agree)."""
+    if len(set(formats)) == 1:
+        return formats[0]
     if len({f.scale_dtype for f in formats}) > 1:
         raise ValueError(f"cannot merge quantized parts with different scale dtypes: {formats}")
     group = math.gcd(*(f.group_size or in_features for f in formats))
@@ -59,9 +61,13 @@ def concat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
         return parts[0]
     fmt = common_format([p.format for p in parts], parts[0].in_features)
     same = [convert(p, fmt) for p in parts]
-    offsets = None if not fmt.offsets else torch.cat([p.offsets for p in same])
-    return QuantizedWeight(fmt.kind, torch.cat([p.qweight for p in same]), torch.cat([p.scales for p in same]),
-                           fmt.group_size, offsets)
+    rows = same[0].qweight.dim() - 2  # [..., N, K]: the scales and offsets keep the codes' leading dims
+
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(p, name) for p in same], dim=rows)
+
+    return QuantizedWeight(fmt.kind, cat("qweight"), cat("scales"), fmt.group_size,
+                           cat("offsets") if fmt.offsets else None)
 
 
 def _regroup(values: torch.Tensor, group_size: int, to: int, in_features: int) -> torch.Tensor:

@@ -406,20 +406,21 @@ class GGUFCheckpoint:
 
     def quant_format(self, name: str) -> QuantFormat | KQuantFormat | None:
         """The format a tensor keeps on the CPU: a Q4_K / Q6_K matrix its blocks as they are
-        (`get_blocks`), other types the format `get_quantized` gives; None when it has none (a
-        float tensor, a block type without an exact mapping, a tensor whose columns or values the
-        converter changed, or one made of several file tensors)."""
+        (`get_blocks`), other types (and K-quant routed experts, [E, N, K]) the format
+        `get_quantized` gives; None when it has none (a float tensor, a block type without an
+        exact mapping, a tensor whose columns or values the converter changed, or one made of
+        file tensors of different types)."""
         from ..ops.kquant import KQuantFormat
         from .gguf_quant import gguf_format
         from .kquant_layout import block_type
 
         parts, fix = self._parts(name), self._fix(name)
         moved = fix is not None and (fix.cols is not None or fix.value is not None)
-        if len(parts) != 1 or len(parts[0].shape) != 2 or moved:
+        if len({t.tensor_type for t in parts}) != 1 or len(parts[0].shape) not in (2, 3) or moved:
             return None
         t = parts[0]
         block = block_type(t.tensor_type)
-        if block is not None:
+        if block is not None and len(parts) == 1 and len(t.shape) == 2:
             return KQuantFormat(((block, int(t.shape[1])),))
         return gguf_format(t.tensor_type)
 
@@ -436,19 +437,33 @@ class GGUFCheckpoint:
         return self._reorder(name, torch.from_numpy(blocks.copy()), fix).numpy()
 
     def get_quantized(self, name: str) -> QuantizedWeight:
-        """A quantized 2-D tensor in our format (`quant_format` must not be None), HF layout."""
+        """A quantized 2-D or 3-D tensor in our format (`quant_format` must not be None), HF layout;
+        expert halves stacked on their rows."""
         from ..ops.quant import QuantizedWeight
-        from .gguf_quant import gguf_quantized
+        from ..ops.quant_convert import concat_rows
 
-        t = self._single(name)
-        cols, rows = (int(s) for s in t.shape.tolist())
-        qw = gguf_quantized(t.data, t.tensor_type, rows, cols)
+        qw = concat_rows([self._quantized_part(t) for t in self._parts(name)])
         fix = self._fix(name)
         if fix is None:
             return qw
         offsets = None if qw.offsets is None else self._reorder(name, qw.offsets, fix)
         return QuantizedWeight(qw.kind, self._reorder(name, qw.qweight, fix), self._reorder(name, qw.scales, fix),
                                qw.group_size, offsets)
+
+    def _quantized_part(self, t: ReaderTensor) -> QuantizedWeight:
+        """One file tensor in our format, [..., rows, cols] as the file's (leading dims: experts)."""
+        from ..ops.quant import QuantizedWeight
+        from .gguf_quant import gguf_quantized
+
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        cols, rows = shape[-1], int(np.prod(shape[:-1]))
+        qw = gguf_quantized(t.data, t.tensor_type, rows, cols)
+        lead = shape[:-1]
+
+        def unflat(x):
+            return None if x is None else x.reshape(*lead, *x.shape[1:])
+
+        return QuantizedWeight(qw.kind, unflat(qw.qweight), unflat(qw.scales), qw.group_size, unflat(qw.offsets))
 
     # ---- tokenizer ------------------------------------------------------------------------------
 
