@@ -205,14 +205,15 @@ def test_tokenizer_and_template_come_from_the_file(converted):
 
 def _rewrite(source, target, drop: str = "", extra: dict | None = None, tokenizer: bool = True,
              requantize: tuple[str, ...] = ()):
-    """A copy of a GGUF file without the tensors named `drop`, with metadata `extra` changed (and
-    without the tokenizer's half a million merges when `tokenizer` is False: seconds to write);
-    float tensors whose names end with one of `requantize` stored as Q4_1 (gguf-py's encoder)."""
+    """A copy of a GGUF file without the tensor or metadata key named `drop`, with metadata `extra`
+    changed (ints as uint32, lists as arrays), without the tokenizer's half a million merges when
+    `tokenizer` is False (seconds to write); float tensors whose names end with one of `requantize`
+    stored as Q4_1 (gguf-py's encoder)."""
     reader = FastGGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(str(target), arch)
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in (extra or {}) or (
+        if key.startswith("GGUF.") or key in ("general.architecture", drop) or key in (extra or {}) or (
                 not tokenizer and key.startswith("tokenizer.")):
             continue
         value, kind = field.contents(), field.types[0]
@@ -221,7 +222,7 @@ def _rewrite(source, target, drop: str = "", extra: dict | None = None, tokenize
         else:
             writer.add_key_value(key, value, kind)
     for key, value in (extra or {}).items():
-        writer.add_uint32(key, value)
+        (writer.add_array if isinstance(value, list) else writer.add_uint32)(key, value)
     for t in reader.tensors:
         if t.name.endswith(requantize) and requantize:
             writer.add_tensor(t.name, quants.quantize(np.array(t.data), Q.Q4_1), raw_dtype=Q.Q4_1)
@@ -246,3 +247,23 @@ def test_broken_files_are_one_clear_error(converted, tmp_path):
     no_a = _rewrite(files["f32"], tmp_path / "no_a.gguf", drop="blk.0.ssm_a")
     with pytest.raises(ModelLoadError, match="A_log"):
         load_model(str(no_a), "cpu", "float32")
+
+
+def test_layer_layout_from_either_key(converted, tmp_path):
+    """Files without `attention.recurrent_layers` (older converters) place the attention layers by
+    `full_attention_interval`; a per-layer KV head count (0 on recurrent layers) is the attention
+    layers' one, and attention layers that disagree are refused."""
+    _, _, files = converted["moe"]
+    expected = open_gguf(files["f32"]).config
+    old = _rewrite(files["f32"], tmp_path / "old.gguf", drop="qwen35moe.attention.recurrent_layers",
+                   extra={"qwen35moe.attention.head_count_kv": [0, 0, 0, 1, 1], "qwen35moe.vocab_size": VOCAB},
+                   tokenizer=False)
+    config = open_gguf(old).config
+    assert config.layer_types == expected.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert config.num_kv_heads == 1
+    recurrent = [False, True, True, False, False]  # layer 0 attention too: the list decides
+    mixed = _rewrite(files["f32"], tmp_path / "mixed.gguf", tokenizer=False,
+                     extra={"qwen35moe.attention.recurrent_layers": recurrent,
+                            "qwen35moe.attention.head_count_kv": [2, 0, 0, 1, 1], "qwen35moe.vocab_size": VOCAB})
+    with pytest.raises(ModelLoadError, match=r"different KV head counts \[1, 2\]"):
+        open_gguf(mixed).config

@@ -123,6 +123,10 @@ def _a_log(a):
     return (-a).log()
 
 
+def _conv_weight(w):  # [C, K] -> nn.Conv1d's depthwise [C, 1, K]
+    return w.unsqueeze(1)
+
+
 def tensor_fix(name: str, config: ModelConfig) -> TensorFix | None:
     """What the converter did to the canonical tensor `name` (None: nothing)."""
     if name.endswith(_OFFSET_NORMS) and not name.endswith("linear_attn.norm.weight"):
@@ -142,7 +146,7 @@ def tensor_fix(name: str, config: ModelConfig) -> TensorFix | None:
         "in_proj_b.weight": TensorFix(rows=heads),
         "A_log": TensorFix(rows=heads, value=_a_log),
         "dt_bias": TensorFix(rows=heads),
-        "conv1d.weight": TensorFix(rows=with_qk, value=lambda w: w.unsqueeze(1)),
+        "conv1d.weight": TensorFix(rows=with_qk, value=_conv_weight),
         "out_proj.weight": TensorFix(cols=values),
     }.get(part)
 
