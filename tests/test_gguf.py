@@ -96,7 +96,8 @@ def test_smollm_config_matches_transformers(smollm_path, smollm):
     assert cfg.tie_word_embeddings and ref.tie_word_embeddings
     assert cfg.max_position_embeddings == ref.max_position_embeddings == 8192
     assert cfg.rotary_dim == cfg.head_dim and not cfg.qk_norm and not cfg.attention_bias
-    assert (cfg.bos_token_id, cfg.eos_token_ids) == (1, [2])
+    # eos <|im_end|>, then <|endoftext|> (id 0), which llama.cpp also stops at
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (1, [2, 0])
     assert cfg.torch_dtype == "bfloat16"  # Q4_1 file: no float type of its own
     assert "lm_head.weight" not in smollm.names()
     assert len(smollm.names()) == 272
@@ -123,7 +124,7 @@ def test_smollm_tokenizer_matches_transformers(smollm, hf_smollm_tokenizer):
 
 def test_smollm_tokenizer_metadata(smollm, hf_smollm_tokenizer):
     tok = smollm.load_tokenizer()
-    assert tok.eos_token_ids == (2,) and tok.eos_token == "<|im_end|>" == hf_smollm_tokenizer.eos_token
+    assert tok.eos_token_ids == (2, 0) and tok.eos_token == "<|im_end|>" == hf_smollm_tokenizer.eos_token
     assert tok.bos_token_id == 1 and tok.bos_token == "<|im_start|>"
     assert tok.chat_template == hf_smollm_tokenizer.chat_template
     assert "<|im_start|>" in tok.chat_template
@@ -298,7 +299,7 @@ def test_tokenizer_matches_transformers_per_pre_type(tmp_path, trained_vocab, pr
         assert ours.encode(text) == ref(text, add_special_tokens=False)["input_ids"], (pre, text)
         assert ours.decode(ours.encode(text)) == text
     assert ours.encode("<think>") == [len(tokens) - 1]
-    assert ours.chat_template == "{{ x }}" and ours.eos_token_ids == (2,)
+    assert ours.chat_template == "{{ x }}" and ours.eos_token_ids == (2, 0)  # eos, then <|endoftext|> by its text
 
 
 def test_add_bos_token_prepends_bos_with_special_tokens(tmp_path, trained_vocab):

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 from hf_reference import Runner, assert_close_rel
 from llama_cpp_convert import convert_hf_to_gguf, llama_cpp_converter  # noqa: F401  (fixture)
-from qwen_assets import IM_END, qwen_reference, qwen_tokenizer_dir  # noqa: F401  (fixture)
+from qwen_assets import ENDOFTEXT, IM_END, qwen_reference, qwen_tokenizer_dir  # noqa: F401  (fixture)
 from tiny_checkpoints import write_tiny_qwen
 from torch import nn
 
@@ -69,7 +69,7 @@ def test_config_is_the_checkpoints(converted, name):
     expected, got = load_config(directory), open_gguf(files["f32"]).config
     assert got.arch == ("qwen3_5_moe" if name == "moe" else "qwen3_5")
     assert got.rms_eps == pytest.approx(expected.rms_eps, rel=1e-7)  # stored as float32
-    assert got.eos_token_ids == [IM_END]
+    assert got.eos_token_ids == [IM_END, ENDOFTEXT]  # the file names <|im_end|>; llama.cpp's rule adds the other
     for field in expected.__dataclass_fields__:
         if field not in ("rms_eps", "eos_token_ids", "has_vision"):  # vision: a separate mmproj file
             assert getattr(got, field) == getattr(expected, field), field

@@ -77,6 +77,11 @@ _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 # is far finer than a 4-8 bit quantization step).
 _FILE_TYPE_DTYPE = {0: "float32", 1: "float16", 32: "bfloat16"}
 
+# Tokens llama.cpp treats as an end of generation whatever the file's ids say (llama-vocab.cpp's
+# list, the texts of families we run and their relatives).
+_EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                        "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>"})
+
 # llama.cpp token types (llama_token_type).
 _TOKEN_NORMAL = 1
 _TOKEN_CONTROL = 3
@@ -472,8 +477,12 @@ class GGUFCheckpoint:
         return None if value is None else int(value)
 
     def _stop_token_ids(self) -> list[int]:
-        """eos plus llama.cpp's end-of-turn / end-of-message ids, which also end a generation."""
-        ids = (self._token_id(kind) for kind in ("eos", "eot", "eom"))
+        """What ends a generation, as llama.cpp decides it: eos, the end-of-turn / end-of-message
+        ids, then every token spelled like an end of generation (a Qwen3.6 file names only
+        <|im_end|>; its <|endoftext|> stops too, as its HF generation_config says)."""
+        ids = [self._token_id(kind) for kind in ("eos", "eot", "eom")]
+        tokens = self.metadata("tokenizer.ggml.tokens") or []
+        ids += [i for i, text in enumerate(tokens) if text in _EOG_TEXTS]
         return list(dict.fromkeys(i for i in ids if i is not None))
 
     def build_tokenizer(self) -> Tokenizer:
