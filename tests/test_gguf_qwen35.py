@@ -171,11 +171,14 @@ def test_quantized_file_runs_close_to_its_dequantized_self(converted):
 def test_4_bit_experts_keep_their_codes(converted, tmp_path):
     """Routed experts stored 4-bit (Q4_1 here, as a Q4_K file's gate / up): on the CPU they stay
     4-bit with the file's scales and minimums (int4 g32 + offsets), not re-quantized to int8, and
-    the model runs as the same file dequantized to float32 does."""
+    the model runs as the same file dequantized to float32 does. The shared expert's gate is a
+    vector here, as llama-quantize writes it."""
     _, _, files = converted["moe"]
-    path = _rewrite(files["f32"], tmp_path / "q4_1-experts.gguf",
+    path = _rewrite(files["f32"], tmp_path / "q4_1-experts.gguf", vectors=("ffn_gate_inp_shexp.weight",),
                     requantize=("ffn_gate_exps.weight", "ffn_up_exps.weight"))
     gguf = open_gguf(path)
+    assert next(t for t in FastGGUFReader(path).tensors if t.name == "blk.0.ffn_gate_inp_shexp.weight").shape.size == 1
+    assert gguf.get("layers.0.mlp.shared_expert_gate.weight").shape == (1, 32)
     compact, exact = load_model(str(path), "cpu"), load_model(str(path), "cpu", "float32")
     for i in range(4):
         experts = compact.model.layers[i].mlp.experts
@@ -204,11 +207,11 @@ def test_tokenizer_and_template_come_from_the_file(converted):
 
 
 def _rewrite(source, target, drop: str = "", extra: dict | None = None, tokenizer: bool = True,
-             requantize: tuple[str, ...] = ()):
+             requantize: tuple[str, ...] = (), vectors: tuple[str, ...] = ()):
     """A copy of a GGUF file without the tensor or metadata key named `drop`, with metadata `extra`
     changed (ints as uint32, lists as arrays), without the tokenizer's half a million merges when
     `tokenizer` is False (seconds to write); float tensors whose names end with one of `requantize`
-    stored as Q4_1 (gguf-py's encoder)."""
+    stored as Q4_1 (gguf-py's encoder), those ending with one of `vectors` flattened to 1-D."""
     reader = FastGGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(str(target), arch)
@@ -226,6 +229,8 @@ def _rewrite(source, target, drop: str = "", extra: dict | None = None, tokenize
     for t in reader.tensors:
         if t.name.endswith(requantize) and requantize:
             writer.add_tensor(t.name, quants.quantize(np.array(t.data), Q.Q4_1), raw_dtype=Q.Q4_1)
+        elif t.name.endswith(vectors) and vectors:
+            writer.add_tensor(t.name, np.array(t.data).reshape(-1), raw_dtype=t.tensor_type)
         elif t.name != drop:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()

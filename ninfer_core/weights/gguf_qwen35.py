@@ -127,10 +127,16 @@ def _conv_weight(w):  # [C, K] -> nn.Conv1d's depthwise [C, 1, K]
     return w.unsqueeze(1)
 
 
+def _one_row(w):  # the shared expert's gate, [1, H]: llama-quantize writes it as a vector [H]
+    return w.reshape(1, -1)
+
+
 def tensor_fix(name: str, config: ModelConfig) -> TensorFix | None:
     """What the converter did to the canonical tensor `name` (None: nothing)."""
     if name.endswith(_OFFSET_NORMS) and not name.endswith("linear_attn.norm.weight"):
         return TensorFix(value=_minus_one)
+    if name.endswith("mlp.shared_expert_gate.weight"):
+        return TensorFix(value=_one_row)
     if ".linear_attn." not in name:
         return None
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
