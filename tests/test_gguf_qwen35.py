@@ -82,9 +82,14 @@ def test_every_tensor_is_the_checkpoints(converted, name):
     expected, gguf = TextWeights(open_checkpoint(directory)), open_gguf(files["f32"])
     assert gguf.names() == expected.names()
     assert any(n.startswith("mtp.layers.0.") for n in gguf.names())
+    orders = gguf.input_orders()
+    assert set(orders) == {f"layers.{i}.linear_attn.out_proj" for i in range(3)}
     for tensor in sorted(expected.names()):
         want, got = expected.get(tensor, torch.float32), gguf.get(tensor)
         assert got.shape == want.shape, tensor
+        if tensor.removesuffix(".weight") in orders:  # columns kept as stored: the layer's inputs move
+            assert not torch.equal(got, want)
+            got = got[:, torch.from_numpy(np.argsort(orders[tensor.removesuffix(".weight")]))]
         # norms come back from 1 + w and A_log from -exp(A_log): a rounding of float32 apart
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=tensor)
 
@@ -102,18 +107,19 @@ def test_the_value_heads_really_move(converted):
 
 def test_q8_0_rows_keep_their_blocks(converted):
     """A Q8_0 file: the quantized path (codes and scales re-ordered) gives what the float path
-    gives, and both are the checkpoint to within Q8_0's step; out_proj (columns moved) has no
-    quantized format of its own."""
+    gives, and both are the checkpoint to within Q8_0's step; out_proj (its columns kept as stored)
+    keeps its Q8_0 blocks too."""
     directory, _, files = converted["moe"]
     gguf, expected = open_gguf(files["q8_0"]), TextWeights(open_checkpoint(directory))
     for tensor in ("layers.0.linear_attn.in_proj_qkv.weight", "layers.1.linear_attn.in_proj_z.weight",
-                   "layers.3.self_attn.q_proj.weight"):
+                   "layers.3.self_attn.q_proj.weight", "layers.2.linear_attn.out_proj.weight"):
         qw = gguf.get_quantized(tensor)
         torch.testing.assert_close(dequantize_ref(qw, torch.float32), gguf.get(tensor), rtol=0, atol=1e-6)
         want = expected.get(tensor, torch.float32)
+        if "out_proj" in tensor:
+            want = want[:, torch.from_numpy(gguf.input_orders()[tensor.removesuffix(".weight")])]
         assert (gguf.get(tensor) - want).abs().max() <= want.abs().max() / 127
-    assert gguf.quant_format("layers.0.linear_attn.out_proj.weight") is None
-    assert gguf.quant_format("layers.0.linear_attn.in_proj_qkv.weight") is not None
+    assert gguf.quant_format("layers.0.linear_attn.out_proj.weight") == QuantFormat("int8", 32, torch.float16)
 
 
 @torch.no_grad()

@@ -50,6 +50,22 @@ QuantWeight quant_weight(const py::tuple& plan, std::int64_t n) {
           static_cast<ScaleType>(plan[6].cast<int>())};
 }
 
+// A linear as a tuple (n, bias, kquant, plan): the output width, the bias pointer (0 for none), and the weight's
+// cpu_plan, ops/quant.py's (codes, scales, offsets, k, group, int4, scale_type) or with kquant ops/kquant.py's.
+ninfer::cpu::LayerLinear layer_linear(const py::tuple& t) {
+  ninfer::cpu::LayerLinear l{};
+  l.bias = reinterpret_cast<const float*>(t[1].cast<std::uintptr_t>());
+  l.kquant = t[2].cast<bool>();
+  const auto plan = t[3].cast<py::tuple>();
+  if (l.kquant) {
+    l.kw = kquant_weight(plan[0].cast<std::uintptr_t>(), plan[1].cast<std::int64_t>(), plan[2].cast<py::tuple>(),
+                         plan[3].cast<py::tuple>());
+  } else {
+    l.w = quant_weight(plan, t[0].cast<std::int64_t>());
+  }
+  return l;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -193,36 +209,36 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("ab_stride"), py::arg("z_stride"), py::arg("q_scale"), py::arg("eps"), py::arg("write_state"),
       py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
       "The fused GDN steps on fp32 tensors (pointers as ints, 0 for none). See csrc/cpu/gdn_step.h.");
-  // experts: (cpu_plan, n, (codes, scales, offsets) strides in bytes between experts); shared: None or
-  // ((gate_up plan, n), (down plan, n), gate pointer, gate stride in floats)
+  // experts: (linear, (codes, scales, offsets) strides in bytes between experts), linear as layer_linear takes
+  // it (K-quant blocks: the first stride moves them); shared: None or (gate_up linear, down linear, gate
+  // pointer, gate stride in floats)
   m.def(
       "moe_experts",
       [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t weights, std::uintptr_t ids, std::int64_t tokens,
          std::int64_t top_k, std::int64_t num_experts, const py::tuple& gate_up, const py::tuple& down,
          const py::object& shared, int threads, bool int8_activations) {
         const auto experts = [](const py::tuple& t) {
-          const auto strides = t[2].cast<py::tuple>();
-          return ninfer::cpu::ExpertWeights{quant_weight(t[0].cast<py::tuple>(), t[1].cast<std::int64_t>()),
-                                            strides[0].cast<std::int64_t>(), strides[1].cast<std::int64_t>(),
-                                            strides[2].cast<std::int64_t>()};
+          const auto strides = t[1].cast<py::tuple>();
+          return ninfer::cpu::ExpertWeights{layer_linear(t[0].cast<py::tuple>()), strides[0].cast<std::int64_t>(),
+                                            strides[1].cast<std::int64_t>(), strides[2].cast<std::int64_t>()};
         };
+        using ninfer::cpu::layer_linear_inputs, ninfer::cpu::layer_linear_rows;
         ninfer::cpu::MoeArgs a{reinterpret_cast<float*>(out), reinterpret_cast<const float*>(x),
                                reinterpret_cast<const float*>(weights), reinterpret_cast<const std::int32_t*>(ids),
                                tokens, top_k, num_experts, experts(gate_up), experts(down), nullptr, nullptr,
                                nullptr, 0, threads, int8_activations};
-        if (a.gate_up.first.n % 2 || a.down.first.k * 2 != a.gate_up.first.n || a.gate_up.first.k != a.down.first.n) {
+        const auto fits = [&](const ninfer::cpu::LayerLinear& gate_up, const ninfer::cpu::LayerLinear& down) {
+          const std::int64_t n = layer_linear_rows(gate_up);
+          return n % 2 == 0 && layer_linear_inputs(down) * 2 == n && layer_linear_inputs(gate_up) == layer_linear_rows(down);
+        };
+        if (!fits(a.gate_up.first, a.down.first)) {
           throw std::invalid_argument("moe_experts: gate_up [E, 2I, H] and down [E, H, I] do not match");
         }
-        QuantWeight shared_gate_up{}, shared_down{};
+        ninfer::cpu::LayerLinear shared_gate_up{}, shared_down{};
         if (!shared.is_none()) {
           const auto t = shared.cast<py::tuple>();
-          const auto part = [](const py::handle& h) {
-            const auto p = h.cast<py::tuple>();
-            return quant_weight(p[0].cast<py::tuple>(), p[1].cast<std::int64_t>());
-          };
-          shared_gate_up = part(t[0]), shared_down = part(t[1]);
-          if (shared_gate_up.n % 2 || shared_down.k * 2 != shared_gate_up.n || shared_down.n != a.down.first.n ||
-              shared_gate_up.k != a.down.first.n) {
+          shared_gate_up = layer_linear(t[0].cast<py::tuple>()), shared_down = layer_linear(t[1].cast<py::tuple>());
+          if (!fits(shared_gate_up, shared_down) || layer_linear_rows(shared_down) != layer_linear_rows(a.down.first)) {
             throw std::invalid_argument("moe_experts: the shared gate_up [2I, H] and down [H, I] do not match");
           }
           a.shared_gate_up = &shared_gate_up, a.shared_down = &shared_down;
@@ -236,30 +252,13 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("num_experts"), py::arg("gate_up"), py::arg("down"), py::arg("shared"), py::arg("threads"),
       py::arg("int8_activations"),
       "The routed (and shared) experts of fp32 rows. See csrc/cpu/moe_step.h.");
-  // A linear as a tuple (n, bias, kquant, plan): the output width, the bias pointer (0 for none), and the weight's
-  // cpu_plan, ops/quant.py's (codes, scales, offsets, k, group, int4, scale_type) or with kquant ops/kquant.py's.
-  const auto layer_linear = [](const py::tuple& t) {
-    ninfer::cpu::LayerLinear l{};
-    l.bias = reinterpret_cast<const float*>(t[1].cast<std::uintptr_t>());
-    l.kquant = t[2].cast<bool>();
-    const auto plan = t[3].cast<py::tuple>();
-    if (l.kquant) {
-      l.kw = kquant_weight(plan[0].cast<std::uintptr_t>(), plan[1].cast<std::int64_t>(), plan[2].cast<py::tuple>(),
-                           plan[3].cast<py::tuple>());
-    } else {
-      l.w = {plan[0].cast<std::uintptr_t>(), plan[1].cast<std::uintptr_t>(), plan[2].cast<std::uintptr_t>(),
-             t[0].cast<std::int64_t>(),      plan[3].cast<std::int64_t>(),   plan[4].cast<std::int64_t>(),
-             plan[5].cast<bool>(),           static_cast<ScaleType>(plan[6].cast<int>())};
-    }
-    return l;
-  };
   // A layer's constant arguments, made once per layer (ops/cpu_layer.py caches it): the step's fields are
   // filled in by decode_layers. layer: (input_norm, post_norm, q_norm, k_norm, eps, hidden, heads, kv_heads,
   // head_dim, intermediate, scale); linears: (qkv, o, gate_up, down). Pointers as ints, 0 for none.
   py::class_<ninfer::cpu::DecodeLayerArgs>(m, "LayerPlan");
   m.def(
       "layer_plan",
-      [layer_linear](const py::tuple& layer, const py::tuple& linears) {
+      [](const py::tuple& layer, const py::tuple& linears) {
         const auto f = [](const py::handle& h) { return reinterpret_cast<float*>(h.cast<std::uintptr_t>()); };
         const auto i64 = [](const py::handle& h) { return h.cast<std::int64_t>(); };
         ninfer::cpu::DecodeLayerArgs a{};

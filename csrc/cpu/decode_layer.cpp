@@ -5,16 +5,31 @@
 #include "decode_ops.h"
 
 namespace ninfer::cpu {
-namespace {
 
-void linear(const LayerLinear& l, float* out, const float* x, std::int64_t rows, const DecodeLayerArgs& a) {
+void layer_linear(const LayerLinear& l, float* out, const float* x, std::int64_t rows, int threads,
+                  bool int8_activations) {
   const auto out_p = reinterpret_cast<std::uintptr_t>(out), x_p = reinterpret_cast<std::uintptr_t>(x);
   const auto bias_p = reinterpret_cast<std::uintptr_t>(l.bias);
   if (l.kquant) {
-    kquant_matmul({l.kw, out_p, x_p, bias_p, rows, a.threads});
+    kquant_matmul({l.kw, out_p, x_p, bias_p, rows, threads});
   } else {
-    quant_matmul({l.w, out_p, x_p, bias_p, rows, a.threads, a.int8_activations});
+    quant_matmul({l.w, out_p, x_p, bias_p, rows, threads, int8_activations});
   }
+}
+
+std::int64_t layer_linear_rows(const LayerLinear& l) {
+  if (!l.kquant) return l.w.n;
+  std::int64_t n = 0;
+  for (int i = 0; i < l.kw.parts; ++i) n += l.kw.part[i].rows;
+  return n;
+}
+
+std::int64_t layer_linear_inputs(const LayerLinear& l) { return l.kquant ? l.kw.k : l.w.k; }
+
+namespace {
+
+void linear(const LayerLinear& l, float* out, const float* x, std::int64_t rows, const DecodeLayerArgs& a) {
+  layer_linear(l, out, x, rows, a.threads, a.int8_activations);
 }
 
 }  // namespace

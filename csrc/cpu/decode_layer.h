@@ -20,6 +20,12 @@ struct LayerLinear {
   const float* bias;  // [n] or null
 };
 
+// out [rows, n] = x [rows, k] @ l^T (+ bias): quant_matmul or kquant_matmul.
+void layer_linear(const LayerLinear& l, float* out, const float* x, std::int64_t rows, int threads,
+                  bool int8_activations);
+std::int64_t layer_linear_rows(const LayerLinear& l);    // n
+std::int64_t layer_linear_inputs(const LayerLinear& l);  // k
+
 struct DecodeLayerArgs {
   // the layer
   const float* input_norm;  // [hidden]

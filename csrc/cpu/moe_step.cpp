@@ -11,28 +11,32 @@
 namespace ninfer::cpu {
 namespace {
 
-QuantWeight expert(const ExpertWeights& w, std::int64_t e) {
-  QuantWeight q = w.first;
-  q.codes += e * w.codes_stride;
-  q.scales += e * w.scales_stride;
-  if (q.offsets) q.offsets += e * w.offsets_stride;
-  return q;
+LayerLinear expert(const ExpertWeights& w, std::int64_t e) {
+  LayerLinear l = w.first;
+  if (l.kquant) {
+    l.kw.data += e * w.codes_stride;
+    return l;
+  }
+  l.w.codes += e * w.codes_stride;
+  l.w.scales += e * w.scales_stride;
+  if (l.w.offsets) l.w.offsets += e * w.offsets_stride;
+  return l;
 }
 
 // out [rows, H] = down(silu(g) * u) with [g | u] = gate_up(x [rows, H]); h, act: scratch
-void ffn(const QuantWeight& gate_up, const QuantWeight& down, const float* x, std::int64_t rows, float* h, float* act,
+void ffn(const LayerLinear& gate_up, const LayerLinear& down, const float* x, std::int64_t rows, float* h, float* act,
          float* out, const MoeArgs& a) {
-  const auto p = [](const float* f) { return reinterpret_cast<std::uintptr_t>(f); };
-  quant_matmul({gate_up, p(h), p(x), 0, rows, a.threads, a.int8_activations});
-  silu_mul(act, h, rows, gate_up.n / 2);
-  quant_matmul({down, p(out), p(act), 0, rows, a.threads, a.int8_activations});
+  layer_linear(gate_up, h, x, rows, a.threads, a.int8_activations);
+  silu_mul(act, h, rows, layer_linear_rows(gate_up) / 2);
+  layer_linear(down, out, act, rows, a.threads, a.int8_activations);
 }
 
 }  // namespace
 
 void moe_experts(const MoeArgs& a) {
-  const std::int64_t hidden = a.down.first.n, pairs = a.tokens * a.top_k;
-  const std::int64_t widest = std::max(a.gate_up.first.n, a.shared_gate_up ? a.shared_gate_up->n : 0);
+  const std::int64_t hidden = layer_linear_rows(a.down.first), pairs = a.tokens * a.top_k;
+  const std::int64_t widest =
+      std::max(layer_linear_rows(a.gate_up.first), a.shared_gate_up ? layer_linear_rows(*a.shared_gate_up) : 0);
   std::vector<float> rows(a.tokens * hidden), h(a.tokens * widest), act(a.tokens * widest / 2), y(a.tokens * hidden);
   std::vector<std::int64_t> order(pairs);  // (token, slot) pairs by expert, then token
   for (std::int64_t i = 0; i < pairs; ++i) {

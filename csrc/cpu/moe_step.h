@@ -5,14 +5,15 @@
 
 #include <cstdint>
 
-#include "quant_matmul.h"
+#include "decode_layer.h"
 
 namespace ninfer::cpu {
 
-// E experts' [n, k] weights stacked ([E, n, k] codes, [E, n, groups] scales / offsets): expert e's
-// pointers are `first`'s plus e times the strides, in bytes.
+// E experts' [n, k] weights stacked ([E, n, k] codes, [E, n, groups] scales / offsets; or K-quant
+// blocks, each expert's packed on its own, [E, bytes]): expert e's pointers are `first`'s plus e
+// times the strides, in bytes (a K-quant expert's blocks move by codes_stride).
 struct ExpertWeights {
-  QuantWeight first;
+  LayerLinear first;
   std::int64_t codes_stride, scales_stride, offsets_stride;
 };
 
@@ -25,8 +26,8 @@ struct MoeArgs {
   ExpertWeights gate_up;     // [E, 2I, H], gate rows first
   ExpertWeights down;        // [E, H, I]
   // the shared expert, or null: out += sigmoid(shared_gate[t]) * down(silu(g) * u), [g | u] = gate_up(x)
-  const QuantWeight* shared_gate_up;  // [2 I_s, H]
-  const QuantWeight* shared_down;     // [H, I_s]
+  const LayerLinear* shared_gate_up;  // [2 I_s, H]
+  const LayerLinear* shared_down;     // [H, I_s]
   const float* shared_gate;           // token t's logit at t * shared_gate_stride
   std::int64_t shared_gate_stride;
   int threads;

@@ -247,6 +247,19 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        # None, or out_proj's inputs in the order its weight's columns are stored (a GGUF keeps them
+        # with the value heads tiled: the 4K activations move instead of its blocks)
+        self.register_buffer("out_input_order", None, persistent=False)
+
+    def set_input_order(self, linear: str, order: torch.Tensor) -> None:
+        """Take `linear`'s (out_proj's) inputs in `order` (index_select over the last dim)."""
+        if linear != "out_proj" or order.shape != (self.value_dim,):
+            raise ValueError(f"GDN layers take an input order for out_proj [{self.value_dim}], not {linear} "
+                             f"{tuple(order.shape)}")
+        self.out_input_order = order.to(next(self.parameters()).device)
+
+    def _out(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(x if self.out_input_order is None else x.index_select(-1, self.out_input_order))
 
     @property
     def weights(self) -> gdn_ops.GDNWeights:
@@ -262,12 +275,12 @@ class GatedDeltaNet(nn.Module):
         valid_tokens[b] tokens advance its state (padding); fork: the state after fork.tokens[b]
         tokens is also written to slot fork.slots[b]."""
         if x.shape[1] == 1:
-            return self.out_proj(self._decode(x, conv_pool, state_pool, slots))[:, None]
+            return self._out(self._decode(x, conv_pool, state_pool, slots))[:, None]
         cuts, w = _host_cuts(fork, x.shape[0]), self.weights
         if valid_tokens is None and cuts is not None and gdn_ops.cpu_steps_apply(conv_pool, state_pool, w):
             # the CPU: the fused steps beat the chunked rule's torch ops at every length (gdn_prefill_stepped)
             qkv, z, b, a = self.in_proj(x)
-            return self.out_proj(gdn_ops.gdn_prefill_stepped(qkv, a, b, z, conv_pool, state_pool, slots, w, cuts))
+            return self._out(gdn_ops.gdn_prefill_stepped(qkv, a, b, z, conv_pool, state_pool, slots, w, cuts))
         if fork is not None:
             valid = valid_tokens if valid_tokens is not None else torch.full_like(fork.tokens, x.shape[1])
             if fork.tail:
@@ -308,7 +321,7 @@ class GatedDeltaNet(nn.Module):
         normed, state = self._rule(qkv, z, b, a, conv_pool, slots, state_pool[slots], fork.tokens)
         state_pool[slots] = state
         self._tail(qkv, z, b, a, conv_pool, state_pool, slots, valid, fork, normed)
-        return self.out_proj(normed)
+        return self._out(normed)
 
     def _tail(
         self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
@@ -358,7 +371,7 @@ class GatedDeltaNet(nn.Module):
         normed = self._normed(out, z)
         if fork.then is not None:
             self._tail(qkv, z, b, a, conv_pool, state_pool, slots, valid, fork.then, normed)
-        return self.out_proj(normed)
+        return self._out(normed)
 
     def verify(
         self, x: torch.Tensor | PendingNorm, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
@@ -367,7 +380,7 @@ class GatedDeltaNet(nn.Module):
         record lets `commit` keep just the accepted prefix of the tokens."""
         qkv, z, b, a = self.in_proj(x)
         out = gdn_ops.gdn_verify(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
-        return self.out_proj(out), GDNRecord(qkv=qkv, a=a, b=b)
+        return self._out(out), GDNRecord(qkv=qkv, a=a, b=b)
 
     def commit(
         self, record: GDNRecord, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
@@ -385,7 +398,7 @@ class GatedDeltaNet(nn.Module):
         in the pool. `delta_rule`: the chunked prefill unless given (a test passes the recurrent form)."""
         qkv, z, b, a = self.in_proj(x)
         normed, state = self._rule(qkv, z, b, a, conv_pool, slots, state, valid_tokens, delta_rule)
-        return self.out_proj(normed), state
+        return self._out(normed), state
 
     def _rule(
         self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,

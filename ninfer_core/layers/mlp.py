@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..ops.activation import sigmoid_mul, silu_mul
+from ..ops.kquant import KQuantLinear, KQuantWeight
 from ..ops.quant import QuantizedWeight, QuantLinear, quant_linear_gated, quant_swiglu
 from .linear import MergedLinear
 
@@ -29,12 +30,11 @@ class MLP(nn.Module):
             return quant_linear_gated(h, self.down_proj.quantized, gate, add, self.down_proj.bias)
         return sigmoid_mul(self.down_proj(h), gate, add=add)
 
-    def quantized(self) -> tuple[QuantizedWeight, QuantizedWeight] | None:
+    def quantized(self) -> tuple[QuantizedWeight | KQuantWeight, QuantizedWeight | KQuantWeight] | None:
         """(gate_up [2I, H], down [H, I]) when both are quantized without a bias, for kernels that
-        take the whole MLP (the MoE decode kernels' shared expert); else None."""
+        take the whole MLP (the MoE decode kernels' shared expert; K-quant blocks: the CPU's); else None."""
         gate_up, down = self.gate_up_proj.linear, self.down_proj
-        if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) and gate_up.bias is None \
-                and down.bias is None:
+        if all(isinstance(m, (QuantLinear, KQuantLinear)) and m.bias is None for m in (gate_up, down)):
             return gate_up.quantized, down.quantized
         return None
 

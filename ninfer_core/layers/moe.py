@@ -23,6 +23,7 @@ from ..ops.moe import (
     moe_router,
     sync_free_tokens,
 )
+from ..ops.kquant import KQuantExperts, KQuantFormat
 from ..ops.quant import QuantFormat, QuantizedWeight, quantize
 from .linear import MergedLinear
 from .mlp import MLP
@@ -34,8 +35,9 @@ _PARTS = ("gate_up", "down")
 class Experts(nn.Module):
     """The fused expert tensors under the checkpoint's names (`gate_up_proj`, `down_proj`), or,
     after `quantize_`, each part in its quantized format as buffers (`{part}_qweight`,
-    `{part}_scales`, and `{part}_offsets` for a GGUF's affine blocks), so that `state_dict()` is
-    the quantized artifact. `gate_up` / `down` give either form."""
+    `{part}_scales`, and `{part}_offsets` for a GGUF's affine blocks; `{part}_blocks` for its
+    K-quant ones), so that `state_dict()` is the quantized artifact. `gate_up` / `down` give
+    either form."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -43,16 +45,26 @@ class Experts(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.formats: dict[str, QuantFormat] = {}  # part -> its format once quantized
+        self.inputs = {"gate_up": hidden_size, "down": intermediate_size}
+        self.formats: dict[str, QuantFormat | KQuantFormat] = {}  # part -> its format once quantized
 
     @torch.no_grad()
-    def quantize_(self, gate_up: QuantFormat, down: QuantFormat | None = None) -> None:
+    def quantize_(self, gate_up: QuantFormat | KQuantFormat, down: QuantFormat | KQuantFormat | None = None) -> None:
         """Replace both tensors by their quantized form (`down` defaults to gate_up's format): on
-        the meta device empty buffers the loader fills, else the weights quantized now."""
+        the meta device empty buffers the loader fills, else the weights quantized now. A K-quant
+        format (a GGUF's blocks, `{part}_blocks` [E, bytes]) only the loader fills."""
         if self.formats:
-            raise ValueError(f"experts are already quantized ({self.formats['gate_up'].kind})")
+            raise ValueError(f"experts are already quantized ({self.formats['gate_up']})")
         for part, fmt in (("gate_up", gate_up), ("down", down or gate_up)):
             full = getattr(self, f"{part}_proj")
+            if isinstance(fmt, KQuantFormat):
+                if not full.is_meta:
+                    raise ValueError("experts take K-quant blocks from a GGUF file only (the loader)")
+                blocks = torch.empty(full.shape[0], fmt.nbytes(full.shape[-1]), dtype=torch.uint8, device=full.device)
+                delattr(self, f"{part}_proj")
+                self.register_buffer(f"{part}_blocks", blocks)
+                self.formats[part] = fmt
+                continue
             if full.is_meta:
                 qw = QuantizedWeight.empty(fmt, full.shape[-2], full.shape[-1], full.device, batch=full.shape[:-2])
             else:
@@ -84,8 +96,14 @@ class Experts(nn.Module):
         fmt = self.formats.get(part)
         if fmt is None:
             return getattr(self, f"{part}_proj")
-        buffers = [getattr(self, f"{part}_{name}", None) for name in ("qweight", "scales", "offsets")]
         kept = self.__dict__.get(f"_{part}_quantized")
+        if isinstance(fmt, KQuantFormat):
+            blocks = getattr(self, f"{part}_blocks")
+            if kept is None or kept.blocks is not blocks:
+                kept = KQuantExperts(blocks, fmt.parts, self.inputs[part])
+                self.__dict__[f"_{part}_quantized"] = kept
+            return kept
+        buffers = [getattr(self, f"{part}_{name}", None) for name in ("qweight", "scales", "offsets")]
         if kept is None or any(a is not b for a, b in zip((kept.qweight, kept.scales, kept.offsets), buffers)):
             kept = QuantizedWeight(fmt.kind, *buffers[:2], fmt.group_size, buffers[2])
             self.__dict__[f"_{part}_quantized"] = kept

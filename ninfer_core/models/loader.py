@@ -169,8 +169,12 @@ def _fill(
         return tensors.get(name, torch.float32)
 
     names = tensors.names()
+    for linear, order in getattr(tensors, "input_orders", dict)().items():  # weights kept in the file's column order
+        parent, child = linear.rsplit(".", 1)
+        model.get_submodule(parent).set_input_order(child, torch.from_numpy(order))
     consumed = fill_quantized_(model, get_exact if fp8_source else get, names, device, recipe,
-                               getattr(tensors, "get_quantized", None), getattr(tensors, "get_blocks", None))
+                               getattr(tensors, "get_quantized", None), getattr(tensors, "get_blocks", None),
+                               getattr(tensors, "get_expert_blocks", None))
     model.load_weights(get, names - consumed)
 
 

@@ -17,9 +17,10 @@ sensitive, so they keep int8):
         projection of up to 8 such parts stacks them, whatever their mix), other types mapped to our
         formats without a second grid (weights/gguf_quant.py), a merged projection in its parts'
         common format (ops/quant_convert.py; a K-quant part beside another type is mapped too),
-        routed experts each part in its mapped format (a Q4_K_M file's gate / up int4 g32 with
-        offsets, its Q6_K down int8 g16); tensors without a mapping (float, Q2_K, Q3_K, IQ*) are
-        quantized to int8 per row with fp16 scales.
+        routed experts each part in the file's format (K-quant blocks as they are, each expert
+        packed on its own: a Q4_K_M file's Q4_K gate / up and Q4_K / Q6_K down; other types
+        mapped); tensors without a mapping (float, Q2_K, Q3_K, IQ*) are quantized to int8 per row
+        with fp16 scales.
 Small projections (< 64 outputs) and the router with the shared-expert gate (one merged Linear)
 stay in the model dtype under int8 / int4 (the router under gguf too): their bytes do not matter
 and routing is sensitive to them. GDN a/b are rows of the merged GDN input projection
@@ -108,15 +109,15 @@ class QuantRecipe:
         """The embedding table's format: the file's under gguf (None: float in the file), else none."""
         return self.file_formats.get("embed_tokens.weight") if self.mode == "gguf" else None
 
-    def experts_format(self, name: str, experts: Experts) -> tuple[QuantFormat, QuantFormat] | None:
+    def experts_format(self, name: str, experts: Experts) -> tuple[QuantFormat | KQuantFormat, ...] | None:
         """The (gate_up, down) formats of a layer's routed experts (`name`: the module's), None to
-        keep them in the model dtype. gguf: each part in the file's format where it maps to ours
-        (a Q4_K file's gate / up: int4 g32 with offsets, its Q6_K down: int8 g16), else
-        GGUF_FALLBACK."""
+        keep them in the model dtype. gguf: each part in the file's format: K-quant blocks as they
+        are (a Q4_K_M file's Q4_K gate / up and Q4_K or Q6_K down), other types mapped to ours,
+        else GGUF_FALLBACK."""
         if not self.quantized:
             return None
         if self.mode == "gguf":
-            return tuple(_mapped(self.file_format(f"{name}.{part}_proj")) for part in ("gate_up", "down"))
+            return tuple(self.file_format(f"{name}.{part}_proj") for part in ("gate_up", "down"))
         group = int4_group(experts.gate_up_proj.shape[-1], experts.down_proj.shape[-1])
         fmt = QuantFormat("int4", group) if self.mode == "int4" and group is not None else QuantFormat("int8")
         return fmt, fmt
@@ -213,10 +214,12 @@ def fill_quantized_(
     recipe: QuantRecipe,
     get_quantized: Callable[[str], QuantizedWeight] | None = None,
     get_blocks: Callable[[str], np.ndarray] | None = None,
+    get_expert_blocks: Callable[[str], list[np.ndarray]] | None = None,
 ) -> set[str]:
     """Fill every quantized module's buffers (a merged projection's parts concatenated first):
-    under gguf from the file's own quantized tensors (`get_quantized`, and `get_blocks` for the
-    K-quant blocks kept as they are), else by quantizing the checkpoint tensors. Returns the
+    under gguf from the file's own quantized tensors (`get_quantized`, and `get_blocks` /
+    `get_expert_blocks` for the K-quant blocks kept as they are), else by quantizing the checkpoint
+    tensors. Returns the
     checkpoint names consumed (the caller copies the rest as plain parameters)."""
     sources = merged_sources(model)
     consumed: set[str] = set()
@@ -251,6 +254,11 @@ def fill_quantized_(
         elif isinstance(module, Experts) and module.formats:
             for part, fmt in module.formats.items():
                 source = f"{prefix}{part}_proj"
+                consumed.add(source)
+                if isinstance(fmt, KQuantFormat):  # the file's blocks, each expert packed on its own
+                    module.get_buffer(f"{part}_blocks").copy_(torch.from_numpy(
+                        _packed_experts(get_expert_blocks(source), fmt.parts)))
+                    continue
                 if recipe.mode == "gguf" and recipe.file_formats.get(source):  # the file's codes as they are
                     qw = get_quantized(source)
                 else:
@@ -260,7 +268,6 @@ def fill_quantized_(
                     raise ModelLoadError(f"'{source}' is {qw.format} of shape {tuple(qw.shape)}, expected {fmt} "
                                          f"with codes {expected}")
                 _store(module, f"{part}_", qw)
-                consumed.add(source)
     return consumed
 
 
@@ -273,6 +280,15 @@ def _packed(get_blocks: Callable[[str], np.ndarray], names: list[str], parts: tu
             raise ModelLoadError(f"tensor '{src}' has {len(blocks)} rows, expected {rows}")
         packed.append(pack_rows(blocks, block))
     return np.concatenate(packed)
+
+
+def _packed_experts(halves: list[np.ndarray], parts: tuple[tuple[str, int], ...]) -> np.ndarray:
+    """[E, bytes]: each expert's rows of every half (gate, up) packed in turn (csrc/cpu/kquant.h)."""
+    for blocks, (_, rows) in zip(halves, parts, strict=True):
+        if blocks.shape[1] != rows:
+            raise ModelLoadError(f"expert blocks have {blocks.shape[1]} rows, expected {rows}")
+    return np.stack([np.concatenate([pack_rows(blocks[e], block) for blocks, (block, _) in zip(halves, parts)])
+                     for e in range(halves[0].shape[0])])
 
 
 def _quantize_fallback(weight: torch.Tensor) -> QuantizedWeight:

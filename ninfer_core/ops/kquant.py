@@ -90,6 +90,36 @@ class KQuantWeight:
                 tuple(rows for _, rows in self.parts))
 
 
+@dataclass
+class KQuantExperts:
+    """E experts' [N, K] weights as K-quant blocks ([E, bytes] uint8), each expert's rows packed on
+    their own like a KQuantWeight of `parts` (a GGUF's routed experts: its ffn_gate_exps and
+    ffn_up_exps are the two parts of gate_up)."""
+
+    blocks: torch.Tensor
+    parts: tuple[tuple[str, int], ...]
+    in_features: int
+
+    def __post_init__(self) -> None:
+        nbytes = KQuantFormat(tuple(self.parts)).nbytes(self.in_features)
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] != nbytes:
+            raise ValueError(f"K-quant expert blocks must be uint8 [E, {nbytes}], got {self.blocks.dtype} "
+                             f"{tuple(self.blocks.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return KQuantFormat(tuple(self.parts)).rows
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.blocks.shape[0], self.out_features, self.in_features)
+
+    @functools.cached_property
+    def experts(self) -> tuple[KQuantWeight, ...]:
+        """Each expert's weight, a view of its blocks (its CPU plan made once)."""
+        return tuple(KQuantWeight(self.blocks[e], self.parts, self.in_features) for e in range(self.blocks.shape[0]))
+
+
 def kquant_linear(x: torch.Tensor, w: KQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (the module docstring says which math)."""
     if x.dim() == 0 or x.shape[-1] != w.in_features:

@@ -43,11 +43,13 @@ import torch.nn.functional as F
 from . import dispatch, moe_triton
 from .activation import row_view, silu_mul
 from .moe_align import Aligned, align_by_expert, combine_slots
+from .kquant import KQuantExperts, KQuantWeight, kquant_linear
+from .kquant import dequantize_ref as kquant_dequantize_ref
 from .quant import CPU_GEMV_ROWS, QuantizedWeight, dequantize, quant_linear
 
 log = logging.getLogger(__name__)
 
-ExpertTensor = torch.Tensor | QuantizedWeight
+ExpertTensor = torch.Tensor | QuantizedWeight | KQuantExperts  # K-quant experts: a GGUF's on the CPU
 
 # Token counts up to which the decode kernels run: they read each (token, expert) pair's weights
 # once, the grouped paths each hit expert once per block of its slots. bf16 experts turn to the
@@ -240,27 +242,34 @@ def moe_experts_ref(
     return _hit_experts(x, weights, ids, ffn)
 
 
+CpuExperts = QuantizedWeight | KQuantExperts
+
+
 def _cpu_experts_fit(gate_up: ExpertTensor, down: ExpertTensor) -> bool:
-    return (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
-            and dispatch.cpu_kernels_available() and gate_up.experts[0].cpu_plan is not None
-            and down.experts[0].cpu_plan is not None)
+    return (all(isinstance(w, CpuExperts) and w.experts[0].cpu_plan is not None for w in (gate_up, down))
+            and dispatch.cpu_kernels_available())
 
 
 def _cpu_experts(
-    x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
+    x: torch.Tensor, gate_up: CpuExperts, down: CpuExperts, weights: torch.Tensor, ids: torch.Tensor,
 ) -> torch.Tensor:
     """`moe_experts_ref`'s loop with each hit expert's projections on the CPU quant kernels: a decode
     step's few rows in one call (`_cpu_experts_call`), a prompt's from Python (its GEMMs dominate)."""
     out = _cpu_experts_call(x, gate_up, down, weights, ids, None)
     if out is not None:
         return out
-    return _hit_experts(x, weights, ids, lambda expert, rows: quant_linear(
-        silu_mul(quant_linear(rows, gate_up.experts[expert], cpu_gemv_rows=CPU_PREFILL_EXPERT_GEMV_ROWS)),
-        down.experts[expert], cpu_gemv_rows=CPU_PREFILL_EXPERT_GEMV_ROWS))
+    return _hit_experts(x, weights, ids, lambda expert, rows: _expert_linear(
+        silu_mul(_expert_linear(rows, gate_up, expert)), down, expert))
+
+
+def _expert_linear(rows: torch.Tensor, w: CpuExperts, expert: int) -> torch.Tensor:
+    if isinstance(w, KQuantExperts):
+        return kquant_linear(rows, w.experts[expert])
+    return quant_linear(rows, w.experts[expert], cpu_gemv_rows=CPU_PREFILL_EXPERT_GEMV_ROWS)
 
 
 def _cpu_experts_call(
-    x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
+    x: torch.Tensor, gate_up: CpuExperts, down: CpuExperts, weights: torch.Tensor, ids: torch.Tensor,
     shared: SharedExpert | None,
 ) -> torch.Tensor | None:
     """The routed experts (and the shared one, gated, where given) of up to CPU_GEMV_ROWS fp32 rows in
@@ -279,20 +288,26 @@ def _cpu_experts_call(
     return out
 
 
-def _cpu_expert_plan(w: QuantizedWeight) -> tuple:
-    """moe_experts' view of stacked experts: the first's plan, its rows, the byte strides between experts."""
+def _cpu_expert_plan(w: CpuExperts) -> tuple:
+    """moe_experts' view of stacked experts: the first's linear, the byte strides between experts
+    (codes, scales, offsets; K-quant blocks move by the first)."""
+    if isinstance(w, KQuantExperts):
+        return _cpu_linear(w.experts[0]), (w.blocks.stride(0), 0, 0)
     strides = tuple(0 if t is None else t.stride(0) * t.element_size() for t in (w.qweight, w.scales, w.offsets))
-    return w.experts[0].cpu_plan, w.out_features, strides
+    return _cpu_linear(w.experts[0]), strides
+
+
+def _cpu_linear(w: QuantizedWeight | KQuantWeight) -> tuple:
+    """A weight as csrc/cpu/bindings.cpp's `layer_linear` takes it: (n, bias 0, K-quant?, its plan)."""
+    return w.out_features, 0, isinstance(w, KQuantWeight), w.cpu_plan
 
 
 def _cpu_shared_plan(shared: SharedExpert, tokens: int) -> tuple | None:
-    """moe_experts' shared expert (plans, rows, the gate logits' pointer and row stride), or None."""
+    """moe_experts' shared expert (linears, the gate logits' pointer and row stride), or None."""
     gate = row_view(shared.gate, 1) if shared.gate.shape == (tokens, 1) else None
-    plans = (shared.gate_up.cpu_plan, shared.down.cpu_plan)
-    if gate is None or gate.dtype != torch.float32 or None in plans:
+    if gate is None or gate.dtype != torch.float32 or None in (shared.gate_up.cpu_plan, shared.down.cpu_plan):
         return None
-    return ((plans[0], shared.gate_up.out_features), (plans[1], shared.down.out_features), gate.data_ptr(),
-            gate.stride(0))
+    return _cpu_linear(shared.gate_up), _cpu_linear(shared.down), gate.data_ptr(), gate.stride(0)
 
 
 def moe_experts(
@@ -307,7 +322,8 @@ def moe_experts(
     _check(x, gate_up, down, weights, ids)
     if x.device.type == "cpu" and _cpu_experts_fit(gate_up, down):
         return _cpu_experts(x, gate_up, down, weights, ids)
-    if x.device.type != "cuda" or dispatch.kernels_disabled():
+    kquant = isinstance(gate_up, KQuantExperts) or isinstance(down, KQuantExperts)  # the CPU kernels' alone
+    if x.device.type != "cuda" or dispatch.kernels_disabled() or kquant:
         dispatch.fallback("moe_experts", x)
         return moe_experts_ref(x, gate_up, down, weights, ids)
     plan = _decode_plan(x, gate_up, down, weights, ids)
@@ -324,8 +340,8 @@ def moe_experts(
 class SharedExpert:
     """A shared expert beside the routed ones, adding sigmoid(gate) * down @ swiglu(gate_up @ x)."""
 
-    gate_up: QuantizedWeight  # [2 I, H], gate rows first
-    down: QuantizedWeight  # [H, I]
+    gate_up: QuantizedWeight | KQuantWeight  # [2 I, H], gate rows first (K-quant: the CPU kernels only)
+    down: QuantizedWeight | KQuantWeight  # [H, I]
     gate: torch.Tensor  # [N, 1] logits (any row stride: a column of the router's output)
 
 
@@ -638,6 +654,8 @@ def _dense(w: ExpertTensor, start: int, stop: int, dtype: torch.dtype) -> torch.
         part = QuantizedWeight(w.kind, w.qweight[start:stop], w.scales[start:stop], w.group_size,
                                None if w.offsets is None else w.offsets[start:stop])
         return dequantize(part, dtype)
+    if isinstance(w, KQuantExperts):
+        return torch.stack([kquant_dequantize_ref(w.experts[e], dtype) for e in range(start, stop)])
     return w[start:stop].to(dtype)
 
 

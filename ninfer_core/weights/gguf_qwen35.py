@@ -11,7 +11,8 @@ checkpoint gives it:
 - `A_log` is stored as A = -exp(A_log), `dt_bias` as `ssm_dt.bias`, conv1d [C, 1, K] as [C, K];
 - value heads: a GDN layer keeps its value heads grouped by key head (head v = k * r + j reads key
   head k), the file tiles them (v = j * Hk + k: ggml broadcasts by repeating); in in_proj_qkv's V
-  rows, in_proj_z, in_proj_a / b, A_log, dt_bias, conv1d's V channels and out_proj's columns;
+  rows, in_proj_z, in_proj_a / b, A_log, dt_bias and conv1d's V channels (rows: moved back), and
+  out_proj's columns (kept: the layer takes its inputs in the file's order, `input_orders`);
 - routed experts: gate_up_proj [E, 2I, H] split into `ffn_gate_exps` and `ffn_up_exps` (newer
   files may keep them as one `ffn_gate_up_exps`);
 - the MTP head: `nextn_predict_layers` extra blocks after the decoder's, their `nextn.*` tensors
@@ -101,11 +102,10 @@ def canonical_part(gguf_name: str, num_layers: int) -> tuple[str, int, int] | No
 
 @dataclass(frozen=True)
 class TensorFix:
-    """How a file tensor becomes the canonical one: HF row r is the file's row rows[r], HF column
-    c its column cols[c], then `value` (float tensors only: norms, A_log, conv1d)."""
+    """How a file tensor becomes the canonical one: HF row r is the file's row rows[r], then
+    `value` (float tensors only: norms, A_log, conv1d, the shared expert's gate)."""
 
     rows: np.ndarray | None = None
-    cols: np.ndarray | None = None
     value: Callable[[Any], Any] | None = None
 
 
@@ -153,8 +153,16 @@ def tensor_fix(name: str, config: ModelConfig) -> TensorFix | None:
         "A_log": TensorFix(rows=heads, value=_a_log),
         "dt_bias": TensorFix(rows=heads),
         "conv1d.weight": TensorFix(rows=with_qk, value=_conv_weight),
-        "out_proj.weight": TensorFix(cols=values),
     }.get(part)
+
+
+def input_orders(config: ModelConfig) -> dict[str, np.ndarray]:
+    """Linears whose weight keeps the file's column order, and the order their inputs take instead:
+    each GDN layer's out_proj (its columns are the tiled value heads; a K-quant block spans two heads,
+    so the blocks cannot move, but its 4K inputs can: x_file = x[order])."""
+    values = v_head_rows(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_value_head_dim)
+    order = np.argsort(values)
+    return {f"layers.{i}.linear_attn.out_proj": order for i in config.linear_attention_layers}
 
 
 def qwen35_config(f: ConfigFields, get: Callable[[str], Any], common: dict[str, Any]) -> ModelConfig:

@@ -15,8 +15,9 @@ llama.cpp's conventions are undone here:
   rotate-half pairs (i, i + d/2) to interleaved pairs (2i, 2i + 1); we permute them back.
 - Qwen3.5 / 3.6 files (`qwen35`, `qwen35moe`) have their own names, stored norm offsets, tiled
   value heads and split experts: weights/gguf_qwen35.py.
-A permutation of rows is applied to quantized tensors as well (rows are independent); one of
-columns or a change of values only to float ones, so such a tensor has no `quant_format`.
+A permutation of rows is applied to quantized tensors as well (rows are independent); a change
+of values only to float ones, so such a tensor has no `quant_format`. Where the converter moved a
+weight's columns, the weight stays as stored and the model permutes its inputs (`input_orders`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from ..config import MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ConfigFields, ModelConfig
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer as NinferTokenizer
-from .gguf_qwen35 import QWEN35_ARCHS, TensorFix, canonical_part, qwen35_config, tensor_fix
+from .gguf_qwen35 import QWEN35_ARCHS, TensorFix, canonical_part, input_orders, qwen35_config, tensor_fix
 
 if TYPE_CHECKING:  # torch (through ops / gguf_quant) is imported by the tensor readers only:
     import torch  # `ninfer ls` / `show` read a GGUF's config without it
@@ -399,35 +400,35 @@ class GGUFCheckpoint:
         return w if dtype is None else w.to(dtype)
 
     def _reorder(self, name: str, w, fix: TensorFix):
-        """Rows (of values, codes or scales) and float columns back in HF order."""
-        for dim, order in ((0, fix.rows), (1, fix.cols)):
-            if order is None:
-                continue
-            if w.dim() <= dim or w.shape[dim] != len(order):
-                raise ModelLoadError(f"{self.path}: '{name}' has shape {tuple(w.shape)}, "
-                                     f"expected {len(order)} along dimension {dim}")
-            w = w.index_select(dim, _index(order))
-        return w
+        """Rows (of values, codes or scales) back in HF order."""
+        if fix.rows is None:
+            return w
+        if w.dim() == 0 or w.shape[0] != len(fix.rows):
+            raise ModelLoadError(f"{self.path}: '{name}' has shape {tuple(w.shape)}, expected {len(fix.rows)} rows")
+        return w.index_select(0, _index(fix.rows))
+
+    def input_orders(self) -> dict[str, np.ndarray]:
+        """Linears (canonical module names) whose weight keeps the file's column order, and the order
+        the model gives their inputs instead (x_file = x[order])."""
+        return input_orders(self.config) if self.gguf_arch in QWEN35_ARCHS else {}
 
     def quant_format(self, name: str) -> QuantFormat | KQuantFormat | None:
         """The format a tensor keeps on the CPU: a Q4_K / Q6_K matrix its blocks as they are
         (`get_blocks`), other types (and K-quant routed experts, [E, N, K]) the format
         `get_quantized` gives; None when it has none (a float tensor, a block type without an
-        exact mapping, a tensor whose columns or values the converter changed, or one made of
-        file tensors of different types)."""
+        exact mapping, a tensor whose values the converter changed, or one made of file tensors of
+        different types)."""
         from ..ops.kquant import KQuantFormat
         from .gguf_quant import gguf_format
         from .kquant_layout import block_type
 
         parts, fix = self._parts(name), self._fix(name)
-        moved = fix is not None and (fix.cols is not None or fix.value is not None)
-        if len({t.tensor_type for t in parts}) != 1 or len(parts[0].shape) not in (2, 3) or moved:
+        if len(parts[0].shape) not in (2, 3) or fix is not None and fix.value is not None:
             return None
-        t = parts[0]
-        block = block_type(t.tensor_type)
-        if block is not None and len(parts) == 1 and len(t.shape) == 2:
-            return KQuantFormat(((block, int(t.shape[1])),))
-        return gguf_format(t.tensor_type)
+        blocks = [block_type(t.tensor_type) for t in parts]
+        if None not in blocks:  # rows per expert for [E, N, K] experts
+            return KQuantFormat(tuple((block, int(t.shape[1])) for block, t in zip(blocks, parts)))
+        return gguf_format(parts[0].tensor_type) if len({t.tensor_type for t in parts}) == 1 else None
 
     def get_blocks(self, name: str) -> np.ndarray:
         """A quantized matrix's blocks as the file holds them, [rows, bytes per row] (uint8), rows in
@@ -440,6 +441,13 @@ class GGUFCheckpoint:
         import torch
 
         return self._reorder(name, torch.from_numpy(blocks.copy()), fix).numpy()
+
+    def get_expert_blocks(self, name: str) -> list[np.ndarray]:
+        """Routed experts' K-quant blocks as the file holds them: per part (gate, up), [E, rows, bytes]."""
+        parts = self._parts(name)
+        if len(parts[0].shape) != 3 or self._fix(name) is not None:
+            raise ModelLoadError(f"{self.path}: '{name}' is not a stack of experts")
+        return [np.asarray(t.data).reshape(int(t.shape[2]), int(t.shape[1]), -1) for t in parts]
 
     def get_quantized(self, name: str) -> QuantizedWeight:
         """A quantized 2-D or 3-D tensor in our format (`quant_format` must not be None), HF layout;
