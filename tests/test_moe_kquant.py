@@ -25,7 +25,7 @@ from ninfer_core.weights.kquant_layout import block_type, pack_rows
 
 pytestmark = pytest.mark.skipif(dispatch.cpu_extension() is None, reason="the CPU extension is not built")
 
-E, H, I = 5, 256, 256  # K-quant rows take inputs in whole super-blocks of 256
+E, H, INTER = 5, 256, 256  # K-quant rows take inputs in whole super-blocks of 256
 
 
 def file_experts(parts: list[tuple[Q, int]], cols: int, seed: int) -> list[np.ndarray]:
@@ -43,8 +43,8 @@ def kquant_experts(parts: list[tuple[Q, int]], cols: int, seed: int) -> tuple[KQ
 @pytest.fixture(scope="module")
 def experts():
     """gate_up with a Q4_K gate and a Q6_K up half (a mix a file may hold), a Q4_K down."""
-    gate_up, halves = kquant_experts([(Q.Q4_K, I), (Q.Q6_K, I)], H, seed=1)
-    down, _ = kquant_experts([(Q.Q4_K, H)], I, seed=2)
+    gate_up, halves = kquant_experts([(Q.Q4_K, INTER), (Q.Q6_K, INTER)], H, seed=1)
+    down, _ = kquant_experts([(Q.Q4_K, H)], INTER, seed=2)
     return gate_up, down, halves
 
 
@@ -58,7 +58,7 @@ def _inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def test_each_expert_is_its_file_blocks(experts):
     gate_up, _, halves = experts
-    assert gate_up.shape == (E, 2 * I, H)
+    assert gate_up.shape == (E, 2 * INTER, H)
     for e in range(E):
         want = np.concatenate([gguf_dequantize(h[e], q).reshape(-1, H) for h, q in zip(halves, (Q.Q4_K, Q.Q6_K))])
         assert torch.equal(kquant_dequantize_ref(gate_up.experts[e], torch.float32), torch.from_numpy(want))
@@ -74,7 +74,7 @@ def _a8_reference(x, gate_up, down, weights, ids, shared=None) -> torch.Tensor:
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             h = kquant_linear_a8_ref(x[t : t + 1], gate_up.experts[e])
-            act = (F.silu(h[:, :I]) * h[:, I:]).float()
+            act = (F.silu(h[:, :INTER]) * h[:, INTER:]).float()
             out[t] += weights[t, j].double() * kquant_linear_a8_ref(act, down.experts[e])[0]
     if shared is not None:
         h = kquant_linear_a8_ref(x, shared.gate_up)
@@ -84,7 +84,7 @@ def _a8_reference(x, gate_up, down, weights, ids, shared=None) -> torch.Tensor:
     return out
 
 
-def test_decode_step_is_one_call_of_the_kernels_math(experts, cpu_calls):
+def test_decode_step_is_one_call_of_the_kernels_math(experts, cpu_calls):  # noqa: F811
     gate_up, down, _ = experts
     x, weights, ids = _inputs(3)
     got = moe.moe_experts(x, gate_up, down, weights, ids)
@@ -92,12 +92,12 @@ def test_decode_step_is_one_call_of_the_kernels_math(experts, cpu_calls):
     assert_close_rel(got, _a8_reference(x, gate_up, down, weights, ids).float(), 2e-3)
 
 
-def test_shared_expert_rides_along(experts, cpu_calls):
+def test_shared_expert_rides_along(experts, cpu_calls):  # noqa: F811
     gate_up, down, _ = experts
-    shared_gate_up = KQuantWeight(torch.from_numpy(pack_rows(random_blocks(Q.Q4_K, 2 * I, H, 7), "q4_k")),
-                                  (("q4_k", 2 * I),), H)
-    shared_down = KQuantWeight(torch.from_numpy(pack_rows(random_blocks(Q.Q6_K, H, I, 8), "q6_k")),
-                               (("q6_k", H),), I)
+    shared_gate_up = KQuantWeight(torch.from_numpy(pack_rows(random_blocks(Q.Q4_K, 2 * INTER, H, 7), "q4_k")),
+                                  (("q4_k", 2 * INTER),), H)
+    shared_down = KQuantWeight(torch.from_numpy(pack_rows(random_blocks(Q.Q6_K, H, INTER, 8), "q6_k")),
+                               (("q6_k", H),), INTER)
     x, weights, ids = _inputs(2, seed=3)
     shared = moe.SharedExpert(shared_gate_up, shared_down, torch.randn(2, 1))
     got = moe.moe_experts_with_shared(x, gate_up, down, weights, ids, shared)
@@ -117,11 +117,11 @@ def test_prompt_rows_run_the_dequantized_experts(experts):
 
 def test_experts_module_holds_k_quant_blocks():
     with torch.device("meta"):
-        module = Experts(E, H, I)
-    gate_up_fmt = KQuantFormat((("q4_k", I), ("q6_k", I)))
+        module = Experts(E, H, INTER)
+    gate_up_fmt = KQuantFormat((("q4_k", INTER), ("q6_k", INTER)))
     module.quantize_(gate_up_fmt, QuantFormat("int8"))
     assert module.gate_up_blocks.shape == (E, gate_up_fmt.nbytes(H)) and module.gate_up_blocks.is_meta
     assert set(module.state_dict()) == {"gate_up_blocks", "down_qweight", "down_scales"}
-    materialized = Experts(E, H, I)
+    materialized = Experts(E, H, INTER)
     with pytest.raises(ValueError, match="GGUF file only"):
         materialized.quantize_(gate_up_fmt)
