@@ -48,6 +48,12 @@ def experts():
     return gate_up, down, halves
 
 
+@pytest.fixture
+def kernel_math(monkeypatch):
+    """The CPU's default math (tests run exact, conftest.py): K-quant products with int8 activations."""
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "bf16")
+
+
 def _inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, generator=g)
@@ -84,7 +90,7 @@ def _a8_reference(x, gate_up, down, weights, ids, shared=None) -> torch.Tensor:
     return out
 
 
-def test_decode_step_is_one_call_of_the_kernels_math(experts, cpu_calls):  # noqa: F811
+def test_decode_step_is_one_call_of_the_kernels_math(experts, cpu_calls, kernel_math):  # noqa: F811
     gate_up, down, _ = experts
     x, weights, ids = _inputs(3)
     got = moe.moe_experts(x, gate_up, down, weights, ids)
@@ -92,7 +98,7 @@ def test_decode_step_is_one_call_of_the_kernels_math(experts, cpu_calls):  # noq
     assert_close_rel(got, _a8_reference(x, gate_up, down, weights, ids).float(), 2e-3)
 
 
-def test_shared_expert_rides_along(experts, cpu_calls):  # noqa: F811
+def test_shared_expert_rides_along(experts, cpu_calls, kernel_math):  # noqa: F811
     gate_up, down, _ = experts
     shared_gate_up = KQuantWeight(torch.from_numpy(pack_rows(random_blocks(Q.Q4_K, 2 * INTER, H, 7), "q4_k")),
                                   (("q4_k", 2 * INTER),), H)
@@ -105,14 +111,20 @@ def test_shared_expert_rides_along(experts, cpu_calls):  # noqa: F811
     assert_close_rel(got, _a8_reference(x, gate_up, down, weights, ids, shared).float(), 2e-3)
 
 
-def test_prompt_rows_run_the_dequantized_experts(experts):
-    """Past the decode sizes each hit expert's rows multiply its dequantized tiles: the fp32
-    reference loop over dequantized experts (bf16 tiles where the CPU math is bf16)."""
+def test_prompt_rows_take_the_one_call_too(experts, cpu_calls, kernel_math, monkeypatch):  # noqa: F811
+    """A prompt's 24 rows go through the same call (K-quant products beat dequantized tiles at a
+    prompt's rows an expert); with NINFER_CPU_MATH=exact they multiply the dequantized experts,
+    the fp32 reference's values."""
     gate_up, down, _ = experts
     x, weights, ids = _inputs(24, seed=5)
     got = moe.moe_experts(x, gate_up, down, weights, ids)
-    want = moe.moe_experts_ref(x, gate_up, down, weights, ids)
-    assert_close_rel(got, want, 2e-2 if dispatch.cpu_math() == "bf16" else 1e-4)
+    assert cpu_calls == ["moe_experts"]
+    assert_close_rel(got, _a8_reference(x, gate_up, down, weights, ids).float(), 2e-3)
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "exact")
+    cpu_calls.clear()
+    exact = moe.moe_experts(x, gate_up, down, weights, ids)
+    assert "moe_experts" not in cpu_calls
+    assert_close_rel(exact, moe.moe_experts_ref(x, gate_up, down, weights, ids), 1e-5)
 
 
 def test_experts_module_holds_k_quant_blocks():
