@@ -167,7 +167,7 @@ def input_orders(config: ModelConfig) -> dict[str, np.ndarray]:
 
 def qwen35_config(f: ConfigFields, get: Callable[[str], Any], common: dict[str, Any]) -> ModelConfig:
     """The ModelConfig of a qwen35 / qwen35moe file (`get`: an `{arch}.` key's raw value; `common`:
-    the fields every GGUF reads the same way: vocabulary, special ids, dtype)."""
+    the fields every GGUF reads the same way: vocabulary, special ids, dtype, norm epsilon, RoPE base)."""
     blocks = f.integer("block_count")
     mtp_layers = f.integer("nextn_predict_layers", 0, low=0, high=blocks - 1)
     num_layers = blocks - mtp_layers
@@ -207,8 +207,6 @@ def qwen35_config(f: ConfigFields, get: Callable[[str], Any], common: dict[str, 
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_eps=f.number("attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=f.number("rope.freq_base", 10000.0),
         partial_rotary_factor=rotary / head_dim,
         mrope_section=list(sections[:3]) if sections else None,
         mrope_interleaved=True,  # Qwen3.5's rotary is always interleaved mRoPE (llama.cpp: IMROPE)

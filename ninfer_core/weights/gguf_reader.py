@@ -312,6 +312,8 @@ class GGUFCheckpoint:
             bos_token_id=self._token_id("bos"),
             eos_token_ids=self._stop_token_ids(),
             torch_dtype=_FILE_TYPE_DTYPE.get(self.metadata("general.file_type"), "bfloat16"),
+            rms_eps=f.number("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=f.number("rope.freq_base", 10000.0),
         )
         scaling = self._arch_key("rope.scaling.type", "none")
         if scaling not in ("none", None):
@@ -332,8 +334,6 @@ class GGUFCheckpoint:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_eps=f.number("attention.layer_norm_rms_epsilon", 1e-6),
-            rope_theta=f.number("rope.freq_base", 10000.0),
             partial_rotary_factor=rotary_dims / head_dim,
             qk_norm="layers.0.self_attn.q_norm.weight" in self._tensors,
             attention_bias="layers.0.self_attn.q_proj.bias" in self._tensors,
