@@ -29,9 +29,6 @@ from .linear import MergedLinear
 from .mlp import MLP
 from .norm import RMSNorm
 
-_PARTS = ("gate_up", "down")
-
-
 class Experts(nn.Module):
     """The fused expert tensors under the checkpoint's names (`gate_up_proj`, `down_proj`), or,
     after `quantize_`, each part in its quantized format as buffers (`{part}_qweight`,

@@ -124,8 +124,8 @@ class QuantRecipe:
 
 
 def _mapped(fmt: QuantFormat | KQuantFormat) -> QuantFormat:
-    """A K-quant tensor where the K-quant kernels do not take it (merged with a part of another
-    type, or routed experts): its blocks mapped to our formats (weights/gguf_quant.py)."""
+    """A K-quant tensor merged with a part of another type: its blocks mapped to our formats
+    (weights/gguf_quant.py) like that part's."""
     if isinstance(fmt, QuantFormat):
         return fmt
     from ..weights.gguf_quant import gguf_format
@@ -219,8 +219,7 @@ def fill_quantized_(
     """Fill every quantized module's buffers (a merged projection's parts concatenated first):
     under gguf from the file's own quantized tensors (`get_quantized`, and `get_blocks` /
     `get_expert_blocks` for the K-quant blocks kept as they are), else by quantizing the checkpoint
-    tensors. Returns the
-    checkpoint names consumed (the caller copies the rest as plain parameters)."""
+    tensors. Returns the checkpoint names consumed (the caller copies the rest as plain parameters)."""
     sources = merged_sources(model)
     consumed: set[str] = set()
     filled: set[int] = set()  # a tied lm_head shares the embedding's buffers: filled once
