@@ -138,9 +138,11 @@ def test_logits_match_transformers(converted, name):
         torch.testing.assert_close(mtp[k], v, rtol=1e-6, atol=1e-6, msg=k)
 
 
-def test_greedy_tokens_match_transformers_through_the_engine(converted):
+@pytest.mark.parametrize("spec", [None, "mtp"])
+def test_greedy_tokens_match_transformers_through_the_engine(converted, spec):
+    """The engine's greedy tokens, plain and drafted by the file's MTP head (its nextn block)."""
     _, reference, files = converted["moe"]
-    llm = LLM.load(str(files["f32"]), EngineOptions(device="cpu", dtype="float32", max_context=64))
+    llm = LLM.load(str(files["f32"]), EngineOptions(device="cpu", dtype="float32", max_context=64, spec=spec))
     sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     got = [t for out in llm.complete(PROMPT, sampling) for t in out.new_token_ids]
     with torch.no_grad():
