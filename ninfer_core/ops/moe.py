@@ -245,6 +245,11 @@ def moe_experts_ref(
 CpuExperts = QuantizedWeight | KQuantExperts
 
 
+def _kquant(gate_up: ExpertTensor, down: ExpertTensor) -> bool:
+    """Either part as K-quant blocks (the CPU kernels alone take them)."""
+    return isinstance(gate_up, KQuantExperts) or isinstance(down, KQuantExperts)
+
+
 def _cpu_experts_fit(gate_up: ExpertTensor, down: ExpertTensor) -> bool:
     return (all(isinstance(w, CpuExperts) and w.experts[0].cpu_plan is not None for w in (gate_up, down))
             and dispatch.cpu_kernels_available())
@@ -278,8 +283,7 @@ def _cpu_experts_call(
     multiply dequantized tiles, faster past a few rows each); K-quant ones at every size, since their
     kernels' int8 products beat the tiles at a prompt's rows an expert too (35B shapes, 64 / 512 /
     2048-token prompts: 1.23x / 1.35x / 1.2x on one core), unless the CPU math is exact."""
-    kquant = isinstance(gate_up, KQuantExperts) or isinstance(down, KQuantExperts)
-    rows_fit = dispatch.cpu_math() != "exact" if kquant else x.shape[0] <= CPU_GEMV_ROWS
+    rows_fit = dispatch.cpu_math() != "exact" if _kquant(gate_up, down) else x.shape[0] <= CPU_GEMV_ROWS
     shared_plan = None if shared is None else _cpu_shared_plan(shared, x.shape[0])
     if not (rows_fit and x.dtype == weights.dtype == torch.float32 and ids.dtype == torch.int32
             and (shared is None or shared_plan is not None)):
@@ -327,8 +331,7 @@ def moe_experts(
     _check(x, gate_up, down, weights, ids)
     if x.device.type == "cpu" and _cpu_experts_fit(gate_up, down):
         return _cpu_experts(x, gate_up, down, weights, ids)
-    kquant = isinstance(gate_up, KQuantExperts) or isinstance(down, KQuantExperts)  # the CPU kernels' alone
-    if x.device.type != "cuda" or dispatch.kernels_disabled() or kquant:
+    if x.device.type != "cuda" or dispatch.kernels_disabled() or _kquant(gate_up, down):
         dispatch.fallback("moe_experts", x)
         return moe_experts_ref(x, gate_up, down, weights, ids)
     plan = _decode_plan(x, gate_up, down, weights, ids)

@@ -165,12 +165,18 @@ def input_orders(config: ModelConfig) -> dict[str, np.ndarray]:
     return {f"layers.{i}.linear_attn.out_proj": order for i in config.linear_attention_layers}
 
 
+def layer_counts(f: ConfigFields) -> tuple[int, int]:
+    """(decoder layers, MTP layers): `block_count` counts both, the MTP blocks last."""
+    blocks = f.integer("block_count")
+    mtp_layers = f.integer("nextn_predict_layers", 0, low=0, high=blocks - 1)
+    return blocks - mtp_layers, mtp_layers
+
+
 def qwen35_config(f: ConfigFields, get: Callable[[str], Any], common: dict[str, Any]) -> ModelConfig:
     """The ModelConfig of a qwen35 / qwen35moe file (`get`: an `{arch}.` key's raw value; `common`:
     the fields every GGUF reads the same way: vocabulary, special ids, dtype, norm epsilon, RoPE base)."""
-    blocks = f.integer("block_count")
-    mtp_layers = f.integer("nextn_predict_layers", 0, low=0, high=blocks - 1)
-    num_layers = blocks - mtp_layers
+    num_layers, mtp_layers = layer_counts(f)
+    blocks = num_layers + mtp_layers
     recurrent = get("attention.recurrent_layers")
     if recurrent is not None:
         if not (isinstance(recurrent, list) and len(recurrent) == blocks

@@ -37,7 +37,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from ..config import MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ConfigFields, ModelConfig
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer as NinferTokenizer
-from .gguf_qwen35 import QWEN35_ARCHS, TensorFix, canonical_part, input_orders, qwen35_config, tensor_fix
+from .gguf_qwen35 import (QWEN35_ARCHS, TensorFix, canonical_part, input_orders, layer_counts, qwen35_config,
+                          tensor_fix)
 
 if TYPE_CHECKING:  # torch (through ops / gguf_quant) is imported by the tensor readers only:
     import torch  # `ninfer ls` / `show` read a GGUF's config without it
@@ -262,9 +263,7 @@ class GGUFCheckpoint:
     def _name_map(self) -> Callable[[str], tuple[str, int, int] | None]:
         """File tensor name -> (canonical name, part, parts): the arch's naming."""
         if self.gguf_arch in QWEN35_ARCHS:
-            f = ConfigFields(self._arch_key, str(self.path), f"{self.gguf_arch}.")
-            blocks = f.integer("block_count")
-            num_layers = blocks - f.integer("nextn_predict_layers", 0, low=0, high=blocks - 1)
+            num_layers, _ = layer_counts(ConfigFields(self._arch_key, str(self.path), f"{self.gguf_arch}."))
             return lambda gguf_name: canonical_part(gguf_name, num_layers)
 
         def llama(gguf_name: str) -> tuple[str, int, int] | None:
@@ -484,13 +483,17 @@ class GGUFCheckpoint:
         value = self.metadata(f"tokenizer.ggml.{kind}_token_id")
         return None if value is None else int(value)
 
+    @cached_property
+    def _tokens(self) -> list[str] | None:
+        """The vocabulary's token strings (decoded once: ~0.1 s for a 248K-token vocabulary)."""
+        return self.metadata("tokenizer.ggml.tokens")
+
     def _stop_token_ids(self) -> list[int]:
         """What ends a generation, as llama.cpp decides it: eos, the end-of-turn / end-of-message
         ids, then every token spelled like an end of generation (a Qwen3.6 file names only
         <|im_end|>; its <|endoftext|> stops too, as its HF generation_config says)."""
         ids = [self._token_id(kind) for kind in ("eos", "eot", "eom")]
-        tokens = self.metadata("tokenizer.ggml.tokens") or []
-        ids += [i for i, text in enumerate(tokens) if text in _EOG_TEXTS]
+        ids += [i for i, text in enumerate(self._tokens or []) if text in _EOG_TEXTS]
         return list(dict.fromkeys(i for i in ids if i is not None))
 
     def build_tokenizer(self) -> Tokenizer:
@@ -503,7 +506,7 @@ class GGUFCheckpoint:
         kind = self.metadata("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ModelLoadError(f"{self.path}: tokenizer model '{kind}' is not supported (only 'gpt2' byte-level BPE)")
-        tokens: list[str] = self._require("tokenizer.ggml.tokens")
+        tokens: list[str] = self._tokens or self._require("tokenizer.ggml.tokens")  # raises when absent
         types: list[int] = self.metadata("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
         pre = self.metadata("tokenizer.ggml.pre", "default")
         merges = []
