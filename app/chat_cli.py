@@ -17,6 +17,7 @@ from ninfer_core.errors import NinferError
 from .engine_flags import (
     KvDtypeOpt,
     MaxContextOpt,
+    MmprojOpt,
     PrefixCacheGbOpt,
     PrefixCacheOpt,
     CpuMathOpt,
@@ -54,6 +55,7 @@ def chat(
     draft_model: Annotated[Optional[Path], typer.Option(help="DFlash companion checkpoint directory.")] = None,
     weights: WeightsOpt = "auto",
     kv_dtype: KvDtypeOpt = "auto",
+    mmproj: MmprojOpt = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")] = "auto",
     threads: ThreadsOpt = None,
@@ -68,7 +70,7 @@ def chat(
 
     engine = EngineOptions(device=device, dtype=dtype, max_context=max_context, max_seqs=max_concurrency, spec=spec,
                            draft_tokens=draft_tokens, draft_model=draft_model, adaptive_draft=adaptive_draft,
-                           weights=weights, kv_dtype=kv_dtype, prefix_cache=prefix_cache,
+                           weights=weights, kv_dtype=kv_dtype, mmproj=mmproj, prefix_cache=prefix_cache,
                            prefix_cache_gb=prefix_cache_gb)
     try:
         check_engine_options(engine)

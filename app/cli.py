@@ -21,6 +21,7 @@ from .engine_flags import (
     KvCapacityOpt,
     KvDtypeOpt,
     MaxContextOpt,
+    MmprojOpt,
     PrefixCacheGbOpt,
     PrefixCacheOpt,
     CpuMathOpt,
@@ -175,6 +176,7 @@ def run(
     image: Annotated[Optional[list[Path]], typer.Option(help="Image file for the prompt (repeatable).")] = None,
     video: Annotated[Optional[list[Path]], typer.Option(help="Video file for the prompt (repeatable).")] = None,
     vision: Annotated[bool, typer.Option("--vision", help="Load the vision tower at start.")] = False,
+    mmproj: MmprojOpt = None,
     max_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate.")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="0 = greedy.")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens (0 = no cap).")] = None,
@@ -219,7 +221,8 @@ def run(
     try:
         options = EngineOptions(device=device, dtype=dtype, max_context=max_context, prefill_chunk=prefill_chunk,
                                 weights=weights, kv_dtype=kv_dtype, kv_capacity=parse_kv_capacity(kv_capacity),
-                                chat_template=chat_template, vision=vision, spec=spec, draft_tokens=draft_tokens,
+                                chat_template=chat_template, vision=vision, mmproj=mmproj, spec=spec,
+                                draft_tokens=draft_tokens,
                                 draft_model=draft_model, adaptive_draft=adaptive_draft, prefix_cache=prefix_cache,
                                 prefix_cache_gb=prefix_cache_gb)
         check_engine_options(options)

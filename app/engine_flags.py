@@ -3,6 +3,7 @@ check of their values before any model is read (a typo should not cost a 15 s lo
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -37,6 +38,9 @@ KvCapacityOpt = Annotated[str, typer.Option(help=KV_CAPACITY_HELP)]
 PREFIX_CACHE_HELP = ("Reuse the KV cache and GDN state of prompt prefixes seen before (chat turns, shared system "
                      "prompts, retried requests).")
 PREFIX_CACHE_GB_HELP = "Memory for the prefix cache's GDN state checkpoints in GiB (default 2 on a GPU, 0.25 on the CPU)."
+MMPROJ_HELP = ("A GGUF model's vision projector: llama.cpp's mmproj .gguf file (default: an mmproj*.gguf in the "
+               "model's folder, if there is one).")
+MmprojOpt = Annotated[Optional[Path], typer.Option("--mmproj", help=MMPROJ_HELP)]
 PrefixCacheOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP)]
 PrefixCacheGbOpt = Annotated[Optional[float], typer.Option(help=PREFIX_CACHE_GB_HELP)]
 

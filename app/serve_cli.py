@@ -23,6 +23,7 @@ from .engine_flags import (
     KV_DTYPE_HELP,
     MAX_CONTEXT_FLAGS,
     MAX_CONTEXT_HELP,
+    MMPROJ_HELP,
     PREFIX_CACHE_GB_HELP,
     PREFIX_CACHE_HELP,
     CPU_MATH_HELP,
@@ -57,11 +58,12 @@ def keep_alive_flag(value: str) -> float:
 
 def on_demand_options(options: EngineOptions, spec: str) -> EngineOptions:
     """The engine options of a model loaded on demand: the startup model's, without what belongs to
-    that model alone (its chat template, its drafter) and with --max-context capped at the model's
-    own limit (a 32k flag must not refuse an 8k model)."""
+    that model alone (its chat template, its drafter, its vision projector) and with --max-context
+    capped at the model's own limit (a 32k flag must not refuse an 8k model)."""
     from ninfer_core.hub.catalog import locate, model_config
 
-    other = replace(options, chat_template=None, spec=None, draft_tokens=None, draft_model=None, adaptive_draft=False)
+    other = replace(options, chat_template=None, spec=None, draft_tokens=None, draft_model=None, adaptive_draft=False,
+                    mmproj=None)
     if other.max_context is not None:
         other = replace(other, max_context=min(other.max_context, model_config(locate(spec)).max_position_embeddings))
     return other
@@ -144,6 +146,7 @@ def serve(
                                        envvar=_env("DTYPE"))] = "auto",
     vision: Annotated[bool, typer.Option("--vision", help="Load the vision tower at start (else on first media).",
                                          envvar=_env("VISION"))] = False,
+    mmproj: Annotated[Optional[Path], typer.Option("--mmproj", help=MMPROJ_HELP, envvar=_env("MMPROJ"))] = None,
     spec: Annotated[Optional[str], typer.Option(help="Speculative decoding: mtp, dflash or ngram (default off).",
                                                 envvar=_env("SPEC"))] = None,
     draft_tokens: Annotated[Optional[int], typer.Option(help="Drafts per round (default 3 mtp, 15 dflash, 4 ngram).",
@@ -182,6 +185,7 @@ def serve(
                                 kv_capacity=parse_kv_capacity(kv_capacity), kv_dtype=kv_dtype, weights=weights,
                                 max_seqs=max_concurrency,
                                 prefill_chunk=prefill_chunk, chat_template=chat_template, vision=vision,
+                                mmproj=mmproj,
                                 random_weights=random_weights, spec=spec, draft_tokens=draft_tokens,
                                 draft_model=draft_model, adaptive_draft=adaptive_draft, prefix_cache=prefix_cache,
                                 prefix_cache_gb=prefix_cache_gb)

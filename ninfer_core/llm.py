@@ -42,6 +42,7 @@ from .engine.llm_engine import EngineStats, LLMEngine
 from .engine.request import GenerationRequest, SpecStats, StepOutput, Timings
 from .engine.sampling import Sampler, SamplingParams
 from .engine.speculative import build_speculator
+from .config import QWEN_ARCHS
 from .errors import EngineError, NinferError
 from .media.limits import MediaError
 from .media.sources import split_media
@@ -75,6 +76,7 @@ class EngineOptions:
     prefill_chunk: int | None = None  # tokens per prefill forward; None: default_prefill_chunk
     chat_template: str | Path | None = None
     vision: bool = False  # load the vision tower at start (else on the first request with media)
+    mmproj: str | Path | None = None  # a GGUF model's vision projector (None: an mmproj*.gguf beside it)
     random_weights: bool = False  # config + tokenizer only, random tensors: full-size benchmarks
     spec: str | None = None  # speculative decoding: "mtp" | "dflash" | "ngram" (None: off)
     draft_tokens: int | None = None  # drafts per round (None: 3 for mtp, 15 for dflash, 4 for ngram)
@@ -295,14 +297,11 @@ class LLM:
         log.info("KV cache: %d tokens (%s, %.2f GiB) + %d GDN state slots (%.2f GiB); context limit %d tokens",
                  cache.capacity_tokens, cache.cache.kv.dtype_name, cache.kv_bytes / 2**30, options.max_seqs,
                  cache.state_bytes / 2**30, self.max_context)
-        self.vision = (
-            VisionSupport(loaded.source, loaded.device, loaded.dtype)
-            if loaded.config.has_vision and loaded.source.is_dir()
-            else None
-        )
+        self.vision = VisionSupport.of(loaded)
         if options.vision:
             if self.vision is None:
-                raise NinferError(f"{loaded.name} has no vision tower (--vision needs a multimodal checkpoint)")
+                raise NinferError(f"{loaded.name} has no vision tower (--vision needs a multimodal checkpoint, or a "
+                                  f"GGUF model with its mmproj file)")
             self.vision.tower()
         decode_graphs = DecodeGraphs(loaded.model, cache, options.max_seqs, self.max_context) if graphs else None
         speculator = None
@@ -345,11 +344,20 @@ class LLM:
     def load(cls, model: str | None = None, options: EngineOptions | None = None) -> LLM:
         options = options or EngineOptions()
         options.check()  # before the (long) model load
-        return cls(load_model(model, options.device, options.dtype, options.random_weights, options.weights), options)
+        return cls(load_model(model, options.device, options.dtype, options.random_weights, options.weights,
+                              options.mmproj), options)
 
     @property
     def name(self) -> str:
         return self.loaded.name
+
+    @property
+    def no_vision_reason(self) -> str:
+        """Why this model cannot read images or videos, and what would let it."""
+        gguf_qwen = self.loaded.source.is_file() and self.loaded.config.arch in QWEN_ARCHS
+        hint = ("its vision tower is llama.cpp's mmproj file: put it beside the model file, or pass --mmproj"
+                if gguf_qwen else "use a multimodal model")
+        return f"{self.name} has no vision tower: it cannot read images or videos ({hint})"
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -376,7 +384,7 @@ class LLM:
         """Template + tokenizer work of one chat request (no engine state: safe from any thread)."""
         messages, media = split_media(request.messages)
         if media and self.vision is None:  # before rendering: a text-only template fails on media parts
-            raise MediaError(f"{self.name} has no vision tower: it cannot read images or videos")
+            raise MediaError(self.no_vision_reason)
         prompt = self.render_prompt(request, messages)
         ids, multimodal = self.tokenizer.encode_prompt(prompt), None
         if media:

@@ -6,13 +6,16 @@ pip (PyPI only, its sha256 checked), keep the three converter parts in a cache d
 the converter in a subprocess with its own gguf-py first on the path. Without network the tests
 that need it skip, unless NINFER_REQUIRE_CONVERTER=1 (CI) makes that an error.
 
-Use from a test module:  `from llama_cpp_convert import convert_hf_to_gguf, llama_cpp_converter`.
+Use from a test module:  `from llama_cpp_convert import convert_hf_to_gguf, llama_cpp_converter`;
+`converter_ready_qwen` writes a tiny Qwen3.5 checkpoint the converter accepts.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -20,11 +23,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from tiny_checkpoints import write_tiny_qwen
 
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 VENDORED = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+VOCAB = 248320  # the real tokenizer's
+TEMPLATE = (Path(__file__).parent.parent / "assets" / "chat_template.jinja").read_text()
 CACHE = Path(os.environ.get("NINFER_TEST_CACHE", Path.home() / ".cache" / "ninfer-tests")) / "llama-cpp-python-0.3.36"
 
 
@@ -59,10 +65,25 @@ def llama_cpp_converter() -> Path:
     return CACHE
 
 
-def convert_hf_to_gguf(converter: Path, model_dir: Path, out: Path, outtype: str) -> Path:
-    """Run llama.cpp's converter on an HF checkpoint directory; `outtype`: f32, bf16, q8_0 ..."""
+def convert_hf_to_gguf(converter: Path, model_dir: Path, out: Path, outtype: str, mmproj: bool = False) -> Path:
+    """Run llama.cpp's converter on an HF checkpoint directory; `outtype`: f32, bf16, q8_0 ...;
+    `mmproj`: write the vision tower's projector file instead of the text model."""
     env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
     done = subprocess.run([sys.executable, str(converter / PARTS[0]), str(model_dir), "--outtype", outtype,
-                           "--outfile", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                           "--outfile", str(out), *(["--mmproj"] if mmproj else [])],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
+
+
+def converter_ready_qwen(directory: Path, tokenizer_dir: Path, *, moe: bool, vision: dict | None = None):
+    """A tiny Qwen3.5 checkpoint the converter takes: the real Qwen3.6 vocabulary (it checks that every
+    token id fits) and chat template; multimodal (the release layout) for MoE or when `vision` (tower
+    config overrides) is given. Returns (directory, transformers reference)."""
+    reference = write_tiny_qwen(directory, moe=moe, multimodal=moe or vision is not None,
+                                text_overrides=dict(vocab_size=VOCAB), vision_overrides=vision)
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, directory / file.name)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return directory, reference

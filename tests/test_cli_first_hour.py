@@ -183,13 +183,15 @@ def test_ls_show_and_run_see_local_checkpoints_and_the_embedded_model(model_dir)
 
 
 def test_models_loaded_on_demand_take_the_engine_flags_but_not_the_startup_models_own(model_dir):
-    """`ninfer serve --max-context 32768 --chat-template F --spec ngram`: another model loaded by name
-    gets neither the startup model's template nor its drafter, and its own context limit."""
+    """`ninfer serve --max-context 32768 --chat-template F --spec ngram --mmproj P`: another model
+    loaded by name gets neither the startup model's template, drafter nor projector, and its own
+    context limit."""
     from ninfer_app.serve_cli import on_demand_options
     from ninfer_core.llm import EngineOptions
 
     startup = EngineOptions(max_context=32768, chat_template="mine.jinja", spec="ngram", draft_tokens=4,
-                            weights="bf16", max_seqs=8)
+                            weights="bf16", max_seqs=8, mmproj="mmproj-F16.gguf")
     other = on_demand_options(startup, str(model_dir))
     assert (other.max_context, other.chat_template, other.spec, other.draft_tokens) == (2048, None, None, None)
+    assert other.mmproj is None
     assert (other.weights, other.max_seqs) == ("bf16", 8)

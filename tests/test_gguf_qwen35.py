@@ -9,19 +9,15 @@ chat template, and the model's logits and greedy tokens against transformers.
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 from hf_reference import Runner, assert_close_rel
-from llama_cpp_convert import convert_hf_to_gguf, llama_cpp_converter  # noqa: F401  (fixture)
+from llama_cpp_convert import (TEMPLATE, VOCAB, convert_hf_to_gguf, converter_ready_qwen,  # noqa: F401
+                               llama_cpp_converter)
 from qwen_assets import ENDOFTEXT, IM_END, qwen_reference, qwen_tokenizer_dir  # noqa: F401  (fixture)
-from tiny_checkpoints import write_tiny_qwen
 from torch import nn
 
 from ninfer_core.config import load_config
@@ -36,19 +32,7 @@ from ninfer_core.weights.gguf_qwen35 import v_head_rows
 from ninfer_core.weights.gguf_reader import FastGGUFReader, open_gguf
 from ninfer_core.weights.text_weights import TextWeights
 
-VOCAB = 248320  # the real tokenizer's: the converter checks every token id fits
-TEMPLATE = (Path(__file__).parent.parent / "assets" / "chat_template.jinja").read_text()
 PROMPT = [9707, 11, 1879, 0, 2130, 77, 4087, 1532, 30, 248045]
-
-
-def _model_dir(tmp_path_factory, tokenizer_dir, name: str, moe: bool):
-    directory = tmp_path_factory.mktemp(name)
-    reference = write_tiny_qwen(directory, moe=moe, multimodal=moe, text_overrides=dict(vocab_size=VOCAB))
-    for file in tokenizer_dir.iterdir():
-        shutil.copy(file, directory / file.name)
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    return directory, reference
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +40,7 @@ def converted(tmp_path_factory, llama_cpp_converter, qwen_tokenizer_dir):  # noq
     """{"moe" | "dense": (checkpoint dir, transformers reference, {outtype: gguf path})}"""
     out = {}
     for name, moe, outtypes in (("moe", True, ("f32", "q8_0")), ("dense", False, ("f32",))):
-        directory, reference = _model_dir(tmp_path_factory, qwen_tokenizer_dir, name, moe)
+        directory, reference = converter_ready_qwen(tmp_path_factory.mktemp(name), qwen_tokenizer_dir, moe=moe)
         files = {t: convert_hf_to_gguf(llama_cpp_converter, directory, directory.parent / f"{name}-{t}.gguf", t)
                  for t in outtypes}
         out[name] = (directory, reference, files)

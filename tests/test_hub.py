@@ -49,6 +49,7 @@ from ninfer_core.hub import (
 )
 from ninfer_core.hub.fit import DEFAULT_CONTEXT, RUNTIME_RESERVE_BYTES, gdn_state_bytes, kv_bytes_per_token
 from ninfer_core.hub.pulling import parse_spec
+from ninfer_core.weights.mmproj_files import find_mmproj
 
 REPO = "org/tiny-qwen3"
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
@@ -330,6 +331,32 @@ def test_gguf_file_by_quantization_name(env, hub, tmp_path):
     # a GGUF's mixed quantization is counted at its size on disk, unless another width is asked for
     assert fit_for(entry.key).weight_bytes == entry.path.stat().st_size
     assert fit_for(entry.key, quantization="bf16").weight_bytes == 2 * (32 * 8 + 8)  # tied embeddings + norm
+
+
+def test_gguf_pull_brings_the_vision_projector_of_its_folder(env, hub, tmp_path):
+    """llama.cpp repositories keep the vision tower in mmproj files: the one of the model's folder
+    comes with the model (bf16 before f16 / f32), is never taken for a model, and the model
+    finds it after the pull."""
+    write_gguf(tmp_path / "m.gguf", file_type=1)
+    write_gguf(tmp_path / "q8.gguf", file_type=7)
+    model = (tmp_path / "m.gguf").read_bytes()
+    hub.add_repo("org/vl-GGUF", {"vl-F16.gguf": model, "vl-Q4_K_M.gguf": model,
+                                 "big/vl-Q8_0.gguf": (tmp_path / "q8.gguf").read_bytes(),
+                                 "mmproj-F16.gguf": b"f16 projector", "mmproj-BF16.gguf": b"bf16 projector",
+                                 "mmproj-F32.gguf": b"f32 projector"})
+    with pytest.raises(HubError, match="choose one with --file") as refused:
+        pull("org/vl-GGUF", options=options(hub))
+    assert "mmproj" not in str(refused.value) and "vl-Q4_K_M.gguf" in str(refused.value)
+    with pytest.raises(HubError, match="'mmproj-F16.gguf' is a vision projector, not a model"):
+        pull("org/vl-GGUF", gguf_file="mmproj-F16.gguf", options=options(hub))
+    entry = pull("org/vl-GGUF", gguf_file="F16", options=options(hub))  # the model, not mmproj-F16
+    assert entry.key == "org/vl-GGUF:vl-F16.gguf" and entry.path.name == "vl-F16.gguf"
+    assert sorted(fetched(hub)) == ["mmproj-BF16.gguf", "vl-F16.gguf"] and set(entry.files) == set(fetched(hub))
+    assert find_mmproj(entry.path) == entry.path.parent / "mmproj-BF16.gguf"
+    assert (entry.path.parent / "mmproj-BF16.gguf").read_bytes() == b"bf16 projector"
+    hub.log.clear()
+    big = pull("org/vl-GGUF", gguf_file="big/vl-Q8_0.gguf", options=options(hub))
+    assert fetched(hub) == ["big/vl-Q8_0.gguf"] and list(big.files) == ["big/vl-Q8_0.gguf"]  # none in its folder
 
 
 # ---- aliases ------------------------------------------------------------------------------------

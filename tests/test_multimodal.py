@@ -38,7 +38,7 @@ def tiny(request, tmp_path_factory) -> TinyMultimodal:
 @pytest.fixture(scope="module")
 def ninfer(tiny):
     loaded = load_model(str(tiny.directory), "cpu", "float32")
-    return loaded, VisionSupport(tiny.directory, loaded.device, loaded.dtype)
+    return loaded, VisionSupport.from_model_dir(tiny.directory, loaded.device, loaded.dtype)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_preprocessing_must_fit_the_tower(tiny, tmp_path):
         (tmp_path / name).write_bytes((tiny.directory / name).read_bytes())
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16}))
     with pytest.raises(ModelLoadError, match="does not match the vision tower"):
-        VisionSupport(tmp_path, torch.device("cpu"), torch.float32)
+        VisionSupport.from_model_dir(tmp_path, torch.device("cpu"), torch.float32)
 
 
 def test_prefix_cache_hits_the_same_picture_only(tiny, ninfer, media_files):

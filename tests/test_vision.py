@@ -14,6 +14,8 @@ import torch
 from hf_reference import assert_close_rel
 from ninfer_core.errors import ModelLoadError
 from ninfer_core.models.vision import VisionConfig, VisionTower, load_vision_tower
+from ninfer_core.weights.checkpoint import open_checkpoint
+from ninfer_core.weights.vision_weights import VisionWeights
 from tiny_checkpoints import write_tiny_qwen
 
 TINY = dict(
@@ -83,7 +85,8 @@ def test_items_do_not_attend_to_each_other():
 
 def test_load_vision_tower_from_checkpoint(tmp_path):
     hf = write_tiny_qwen(tmp_path, moe=True, multimodal=True, shard_size="40KB")
-    tower = load_vision_tower(tmp_path, torch.device("cpu"), torch.float32)
+    weights = VisionWeights(open_checkpoint(tmp_path))
+    tower = load_vision_tower(VisionConfig.from_model_dir(tmp_path), weights, torch.device("cpu"), torch.float32)
     grids = [(1, 4, 6), (2, 2, 2)]
     x = torch.randn(sum(t * h * w for t, h, w in grids), tower.config.patch_values)
     with torch.no_grad():

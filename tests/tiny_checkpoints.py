@@ -77,6 +77,7 @@ def write_tiny_qwen(
     dtype: torch.dtype = torch.float32,
     mtp: bool = True,
     text_overrides: dict | None = None,
+    vision_overrides: dict | None = None,
 ):
     """Write a tiny checkpoint into `directory`; return the fp32 transformers reference model.
 
@@ -87,7 +88,7 @@ def write_tiny_qwen(
     if fp8 and experts == "fused" and moe:
         raise ValueError("FP8 releases store experts per expert; fused FP8 experts are not a real layout")
     directory = Path(directory)
-    model = _build_model(moe, multimodal, text_overrides or {})
+    model = _build_model(moe, multimodal, text_overrides or {}, vision_overrides or {})
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
@@ -159,7 +160,7 @@ def dequantize_reference(q: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     return out
 
 
-def _build_model(moe: bool, multimodal: bool, text_overrides: dict):
+def _build_model(moe: bool, multimodal: bool, text_overrides: dict, vision_overrides: dict):
     import transformers as tf
 
     text = {**TINY_TEXT_CONFIG, **text_overrides}
@@ -170,7 +171,8 @@ def _build_model(moe: bool, multimodal: bool, text_overrides: dict):
         config_cls, text_cls = tf.Qwen3_5Config, tf.Qwen3_5TextConfig
         mm_cls, causal_cls = tf.Qwen3_5ForConditionalGeneration, tf.Qwen3_5ForCausalLM
     if multimodal:
-        return mm_cls(config_cls(text_config=text, vision_config=TINY_VISION_CONFIG, tie_word_embeddings=False)).eval()
+        vision = {**TINY_VISION_CONFIG, **vision_overrides}
+        return mm_cls(config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False)).eval()
     return causal_cls(text_cls(**text)).eval()
 
 

@@ -7,7 +7,7 @@ Model loading runs on a thread worker; the chat screen keeps working (history, t
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from textual import work
@@ -144,7 +144,9 @@ class NinferApp(App):
             else:
                 # a pulled model is shown by the name it was asked for, not its snapshot directory
                 pulled = spec is not None and not Path(spec).expanduser().exists()
-                backend = LocalBackend(LLM.load(spec, launch.engine), name=spec if pulled else None)
+                # --mmproj names the launch model's projector: another model finds its own
+                engine = launch.engine if spec == launch.model else replace(launch.engine, mmproj=None)
+                backend = LocalBackend(LLM.load(spec, engine), name=spec if pulled else None)
         except NinferError as e:
             self.post_message(BackendFailed(str(e), load))
             return

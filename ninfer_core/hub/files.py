@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Literal
 
+from ..weights.mmproj_files import is_mmproj, pick_mmproj
 from .errors import HubError
 
 # Files `ninfer run` reads from a safetensors checkpoint, besides the weights themselves.
@@ -61,13 +62,21 @@ def _describe(files: list[RemoteFile]) -> str:
     return ", ".join(f"{f.name} ({f.size / 1e9:.1f} GB)" for f in files)
 
 
+def _model_ggufs(snapshot: RepoSnapshot) -> list[RemoteFile]:
+    """The repository's GGUF models (not their vision projectors)."""
+    return [f for f in snapshot.files if _is_gguf(f.name) and not is_mmproj(f.name)]
+
+
 def pick_gguf(snapshot: RepoSnapshot, wanted: str) -> RemoteFile:
     """The GGUF file `wanted` names: an exact path, else the one file whose name contains it (e.g. Q4_K_M)."""
-    ggufs = [f for f in snapshot.files if _is_gguf(f.name)]
+    ggufs = _model_ggufs(snapshot)
     exact = snapshot.file(wanted)
     if exact is not None:
         if not _is_gguf(exact.name):
             raise HubError(f"{snapshot.repo_id}: --file takes a .gguf file, not '{wanted}'")
+        if is_mmproj(exact.name):
+            raise HubError(f"{snapshot.repo_id}: '{wanted}' is a vision projector, not a model: pull a model file "
+                           f"({_describe(ggufs)}); its projector comes with it")
         return exact
     matches = [f for f in ggufs if wanted.lower() in PurePosixPath(f.name).name.lower()]
     if len(matches) == 1:
@@ -79,13 +88,18 @@ def pick_gguf(snapshot: RepoSnapshot, wanted: str) -> RemoteFile:
 
 
 def select_files(snapshot: RepoSnapshot, gguf: str | None = None) -> list[RemoteFile]:
-    """What a pull downloads: one GGUF file when `gguf` is given, else config, tokenizer and safetensors."""
+    """What a pull downloads: one GGUF model file when `gguf` is given (first) and the vision projector
+    in its folder, if any (llama.cpp's mmproj file: images work as with the checkpoint); else config,
+    tokenizer and safetensors."""
     if gguf is not None:
-        return [pick_gguf(snapshot, gguf)]
+        model = pick_gguf(snapshot, gguf)
+        folder = PurePosixPath(model.name).parent
+        projector = pick_mmproj(f.name for f in snapshot.files if PurePosixPath(f.name).parent == folder)
+        return [model] + [f for f in snapshot.files if f.name == projector]
     top_level = [f for f in snapshot.files if "/" not in f.name]
     weights = [f for f in top_level if f.name.endswith(".safetensors")]
     if not weights:
-        ggufs = [f for f in snapshot.files if _is_gguf(f.name)]
+        ggufs = _model_ggufs(snapshot)
         if ggufs:
             raise HubError(f"{snapshot.repo_id} holds GGUF files; choose one with --file: {_describe(ggufs)}")
         raise HubError(

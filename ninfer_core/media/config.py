@@ -61,8 +61,12 @@ class MediaConfig:
         combined = read_json_object(directory / COMBINED_FILE)
         image = read_json_object(directory / IMAGE_FILE) or combined.get("image_processor") or {}
         video = read_json_object(directory / VIDEO_FILE) or combined.get("video_processor") or {}
-        path = str(directory)
-        return cls(image=_settings(IMAGE_DEFAULTS, image, path), video=_settings(VIDEO_DEFAULTS, video, path))
+        return cls.from_dicts(image, video, str(directory))
+
+    @classmethod
+    def from_dicts(cls, image: dict[str, Any], video: dict[str, Any], where: str) -> "MediaConfig":
+        """From preprocessor-config style dicts (what they leave out keeps Qwen3.5's value)."""
+        return cls(image=_settings(IMAGE_DEFAULTS, image, where), video=_settings(VIDEO_DEFAULTS, video, where))
 
 
 def _settings(defaults: PreprocessConfig, raw: dict[str, Any], where: str) -> PreprocessConfig:

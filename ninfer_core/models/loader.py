@@ -1,4 +1,5 @@
-"""Find, build and fill a model: an HF checkpoint directory, a GGUF file, or the embedded default.
+"""Find, build and fill a model: an HF checkpoint directory, a GGUF file (with llama.cpp's vision
+projector file beside it or named), or the embedded default.
 
 The module is built directly on the target device in the target dtype (no fp32 CPU detour), then
 every tensor is copied from the memory-mapped checkpoint one at a time.
@@ -6,10 +7,11 @@ every tensor is copied from the memory-mapped checkpoint one at a time.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -22,13 +24,17 @@ from ..hub.catalog import locate
 from ..hub.fit import count_params
 from ..tokenizer import Tokenizer
 from ..weights.checkpoint import open_checkpoint
-from ..weights.gguf_reader import open_gguf
+from ..weights.gguf_mmproj import MmprojFile
+from ..weights.gguf_reader import GGUFCheckpoint, open_gguf
+from ..weights.mmproj_files import find_mmproj
 from ..weights import quant_cache
 from ..weights.text_weights import TextWeights
 from .default_model import default_model_path
 from .llama import LlamaForCausalLM
 from .quantize import QuantRecipe, apply_recipe_, fill_quantized_, resolve_recipe
 from .qwen3_5 import Qwen3_5ForCausalLM
+
+log = logging.getLogger("ninfer")
 
 # GGUF files carry no generation_config: llama.cpp's defaults, so an unflagged run is not a raw
 # temperature-1 draw from the whole vocabulary (which makes small models ramble).
@@ -49,6 +55,7 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
     recipe: QuantRecipe = QuantRecipe("bf16")
+    mmproj: MmprojFile | None = None  # a GGUF model's vision projector
 
 
 def resolve_device(device: str) -> torch.device:
@@ -182,20 +189,46 @@ def read_config_and_tokenizer(path: Path) -> tuple[ModelConfig, Tokenizer]:
     """What a model's files say without its weights: its config and tokenizer (chat template
     included), from a GGUF file's metadata or a checkpoint directory's JSON files."""
     if path.is_file():
-        gguf = open_gguf(path)
-        return gguf.config, gguf.load_tokenizer()
+        gguf, config, _ = open_gguf_model(path, None)
+        return config, gguf.load_tokenizer()
     return load_config(path), Tokenizer.from_model_dir(path)
 
 
+def vision_projector(model_file: Path, explicit: str | Path | None, config: ModelConfig) -> MmprojFile | None:
+    """A GGUF model's vision projector: the file named, else an `mmproj*.gguf` in the model's folder
+    (one that does not fit this model is passed over with a warning: the text model still runs)."""
+    if explicit is not None:
+        return MmprojFile(Path(explicit).expanduser(), config.hidden_size)
+    found = find_mmproj(model_file)
+    if found is None:
+        return None
+    try:
+        projector = MmprojFile(found, config.hidden_size)
+    except ModelLoadError as e:
+        log.warning("not using %s as the vision projector: %s", found.name, e)
+        return None
+    log.info("vision projector: %s", found)
+    return projector
+
+
+def open_gguf_model(path: Path, mmproj: str | Path | None) -> tuple[GGUFCheckpoint, ModelConfig, MmprojFile | None]:
+    """A GGUF model file, its config (vision: whether a projector goes with it) and its projector."""
+    gguf = open_gguf(path)
+    projector = vision_projector(path, mmproj, gguf.config)
+    return gguf, gguf.config if projector is None else replace(gguf.config, has_vision=True), projector
+
+
 def load_model(
-    spec: str | None, device: str = "auto", dtype: str = "auto", random_weights: bool = False, weights: str = "auto"
+    spec: str | None, device: str = "auto", dtype: str = "auto", random_weights: bool = False, weights: str = "auto",
+    mmproj: str | Path | None = None,
 ) -> LoadedModel:
     """spec: an HF checkpoint directory, a .gguf file, or None for the embedded default model.
 
     `random_weights`: take config and tokenizer from the directory but no tensors (benchmarks of
     full-size shapes from a config.json alone). `weights`: the quantization recipe
     (`models/quantize.py`); a quantized HF checkpoint is cached on disk after its first load
-    (`weights/quant_cache.py`) and later starts read that artifact directly."""
+    (`weights/quant_cache.py`) and later starts read that artifact directly. `mmproj`: a GGUF
+    model's vision projector file (default: the one in the model's folder, if any)."""
     started = time.perf_counter()
     dev = resolve_device(device)
     path = default_model_path() if spec is None else locate(spec)
@@ -204,11 +237,15 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model is a checkpoint directory (with config.json) or a .gguf file")
-        gguf = open_gguf(path)
-        config, tokenizer, defaults = gguf.config, gguf.load_tokenizer(), GGUF_SAMPLING_DEFAULTS
+        gguf, config, projector = open_gguf_model(path, mmproj)
+        tokenizer, defaults = gguf.load_tokenizer(), GGUF_SAMPLING_DEFAULTS
         tensors = gguf
         gguf_formats = {name: gguf.quant_format(name) for name in gguf.names()}
     else:
+        if mmproj is not None:
+            raise ModelLoadError(f"{path}: --mmproj goes with a GGUF model (a checkpoint directory has its own "
+                                 "vision tower)")
+        projector = None
         config = load_config(path)
         tokenizer = Tokenizer.from_model_dir(path)
         defaults = GenerationDefaults.from_model_dir(path)
@@ -240,4 +277,5 @@ def load_model(
         device=dev,
         dtype=torch_dtype,
         load_seconds=time.perf_counter() - started,
+        mmproj=projector,
     )

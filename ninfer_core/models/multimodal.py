@@ -27,9 +27,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import ModelLoadError
 from ..media.limits import MediaError
 from ..media.prepared import PreparedMedia
+from ..tokenizer import Tokenizer
 from .vision import VisionTower, read_config_json
+
+
+TOKEN_TEXTS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")  # the fields' order
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,16 @@ class VisionTokenIds:
             vision_start=int(raw.get("vision_start_token_id", defaults.vision_start)),
             vision_end=int(raw.get("vision_end_token_id", defaults.vision_end)),
         )
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer, where: str) -> "VisionTokenIds":
+        """By the tokens' text (a GGUF model: its config has no vision ids)."""
+        ids = {}
+        for name, text in zip(cls.__dataclass_fields__, TOKEN_TEXTS):
+            ids[name] = tokenizer.token_to_id(text)
+            if ids[name] is None:
+                raise ModelLoadError(f"{where}: the vocabulary has no {text} token, so the model cannot take media")
+        return cls(**ids)
 
     def kind_of(self, token: int) -> str | None:
         return "image" if token == self.image_pad else "video" if token == self.video_pad else None

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -254,13 +254,18 @@ class VisionTower(nn.Module):
             param.copy_(tensor)
 
 
-def load_vision_tower(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> VisionTower:
-    """Build the tower of a checkpoint directory on `device` in `dtype` and fill it from `model.visual.*`."""
-    from ..weights.checkpoint import open_checkpoint
-    from ..weights.vision_weights import VisionWeights
+class TowerWeights(Protocol):
+    """The tower's tensors by its own parameter names: a checkpoint's `model.visual.*`
+    (weights/vision_weights.py) or llama.cpp's projector file (weights/gguf_mmproj.py)."""
 
-    config = VisionConfig.from_model_dir(model_dir)
-    weights = VisionWeights(open_checkpoint(model_dir))
+    def names(self) -> set[str]: ...
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+
+def load_vision_tower(
+    config: VisionConfig, weights: TowerWeights, device: torch.device, dtype: torch.dtype
+) -> VisionTower:
+    """Build the tower on `device` in `dtype` and fill it from `weights`."""
     with torch.device("meta"):
         tower = VisionTower(config).to(dtype)
     tower = tower.to_empty(device=device)

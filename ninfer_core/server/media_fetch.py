@@ -71,8 +71,7 @@ class MediaResolver:
             return
         first = pending[0][1]
         if llm.vision is None:
-            raise ApiError(400, f"{first.where}: {llm.name} has no vision tower: it cannot read images or videos "
-                                f"(serve a multimodal checkpoint)", param=first.where, code="unsupported_content")
+            raise ApiError(400, f"{first.where}: {llm.no_vision_reason}", param=first.where, code="unsupported_content")
         media_limits = llm.vision.processor.limits
         if len(pending) > media_limits.max_media_items:  # before any download; prepare_all counts them all
             raise ApiError(400, f"the request has {len(pending)} images / videos, over the limit of "

@@ -218,8 +218,8 @@ def check_header_counts(path: Path) -> None:
                                  f"{room + _HEADER.size} bytes can describe")
 
 
-class GGUFCheckpoint:
-    """One opened GGUF file. Tensors are memory-mapped and dequantized one at a time in `get`."""
+class GGUFFile:
+    """An opened GGUF file: metadata parsed now, tensors memory-mapped and dequantized on request."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -230,6 +230,43 @@ class GGUFCheckpoint:
             self._reader = FastGGUFReader(self.path)
         except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{self.path}: not a readable GGUF file ({e})") from None
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """A metadata value as Python data (str, int, float, bool or list)."""
+        field = self._reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
+            raise ModelLoadError(f"{self.path}: metadata key '{key}' cannot be read ({e})") from None
+
+    def _require(self, key: str) -> Any:
+        value = self.metadata(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path}: missing metadata key '{key}'")
+        return value
+
+    def _values(self, t: ReaderTensor) -> np.ndarray:
+        """One file tensor dequantized to float32, in HF dimension order."""
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"{self.path}: tensor '{t.name}' has type {t.tensor_type.name}, which cannot be dequantized"
+            ) from None
+        values = np.require(values, dtype=np.float32, requirements=["C", "W"])
+        if values.size != int(np.prod(shape)):
+            raise ModelLoadError(f"{self.path}: tensor '{t.name}' holds {values.size} values, shape says {shape}")
+        return values.reshape(shape)
+
+
+class GGUFCheckpoint(GGUFFile):
+    """A model's GGUF file: config, tokenizer and tensors under canonical HF names."""
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
         self.gguf_arch = str(self._require("general.architecture"))
         if self.gguf_arch not in GGUF_ARCHS:
             raise ModelLoadError(
@@ -273,22 +310,6 @@ class GGUFCheckpoint:
         return llama
 
     # ---- metadata -------------------------------------------------------------------------------
-
-    def metadata(self, key: str, default: Any = None) -> Any:
-        """A metadata value as Python data (str, int, float, bool or list)."""
-        field = self._reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except (ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
-            raise ModelLoadError(f"{self.path}: metadata key '{key}' cannot be read ({e})") from None
-
-    def _require(self, key: str) -> Any:
-        value = self.metadata(key)
-        if value is None:
-            raise ModelLoadError(f"{self.path}: missing metadata key '{key}'")
-        return value
 
     def _arch_key(self, key: str, default: Any = None) -> Any:
         return self.metadata(f"{self.gguf_arch}.{key}", default)
@@ -368,20 +389,6 @@ class GGUFCheckpoint:
             heads = self.config.num_heads if ".self_attn.q_proj." in name else self.config.num_kv_heads
             return TensorFix(rows=rotary_rows(int(self._single(name).shape[-1]), heads))
         return None
-
-    def _values(self, t: ReaderTensor) -> np.ndarray:
-        """One file tensor dequantized to float32, in HF dimension order."""
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        try:
-            values = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise ModelLoadError(
-                f"{self.path}: tensor '{t.name}' has type {t.tensor_type.name}, which cannot be dequantized"
-            ) from None
-        values = np.require(values, dtype=np.float32, requirements=["C", "W"])
-        if values.size != int(np.prod(shape)):
-            raise ModelLoadError(f"{self.path}: tensor '{t.name}' holds {values.size} values, shape says {shape}")
-        return values.reshape(shape)
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantized tensor in HF layout ([out, in] for linears), float32 unless `dtype` is given."""
