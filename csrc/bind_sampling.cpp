@@ -1,5 +1,5 @@
-// pybind11 registration of the sampler kernel (sampling.cu); the contract is in sampling.h. The
-// tensors arrive as torch.Tensors, checked against it before the launch.
+// pybind11 registration of the sampler and greedy kernels (sampling.cu); the contracts are in
+// sampling.h. The tensors arrive as torch.Tensors, checked against them before the launch.
 #include <string>
 
 #include "bind.h"
@@ -41,6 +41,28 @@ void bind_sampling(py::module_& m) {
       py::arg("stream"),
       "Temperature / top-k / top-p / min-p sampling, one block per row; None for an unused output. "
       "See csrc/sampling.h.");
+  m.def(
+      "greedy_rows",
+      [](TensorArg tokens, TensorArg logits, TensorArg partials, TensorArg counters, std::uintptr_t stream) {
+        ArgCheck check("greedy_rows");
+        check("logits", logits).shape({kAny, kAny}).dtype({ScalarType::F32, ScalarType::F16, ScalarType::BF16})
+            .contiguous();
+        const std::int64_t rows = logits.size(0), vocab = logits.size(1);
+        check.require(vocab >= 1 && vocab < (std::int64_t{1} << 31) && rows < (std::int64_t{1} << 31),
+                      "logits has shape ", logits.shape_str(), ", out of the kernel's range");
+        check("tokens", tokens).shape({rows}).dtype(ScalarType::I64).contiguous().disjoint(logits, "logits");
+        check("partials", partials).shape({kAny}).dtype(ScalarType::I64).contiguous()
+            .min_numel(rows * kGreedyMaxChunks).disjoint(logits, "logits").disjoint(tokens, "tokens");
+        check("counters", counters).shape({kAny}).dtype(ScalarType::I32).contiguous().min_numel(rows)
+            .disjoint(logits, "logits").disjoint(tokens, "tokens").disjoint(partials, "partials");
+        const DType dtype = kernel_dtype(check, "logits", logits);
+        const int device = check.device();
+        greedy_rows({tokens.data, logits.data, partials.data, counters.data, rows, vocab, dtype, device, stream});
+      },
+      py::arg("tokens"), py::arg("logits"), py::arg("partials"), py::arg("counters"), py::arg("stream"),
+      "Plain greedy: the argmax of each row (lowest id on ties), -1 for a row with NaN / +inf or no "
+      "finite value; partials / counters are the workspace (counters zero before and after). See "
+      "csrc/sampling.h.");
 }
 
 }  // namespace ninfer

@@ -21,6 +21,7 @@
 // (together < 1e-8 of a 248k row) carry no mass, so they are never drawn.
 #include "sampling.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -603,6 +604,148 @@ void sample_rows(const SamplingArgs& a) {
   } else {
     launch<1>(a, scale);
   }
+}
+
+// ---- plain greedy: the argmax of each row over (chunks, rows) blocks -----------------------------
+//
+// At batch 1 a decode step samples one 248k-token row between two CUDA graphs: one block per row
+// would leave a single SM reading its 0.5 MB, so a row is split into chunks, one block each, about
+// two blocks per SM over the batch. A block reduces its chunk (16-byte loads) to one pack(key, id)
+// (the max of packs is the largest value at its lowest id), NaN / +inf taking the bad key above
+// every value's; the block of a row that finishes last reduces the row's partials and writes the
+// token (the router's pattern in moe.cu), then resets the row's counter for the next launch.
+namespace {
+
+constexpr int kGreedyThreads = 256;
+constexpr int kGreedyWarps = kGreedyThreads / 32;
+constexpr int kGreedyBatch = 4;  // items a thread loads before it compares them
+constexpr unsigned kBadKey = 0xffffffffu;  // above order_key of every non-NaN float, +inf's too
+static_assert(kGreedyMaxChunks <= kGreedyThreads, "the last block reads one partial per thread");
+
+// Coherent (.cg) loads: ptxas may hoist read-only (.nc) ones above the PDL wait (launch.cuh), and
+// the row is read once, so L1 need not keep it.
+template <typename T, int VEC>
+__device__ __forceinline__ Vec<T, VEC> load_items(const T* x, unsigned i) {
+  Vec<T, VEC> v;
+  if constexpr (sizeof(v) == 16) {
+    *reinterpret_cast<uint4*>(&v) = __ldcg(reinterpret_cast<const uint4*>(x) + i);
+  } else {
+    static_assert(VEC == 1, "16-byte vectors or single elements");
+    v.v[0] = __ldcg(x + i);
+  }
+  return v;
+}
+
+// The block's max lands in thread 0. Barrier first, so scratch may be reused back to back.
+__device__ __forceinline__ u64 greedy_block_max(u64 v, u64* scratch) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(kFull, v, offset));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kGreedyWarps; ++w) v = max(v, scratch[w]);
+  }
+  return v;
+}
+
+// Block (c, r) reduces items [c chunk, (c + 1) chunk) of row r (an item: VEC elements).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kGreedyThreads)
+    greedy_kernel(std::int64_t* __restrict__ tokens, const T* logits, u64* __restrict__ partials,
+                  unsigned* __restrict__ counters, int vocab, unsigned chunk) {
+  __shared__ u64 scratch[kGreedyWarps];
+  __shared__ bool last;
+  const int row = blockIdx.y;
+  const T* x = logits + static_cast<std::int64_t>(row) * vocab;
+  const unsigned end = min((blockIdx.x + 1) * chunk, static_cast<unsigned>(vocab / VEC));
+  enter_kernel();  // the logits are the kernel before's output
+  float best = -INFINITY;
+  unsigned best_id = 0;  // kept while best is -inf: such a pack never decides a token
+  bool bad = false;
+  // A thread walks its ids upwards and takes only a strictly larger value: the lowest id of its
+  // max (-0 == +0 tie, as in torch). NaN never compares larger; it and +inf set `bad`. Loads go
+  // out kGreedyBatch at a time (predicated, one basic block): at batch 8 a thread has ~4 items,
+  // whose DRAM round trips then overlap instead of queueing behind each other's compares.
+  for (unsigned i0 = blockIdx.x * chunk + threadIdx.x; i0 < end; i0 += kGreedyBatch * kGreedyThreads) {
+    Vec<T, VEC> v[kGreedyBatch];
+#pragma unroll
+    for (int b = 0; b < kGreedyBatch; ++b) {
+      if (i0 + b * kGreedyThreads < end) v[b] = load_items<T, VEC>(x, i0 + b * kGreedyThreads);
+    }
+#pragma unroll
+    for (int b = 0; b < kGreedyBatch; ++b) {
+      const unsigned i = i0 + b * kGreedyThreads;
+      if (i >= end) break;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float f = to_float(v[b].v[j]);
+        bad |= isnan(f) || f == INFINITY;
+        if (f > best) best = f, best_id = i * VEC + j;
+      }
+    }
+  }
+  u64 top = greedy_block_max(pack(bad ? kBadKey : order_key(best), best_id), scratch);
+  if (gridDim.x > 1) {
+    u64* row_partials = partials + static_cast<std::int64_t>(row) * kGreedyMaxChunks;
+    if (threadIdx.x == 0) {
+      row_partials[blockIdx.x] = top;
+      __threadfence();  // the partial is visible before this block counts itself done
+      last = atomicAdd(counters + row, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // through L2 (.cg): the other blocks' partials may be stale in this SM's L1
+    top = greedy_block_max(threadIdx.x < gridDim.x ? __ldcg(row_partials + threadIdx.x) : 0, scratch);
+  }
+  if (threadIdx.x == 0) {
+    // Torch's argmax then picks a non-finite logit: NaN / +inf (the bad key), or -inf when the
+    // row holds nothing larger; the sampler rejects those rows.
+    const unsigned key = static_cast<unsigned>(top >> 32);
+    const bool rejected = key == kBadKey || key <= order_key(-INFINITY);
+    tokens[row] = rejected ? -1 : static_cast<std::int64_t>(kFull - static_cast<unsigned>(top));
+    if (gridDim.x > 1) counters[row] = 0;  // every block of the row has counted: 0 for the next launch
+  }
+}
+
+template <typename T, int VEC>
+void launch_greedy(const GreedyArgs& a) {
+  constexpr std::int64_t kMaxGridY = 65535;
+  const std::int64_t items = a.vocab / VEC;
+  const auto ceil_div = [](std::int64_t n, std::int64_t d) { return (n + d - 1) / d; };
+  // About two blocks per SM over the batch, each thread at least one item, so that every load is
+  // in flight in the first wave; at most kGreedyMaxChunks (one partial per thread of the last).
+  const std::int64_t per_row = std::max<std::int64_t>(1, 2 * sm_count(a.device) / a.rows);
+  const std::int64_t chunks = std::min({ceil_div(items, kGreedyThreads), per_row, std::int64_t{kGreedyMaxChunks}});
+  const std::int64_t chunk = ceil_div(items, chunks);
+  const unsigned grid_x = static_cast<unsigned>(ceil_div(items, chunk));  // no empty block
+  for (std::int64_t r0 = 0; r0 < a.rows; r0 += kMaxGridY) {  // gridDim.y is 16-bit
+    const auto rows = static_cast<unsigned>(std::min(a.rows - r0, kMaxGridY));
+    launch_kernel("greedy kernel launch", greedy_kernel<T, VEC>, dim3(grid_x, rows), dim3(kGreedyThreads), 0,
+                  as_stream(a.stream), reinterpret_cast<std::int64_t*>(a.tokens) + r0,
+                  reinterpret_cast<const T*>(a.logits) + r0 * a.vocab,
+                  reinterpret_cast<u64*>(a.partials) + r0 * kGreedyMaxChunks,
+                  reinterpret_cast<unsigned*>(a.counters) + r0, static_cast<int>(a.vocab),
+                  static_cast<unsigned>(chunk));
+  }
+}
+
+}  // namespace
+
+// Trusts its arguments: the binding (bind_sampling.cpp) checks them against sampling.h.
+void greedy_rows(const GreedyArgs& a) {
+  if (a.rows == 0) return;
+  DeviceGuard guard(a.device);
+  by_dtype(a.dtype, "greedy_rows", [&](auto zero) {
+    using T = decltype(zero);
+    constexpr int kVec = 16 / sizeof(T);
+    if (a.vocab % kVec == 0 && is_aligned(a.logits, 16)) {
+      launch_greedy<T, kVec>(a);
+    } else {
+      launch_greedy<T, 1>(a);
+    }
+  });
 }
 
 }  // namespace ninfer

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "ops.h"
+
 namespace ninfer {
 
 inline constexpr int kSampleMaxCandidates = 4096;  // sampling.cu's candidate slots (32 KiB of shared memory)
@@ -44,5 +46,28 @@ struct SamplingArgs {
 };
 
 void sample_rows(const SamplingArgs& args);
+
+inline constexpr int kGreedyMaxChunks = 256;  // blocks per row at most (ops/sampling.py mirrors it)
+
+// The plain greedy token of each row of logits [rows, vocab] (fp32 / fp16 / bf16): the argmax,
+// the lowest id on ties; -1 for a row that holds a NaN or a +inf or no finite value (torch's
+// argmax picks the NaN / +inf / -inf there, which the sampler rejects). tokens [rows] int64.
+// A row is split over up to kGreedyMaxChunks blocks; the workspace:
+//   partials [rows * kGreedyMaxChunks] 64-bit, any contents (each block's result);
+//   counters [rows] uint32, 0 before the launch and 0 after it (the last block of a row resets
+//   its counter), so a launch on a stream must not overlap another launch on the same counters.
+struct GreedyArgs {
+  std::uintptr_t tokens;
+  std::uintptr_t logits;
+  std::uintptr_t partials;
+  std::uintptr_t counters;
+  std::int64_t rows;
+  std::int64_t vocab;
+  DType dtype;  // logits
+  int device;
+  std::uintptr_t stream;
+};
+
+void greedy_rows(const GreedyArgs& args);
 
 }  // namespace ninfer

@@ -81,7 +81,8 @@ LIST
   serve)
     # the served path: `ninfer serve` + `ninfer bench serve` (saturation at 1 and 8 clients, TTFT)
     bench_model
-    ninfer serve .bench/qwen3.6-35b-a3b --random-weights --device cuda --max-concurrency 8 --port 8123 \
+    # python itself in the background (not the `ninfer` function's subshell), so `kill` stops the server
+    python3 -m ninfer_app serve .bench/qwen3.6-35b-a3b --random-weights --device cuda --max-concurrency 8 --port 8123 \
       > "$OUT/serve.log" 2>&1 &
     server=$!
     for _ in $(seq 1 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && grep -q ready "$OUT/serve.log" && break; sleep 1; done

@@ -1,6 +1,7 @@
 """Sampler tests: every transform against a float64 loop reference (and HF's logits processors),
 the tie rule at each filter's boundary, seeded reproducibility, and a chi-square check on draws
-that is shown to reject a wrong distribution."""
+that is shown to reject a wrong distribution; the plain greedy reference against loops, and the
+greedy kernel's binding checks on CPU tensors (where ninfer_core._C is built)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from ninfer_core.engine.sampling import (
 )
 from ninfer_core.engine import sampling
 from ninfer_core.errors import NinferError
+from ninfer_core.ops import sampling as sampling_ops
 
 # ---- independent float64 reference: one row, plain loops -------------------------------------------
 
@@ -376,6 +378,146 @@ def test_plain_greedy_rows_take_the_argmax_in_their_dtype_as_the_sampler_would(m
     assert got.tolist()[1:] == [5, -1, -1, -1, 0, -1]
     assert plain_greedy(greedy) and not plain_greedy([SamplingParams(temperature=0, presence_penalty=0.5)])
     assert not plain_greedy([SamplingParams(temperature=0.7)])
+
+
+GREEDY_KINDS = ("gauss", "ties", "nan", "posinf", "all_neginf", "neginf_mix", "nan_and_posinf", "signed_zeros",
+                "lowest", "largest", "last", "first_nan", "flat")
+
+
+def greedy_rows(kinds: list[str], vocab: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """One row of logits [len(kinds), vocab] in `dtype` per kind (the special values at random ids)."""
+    info = torch.finfo(dtype)
+    rows = []
+    for kind in kinds:
+        x = torch.randn(vocab, generator=g, dtype=torch.float64) * 3
+
+        def at() -> int:
+            return int(torch.randint(vocab, (), generator=g))
+
+        if kind == "ties":  # quarter steps: ties everywhere, and two ids share a new max
+            x = (x * 4).round() / 4
+            x[[at(), at()]] = float(x.max()) + 1
+        elif kind == "nan":
+            x[at()] = math.nan
+        elif kind == "posinf":
+            x[at()] = math.inf
+        elif kind == "all_neginf":
+            x[:] = -math.inf
+        elif kind == "neginf_mix":  # about half -inf, the rest finite
+            x[torch.rand(vocab, generator=g) < 0.5] = -math.inf
+        elif kind == "nan_and_posinf":
+            x[at()], x[at()] = math.inf, math.nan
+        elif kind == "signed_zeros":  # -0.0 ties +0.0: the lowest id wins
+            x = torch.where(torch.rand(vocab, generator=g) < 0.5, 0.0, -0.0).double() - (x.abs() > 2).double()
+        elif kind == "lowest":  # the most negative finite value everywhere, -inf in front
+            x[:] = info.min
+            x[0] = -math.inf
+        elif kind == "largest":  # the largest finite value is a token, not a rejection
+            x[at()] = info.max
+        elif kind == "last":  # the max in the very last id (past the last full vector)
+            x[-1] = float(x.max()) + 1
+        elif kind == "first_nan":
+            x[0] = math.nan
+        elif kind == "flat":  # every id tied
+            x[:] = 0.5
+        rows.append(x.to(dtype))
+    return torch.stack(rows)
+
+
+def loop_greedy(row: list[float]) -> int:
+    """Plain loops: -1 for NaN / +inf anywhere or no finite value, else the first id of the max."""
+    if any(math.isnan(v) or v == math.inf for v in row):
+        return -1
+    best = max(row)
+    return -1 if best == -math.inf else row.index(best)  # index(): the first id that == best (-0.0 == 0.0)
+
+
+GREEDY_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", GREEDY_DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 4099])
+def test_greedy_ref_matches_loops(dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    kinds = list(GREEDY_KINDS) + ["gauss"] * 3
+    logits = greedy_rows(kinds, vocab, dtype, g)
+    want = [loop_greedy(row) for row in logits.double().tolist()]
+    got = sampling_ops.greedy_ref(logits)
+    assert got.dtype == torch.long and got.tolist() == want
+    assert torch.equal(sampling_ops.greedy(logits), got)  # CPU: the reference
+    out = torch.full((len(kinds),), 12345, dtype=torch.long)
+    assert sampling_ops.greedy(logits, out=out) is out and torch.equal(out, got)
+    if vocab > 1:  # a non-contiguous view too
+        wide = torch.cat([logits, logits], dim=1)[:, :vocab]
+        assert torch.equal(sampling_ops.greedy(wide), got)
+
+
+def test_greedy_ref_on_a_full_vocabulary():
+    g = torch.Generator().manual_seed(5)
+    logits = greedy_rows(["gauss", "ties", "last", "neginf_mix"], 248320, torch.bfloat16, g)
+    want = [loop_greedy(row) for row in logits.double().tolist()]
+    assert sampling_ops.greedy_ref(logits).tolist() == want and min(want) >= 0
+    assert sampling_ops.greedy_ref(logits[:0]).shape == (0,)
+
+
+@pytest.fixture
+def greedy_binding():
+    ext = sampling_ops.dispatch.extension()
+    if ext is None:
+        pytest.skip("ninfer_core._C is not built")
+    return ext
+
+
+def _greedy_kwargs(rows: int = 3, vocab: int = 100, dtype: torch.dtype = torch.bfloat16) -> dict:
+    return dict(tokens=torch.empty(rows, dtype=torch.long), logits=torch.randn(rows, vocab).to(dtype),
+                partials=torch.empty(rows * sampling_ops.GREEDY_MAX_CHUNKS, dtype=torch.long),
+                counters=torch.zeros(rows, dtype=torch.int32), stream=0)
+
+
+GREEDY_REJECTS = [
+    ("logits is float64, expected float32 or float16 or bfloat16", lambda kw: {"logits": kw["logits"].double()}),
+    ("logits is int64, expected float32", lambda kw: {"logits": kw["logits"].long()}),
+    ("logits must be contiguous", lambda kw: {"logits": torch.randn(100, 3).t()}),
+    (r"logits has shape \(300,\), expected \(\*, \*\)", lambda kw: {"logits": kw["logits"].reshape(-1)}),
+    (r"logits has shape \(3, 0\), out of the kernel's range", lambda kw: {"logits": kw["logits"][:, :0]}),
+    ("tokens is int32, expected int64", lambda kw: {"tokens": kw["tokens"].int()}),
+    (r"tokens has shape \(2,\), expected \(3,\)", lambda kw: {"tokens": kw["tokens"][:2]}),
+    ("tokens must be contiguous", lambda kw: {"tokens": torch.empty(6, dtype=torch.long)[::2]}),
+    ("partials has 767 elements, needs at least 768", lambda kw: {"partials": kw["partials"][:-1]}),
+    ("partials is int32, expected int64", lambda kw: {"partials": kw["partials"].int()}),
+    (r"partials has shape \(3, 256\), expected \(\*,\)", lambda kw: {"partials": kw["partials"].view(3, -1)}),
+    ("counters has 2 elements, needs at least 3", lambda kw: {"counters": kw["counters"][:2]}),
+    ("counters is int64, expected int32", lambda kw: {"counters": kw["counters"].long()}),
+    ("counters overlaps partials", lambda kw: {"counters": kw["partials"][:2].view(torch.int32)}),
+    ("tokens overlaps logits", lambda kw: {"logits": kw["tokens"].view(torch.float32).view(3, 2),
+                                           "partials": kw["partials"][:6 * 256]}),
+]
+
+
+@pytest.mark.parametrize("match, change", GREEDY_REJECTS, ids=[m for m, _ in GREEDY_REJECTS])
+def test_greedy_binding_rejects_what_the_kernel_cannot_take(greedy_binding, match, change):
+    """The binding's C++ checks, on CPU tensors: a good call gets through every check to the device
+    check (DeviceError), a bad one is a ValueError naming the argument before it."""
+    kw = _greedy_kwargs()
+    for dtype in GREEDY_DTYPES:
+        with pytest.raises(greedy_binding.DeviceError, match="greedy_rows: logits is not on a CUDA device"):
+            greedy_binding.greedy_rows(**{**kw, "logits": kw["logits"].to(dtype)})
+    with pytest.raises(ValueError, match="greedy_rows: " + match) as info:
+        greedy_binding.greedy_rows(**{**kw, **change(kw)})
+    assert not isinstance(info.value, greedy_binding.DeviceError)
+
+
+def test_greedy_wrapper_passes_the_binding_checks(greedy_binding, monkeypatch):
+    """`greedy` on its kernel path (CPU tensors routed there) builds arguments the binding takes."""
+    monkeypatch.setattr(sampling_ops.dispatch, "use_kernel", lambda *tensors: True)
+    monkeypatch.setattr(sampling_ops.dispatch, "stream_handle", lambda t: 0)
+    for rows, vocab in ((1, 1), (9, 7), (2, 248320), (100, 50)):
+        for dtype in GREEDY_DTYPES:
+            logits = torch.randn(rows, vocab).to(dtype)
+            with pytest.raises(greedy_binding.DeviceError, match="is not on a CUDA device"):
+                sampling_ops.greedy(logits)
+            with pytest.raises(greedy_binding.DeviceError, match="is not on a CUDA device"):
+                sampling_ops.greedy(logits, out=torch.empty(rows, dtype=torch.long))
 
 
 def _generate(params: list[SamplingParams], row_logits: list[torch.Tensor], watch: int) -> list[int]:

@@ -8,8 +8,10 @@ CANDIDATES = 0): the kept set equals the reference's (tokens within 1e-5 of a to
 boundary excepted: fp32 near-ties), the filtered distribution matches, greedy rows are the argmax,
 a given u draws the reference's inverse-CDF token, a chi-square test over 20k draws matches the
 reference distribution and rejects a wrong top-p, the engine's Sampler agrees with the
-reference, and the kernel replays inside a CUDA graph. Outputs are poisoned first, so every
-element must be written.
+reference, and the kernel replays inside a CUDA graph. The plain greedy kernel (`greedy`) is checked
+against a float64 reference (lowest id of the max; -1 for NaN / +inf / all -inf rows) on every
+logits dtype, vocabularies off the vector width, unaligned rows, batches 1-9 and past 65535 rows,
+and in CUDA graph replays. Outputs are poisoned first, so every element must be written.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ninfer_core.engine.sampling import (
 from ninfer_core.ops import dispatch
 from ninfer_core.ops import sampling as ops
 from ninfer_core.ops.sampling import top_k_keep
+from test_sampling import GREEDY_DTYPES, GREEDY_KINDS, greedy_rows
 
 DEVICE = torch.device("cuda")
 EPS = 1e-5  # near-tie band (fractions of the row mass / of the max probability)
@@ -370,3 +373,104 @@ def test_kernel_replays_in_cuda_graph(kernel):
         assert torch.equal(probs, ops.filtered_probs(logits, t, k, p, m))
         torch.testing.assert_close(probs.cpu().double(), reference(logits.cpu(), t.cpu(), k.cpu(), p.cpu(), m.cpu())[0],
                                    atol=1e-7, rtol=1e-4)
+
+
+# ---- CUDA: the plain greedy kernel -------------------------------------------------------------------
+
+def greedy_logits(rows: int, vocab: int, dtype: torch.dtype, g: torch.Generator, kinds=GREEDY_KINDS) -> torch.Tensor:
+    """[rows, vocab] in `dtype` on the CPU, the kinds in turn (test_sampling.py's rows)."""
+    return greedy_rows([kinds[r % len(kinds)] for r in range(rows)], vocab, dtype, g)
+
+
+def greedy_expected(logits: torch.Tensor) -> list[int]:
+    """float64 per row, no argmax: -1 for NaN / +inf / no finite value, else the first id of the max."""
+    x = logits.double().cpu()
+    tokens = []
+    for row in x:
+        if bool(row.isnan().any()) or bool((row == math.inf).any()) or bool((row == -math.inf).all()):
+            tokens.append(-1)
+        else:
+            tokens.append(int((row == row.max()).nonzero()[0, 0]))
+    return tokens
+
+
+def run_greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The kernel's tokens for CPU logits, into a poisoned output."""
+    x = logits.to(DEVICE)
+    out = torch.full((x.shape[0],), 12345, dtype=torch.long, device=DEVICE)
+    assert ops.greedy(x, out=out) is out
+    return out.cpu()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", GREEDY_DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 4099, 151936, 248320])
+def test_greedy_kernel_matches_reference(kernel, dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    for rows in range(1, 10) if vocab < 100000 else (1, 2, 8, 9):  # full vocabularies: fewer batches
+        logits = greedy_logits(rows + len(GREEDY_KINDS) * (rows == 9), vocab, dtype, g)  # 9: every kind once more
+        tokens = run_greedy(logits)
+        assert tokens.tolist() == greedy_expected(logits), f"rows={rows}"
+        assert torch.equal(tokens, ops.greedy_ref(logits.to(DEVICE)).cpu())  # torch's argmax on the GPU agrees
+        kinds = GREEDY_KINDS[::-1]  # the same rows at a batch where the row holds another kind
+        logits = greedy_logits(rows, vocab, dtype, g, kinds)
+        assert run_greedy(logits).tolist() == greedy_expected(logits), f"rows={rows}, reversed kinds"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", GREEDY_DTYPES, ids=str)
+def test_greedy_kernel_on_unaligned_rows_and_extreme_batches(kernel, dtype):
+    """Rows that start off a 16-byte boundary (the element-wise path), a max in every position of a
+    short row, and more rows than a grid's second dimension holds (65535)."""
+    g = torch.Generator().manual_seed(3)
+    for vocab in (8, 1000, 248320):
+        flat = greedy_logits(4, vocab, dtype, g).reshape(-1)
+        shifted = torch.cat([flat[:1], flat]).to(DEVICE)[1:].view(4, vocab)  # 1 element off alignment
+        assert shifted.data_ptr() % 16 != 0 and shifted.is_contiguous()
+        out = torch.full((4,), 12345, dtype=torch.long, device=DEVICE)
+        assert ops.greedy(shifted, out=out).tolist() == greedy_expected(shifted)
+    vocab = 37
+    eye = torch.eye(vocab, dtype=dtype) - 1  # row i: 0 at id i, -1 elsewhere
+    assert run_greedy(eye).tolist() == list(range(vocab))
+    many = torch.randn(70000, 5, generator=g).to(dtype)
+    many[12345, :] = math.nan
+    want = many.double().argmax(-1)
+    want[12345] = -1
+    assert torch.equal(run_greedy(many), want)
+
+
+@pytest.mark.cuda
+def test_greedy_kernel_after_other_shapes_and_on_the_sampler_path(kernel):
+    """The per-row counters return to 0 after every launch: calls of varying batch and vocabulary
+    back to back (and one with logits of several dtypes) stay exact; the engine's Sampler takes it."""
+    g = torch.Generator().manual_seed(21)
+    for rows, vocab, dtype in [(1, 248320, torch.bfloat16), (8, 248320, torch.float32), (3, 1000, torch.float16),
+                               (1, 248320, torch.bfloat16), (9, 151936, torch.bfloat16), (2, 7, torch.float32),
+                               (1, 248320, torch.float16)] * 2:
+        logits = greedy_logits(rows, vocab, dtype, g, ("gauss", "ties", "nan", "neginf_mix", "last"))
+        assert run_greedy(logits).tolist() == greedy_expected(logits)
+    logits = greedy_logits(5, 248320, torch.bfloat16, g, ("gauss", "ties", "posinf", "all_neginf", "flat")).to(DEVICE)
+    got = Sampler().sample(logits, [SamplingParams(temperature=0)] * 5, [TokenHistory([])] * 5, [None] * 5)
+    assert got.tolist() == greedy_expected(logits)
+    wide = greedy_logits(3, 1000, torch.float64, g).to(DEVICE)  # no kernel for fp64: torch's argmax, no error
+    assert ops.greedy(wide).tolist() == greedy_expected(wide)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_greedy_kernel_replays_in_cuda_graph(kernel, dtype):
+    """Replays re-use the counters the last launch reset; eager calls between replays too."""
+    g = torch.Generator().manual_seed(17)
+    rows, vocab = 3, 248320
+    logits = greedy_logits(rows, vocab, dtype, g, ("gauss", "ties", "nan")).to(DEVICE)
+    tokens = torch.empty(rows, dtype=torch.long, device=DEVICE)
+    graph, _ = capture(lambda: ops.greedy(logits, out=tokens))
+    for step, kinds in enumerate([("ties", "gauss", "last"), ("posinf", "flat", "neginf_mix"),
+                                  ("gauss", "all_neginf", "ties"), ("last", "last", "gauss")]):
+        logits.copy_(greedy_logits(rows, vocab, dtype, g, kinds).to(DEVICE))
+        tokens.fill_(12345)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert tokens.tolist() == greedy_expected(logits), f"replay {step}"
+        if step % 2:  # an eager call on the same workspace between replays
+            assert ops.greedy(logits[:2]).tolist() == greedy_expected(logits[:2])

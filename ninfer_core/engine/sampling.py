@@ -306,13 +306,10 @@ class Sampler:
         if len(generators) != logits.shape[0]:
             raise NinferError(f"sampler: {len(generators)} generators for {logits.shape[0]} rows")
         if plain_greedy(params):
-            # The argmax in the logits' own dtype (the lowest id on ties, as the sampler's): no fp32
-            # copy, filtering, draws or row-parameter copies, ~10 launches fewer a decode step. The
-            # logit it picks tells the rows the sampler rejects: argmax takes a NaN first, then +inf,
-            # and a row of -inf picks -inf.
-            tokens = logits.argmax(-1)
-            picked = logits.gather(-1, tokens[:, None])[:, 0]
-            return torch.where(torch.isfinite(picked), tokens, -1)
+            # The argmax in the logits' own dtype (the lowest id on ties, as the sampler's), -1 for
+            # the rows the sampler rejects: no fp32 copy, filtering, draws or row-parameter copies,
+            # one kernel launch on CUDA (ops/sampling.py `greedy`).
+            return sampling_ops.greedy(logits)
         bad = ~torch.isfinite(logits.amax(-1))  # amax propagates NaN; +inf, or all -inf, is not finite
         logits = logits.masked_fill(bad[:, None], 0.0)
         if not penalised:

@@ -16,6 +16,11 @@ CUDA device) never sorts the vocabulary; it keeps the same set except when top_p
 lies within fp32 rounding (~1e-7 relative) of a token's boundary, and its masses are fixed-point
 sums of fp32 exps (see the kernel's header). It takes fp32 top_p / min_p / temperature, so a
 parameter that only differs from its neutral value below fp32 resolution acts as neutral.
+
+`greedy` is the engine's plain-greedy path (no penalties, no filters): the argmax of each row in
+the logits' own dtype (fp32 / fp16 / bf16), the lowest id on ties, -1 for a row holding NaN / +inf
+or no finite value; one launch of the split-row kernel in csrc/sampling.cu on CUDA, `greedy_ref`
+(torch's argmax) elsewhere.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from . import dispatch
 # Shared-memory candidates per row in the kernel (its maximum); 0 sends every row through the
 # full-vocabulary path, which the tests use to check that path on small inputs.
 CANDIDATES = 4096
+# Blocks the greedy kernel splits a row into at most: its partials per row (sampling.h:
+# kGreedyMaxChunks; the binding checks the workspace against it).
+GREEDY_MAX_CHUNKS = 256
 
 
 # ---- references (float64) -----------------------------------------------------------------------
@@ -126,12 +134,22 @@ def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     return tokens
 
 
+def greedy_ref(logits: torch.Tensor) -> torch.Tensor:
+    """Reference of `greedy`: [B] int64, the argmax in the logits' own dtype (the lowest id on
+    ties); the logit it picks tells the rows the sampler rejects (-1): argmax takes a NaN first,
+    then +inf, and a row of -inf picks -inf."""
+    tokens = logits.argmax(-1)
+    picked = logits.gather(-1, tokens[:, None])[:, 0]
+    return torch.where(torch.isfinite(picked), tokens, -1)
+
+
 # ---- kernel wrappers ----------------------------------------------------------------------------
 
 
-def use_kernel(logits: torch.Tensor) -> bool:
-    """Whether `sample` / `filtered_probs` on these logits run the CUDA kernel."""
-    return (logits.dtype == torch.float32 and logits.dim() == 2 and 0 < logits.shape[1] < 2**31
+def use_kernel(logits: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether `sample` / `filtered_probs` (fp32 logits; `greedy`: the `dtypes` it takes) on these
+    logits run the CUDA kernel."""
+    return (logits.dtype in dtypes and logits.dim() == 2 and 0 < logits.shape[1] < 2**31
             and dispatch.use_kernel(logits))
 
 
@@ -184,6 +202,52 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
         uniform=None if u is None else u.to(dev, torch.float64).contiguous(), max_candidates=CANDIDATES,
         stream=dispatch.stream_handle(logits),
     )
+
+
+def greedy(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`greedy_ref` of [B, V] logits, [B] int64 (into `out` when given): one kernel launch on CUDA
+    logits, no host sync."""
+    if not use_kernel(logits, (torch.float32, torch.bfloat16, torch.float16)):
+        dispatch.fallback("greedy", logits)
+        return _into(out, greedy_ref(logits))
+    rows = logits.shape[0]
+    out = torch.empty(rows, dtype=torch.long, device=logits.device) if out is None else out
+    partials, counters = _greedy_workspace(logits.device, rows)
+    dispatch.extension().greedy_rows(  # shapes, dtypes and layouts checked there
+        tokens=out, logits=logits.contiguous(), partials=partials, counters=counters,
+        stream=dispatch.stream_handle(logits),
+    )
+    return out
+
+
+# device -> (partials, counters) of the greedy kernel, and every buffer ever handed out.
+_greedy_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_greedy_retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _greedy_workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy kernel's workspace for `rows` rows: partials (any contents) and counters that are
+    0 between launches. One per device, zeroed once when allocated: the kernel's last block of a row
+    resets its counter, so no launch (eager or graph replay) zeroes anything, where zeroing per
+    call would cost a memset launch, and the buffer's address stays fixed for CUDA graphs. Launches
+    are stream-ordered on it (the engine samples on one stream; two streams sampling at once on one
+    device would race). Allocated outside capture: `capture` (engine/graph_capture.py) warms up
+    first, so a capture finds it sized; a zeros() inside a capture would be a memset recorded into
+    the graph, leaving eager calls before its first replay with garbage counters."""
+    cached = _greedy_workspaces.get(device)
+    if cached is not None and cached[1].numel() >= rows:
+        return cached
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"sampling.greedy: first call with {rows} rows inside a CUDA graph capture; "
+                           f"run it once before capturing (the kernel's workspace is allocated zeroed)")
+    if cached is not None:
+        _greedy_retired.append(cached)  # a captured graph may still point at it: kept alive
+    capacity = max(rows, 64 if cached is None else 2 * cached[1].numel())
+    cached = _greedy_workspaces[device] = (
+        torch.empty(capacity * GREEDY_MAX_CHUNKS, dtype=torch.long, device=device),
+        torch.zeros(capacity, dtype=torch.int32, device=device),
+    )
+    return cached
 
 
 def _on_device(columns: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
