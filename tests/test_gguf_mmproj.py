@@ -177,7 +177,7 @@ def test_projectors_that_do_not_fit(projected, tmp_path, image, caplog):
     alone.mkdir()
     shutil.copy(text, alone / "tiny.gguf")
     _other_projector(alone / "mmproj-llava-f16.gguf")
-    with caplog.at_level(logging.WARNING, logger="ninfer"):
+    with caplog.at_level(logging.WARNING):
         llm = LLM.load(str(alone / "tiny.gguf"), EngineOptions(device="cpu", dtype="float32", max_context=256))
     assert llm.vision is None and "not using mmproj-llava-f16.gguf as the vision projector" in caplog.text
     with pytest.raises(MediaError, match="no vision tower.*llama.cpp's mmproj file: put it beside the model file"):

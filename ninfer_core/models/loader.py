@@ -34,7 +34,7 @@ from .llama import LlamaForCausalLM
 from .quantize import QuantRecipe, apply_recipe_, fill_quantized_, resolve_recipe
 from .qwen3_5 import Qwen3_5ForCausalLM
 
-log = logging.getLogger("ninfer")
+log = logging.getLogger(__name__)
 
 # GGUF files carry no generation_config: llama.cpp's defaults, so an unflagged run is not a raw
 # temperature-1 draw from the whole vocabulary (which makes small models ramble).
