@@ -36,14 +36,18 @@ needs_kernels = pytest.mark.skipif(dispatch.cpu_extension() is None, reason="nin
 BLOCKS = list(BLOCK_TYPES)
 
 
+FP16_AT = {"q4_k": (0, 2), "q6_k": (208,), "q8_0": tuple(range(0, 272, 34))}  # in a row's super-block
+
+
 def file_rows(block: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """[rows, bytes] of random `block` super-blocks (random bytes, finite fp16 d / dmin of both
     signs), then edge rows: every byte 0xFF (the largest codes, sub-scales and minimums; Q6_K
-    scale -1), every byte 0, and Q6_K scales -128 with codes 0 (q - 32 = -32)."""
+    scale -1; Q8_0 code -1), every byte 0, and Q6_K scales -128 with codes 0 (q - 32 = -32), Q8_0
+    codes -128."""
     qtype = BLOCK_TYPES[block][0]
     data = random_blocks(qtype, rows, cols, seed).reshape(rows, -1, BLOCK_TYPES[block][1])
-    fp16 = (0, 2) if block == "q4_k" else (208,)
-    edges = {0: 0xFF, 1: 0x00, 2: 0x00}
+    fp16 = FP16_AT[block]
+    edges = {0: 0xFF, 1: 0x00, 2: 0x00 if block != "q8_0" else 0x80}
     for row, value in edges.items():
         if row < rows:
             keep = {at: data[row, :, at : at + 2].copy() for at in fp16}
@@ -69,7 +73,7 @@ def float64_values(parts: list[tuple[str, np.ndarray]], cols: int) -> np.ndarray
     return np.concatenate([reference_dequantize(BLOCK_TYPES[b][0], rows, (len(rows), cols)) for b, rows in parts])
 
 
-MIXED = [("q4_k", 37), ("q4_k", 16), ("q6_k", 21)]  # a merged q|k|v: packs padded, types mixed
+MIXED = [("q4_k", 37), ("q4_k", 16), ("q6_k", 21), ("q8_0", 19)]  # merged parts: packs padded, types mixed
 
 
 def mixed_parts(cols: int, seed: int) -> list[tuple[str, np.ndarray]]:
@@ -96,7 +100,8 @@ def test_packing_moves_every_byte_and_back(block, rows):
 def test_packing_puts_the_bytes_where_the_kernels_read_them():
     """Spot checks of csrc/cpu/kquant.h's byte map: Q4_K row 3's qs byte 32 * 2 + 4 * 5 + 1 (sub 2,
     step c = 5) at 256 + (8 * 2 + 5) * 64 + 4 * 3 + 1; Q6_K row 7's second ql byte 64 + 32 + 4 * 6
-    + 2 (h 1, c 6) at 288 + (8 + 6) * 192 + 64 + 4 * 7 + 2, its scale 9 at 32 + 16 * 9 + 7."""
+    + 2 (h 1, c 6) at 288 + (8 + 6) * 192 + 64 + 4 * 7 + 2, its scale 9 at 32 + 16 * 9 + 7; Q8_0 codes
+    biased by 128 at 256 + 64 c + 4 r, d of block j at 2 (16 j + r), per super-block."""
     q4 = file_rows("q4_k", 16, 256, seed=1)
     packed = pack_rows(q4, "q4_k")
     assert packed[256 + (8 * 2 + 5) * 64 + 4 * 3 + 1] == q4[3, 16 + 32 * 2 + 4 * 5 + 1]
@@ -105,6 +110,12 @@ def test_packing_puts_the_bytes_where_the_kernels_read_them():
     packed = pack_rows(q6, "q6_k")
     assert packed[288 + (8 + 6) * 192 + 64 + 4 * 7 + 2] == q6[7, 64 + 32 + 4 * 6 + 2]
     assert packed[32 + 16 * 9 + 7] == q6[7, 192 + 9]
+    q8 = file_rows("q8_0", 16, 512, seed=3)  # row 5, block 3 of the second super-block, input 32 * 3 + 4 * 2 + 1
+    packed = pack_rows(q8, "q8_0")
+    second = 16 * 272
+    assert packed[second + 256 + 64 * (8 * 3 + 2) + 4 * 5 + 1] == q8[5, 272 + 34 * 3 + 2 + 4 * 2 + 1] ^ 0x80
+    d_at = second + 2 * (16 * 3 + 5)
+    assert packed[d_at : d_at + 2].tolist() == q8[5, 272 + 34 * 3 : 272 + 34 * 3 + 2].tolist()
 
 
 # ---- the kernels ------------------------------------------------------------------------------
@@ -239,17 +250,18 @@ def test_a_weight_checks_its_bytes():
 
 SPEC = GGUFModelSpec(arch="qwen2", num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
                      num_kv_heads=2, head_dim=64, vocab_size=40, rope_theta=5000.0, rms_eps=1e-6)
-# Q4_K_M's choices: q, k, o, gate, up, the embedding Q4_K; v, down, lm_head Q6_K
+# Q4_K_M's choices (q, k, o, gate, the embedding Q4_K; v, down, lm_head Q6_K), up in Q8_0
 TYPES = {"q_proj": "q4_k", "k_proj": "q4_k", "v_proj": "q6_k", "o_proj": "q4_k", "gate_proj": "q4_k",
-         "up_proj": "q4_k", "down_proj": "q6_k", "embed_tokens": "q4_k", "lm_head": "q6_k"}
+         "up_proj": "q8_0", "down_proj": "q6_k", "embed_tokens": "q4_k", "lm_head": "q6_k"}
+D_FACTOR = {"q4_k": 1e-4, "q6_k": 1.5e-5, "q8_0": 4.8e-4}  # codes x sub-scales reach ~4K (Q6_K), 128 (Q8_0)
 
 
 def small_blocks(block: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random blocks whose weights are ~0.05: d (and dmin) scaled down so activations stay sane."""
     data = rng.integers(0, 256, (rows, cols // 256, BLOCK_TYPES[block][1]), dtype=np.uint8)
     d = np.abs(random_fp16_bits(rng, data.shape[0] * data.shape[1]).view(np.float16)).astype(np.float32)
-    d = (d / 2**-2 * (1e-4 if block == "q4_k" else 1.5e-5)).astype(np.float16)
-    for at in ((0, 2) if block == "q4_k" else (208,)):
+    d = (d / 2**-2 * D_FACTOR[block]).astype(np.float16)
+    for at in FP16_AT[block]:
         data[:, :, at : at + 2] = d.view(np.uint8).reshape(data.shape[0], data.shape[1], 2)
     return data.reshape(rows, -1)
 
@@ -290,14 +302,16 @@ def load_both(path) -> tuple[torch.nn.Module, torch.nn.Module]:
 @needs_kernels
 @pytest.mark.parametrize("arch, tied", [("qwen2", False), ("llama", True)])
 def test_a_kquant_model_runs_like_the_fp32_path(tmp_path, monkeypatch, arch, tied):
-    """Every matrix keeps its blocks (q|k|v mixes Q4_K and Q6_K), the resident bytes are the file's
-    matrices' (parts padded to 16 rows); exact math gives the fp32 path's logits, the default math
-    (int8 activations at decode, bf16 prefill) close ones with the same top tokens."""
+    """Every matrix keeps its blocks (q|k|v mixes Q4_K and Q6_K, gate|up Q4_K and Q8_0), the
+    resident bytes are the file's matrices' (parts padded to 16 rows); exact math gives the fp32
+    path's logits, the default math (int8 activations at decode, bf16 prefill) close ones with the
+    same top tokens."""
     path = tmp_path / "kq.gguf"
     write_kquant_model(path, arch, tied)
     compact, reference = load_both(path)
     qkv = compact.layers[0].self_attn.qkv_proj.linear
     assert isinstance(qkv, KQuantLinear) and qkv.parts == (("q4_k", 256), ("q4_k", 128), ("q6_k", 128))
+    assert compact.layers[0].mlp.gate_up_proj.linear.parts == (("q4_k", 512), ("q8_0", 512))
     assert isinstance(compact.embed_tokens, KQuantEmbedding) and isinstance(compact.lm_head, KQuantLinear)
     assert (compact.lm_head.blocks.data_ptr() == compact.embed_tokens.blocks.data_ptr()) == tied
     kept = {m.blocks.data_ptr(): m.blocks.numel() for m in compact.modules() if isinstance(m, (KQuantLinear, KQuantEmbedding))}
@@ -319,7 +333,7 @@ def test_a_kquant_model_runs_like_the_fp32_path(tmp_path, monkeypatch, arch, tie
 
 
 def test_a_kquant_part_merged_with_another_type_is_mapped(tmp_path):
-    """q in Q8_0 beside Q4_K k and Q6_K v: q|k|v takes the parts' common mapped format
+    """q in Q4_0 beside Q4_K k and Q6_K v: q|k|v takes the parts' common mapped format
     (weights/gguf_quant.py; the K-quant scales rounded once to fp16), gate|up stays blocks."""
     path = tmp_path / "mixed.gguf"
     write_kquant_model(path, "qwen2", tied=False)
@@ -329,18 +343,18 @@ def test_a_kquant_part_merged_with_another_type_is_mapped(tmp_path):
     for name in ckpt.names():
         t = next(t for t in reader.tensors if t.name == gguf_name(name))
         data = np.array(t.data)
-        if name.endswith("q_proj.weight"):  # the same values, re-encoded as Q8_0
-            encoded[name] = (Q.Q8_0, gguf.quants.quantize(ckpt.get(name).numpy(), Q.Q8_0))
+        if name.endswith("q_proj.weight"):  # the same values, re-encoded as Q4_0
+            encoded[name] = (Q.Q4_0, gguf.quants.quantize(ckpt.get(name).numpy(), Q.Q4_0))
         else:
             encoded[name] = (t.tensor_type, data.reshape(len(data), -1) if data.dtype == np.uint8 else data)
-    write_encoded_gguf(tmp_path / "q8.gguf", SPEC, encoded)
-    compact, reference = load_both(tmp_path / "q8.gguf")
+    write_encoded_gguf(tmp_path / "q4_0.gguf", SPEC, encoded)
+    compact, reference = load_both(tmp_path / "q4_0.gguf")
     layer = compact.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.linear, quant.QuantLinear)
     assert layer.self_attn.qkv_proj.linear.quantized.format == quant.QuantFormat("int8", 16, torch.float16, True)
     assert isinstance(layer.mlp.gate_up_proj.linear, KQuantLinear)
     ids = [3, 17, 9, 5, 31]
-    config = open_gguf(tmp_path / "q8.gguf").config
+    config = open_gguf(tmp_path / "q4_0.gguf").config
     torch.testing.assert_close(_prefill_logits(compact, config, ids), _prefill_logits(reference, config, ids),
                                rtol=1e-3, atol=1e-3)
 

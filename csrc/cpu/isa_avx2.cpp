@@ -99,6 +99,13 @@ struct Avx2 {
     std::memcpy(&word, x, 4);
     return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(u, _mm256_set1_epi32(word))));
   }
+  static B flip(B b) { return _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80))); }
+  static I dot_s8_word(I acc, B w, const std::int8_t* x) {  // Q8_0's full-range codes: |w| . (x with w's sign)
+    std::int32_t word;
+    std::memcpy(&word, x, 4);
+    const __m256i xv = _mm256_set1_epi32(word);
+    return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w))));
+  }
   static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
   static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }

@@ -152,6 +152,14 @@ struct Generic {
     for (int i = 0; i < 4 * W; ++i) acc.v[i / 4] += u.b[i] * x[i % 4];
     return acc;
   }
+  static B flip(B b) {
+    for (auto& v : b.b) v ^= 0x80;
+    return b;
+  }
+  static I dot_s8_word(I acc, B w, const std::int8_t* x) {
+    for (int i = 0; i < 4 * W; ++i) acc.v[i / 4] += static_cast<std::int8_t>(w.b[i]) * x[i % 4];
+    return acc;
+  }
   static I iadd(I a, I b) {
     for (int i = 0; i < W; ++i) a.v[i] += b.v[i];
     return a;

@@ -1,4 +1,4 @@
-// GGUF K-quant weights (Q4_K, Q6_K) kept as the file's super-blocks, and their decode matmul with
+// GGUF K-quant weights (Q4_K, Q6_K, and Q8_0 alike) kept as the file's super-blocks, and their decode matmul with
 // int8 activations (llama.cpp's q8_K idea, with a scale per 32 inputs: kquant_kernels.h). Why:
 // widening them to our int4 / int8 group formats
 // (weights/gguf_quant.py) made a Q4_K_M model 1.21x its file and decode read 1.35 GB a token
@@ -29,6 +29,14 @@
 //                          nibble, qh bits 0-1), + 32 (second ql low nibble, qh bits 2-3), + 64
 //                          (first ql high nibble, bits 4-5), + 96 (second high nibble, bits 6-7).
 // Both six-bit packings are decoded by one routine (kquant_kernels.h: six_bits).
+// Q8_0 (16 x 272 = 4352 bytes: 8 file blocks of 32 inputs a row, w = d[j] * q, q int8):
+//   d [8][16]              fp16 [j][r]: block j (inputs 32j .. 32j + 31) of row r
+//   qs [64][16][4]         [c][r]: the codes of inputs 4c .. 4c + 3 of row r, each stored as q + 128
+//                          (the byte xor 0x80: unsigned, what the integer products take; the kernel
+//                          subtracts 128 times the activations' sum per 32)
+// Not a K-quant, but the same shape of work (one sequential stream, 16 rows a pass, int8
+// products): through the fp32-activation int8 kernel a Q8_0 lm_head read 10 GB/s on one core,
+// 15 GB/s with int8 activations (quant_kernels_a8.h), where llama.cpp's whole step ran at ~21.
 #pragma once
 
 #include <cstdint>
@@ -39,10 +47,12 @@ constexpr std::int64_t kPackRows = 16;
 constexpr std::int64_t kSuperBlock = 256;  // inputs per super-block (QK_K)
 constexpr int kMaxParts = 8;  // ops/kquant.py MAX_PARTS
 
-enum class BlockType : int { Q4_K = 12, Q6_K = 14 };  // ggml's type ids
+enum class BlockType : int { Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type ids
 
-// Bytes of one row's super-block in the file.
-constexpr std::int64_t block_bytes(BlockType t) { return t == BlockType::Q4_K ? 144 : 210; }
+// Bytes of one row's super-block (Q8_0: its 8 blocks of 256 inputs) in the file.
+constexpr std::int64_t block_bytes(BlockType t) {
+  return t == BlockType::Q4_K ? 144 : t == BlockType::Q6_K ? 210 : 272;
+}
 
 struct KQuantPart {
   BlockType type;
@@ -71,7 +81,7 @@ struct KQuantMatmulArgs {
 void kquant_matmul(const KQuantMatmulArgs& args);
 
 // out fp32 (or bf16) [count, k] = rows [first, first + count) of the dense weight, each value as
-// gguf-py computes it in fp32: (d * sc) * q - dmin * m, (d * sc) * (q - 32).
+// gguf-py computes it in fp32: (d * sc) * q - dmin * m, (d * sc) * (q - 32), d * q.
 void kquant_dequantize(const KQuantWeight& w, std::int64_t first, std::int64_t count, std::uintptr_t out, bool bf16,
                        int threads);
 

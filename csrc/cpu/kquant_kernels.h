@@ -1,7 +1,8 @@
 // The K-quant kernels (kquant.h), written once over a vector type V like quant_kernels.h; each
 // isa_*.cpp compiles them with its instruction set.
 //
-// Decode: a pack's 16 rows at once against T activation rows quantized to int8 per 32 inputs.
+// Decode: a pack's 16 rows at once against T activation rows quantized to int8 per 32 inputs
+// (Q4_K, Q6_K, and Q8_0 the same way: kquant.h).
 // Four code bytes of a row sit in one int32 lane, and the four activations they multiply are the
 // same for every row, so one vector of codes meets one broadcast activation word: integer dot
 // products of 4 (AVX-512 VNNI vpdpbusd; AVX2 maddubs + madd; plain C) summed per sub-block, times
@@ -68,7 +69,7 @@ struct KQuantKernels {
   static constexpr int W = V::W;
   static constexpr int kHalves = kPackRows / W;  // vectors per 16 rows
   static constexpr int kMaxT = 4;                // activation rows per pass over a pack
-  static constexpr std::int64_t kQ4Bytes = kPackRows * 144, kQ6Bytes = kPackRows * 210;
+  static constexpr std::int64_t kQ4Bytes = kPackRows * 144, kQ6Bytes = kPackRows * 210, kQ8Bytes = kPackRows * 272;
 
   // The four six-bit byte vectors of a packing (kquant.h): from the low-nibble bytes `a` (values
   // v and v + 128 of a), `b` (of b) and the high-bit bytes `h` (4W bytes each).
@@ -188,13 +189,56 @@ struct KQuantKernels {
       for (int t = 0; t < T; ++t) V::store(out[t] + W * h, acc[h][t]);
   }
 
+  // Q8_0: per block of 32 inputs the codes' integer dots (|.| <= 32 * 128 * 127: exact in fp32),
+  // times d and the activation scale. Where the products take unsigned codes (kBiasedS8: VNNI), the
+  // stored q + 128 and then minus 128 times the activation codes' sum; else (AVX2's saturating
+  // pairs, plain C) the signed codes.
+  template <int T>
+  static void q80_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
+    const std::int64_t blocks = p.k / kSuperBlock, groups = p.k / kActivationBlock;
+    F acc[kHalves][T];
+    for (auto& row : acc)
+      for (auto& a : row) a = V::zero();
+    for (std::int64_t b = 0; b < blocks; ++b, pack += kQ8Bytes) {
+      const std::uint8_t* qs = pack + 256;
+      for (int h = 0; h < kHalves; ++h) {
+        for (int j = 0; j < 8; ++j) {
+          const F d = V::halves(reinterpret_cast<const std::uint16_t*>(pack) + kPackRows * j + W * h);
+          I dot[T];
+          for (auto& a : dot) a = V::izero();
+          for (int c = 0; c < 8; ++c) {
+            const B codes = V::bytes4(qs + (8 * j + c) * 64 + 4 * W * h);
+            for (int t = 0; t < T; ++t) {
+              const std::int8_t* x = p.x.q + (m0 + t) * p.k + b * kSuperBlock + 32 * j + 4 * c;
+              if constexpr (V::kBiasedS8) {
+                dot[t] = V::dot_u8_word(dot[t], codes, x);
+              } else {
+                dot[t] = V::dot_s8_word(dot[t], V::flip(codes), x);
+              }
+            }
+          }
+          for (int t = 0; t < T; ++t) {
+            const std::int64_t g = b * 8 + j;
+            const std::int32_t* sums = p.x.sums16 + (m0 + t) * (p.k / 16) + 2 * g;
+            const I centred = V::kBiasedS8 ? V::isub(dot[t], V::isplat(128 * (sums[0] + sums[1]))) : dot[t];
+            acc[h][t] = V::fma(V::to_float(centred), V::mul(d, V::splat(p.x.d[(m0 + t) * groups + g])), acc[h][t]);
+          }
+        }
+      }
+    }
+    for (int h = 0; h < kHalves; ++h)
+      for (int t = 0; t < T; ++t) V::store(out[t] + W * h, acc[h][t]);
+  }
+
   template <int T>
   static void pack_dots(const PreparedKQ& p, const KQuantSpan& s, const std::uint8_t* pack, std::int64_t m0,
                         float (*out)[kPackRows]) {
     if (s.type == BlockType::Q4_K) {
       q4k_pack<T>(p, pack, m0, out);
-    } else {
+    } else if (s.type == BlockType::Q6_K) {
       q6k_pack<T>(p, pack, m0, out);
+    } else {
+      q80_pack<T>(p, pack, m0, out);
     }
   }
 
@@ -261,15 +305,17 @@ struct KQuantKernels {
         const std::uint8_t* block = s.data + (pack * blocks + b) * bytes;
         if (s.type == BlockType::Q4_K) {
           q4k_scales(block, sm);
-        } else {
+        } else if (s.type == BlockType::Q6_K) {
           q6k_codes(block, codes);
         }
         for (std::int64_t row = r; row < end; ++row) {
           const int lane = static_cast<int>(row % kPackRows);
           if (s.type == BlockType::Q4_K) {
             q4k_row(block, sm, lane, values);
-          } else {
+          } else if (s.type == BlockType::Q6_K) {
             q6k_row(block, codes[lane], lane, values);
+          } else {
+            q80_row(block, lane, values);
           }
           const std::int64_t at = (row - r0) * k + b * kSuperBlock;
           if (bf16) {
@@ -281,6 +327,18 @@ struct KQuantKernels {
         }
       }
       r = end;
+    }
+  }
+
+  // Row `lane` of a Q8_0 super-block: d * q, as gguf-py.
+  static void q80_row(const std::uint8_t* block, int lane, float* values) {
+    const auto* d16 = reinterpret_cast<const std::uint16_t*>(block);
+    alignas(64) std::int8_t q[kSuperBlock];
+    for (int c = 0; c < 64; ++c)
+      for (int i = 0; i < 4; ++i) q[4 * c + i] = static_cast<std::int8_t>(block[256 + 64 * c + 4 * lane + i] ^ 0x80);
+    for (int j = 0; j < 8; ++j) {
+      const F d = V::splat(half_to_float(d16[kPackRows * j + lane]));
+      for (int i = 0; i < 32; i += W) V::store(values + 32 * j + i, V::mul(d, V::bytes(q + 32 * j + i)));
     }
   }
 

@@ -1,5 +1,5 @@
-"""GGUF K-quant weights (Q4_K, Q6_K) kept as the file's blocks on the CPU: the weight, its linear
-and embedding modules, the ops and their torch references.
+"""GGUF K-quant weights (Q4_K, Q6_K; Q8_0 alike) kept as the file's blocks on the CPU: the weight,
+its linear and embedding modules, the ops and their torch references.
 
 A weight is its packed bytes (weights/kquant_layout.py; csrc/cpu/kquant.h describes the layout) and
 its parts: the block type and rows of each tensor stacked along the output rows (a merged q|k|v of

@@ -1,10 +1,11 @@
 """The packed layout of GGUF K-quant blocks kept native on the CPU (csrc/cpu/kquant.h describes it):
-the file's Q4_K / Q6_K bytes reordered 16 rows at a time, losslessly, and back.
+the file's Q4_K / Q6_K (and Q8_0, eight blocks to a 256-input "super-block") bytes reordered 16
+rows at a time, losslessly, and back.
 
 `pack_rows` makes it at load (numpy, a few passes over the tensor); `unpack_packs` is its inverse,
 for the torch references (ops/kquant.py) and the embedding lookup. Only Q4_K's 12 bytes of six-bit
 scales and minimums are re-encoded (as Q6_K packs its codes, so one routine decodes both); every
-other byte is moved, not changed.
+other byte is moved, not changed (Q8_0's codes are stored xor 0x80, an exact recoding).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from gguf.quants import Q4_K
 PACK_ROWS = 16
 SUPER_BLOCK = 256
 # block type -> (ggml type, bytes of one row's super-block); the names are the file's types
-BLOCK_TYPES = {"q4_k": (Q.Q4_K, 144), "q6_k": (Q.Q6_K, 210)}
+BLOCK_TYPES = {"q4_k": (Q.Q4_K, 144), "q6_k": (Q.Q6_K, 210), "q8_0": (Q.Q8_0, 8 * 34)}
+# Q8_0's 8 blocks of a super-block: where their fp16 d and their 32 codes lie in the file's 272 bytes
+_Q8_D = (34 * np.arange(8)[:, None] + np.arange(2)).reshape(-1)
+_Q8_CODES = (34 * np.arange(8)[:, None] + 2 + np.arange(32)).reshape(-1)
 
 
 def block_type(qtype: Q) -> str | None:
@@ -43,6 +47,10 @@ def pack_rows(rows: np.ndarray, block: str) -> np.ndarray:
         six = np.concatenate([v.reshape(packs, blocks, PACK_ROWS, 8).swapaxes(2, 3) for v in (sc, m)], axis=2)
         qs = by_pack[..., 16:144].reshape(packs, blocks, PACK_ROWS, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5)
         parts = [by_pack[..., 0:2], by_pack[..., 2:4], _pack_six_bits(six.reshape(packs, blocks, 256)), qs]
+    elif block == "q8_0":
+        d = by_pack[..., _Q8_D].reshape(packs, blocks, PACK_ROWS, 8, 2).swapaxes(2, 3)  # [.., j, row, 2]
+        codes = by_pack[..., _Q8_CODES] ^ 0x80
+        parts = [d, codes.reshape(packs, blocks, PACK_ROWS, 64, 4).swapaxes(2, 3)]  # [.., word, row, 4]
     else:
         ql = by_pack[..., 0:128].reshape(packs, blocks, PACK_ROWS, 2, 2, 8, 4)  # [.., row, h, a|b, c, 4]
         qh = by_pack[..., 128:192].reshape(packs, blocks, PACK_ROWS, 2, 1, 8, 4)
@@ -67,6 +75,11 @@ def unpack_packs(packed: np.ndarray, block: str, cols: int) -> np.ndarray:
         by_pack[..., 4:16] = _k_scale_bytes(six[..., 0, :], six[..., 1, :])
         qs = data[..., 256:].reshape(packs, blocks, 4, 8, PACK_ROWS, 4).transpose(0, 1, 4, 2, 3, 5)
         by_pack[..., 16:144] = qs.reshape(packs, blocks, PACK_ROWS, 128)
+    elif block == "q8_0":
+        by_pack[..., _Q8_D] = data[..., 0:256].reshape(packs, blocks, 8, PACK_ROWS, 2).swapaxes(2, 3).reshape(
+            packs, blocks, PACK_ROWS, 16)
+        codes = data[..., 256:].reshape(packs, blocks, 64, PACK_ROWS, 4).swapaxes(2, 3)
+        by_pack[..., _Q8_CODES] = codes.reshape(packs, blocks, PACK_ROWS, 256) ^ 0x80
     else:
         by_pack[..., 208:210] = data[..., 0:32].reshape(packs, blocks, PACK_ROWS, 2)
         by_pack[..., 192:208] = data[..., 32:288].reshape(packs, blocks, 16, PACK_ROWS).swapaxes(2, 3)
