@@ -93,13 +93,25 @@ struct KQuantKernels {
     }
   }
 
+  template <int T>
+  static void zero_all(F (&acc)[kHalves][T]) {
+    for (auto& row : acc)
+      for (auto& a : row) a = V::zero();
+  }
+
+  // out[t][r] = acc's lane of row r (the pack's rows W to a vector).
+  template <int T>
+  static void store_all(const F (&acc)[kHalves][T], float (*out)[kPackRows]) {
+    for (int h = 0; h < kHalves; ++h)
+      for (int t = 0; t < T; ++t) V::store(out[t] + W * h, acc[h][t]);
+  }
+
   // out[t][r] = row r of the pack at `pack` . x rows m0 + t (T of them), without bias.
   template <int T>
   static void q4k_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
     const std::int64_t blocks = p.k / kSuperBlock, groups = p.k / kActivationBlock;
     F acc[kHalves][T];
-    for (auto& row : acc)
-      for (auto& a : row) a = V::zero();
+    zero_all(acc);
     alignas(64) std::uint8_t sm[256];
     for (std::int64_t b = 0; b < blocks; ++b, pack += kQ4Bytes) {
       q4k_scales(pack, sm);
@@ -135,16 +147,14 @@ struct KQuantKernels {
         for (int t = 0; t < T; ++t) acc[h][t] = V::fma(V::mul(dmin, V::splat(-1.0f)), mins[t], acc[h][t]);
       }
     }
-    for (int h = 0; h < kHalves; ++h)
-      for (int t = 0; t < T; ++t) V::store(out[t] + W * h, acc[h][t]);
+    store_all(acc, out);
   }
 
   template <int T>
   static void q6k_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
     const std::int64_t blocks = p.k / kSuperBlock, groups = p.k / kActivationBlock;
     F acc[kHalves][T];
-    for (auto& row : acc)
-      for (auto& a : row) a = V::zero();
+    zero_all(acc);
     for (std::int64_t b = 0; b < blocks; ++b, pack += kQ6Bytes) {
       const auto* sc = reinterpret_cast<const std::int8_t*>(pack + 32);
       const std::uint8_t* steps = pack + 288;
@@ -185,8 +195,7 @@ struct KQuantKernels {
         }
       }
     }
-    for (int h = 0; h < kHalves; ++h)
-      for (int t = 0; t < T; ++t) V::store(out[t] + W * h, acc[h][t]);
+    store_all(acc, out);
   }
 
   // Q8_0: per block of 32 inputs the codes' integer dots (|.| <= 32 * 128 * 127: exact in fp32),
@@ -197,8 +206,7 @@ struct KQuantKernels {
   static void q80_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
     const std::int64_t blocks = p.k / kSuperBlock, groups = p.k / kActivationBlock;
     F acc[kHalves][T];
-    for (auto& row : acc)
-      for (auto& a : row) a = V::zero();
+    zero_all(acc);
     for (std::int64_t b = 0; b < blocks; ++b, pack += kQ8Bytes) {
       const std::uint8_t* qs = pack + 256;
       for (int h = 0; h < kHalves; ++h) {
@@ -226,8 +234,7 @@ struct KQuantKernels {
         }
       }
     }
-    for (int h = 0; h < kHalves; ++h)
-      for (int t = 0; t < T; ++t) V::store(out[t] + W * h, acc[h][t]);
+    store_all(acc, out);
   }
 
   template <int T>
