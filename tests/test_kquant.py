@@ -36,7 +36,7 @@ needs_kernels = pytest.mark.skipif(dispatch.cpu_extension() is None, reason="nin
 BLOCKS = list(BLOCK_TYPES)
 
 
-FP16_AT = {"q4_k": (0, 2), "q6_k": (208,), "q8_0": tuple(range(0, 272, 34))}  # in a row's super-block
+FP16_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q8_0": tuple(range(0, 272, 34))}  # in a super-block
 
 
 def file_rows(block: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -73,7 +73,7 @@ def float64_values(parts: list[tuple[str, np.ndarray]], cols: int) -> np.ndarray
     return np.concatenate([reference_dequantize(BLOCK_TYPES[b][0], rows, (len(rows), cols)) for b, rows in parts])
 
 
-MIXED = [("q4_k", 37), ("q4_k", 16), ("q6_k", 21), ("q8_0", 19)]  # merged parts: packs padded, types mixed
+MIXED = [("q4_k", 37), ("q4_k", 16), ("q6_k", 21), ("q8_0", 19), ("q5_k", 18)]  # packs padded, types mixed
 
 
 def mixed_parts(cols: int, seed: int) -> list[tuple[str, np.ndarray]]:
@@ -110,6 +110,10 @@ def test_packing_puts_the_bytes_where_the_kernels_read_them():
     packed = pack_rows(q6, "q6_k")
     assert packed[288 + (8 + 6) * 192 + 64 + 4 * 7 + 2] == q6[7, 64 + 32 + 4 * 6 + 2]
     assert packed[32 + 16 * 9 + 7] == q6[7, 192 + 9]
+    q5 = file_rows("q5_k", 16, 256, seed=4)  # row 9: qh byte 4 * 6 + 3 at 256 + 64 * 6 + 4 * 9 + 3, qs as Q4_K's
+    packed = pack_rows(q5, "q5_k")
+    assert packed[256 + 64 * 6 + 4 * 9 + 3] == q5[9, 16 + 4 * 6 + 3]
+    assert packed[768 + (8 * 2 + 5) * 64 + 4 * 9 + 1] == q5[9, 48 + 32 * 2 + 4 * 5 + 1]
     q8 = file_rows("q8_0", 16, 512, seed=3)  # row 5, block 3 of the second super-block, input 32 * 3 + 4 * 2 + 1
     packed = pack_rows(q8, "q8_0")
     second = 16 * 272
@@ -241,7 +245,7 @@ def test_a_weight_checks_its_bytes():
     with pytest.raises(ValueError, match="multiple of 256"):
         KQuantWeight(torch.zeros(0, dtype=torch.uint8), (("q4_k", 16),), 300)
     with pytest.raises(ValueError, match="K-quant parts"):
-        KQuantFormat((("q5_k", 16),))
+        KQuantFormat((("q3_k", 16),))
     with pytest.raises(ValueError, match="K-quant parts"):
         KQuantFormat((("q4_k", 16),) * 9)
 
@@ -250,10 +254,10 @@ def test_a_weight_checks_its_bytes():
 
 SPEC = GGUFModelSpec(arch="qwen2", num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
                      num_kv_heads=2, head_dim=64, vocab_size=40, rope_theta=5000.0, rms_eps=1e-6)
-# Q4_K_M's choices (q, k, o, gate, the embedding Q4_K; v, down, lm_head Q6_K), up in Q8_0
-TYPES = {"q_proj": "q4_k", "k_proj": "q4_k", "v_proj": "q6_k", "o_proj": "q4_k", "gate_proj": "q4_k",
+# Q4_K_M's choices (q, o, gate, the embedding Q4_K; v, down, lm_head Q6_K), k in Q5_K, up in Q8_0
+TYPES = {"q_proj": "q4_k", "k_proj": "q5_k", "v_proj": "q6_k", "o_proj": "q4_k", "gate_proj": "q4_k",
          "up_proj": "q8_0", "down_proj": "q6_k", "embed_tokens": "q4_k", "lm_head": "q6_k"}
-D_FACTOR = {"q4_k": 1e-4, "q6_k": 1.5e-5, "q8_0": 4.8e-4}  # codes x sub-scales reach ~4K (Q6_K), 128 (Q8_0)
+D_FACTOR = {"q4_k": 1e-4, "q5_k": 5e-5, "q6_k": 1.5e-5, "q8_0": 4.8e-4}  # codes x sub-scales: ~4K (Q6_K), 128 (Q8_0)
 
 
 def small_blocks(block: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -302,7 +306,7 @@ def load_both(path) -> tuple[torch.nn.Module, torch.nn.Module]:
 @needs_kernels
 @pytest.mark.parametrize("arch, tied", [("qwen2", False), ("llama", True)])
 def test_a_kquant_model_runs_like_the_fp32_path(tmp_path, monkeypatch, arch, tied):
-    """Every matrix keeps its blocks (q|k|v mixes Q4_K and Q6_K, gate|up Q4_K and Q8_0), the
+    """Every matrix keeps its blocks (q|k|v mixes Q4_K, Q5_K and Q6_K, gate|up Q4_K and Q8_0), the
     resident bytes are the file's matrices' (parts padded to 16 rows); exact math gives the fp32
     path's logits, the default math (int8 activations at decode, bf16 prefill) close ones with the
     same top tokens."""
@@ -310,7 +314,7 @@ def test_a_kquant_model_runs_like_the_fp32_path(tmp_path, monkeypatch, arch, tie
     write_kquant_model(path, arch, tied)
     compact, reference = load_both(path)
     qkv = compact.layers[0].self_attn.qkv_proj.linear
-    assert isinstance(qkv, KQuantLinear) and qkv.parts == (("q4_k", 256), ("q4_k", 128), ("q6_k", 128))
+    assert isinstance(qkv, KQuantLinear) and qkv.parts == (("q4_k", 256), ("q5_k", 128), ("q6_k", 128))
     assert compact.layers[0].mlp.gate_up_proj.linear.parts == (("q4_k", 512), ("q8_0", 512))
     assert isinstance(compact.embed_tokens, KQuantEmbedding) and isinstance(compact.lm_head, KQuantLinear)
     assert (compact.lm_head.blocks.data_ptr() == compact.embed_tokens.blocks.data_ptr()) == tied

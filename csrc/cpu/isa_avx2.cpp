@@ -93,6 +93,10 @@ struct Avx2 {
     const __m256i shifted = S > 0 ? _mm256_slli_epi16(qh, S) : S < 0 ? _mm256_srli_epi16(qh, -S) : qh;
     return _mm256_or_si256(lo, _mm256_and_si256(shifted, _mm256_set1_epi8(0x30)));
   }
+  static B with_bit(B lo, B qh, int bit) {  // lo | ((qh >> bit) & 1) << 4 (bit < 8: no byte crosses)
+    const __m256i moved = _mm256_slli_epi16(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(bit)), 4);
+    return _mm256_or_si256(lo, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
+  }
   static void store_bytes(std::uint8_t* p, B b) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b); }
   static I dot_u8_word(I acc, B u, const std::int8_t* x) {  // codes <= 63: the int16 pairs cannot saturate
     std::int32_t word;

@@ -79,6 +79,10 @@ struct Avx512 {
     const __m512i shifted = S > 0 ? _mm512_slli_epi16(qh, S) : S < 0 ? _mm512_srli_epi16(qh, -S) : qh;
     return _mm512_ternarylogic_epi32(lo, shifted, _mm512_set1_epi8(0x30), 0xF8);
   }
+  static B with_bit(B lo, B qh, int bit) {  // lo | ((qh >> bit) & 1) << 4 (bit < 8: no byte crosses)
+    const __m512i moved = _mm512_slli_epi16(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(bit)), 4);
+    return _mm512_ternarylogic_epi32(lo, moved, _mm512_set1_epi8(0x10), 0xF8);
+  }
   static void store_bytes(std::uint8_t* p, B b) { _mm512_storeu_si512(p, b); }
   static I dot_u8_word(I acc, B u, const std::int8_t* x) {
     std::int32_t word;

@@ -147,6 +147,10 @@ struct Generic {
     }
     return lo;
   }
+  static B with_bit(B lo, B qh, int bit) {
+    for (int i = 0; i < 4 * W; ++i) lo.b[i] = static_cast<std::uint8_t>(lo.b[i] | ((qh.b[i] >> bit) & 1) << 4);
+    return lo;
+  }
   static void store_bytes(std::uint8_t* p, B b) { std::memcpy(p, b.b, sizeof b.b); }
   static I dot_u8_word(I acc, B u, const std::int8_t* x) {
     for (int i = 0; i < 4 * W; ++i) acc.v[i / 4] += u.b[i] * x[i % 4];

@@ -1,4 +1,4 @@
-// GGUF K-quant weights (Q4_K, Q6_K, and Q8_0 alike) kept as the file's super-blocks, and their decode matmul with
+// GGUF K-quant weights (Q4_K, Q5_K, Q6_K, and Q8_0 alike) kept as the file's super-blocks, and their decode matmul with
 // int8 activations (llama.cpp's q8_K idea, with a scale per 32 inputs: kquant_kernels.h). Why:
 // widening them to our int4 / int8 group formats
 // (weights/gguf_quant.py) made a Q4_K_M model 1.21x its file and decode read 1.35 GB a token
@@ -20,6 +20,9 @@
 //                          bits of values i, 64 + i, 128 + i, 192 + i in bits 0-1, 2-3, 4-5, 6-7.
 //   qs [4][8][16][4]       [p][c][r]: the file's qs bytes 32p + 4c .. 32p + 4c + 3 of row r; their
 //                          low nibbles are inputs 64p + 4c + i, the high ones 64p + 32 + 4c + i.
+// Q5_K (16 x 176 = 2816 bytes): Q4_K's d, dmin and six-bit values, then
+//   qh [8][16][4]          [c][r]: the file's qh bytes 4c .. 4c + 3 of row r (bit s of qh byte l: the
+//                          fifth bit of input 32s + l), then Q4_K's qs; code = nibble | bit << 4.
 // Q6_K (16 x 210 = 3360 bytes; w = d * sc[s] * (q - 32), sub-block s of 16 inputs):
 //   d[16]                  fp16
 //   sc [16][16]            int8 [s][r]
@@ -47,11 +50,11 @@ constexpr std::int64_t kPackRows = 16;
 constexpr std::int64_t kSuperBlock = 256;  // inputs per super-block (QK_K)
 constexpr int kMaxParts = 8;  // ops/kquant.py MAX_PARTS
 
-enum class BlockType : int { Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type ids
+enum class BlockType : int { Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's type ids
 
 // Bytes of one row's super-block (Q8_0: its 8 blocks of 256 inputs) in the file.
 constexpr std::int64_t block_bytes(BlockType t) {
-  return t == BlockType::Q4_K ? 144 : t == BlockType::Q6_K ? 210 : 272;
+  return t == BlockType::Q4_K ? 144 : t == BlockType::Q5_K ? 176 : t == BlockType::Q6_K ? 210 : 272;
 }
 
 struct KQuantPart {
@@ -81,7 +84,7 @@ struct KQuantMatmulArgs {
 void kquant_matmul(const KQuantMatmulArgs& args);
 
 // out fp32 (or bf16) [count, k] = rows [first, first + count) of the dense weight, each value as
-// gguf-py computes it in fp32: (d * sc) * q - dmin * m, (d * sc) * (q - 32), d * q.
+// gguf-py computes it in fp32: (d * sc) * q - dmin * m (Q4_K, Q5_K), (d * sc) * (q - 32), d * q.
 void kquant_dequantize(const KQuantWeight& w, std::int64_t first, std::int64_t count, std::uintptr_t out, bool bf16,
                        int threads);
 

@@ -2,7 +2,7 @@
 // isa_*.cpp compiles them with its instruction set.
 //
 // Decode: a pack's 16 rows at once against T activation rows quantized to int8 per 32 inputs
-// (Q4_K, Q6_K, and Q8_0 the same way: kquant.h).
+// (Q4_K, Q5_K, Q6_K, and Q8_0 the same way: kquant.h).
 // Four code bytes of a row sit in one int32 lane, and the four activations they multiply are the
 // same for every row, so one vector of codes meets one broadcast activation word: integer dot
 // products of 4 (AVX-512 VNNI vpdpbusd; AVX2 maddubs + madd; plain C) summed per sub-block, times
@@ -69,7 +69,8 @@ struct KQuantKernels {
   static constexpr int W = V::W;
   static constexpr int kHalves = kPackRows / W;  // vectors per 16 rows
   static constexpr int kMaxT = 4;                // activation rows per pass over a pack
-  static constexpr std::int64_t kQ4Bytes = kPackRows * 144, kQ6Bytes = kPackRows * 210, kQ8Bytes = kPackRows * 272;
+  static constexpr std::int64_t kQ4Bytes = kPackRows * 144, kQ5Bytes = kPackRows * 176, kQ6Bytes = kPackRows * 210,
+                                kQ8Bytes = kPackRows * 272;
 
   // The four six-bit byte vectors of a packing (kquant.h): from the low-nibble bytes `a` (values
   // v and v + 128 of a), `b` (of b) and the high-bit bytes `h` (4W bytes each).
@@ -106,16 +107,17 @@ struct KQuantKernels {
       for (int t = 0; t < T; ++t) V::store(out[t] + W * h, acc[h][t]);
   }
 
-  // out[t][r] = row r of the pack at `pack` . x rows m0 + t (T of them), without bias.
-  template <int T>
-  static void q4k_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
+  // out[t][r] = row r of the pack at `pack` . x rows m0 + t (T of them), without bias. Q4_K, or
+  // Q5_K (Five: a fifth bit of every code from qh, sub-block s's in bit s of its byte).
+  template <int T, bool Five>
+  static void q45k_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
     const std::int64_t blocks = p.k / kSuperBlock, groups = p.k / kActivationBlock;
     F acc[kHalves][T];
     zero_all(acc);
     alignas(64) std::uint8_t sm[256];
-    for (std::int64_t b = 0; b < blocks; ++b, pack += kQ4Bytes) {
+    for (std::int64_t b = 0; b < blocks; ++b, pack += Five ? kQ5Bytes : kQ4Bytes) {
       q4k_scales(pack, sm);
-      const std::uint8_t* qs = pack + 256;
+      const std::uint8_t *qh = pack + 256, *qs = pack + (Five ? 768 : 256);
       for (int h = 0; h < kHalves; ++h) {
         const auto* d16 = reinterpret_cast<const std::uint16_t*>(pack) + W * h;
         const F d = V::halves(d16), dmin = V::halves(d16 + kPackRows);
@@ -127,6 +129,11 @@ struct KQuantKernels {
           for (int c = 0; c < 8; ++c) {
             B lo, hi;
             V::nibble_halves(qs + (8 * sub + c) * 64 + 4 * W * h, lo, hi);
+            if constexpr (Five) {  // codes < 32: maddubs' int16 pairs stay exact
+              const B high = V::bytes4(qh + c * 64 + 4 * W * h);
+              lo = V::with_bit(lo, high, 2 * sub);
+              hi = V::with_bit(hi, high, 2 * sub + 1);
+            }
             for (int t = 0; t < T; ++t) {
               const std::int8_t* x = p.x.q + (m0 + t) * p.k + b * kSuperBlock + 64 * sub + 4 * c;
               lo_dot[t] = V::dot_u8_word(lo_dot[t], lo, x);
@@ -241,7 +248,9 @@ struct KQuantKernels {
   static void pack_dots(const PreparedKQ& p, const KQuantSpan& s, const std::uint8_t* pack, std::int64_t m0,
                         float (*out)[kPackRows]) {
     if (s.type == BlockType::Q4_K) {
-      q4k_pack<T>(p, pack, m0, out);
+      q45k_pack<T, false>(p, pack, m0, out);
+    } else if (s.type == BlockType::Q5_K) {
+      q45k_pack<T, true>(p, pack, m0, out);
     } else if (s.type == BlockType::Q6_K) {
       q6k_pack<T>(p, pack, m0, out);
     } else {
@@ -310,7 +319,7 @@ struct KQuantKernels {
       const std::int64_t pack = r / kPackRows, end = lesser(r1, (pack + 1) * kPackRows);
       for (std::int64_t b = 0; b < blocks; ++b) {
         const std::uint8_t* block = s.data + (pack * blocks + b) * bytes;
-        if (s.type == BlockType::Q4_K) {
+        if (s.type == BlockType::Q4_K || s.type == BlockType::Q5_K) {
           q4k_scales(block, sm);
         } else if (s.type == BlockType::Q6_K) {
           q6k_codes(block, codes);
@@ -318,7 +327,9 @@ struct KQuantKernels {
         for (std::int64_t row = r; row < end; ++row) {
           const int lane = static_cast<int>(row % kPackRows);
           if (s.type == BlockType::Q4_K) {
-            q4k_row(block, sm, lane, values);
+            q45k_row<false>(block, sm, lane, values);
+          } else if (s.type == BlockType::Q5_K) {
+            q45k_row<true>(block, sm, lane, values);
           } else if (s.type == BlockType::Q6_K) {
             q6k_row(block, codes[lane], lane, values);
           } else {
@@ -349,20 +360,27 @@ struct KQuantKernels {
     }
   }
 
-  // Row `lane` of a Q4_K block (scales unpacked in sm): (d * sc) * q - dmin * m, as gguf-py.
-  static void q4k_row(const std::uint8_t* block, const std::uint8_t* sm, int lane, float* values) {
+  // Row `lane` of a Q4_K / Q5_K block (scales unpacked in sm): (d * sc) * q - dmin * m, as gguf-py.
+  template <bool Five>
+  static void q45k_row(const std::uint8_t* block, const std::uint8_t* sm, int lane, float* values) {
     const auto* d16 = reinterpret_cast<const std::uint16_t*>(block);
     const float d = half_to_float(d16[lane]), dmin = half_to_float(d16[kPackRows + lane]);
-    std::uint8_t qs[128];  // the row's bytes in the file's order
-    for (int i = 0; i < 32; ++i) std::memcpy(qs + 4 * i, block + 256 + 64 * i + 4 * lane, 4);
-    for (int sub = 0; sub < 4; ++sub) {
-      const F s_lo = V::splat(d * sm[32 * sub + lane]), s_hi = V::splat(d * sm[32 * sub + 16 + lane]);
-      const F o_lo = V::splat(-(dmin * sm[128 + 32 * sub + lane])), o_hi = V::splat(-(dmin * sm[128 + 32 * sub + 16 + lane]));
+    alignas(64) std::int8_t q[kSuperBlock];  // the row's codes, input order
+    for (int c = 0; c < 32; ++c) {  // the file's qs bytes 4c .. 4c + 3: inputs 64 (c / 8) + 4 (c % 8) + i (+ 32)
+      const std::uint8_t* qs = block + (Five ? 768 : 256) + 64 * c + 4 * lane;
+      for (int i = 0; i < 4; ++i) {
+        const int sub = c / 8, l = 4 * (c % 8) + i;
+        const int high = Five ? block[256 + 64 * (l / 4) + 4 * lane + l % 4] : 0;
+        q[64 * sub + l] = static_cast<std::int8_t>((qs[i] & 15) | ((high >> (2 * sub)) & 1) << 4);
+        q[64 * sub + 32 + l] = static_cast<std::int8_t>((qs[i] >> 4) | ((high >> (2 * sub + 1)) & 1) << 4);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {  // sub-block j of 32 inputs
+      const int sub = j / 2, half = j % 2;
+      const F scale = V::splat(d * sm[32 * sub + 16 * half + lane]);
+      const F offset = V::splat(-(dmin * sm[128 + 32 * sub + 16 * half + lane]));
       for (int i = 0; i < 32; i += W) {
-        F lo, hi;
-        V::nibbles(qs + 32 * sub + i, lo, hi);
-        V::store(values + 64 * sub + i, V::add(V::mul(s_lo, lo), o_lo));
-        V::store(values + 64 * sub + 32 + i, V::add(V::mul(s_hi, hi), o_hi));
+        V::store(values + 32 * j + i, V::add(V::mul(scale, V::bytes(q + 32 * j + i)), offset));
       }
     }
   }

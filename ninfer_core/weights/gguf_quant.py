@@ -1,6 +1,6 @@
 """GGUF quantized tensors -> our quantized formats (ops/quant.py) without a second quantization.
 
-Q4_K, Q6_K and Q8_0 matrices (Q8_0: rows of whole 256-input spans) are kept as the file's blocks
+Q4_K, Q5_K, Q6_K and Q8_0 matrices (Q8_0: rows of whole 256-input spans) are kept as the file's blocks
 instead (ops/kquant.py), unless a merged projection stacks one with a part of another type: then
 this mapping serves them too.
 

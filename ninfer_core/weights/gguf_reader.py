@@ -419,7 +419,7 @@ class GGUFCheckpoint(GGUFFile):
         return input_orders(self.config) if self.gguf_arch in QWEN35_ARCHS else {}
 
     def quant_format(self, name: str) -> QuantFormat | KQuantFormat | None:
-        """The format a tensor keeps on the CPU: a Q4_K / Q6_K / Q8_0 matrix its blocks as they are
+        """The format a tensor keeps on the CPU: a Q4_K / Q5_K / Q6_K / Q8_0 matrix its blocks as they are
         (`get_blocks`), other types (and K-quant routed experts, [E, N, K]) the format
         `get_quantized` gives; None when it has none (a float tensor, a block type without an
         exact mapping, a tensor whose values the converter changed, or one made of file tensors of

@@ -1,11 +1,11 @@
 """The packed layout of GGUF K-quant blocks kept native on the CPU (csrc/cpu/kquant.h describes it):
-the file's Q4_K / Q6_K (and Q8_0, eight blocks to a 256-input "super-block") bytes reordered 16
-rows at a time, losslessly, and back.
+the file's Q4_K / Q5_K / Q6_K (and Q8_0, eight blocks to a 256-input "super-block") bytes
+reordered 16 rows at a time, losslessly, and back.
 
 `pack_rows` makes it at load (numpy, a few passes over the tensor); `unpack_packs` is its inverse,
-for the torch references (ops/kquant.py) and the embedding lookup. Only Q4_K's 12 bytes of six-bit
-scales and minimums are re-encoded (as Q6_K packs its codes, so one routine decodes both); every
-other byte is moved, not changed (Q8_0's codes are stored xor 0x80, an exact recoding).
+for the torch references (ops/kquant.py) and the embedding lookup. Only Q4_K's and Q5_K's 12 bytes
+of six-bit scales and minimums are re-encoded (as Q6_K packs its codes, so one routine decodes
+both); every other byte is moved, not changed (Q8_0's codes are stored xor 0x80, an exact recoding).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from gguf.quants import Q4_K
 PACK_ROWS = 16
 SUPER_BLOCK = 256
 # block type -> (ggml type, bytes of one row's super-block); the names are the file's types
-BLOCK_TYPES = {"q4_k": (Q.Q4_K, 144), "q6_k": (Q.Q6_K, 210), "q8_0": (Q.Q8_0, 8 * 34)}
+BLOCK_TYPES = {"q4_k": (Q.Q4_K, 144), "q5_k": (Q.Q5_K, 176), "q6_k": (Q.Q6_K, 210), "q8_0": (Q.Q8_0, 8 * 34)}
 # Q8_0's 8 blocks of a super-block: where their fp16 d and their 32 codes lie in the file's 272 bytes
 _Q8_D = (34 * np.arange(8)[:, None] + np.arange(2)).reshape(-1)
 _Q8_CODES = (34 * np.arange(8)[:, None] + 2 + np.arange(32)).reshape(-1)
@@ -42,11 +42,13 @@ def pack_rows(rows: np.ndarray, block: str) -> np.ndarray:
     padded[:n] = rows.reshape(n, blocks, size)
     by_pack = padded.reshape(-1, PACK_ROWS, blocks, size).swapaxes(1, 2)  # [pack, block, row, bytes]
     packs = by_pack.shape[0]
-    if block == "q4_k":
+    if block in ("q4_k", "q5_k"):  # Q5_K: Q4_K's fields with qh (32 bytes) before qs
         sc, m = Q4_K.get_scale_min(np.ascontiguousarray(by_pack[..., 4:16]).reshape(-1, 12))
         six = np.concatenate([v.reshape(packs, blocks, PACK_ROWS, 8).swapaxes(2, 3) for v in (sc, m)], axis=2)
-        qs = by_pack[..., 16:144].reshape(packs, blocks, PACK_ROWS, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5)
-        parts = [by_pack[..., 0:2], by_pack[..., 2:4], _pack_six_bits(six.reshape(packs, blocks, 256)), qs]
+        at = 48 if block == "q5_k" else 16
+        qs = by_pack[..., at : at + 128].reshape(packs, blocks, PACK_ROWS, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5)
+        qh = [by_pack[..., 16:48].reshape(packs, blocks, PACK_ROWS, 8, 4).swapaxes(2, 3)] if block == "q5_k" else []
+        parts = [by_pack[..., 0:2], by_pack[..., 2:4], _pack_six_bits(six.reshape(packs, blocks, 256)), *qh, qs]
     elif block == "q8_0":
         d = by_pack[..., _Q8_D].reshape(packs, blocks, PACK_ROWS, 8, 2).swapaxes(2, 3)  # [.., j, row, 2]
         codes = by_pack[..., _Q8_CODES] ^ 0x80
@@ -68,13 +70,17 @@ def unpack_packs(packed: np.ndarray, block: str, cols: int) -> np.ndarray:
     packs = data.shape[0]
     out = np.empty((packs, PACK_ROWS, blocks, size), dtype=np.uint8)
     by_pack = out.swapaxes(1, 2)  # [pack, block, row, bytes], a view of out
-    if block == "q4_k":
+    if block in ("q4_k", "q5_k"):
         by_pack[..., 0:2] = data[..., 0:32].reshape(packs, blocks, PACK_ROWS, 2)
         by_pack[..., 2:4] = data[..., 32:64].reshape(packs, blocks, PACK_ROWS, 2)
         six = _unpack_six_bits(data[..., 64:256]).reshape(packs, blocks, 2, 8, PACK_ROWS).transpose(0, 1, 4, 2, 3)
         by_pack[..., 4:16] = _k_scale_bytes(six[..., 0, :], six[..., 1, :])
-        qs = data[..., 256:].reshape(packs, blocks, 4, 8, PACK_ROWS, 4).transpose(0, 1, 4, 2, 3, 5)
-        by_pack[..., 16:144] = qs.reshape(packs, blocks, PACK_ROWS, 128)
+        at, qs_start = (48, 768) if block == "q5_k" else (16, 256)
+        if block == "q5_k":
+            qh = data[..., 256:768].reshape(packs, blocks, 8, PACK_ROWS, 4).swapaxes(2, 3)
+            by_pack[..., 16:48] = qh.reshape(packs, blocks, PACK_ROWS, 32)
+        qs = data[..., qs_start:].reshape(packs, blocks, 4, 8, PACK_ROWS, 4).transpose(0, 1, 4, 2, 3, 5)
+        by_pack[..., at : at + 128] = qs.reshape(packs, blocks, PACK_ROWS, 128)
     elif block == "q8_0":
         by_pack[..., _Q8_D] = data[..., 0:256].reshape(packs, blocks, 8, PACK_ROWS, 2).swapaxes(2, 3).reshape(
             packs, blocks, PACK_ROWS, 16)
