@@ -351,9 +351,10 @@ struct KQuantKernels {
   // Row `lane` of a Q8_0 super-block: d * q, as gguf-py.
   static void q80_row(const std::uint8_t* block, int lane, float* values) {
     const auto* d16 = reinterpret_cast<const std::uint16_t*>(block);
+    alignas(64) std::uint8_t raw[kSuperBlock];
+    for (int c = 0; c < 64; ++c) std::memcpy(raw + 4 * c, block + 256 + 64 * c + 4 * lane, 4);
     alignas(64) std::int8_t q[kSuperBlock];
-    for (int c = 0; c < 64; ++c)
-      for (int i = 0; i < 4; ++i) q[4 * c + i] = static_cast<std::int8_t>(block[256 + 64 * c + 4 * lane + i] ^ 0x80);
+    for (int i = 0; i < kSuperBlock; ++i) q[i] = static_cast<std::int8_t>(raw[i] ^ 0x80);
     for (int j = 0; j < 8; ++j) {
       const F d = V::splat(half_to_float(d16[kPackRows * j + lane]));
       for (int i = 0; i < 32; i += W) V::store(values + 32 * j + i, V::mul(d, V::bytes(q + 32 * j + i)));
@@ -365,22 +366,30 @@ struct KQuantKernels {
   static void q45k_row(const std::uint8_t* block, const std::uint8_t* sm, int lane, float* values) {
     const auto* d16 = reinterpret_cast<const std::uint16_t*>(block);
     const float d = half_to_float(d16[lane]), dmin = half_to_float(d16[kPackRows + lane]);
-    alignas(64) std::int8_t q[kSuperBlock];  // the row's codes, input order
-    for (int c = 0; c < 32; ++c) {  // the file's qs bytes 4c .. 4c + 3: inputs 64 (c / 8) + 4 (c % 8) + i (+ 32)
-      const std::uint8_t* qs = block + (Five ? 768 : 256) + 64 * c + 4 * lane;
-      for (int i = 0; i < 4; ++i) {
-        const int sub = c / 8, l = 4 * (c % 8) + i;
-        const int high = Five ? block[256 + 64 * (l / 4) + 4 * lane + l % 4] : 0;
-        q[64 * sub + l] = static_cast<std::int8_t>((qs[i] & 15) | ((high >> (2 * sub)) & 1) << 4);
-        q[64 * sub + 32 + l] = static_cast<std::int8_t>((qs[i] >> 4) | ((high >> (2 * sub + 1)) & 1) << 4);
-      }
+    std::uint8_t qs[128], qh[32];  // the row's bytes in the file's order
+    for (int i = 0; i < 32; ++i) std::memcpy(qs + 4 * i, block + (Five ? 768 : 256) + 64 * i + 4 * lane, 4);
+    if constexpr (Five) {
+      for (int i = 0; i < 8; ++i) std::memcpy(qh + 4 * i, block + 256 + 64 * i + 4 * lane, 4);
     }
-    for (int j = 0; j < 8; ++j) {  // sub-block j of 32 inputs
-      const int sub = j / 2, half = j % 2;
-      const F scale = V::splat(d * sm[32 * sub + 16 * half + lane]);
-      const F offset = V::splat(-(dmin * sm[128 + 32 * sub + 16 * half + lane]));
+    for (int sub = 0; sub < 4; ++sub) {
+      const F s_lo = V::splat(d * sm[32 * sub + lane]), s_hi = V::splat(d * sm[32 * sub + 16 + lane]);
+      const F o_lo = V::splat(-(dmin * sm[128 + 32 * sub + lane])), o_hi = V::splat(-(dmin * sm[128 + 32 * sub + 16 + lane]));
+      alignas(64) std::int8_t fifth[64];  // Q5_K: 16 times the fifth bit of the sub-blocks' inputs
+      if constexpr (Five) {
+        for (int l = 0; l < 32; ++l) {
+          fifth[l] = static_cast<std::int8_t>(((qh[l] >> (2 * sub)) & 1) << 4);
+          fifth[32 + l] = static_cast<std::int8_t>(((qh[l] >> (2 * sub + 1)) & 1) << 4);
+        }
+      }
       for (int i = 0; i < 32; i += W) {
-        V::store(values + 32 * j + i, V::add(V::mul(scale, V::bytes(q + 32 * j + i)), offset));
+        F lo, hi;
+        V::nibbles(qs + 32 * sub + i, lo, hi);
+        if constexpr (Five) {
+          lo = V::add(lo, V::bytes(fifth + i));
+          hi = V::add(hi, V::bytes(fifth + 32 + i));
+        }
+        V::store(values + 64 * sub + i, V::add(V::mul(s_lo, lo), o_lo));
+        V::store(values + 64 * sub + 32 + i, V::add(V::mul(s_hi, hi), o_hi));
       }
     }
   }
