@@ -69,8 +69,10 @@ struct KQuantKernels {
   static constexpr int W = V::W;
   static constexpr int kHalves = kPackRows / W;  // vectors per 16 rows
   static constexpr int kMaxT = 4;                // activation rows per pass over a pack
-  static constexpr std::int64_t kQ4Bytes = kPackRows * 144, kQ5Bytes = kPackRows * 176, kQ6Bytes = kPackRows * 210,
-                                kQ8Bytes = kPackRows * 272;
+  static constexpr std::int64_t kQ4Bytes = kPackRows * block_bytes(BlockType::Q4_K),
+                                kQ5Bytes = kPackRows * block_bytes(BlockType::Q5_K),
+                                kQ6Bytes = kPackRows * block_bytes(BlockType::Q6_K),
+                                kQ8Bytes = kPackRows * block_bytes(BlockType::Q8_0);
 
   // The four six-bit byte vectors of a packing (kquant.h): from the low-nibble bytes `a` (values
   // v and v + 128 of a), `b` (of b) and the high-bit bytes `h` (4W bytes each).

@@ -95,7 +95,7 @@ def select_files(snapshot: RepoSnapshot, gguf: str | None = None) -> list[Remote
         model = pick_gguf(snapshot, gguf)
         folder = PurePosixPath(model.name).parent
         projector = pick_mmproj(f.name for f in snapshot.files if PurePosixPath(f.name).parent == folder)
-        return [model] + [f for f in snapshot.files if f.name == projector]
+        return [model] + ([snapshot.file(projector)] if projector else [])
     top_level = [f for f in snapshot.files if "/" not in f.name]
     weights = [f for f in top_level if f.name.endswith(".safetensors")]
     if not weights:
