@@ -185,6 +185,7 @@ LIST
     # that does not apply (or a copy that does not build) is left out with its log, never timed on
     # the torch references (NINFER_REQUIRE_KERNELS=1). "main" is this working tree, uncommitted
     # edits included. AB_VARIANTS: ab_replays.py's settings, each build timed under each (default X=0).
+    # MOE_ROUNDS=N: then bench_moe_triton.py (MOE_TOKENS, MOE_PATHS) of each build, alternating, N rounds.
     # an editable install of this tree (an earlier step on a warm machine) would shadow the copies
     python3 -m pip uninstall -y -q ninfer > /dev/null 2>&1
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
@@ -223,6 +224,14 @@ LIST
             | sed "s/^{/{\"build\": \"$name\", \"preset\": \"${entry%%=*}\", \"call_round\": $round, /" \
             | tee -a "$OUT/builds.jsonl" )
         done
+      done
+    done
+    for round in $(seq 1 ${MOE_ROUNDS:-0}); do  # the MoE of short prompts (MOE_TOKENS, MOE_PATHS), alternating
+      for v in $(in_order $round); do
+        name=$(variant $v)
+        ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} NINFER_REQUIRE_KERNELS=1 timeout 200 \
+            python3 scripts/bench_moe_triton.py --tokens ${MOE_TOKENS:-16,37,64,128} --paths ${MOE_PATHS:-grouped_gemv_bm8} \
+            --json "$OUT/moe_${name}_round$round.json" 2>&1 | sed "s/^/$name round $round: /" | tail -8 )
       done
     done
     if [ "${ENGINE_ROUNDS:-0}" -gt 0 ]; then  # the model directory, made with a built copy's package (none is installed)
