@@ -293,10 +293,11 @@ def test_unsupported_architecture_is_refused_before_any_weights(env, hub):
     assert not any(name.endswith(".safetensors") for name in fetched(hub))
 
 
-def write_gguf(path: Path, file_type: int) -> None:
+def write_gguf(path: Path, file_type: int, split: bool = False) -> None:
+    """A header-size GGUF model; `split`: as two shards (PATH's stem-0000i-of-00002.gguf)."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), "llama", split_max_tensors=1 if split else 0)
     writer.add_context_length(2048)
     writer.add_file_type(file_type)
     writer.add_vocab_size(32)
@@ -305,6 +306,8 @@ def write_gguf(path: Path, file_type: int) -> None:
     writer.add_head_count(2)
     writer.add_feed_forward_length(16)
     writer.add_tensor("token_embd.weight", np.zeros((32, 8), dtype=np.float32))
+    if split:
+        writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -357,6 +360,37 @@ def test_gguf_pull_brings_the_vision_projector_of_its_folder(env, hub, tmp_path)
     hub.log.clear()
     big = pull("org/vl-GGUF", gguf_file="big/vl-Q8_0.gguf", options=options(hub))
     assert fetched(hub) == ["big/vl-Q8_0.gguf"] and list(big.files) == ["big/vl-Q8_0.gguf"]  # none in its folder
+
+
+def test_a_split_gguf_pulls_whole_by_any_of_its_names(env, hub, tmp_path):
+    """A split model (NAME-0000i-of-0000N.gguf) is one model: listed by its first shard, pulled with
+    every shard whichever one --file names, loaded and sized as a whole; one with a shard missing
+    from the repository is refused before any download."""
+    write_gguf(tmp_path / "q8.gguf", file_type=7, split=True)
+    shards = [(tmp_path / f"q8-0000{i}-of-00002.gguf").read_bytes() for i in (1, 2)]
+    hub.add_repo("org/big-GGUF", {"Q8_0/big-Q8_0-00001-of-00002.gguf": shards[0],
+                                  "Q8_0/big-Q8_0-00002-of-00002.gguf": shards[1],
+                                  "Q4/big-Q4-00001-of-00002.gguf": shards[0],
+                                  "mmproj-F16.gguf": b"projector", "Q8_0/mmproj-F16.gguf": b"f16 projector"})
+    with pytest.raises(HubError, match="choose one with --file") as refused:
+        pull("org/big-GGUF", options=options(hub))
+    assert "Q8_0/big-Q8_0-00001-of-00002.gguf (2 files, " in str(refused.value)
+    assert "00002-of" not in str(refused.value)
+    with pytest.raises(HubError, match="'Q4/big-Q4-00001-of-00002.gguf' is the first of 2 shards, but the "
+                                       "repository holds 1 of them"):
+        pull("org/big-GGUF", gguf_file="Q4", options=options(hub))
+    assert fetched(hub) == []
+    for wanted in ("Q8_0", "Q8_0/big-Q8_0-00002-of-00002.gguf"):
+        hub.log.clear()
+        entry = pull("org/big-GGUF", gguf_file=wanted, options=options(hub))
+        assert entry.key == "org/big-GGUF:Q8_0/big-Q8_0-00001-of-00002.gguf"
+        assert entry.path.name == "big-Q8_0-00001-of-00002.gguf"
+        assert list(entry.files) == ["Q8_0/big-Q8_0-00001-of-00002.gguf", "Q8_0/big-Q8_0-00002-of-00002.gguf",
+                                     "Q8_0/mmproj-F16.gguf"]
+    assert (entry.path.parent / "big-Q8_0-00002-of-00002.gguf").read_bytes() == shards[1]
+    s = entry.summary
+    assert (s.arch, s.quantization, s.params) == ("llama", "Q8_0", 32 * 8 + 8)  # both shards' tensors
+    assert fit_for(entry.key).weight_bytes == sum(len(b) for b in shards)
 
 
 # ---- aliases ------------------------------------------------------------------------------------

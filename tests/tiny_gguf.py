@@ -185,10 +185,12 @@ def write_gguf(
     state: dict[str, torch.Tensor],
     qtypes: dict[str, Q],
     tokenizer: GGUFTokenizerSpec | None = None,
+    split_max_tensors: int = 0,
 ) -> dict[str, np.ndarray]:
     """Write `state` (canonical HF names) as a GGUF; `qtypes` maps a name suffix such as
     'q_proj.weight' to its type (1-D tensors are always F32). Returns {canonical name: float64
-    values the file encodes, in HF layout}."""
+    values the file encodes, in HF layout}. `split_max_tensors`: a split model as gguf-split
+    writes it (PATH's stem-0000i-of-0000N.gguf) with at most that many tensors a shard."""
     encoded = {}
     for name, tensor in state.items():
         w = tensor.detach().double().numpy().astype(np.float32)
@@ -197,7 +199,7 @@ def write_gguf(
             w = llamacpp_permute(w, heads)
         qtype = Q.F32 if w.ndim == 1 else next(t for suffix, t in qtypes.items() if name.endswith(suffix))
         encoded[name] = (qtype, gguf.quants.quantize(w, qtype))
-    return write_encoded_gguf(path, spec, encoded, tokenizer)
+    return write_encoded_gguf(path, spec, encoded, tokenizer, split_max_tensors)
 
 
 def permuted_heads(spec: GGUFModelSpec, name: str) -> int | None:
@@ -214,11 +216,12 @@ def write_encoded_gguf(
     spec: GGUFModelSpec,
     encoded: dict[str, tuple[Q, np.ndarray]],
     tokenizer: GGUFTokenizerSpec | None = None,
+    split_max_tensors: int = 0,
 ) -> dict[str, np.ndarray]:
     """Write tensors already in GGUF form: {canonical name: (type, data)}, rows in GGUF order
     (q / k permuted for llama) and quantized types as uint8 bytes of shape [rows, bytes per row].
     Returns {canonical name: float64 values the file encodes, in HF layout}."""
-    writer = gguf.GGUFWriter(str(path), spec.arch)
+    writer = gguf.GGUFWriter(str(path), spec.arch, split_max_tensors=split_max_tensors)
     add_model_metadata(writer, spec)
     if tokenizer is not None:
         add_tokenizer(writer, tokenizer)

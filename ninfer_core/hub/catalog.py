@@ -19,6 +19,7 @@ from ..config import ModelConfig, load_config
 from ..errors import ModelLoadError, NinferError
 from ..home import ninfer_home
 from ..models.default_model import DEFAULT_MODEL_NAME, default_model_path
+from ..weights.gguf_split import model_bytes
 from .aliases import resolve_alias
 from .registry import ModelEntry, Registry, resolve_local
 from .summary import ModelSummary, summarize_checkpoint, summarize_gguf
@@ -51,7 +52,7 @@ class CatalogModel:
         if self.entry is not None:
             return self.entry.disk_bytes()
         if self.path.is_file():
-            return self.path.stat().st_size
+            return model_bytes(self.path)
         return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file()) if self.path.is_dir() else 0
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..config import ModelConfig
 from ..errors import NinferError
+from ..weights.gguf_split import model_bytes
 from .aliases import resolve_alias
 from .catalog import CatalogModel, find_model, list_models, model_config
 from .errors import HubError, ModelNotFoundError
@@ -54,5 +55,5 @@ def model_fit(model: CatalogModel, quantization: str | None = None, context: int
             raise HubError(f"{model.name}: no memory estimate ({e})") from None
     summary = model.summary()
     quantization = quantization or (summary.quantization if summary else checkpoint_quantization(config))
-    gguf_size = model.path.stat().st_size if model.path.is_file() and quantization not in WEIGHT_BYTES else None
+    gguf_size = model_bytes(model.path) if model.path.is_file() and quantization not in WEIGHT_BYTES else None
     return estimate_fit(config, quantization, context, kv_dtype, sequences, gpu, weight_bytes=gguf_size)

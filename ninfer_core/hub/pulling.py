@@ -163,6 +163,8 @@ class _Pull:
     def _gguf_summary(self, entry: ModelEntry) -> ModelSummary:
         try:
             return summarize_gguf(entry.path)
+        except ModelLoadError as e:
+            raise HubError(f"{entry.key}: {e}") from None
         except (ValueError, OSError, KeyError) as e:
             raise HubError(f"{entry.key}: not a readable GGUF file ({e})") from None
 

@@ -43,19 +43,15 @@ def summarize_gguf(path: Path) -> ModelSummary:
     """From GGUF metadata and tensor shapes (no tensor data is read)."""
     from gguf import LlamaFileType
 
-    from ..weights.gguf_reader import FastGGUFReader
+    from ..weights.gguf_reader import GGUFFile
 
-    reader = FastGGUFReader(path)
-
-    def field(key: str):
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
-
+    gguf = GGUFFile(path)  # every shard of a split model
+    field = gguf.metadata
     arch = str(field("general.architecture") or "unknown")
     file_type = field("general.file_type")
     try:
         quant = LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except (TypeError, ValueError):
         quant = "unknown"
-    params = sum(int(t.n_elements) for t in reader.tensors)
+    params = sum(int(t.n_elements) for t in gguf.tensors)
     return ModelSummary(arch, quant, int(field(f"{arch}.context_length") or 0), params)

@@ -37,6 +37,7 @@ from ..capabilities import Capabilities
 from ..errors import NinferError
 from ..hub import CatalogModel, find_model, list_models
 from ..hub.summary import ModelSummary
+from ..weights.gguf_split import model_files
 from .body import read_model
 from .errors import ApiError
 from .generation import pool_of
@@ -84,7 +85,7 @@ def _digest(model: CatalogModel) -> str:
         for digest in sorted(r.digest for r in model.entry.files.values()):
             h.update(digest.encode())
     else:
-        files = [model.path] if model.path.is_file() else sorted(p for p in model.path.glob("*") if p.is_file())
+        files = model_files(model.path) if model.path.is_file() else sorted(p for p in model.path.glob("*") if p.is_file())
         for f in files:
             stat = f.stat()
             h.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())

@@ -72,7 +72,7 @@ class MmprojFile(GGUFFile):
             raise ModelLoadError(f"{self.path}: a '{kind}' vision projector; Qwen3.5 / 3.6 need '{PROJECTOR}'")
         if any(self.metadata("clip.vision.is_deepstack_layers") or []):
             raise ModelLoadError(f"{self.path}: vision towers with deepstack layers (Qwen3-VL) are not supported")
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors = {t.name: t for t in self.tensors}
         unknown = [name for name in self._tensors if tower_name(name) is None]
         if unknown:
             raise ModelLoadError(f"{self.path}: unknown vision tensors: {', '.join(unknown[:8])}")

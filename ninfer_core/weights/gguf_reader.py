@@ -39,6 +39,7 @@ from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer as NinferTokenizer
 from .gguf_qwen35 import (QWEN35_ARCHS, TensorFix, canonical_part, input_orders, layer_counts, qwen35_config,
                           tensor_fix)
+from .gguf_split import SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS, first_shard, shard_name
 
 if TYPE_CHECKING:  # torch (through ops / gguf_quant) is imported by the tensor readers only:
     import torch  # `ninfer ls` / `show` read a GGUF's config without it
@@ -218,28 +219,73 @@ def check_header_counts(path: Path) -> None:
                                  f"{room + _HEADER.size} bytes can describe")
 
 
+def _read(path: Path) -> FastGGUFReader:
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: GGUF file not found")
+    check_header_counts(path)
+    try:
+        return FastGGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def _metadata(reader: GGUFReader, path: Path, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except (ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
+        raise ModelLoadError(f"{path}: metadata key '{key}' cannot be read ({e})") from None
+
+
 class GGUFFile:
-    """An opened GGUF file: metadata parsed now, tensors memory-mapped and dequantized on request."""
+    """An opened GGUF file: metadata parsed now, tensors memory-mapped and dequantized on request.
+    A split model (weights/gguf_split.py) is opened by any of its shards: metadata from the first,
+    tensors from all."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelLoadError(f"{self.path}: GGUF file not found")
-        check_header_counts(self.path)
-        try:
-            self._reader = FastGGUFReader(self.path)
-        except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({e})") from None
+        self.path = first_shard(Path(path))
+        self._reader = _read(self.path)
+        self._shards = self._open_shards()
+
+    def _open_shards(self) -> list[FastGGUFReader]:
+        """This file's reader, then the other shards' where the file is the first of a split model."""
+        count = int(self.metadata(SPLIT_COUNT, 0) or 0)
+        if count <= 1:
+            return [self._reader]
+        if self.metadata(SPLIT_NO, 0) != 0:
+            raise ModelLoadError(f"{self.path}: shard {self.metadata(SPLIT_NO) + 1} of a split model whose name does "
+                                 f"not say so: open its first shard (NAME-00001-of-{count:05d}.gguf)")
+        shard = shard_name(self.path.name)
+        if shard is None or shard.count != count:
+            raise ModelLoadError(f"{self.path}: the first of {count} shards, but its name does not end in "
+                                 f"-00001-of-{count:05d}.gguf, by which the others are found")
+        readers = [self._reader]
+        for number in range(2, count + 1):
+            path = self.path.with_name(shard.sibling(number))
+            if not path.is_file():
+                raise ModelLoadError(f"{self.path}: shard {number} of {count} is missing ({path.name})")
+            reader = _read(path)
+            said = _metadata(reader, path, SPLIT_NO), _metadata(reader, path, SPLIT_COUNT)
+            if said != (number - 1, count):
+                raise ModelLoadError(f"{path}: not shard {number} of {count} of {self.path.name} (its split.no / "
+                                     f"split.count: {said[0]} / {said[1]})")
+            readers.append(reader)
+        expected = self.metadata(SPLIT_TENSORS)
+        found = sum(len(r.tensors) for r in readers)
+        if expected is not None and found != expected:
+            raise ModelLoadError(f"{self.path}: its {count} shards hold {found} tensors, {SPLIT_TENSORS} says {expected}")
+        return readers
+
+    @property
+    def tensors(self) -> list[ReaderTensor]:
+        """Every tensor of the model, over all its shards."""
+        return [t for reader in self._shards for t in reader.tensors]
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """A metadata value as Python data (str, int, float, bool or list)."""
-        field = self._reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except (ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
-            raise ModelLoadError(f"{self.path}: metadata key '{key}' cannot be read ({e})") from None
+        return _metadata(self._reader, self.path, key, default)
 
     def _require(self, key: str) -> Any:
         value = self.metadata(key)
@@ -277,7 +323,7 @@ class GGUFCheckpoint(GGUFFile):
         self._tensors: dict[str, list[ReaderTensor | None]] = {}
         canonical = self._name_map()
         unknown = []
-        for t in self._reader.tensors:
+        for t in self.tensors:
             found = canonical(t.name)
             if found is None:
                 unknown.append(t.name)
