@@ -116,7 +116,11 @@ def test_layers_the_kernel_does_not_cover_run_their_forward(tmp_path, monkeypatc
     assert cpu_layer._make_plan(float_model.layers[0]) == ()
 
 
-def test_smollm_decodes_the_same_fused(monkeypatch, smollm_path):
+@pytest.mark.parametrize("math", ["bf16", "int8"])
+def test_smollm_decodes_the_same_fused(monkeypatch, smollm_path, math):
+    """The README's model (its down_proj Q4_1 blocks, the rest mapped to int4 / int8: exact math leaves
+    its layers to their forward) under the default math and int8."""
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, math)
     model = load_model(str(smollm_path), "cpu").model
     ours, reference, fused_calls = fused_and_reference(model, monkeypatch)
     assert fused_calls and set(fused_calls) == {model.config.num_layers}  # the whole stack in one call

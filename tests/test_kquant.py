@@ -36,7 +36,8 @@ needs_kernels = pytest.mark.skipif(dispatch.cpu_extension() is None, reason="nin
 BLOCKS = list(BLOCK_TYPES)
 
 
-FP16_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q8_0": tuple(range(0, 272, 34))}  # in a super-block
+FP16_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q8_0": tuple(range(0, 272, 34)),  # in a super-block
+           "q4_0": tuple(range(0, 144, 18)), "q4_1": tuple(range(0, 160, 20)) + tuple(range(2, 160, 20))}
 
 
 def file_rows(block: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -73,7 +74,8 @@ def float64_values(parts: list[tuple[str, np.ndarray]], cols: int) -> np.ndarray
     return np.concatenate([reference_dequantize(BLOCK_TYPES[b][0], rows, (len(rows), cols)) for b, rows in parts])
 
 
-MIXED = [("q4_k", 37), ("q4_k", 16), ("q6_k", 21), ("q8_0", 19), ("q5_k", 18)]  # packs padded, types mixed
+MIXED = [("q4_k", 37), ("q4_k", 16), ("q6_k", 21), ("q8_0", 19), ("q5_k", 18), ("q4_0", 17),  # packs padded,
+         ("q4_1", 20)]  # types mixed
 
 
 def mixed_parts(cols: int, seed: int) -> list[tuple[str, np.ndarray]]:
@@ -120,6 +122,16 @@ def test_packing_puts_the_bytes_where_the_kernels_read_them():
     assert packed[second + 256 + 64 * (8 * 3 + 2) + 4 * 5 + 1] == q8[5, 272 + 34 * 3 + 2 + 4 * 2 + 1] ^ 0x80
     d_at = second + 2 * (16 * 3 + 5)
     assert packed[d_at : d_at + 2].tolist() == q8[5, 272 + 34 * 3 : 272 + 34 * 3 + 2].tolist()
+    # Q4_0 / Q4_1 row 6, block 5 of the second super-block: qs byte 4 * 3 + 2 (c 3) at 256 (Q4_1: 512, after
+    # m) + (4 * 5 + 3) * 64 + 4 * 6 + 2; d (and m) of block 5 at 2 (16 * 5 + 6) (m: 256 further)
+    for block, size, qs_at, codes_from in (("q4_0", 18, 256, 2), ("q4_1", 20, 512, 4)):
+        q4 = file_rows(block, 16, 512, seed=5)
+        packed, second, first = pack_rows(q4, block), 16 * 8 * size, 8 * size + size * 5
+        assert packed[second + qs_at + (4 * 5 + 3) * 64 + 4 * 6 + 2] == q4[6, first + codes_from + 4 * 3 + 2]
+        d_at = second + 2 * (16 * 5 + 6)
+        assert packed[d_at : d_at + 2].tolist() == q4[6, first : first + 2].tolist()
+        if block == "q4_1":
+            assert packed[d_at + 256 : d_at + 258].tolist() == q4[6, first + 2 : first + 4].tolist()
 
 
 # ---- the kernels ------------------------------------------------------------------------------
@@ -254,10 +266,11 @@ def test_a_weight_checks_its_bytes():
 
 SPEC = GGUFModelSpec(arch="qwen2", num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
                      num_kv_heads=2, head_dim=64, vocab_size=40, rope_theta=5000.0, rms_eps=1e-6)
-# Q4_K_M's choices (q, o, gate, the embedding Q4_K; v, down, lm_head Q6_K), k in Q5_K, up in Q8_0
-TYPES = {"q_proj": "q4_k", "k_proj": "q5_k", "v_proj": "q6_k", "o_proj": "q4_k", "gate_proj": "q4_k",
+# Q4_K_M's choices (q, the embedding Q4_K; v, down, lm_head Q6_K), k in Q5_K, up in Q8_0, o in Q4_0, gate in Q4_1
+TYPES = {"q_proj": "q4_k", "k_proj": "q5_k", "v_proj": "q6_k", "o_proj": "q4_0", "gate_proj": "q4_1",
          "up_proj": "q8_0", "down_proj": "q6_k", "embed_tokens": "q4_k", "lm_head": "q6_k"}
-D_FACTOR = {"q4_k": 1e-4, "q5_k": 5e-5, "q6_k": 1.5e-5, "q8_0": 4.8e-4}  # codes x sub-scales: ~4K (Q6_K), 128 (Q8_0)
+D_FACTOR = {"q4_k": 1e-4, "q5_k": 5e-5, "q6_k": 1.5e-5, "q8_0": 4.8e-4,  # codes x sub-scales: ~4K (Q6_K), 128 (Q8_0)
+            "q4_0": 6e-3, "q4_1": 3e-3}
 
 
 def small_blocks(block: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -315,7 +328,7 @@ def test_a_kquant_model_runs_like_the_fp32_path(tmp_path, monkeypatch, arch, tie
     compact, reference = load_both(path)
     qkv = compact.layers[0].self_attn.qkv_proj.linear
     assert isinstance(qkv, KQuantLinear) and qkv.parts == (("q4_k", 256), ("q5_k", 128), ("q6_k", 128))
-    assert compact.layers[0].mlp.gate_up_proj.linear.parts == (("q4_k", 512), ("q8_0", 512))
+    assert compact.layers[0].mlp.gate_up_proj.linear.parts == (("q4_1", 512), ("q8_0", 512))
     assert isinstance(compact.embed_tokens, KQuantEmbedding) and isinstance(compact.lm_head, KQuantLinear)
     assert (compact.lm_head.blocks.data_ptr() == compact.embed_tokens.blocks.data_ptr()) == tied
     kept = {m.blocks.data_ptr(): m.blocks.numel() for m in compact.modules() if isinstance(m, (KQuantLinear, KQuantEmbedding))}
@@ -337,7 +350,7 @@ def test_a_kquant_model_runs_like_the_fp32_path(tmp_path, monkeypatch, arch, tie
 
 
 def test_a_kquant_part_merged_with_another_type_is_mapped(tmp_path):
-    """q in Q4_0 beside Q4_K k and Q6_K v: q|k|v takes the parts' common mapped format
+    """q in Q5_0 (no native kernel) beside Q5_K k and Q6_K v: q|k|v takes the parts' common mapped format
     (weights/gguf_quant.py; the K-quant scales rounded once to fp16), gate|up stays blocks."""
     path = tmp_path / "mixed.gguf"
     write_kquant_model(path, "qwen2", tied=False)
@@ -347,18 +360,18 @@ def test_a_kquant_part_merged_with_another_type_is_mapped(tmp_path):
     for name in ckpt.names():
         t = next(t for t in reader.tensors if t.name == gguf_name(name))
         data = np.array(t.data)
-        if name.endswith("q_proj.weight"):  # the same values, re-encoded as Q4_0
-            encoded[name] = (Q.Q4_0, gguf.quants.quantize(ckpt.get(name).numpy(), Q.Q4_0))
+        if name.endswith("q_proj.weight"):  # the same values, re-encoded as Q5_0
+            encoded[name] = (Q.Q5_0, gguf.quants.quantize(ckpt.get(name).numpy(), Q.Q5_0))
         else:
             encoded[name] = (t.tensor_type, data.reshape(len(data), -1) if data.dtype == np.uint8 else data)
-    write_encoded_gguf(tmp_path / "q4_0.gguf", SPEC, encoded)
-    compact, reference = load_both(tmp_path / "q4_0.gguf")
+    write_encoded_gguf(tmp_path / "q5_0.gguf", SPEC, encoded)
+    compact, reference = load_both(tmp_path / "q5_0.gguf")
     layer = compact.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.linear, quant.QuantLinear)
     assert layer.self_attn.qkv_proj.linear.quantized.format == quant.QuantFormat("int8", 16, torch.float16, True)
     assert isinstance(layer.mlp.gate_up_proj.linear, KQuantLinear)
     ids = [3, 17, 9, 5, 31]
-    config = open_gguf(tmp_path / "q4_0.gguf").config
+    config = open_gguf(tmp_path / "q5_0.gguf").config
     torch.testing.assert_close(_prefill_logits(compact, config, ids), _prefill_logits(reference, config, ids),
                                rtol=1e-3, atol=1e-3)
 

@@ -146,6 +146,12 @@ def reference_dequantize(qtype: Q, raw: np.ndarray, shape: tuple[int, ...]) -> n
         qs = blocks[:, header:]
         nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float64)
         values = d * (nibbles - 8) if qtype == Q.Q4_0 else d * nibbles + _f16(blocks[:, 2:4])
+    elif qtype == Q.Q5_0:  # fp16 d, 4 bytes qh (bit i: the fifth bit of value i), then Q4_0's nibbles
+        d = _f16(blocks[:, :2])
+        qh = blocks[:, 2:6].copy().view("<u4").astype(np.int64)
+        qs = blocks[:, 6:]
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int64)
+        values = d * ((low | ((qh >> np.arange(32)) & 1) << 4) - 16).astype(np.float64)
     else:
         raise ValueError(f"no reference dequantizer for {qtype.name}")
     return values.reshape(shape)

@@ -1,4 +1,4 @@
-// GGUF K-quant weights (Q4_K, Q5_K, Q6_K, and Q8_0 alike) kept as the file's super-blocks, and their decode matmul with
+// GGUF K-quant weights (Q4_K, Q5_K, Q6_K; Q8_0, Q4_0 and Q4_1 alike) kept as the file's super-blocks, and their decode matmul with
 // int8 activations (llama.cpp's q8_K idea, with a scale per 32 inputs: kquant_kernels.h). Why:
 // widening them to our int4 / int8 group formats
 // (weights/gguf_quant.py) made a Q4_K_M model 1.21x its file and decode read 1.35 GB a token
@@ -40,6 +40,11 @@
 // Not a K-quant, but the same shape of work (one sequential stream, 16 rows a pass, int8
 // products): through the fp32-activation int8 kernel a Q8_0 lm_head read 10 GB/s on one core,
 // 15 GB/s with int8 activations (quant_kernels_a8.h), where llama.cpp's whole step ran at ~21.
+// Q4_0 (16 x 144 = 2304 bytes: 8 file blocks of 32 inputs, w = d[j] * (q - 8)) and Q4_1 (16 x 160 =
+// 2560 bytes, w = d[j] * q + m[j]) the same way, their codes in nibbles:
+//   d [8][16]              fp16 [j][r], then (Q4_1) m [8][16] likewise
+//   qs [8][4][16][4]       [j][c][r]: the file's qs bytes 4c .. 4c + 3 of block j of row r; their
+//                          low nibbles are inputs 32j + 4c + i, the high ones 32j + 16 + 4c + i.
 #pragma once
 
 #include <cstdint>
@@ -50,11 +55,18 @@ constexpr std::int64_t kPackRows = 16;
 constexpr std::int64_t kSuperBlock = 256;  // inputs per super-block (QK_K)
 constexpr int kMaxParts = 8;  // ops/kquant.py MAX_PARTS
 
-enum class BlockType : int { Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's type ids
+enum class BlockType : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's type ids
 
-// Bytes of one row's super-block (Q8_0: its 8 blocks of 256 inputs) in the file.
+// Bytes of one row's super-block (Q8_0, Q4_0, Q4_1: their 8 blocks of 256 inputs) in the file.
 constexpr std::int64_t block_bytes(BlockType t) {
-  return t == BlockType::Q4_K ? 144 : t == BlockType::Q5_K ? 176 : t == BlockType::Q6_K ? 210 : 272;
+  switch (t) {
+    case BlockType::Q4_0: return 8 * 18;
+    case BlockType::Q4_1: return 8 * 20;
+    case BlockType::Q8_0: return 8 * 34;
+    case BlockType::Q4_K: return 144;
+    case BlockType::Q5_K: return 176;
+    default: return 210;  // Q6_K
+  }
 }
 
 struct KQuantPart {

@@ -2,7 +2,7 @@
 // isa_*.cpp compiles them with its instruction set.
 //
 // Decode: a pack's 16 rows at once against T activation rows quantized to int8 per 32 inputs
-// (Q4_K, Q5_K, Q6_K, and Q8_0 the same way: kquant.h).
+// (Q4_K, Q5_K, Q6_K; Q8_0, Q4_0 and Q4_1 the same way: kquant.h).
 // Four code bytes of a row sit in one int32 lane, and the four activations they multiply are the
 // same for every row, so one vector of codes meets one broadcast activation word: integer dot
 // products of 4 (AVX-512 VNNI vpdpbusd; AVX2 maddubs + madd; plain C) summed per sub-block, times
@@ -72,7 +72,9 @@ struct KQuantKernels {
   static constexpr std::int64_t kQ4Bytes = kPackRows * block_bytes(BlockType::Q4_K),
                                 kQ5Bytes = kPackRows * block_bytes(BlockType::Q5_K),
                                 kQ6Bytes = kPackRows * block_bytes(BlockType::Q6_K),
-                                kQ8Bytes = kPackRows * block_bytes(BlockType::Q8_0);
+                                kQ8Bytes = kPackRows * block_bytes(BlockType::Q8_0),
+                                kQ40Bytes = kPackRows * block_bytes(BlockType::Q4_0),
+                                kQ41Bytes = kPackRows * block_bytes(BlockType::Q4_1);
 
   // The four six-bit byte vectors of a packing (kquant.h): from the low-nibble bytes `a` (values
   // v and v + 128 of a), `b` (of b) and the high-bit bytes `h` (4W bytes each).
@@ -246,10 +248,56 @@ struct KQuantKernels {
     store_all(acc, out);
   }
 
+  // Q4_0 / Q4_1 (One): per block of 32 inputs the nibble codes' integer dots (< 2^24: exact in
+  // fp32), times d and the activation scale; Q4_0's -8 as 8 times the activation codes' sum, Q4_1's
+  // m times the quantized activations' sum (sums32).
+  template <int T, bool One>
+  static void q4x_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
+    const std::int64_t blocks = p.k / kSuperBlock, groups = p.k / kActivationBlock;
+    F acc[kHalves][T];
+    zero_all(acc);
+    for (std::int64_t b = 0; b < blocks; ++b, pack += One ? kQ41Bytes : kQ40Bytes) {
+      const std::uint8_t* qs = pack + (One ? 512 : 256);
+      for (int h = 0; h < kHalves; ++h) {
+        for (int j = 0; j < 8; ++j) {
+          const auto* d16 = reinterpret_cast<const std::uint16_t*>(pack) + kPackRows * j + W * h;
+          const F d = V::halves(d16);
+          I dot[T];
+          for (auto& a : dot) a = V::izero();
+          for (int c = 0; c < 4; ++c) {
+            B lo, hi;
+            V::nibble_halves(qs + (4 * j + c) * 64 + 4 * W * h, lo, hi);
+            for (int t = 0; t < T; ++t) {
+              const std::int8_t* x = p.x.q + (m0 + t) * p.k + b * kSuperBlock + 32 * j + 4 * c;
+              dot[t] = V::dot_u8_word(dot[t], lo, x);
+              dot[t] = V::dot_u8_word(dot[t], hi, x + 16);
+            }
+          }
+          const std::int64_t g = b * 8 + j;
+          for (int t = 0; t < T; ++t) {
+            const F dx = V::mul(d, V::splat(p.x.d[(m0 + t) * groups + g]));
+            if constexpr (One) {
+              acc[h][t] = V::fma(V::to_float(dot[t]), dx, acc[h][t]);
+              acc[h][t] = V::fma(V::halves(d16 + 8 * kPackRows), V::splat(p.x.sums32[(m0 + t) * groups + g]), acc[h][t]);
+            } else {
+              const std::int32_t* sums = p.x.sums16 + (m0 + t) * (p.k / 16) + 2 * g;
+              acc[h][t] = V::fma(V::to_float(V::isub(dot[t], V::isplat(8 * (sums[0] + sums[1])))), dx, acc[h][t]);
+            }
+          }
+        }
+      }
+    }
+    store_all(acc, out);
+  }
+
   template <int T>
   static void pack_dots(const PreparedKQ& p, const KQuantSpan& s, const std::uint8_t* pack, std::int64_t m0,
                         float (*out)[kPackRows]) {
-    if (s.type == BlockType::Q4_K) {
+    if (s.type == BlockType::Q4_0) {
+      q4x_pack<T, false>(p, pack, m0, out);
+    } else if (s.type == BlockType::Q4_1) {
+      q4x_pack<T, true>(p, pack, m0, out);
+    } else if (s.type == BlockType::Q4_K) {
       q45k_pack<T, false>(p, pack, m0, out);
     } else if (s.type == BlockType::Q5_K) {
       q45k_pack<T, true>(p, pack, m0, out);
@@ -334,8 +382,10 @@ struct KQuantKernels {
             q45k_row<true>(block, sm, lane, values);
           } else if (s.type == BlockType::Q6_K) {
             q6k_row(block, codes[lane], lane, values);
-          } else {
+          } else if (s.type == BlockType::Q8_0) {
             q80_row(block, lane, values);
+          } else {
+            q4x_row(block, s.type == BlockType::Q4_1, lane, values);
           }
           const std::int64_t at = (row - r0) * k + b * kSuperBlock;
           if (bf16) {
@@ -360,6 +410,24 @@ struct KQuantKernels {
     for (int j = 0; j < 8; ++j) {
       const F d = V::splat(half_to_float(d16[kPackRows * j + lane]));
       for (int i = 0; i < 32; i += W) V::store(values + 32 * j + i, V::mul(d, V::bytes(q + 32 * j + i)));
+    }
+  }
+
+  // Row `lane` of a Q4_0 / Q4_1 (one) super-block: d * (q - 8), d * q + m, as gguf-py.
+  static void q4x_row(const std::uint8_t* block, bool one, int lane, float* values) {
+    const auto* d16 = reinterpret_cast<const std::uint16_t*>(block);
+    const std::uint8_t* qs = block + (one ? 512 : 256);
+    for (int j = 0; j < 8; ++j) {
+      alignas(64) std::uint8_t raw[16];  // the block's qs bytes of this row, in the file's order
+      for (int c = 0; c < 4; ++c) std::memcpy(raw + 4 * c, qs + (4 * j + c) * 64 + 4 * lane, 4);
+      const F d = V::splat(half_to_float(d16[kPackRows * j + lane]));
+      const F m = V::splat(one ? half_to_float(d16[kPackRows * (8 + j) + lane]) : -8.0f);
+      for (int i = 0; i < 16; i += W) {
+        F lo, hi;
+        V::nibbles(raw + i, lo, hi);
+        V::store(values + 32 * j + i, one ? V::add(V::mul(d, lo), m) : V::mul(d, V::add(lo, m)));
+        V::store(values + 32 * j + 16 + i, one ? V::add(V::mul(d, hi), m) : V::mul(d, V::add(hi, m)));
+      }
     }
   }
 

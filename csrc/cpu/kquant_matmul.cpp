@@ -21,7 +21,7 @@ std::vector<KQuantSpan> spans(const KQuantWeight& w) {
   for (int i = 0; i < w.parts; ++i) {
     const KQuantPart& part = w.part[i];
     if (part.type != BlockType::Q4_K && part.type != BlockType::Q5_K && part.type != BlockType::Q6_K &&
-        part.type != BlockType::Q8_0) {
+        part.type != BlockType::Q8_0 && part.type != BlockType::Q4_0 && part.type != BlockType::Q4_1) {
       throw std::invalid_argument("kquant: block type " + std::to_string(static_cast<int>(part.type)));
     }
     if (part.rows <= 0) throw std::invalid_argument("kquant: a part without rows");

@@ -1,5 +1,5 @@
 """The packed layout of GGUF K-quant blocks kept native on the CPU (csrc/cpu/kquant.h describes it):
-the file's Q4_K / Q5_K / Q6_K (and Q8_0, eight blocks to a 256-input "super-block") bytes
+the file's Q4_K / Q5_K / Q6_K (and Q8_0 / Q4_0 / Q4_1, eight blocks to a 256-input "super-block") bytes
 reordered 16 rows at a time, losslessly, and back.
 
 `pack_rows` makes it at load (numpy, a few passes over the tensor); `unpack_packs` is its inverse,
@@ -17,10 +17,22 @@ from gguf.quants import Q4_K
 PACK_ROWS = 16
 SUPER_BLOCK = 256
 # block type -> (ggml type, bytes of one row's super-block); the names are the file's types
-BLOCK_TYPES = {"q4_k": (Q.Q4_K, 144), "q5_k": (Q.Q5_K, 176), "q6_k": (Q.Q6_K, 210), "q8_0": (Q.Q8_0, 8 * 34)}
-# Q8_0's 8 blocks of a super-block: where their fp16 d and their 32 codes lie in the file's 272 bytes
-_Q8_D = (34 * np.arange(8)[:, None] + np.arange(2)).reshape(-1)
-_Q8_CODES = (34 * np.arange(8)[:, None] + 2 + np.arange(32)).reshape(-1)
+BLOCK_TYPES = {"q4_k": (Q.Q4_K, 144), "q5_k": (Q.Q5_K, 176), "q6_k": (Q.Q6_K, 210), "q8_0": (Q.Q8_0, 8 * 34),
+               "q4_0": (Q.Q4_0, 8 * 18), "q4_1": (Q.Q4_1, 8 * 20)}
+
+
+def _bytes_of_blocks(size: int, start: int, count: int) -> np.ndarray:
+    """Where bytes start .. start + count of each of a super-block's 8 blocks (of `size` bytes) lie."""
+    return (size * np.arange(8)[:, None] + start + np.arange(count)).reshape(-1)
+
+
+# The 32-input blocks, 8 to a super-block: (the fp16 fields' places, the codes' places); packed as
+# each fp16 field [8][16], then the codes in words of 4 bytes, [word][16][4]
+_BLOCKS_OF_32 = {
+    "q8_0": ([_bytes_of_blocks(34, 0, 2)], _bytes_of_blocks(34, 2, 32)),  # d, codes (int8)
+    "q4_0": ([_bytes_of_blocks(18, 0, 2)], _bytes_of_blocks(18, 2, 16)),  # d, nibbles
+    "q4_1": ([_bytes_of_blocks(20, 0, 2), _bytes_of_blocks(20, 2, 2)], _bytes_of_blocks(20, 4, 16)),  # d, m
+}
 
 
 def block_type(qtype: Q) -> str | None:
@@ -49,10 +61,11 @@ def pack_rows(rows: np.ndarray, block: str) -> np.ndarray:
         qs = by_pack[..., at : at + 128].reshape(packs, blocks, PACK_ROWS, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5)
         qh = [by_pack[..., 16:48].reshape(packs, blocks, PACK_ROWS, 8, 4).swapaxes(2, 3)] if block == "q5_k" else []
         parts = [by_pack[..., 0:2], by_pack[..., 2:4], _pack_six_bits(six.reshape(packs, blocks, 256)), *qh, qs]
-    elif block == "q8_0":
-        d = by_pack[..., _Q8_D].reshape(packs, blocks, PACK_ROWS, 8, 2).swapaxes(2, 3)  # [.., j, row, 2]
-        codes = by_pack[..., _Q8_CODES] ^ 0x80
-        parts = [d, codes.reshape(packs, blocks, PACK_ROWS, 64, 4).swapaxes(2, 3)]  # [.., word, row, 4]
+    elif block in _BLOCKS_OF_32:
+        fields, at = _BLOCKS_OF_32[block]
+        scales = [by_pack[..., f].reshape(packs, blocks, PACK_ROWS, 8, 2).swapaxes(2, 3) for f in fields]  # [.., j, row, 2]
+        codes = by_pack[..., at] ^ (0x80 if block == "q8_0" else 0)
+        parts = [*scales, codes.reshape(packs, blocks, PACK_ROWS, -1, 4).swapaxes(2, 3)]  # [.., word, row, 4]
     else:
         ql = by_pack[..., 0:128].reshape(packs, blocks, PACK_ROWS, 2, 2, 8, 4)  # [.., row, h, a|b, c, 4]
         qh = by_pack[..., 128:192].reshape(packs, blocks, PACK_ROWS, 2, 1, 8, 4)
@@ -81,11 +94,13 @@ def unpack_packs(packed: np.ndarray, block: str, cols: int) -> np.ndarray:
             by_pack[..., 16:48] = qh.reshape(packs, blocks, PACK_ROWS, 32)
         qs = data[..., qs_start:].reshape(packs, blocks, 4, 8, PACK_ROWS, 4).transpose(0, 1, 4, 2, 3, 5)
         by_pack[..., at : at + 128] = qs.reshape(packs, blocks, PACK_ROWS, 128)
-    elif block == "q8_0":
-        by_pack[..., _Q8_D] = data[..., 0:256].reshape(packs, blocks, 8, PACK_ROWS, 2).swapaxes(2, 3).reshape(
-            packs, blocks, PACK_ROWS, 16)
-        codes = data[..., 256:].reshape(packs, blocks, 64, PACK_ROWS, 4).swapaxes(2, 3)
-        by_pack[..., _Q8_CODES] = codes.reshape(packs, blocks, PACK_ROWS, 256) ^ 0x80
+    elif block in _BLOCKS_OF_32:
+        fields, at = _BLOCKS_OF_32[block]
+        for i, f in enumerate(fields):
+            by_pack[..., f] = data[..., 256 * i : 256 * (i + 1)].reshape(packs, blocks, 8, PACK_ROWS, 2).swapaxes(
+                2, 3).reshape(packs, blocks, PACK_ROWS, 16)
+        codes = data[..., 256 * len(fields) :].reshape(packs, blocks, -1, PACK_ROWS, 4).swapaxes(2, 3)
+        by_pack[..., at] = codes.reshape(packs, blocks, PACK_ROWS, len(at)) ^ (0x80 if block == "q8_0" else 0)
     else:
         by_pack[..., 208:210] = data[..., 0:32].reshape(packs, blocks, PACK_ROWS, 2)
         by_pack[..., 192:208] = data[..., 32:288].reshape(packs, blocks, 16, PACK_ROWS).swapaxes(2, 3)
