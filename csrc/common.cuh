@@ -112,6 +112,12 @@ __device__ __forceinline__ std::int64_t load_early(const std::int64_t* p) {
   return v;
 }
 
+__device__ __forceinline__ int load_early(const int* p) {
+  int v;
+  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // An element of T as a float (load_early16's rule).
 template <typename T>
 __device__ __forceinline__ float load_early_float(const T* p) {

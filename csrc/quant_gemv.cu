@@ -419,11 +419,24 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
     if (add != nullptr) add += static_cast<std::int64_t>(row0) * n;
     m -= row0;
   }
+  // The down GEMV's slot blocks were written by moe_align two launches back (align, gate_up, down:
+  // moe.py's order), so its blocks read them, and ask for their first weights, before the wait for
+  // gate_up's h; gate_up's come from the kernel before.
+  constexpr bool kGroupingEarly = kGrouped && kLayout == Layout::Down;
+  const auto grouping_int = [](const int* p) {
+    if constexpr (kGroupingEarly) {
+      return load_early(p);
+    } else {
+      return __ldcg(p);
+    }
+  };
   if constexpr (kGrouped) {  // the whole block exits together (before any barrier)
-    enter_kernel();  // the slot blocks come from the kernel before
+    if constexpr (!kGroupingEarly) enter_kernel();
     const int b = blockIdx.y;
-    if (b * 8 * kTiles >= __ldg(grouping.used)) return;
-    const std::int64_t expert_rows = grouping.expert_rows * __ldg(grouping.block_experts + b);
+    const int used = grouping_int(grouping.used);  // both in one round trip: the expert's slot is
+    const int expert = grouping_int(grouping.block_experts + b);  // in bounds past `used` too
+    if (b * 8 * kTiles >= used) return;
+    const std::int64_t expert_rows = grouping.expert_rows * expert;
     qweight += expert_rows * row_bytes;
     scales = kInt4 ? static_cast<const void*>(static_cast<const std::uint16_t*>(scales) +
                                               expert_rows * groups)
@@ -456,7 +469,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   for (int tile_m = 0; tile_m < kTiles; ++tile_m) {
     int row = 8 * tile_m + g;
     if constexpr (kGrouped) {
-      const int slot = __ldg(block_slots + row);
+      const int slot = grouping_int(block_slots + row);
       row = slot < grouping.num_slots ? slot / grouping.rows_per_x : 0;
     } else {
       row = row < m ? row : 0;
@@ -544,6 +557,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
     stage_conv<T, kBlockWarps>(conv_at, epilogue.conv, m, rows_here * blockIdx.x, rows_here);
   }
   if constexpr (!kGrouped) enter_kernel();
+  if constexpr (kGroupingEarly) enter_kernel_after_loads();
   if constexpr (kNorm) add_norm_rows<T, kBlockWarps>(stage_rows<T>(), x, norm, m, k);
   // The tile's outputs: its sums (of every split part) through the epilogue into out.
   __shared__ float partial[kBlockWarps][kTiles * 4][32];  // split > 1: the tile's other warps' sums

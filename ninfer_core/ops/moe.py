@@ -574,6 +574,7 @@ def moe_experts_grouped_gemv(x: torch.Tensor, gate_up: QuantizedWeight, down: Qu
     h = torch.empty(slots, down.shape[2], dtype=x.dtype, device=x.device)
     _grouped_gemv(h, x, gate_up, aligned, block_m, gate_up=True)  # a token's top_k slots read its x row
     y = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
+    # right after gate_up: the down kernel reads `aligned` before its PDL wait (two launches back)
     _grouped_gemv(y, h, down, aligned, block_m, gate_up=False)
     return combine_slots(weights, y)
 
