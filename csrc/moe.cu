@@ -476,7 +476,9 @@ __global__ void __launch_bounds__(32)
 // thread's chain is a few loads, 16 FMAs a token and the reductions. A warp a row (64 elements a
 // lane, and each warp norming all of x) made ~500-1,000 dependent instructions a warp at one warp
 // a scheduler (ncu: 6.8 us a call for 1 MB, 0.16 TB/s); as blocks the 35B's batch-1 step went
-// 2.260 -> 2.086 ms (router 9.6 -> 6.2 us a call).
+// 2.260 -> 2.086 ms (router 9.6 -> 6.2 us a call). The other way round, a warp per token for 2-8
+// tokens (each warp norming and dotting its token whole, the rows staged in shared memory) made
+// batch 8 8% slower on the H100 (thirty-second session): the same long per-warp chain.
 constexpr int kRouterThreads = 256;
 constexpr int kRouterWarps = kRouterThreads / 32;
 constexpr int kRouterRows = 2;  // 129 blocks for the 35B's 257 rows: about one an SM
