@@ -468,10 +468,13 @@ __global__ void __launch_bounds__(32)
   route_token<kPerLane>(weights, ids, logits + token * experts, token, experts, top_k, renormalize);
 }
 
-// The router of a decode step in one launch: block b computes logits rows kRouterRows b ..
-// (the router's rows, then extra ones such as the shared expert's gate) for every token, rounded
-// to T as the GEMM's output is; the block that finishes last routes each token over the first
-// `experts` rows (route_token) and resets the `done` counter for the next launch / replay.
+// The router of a decode step in one launch: block (b, y) computes logits rows kRouterRows b ..
+// (the router's rows, then extra ones such as the shared expert's gate) for its tokens (y: a group
+// of router_tokens_per_block of them), rounded to T as the GEMM's output is; the block that finishes
+// last routes each token over the first `experts` rows (route_token) and resets the `done` counter
+// for the next launch / replay. A block walks its tokens in turn, each a chain of barriers and warp
+// sums (ncu, 8 tokens in one block: 2,600 instructions a warp at 0.32 issued a cycle, 13.8 us on the
+// H100), so past two tokens the tokens are spread over blocks, two to a block.
 // Thread i holds the 16-byte vectors i, i + kRouterThreads of x and of its block's rows, so a
 // thread's chain is a few loads, 16 FMAs a token and the reductions. A warp a row (64 elements a
 // lane, and each warp norming all of x) made ~500-1,000 dependent instructions a warp at one warp
@@ -482,6 +485,8 @@ __global__ void __launch_bounds__(32)
 constexpr int kRouterThreads = 256;
 constexpr int kRouterWarps = kRouterThreads / 32;
 constexpr int kRouterRows = 2;  // 129 blocks for the 35B's 257 rows: about one an SM
+// Tokens a router block takes: one or two alone, else two (a block's chain is a token's).
+__host__ __device__ constexpr int router_tokens_per_block(int tokens) { return tokens <= 2 ? tokens : 2; }
 constexpr int kRouterVecs = static_cast<int>(kMoeRouterMaxHidden / 8 / kRouterThreads);  // vectors a thread
 constexpr int kRouterMaxTokens = kMoeRouterMaxTokens;  // batch-8 decode
 static_assert(kRouterMaxTokens <= kRouterWarps, "the last block routes token n with warp n");
@@ -554,6 +559,8 @@ __global__ void __launch_bounds__(kRouterThreads)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nvec = hidden / kPer;
   const int row0 = blockIdx.x * kRouterRows;
+  const int per_block = router_tokens_per_block(tokens);
+  const int first = blockIdx.y * per_block, count = min(per_block, tokens - first);  // this block's tokens
   // The router's rows (and the norm's weight) are constant: they load before the wait for x
   // (load_early16 and enter_kernel_after_loads: else ptxas places the wait above them).
   uint4 wv[kRouterRows][kRouterVecs] = {};
@@ -584,12 +591,12 @@ __global__ void __launch_bounds__(kRouterThreads)
     }
   };
   enter_kernel_after_loads();
-  load_token(0);
-  for (int n = 0; n < tokens; ++n) {
+  load_token(first);
+  for (int n = first; n < first + count; ++n) {
     uint4 xv[kRouterVecs], rv[kRouterVecs];
 #pragma unroll
     for (int j = 0; j < kRouterVecs; ++j) xv[j] = next_x[j], rv[j] = next_r[j];
-    if (n + 1 < tokens) load_token(n + 1);
+    if (n + 1 < first + count) load_token(n + 1);
     if constexpr (kNorm) fold_norm(xv, rv, nw, norm, n, hidden, group_totals);
     float acc[kRouterRows] = {};
 #pragma unroll
@@ -606,23 +613,23 @@ __global__ void __launch_bounds__(kRouterThreads)
 #pragma unroll
     for (int r = 0; r < kRouterRows; ++r) {
       const float v = warp_sum(acc[r]);
-      if (lane == 0) partial[n][r][warp] = v;
+      if (lane == 0) partial[n - first][r][warp] = v;
     }
   }
   __syncthreads();
   // Thread n kRouterRows + r adds the warps' sums of (token n, row row0 + r) in warp order.
-  if (threadIdx.x < tokens * kRouterRows) {
+  if (threadIdx.x < count * kRouterRows) {
     const int n = threadIdx.x / kRouterRows, r = threadIdx.x % kRouterRows;
     if (row0 + r < rows) {
       float v = 0.0f;
 #pragma unroll
       for (int i = 0; i < kRouterWarps; ++i) v += partial[n][r][i];
-      logits[static_cast<std::int64_t>(n) * rows + row0 + r] = from_float<T>(v);
+      logits[static_cast<std::int64_t>(first + n) * rows + row0 + r] = from_float<T>(v);
     }
   }
   __threadfence();  // this block's logits are visible before it counts itself done
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();
@@ -844,7 +851,9 @@ void launch_route(const MoeRouteArgs& a) {
 template <typename T>
 void launch_router(const MoeRouterArgs& a) {
   const MoeRouteArgs& r = a.route;
-  const auto blocks = static_cast<unsigned>((a.rows + kRouterRows - 1) / kRouterRows);
+  const int per_block = router_tokens_per_block(static_cast<int>(r.tokens));
+  const dim3 blocks(static_cast<unsigned>((a.rows + kRouterRows - 1) / kRouterRows),
+                    static_cast<unsigned>((r.tokens + per_block - 1) / per_block));
   const RouterNorm<T> norm{reinterpret_cast<const T*>(a.norm.residual), reinterpret_cast<const T*>(a.norm.weight),
                            reinterpret_cast<T*>(a.norm.normed), reinterpret_cast<T*>(a.norm.residual_out), a.norm.eps,
                            a.norm.zero_centered};
