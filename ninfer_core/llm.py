@@ -43,6 +43,7 @@ from .engine.request import GenerationRequest, SpecStats, StepOutput, Timings
 from .engine.sampling import Sampler, SamplingParams
 from .engine.speculative import build_speculator
 from .config import QWEN_ARCHS
+from .embeddings import EMBED_SAMPLING
 from .errors import EngineError, NinferError
 from .media.limits import MediaError
 from .media.sources import split_media
@@ -458,6 +459,18 @@ class LLM:
             if out.error is not None:
                 raise EngineError(out.error)
             yield out
+
+    def embed(self, prompts: Sequence[list[int]]) -> list[list[float]]:
+        """Each prompt's embedding (embeddings.py: the final norm of its last token's hidden state, not
+        normalized), the prompts read in one batch. Raises EngineError when the engine fails one."""
+        requests = [GenerationRequest(list(ids), EMBED_SAMPLING, embed=True, draft_tokens=0) for ids in prompts]
+        found: dict[str, list[float]] = {}
+        for out in self.engine.generate(requests):
+            if out.error is not None:
+                raise EngineError(out.error)
+            if out.embedding is not None:
+                found[out.request_id] = out.embedding
+        return [found[r.request_id] for r in requests]
 
     def chat(self, request: ChatRequest) -> Iterator[ChatEvent]:
         """Stream reasoning / content deltas and completed tool calls, then a ChatFinished."""

@@ -65,12 +65,14 @@ def llama_cpp_converter() -> Path:
     return CACHE
 
 
-def convert_hf_to_gguf(converter: Path, model_dir: Path, out: Path, outtype: str, mmproj: bool = False) -> Path:
+def convert_hf_to_gguf(converter: Path, model_dir: Path, out: Path, outtype: str, mmproj: bool = False,
+                       extra: tuple[str, ...] = ()) -> Path:
     """Run llama.cpp's converter on an HF checkpoint directory; `outtype`: f32, bf16, q8_0 ...;
-    `mmproj`: write the vision tower's projector file instead of the text model."""
+    `mmproj`: write the vision tower's projector file instead of the text model; `extra`: more
+    converter arguments (e.g. --split-max-tensors N: shards OUT's stem-0000i-of-0000N.gguf)."""
     env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
     done = subprocess.run([sys.executable, str(converter / PARTS[0]), str(model_dir), "--outtype", outtype,
-                           "--outfile", str(out), *(["--mmproj"] if mmproj else [])],
+                           "--outfile", str(out), *(["--mmproj"] if mmproj else []), *extra],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return out

@@ -78,6 +78,27 @@ def test_every_tensor_is_the_checkpoints(converted, name):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=tensor)
 
 
+def test_a_split_conversion_is_the_one_file(converted, llama_cpp_converter):
+    """llama.cpp's converter with --split-max-tensors (gguf-split's layout): the shards, opened by the
+    first, are the single f32 file tensor for tensor, and the model's logits are the same."""
+    directory, _, files = converted["dense"]
+    out = directory.parent / "split" / "dense-f32.gguf"
+    out.parent.mkdir(exist_ok=True)
+    convert_hf_to_gguf(llama_cpp_converter, directory, out, "f32", extra=("--split-max-tensors", "12"))
+    shards = sorted(out.parent.glob("dense-f32-*-of-*.gguf"))
+    assert len(shards) > 2 and shards[0].name.endswith(f"-00001-of-{len(shards):05d}.gguf")
+    one, split = open_gguf(files["f32"]), open_gguf(shards[-1])
+    assert split.path == shards[0] and split.config == one.config and split.names() == one.names()
+    for name in sorted(one.names()):
+        assert torch.equal(split.get(name), one.get(name)), name
+    ids = torch.tensor([PROMPT])
+    logits = []
+    for path in (files["f32"], shards[0]):
+        runner = Runner(load_model(str(path), "cpu", "float32").model)
+        logits.append(runner.step([runner.new_seq()], ids).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_the_value_heads_really_move(converted):
     """The file's value heads are tiled (a GDN layer has 2 key heads, 4 value heads): read as they
     lie, in_proj_z would not be the checkpoint's, so the un-tiling above is doing the work."""

@@ -193,6 +193,8 @@ class LLMEngine:
             if (covered := len(request.multimodal.vision_rows)) != n:
                 raise NinferError(f"the media layout covers {covered} tokens but the prompt has {n}")
         params = request.sampling.with_defaults(self.defaults)
+        if request.embed and (params.max_tokens != 1 or request.grammar is not None):
+            raise NinferError("an embedding request samples one token (max_tokens 1) and no grammar")
         request.sampling = params
         # a constrained row needs its mask from the previous token (so does one with min_tokens): it never drafts
         masked = request.grammar is not None or params.min_tokens > 0
@@ -645,7 +647,9 @@ class LLMEngine:
         forks go back: no checkpoint will hold them."""
         try:
             parts = parts + [self._prefill_batch(c) for c in chunks]
-            return parts, self._forward(parts)
+            outs = self._forward(parts)
+            self._embeddings(chunks, outs[len(outs) - len(chunks):])
+            return parts, outs
         except BaseException:
             for chunk in chunks:
                 for slot in chunk.fork_slots:
@@ -653,6 +657,22 @@ class LLMEngine:
                     self.cache.prefix.return_slot(slot)
                 chunk.fork_slots.clear()
             raise
+
+    def _embeddings(self, chunks: list[PrefillChunk], outs: list[ForwardOutput]) -> None:
+        """The embedding of a prompt that asked for one (GenerationRequest.embed), from the chunk that
+        holds its last token: the final norm of that token's hidden state, in fp32, copied to the host
+        before the step's tokens (so there when they are). A graph's outputs are read before its next replay."""
+        for chunk, out in zip(chunks, outs):
+            seq = chunk.seq
+            last = len(seq.request.prompt_token_ids) - 1
+            if not seq.request.embed or not chunk.start <= last < chunk.end:
+                continue
+            with torch.inference_mode():
+                normed = self.model.norm(out.hidden_states[0, last - chunk.start][None]).float()[0]
+            if normed.device.type == "cuda":
+                host = torch.empty(normed.shape, dtype=normed.dtype, pin_memory=True)
+                normed = host.copy_(normed, non_blocking=True)
+            seq.embedding = normed
 
     def _fork(self, chunk: PrefillChunk) -> StateFork | None:
         """The chunk's checkpoints as a state fork, each with a reserved checkpoint slot (those that
@@ -744,6 +764,7 @@ class LLMEngine:
         if seq.finished:
             self._finish_timings(seq)
         prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # with the first token
+        embedding, seq.embedding = seq.embedding, None
         assert prompt_logprobs is None or all(e is not None for e in prompt_logprobs), "a prompt token was not scored"
         return StepOutput(
             request_id=seq.request_id,
@@ -756,6 +777,7 @@ class LLMEngine:
             spec=seq.spec if seq.finished else None,
             logprobs=logprobs[: len(taken)] if logprobs is not None else None,
             prompt_logprobs=prompt_logprobs,  # type: ignore[arg-type]  # every entry set (asserted)
+            embedding=None if embedding is None else embedding.tolist(),
         )
 
     def _push(self, seq: Sequence, token: int) -> str:

@@ -29,6 +29,9 @@ class GenerationRequest:
     draft_tokens: int | None = None  # speculative drafts per round: None = the engine's setting, 0 = off
     checkpoints: tuple[int, ...] = ()  # prompt positions worth a prefix-cache checkpoint (message starts)
     grammar: Grammar | None = None  # the answer must match it (engine/grammar.py); such a request never drafts
+    # the prompt's embedding comes with the first token (StepOutput.embedding): the final norm of its last
+    # token's hidden state; such a request samples that one token (max_tokens 1) and nothing else
+    embed: bool = False
 
 
 @dataclass
@@ -110,6 +113,7 @@ class StepOutput:
     # with the first token, when the request asked (SamplingParams.prompt_logprobs): one per prompt
     # token after the first (nothing predicts the first)
     prompt_logprobs: list[TokenLogprob] | None = None
+    embedding: list[float] | None = None  # with the first token, for GenerationRequest.embed (fp32 values)
 
     def text_logprobs(self) -> list[TokenLogprob]:
         """The logprobs of the new tokens that are text: all but an end-of-answer or stop id that

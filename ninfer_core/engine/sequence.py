@@ -47,6 +47,7 @@ class Sequence:
     # SamplingParams.prompt_logprobs: entry i is prompt token i + 1's, filled as its chunk is read, handed
     # out with the first token (then None: a preempted request reading its prompt again scores nothing)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: torch.Tensor | None = None  # GenerationRequest.embed: on the host (or being copied there)
 
     @property
     def bans_end(self) -> bool:

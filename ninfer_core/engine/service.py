@@ -256,9 +256,10 @@ class EngineService:
         self, prompt_token_ids: list[int], sampling: SamplingParams, multimodal: MultimodalPrompt | None = None,
         checkpoints: tuple[int, ...] = (),
         grammar: Grammar | None = None,
+        embed: bool = False,
     ) -> TokenStream:
-        """Queue a raw token request (`grammar`: constrained); raises ContextLengthError /
-        QueueFullError / SamplingParamError at once."""
+        """Queue a raw token request (`grammar`: constrained; `embed`: the prompt's embedding, with
+        embeddings.EMBED_SAMPLING); raises ContextLengthError / QueueFullError / SamplingParamError at once."""
         sampling.check_vocabulary(self.llm.loaded.config.vocab_size)  # else the batched step would fail on it
         n = len(prompt_token_ids)
         limit = self.context_limit
@@ -270,7 +271,7 @@ class EngineService:
                 limit=limit,
             )
         request = GenerationRequest(list(prompt_token_ids), sampling, multimodal=multimodal, checkpoints=checkpoints,
-                                    grammar=grammar)
+                                    grammar=grammar, embed=embed, draft_tokens=0 if embed else None)
         stream = TokenStream(self, request)
         with self._cond:
             if self._stop or self._thread is None:
@@ -294,7 +295,7 @@ class EngineService:
 
     def submit_choices(self, prompts: Sequence[list[int]], sampling: SamplingParams, n: int,
                        multimodal: MultimodalPrompt | None = None, checkpoints: tuple[int, ...] = (),
-                       grammar: Grammar | None = None) -> list[TokenStream]:
+                       grammar: Grammar | None = None, embed: bool = False) -> list[TokenStream]:
         """n answers to each prompt (OpenAI's `n`, Completions' list of prompts): choice p * n + i answers
         prompt p, seeded seed + i (engine/sampling.py `choice_sampling`). All or none: if one is
         refused, the ones before it are cancelled and its error raised."""
@@ -302,7 +303,7 @@ class EngineService:
         try:
             for prompt_token_ids in prompts:
                 for choice in choice_sampling(sampling, n):
-                    streams.append(self.submit(prompt_token_ids, choice, multimodal, checkpoints, grammar))
+                    streams.append(self.submit(prompt_token_ids, choice, multimodal, checkpoints, grammar, embed))
         except BaseException:
             for stream in streams:
                 stream.cancel()

@@ -30,7 +30,8 @@ from starlette.types import Message
 from ..engine.service import DEFAULT_MAX_QUEUE, EngineService
 from ..errors import NinferError
 from ..llm import LLM
-from . import anthropic, completions, metrics, models, ollama, ollama_models, openai_chat, responses, tokenize
+from . import (anthropic, completions, embeddings, metrics, models, ollama, ollama_models, openai_chat, responses,
+               tokenize)
 from .auth import ApiKeyMiddleware
 from .body import DEFAULT_MAX_BODY_BYTES
 from .boundary import ErrorBoundary
@@ -70,7 +71,8 @@ def create_app(
     app.state.media = MediaResolver(allow_local_media, media_fetch)
     app.state.metrics = server_metrics
     app.state.pull_options = None  # hub.PullOptions of /api/pull (None: the defaults, HF_ENDPOINT etc.)
-    for module in (models, openai_chat, completions, responses, anthropic, tokenize, ollama, ollama_models, metrics):
+    for module in (models, openai_chat, completions, responses, anthropic, tokenize, embeddings, ollama, ollama_models,
+                   metrics):
         app.include_router(module.router)
     install_error_handlers(app)
     # the last added is the outermost: count everything (500s included: the boundary answers them

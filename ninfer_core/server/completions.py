@@ -50,23 +50,25 @@ class Prompt:
 
 
 def read_prompts(prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Tokenizer,
-                 vocab_size: int, *, echo: bool = False) -> list[Prompt]:
+                 vocab_size: int, *, echo: bool = False, name: str = "prompt") -> list[Prompt]:
     """The request's prompts (a string or a list of ids is one; a list of them, several), each with
     its text for `echo`. Ids are checked against the vocabulary before anything (the tokenizer's
     decode included) reads them; a prompt of ids is decoded only for echo (it is on the path to the
-    first token: 512 ids, 0.05 ms)."""
+    first token: 512 ids, 0.05 ms). `name`: the field's (errors name it)."""
     many = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    if isinstance(prompt, list) and not prompt:
+        raise ApiError(400, f"{name} is an empty list", param=name)
     prompts = []
     for i, one in enumerate(prompt if many else [prompt]):  # type: ignore[union-attr]
-        param = f"prompt[{i}]" if many else "prompt"
+        param = f"{name}[{i}]" if many else name
         if not one:
-            raise ApiError(400, f"{'a' if many else 'the'} prompt is empty", param=param)
+            raise ApiError(400, f"{param} is empty", param=param)
         if isinstance(one, str):
             prompts.append(Prompt(tokenizer.encode(one, add_special_tokens=True), one if echo else ""))
             continue
         outside = next((t for t in one if t >= vocab_size), None)  # the schema already refused t < 0
         if outside is not None:
-            raise ApiError(400, f"prompt token id {outside} is outside the vocabulary [0, {vocab_size})", param=param)
+            raise ApiError(400, f"{name} token id {outside} is outside the vocabulary [0, {vocab_size})", param=param)
         ids = list(one)
         prompts.append(Prompt(ids, tokenizer.decode(ids, skip_special_tokens=True) if echo else ""))
     return prompts

@@ -224,6 +224,14 @@ class CompletionRequest(SamplingFields, GuidedFields):
     response_format: ResponseFormat | None = None
 
 
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: TokenCount | None = None
+    user: str | None = None
+
+
 # -- OpenAI Responses ---------------------------------------------------------------------------
 
 class InputItem(_Open):
@@ -401,23 +409,38 @@ class OllamaOptions(_Open):
     frequency_penalty: float | None = None
 
 
-class OllamaBody(_Body):
+class OllamaModelBody(_Body):
+    """What every Ollama request that runs the model has: the model and how long it stays loaded."""
+
     model: str = Field(min_length=1)  # required, as Ollama requires it
-    format: Literal["", "json"] | dict[str, Any] | None = None  # JSON mode, or a JSON Schema
     options: OllamaOptions | None = None
+    keep_alive: str | int | float | None = None  # seconds once read; None: the pool's own keep-alive applies
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _seconds(cls, value: str | float | None) -> float | None:
+        return None if value is None else parse_keep_alive(value)  # a ValueError is the request's 400
+
+
+class OllamaBody(OllamaModelBody):
+    format: Literal["", "json"] | dict[str, Any] | None = None  # JSON mode, or a JSON Schema
     stream: bool = True
     think: bool | Literal["high", "medium", "low"] | None = None  # a level (gpt-oss's) means on: Qwen has none
-    keep_alive: str | int | float | None = None  # seconds once read; None: the pool's own keep-alive applies
 
     @field_validator("think")
     @classmethod
     def _thinking(cls, value: bool | str | None) -> bool | None:
         return True if isinstance(value, str) else value
 
-    @field_validator("keep_alive")
-    @classmethod
-    def _seconds(cls, value: str | float | None) -> float | None:
-        return None if value is None else parse_keep_alive(value)  # a ValueError is the request's 400
+
+class OllamaEmbedRequest(OllamaModelBody):
+    input: str | list[str]
+    truncate: bool = True  # an input past the context keeps its first tokens (false: refused)
+    dimensions: TokenCount | None = None
+
+
+class OllamaEmbeddingsRequest(OllamaModelBody):  # the older /api/embeddings
+    prompt: str
 
 
 class OllamaModelRequest(_Body):
