@@ -129,3 +129,17 @@ def test_ollama_embed_and_embeddings(server, model):
     assert refused.status_code == 400 and "truncate: true keeps the first ones" in refused.text
     for body in ({"model": "m", "input": []}, {"model": "m", "input": ["x", ""]}, {"input": "x"}):
         assert httpx.post(server.url + "/api/embed", json=body, timeout=60).status_code == 400, body
+
+
+@pytest.mark.cuda
+def test_the_engine_embeds_on_the_gpu(model):
+    """On the GPU (fp32, decode and prompt graphs on, steps overlapped): the embeddings come back
+    through the pinned copy the step's event guards, beside a request that decodes."""
+    directory, hf_model = model
+    llm = load_tiny_llm(directory, device="cuda", prefill_chunk=32)
+    talking = GenerationRequest(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    llm.engine.add_request(talking)
+    got = llm.embed(PROMPTS)
+    for ids, vector in zip(PROMPTS, got):
+        torch.testing.assert_close(torch.tensor(vector, dtype=torch.float64), hf_embedding(hf_model, ids),
+                                   rtol=1e-4, atol=1e-4)
