@@ -78,7 +78,7 @@ def test_every_tensor_is_the_checkpoints(converted, name):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=tensor)
 
 
-def test_a_split_conversion_is_the_one_file(converted, llama_cpp_converter):
+def test_a_split_conversion_is_the_one_file(converted, llama_cpp_converter):  # noqa: F811
     """llama.cpp's converter with --split-max-tensors (gguf-split's layout): the shards, opened by the
     first, are the single f32 file tensor for tensor, and the model's logits are the same."""
     directory, _, files = converted["dense"]

@@ -19,9 +19,8 @@ from ninfer_core.errors import ModelLoadError, NinferError
 from ninfer_core.layers.linear import merged_sources, source_names
 from ninfer_core.models.default_model import default_model_path
 from ninfer_core.models.llama import LlamaForCausalLM
-from ninfer_core.weights.checkpoint import open_checkpoint
+from ninfer_core.models.loader import load_model
 from ninfer_core.weights.gguf_reader import open_gguf
-from ninfer_core.weights.text_weights import TextWeights
 
 STORY_PROMPT = (
     "<|im_start|>user\nWrite a short story about a robot who learns to paint.<|im_end|>\n<|im_start|>assistant\n"
@@ -172,16 +171,37 @@ def check_against_hf(ours: LlamaForCausalLM, hf, seed: int = 1) -> None:
     )
 
 
+def save_with_tokenizer(hf, directory) -> None:
+    """save_pretrained plus a tokenizer.json (the loader needs one; the logits do not read it)."""
+    from tiny_model_dir import build_tokenizer
+
+    hf.save_pretrained(directory)
+    build_tokenizer().save(str(directory / "tokenizer.json"))
+
+
 @pytest.mark.parametrize("arch", list(TINY_ARCHS))
 def test_tiny_safetensors_checkpoint_matches_transformers(tmp_path, arch):
+    """Through the loader `ninfer run DIR` uses (its `model.` prefix dropped: once, only Qwen3.5's were)."""
     hf = build_tiny_hf(arch)
-    hf.save_pretrained(tmp_path)
+    save_with_tokenizer(hf, tmp_path)
     config = load_config(tmp_path)
     assert config.arch == arch
-    weights = TextWeights(open_checkpoint(tmp_path, config.quantization))
-    ours = LlamaForCausalLM(config).float().eval()
-    ours.load_weights(weights.get, weights.names())
+    ours = load_model(str(tmp_path), "cpu", "float32", weights="bf16").model
+    assert isinstance(ours, LlamaForCausalLM)
     check_against_hf(ours, hf)
+
+
+def test_a_bare_decoder_checkpoint_loads(tmp_path):
+    """A `*Model` checkpoint (no `model.` prefix, no lm_head: Qwen3-Embedding's layout) loads with
+    its embeddings as the head, and its final norm gives transformers' last_hidden_state."""
+    import transformers as tf
+
+    hf = build_tiny_hf("qwen3")
+    save_with_tokenizer(hf.model, tmp_path)
+    assert load_config(tmp_path).tie_word_embeddings
+    ours = load_model(str(tmp_path), "cpu", "float32", weights="bf16").model
+    check_against_hf(ours, hf)
+    assert isinstance(hf.model, tf.Qwen3Model)
 
 
 # Every type gguf.quants can write, on a different tensor each.

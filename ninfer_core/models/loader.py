@@ -250,9 +250,7 @@ def load_model(
         tokenizer = Tokenizer.from_model_dir(path)
         defaults = GenerationDefaults.from_model_dir(path)
         if not random_weights:
-            tensors = open_checkpoint(path, config.quantization)
-            if config.arch in QWEN_ARCHS:
-                tensors = TextWeights(tensors)
+            tensors = TextWeights(open_checkpoint(path, config.quantization))
     torch_dtype = resolve_dtype(dtype, dev)
     recipe = resolve_recipe(weights, dev, torch_dtype, count_params(config), exact=dtype != "auto",
                             gguf_formats=gguf_formats)

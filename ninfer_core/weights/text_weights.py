@@ -1,8 +1,9 @@
 """The text model's weights under canonical names, whatever the checkpoint layout.
 
 Canonical names drop the text-model prefix: `model.language_model.` in the multimodal layout
-(`*ForConditionalGeneration`), `model.` in text-only `*ForCausalLM` checkpoints. `lm_head.weight`
-and `mtp.*` keep their names; vision tensors (`model.visual.*`) are not part of the text view.
+(`*ForConditionalGeneration`), `model.` in text-only `*ForCausalLM` checkpoints, none in a bare
+decoder's (`*Model`: Qwen3-Embedding's layout). `lm_head.weight` and `mtp.*` keep their names; vision
+tensors (`model.visual.*`) are not part of the text view.
 MoE experts always appear fused (`layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H],
 `layers.{i}.mlp.experts.down_proj` [E, H, I]), stacked on `get` when stored per expert.
 """
@@ -23,7 +24,7 @@ KEPT_PREFIXES = ("mtp.",)
 
 def canonical_sources(names: set[str]) -> dict[str, str]:
     """{canonical name: checkpoint name} for the text model's tensors."""
-    prefix = MULTIMODAL_PREFIX if any(n.startswith(MULTIMODAL_PREFIX) for n in names) else TEXT_ONLY_PREFIX
+    prefix = next((p for p in (MULTIMODAL_PREFIX, TEXT_ONLY_PREFIX) if any(n.startswith(p) for n in names)), "")
     sources = {}
     for name in names:
         if name in KEPT_NAMES or name.startswith(KEPT_PREFIXES):
