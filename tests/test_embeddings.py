@@ -143,3 +143,15 @@ def test_the_engine_embeds_on_the_gpu(model):
     for ids, vector in zip(PROMPTS, got):
         torch.testing.assert_close(torch.tensor(vector, dtype=torch.float64), hf_embedding(hf_model, ids),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_the_ollama_client_reads_the_answers(server):
+    """The `ollama` package's embed / embeddings parse what the server sends."""
+    import ollama
+
+    client = ollama.Client(host=server.url)
+    answer = client.embed(model="m", input=["The quick brown fox", "Paris"])
+    assert answer.model == "m" and len(answer.embeddings) == 2 and answer.prompt_eval_count > 2
+    assert math.isclose(sum(v * v for v in answer.embeddings[1]), 1.0, rel_tol=1e-6)
+    raw = client.embeddings(model="m", prompt="Paris").embedding
+    assert normalized(list(raw)) == pytest.approx(answer.embeddings[1], abs=1e-5)
