@@ -52,11 +52,11 @@ async def _embeddings(request: Request, model: str | None, tokenize: Tokenize,
     return choices[0].model, prompts, vectors
 
 
-def _unit(vector: list[float], dimensions: int | None, param: str = "dimensions") -> list[float]:
+def _unit(vector: list[float], dimensions: int | None) -> list[float]:
     try:
         return normalized(vector, dimensions)
     except NinferError as e:
-        raise ApiError(400, str(e), param=param) from None
+        raise ApiError(400, str(e), param="dimensions") from None
 
 
 @router.post("/v1/embeddings")
