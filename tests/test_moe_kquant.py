@@ -137,3 +137,26 @@ def test_experts_module_holds_k_quant_blocks():
     materialized = Experts(E, H, INTER)
     with pytest.raises(ValueError, match="GGUF file only"):
         materialized.quantize_(gate_up_fmt)
+
+
+def test_threads_give_the_same_bits(experts, kernel_math, monkeypatch):
+    """Each expert's matmuls split over the threads: at 1, 2 and 4 threads the outputs are the same
+    bits, shared expert included, for 1 and 3 tokens and a prompt's rows (24)."""
+    gate_up, down, _ = experts
+    shared = moe.SharedExpert(
+        KQuantWeight(torch.from_numpy(pack_rows(random_blocks(Q.Q4_K, 2 * INTER, H, 7), "q4_k")),
+                     (("q4_k", 2 * INTER),), H),
+        KQuantWeight(torch.from_numpy(pack_rows(random_blocks(Q.Q6_K, H, INTER, 8), "q6_k")), (("q6_k", H),), INTER),
+        torch.randn(24, 1))
+    before = torch.get_num_threads()
+    try:
+        for tokens in (1, 3, 24):
+            x, weights, ids = _inputs(tokens, seed=tokens)
+            runs = []
+            for threads in (1, 2, 4):
+                torch.set_num_threads(threads)
+                gate = moe.SharedExpert(shared.gate_up, shared.down, shared.gate[:tokens])
+                runs.append(moe.moe_experts_with_shared(x, gate_up, down, weights, ids, gate))
+            assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2]), tokens
+    finally:
+        torch.set_num_threads(before)
