@@ -71,10 +71,7 @@ struct KQuantKernels {
   static constexpr int kMaxT = 4;                // activation rows per pass over a pack
   static constexpr std::int64_t kQ4Bytes = kPackRows * block_bytes(BlockType::Q4_K),
                                 kQ5Bytes = kPackRows * block_bytes(BlockType::Q5_K),
-                                kQ6Bytes = kPackRows * block_bytes(BlockType::Q6_K),
-                                kQ8Bytes = kPackRows * block_bytes(BlockType::Q8_0),
-                                kQ40Bytes = kPackRows * block_bytes(BlockType::Q4_0),
-                                kQ41Bytes = kPackRows * block_bytes(BlockType::Q4_1);
+                                kQ6Bytes = kPackRows * block_bytes(BlockType::Q6_K);
 
   // The four six-bit byte vectors of a packing (kquant.h): from the low-nibble bytes `a` (values
   // v and v + 128 of a), `b` (of b) and the high-bit bytes `h` (4W bytes each).
@@ -209,79 +206,54 @@ struct KQuantKernels {
     store_all(acc, out);
   }
 
-  // Q8_0: per block of 32 inputs the codes' integer dots (|.| <= 32 * 128 * 127: exact in fp32),
-  // times d and the activation scale. Where the products take unsigned codes (kBiasedS8: VNNI), the
-  // stored q + 128 and then minus 128 times the activation codes' sum; else (AVX2's saturating
-  // pairs, plain C) the signed codes.
-  template <int T>
-  static void q80_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
+  // Q8_0, Q4_0, Q4_1 (eight blocks of 32 inputs to a span, kquant.h): per block the codes' integer
+  // dots (|.| <= 32 * 128 * 127: exact in fp32), times d and the activation scale, then the type's
+  // offset. Q8_0: where the products take unsigned codes (kBiasedS8: VNNI), the stored q + 128 less
+  // 128 times the activation codes' sum; else (AVX2's saturating pairs, plain C) the signed codes.
+  // Q4_0: the nibbles less 8 times the activation codes' sum; Q4_1: plus m times the quantized
+  // activations' sum (sums32).
+  template <int T, BlockType kType>
+  static void blocks32_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
+    constexpr bool kNibbles = kType != BlockType::Q8_0;
+    constexpr int kTables = kType == BlockType::Q4_1 ? 2 : 1;  // fp16 [8][16] tables before the codes: d (, m)
+    constexpr std::int32_t kBias = kType == BlockType::Q4_0 ? 8 : kType == BlockType::Q8_0 && V::kBiasedS8 ? 128 : 0;
     const std::int64_t blocks = p.k / kSuperBlock, groups = p.k / kActivationBlock;
     F acc[kHalves][T];
     zero_all(acc);
-    for (std::int64_t b = 0; b < blocks; ++b, pack += kQ8Bytes) {
-      const std::uint8_t* qs = pack + 256;
-      for (int h = 0; h < kHalves; ++h) {
-        for (int j = 0; j < 8; ++j) {
-          const F d = V::halves(reinterpret_cast<const std::uint16_t*>(pack) + kPackRows * j + W * h);
-          I dot[T];
-          for (auto& a : dot) a = V::izero();
-          for (int c = 0; c < 8; ++c) {
-            const B codes = V::bytes4(qs + (8 * j + c) * 64 + 4 * W * h);
-            for (int t = 0; t < T; ++t) {
-              const std::int8_t* x = p.x.q + (m0 + t) * p.k + b * kSuperBlock + 32 * j + 4 * c;
-              if constexpr (V::kBiasedS8) {
-                dot[t] = V::dot_u8_word(dot[t], codes, x);
-              } else {
-                dot[t] = V::dot_s8_word(dot[t], V::flip(codes), x);
-              }
-            }
-          }
-          for (int t = 0; t < T; ++t) {
-            const std::int64_t g = b * 8 + j;
-            const std::int32_t* sums = p.x.sums16 + (m0 + t) * (p.k / 16) + 2 * g;
-            const I centred = V::kBiasedS8 ? V::isub(dot[t], V::isplat(128 * (sums[0] + sums[1]))) : dot[t];
-            acc[h][t] = V::fma(V::to_float(centred), V::mul(d, V::splat(p.x.d[(m0 + t) * groups + g])), acc[h][t]);
-          }
-        }
-      }
-    }
-    store_all(acc, out);
-  }
-
-  // Q4_0 / Q4_1 (One): per block of 32 inputs the nibble codes' integer dots (< 2^24: exact in
-  // fp32), times d and the activation scale; Q4_0's -8 as 8 times the activation codes' sum, Q4_1's
-  // m times the quantized activations' sum (sums32).
-  template <int T, bool One>
-  static void q4x_pack(const PreparedKQ& p, const std::uint8_t* pack, std::int64_t m0, float (*out)[kPackRows]) {
-    const std::int64_t blocks = p.k / kSuperBlock, groups = p.k / kActivationBlock;
-    F acc[kHalves][T];
-    zero_all(acc);
-    for (std::int64_t b = 0; b < blocks; ++b, pack += One ? kQ41Bytes : kQ40Bytes) {
-      const std::uint8_t* qs = pack + (One ? 512 : 256);
+    for (std::int64_t b = 0; b < blocks; ++b, pack += kPackRows * block_bytes(kType)) {
+      const std::uint8_t* qs = pack + 256 * kTables;
       for (int h = 0; h < kHalves; ++h) {
         for (int j = 0; j < 8; ++j) {
           const auto* d16 = reinterpret_cast<const std::uint16_t*>(pack) + kPackRows * j + W * h;
           const F d = V::halves(d16);
           I dot[T];
           for (auto& a : dot) a = V::izero();
-          for (int c = 0; c < 4; ++c) {
-            B lo, hi;
-            V::nibble_halves(qs + (4 * j + c) * 64 + 4 * W * h, lo, hi);
+          for (int c = 0; c < (kNibbles ? 4 : 8); ++c) {
+            const std::uint8_t* at = qs + ((kNibbles ? 4 : 8) * j + c) * 64 + 4 * W * h;
+            B lo{}, hi{};  // the low and high nibbles' codes, or Q8_0's (signed where the products want them)
+            if constexpr (kNibbles) {
+              V::nibble_halves(at, lo, hi);
+            } else {
+              lo = V::kBiasedS8 ? V::bytes4(at) : V::flip(V::bytes4(at));
+            }
             for (int t = 0; t < T; ++t) {
               const std::int8_t* x = p.x.q + (m0 + t) * p.k + b * kSuperBlock + 32 * j + 4 * c;
-              dot[t] = V::dot_u8_word(dot[t], lo, x);
-              dot[t] = V::dot_u8_word(dot[t], hi, x + 16);
+              if constexpr (kNibbles) {
+                dot[t] = V::dot_u8_word(V::dot_u8_word(dot[t], lo, x), hi, x + 16);
+              } else if constexpr (V::kBiasedS8) {
+                dot[t] = V::dot_u8_word(dot[t], lo, x);
+              } else {
+                dot[t] = V::dot_s8_word(dot[t], lo, x);
+              }
             }
           }
           const std::int64_t g = b * 8 + j;
           for (int t = 0; t < T; ++t) {
-            const F dx = V::mul(d, V::splat(p.x.d[(m0 + t) * groups + g]));
-            if constexpr (One) {
-              acc[h][t] = V::fma(V::to_float(dot[t]), dx, acc[h][t]);
+            const std::int32_t* sums = p.x.sums16 + (m0 + t) * (p.k / 16) + 2 * g;
+            const I centred = kBias ? V::isub(dot[t], V::isplat(kBias * (sums[0] + sums[1]))) : dot[t];
+            acc[h][t] = V::fma(V::to_float(centred), V::mul(d, V::splat(p.x.d[(m0 + t) * groups + g])), acc[h][t]);
+            if constexpr (kType == BlockType::Q4_1) {
               acc[h][t] = V::fma(V::halves(d16 + 8 * kPackRows), V::splat(p.x.sums32[(m0 + t) * groups + g]), acc[h][t]);
-            } else {
-              const std::int32_t* sums = p.x.sums16 + (m0 + t) * (p.k / 16) + 2 * g;
-              acc[h][t] = V::fma(V::to_float(V::isub(dot[t], V::isplat(8 * (sums[0] + sums[1])))), dx, acc[h][t]);
             }
           }
         }
@@ -294,9 +266,9 @@ struct KQuantKernels {
   static void pack_dots(const PreparedKQ& p, const KQuantSpan& s, const std::uint8_t* pack, std::int64_t m0,
                         float (*out)[kPackRows]) {
     if (s.type == BlockType::Q4_0) {
-      q4x_pack<T, false>(p, pack, m0, out);
+      blocks32_pack<T, BlockType::Q4_0>(p, pack, m0, out);
     } else if (s.type == BlockType::Q4_1) {
-      q4x_pack<T, true>(p, pack, m0, out);
+      blocks32_pack<T, BlockType::Q4_1>(p, pack, m0, out);
     } else if (s.type == BlockType::Q4_K) {
       q45k_pack<T, false>(p, pack, m0, out);
     } else if (s.type == BlockType::Q5_K) {
@@ -304,7 +276,7 @@ struct KQuantKernels {
     } else if (s.type == BlockType::Q6_K) {
       q6k_pack<T>(p, pack, m0, out);
     } else {
-      q80_pack<T>(p, pack, m0, out);
+      blocks32_pack<T, BlockType::Q8_0>(p, pack, m0, out);
     }
   }
 
