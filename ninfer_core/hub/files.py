@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Literal
 
-from ..weights.gguf_split import is_later_shard, shard_name, sibling_shards
+from ..weights.gguf_split import first_shard, is_later_shard, shard_name, sibling_shards
 from ..weights.mmproj_files import is_mmproj, pick_mmproj
 from .errors import HubError
 
@@ -90,7 +90,7 @@ def pick_gguf(snapshot: RepoSnapshot, wanted: str) -> RemoteFile:
             raise HubError(f"{snapshot.repo_id}: '{wanted}' is a vision projector, not a model: pull a model file "
                            f"({_describe(snapshot, ggufs)}); its projector comes with it")
         if is_later_shard(exact.name):  # a split model comes whole, by its first shard
-            first = next((f for f in ggufs if exact in _shards(snapshot, f)), None)
+            first = snapshot.file(str(first_shard(PurePosixPath(exact.name))))
             if first is None:
                 raise HubError(f"{snapshot.repo_id}: '{wanted}' is a shard of a split model whose first shard "
                                "is not in the repository")

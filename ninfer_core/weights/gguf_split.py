@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
+from typing import TypeVar
 
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+PathT = TypeVar("PathT", bound=PurePath)
 
 _SHARD_NAME = re.compile(r"(?P<prefix>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})(?P<suffix>\.gguf)", re.IGNORECASE)
 
@@ -39,8 +41,9 @@ def shard_name(name: str) -> ShardName | None:
     return ShardName(m["prefix"], int(m["number"]), int(m["count"]), m["suffix"])
 
 
-def first_shard(path: Path) -> Path:
-    """The file to open for a model: the first shard where `path` names a later one."""
+def first_shard(path: PathT) -> PathT:
+    """The file to open for a model: the first shard where `path` names a later one (a local path or
+    a repository's)."""
     shard = shard_name(path.name)
     return path if shard is None or shard.number == 1 else path.with_name(shard.sibling(1))
 
