@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from ..embeddings import EMBED_SAMPLING, normalized
 from ..engine.service import EngineService, TokenStream
 from ..errors import NinferError
-from ..tokenizer import Tokenizer
+from ..llm import LLM
 from .body import read_model
 from .completions import read_prompts
 from .errors import ApiError
@@ -79,16 +79,14 @@ async def openai_embeddings(request: Request) -> JSONResponse:
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
-def _ollama_ids(texts: list[str], tokenizer: Tokenizer, limit: int, truncate: bool, param: str) -> list[list[int]]:
-    """Each text's ids; past the context (limit - 1 tokens: one is left for the step's token) the
-    first ones, or a 400 when `truncate` is false."""
+def _ollama_ids(texts: str | list[str], llm: LLM, limit: int, truncate: bool, name: str) -> list[list[int]]:
+    """Each text's ids (completions.read_prompts); past the context (limit - 1 tokens: one is left for
+    the step's token) the first ones, or a 400 when `truncate` is false."""
     out = []
-    for i, text in enumerate(texts):
-        where = param if len(texts) == 1 else f"{param}[{i}]"
-        if not text:
-            raise ApiError(400, f"{where} is empty", param=where)
-        ids = tokenizer.encode(text, add_special_tokens=True)
+    for i, prompt in enumerate(read_prompts(texts, llm.tokenizer, llm.loaded.config.vocab_size, name=name)):
+        ids = prompt.ids
         if len(ids) >= limit:
+            where = name if isinstance(texts, str) else f"{name}[{i}]"
             if not truncate:
                 raise ApiError(400, f"{where} has {len(ids)} tokens, more than the context limit of {limit - 1} "
                                     "for an input (truncate: true keeps the first ones)", param=where)
@@ -97,19 +95,18 @@ def _ollama_ids(texts: list[str], tokenizer: Tokenizer, limit: int, truncate: bo
     return out
 
 
-def _ollama_tokenize(texts: list[str], truncate: bool, param: str) -> Tokenize:
-    return lambda service: _ollama_ids(texts, service.llm.tokenizer, service.context_limit, truncate, param)
+def _ollama_tokenize(texts: str | list[str], truncate: bool, name: str) -> Tokenize:
+    return lambda service: _ollama_ids(texts, service.llm, service.context_limit, truncate, name)
 
 
 @router.post("/api/embed")
 async def ollama_embed(request: Request) -> JSONResponse:
     started = time.perf_counter()
     body = await read_model(request, OllamaEmbedRequest)
-    texts = [body.input] if isinstance(body.input, str) else body.input
-    if not texts:
+    if not body.input:  # before the model is taken
         raise ApiError(400, "input is empty", param="input")
-    name, prompts, vectors = await _embeddings(request, body.model, _ollama_tokenize(texts, body.truncate, "input"),
-                                               body.keep_alive)
+    name, prompts, vectors = await _embeddings(request, body.model,
+                                               _ollama_tokenize(body.input, body.truncate, "input"), body.keep_alive)
     return JSONResponse({"model": name, "embeddings": [_unit(v, body.dimensions) for v in vectors],
                          "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
                          "prompt_eval_count": sum(len(p) for p in prompts)})
@@ -118,6 +115,6 @@ async def ollama_embed(request: Request) -> JSONResponse:
 @router.post("/api/embeddings")
 async def ollama_embeddings(request: Request) -> JSONResponse:
     body = await read_model(request, OllamaEmbeddingsRequest)
-    _, _, vectors = await _embeddings(request, body.model, _ollama_tokenize([body.prompt], True, "prompt"),
+    _, _, vectors = await _embeddings(request, body.model, _ollama_tokenize(body.prompt, True, "prompt"),
                                       body.keep_alive)
     return JSONResponse({"embedding": vectors[0]})
