@@ -13,8 +13,9 @@ sensitive, so they keep int8):
   int4  routed experts and dense-MLP projections int4 (group 128, or 64 / 32 where 128 does not
         divide the input width; bf16 scales), the rest int8;
   gguf  (`auto` for a GGUF file on the CPU) each Linear and the embedding table keep the file's
-        own quantization: Q4_K / Q5_K / Q6_K / Q8_0 matrices their blocks as they are (ops/kquant.py; a merged
-        projection of up to 8 such parts stacks them, whatever their mix), other types mapped to our
+        own quantization: Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q4_1 matrices their blocks as they are
+        (ops/kquant.py; a merged projection of up to 8 such parts stacks them, whatever their mix),
+        other types mapped to our
         formats without a second grid (weights/gguf_quant.py), a merged projection in its parts'
         common format (ops/quant_convert.py; a K-quant part beside another type is mapped too),
         routed experts each part in the file's format (K-quant blocks as they are, each expert

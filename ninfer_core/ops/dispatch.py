@@ -10,7 +10,7 @@ never raised: an install without compiled code simply runs the references.
 
 Compact weights on the CPU, NINFER_CPU_MATH or `--cpu-math` (KL to the exact path in docs/performance.md):
   bf16 (default)  decode weight-only with fp32 activations, except GGUF blocks kept native (Q4_K,
-                  Q5_K, Q6_K, Q8_0: ops/kquant.py), whose decode quantizes activations to int8 per 32 inputs
+                  Q5_K, Q6_K, Q8_0, Q4_0, Q4_1: ops/kquant.py), whose decode quantizes activations to int8 per 32 inputs
                   as llama.cpp does; prefill GEMMs in bf16 where the CPU multiplies bf16 natively
                   (2-4x torch's fp32 GEMM), fp32 elsewhere;
   int8            also decode the other formats with activations quantized to int8 per block of

@@ -1,4 +1,4 @@
-"""GGUF K-quant weights (Q4_K, Q5_K, Q6_K; Q8_0 alike) kept as the file's blocks on the CPU: the weight,
+"""GGUF K-quant weights (Q4_K, Q5_K, Q6_K; Q8_0, Q4_0, Q4_1 alike) kept as the file's blocks on the CPU: the weight,
 its linear and embedding modules, the ops and their torch references.
 
 A weight is its packed bytes (weights/kquant_layout.py; csrc/cpu/kquant.h describes the layout) and

@@ -1,8 +1,8 @@
 """GGUF quantized tensors -> our quantized formats (ops/quant.py) without a second quantization.
 
-Q4_K, Q5_K, Q6_K and Q8_0 matrices (Q8_0: rows of whole 256-input spans) are kept as the file's blocks
-instead (ops/kquant.py), unless a merged projection stacks one with a part of another type: then
-this mapping serves them too.
+Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q4_1 matrices whose rows are whole 256-input spans are kept as the
+file's blocks instead (ops/kquant.py), unless a merged projection stacks one with a part of another
+type: then this mapping serves them too.
 
 llama.cpp's blocks are affine per group (w = d * q (- m)), which is our format: the codes stay
 llama.cpp's codes and the per-group scale / minimum become our scales / offsets (fp16):

@@ -465,7 +465,7 @@ class GGUFCheckpoint(GGUFFile):
         return input_orders(self.config) if self.gguf_arch in QWEN35_ARCHS else {}
 
     def quant_format(self, name: str) -> QuantFormat | KQuantFormat | None:
-        """The format a tensor keeps on the CPU: a Q4_K / Q5_K / Q6_K / Q8_0 matrix its blocks as they are
+        """The format a tensor keeps on the CPU: a Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q4_1 matrix its blocks as they are
         (`get_blocks`), other types (and K-quant routed experts, [E, N, K]) the format
         `get_quantized` gives; None when it has none (a float tensor, a block type without an
         exact mapping, a tensor whose values the converter changed, or one made of file tensors of
@@ -478,7 +478,7 @@ class GGUFCheckpoint(GGUFFile):
         if len(parts[0].shape) not in (2, 3) or fix is not None and fix.value is not None:
             return None
         blocks = [block_type(t.tensor_type) for t in parts]
-        # rows per expert for [E, N, K] experts; whole super-blocks of inputs (Q8_0 rows may end inside one)
+        # rows per expert for [E, N, K] experts; whole super-blocks of inputs (Q8_0 / Q4_x rows may end inside one)
         if None not in blocks and int(parts[0].shape[0]) % SUPER_BLOCK == 0:
             return KQuantFormat(tuple((block, int(t.shape[1])) for block, t in zip(blocks, parts)))
         return gguf_format(parts[0].tensor_type) if len({t.tensor_type for t in parts}) == 1 else None
