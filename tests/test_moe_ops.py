@@ -272,6 +272,100 @@ def test_cpu_experts_in_one_call_are_the_python_loop(cpu_calls, fmt, tokens):
     assert torch.equal(with_shared, composed)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("tokens, renormalize, with_shared", [(1, True, True), (3, False, True), (2, True, False)])
+def test_cpu_moe_layer_is_the_composition(monkeypatch, fmt, tokens, renormalize, with_shared):
+    """cpu_moe_layer (the CPU's bf16 math): the add + norm, the router's logits, the top-k and the
+    experts of a decode step in one call give add_rmsnorm's new residual to the bit, and the output
+    of the composition (add_rmsnorm, torch's router GEMM, moe_route_ref, the experts' call with the
+    shared expert gated by the router's last row) within fp32 rounding; that composition's routing is
+    the float64 softmax's top-k of the same rows (no near-ties to flip)."""
+    if not dispatch.cpu_kernels_available():
+        pytest.skip("the CPU extension is not built")
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "bf16")
+    num_experts, hidden, inter, top_k = 16, 64, 32, 4
+    gate_up, down = _experts(num_experts, hidden, inter, fmt, dtype=torch.float32, group=32, seed=tokens)
+    g = torch.Generator().manual_seed(tokens + 7)
+    router = torch.randn(num_experts + with_shared, hidden, generator=g) / 2
+    x, residual = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, hidden, generator=g)
+    norm = moe.RouterNorm(residual, torch.randn(hidden, generator=g) * 0.1, 1e-6, True)
+    shared = (quantize(torch.randn(2 * inter, hidden, generator=g) / 8, fmt, 32),
+              quantize(torch.randn(hidden, inter, generator=g) / 6, fmt, 32)) if with_shared else None
+    out, summed = moe.cpu_moe_layer(x, norm, router, top_k, renormalize, gate_up, down, shared)
+    h, want_summed = add_rmsnorm(x, residual, norm.weight, 1e-6, zero_centered=True)
+    assert torch.equal(summed, want_summed)
+    logits = h @ router.T
+    weights, ids = moe.moe_route_ref(logits[:, :num_experts], top_k, renormalize)
+    exact = torch.softmax((h.double() @ router.double().T)[:, :num_experts], dim=-1).topk(top_k)
+    assert torch.equal(ids.long(), exact.indices)
+    if with_shared:
+        want = moe.moe_experts_with_shared(h, gate_up, down, weights, ids,
+                                           moe.SharedExpert(*shared, logits[:, num_experts:]))
+    else:
+        want = moe.moe_experts(h, gate_up, down, weights, ids)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_cpu_moe_layer_declines_what_it_does_not_take(monkeypatch):
+    """None (the caller composes): the exact CPU math, fp64 rows, a router without the shared gate's row,
+    top_k past the experts, dense experts."""
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "bf16")
+    gate_up, down = _experts(8, 64, 32, "int8", dtype=torch.float32, group=32)
+    x, residual, router = torch.randn(1, 64), torch.randn(1, 64), torch.randn(8, 64)
+    norm = moe.RouterNorm(residual, torch.ones(64), 1e-6, False)
+    shared = (quantize(torch.randn(64, 64), "int8"), quantize(torch.randn(64, 32), "int8"))
+    args = (2, True, gate_up, down, None)
+    if dispatch.cpu_kernels_available():
+        assert moe.cpu_moe_layer(x, norm, router, *args) is not None
+    assert moe.cpu_moe_layer(x.double(), norm, router, *args) is None
+    assert moe.cpu_moe_layer(x, norm, router, 2, True, gate_up, down, shared) is None  # no row for its gate
+    assert moe.cpu_moe_layer(x, norm, router, 9, True, gate_up, down, None) is None
+    assert moe.cpu_moe_layer(x, norm, router, 2, True, *_experts(8, 64, 32, "fp32", dtype=torch.float32), None) is None
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "exact")
+    assert moe.cpu_moe_layer(x, norm, router, *args) is None
+    if dispatch.cpu_kernels_available():  # the binding's own check: a router row for a shared gate it lacks
+        plan = moe._cpu_expert_plan(gate_up), moe._cpu_expert_plan(down)
+        with pytest.raises(ValueError, match="moe_layer: top_k in 1..num_experts and router rows"):
+            dispatch.cpu_extension().moe_layer(tuple(range(10)), 1e-6, False, 9, True, 1, 2, 8, *plan, None, 1, False)
+
+
+def test_sparse_moe_runs_the_cpu_layer_call_under_the_default_math(monkeypatch):
+    """SparseMoE.add_norm_forward on the CPU (int8 experts and shared expert, bf16 math): one
+    `cpu_moe_layer` call, whose output and residual stream are those of its composition (the same
+    layer with that call declining) to fp32 rounding."""
+    if not dispatch.cpu_kernels_available():
+        pytest.skip("the CPU extension is not built")
+    from hf_reference import ninfer_config, tiny_qwen3_5_config
+
+    from ninfer_core.layers import moe as moe_layers
+    from ninfer_core.layers.norm import RMSNorm
+    from ninfer_core.ops.quant import QuantLinear
+
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "bf16")
+    torch.manual_seed(0)
+    config = ninfer_config(tiny_qwen3_5_config(moe=True))
+    layer = moe_layers.SparseMoE(config).to(torch.float32)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    layer.experts.quantize_(QuantFormat("int8"))
+    mlp = layer.shared_expert
+    mlp.gate_up_proj.linear = QuantLinear(quantize(mlp.gate_up_proj.linear.weight.detach(), "int8"))
+    mlp.down_proj = QuantLinear(quantize(mlp.down_proj.weight.detach(), "int8"))
+    norm = RMSNorm(config.hidden_size, 1e-6, True)
+    torch.nn.init.normal_(norm.weight, std=0.1)
+    x, residual = torch.randn(2, 1, config.hidden_size), torch.randn(2, 1, config.hidden_size)
+    calls = []
+    real = moe_layers.cpu_moe_layer
+    monkeypatch.setattr(moe_layers, "cpu_moe_layer", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        out, summed = layer.add_norm_forward(x, residual, norm)
+        assert calls == [1]
+        monkeypatch.setattr(moe_layers, "cpu_moe_layer", lambda *a: None)
+        want, want_summed = layer.add_norm_forward(x, residual, norm)
+    assert out.shape == x.shape and torch.equal(summed, want_summed)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_cpu_prompt_experts_past_a_few_rows_take_the_tiled_gemm(cpu_calls):
     """A prompt's hit experts (more tokens than a decode step's one call takes) run the GEMV kernel up
     to CPU_PREFILL_EXPERT_GEMV_ROWS rows and the tiled GEMM past them; the sums stay the reference's."""

@@ -66,6 +66,46 @@ ninfer::cpu::LayerLinear layer_linear(const py::tuple& t) {
   return l;
 }
 
+
+// moe_experts' arguments from Python's tuples (ops/moe.py `_cpu_expert_plan`, `_cpu_linear`), the shapes
+// checked; x, weights, ids and the shared gate are the caller's to fill. Holds the shared linears the args
+// point to.
+struct ExpertsCall {
+  ninfer::cpu::MoeArgs args{};
+  ninfer::cpu::LayerLinear shared_gate_up{}, shared_down{};
+
+  ExpertsCall(std::uintptr_t out, std::int64_t tokens, std::int64_t top_k, std::int64_t num_experts,
+              const py::tuple& gate_up, const py::tuple& down, const py::object& shared, int threads,
+              bool int8_activations) {
+    const auto experts = [](const py::tuple& t) {
+      const auto strides = t[1].cast<py::tuple>();
+      return ninfer::cpu::ExpertWeights{layer_linear(t[0].cast<py::tuple>()), strides[0].cast<std::int64_t>(),
+                                        strides[1].cast<std::int64_t>(), strides[2].cast<std::int64_t>()};
+    };
+    using ninfer::cpu::layer_linear_inputs, ninfer::cpu::layer_linear_rows;
+    args.out = reinterpret_cast<float*>(out);
+    args.tokens = tokens, args.top_k = top_k, args.num_experts = num_experts;
+    args.gate_up = experts(gate_up), args.down = experts(down);
+    args.threads = threads, args.int8_activations = int8_activations;
+    const auto fits = [&](const ninfer::cpu::LayerLinear& gu, const ninfer::cpu::LayerLinear& dn) {
+      const std::int64_t n = layer_linear_rows(gu);
+      return n % 2 == 0 && layer_linear_inputs(dn) * 2 == n && layer_linear_inputs(gu) == layer_linear_rows(dn);
+    };
+    if (!fits(args.gate_up.first, args.down.first)) {
+      throw std::invalid_argument("moe_experts: gate_up [E, 2I, H] and down [E, H, I] do not match");
+    }
+    if (shared.is_none()) return;
+    const auto t = shared.cast<py::tuple>();
+    shared_gate_up = layer_linear(t[0].cast<py::tuple>()), shared_down = layer_linear(t[1].cast<py::tuple>());
+    if (!fits(shared_gate_up, shared_down) || layer_linear_rows(shared_down) != layer_linear_rows(args.down.first)) {
+      throw std::invalid_argument("moe_experts: the shared gate_up [2I, H] and down [H, I] do not match");
+    }
+    args.shared_gate_up = &shared_gate_up, args.shared_down = &shared_down;
+  }
+  ExpertsCall(const ExpertsCall&) = delete;
+  ExpertsCall& operator=(const ExpertsCall&) = delete;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -217,41 +257,45 @@ PYBIND11_MODULE(_cpu, m) {
       [](std::uintptr_t out, std::uintptr_t x, std::uintptr_t weights, std::uintptr_t ids, std::int64_t tokens,
          std::int64_t top_k, std::int64_t num_experts, const py::tuple& gate_up, const py::tuple& down,
          const py::object& shared, int threads, bool int8_activations) {
-        const auto experts = [](const py::tuple& t) {
-          const auto strides = t[1].cast<py::tuple>();
-          return ninfer::cpu::ExpertWeights{layer_linear(t[0].cast<py::tuple>()), strides[0].cast<std::int64_t>(),
-                                            strides[1].cast<std::int64_t>(), strides[2].cast<std::int64_t>()};
-        };
-        using ninfer::cpu::layer_linear_inputs, ninfer::cpu::layer_linear_rows;
-        ninfer::cpu::MoeArgs a{reinterpret_cast<float*>(out), reinterpret_cast<const float*>(x),
-                               reinterpret_cast<const float*>(weights), reinterpret_cast<const std::int32_t*>(ids),
-                               tokens, top_k, num_experts, experts(gate_up), experts(down), nullptr, nullptr,
-                               nullptr, 0, threads, int8_activations};
-        const auto fits = [&](const ninfer::cpu::LayerLinear& gate_up, const ninfer::cpu::LayerLinear& down) {
-          const std::int64_t n = layer_linear_rows(gate_up);
-          return n % 2 == 0 && layer_linear_inputs(down) * 2 == n && layer_linear_inputs(gate_up) == layer_linear_rows(down);
-        };
-        if (!fits(a.gate_up.first, a.down.first)) {
-          throw std::invalid_argument("moe_experts: gate_up [E, 2I, H] and down [E, H, I] do not match");
-        }
-        ninfer::cpu::LayerLinear shared_gate_up{}, shared_down{};
+        ExpertsCall call(out, tokens, top_k, num_experts, gate_up, down, shared, threads, int8_activations);
         if (!shared.is_none()) {
           const auto t = shared.cast<py::tuple>();
-          shared_gate_up = layer_linear(t[0].cast<py::tuple>()), shared_down = layer_linear(t[1].cast<py::tuple>());
-          if (!fits(shared_gate_up, shared_down) || layer_linear_rows(shared_down) != layer_linear_rows(a.down.first)) {
-            throw std::invalid_argument("moe_experts: the shared gate_up [2I, H] and down [H, I] do not match");
-          }
-          a.shared_gate_up = &shared_gate_up, a.shared_down = &shared_down;
-          a.shared_gate = reinterpret_cast<const float*>(t[2].cast<std::uintptr_t>());
-          a.shared_gate_stride = t[3].cast<std::int64_t>();
+          call.args.shared_gate = reinterpret_cast<const float*>(t[2].cast<std::uintptr_t>());
+          call.args.shared_gate_stride = t[3].cast<std::int64_t>();
         }
+        call.args.x = reinterpret_cast<const float*>(x);
+        call.args.weights = reinterpret_cast<const float*>(weights);
+        call.args.ids = reinterpret_cast<const std::int32_t*>(ids);
         py::gil_scoped_release released;
-        ninfer::cpu::moe_experts(a);
+        ninfer::cpu::moe_experts(call.args);
       },
       py::arg("out"), py::arg("x"), py::arg("weights"), py::arg("ids"), py::arg("tokens"), py::arg("top_k"),
       py::arg("num_experts"), py::arg("gate_up"), py::arg("down"), py::arg("shared"), py::arg("threads"),
       py::arg("int8_activations"),
       "The routed (and shared) experts of fp32 rows. See csrc/cpu/moe_step.h.");
+  // A decode step's MoE layer in one call: tensors (out, x, residual, norm_weight, residual_out, router, normed,
+  // logits, weights, ids) as pointers; shared: None or (gate_up linear, down linear), gated by logit num_experts.
+  m.def(
+      "moe_layer",
+      [](const py::tuple& tensors, float eps, bool zero_centered, std::int64_t router_rows, bool renormalize,
+         std::int64_t tokens, std::int64_t top_k, std::int64_t num_experts, const py::tuple& gate_up,
+         const py::tuple& down, const py::object& shared, int threads, bool int8_activations) {
+        const auto f = [&](int i) { return reinterpret_cast<float*>(tensors[i].cast<std::uintptr_t>()); };
+        if (top_k < 1 || top_k > num_experts || router_rows != num_experts + (shared.is_none() ? 0 : 1)) {
+          throw std::invalid_argument(
+              "moe_layer: top_k in 1..num_experts and router rows num_experts (+ 1 shared gate)");
+        }
+        ExpertsCall call(tensors[0].cast<std::uintptr_t>(), tokens, top_k, num_experts, gate_up, down, shared, threads,
+                         int8_activations);
+        const ninfer::cpu::MoeLayerArgs a{call.args, f(1), f(2), f(3), f(4), eps, zero_centered, f(5), router_rows,
+                                          renormalize, f(6), f(7), f(8), reinterpret_cast<std::int32_t*>(f(9))};
+        py::gil_scoped_release released;
+        ninfer::cpu::moe_layer(a);
+      },
+      py::arg("tensors"), py::arg("eps"), py::arg("zero_centered"), py::arg("router_rows"), py::arg("renormalize"),
+      py::arg("tokens"), py::arg("top_k"), py::arg("num_experts"), py::arg("gate_up"), py::arg("down"),
+      py::arg("shared"), py::arg("threads"), py::arg("int8_activations"),
+      "A decode step's MoE layer (norm, router, top-k, experts) of fp32 rows. See csrc/cpu/moe_step.h.");
   // A layer's constant arguments, made once per layer (ops/cpu_layer.py caches it): the step's fields are
   // filled in by decode_layers. layer: (input_norm, post_norm, q_norm, k_norm, eps, hidden, heads, kv_heads,
   // head_dim, intermediate, scale); linears: (qkv, o, gate_up, down). Pointers as ints, 0 for none.

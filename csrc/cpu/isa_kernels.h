@@ -11,6 +11,11 @@ namespace ninfer::cpu {
 namespace {
 
 template <class V>
+void dot_rows(const float* x, const float* w, std::int64_t k, std::int64_t r0, std::int64_t r1, float* out) {
+  for (std::int64_t r = r0; r < r1; ++r) out[r] = AttentionKernels<V>::dot(x, w + r * k, k);
+}
+
+template <class V>
 IsaKernels make_kernels(const char* name) {
   return {name,
           V::W,
@@ -23,7 +28,8 @@ IsaKernels make_kernels(const char* name) {
           &KQuantKernels<V>::dequantize_rows,
           &AttentionKernels<V>::chunk,
           &GdnKernels<V>::conv,
-          &GdnKernels<V>::head};
+          &GdnKernels<V>::head,
+          &dot_rows<V>};
 }
 
 }  // namespace

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "decode_ops.h"
+#include "quant_kernels.h"
+#include "thread_pool.h"
 
 namespace ninfer::cpu {
 namespace {
@@ -31,7 +33,46 @@ void ffn(const LayerLinear& gate_up, const LayerLinear& down, const float* x, st
   layer_linear(down, out, act, rows, a.threads, a.int8_activations);
 }
 
+// The top k of the softmax of logits [experts] into weights / ids (moe.py moe_route_ref's fp32 math).
+void route(const float* logits, std::int64_t experts, std::int64_t top_k, bool renormalize, float* weights,
+           std::int32_t* ids) {
+  std::vector<float> p(logits, logits + experts);
+  const float top = *std::max_element(p.begin(), p.end());
+  float sum = 0.0f;
+  for (float& v : p) sum += (v = std::exp(v - top));
+  for (float& v : p) v /= sum;
+  float kept = 0.0f;
+  for (std::int64_t j = 0; j < top_k; ++j) {
+    const auto best = std::max_element(p.begin(), p.end());  // the first of equal maxima: the lower id
+    ids[j] = static_cast<std::int32_t>(best - p.begin());
+    kept += weights[j] = *best;
+    *best = -1.0f;  // probabilities are >= 0
+  }
+  if (renormalize) {
+    for (std::int64_t j = 0; j < top_k; ++j) weights[j] /= kept;
+  }
+}
+
 }  // namespace
+
+void moe_layer(const MoeLayerArgs& a) {
+  MoeArgs e = a.experts;
+  const std::int64_t tokens = e.tokens, hidden = layer_linear_rows(e.down.first), rows = a.router_rows;
+  add_rmsnorm(a.normed, a.residual_out, a.x, a.residual, a.norm_weight, tokens, hidden, a.eps, a.zero_centered);
+  constexpr std::int64_t kRowsATask = 16;  // 2,048-wide fp32 rows: 128 KB of router a task
+  const std::int64_t blocks = (rows + kRowsATask - 1) / kRowsATask;
+  const IsaKernels& impl = active_kernels();
+  parallel_for(tokens * blocks, e.threads, [&](std::int64_t i) {
+    const std::int64_t t = i / blocks, r0 = i % blocks * kRowsATask;
+    impl.dot_rows(a.normed + t * hidden, a.router, hidden, r0, std::min(rows, r0 + kRowsATask), a.logits + t * rows);
+  });
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    route(a.logits + t * rows, e.num_experts, e.top_k, a.renormalize, a.weights + t * e.top_k, a.ids + t * e.top_k);
+  }
+  e.x = a.normed, e.weights = a.weights, e.ids = a.ids;
+  if (e.shared_gate_up) e.shared_gate = a.logits + e.num_experts, e.shared_gate_stride = rows;
+  moe_experts(e);
+}
 
 void moe_experts(const MoeArgs& a) {
   const std::int64_t hidden = layer_linear_rows(a.down.first), pairs = a.tokens * a.top_k;

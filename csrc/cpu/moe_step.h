@@ -39,4 +39,30 @@ struct MoeArgs {
 // An id outside [0, num_experts) throws std::out_of_range before anything is written.
 void moe_experts(const MoeArgs& args);
 
+// A MoE layer of a decode step after the mixer, in one call (layers/moe.py SparseMoE.add_norm_forward,
+// whose Python path is a router GEMM and ~10 torch ops around the experts' call, ~0.15 ms of a 35B
+// layer): h = norm(x + residual) (add_rmsnorm; the sum to residual_out), logits = h @ router^T, the
+// softmax of the first num_experts logits in fp32, its top_k in descending order (ties: the lower id)
+// renormalized to sum 1 where asked, then moe_experts over h, the shared expert gated by logit
+// num_experts. `experts` holds the experts, shared ones and threads; its x, weights, ids and shared
+// gate are set here.
+struct MoeLayerArgs {
+  MoeArgs experts;
+  const float* x;             // [N, H]: the mixer's output
+  const float* residual;      // [N, H]
+  const float* norm_weight;   // [H]
+  float* residual_out;        // [N, H]: x + residual
+  float eps;
+  bool zero_centered;
+  const float* router;        // [router_rows, H]: the experts' rows, then the shared expert's gate (if any)
+  std::int64_t router_rows;
+  bool renormalize;
+  float* normed;              // [N, H]
+  float* logits;              // [N, router_rows]
+  float* weights;             // [N, top_k]
+  std::int32_t* ids;          // [N, top_k]
+};
+
+void moe_layer(const MoeLayerArgs& args);
+
 }  // namespace ninfer::cpu

@@ -70,6 +70,8 @@ struct IsaKernels {
                    float* mixed);
   void (*gdn_head)(const GdnStepArgs& a, const float* mixed, std::int64_t b, std::int64_t h, std::int64_t keep,
                    float* work);
+  // out[r] = x . w[r] for the fp32 rows r in [r0, r1) of w [rows, k] (a MoE router's logits: moe_step.h)
+  void (*dot_rows)(const float* x, const float* w, std::int64_t k, std::int64_t r0, std::int64_t r1, float* out);
 };
 
 // Everything below has internal linkage on purpose: each isa_*.cpp compiles its own copy with its

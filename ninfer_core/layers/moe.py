@@ -16,6 +16,7 @@ from ..ops.moe import (
     ExpertTensor,
     RouterNorm,
     SharedExpert,
+    cpu_moe_layer,
     moe_experts,
     moe_add_norm_router,
     moe_experts_with_shared,
@@ -130,6 +131,16 @@ class SparseMoE(nn.Module):
         the router kernel (`moe_add_norm_router`, one launch fewer a layer) where it applies."""
         shape = x.shape
         router = self._kernel_router()
+        if x.device.type == "cpu" and router is not None:
+            shared = None if self.shared_expert is None else self.shared_expert.quantized()
+            if self.shared_expert is None or shared is not None:
+                layer = cpu_moe_layer(x.reshape(-1, shape[-1]),
+                                      RouterNorm(residual.reshape(-1, shape[-1]), norm.weight, norm.eps,
+                                                 norm.zero_centered),
+                                      router, self.top_k, self.renormalize, self.experts.gate_up, self.experts.down,
+                                      shared)
+                if layer is not None:
+                    return layer[0].reshape(shape), layer[1].reshape(shape)
         fused = None
         if router is not None:
             fused = moe_add_norm_router(x.reshape(-1, shape[-1]),

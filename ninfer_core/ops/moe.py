@@ -26,7 +26,9 @@ Expert weights keep the checkpoint's fused layout, `gate_up` [E, 2I, H] (gate ro
             CPU quant kernels (a GEMM over dequantized tiles for a prompt's many rows: ops/quant.py)
             where the reference dequantizes every hit expert whole, every step; a decode step's rows
             (up to CPU_GEMV_ROWS) in one call with the shared expert (csrc/cpu/moe_step.h: the same
-            GEMVs in the same order, one call where the loop took ~10 torch ops an expert).
+            GEMVs in the same order, one call where the loop took ~10 torch ops an expert). Outside
+            the exact CPU math, `cpu_moe_layer` also runs the add + norm, the router GEMV and the
+            top-k of a decode step in that call.
   reference CPU otherwise, or NINFER_DISABLE_KERNELS=1: the loop over hit experts (`moe_experts_ref`).
 """
 
@@ -295,6 +297,38 @@ def _cpu_experts_call(
         _cpu_expert_plan(gate_up), _cpu_expert_plan(down), shared_plan, dispatch.cpu_threads(),
         dispatch.cpu_math() == "int8")
     return out
+
+
+def cpu_moe_layer(
+    x: torch.Tensor, norm: RouterNorm, router: torch.Tensor, top_k: int, renormalize: bool,
+    gate_up: ExpertTensor, down: ExpertTensor, shared: tuple[QuantizedWeight | KQuantWeight, ...] | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decode step's MoE layer on the CPU in one call (csrc/cpu/moe_step.h `moe_layer`): (out, s) for
+    s = x + norm.residual, out = the experts (and the shared expert (gate_up, down), gated by router row
+    E) of h = norm(s), routed by the softmax top-k of h @ router[:E]^T (E = experts). The composition it
+    replaces: add_rmsnorm, the router GEMM, `moe_route`, `moe_experts_with_shared`. None where it does
+    not apply: the exact CPU math (its router's dot products add in another order than torch's GEMM),
+    not fp32, more rows than the experts' call takes."""
+    experts = gate_up.shape[0]
+    tokens, hidden = x.shape
+    shared_plan = None if shared is None else tuple(_cpu_linear(w) for w in shared)
+    if not (x.device.type == "cpu" and dispatch.cpu_kernels_available() and dispatch.cpu_math() != "exact"
+            and _cpu_experts_fit(gate_up, down) and (_kquant(gate_up, down) or tokens <= CPU_GEMV_ROWS)
+            and all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+                    for t in (x, norm.residual, norm.weight, router))
+            and norm.residual.shape == x.shape and norm.weight.shape == (hidden,)
+            and router.shape == (experts + (shared is not None), hidden) and 1 <= top_k <= experts
+            and (shared_plan is None or None not in (shared[0].cpu_plan, shared[1].cpu_plan))):
+        return None
+    out, summed, normed = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    logits = torch.empty(tokens, router.shape[0])
+    weights, ids = torch.empty(tokens, top_k), torch.empty(tokens, top_k, dtype=torch.int32)
+    tensors = (out, x, norm.residual, norm.weight, summed, router, normed, logits, weights, ids)
+    dispatch.cpu_extension().moe_layer(
+        tuple(t.data_ptr() for t in tensors), float(norm.eps), norm.zero_centered, router.shape[0], renormalize,
+        tokens, top_k, experts, _cpu_expert_plan(gate_up), _cpu_expert_plan(down), shared_plan,
+        dispatch.cpu_threads(), dispatch.cpu_math() == "int8")
+    return out, summed
 
 
 def _cpu_expert_plan(w: CpuExperts) -> tuple:

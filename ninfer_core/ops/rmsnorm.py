@@ -49,6 +49,8 @@ def rmsnorm(
 ) -> torch.Tensor:
     """RMSNorm over the last dim of x. `out` (contiguous, may be x itself) receives the result."""
     _check(x, weight, out=out)
+    if out is None and not x.is_contiguous() and _cpu_fits(weight) and x.device.type == "cpu":
+        x = x.contiguous()  # a slice of a merged projection (q / k heads): a copy beats the reference's ops
     if _cpu_fits(x, weight):
         out = torch.empty_like(x) if out is None else out
         dispatch.cpu_extension().add_rmsnorm(out.data_ptr(), 0, x.data_ptr(), 0, weight.data_ptr(),

@@ -58,7 +58,9 @@ def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary_ref`, by the CPU kernel where it applies."""
+    """`apply_rotary_ref`, by the CPU kernel where it applies (on a contiguous copy of a slice)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        x = x.contiguous()
     if not (x.device.type == "cpu" and all(t.dtype == torch.float32 and t.is_contiguous() for t in (x, cos, sin))
             and x.dim() == 4 and cos.shape[:2] == x.shape[:2] and dispatch.cpu_kernels_available()):
         return apply_rotary_ref(x, cos, sin)
