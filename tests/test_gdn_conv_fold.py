@@ -732,3 +732,68 @@ def test_layer_decode_folds_on_cuda(cuda_kernels, monkeypatch):
     assert taken == [True], "the layer did not fold the conv"
     assert torch.equal(got, want) and torch.equal(rows.summed, want_rows.summed)
     assert_same_pools(case, unfolded)
+
+
+# ---------------------------------------------------------------- CPU: the decode mixer in one call
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("ordered", [False, True], ids=["", "out-order"])
+def test_cpu_mixer_in_one_call_is_the_layer_one_call_at_a_time(monkeypatch, kind, ordered):
+    """Under the CPU's bf16 math a decode forward with the input norm pending runs the mixer as one
+    call (ops/gdn.py `cpu_gdn_mixer`): out, the new residual and both pools are those of the same
+    layer's calls one by one (add_rmsnorm, in_proj, the fused steps, out_proj over out_input_order's
+    permutation where set) bit for bit."""
+    if not dispatch.cpu_kernels_available():
+        pytest.skip("the CPU extension is not built")
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "bf16")
+    shape, hidden = SMALL_ODD, 64
+    torch.manual_seed(5)
+    layer = GatedDeltaNet(_config(shape, hidden))
+    with torch.no_grad():
+        for p in (layer.A_log, layer.dt_bias, layer.norm.weight):
+            p.normal_(0.5, 0.5)
+    layer.in_proj.linear = QuantLinear.from_linear(layer.in_proj.linear, kind, 32)
+    layer.out_proj = QuantLinear.from_linear(layer.out_proj, kind, 32)
+    if ordered:
+        layer.set_input_order("out_proj", torch.randperm(layer.value_dim))
+    case = make_case(shape, 3, F32, seed=4)
+    case["slots"] = case["slots"].contiguous()
+    x, residual = torch.randn(3, 1, hidden), torch.randn(3, 1, hidden)
+    norm = RMSNorm(hidden, EPS, zero_centered=True)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.1)
+    calls = []
+    real = gdn_ops.cpu_gdn_mixer
+    monkeypatch.setattr(gdn_ops, "cpu_gdn_mixer", lambda *a: calls.append(1) or real(*a))
+    plain = with_pool_copies(case)
+    with torch.no_grad():
+        rows = PendingNorm(x, residual, norm)
+        got = layer(rows, case["conv_pool"], case["state_pool"], case["slots"])
+        assert calls == [1]
+        monkeypatch.setattr(gdn_ops, "cpu_gdn_mixer", lambda *a: None)
+        want_rows = PendingNorm(x, residual, norm)
+        want = layer(want_rows, plain["conv_pool"], plain["state_pool"], plain["slots"])
+    assert got.shape == (3, 1, hidden)
+    assert torch.equal(got, want) and torch.equal(rows.summed, want_rows.summed)
+    assert_same_pools(case, plain)
+
+
+def test_cpu_mixer_declines_what_it_does_not_take(monkeypatch):
+    """None (the layer's calls one by one): the exact CPU math, bf16 rows, two new tokens."""
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "bf16")
+    layer = GatedDeltaNet(_config(SMALL_ODD, 64))
+    in_proj, out_proj = (quantize(m.weight.detach(), "int8") for m in (layer.in_proj.linear, layer.out_proj))
+    case = make_case(SMALL_ODD, 2, F32, seed=6)
+    slots = case["slots"].contiguous()
+    norm = RMSNorm(64, EPS, zero_centered=False)
+
+    def call(x: torch.Tensor) -> tuple | None:
+        return gdn_ops.cpu_gdn_mixer(PendingNorm(x, torch.randn_like(x), norm), in_proj, out_proj, None,
+                                     case["conv_pool"], case["state_pool"], slots, layer.weights)
+
+    assert (call(torch.randn(2, 1, 64)) is not None) == dispatch.cpu_kernels_available()
+    assert call(torch.randn(2, 2, 64)) is None
+    assert call(torch.randn(2, 1, 64).to(BF16)) is None
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, "exact")
+    assert call(torch.randn(2, 1, 64)) is None

@@ -249,6 +249,43 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("ab_stride"), py::arg("z_stride"), py::arg("q_scale"), py::arg("eps"), py::arg("write_state"),
       py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
       "The fused GDN steps on fp32 tensors (pointers as ints, 0 for none). See csrc/cpu/gdn_step.h.");
+  // tensors: (x, residual, residual_out, out, conv_pool, state_pool, slots, conv_weight, A_log, dt_bias,
+  // gated norm weight, input norm weight, out_order or 0) as pointers; in_proj / out_proj as layer_linear takes them.
+  m.def(
+      "gdn_mixer",
+      [](const py::tuple& tensors, std::int64_t batch, std::int64_t tokens, std::int64_t num_k_heads,
+         std::int64_t num_v_heads, std::int64_t head_k_dim, std::int64_t head_v_dim, std::int64_t taps, float q_scale,
+         float eps, float norm_eps, bool zero_centered, const py::tuple& in_proj, const py::tuple& out_proj,
+         int threads, bool int8_activations) {
+        const auto p = [&](int i) { return tensors[i].cast<std::uintptr_t>(); };
+        const auto f = [&](int i) { return reinterpret_cast<float*>(p(i)); };
+        ninfer::cpu::GdnMixerArgs a{};
+        a.in_proj = layer_linear(in_proj), a.out_proj = layer_linear(out_proj);
+        using ninfer::cpu::layer_linear_inputs, ninfer::cpu::layer_linear_rows;
+        const std::int64_t values = num_v_heads * head_v_dim, hidden = layer_linear_inputs(a.in_proj);
+        const std::int64_t width = 2 * num_k_heads * head_k_dim + 2 * values + 2 * num_v_heads;
+        if (tokens < 1 || tokens > ninfer::cpu::kMaxTokens || taps < 2 || taps > ninfer::cpu::kMaxTaps ||
+            num_k_heads < 1 || num_v_heads % num_k_heads || head_k_dim < 1 || head_v_dim < 1 ||
+            layer_linear_rows(a.in_proj) != width || layer_linear_inputs(a.out_proj) != values ||
+            layer_linear_rows(a.out_proj) != hidden) {
+          throw std::invalid_argument("gdn_mixer: 1-16 tokens, 2-8 taps, value heads a multiple of key heads, "
+                                      "in_proj [qkv | z | b | a] of H inputs, out_proj [H, Hv dv]");
+        }
+        a.step = {nullptr, nullptr, nullptr, nullptr, nullptr, f(4), f(5),
+                  reinterpret_cast<const std::int64_t*>(p(6)), nullptr, f(7), f(8), f(9), f(10), batch, tokens,
+                  num_k_heads, num_v_heads, head_k_dim, head_v_dim, taps, 0, 0, 0, q_scale, eps, true, threads};
+        a.x = f(0), a.residual = f(1), a.residual_out = f(2), a.out = f(3), a.norm_weight = f(11);
+        a.norm_eps = norm_eps, a.zero_centered = zero_centered;
+        a.out_order = reinterpret_cast<const std::int64_t*>(p(12));
+        a.int8_activations = int8_activations;
+        py::gil_scoped_release released;
+        ninfer::cpu::gdn_mixer(a);
+      },
+      py::arg("tensors"), py::arg("batch"), py::arg("tokens"), py::arg("num_k_heads"), py::arg("num_v_heads"),
+      py::arg("head_k_dim"), py::arg("head_v_dim"), py::arg("taps"), py::arg("q_scale"), py::arg("eps"),
+      py::arg("norm_eps"), py::arg("zero_centered"), py::arg("in_proj"), py::arg("out_proj"), py::arg("threads"),
+      py::arg("int8_activations"),
+      "A decode step's GDN mixer (input norm, in_proj, steps, out_proj) of fp32 rows. See csrc/cpu/gdn_step.h.");
   // experts: (linear, (codes, scales, offsets) strides in bytes between experts), linear as layer_linear takes
   // it (K-quant blocks: the first stride moves them); shared: None or (gate_up linear, down linear, gate
   // pointer, gate stride in floats)

@@ -2,6 +2,7 @@
 
 #include <vector>
 
+#include "decode_ops.h"
 #include "quant_kernels.h"
 #include "thread_pool.h"
 
@@ -28,6 +29,32 @@ void gdn_steps(const GdnStepArgs& a) {
     const std::int64_t b = item / a.num_v_heads;
     impl.gdn_head(a, mixed.data(), b, item % a.num_v_heads, keep[b], work.data());
   });
+}
+
+void gdn_mixer(const GdnMixerArgs& a) {
+  GdnStepArgs step = a.step;
+  const std::int64_t rows = step.batch * step.tokens, hidden = layer_linear_inputs(a.in_proj);
+  const std::int64_t width = layer_linear_rows(a.in_proj), values = step.num_v_heads * step.head_v_dim;
+  const std::int64_t channels = 2 * step.num_k_heads * step.head_k_dim + values;
+  std::vector<float> normed(rows * hidden), projected(rows * width), mixed(rows * values);
+  add_rmsnorm(normed.data(), a.residual_out, a.x, a.residual, a.norm_weight, rows, hidden, a.norm_eps,
+              a.zero_centered);
+  layer_linear(a.in_proj, projected.data(), normed.data(), rows, step.threads, a.int8_activations);
+  step.out = mixed.data();
+  step.qkv = projected.data();
+  step.z = step.qkv + channels;
+  step.b = step.z + values;
+  step.a = step.b + step.num_v_heads;
+  step.qkv_stride = step.ab_stride = step.z_stride = width;
+  gdn_steps(step);
+  if (a.out_order) {  // out_proj's inputs in the order its columns are stored
+    std::vector<float> taken(rows * values);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t i = 0; i < values; ++i) taken[r * values + i] = mixed[r * values + a.out_order[i]];
+    }
+    mixed.swap(taken);
+  }
+  layer_linear(a.out_proj, a.out, mixed.data(), rows, step.threads, a.int8_activations);
 }
 
 }  // namespace ninfer::cpu

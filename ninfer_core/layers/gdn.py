@@ -35,6 +35,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..models.base import StateFork
 from ..ops import gdn as gdn_ops
+from ..ops.kquant import KQuantLinear
 from ..ops.quant import QuantLinear
 from .linear import MergedLinear
 from .norm import GatedRMSNorm, PendingNorm
@@ -275,6 +276,9 @@ class GatedDeltaNet(nn.Module):
         valid_tokens[b] tokens advance its state (padding); fork: the state after fork.tokens[b]
         tokens is also written to slot fork.slots[b]."""
         if x.shape[1] == 1:
+            mixed = self._cpu_mixer(x, conv_pool, state_pool, slots)
+            if mixed is not None:
+                return mixed
             return self._out(self._decode(x, conv_pool, state_pool, slots))[:, None]
         cuts, w = _host_cuts(fork, x.shape[0]), self.weights
         if valid_tokens is None and cuts is not None and gdn_ops.cpu_steps_apply(conv_pool, state_pool, w):
@@ -289,6 +293,22 @@ class GatedDeltaNet(nn.Module):
             return self._forked_chunked(x, conv_pool, state_pool, slots, valid, fork, sliced)
         out, state = self._mix(x, conv_pool, slots, state_pool[slots], valid_tokens)
         state_pool[slots] = state
+        return out
+
+    def _cpu_mixer(
+        self, x: torch.Tensor | PendingNorm, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A decode step's whole mixer in one CPU call where the input norm is pending and both
+        projections are compact weights without a bias (ops/gdn.py `cpu_gdn_mixer`); sets x.summed."""
+        in_proj, out_proj = self.in_proj.linear, self.out_proj
+        if not (isinstance(x, PendingNorm) and x.x.device.type == "cpu"
+                and all(isinstance(m, (QuantLinear, KQuantLinear)) and m.bias is None for m in (in_proj, out_proj))):
+            return None
+        fused = gdn_ops.cpu_gdn_mixer(x, in_proj.quantized, out_proj.quantized, self.out_input_order, conv_pool,
+                                      state_pool, slots, self.weights)
+        if fused is None:
+            return None
+        out, x.summed = fused
         return out
 
     def _decode(

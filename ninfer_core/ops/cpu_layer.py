@@ -19,8 +19,8 @@ import torch
 
 from . import dispatch
 from .attention import CACHE_TYPES, DECODE_MAX_TOKENS
-from .kquant import KQuantLinear
-from .quant import QuantLinear, scratch_buffer
+from .kquant import KQuantLinear, KQuantWeight
+from .quant import QuantizedWeight, QuantLinear, scratch_buffer
 
 if TYPE_CHECKING:
     from ..models.decoder import DecoderLayer, StepContext
@@ -91,8 +91,7 @@ def _make_plan(layer: DecoderLayer) -> tuple:
             or any(m.bias is not None and not _fp32(m.bias) for m in linears)
             or len({n.eps for n in norms}) != 1):
         return _NO_PLAN
-    weights = tuple((m.out_features, 0 if m.bias is None else m.bias.data_ptr(), isinstance(m, KQuantLinear),
-                     m.quantized.cpu_plan) for m in linears)
+    weights = tuple(linear_plan(m.quantized, m.bias) for m in linears)
     q_norm, k_norm = (0, 0) if attn.q_norm is None else (attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr())
     hidden, intermediate = mlp.down_proj.out_features, mlp.down_proj.in_features
     plan = dispatch.cpu_extension().layer_plan(
@@ -101,6 +100,12 @@ def _make_plan(layer: DecoderLayer) -> tuple:
          float(attn.scale)), weights)
     return (plan, any(isinstance(m, KQuantLinear) for m in linears),
             (hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, intermediate))
+
+
+def linear_plan(w: QuantizedWeight | KQuantWeight, bias: torch.Tensor | None = None) -> tuple:
+    """A compact weight as csrc/cpu/bindings.cpp's `layer_linear` takes it: (n, bias pointer or 0,
+    K-quant?, its CPU plan)."""
+    return w.out_features, 0 if bias is None else bias.data_ptr(), isinstance(w, KQuantWeight), w.cpu_plan
 
 
 def _fp32(t: torch.Tensor) -> bool:

@@ -25,8 +25,9 @@ It applies when the call is on CUDA, every tensor but the state, slots and count
 dtype (fp32 / fp16 / bf16), the state is fp32, both pools are contiguous, dk and dv are
 multiples of 32 up to 256 and the conv has 2..8 taps. On the CPU, fp32 models' decode, verify
 and commit steps run csrc/cpu/gdn_step.h (the conv by channel blocks, then one work item per
-sequence and value head on the pool's threads; 35B shape, one token: 1.34 -> 0.21 ms a layer).
-Anything else runs the reference.
+sequence and value head on the pool's threads; 35B shape, one token: 1.34 -> 0.21 ms a layer);
+outside the exact CPU math a decode step's whole mixer (input norm, in_proj, the steps, out_proj) is
+one call (`cpu_gdn_mixer`). Anything else runs the reference.
 
 `gated_delta_rule_prefill` is `gated_delta_rule_chunked`'s contract on flash-linear-attention's
 Triton kernel (`fla.ops.gated_delta_rule.chunk_gated_delta_rule`, package flash-linear-attention
@@ -55,6 +56,8 @@ import torch
 from ..layers import gdn as gdn_layer
 from ..layers.norm import PendingNorm, gated_rms_norm
 from . import dispatch, quant
+from .cpu_layer import linear_plan
+from .kquant import KQuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -397,6 +400,38 @@ def _cpu_steps(step: GDNStepInputs, write_state: bool, w: GDNWeights, out: torch
         w.head_k_dim**-0.5, float(w.eps), write_state, dispatch.cpu_threads(),
     )
     return out
+
+
+def cpu_gdn_mixer(
+    pending: PendingNorm, in_proj: quant.QuantizedWeight | KQuantWeight, out_proj: quant.QuantizedWeight | KQuantWeight,
+    out_order: torch.Tensor | None, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+    w: GDNWeights,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decode step's GDN mixer on the CPU in one call (csrc/cpu/gdn_step.h `gdn_mixer`): (out_proj's
+    output [B, 1, H], x + residual) for the pending input norm's rows, in_proj's rows [qkv | z | b | a]
+    (layers/gdn.py), out_proj's inputs taken in `out_order` where given; the pools advance at `slots`.
+    The same kernels in the same order as the layer's calls one by one (add_rmsnorm, the projections,
+    `_cpu_steps`), so the same bits. None where it does not apply: the exact CPU math (its projections
+    multiply differently), not fp32, not one new token a sequence."""
+    x, residual, norm = pending.x, pending.residual, pending.norm
+    batch, tokens, hidden = x.shape
+    plans = tuple(linear_plan(p) for p in (in_proj, out_proj))
+    if not (tokens == 1 and dispatch.cpu_math() != "exact" and cpu_steps_apply(conv_pool, state_pool, w)
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                    for t in (x, residual, norm.weight))
+            and residual.shape == x.shape and None not in (in_proj.cpu_plan, out_proj.cpu_plan)
+            and slots.dtype == torch.int64 and slots.is_contiguous()
+            and (out_order is None or (out_order.dtype == torch.int64 and out_order.is_contiguous()))):
+        return None
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    tensors = (x, residual, summed, out, conv_pool, state_pool, slots, w.conv_weight.contiguous(), w.A_log, w.dt_bias,
+               w.norm_weight, norm.weight)
+    pointers = (*(t.data_ptr() for t in tensors), 0 if out_order is None else out_order.data_ptr())
+    dispatch.cpu_extension().gdn_mixer(
+        pointers, batch, tokens, w.num_k_heads, w.A_log.shape[0], w.head_k_dim, w.head_v_dim, w.conv_weight.shape[1],
+        w.head_k_dim**-0.5, float(w.eps), float(norm.eps), norm.zero_centered, *plans, dispatch.cpu_threads(),
+        dispatch.cpu_math() == "int8")
+    return out, summed
 
 
 def cpu_steps_apply(conv_pool: torch.Tensor, state_pool: torch.Tensor, w: GDNWeights) -> bool:

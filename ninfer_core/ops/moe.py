@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, moe_triton
+from .cpu_layer import linear_plan
 from .activation import row_view, silu_mul
 from .moe_align import Aligned, align_by_expert, combine_slots
 from .kquant import KQuantExperts, KQuantWeight, kquant_linear
@@ -311,7 +312,7 @@ def cpu_moe_layer(
     not fp32, more rows than the experts' call takes."""
     experts = gate_up.shape[0]
     tokens, hidden = x.shape
-    shared_plan = None if shared is None else tuple(_cpu_linear(w) for w in shared)
+    shared_plan = None if shared is None else tuple(linear_plan(w) for w in shared)
     if not (x.device.type == "cpu" and dispatch.cpu_kernels_available() and dispatch.cpu_math() != "exact"
             and _cpu_experts_fit(gate_up, down) and (_kquant(gate_up, down) or tokens <= CPU_GEMV_ROWS)
             and all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
@@ -335,14 +336,9 @@ def _cpu_expert_plan(w: CpuExperts) -> tuple:
     """moe_experts' view of stacked experts: the first's linear, the byte strides between experts
     (codes, scales, offsets; K-quant blocks move by the first)."""
     if isinstance(w, KQuantExperts):
-        return _cpu_linear(w.experts[0]), (w.blocks.stride(0), 0, 0)
+        return linear_plan(w.experts[0]), (w.blocks.stride(0), 0, 0)
     strides = tuple(0 if t is None else t.stride(0) * t.element_size() for t in (w.qweight, w.scales, w.offsets))
-    return _cpu_linear(w.experts[0]), strides
-
-
-def _cpu_linear(w: QuantizedWeight | KQuantWeight) -> tuple:
-    """A weight as csrc/cpu/bindings.cpp's `layer_linear` takes it: (n, bias 0, K-quant?, its plan)."""
-    return w.out_features, 0, isinstance(w, KQuantWeight), w.cpu_plan
+    return linear_plan(w.experts[0]), strides
 
 
 def _cpu_shared_plan(shared: SharedExpert, tokens: int) -> tuple | None:
@@ -350,7 +346,7 @@ def _cpu_shared_plan(shared: SharedExpert, tokens: int) -> tuple | None:
     gate = row_view(shared.gate, 1) if shared.gate.shape == (tokens, 1) else None
     if gate is None or gate.dtype != torch.float32 or None in (shared.gate_up.cpu_plan, shared.down.cpu_plan):
         return None
-    return _cpu_linear(shared.gate_up), _cpu_linear(shared.down), gate.data_ptr(), gate.stride(0)
+    return linear_plan(shared.gate_up), linear_plan(shared.down), gate.data_ptr(), gate.stride(0)
 
 
 def moe_experts(
