@@ -241,14 +241,22 @@ def test_without_the_extension_the_reference_runs(monkeypatch):
     torch.testing.assert_close(kquant_linear(x, w), x @ torch.from_numpy(gguf_values(parts, 256)).T)
 
 
-def test_embedding_rows_are_gguf_values():
-    rows = file_rows("q4_k", 40, 512, seed=8)
-    embedding = KQuantEmbedding(weight_of([("q4_k", rows)], 512), torch.float32)
-    ids = torch.tensor([[39, 0, 17], [16, 16, 5]])
-    want = torch.from_numpy(gguf_dequantize(rows, Q.Q4_K).reshape(40, 512))[ids]
+@pytest.mark.parametrize("blocks", [("q4_k",), ("q6_k", "q8_0"), ("q4_0", "q4_1", "q5_k")], ids="+".join)
+def test_embedding_rows_are_gguf_values(blocks, monkeypatch):
+    """A lookup's rows (the CPU kernel's, and gguf-py's where the kernels are off) are gguf-py's
+    values of the file's blocks, across parts of different types; ids out of range raise."""
+    parts = [(block, file_rows(block, 40 if i == 0 else 24, 512, seed=8 + i)) for i, block in enumerate(blocks)]
+    embedding = KQuantEmbedding(weight_of(parts, 512), torch.float32)
+    total = sum(len(rows) for _, rows in parts)
+    ids = torch.tensor([[39, 0, 17], [total - 1, 16, 5]])
+    want = torch.from_numpy(gguf_values(parts, 512))[ids]
+    assert torch.equal(embedding(ids), want)
+    with pytest.raises(IndexError, match=f"token ids 0..{total} are outside the embedding's {total} rows"):
+        embedding(torch.tensor([0, total]))
+    monkeypatch.setenv(dispatch.DISABLE_ENV, "1")
     assert torch.equal(embedding(ids), want)
     head = embedding.tied_head()
-    assert head.blocks.data_ptr() == embedding.blocks.data_ptr() and head.out_features == 40
+    assert head.blocks.data_ptr() == embedding.blocks.data_ptr() and head.out_features == total
 
 
 def test_a_weight_checks_its_bytes():

@@ -167,8 +167,9 @@ def dequantize_ref(w: KQuantWeight, dtype: torch.dtype, rows: torch.Tensor | Non
             mine = (ids >= row0) & (ids < row0 + count)
             local = ids[mine] - row0
             packs = part.reshape(-1, packed_bytes(block, PACK_ROWS, k))[local // PACK_ROWS]
-            file_rows = unpack_packs(packs, block, k).reshape(len(local), PACK_ROWS, -1)[np.arange(len(local)),
-                                                                                          local % PACK_ROWS]
+            # none of this part's rows: nothing to unpack (an empty unpack fails for some types)
+            file_rows = packs[:0] if not len(local) else unpack_packs(packs, block, k).reshape(
+                len(local), PACK_ROWS, -1)[np.arange(len(local)), local % PACK_ROWS]
         if len(file_rows):
             out[mine] = gguf_dequantize(file_rows, BLOCK_TYPES[block][0]).reshape(-1, k)
         row0 += count
@@ -257,7 +258,19 @@ class KQuantEmbedding(_KQuantBuffers):
         return cls(KQuantWeight(blocks, fmt.parts, embedding_dim), dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_ref(self.quantized, self.dtype, ids).to(ids.device)
+        """The rows of `ids`: by the CPU kernel one row a call where it applies (gguf-py's values too;
+        a decode step's lookup through gguf-py's numpy took ~0.4 ms), else gguf-py's dequantization."""
+        w = self.quantized
+        rows = ids.reshape(-1).tolist() if ids.device.type == "cpu" else []
+        if rows and not 0 <= min(rows) <= max(rows) < w.out_features:
+            raise IndexError(f"token ids {min(rows)}..{max(rows)} are outside the embedding's {w.out_features} rows")
+        if not (rows and w.cpu_plan is not None and dispatch.cpu_kernels_available()):
+            return dequantize_ref(w, self.dtype, ids).to(ids.device)
+        out = torch.empty(len(rows), w.in_features)
+        dequantize_row, stride = dispatch.cpu_extension().kquant_dequantize, w.in_features * out.element_size()
+        for i, row in enumerate(rows):
+            dequantize_row(out.data_ptr() + i * stride, row, 1, False, 1, *w.cpu_plan)
+        return out.view(*ids.shape, w.in_features).to(self.dtype)
 
     def tied_head(self) -> KQuantLinear:
         """lm_head = the embedding table: a KQuantLinear sharing this module's buffer."""
