@@ -145,3 +145,65 @@ def test_the_cpu_engine_keeps_an_fp16_cache_by_default(monkeypatch, smollm_path)
         tokens[llm.stats().kv_dtype] = [t for out in llm.complete(prompt, sampling) for t in out.new_token_ids]
     assert set(tokens) == {"fp16", "fp32"} and calls
     assert tokens["fp16"] == tokens["fp32"] and len(tokens["fp16"]) == 24
+
+
+@pytest.mark.parametrize("math", ["bf16", "int8"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.float32], ids=["fp16-cache", "fp32-cache"])
+def test_qwen35_mixers_in_one_call_equal_the_layers_calls(tmp_path, monkeypatch, math, kv_dtype):
+    """A tiny Qwen3.5 MoE model with int8 weights under the CPU's bf16 / int8 maths: its decode steps'
+    GDN mixers (ops/gdn.py cpu_gdn_mixer), gated-attention mixers (cpu_layer.attention_mixer) and MoE
+    layers (ops/moe.py cpu_moe_layer, where its shared expert is compact) each in one call give the
+    logits of the layers' calls one by one (the attention's output gate a sigmoid an ulp apart), over
+    prompts in chunks, then 1-, 3- and 1-token steps of two sequences; each ran in its layers."""
+    from tiny_model_dir import write_tiny_model_dir
+
+    from ninfer_core.ops import gdn as gdn_ops
+
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, math)
+    monkeypatch.setenv("NINFER_HOME", str(tmp_path / "home"))
+    write_tiny_model_dir(tmp_path / "qwen35", moe=True, overrides=dict(hidden_size=64, moe_intermediate_size=32,
+                                                                      shared_expert_intermediate_size=64))
+    model = load_model(str(tmp_path / "qwen35"), "cpu", "float32", weights="int8").model
+    calls = {"gdn": 0, "attention": 0}
+    real_gdn, real_attention = gdn_ops.cpu_gdn_mixer, cpu_layer.attention_mixer
+
+    def counted(name, real):
+        def call(*args):
+            out = real(*args)
+            calls[name] += out is not None
+            return out
+        return call
+
+    monkeypatch.setattr(gdn_ops, "cpu_gdn_mixer", counted("gdn", real_gdn))
+    monkeypatch.setattr(cpu_layer, "attention_mixer", counted("attention", real_attention))
+    ours = run_steps(model, kv_dtype=kv_dtype)
+    monkeypatch.setattr(gdn_ops, "cpu_gdn_mixer", lambda *a: None)
+    monkeypatch.setattr(cpu_layer, "attention_mixer", lambda *a: None)
+    reference = run_steps(model, kv_dtype=kv_dtype)
+    attention_layers = sum(not layer.is_linear for layer in model.layers)
+    assert model.layers[0].is_linear and not model.layers[-1].is_linear
+    # the GDN mixers of the one-token forwards (two steps and a prompt's last chunk) past the first layer
+    # (its input is normed already); the attention mixers of all 9 forwards (chunks of up to 7 tokens)
+    assert calls["gdn"] == 3 * (len(model.layers) - attention_layers - 1)
+    assert calls["attention"] == 9 * attention_layers
+    for got, want in zip(ours, reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_attention_mixer_binding_checks_its_shapes():
+    """The binding refuses, before reading any pointer, heads that are not a multiple of the kv heads,
+    an odd rotary_dim, more than 16 new tokens and projections of the wrong shapes."""
+    from ninfer_core.ops.quant import quantize
+
+    qkv = cpu_layer.linear_plan(quantize(torch.randn(2 * 64 + 2 * 32, 64), "int8"))  # 2 heads of 32 (+ gates), 1 kv
+    o = cpu_layer.linear_plan(quantize(torch.randn(64, 64), "int8"))
+    ext = dispatch.cpu_extension()
+
+    def call(shape, qkv_plan=qkv):
+        ext.attention_mixer(tuple(range(1, 15)), shape, True, 1e-6, True, 1e-6, True, 0.2, 1, qkv_plan, o, 1, False)
+
+    for shape in [(3, 2, 32, 16, 1, 1, 4, 8), (2, 1, 32, 15, 1, 1, 4, 8), (2, 1, 32, 16, 1, 17, 4, 8)]:
+        with pytest.raises(ValueError, match="attention_mixer: heads a multiple of kv_heads"):
+            call(shape)
+    with pytest.raises(ValueError, match="qkv \\[q \\(\\| gate\\) \\| k \\| v\\] of H inputs"):
+        call((2, 1, 32, 16, 1, 1, 4, 8), cpu_layer.linear_plan(quantize(torch.randn(100, 64), "int8")))

@@ -333,6 +333,47 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("tokens"), py::arg("top_k"), py::arg("num_experts"), py::arg("gate_up"), py::arg("down"),
       py::arg("shared"), py::arg("threads"), py::arg("int8_activations"),
       "A decode step's MoE layer (norm, router, top-k, experts) of fp32 rows. See csrc/cpu/moe_step.h.");
+  // tensors: (x, residual, residual_out, out, input_norm, q_norm or 0, k_norm or 0, cos, sin, k_cache, v_cache,
+  // slots, block_table, cache_lens) as pointers; shape: (heads, kv_heads, head_dim, rotary_dim, batch, num_new,
+  // page_size, table_width); qkv / o as layer_linear takes them.
+  m.def(
+      "attention_mixer",
+      [](const py::tuple& tensors, const py::tuple& shape, bool output_gate, float norm_eps, bool norm_zero_centered,
+         float head_eps, bool head_zero_centered, float scale, int cache_type, const py::tuple& qkv,
+         const py::tuple& o, int threads, bool int8_activations) {
+        const auto p = [&](int i) { return tensors[i].cast<std::uintptr_t>(); };
+        const auto f = [&](int i) { return reinterpret_cast<float*>(p(i)); };
+        const auto n = [&](int i) { return shape[i].cast<std::int64_t>(); };
+        ninfer::cpu::AttentionMixerArgs a{};
+        a.qkv = layer_linear(qkv), a.o = layer_linear(o);
+        a.heads = n(0), a.kv_heads = n(1), a.head_dim = n(2), a.rotary_dim = n(3);
+        a.batch = n(4), a.num_new = n(5), a.page_size = n(6), a.table_width = n(7);
+        using ninfer::cpu::layer_linear_inputs, ninfer::cpu::layer_linear_rows;
+        const std::int64_t q_width = a.heads * a.head_dim, kv_width = a.kv_heads * a.head_dim;
+        const std::int64_t hidden = layer_linear_inputs(a.qkv);
+        if (a.heads < 1 || a.kv_heads < 1 || a.heads % a.kv_heads || a.head_dim < 1 || a.rotary_dim < 0 ||
+            a.rotary_dim > a.head_dim || a.rotary_dim % 2 || a.num_new < 1 || a.num_new > 16 || cache_type < 0 ||
+            cache_type > 2 || layer_linear_rows(a.qkv) != (output_gate ? 2 : 1) * q_width + 2 * kv_width ||
+            layer_linear_inputs(a.o) != q_width || layer_linear_rows(a.o) != hidden || (p(5) == 0) != (p(6) == 0)) {
+          throw std::invalid_argument("attention_mixer: heads a multiple of kv_heads, an even rotary_dim <= head_dim, "
+                                      "1-16 new tokens, qkv [q (| gate) | k | v] of H inputs, o [H, heads head_dim]");
+        }
+        a.x = f(0), a.residual = f(1), a.residual_out = f(2), a.out = f(3), a.input_norm = f(4);
+        a.q_norm = f(5), a.k_norm = f(6), a.cos = f(7), a.sin = f(8), a.k_cache = f(9), a.v_cache = f(10);
+        a.slots = reinterpret_cast<const std::int64_t*>(p(11));
+        a.block_table = reinterpret_cast<const std::int32_t*>(p(12));
+        a.cache_lens = reinterpret_cast<const std::int64_t*>(p(13));
+        a.output_gate = output_gate, a.norm_eps = norm_eps, a.norm_zero_centered = norm_zero_centered;
+        a.head_eps = head_eps, a.head_zero_centered = head_zero_centered, a.scale = scale;
+        a.cache = static_cast<ninfer::cpu::CacheType>(cache_type);
+        a.threads = threads, a.int8_activations = int8_activations;
+        py::gil_scoped_release released;
+        ninfer::cpu::attention_mixer(a);
+      },
+      py::arg("tensors"), py::arg("shape"), py::arg("output_gate"), py::arg("norm_eps"),
+      py::arg("norm_zero_centered"), py::arg("head_eps"), py::arg("head_zero_centered"), py::arg("scale"),
+      py::arg("cache_type"), py::arg("qkv"), py::arg("o"), py::arg("threads"), py::arg("int8_activations"),
+      "A decode step's gated-attention mixer of fp32 rows (norm to o_proj). See csrc/cpu/decode_layer.h.");
   // A layer's constant arguments, made once per layer (ops/cpu_layer.py caches it): the step's fields are
   // filled in by decode_layers. layer: (input_norm, post_norm, q_norm, k_norm, eps, hidden, heads, kv_heads,
   // head_dim, intermediate, scale); linears: (qkv, o, gate_up, down). Pointers as ints, 0 for none.

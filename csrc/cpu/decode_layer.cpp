@@ -1,6 +1,8 @@
 #include "decode_layer.h"
 
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "decode_ops.h"
 
@@ -89,6 +91,52 @@ void decode_layer(const DecodeLayerArgs& a) {
   linear(a.gate_up, gate_up, normed, tokens, a);
   silu_mul(act, gate_up, tokens, a.intermediate);
   linear(a.down, a.out, act, tokens, a);
+}
+
+void attention_mixer(const AttentionMixerArgs& a) {
+  const std::int64_t tokens = a.batch * a.num_new, hidden = layer_linear_inputs(a.qkv), dim = a.head_dim;
+  const std::int64_t q_width = a.heads * dim, kv_width = a.kv_heads * dim;
+  const std::int64_t q_rows = a.output_gate ? 2 * q_width : q_width, width = q_rows + 2 * kv_width;
+  std::vector<float> normed(tokens * hidden), projected(tokens * width), q(tokens * q_width), gate;
+  std::vector<float> k(tokens * kv_width), v(tokens * kv_width), attention(tokens * q_width);
+  if (a.output_gate) gate.resize(tokens * q_width);
+  add_rmsnorm(normed.data(), a.residual_out, a.x, a.residual, a.input_norm, tokens, hidden, a.norm_eps,
+              a.norm_zero_centered);
+  layer_linear(a.qkv, projected.data(), normed.data(), tokens, a.threads, a.int8_activations);
+  const std::int64_t per_head = a.output_gate ? 2 * dim : dim;  // a head's [query | gate]
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const float* row = projected.data() + t * width;
+    for (std::int64_t h = 0; h < a.heads; ++h) {
+      std::memcpy(q.data() + t * q_width + h * dim, row + h * per_head, dim * sizeof(float));
+      if (a.output_gate) {
+        std::memcpy(gate.data() + t * q_width + h * dim, row + h * per_head + dim, dim * sizeof(float));
+      }
+    }
+    std::memcpy(k.data() + t * kv_width, row + q_rows, kv_width * sizeof(float));
+    std::memcpy(v.data() + t * kv_width, row + q_rows + kv_width, kv_width * sizeof(float));
+  }
+  if (a.q_norm) {
+    add_rmsnorm(q.data(), nullptr, q.data(), nullptr, a.q_norm, tokens * a.heads, dim, a.head_eps,
+                a.head_zero_centered);
+    add_rmsnorm(k.data(), nullptr, k.data(), nullptr, a.k_norm, tokens * a.kv_heads, dim, a.head_eps,
+                a.head_zero_centered);
+  }
+  rotary(q.data(), q.data(), a.cos, a.sin, tokens, a.heads, dim, a.rotary_dim);
+  rotary(k.data(), k.data(), a.cos, a.sin, tokens, a.kv_heads, dim, a.rotary_dim);
+  const auto k_cache = reinterpret_cast<std::uintptr_t>(a.k_cache);
+  const auto v_cache = reinterpret_cast<std::uintptr_t>(a.v_cache);
+  if (a.cache != CacheType::F32) {
+    write_kv_narrow(k_cache, v_cache, k.data(), v.data(), a.slots, tokens, kv_width, a.cache);
+  } else {
+    write_kv(k_cache, v_cache, reinterpret_cast<std::uintptr_t>(k.data()), reinterpret_cast<std::uintptr_t>(v.data()),
+             a.slots, tokens, kv_width * static_cast<std::int64_t>(sizeof(float)));
+  }
+  decode_attention({attention.data(), q.data(), a.k_cache, a.v_cache, a.block_table, a.cache_lens, a.batch, a.num_new,
+                    a.heads, a.kv_heads, dim, a.page_size, a.table_width, a.scale, a.threads, a.cache});
+  if (a.output_gate) {
+    for (std::int64_t i = 0; i < tokens * q_width; ++i) attention[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
+  }
+  layer_linear(a.o, a.out, attention.data(), tokens, a.threads, a.int8_activations);
 }
 
 }  // namespace ninfer::cpu

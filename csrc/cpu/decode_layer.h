@@ -61,4 +61,40 @@ std::int64_t decode_layer_scratch(std::int64_t tokens, std::int64_t hidden, std:
 
 void decode_layer(const DecodeLayerArgs& a);
 
+// A gated-attention layer's token mixer of a decode step in one call (Qwen3.5 / 3.6: layers/attention.py
+// with the input norm pending): h = norm(x + residual) (the sum to residual_out), qkv(h) whose q rows
+// hold each head's query then, with output_gate, its gate ([q_h | gate_h]), q / k head norms, rotary
+// on the first rotary_dim, k / v to the cache, decode attention, times sigmoid(gate), o_proj. The same
+// kernels in the order the layer calls them one by one (its gate: torch's sigmoid, an ulp apart).
+struct AttentionMixerArgs {
+  LayerLinear qkv, o;
+  const float* input_norm;  // [hidden]
+  float norm_eps;
+  bool norm_zero_centered;
+  const float* q_norm;  // [head_dim] or null, with k_norm
+  const float* k_norm;
+  float head_eps;
+  bool head_zero_centered;
+  std::int64_t heads, kv_heads, head_dim, rotary_dim;
+  bool output_gate;
+  const float* x;         // [tokens, hidden]: the residual stream's delta
+  const float* residual;  // [tokens, hidden]
+  float* residual_out;    // [tokens, hidden]
+  float* out;             // [tokens, hidden]
+  const float* cos;       // [tokens, rotary_dim]
+  const float* sin;
+  float* k_cache;
+  float* v_cache;
+  CacheType cache;
+  const std::int64_t* slots;
+  const std::int32_t* block_table;
+  const std::int64_t* cache_lens;
+  std::int64_t batch, num_new, page_size, table_width;
+  float scale;
+  int threads;
+  bool int8_activations;
+};
+
+void attention_mixer(const AttentionMixerArgs& a);
+
 }  // namespace ninfer::cpu

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..cache.kv_pool import KVLayer
 from ..config import ModelConfig
+from ..ops import cpu_layer
 from ..ops.activation import sigmoid_mul
 from ..ops.attention import (
     DECODE_MAX_TOKENS,
@@ -35,7 +36,7 @@ from ..ops.attention import (
 )
 from ..ops.rope import norm_rotary
 from .linear import MergedLinear
-from .norm import RMSNorm
+from .norm import PendingNorm, RMSNorm
 
 
 @dataclass
@@ -86,13 +87,18 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | PendingNorm,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv: KVLayer,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; appends the T new tokens' k/v to the cache."""
+        if isinstance(x, PendingNorm) and x.x.device.type == "cpu":
+            fused = cpu_layer.attention_mixer(x, self, cos, sin, kv, meta)  # the whole mixer in one call
+            if fused is not None:
+                out, x.summed = fused
+                return out
         batch, num_new, _ = x.shape
         q, k, v = self.qkv_proj(x)
         q = q.view(batch, num_new, self.num_heads, -1)

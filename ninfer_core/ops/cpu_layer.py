@@ -1,5 +1,6 @@
 """Attention decoder layers' decode step on the CPU in one kernel call (csrc/cpu/decode_layer.h):
-the whole stack of a Llama-family model, or one layer.
+the whole stack of a Llama-family model, or one layer; and a Qwen3.5 / 3.6 gated-attention layer's
+mixer alone (`attention_mixer`: its GDN mixers and MoE layers have theirs in ops/gdn.py, ops/moe.py).
 
 Its reference is the layers' own forward (models/decoder.py DecoderLayer over layers/attention.py
 and layers/mlp.py), which calls the same CPU kernels one at a time from Python; the fused call
@@ -23,6 +24,9 @@ from .kquant import KQuantLinear, KQuantWeight
 from .quant import QuantizedWeight, QuantLinear, scratch_buffer
 
 if TYPE_CHECKING:
+    from ..cache.kv_pool import KVLayer
+    from ..layers.attention import Attention, AttentionMetadata
+    from ..layers.norm import PendingNorm
     from ..models.decoder import DecoderLayer, StepContext
 
 _NO_PLAN = ()  # a layer the kernel cannot run (cached as such)
@@ -100,6 +104,44 @@ def _make_plan(layer: DecoderLayer) -> tuple:
          float(attn.scale)), weights)
     return (plan, any(isinstance(m, KQuantLinear) for m in linears),
             (hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, intermediate))
+
+
+def attention_mixer(
+    pending: PendingNorm, attn: Attention, cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer, meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decode step's gated-attention mixer (Qwen3.5 / 3.6) on the CPU in one call (csrc/cpu/decode_layer.h
+    `attention_mixer`): (o_proj's output [B, T, H], x + residual) for the pending input norm's rows, k / v
+    appended to the cache. None where it does not apply: the exact CPU math, not fp32, projections that are
+    not compact or have a bias, a quantized or non-contiguous cache, more than DECODE_MAX_TOKENS new tokens."""
+    x, residual, norm = pending.x, pending.residual, pending.norm
+    batch, num_new, _ = x.shape
+    qkv, o = attn.qkv_proj.linear, attn.o_proj
+    heads = (attn.q_norm, attn.k_norm)
+    cache_dtype = kv.k.dtype
+    if not (dispatch.cpu_math() != "exact" and dispatch.cpu_kernels_available() and num_new <= DECODE_MAX_TOKENS
+            and all(isinstance(m, (QuantLinear, KQuantLinear)) and m.bias is None and m.quantized.cpu_plan is not None
+                    for m in (qkv, o))
+            and all(_fp32(t) for t in (x, residual, norm.weight, cos, sin, *(n.weight for n in heads if n is not None)))
+            and residual.shape == x.shape and cos.shape == sin.shape == (batch, num_new, cos.shape[-1])
+            and not kv.quantized and cache_dtype in CACHE_TYPES and kv.v.dtype == cache_dtype
+            and kv.k.is_contiguous() and kv.v.is_contiguous()
+            and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous()
+            and meta.block_table.dtype == torch.int32 and meta.block_table.is_contiguous()
+            and meta.cache_lens.dtype == torch.int64 and meta.cache_lens.is_contiguous()):
+        return None
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    q_norm, k_norm = (0, 0) if attn.q_norm is None else (attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr())
+    head_eps, head_zc = (1e-6, False) if attn.q_norm is None else (attn.q_norm.eps, attn.q_norm.zero_centered)
+    tensors = (x.data_ptr(), residual.data_ptr(), summed.data_ptr(), out.data_ptr(), norm.weight.data_ptr(), q_norm,
+               k_norm, *(t.data_ptr() for t in (cos, sin, kv.k, kv.v, meta.slot_mapping, meta.block_table,
+                                                meta.cache_lens)))
+    shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, cos.shape[-1], batch, num_new, kv.page_size,
+             meta.block_table.shape[1])
+    dispatch.cpu_extension().attention_mixer(
+        tensors, shape, attn.output_gate, float(norm.eps), norm.zero_centered, float(head_eps), head_zc,
+        float(attn.scale), CACHE_TYPES[cache_dtype], linear_plan(qkv.quantized), linear_plan(o.quantized),
+        dispatch.cpu_threads(), dispatch.cpu_math() == "int8")
+    return out, summed
 
 
 def linear_plan(w: QuantizedWeight | KQuantWeight, bias: torch.Tensor | None = None) -> tuple:
