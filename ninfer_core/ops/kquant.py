@@ -69,8 +69,9 @@ class KQuantWeight:
     def format(self) -> KQuantFormat:
         return KQuantFormat(tuple(self.parts))
 
-    @property
+    @functools.cached_property
     def out_features(self) -> int:
+        """Cached: a decode step asks every weight several times (~5 us each through its format)."""
         return self.format.rows
 
     @property
