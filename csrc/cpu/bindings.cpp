@@ -66,10 +66,9 @@ ninfer::cpu::LayerLinear layer_linear(const py::tuple& t) {
   return l;
 }
 
-
-// moe_experts' arguments from Python's tuples (ops/moe.py `_cpu_expert_plan`, `_cpu_linear`), the shapes
-// checked; x, weights, ids and the shared gate are the caller's to fill. Holds the shared linears the args
-// point to.
+// moe_experts' arguments from Python's tuples (ops/moe.py `_cpu_expert_plan`, ops/cpu_layer.py
+// `linear_plan`), the shapes checked; x, weights, ids and the shared gate are the caller's to fill.
+// Holds the shared linears the args point to.
 struct ExpertsCall {
   ninfer::cpu::MoeArgs args{};
   ninfer::cpu::LayerLinear shared_gate_up{}, shared_down{};
@@ -435,7 +434,7 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("plans"), py::arg("k_caches"), py::arg("v_caches"), py::arg("step"),
       "Consecutive Llama-family attention layers' decode step (csrc/cpu/decode_layer.h), one call for all.");
   m.def("decode_layer_scratch", &ninfer::cpu::decode_layer_scratch, py::arg("tokens"), py::arg("hidden"),
-        py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
+        py::arg("intermediate"),
         "Floats of scratch decode_layer needs.");
   m.def("use_isa", &ninfer::cpu::use_isa, py::arg("name"),
         "Run the quant kernels with the best instruction set up to `name` (avx512bf16, avx512, avx2, generic) this CPU has; "

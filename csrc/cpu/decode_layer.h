@@ -56,8 +56,7 @@ struct DecodeLayerArgs {
 };
 
 // Floats of scratch a call needs.
-std::int64_t decode_layer_scratch(std::int64_t tokens, std::int64_t hidden, std::int64_t heads,
-                                  std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate);
+std::int64_t decode_layer_scratch(std::int64_t tokens, std::int64_t hidden, std::int64_t intermediate);
 
 void decode_layer(const DecodeLayerArgs& a);
 

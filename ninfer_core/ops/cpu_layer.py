@@ -102,8 +102,7 @@ def _make_plan(layer: DecoderLayer) -> tuple:
         (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), q_norm, k_norm,
          float(layer.input_layernorm.eps), hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, intermediate,
          float(attn.scale)), weights)
-    return (plan, any(isinstance(m, KQuantLinear) for m in linears),
-            (hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, intermediate))
+    return plan, any(isinstance(m, KQuantLinear) for m in linears), (hidden, intermediate)
 
 
 def attention_mixer(
