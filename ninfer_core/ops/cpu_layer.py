@@ -90,9 +90,9 @@ def _make_plan(layer: DecoderLayer) -> tuple:
     if attn.q_norm is not None:
         norms += [attn.q_norm, attn.k_norm]
     linears = [attn.qkv_proj.linear, attn.o_proj, mlp.gate_up_proj.linear, mlp.down_proj]
-    if (attn.output_gate or any(n.zero_centered or not _fp32(n.weight) for n in norms)
+    if (attn.output_gate or any(n.zero_centered or not cpu_fp32(n.weight) for n in norms)
             or not all(isinstance(m, (QuantLinear, KQuantLinear)) and m.quantized.cpu_plan is not None for m in linears)
-            or any(m.bias is not None and not _fp32(m.bias) for m in linears)
+            or any(m.bias is not None and not cpu_fp32(m.bias) for m in linears)
             or len({n.eps for n in norms}) != 1):
         return _NO_PLAN
     weights = tuple(linear_plan(m.quantized, m.bias) for m in linears)
@@ -115,12 +115,12 @@ def attention_mixer(
     x, residual, norm = pending.x, pending.residual, pending.norm
     batch, num_new, _ = x.shape
     qkv, o = attn.qkv_proj.linear, attn.o_proj
-    heads = (attn.q_norm, attn.k_norm)
+    head_weights = [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
     cache_dtype = kv.k.dtype
     if not (dispatch.cpu_math() != "exact" and dispatch.cpu_kernels_available() and num_new <= DECODE_MAX_TOKENS
             and all(isinstance(m, (QuantLinear, KQuantLinear)) and m.bias is None and m.quantized.cpu_plan is not None
                     for m in (qkv, o))
-            and all(_fp32(t) for t in (x, residual, norm.weight, cos, sin, *(n.weight for n in heads if n is not None)))
+            and all(cpu_fp32(t) for t in (x, residual, norm.weight, cos, sin, *head_weights))
             and residual.shape == x.shape and cos.shape == sin.shape == (batch, num_new, cos.shape[-1])
             and not kv.quantized and cache_dtype in CACHE_TYPES and kv.v.dtype == cache_dtype
             and kv.k.is_contiguous() and kv.v.is_contiguous()
@@ -149,5 +149,6 @@ def linear_plan(w: QuantizedWeight | KQuantWeight, bias: torch.Tensor | None = N
     return w.out_features, 0 if bias is None else bias.data_ptr(), isinstance(w, KQuantWeight), w.cpu_plan
 
 
-def _fp32(t: torch.Tensor) -> bool:
+def cpu_fp32(t: torch.Tensor) -> bool:
+    """Whether the CPU kernels read t as is: fp32, contiguous, on the CPU."""
     return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()

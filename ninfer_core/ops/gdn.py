@@ -56,7 +56,7 @@ import torch
 from ..layers import gdn as gdn_layer
 from ..layers.norm import PendingNorm, gated_rms_norm
 from . import dispatch, quant
-from .cpu_layer import linear_plan
+from .cpu_layer import cpu_fp32, linear_plan
 from .kquant import KQuantWeight
 
 log = logging.getLogger(__name__)
@@ -417,8 +417,7 @@ def cpu_gdn_mixer(
     batch, tokens, hidden = x.shape
     plans = tuple(linear_plan(p) for p in (in_proj, out_proj))
     if not (tokens == 1 and dispatch.cpu_math() != "exact" and cpu_steps_apply(conv_pool, state_pool, w)
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                    for t in (x, residual, norm.weight))
+            and all(cpu_fp32(t) for t in (x, residual, norm.weight))
             and residual.shape == x.shape and None not in (in_proj.cpu_plan, out_proj.cpu_plan)
             and slots.dtype == torch.int64 and slots.is_contiguous()
             and (out_order is None or (out_order.dtype == torch.int64 and out_order.is_contiguous()))):

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, moe_triton
-from .cpu_layer import linear_plan
+from .cpu_layer import cpu_fp32, linear_plan
 from .activation import row_view, silu_mul
 from .moe_align import Aligned, align_by_expert, combine_slots
 from .kquant import KQuantExperts, KQuantWeight, kquant_linear
@@ -315,8 +315,7 @@ def cpu_moe_layer(
     shared_plan = None if shared is None else tuple(linear_plan(w) for w in shared)
     if not (x.device.type == "cpu" and dispatch.cpu_kernels_available() and dispatch.cpu_math() != "exact"
             and _cpu_experts_fit(gate_up, down) and (_kquant(gate_up, down) or tokens <= CPU_GEMV_ROWS)
-            and all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
-                    for t in (x, norm.residual, norm.weight, router))
+            and all(cpu_fp32(t) for t in (x, norm.residual, norm.weight, router))
             and norm.residual.shape == x.shape and norm.weight.shape == (hidden,)
             and router.shape == (experts + (shared is not None), hidden) and 1 <= top_k <= experts
             and (shared_plan is None or None not in (shared[0].cpu_plan, shared[1].cpu_plan))):
