@@ -175,6 +175,21 @@ def _config(shape, hidden: int = 48) -> SimpleNamespace:
 # ---------------------------------------------------------------- CPU: the reference
 
 
+def test_layer_weights_are_made_once_and_again_after_a_move():
+    """`weights` (the ops' view of the parameters) is one object while they stay where they are, and
+    is made again when a parameter's data moves: `to` swaps a Parameter's data in place, so a cached
+    view of the conv weight would keep reading the old tensor."""
+    layer = GatedDeltaNet(_config((2, 4, 16, 8, 4)))
+    first = layer.weights
+    assert layer.weights is first
+    layer.to(torch.float64)
+    moved = layer.weights
+    assert moved is not first and moved.conv_weight.dtype == torch.float64
+    assert moved.conv_weight.data_ptr() == layer.conv1d.weight.data_ptr()
+    assert torch.equal(moved.conv_weight, layer.conv1d.weight[:, 0]) and moved.A_log is layer.A_log
+    assert moved.norm_weight is layer.norm.weight and moved.dt_bias is layer.dt_bias
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_reference_is_the_layer_t1_path(dtype, monkeypatch):
     """forward(T=1) now goes through ops.gdn.gdn_decode_step: bit for bit the former path (the

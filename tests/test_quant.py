@@ -265,6 +265,18 @@ def test_state_dict_round_trip():
     assert torch.equal(fresh(x), model(x))
 
 
+def test_quantized_weight_is_made_once_and_again_when_a_buffer_is_replaced():
+    """QuantLinear.quantized (it carries the CPU kernel's cached plan) is one object across calls, and
+    a new one over the new buffers after `to` replaced one (the bf16 scales here)."""
+    ql = QuantLinear(quantize(_randn(32, 64, seed=16), "int4", 32, torch.bfloat16))
+    first = ql.quantized
+    assert ql.quantized is first and first.qweight is ql.qweight
+    ql.to(torch.float16)
+    again = ql.quantized
+    assert again is not first and again.scales is ql.scales and again.scales.dtype == torch.float16
+    assert again.qweight is ql.qweight
+
+
 def test_meta_from_linear_then_fill():
     """The loader's flow: quantize a meta Linear (shapes only), materialise, fill in place."""
     with torch.device("meta"):

@@ -264,8 +264,18 @@ class GatedDeltaNet(nn.Module):
 
     @property
     def weights(self) -> gdn_ops.GDNWeights:
-        return gdn_ops.GDNWeights(self.conv1d.weight[:, 0], self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
-                                  self.num_k_heads, self.head_k_dim, self.head_v_dim)
+        """The parameters the GDN ops take, made again only when one moved (`to`: the conv weight's view
+        would be stale). Read from the modules' dicts: nn.Module.__getattr__ is ~1 us a name, and a CPU
+        decode step asks for every layer's."""
+        params = (self._modules["conv1d"]._parameters["weight"], self._parameters["A_log"],
+                  self._parameters["dt_bias"], self._modules["norm"]._parameters["weight"])
+        key = tuple(p.data_ptr() for p in params)
+        cached = self.__dict__.get("_weights")
+        if cached is None or cached[0] != key:
+            conv, a_log, dt_bias, norm = params
+            cached = self.__dict__["_weights"] = (key, gdn_ops.GDNWeights(
+                conv[:, 0], a_log, dt_bias, norm, self.norm.eps, self.num_k_heads, self.head_k_dim, self.head_v_dim))
+        return cached[1]
 
     def forward(
         self, x: torch.Tensor | PendingNorm, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,

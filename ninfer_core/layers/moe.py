@@ -95,13 +95,14 @@ class Experts(nn.Module):
         if fmt is None:
             return getattr(self, f"{part}_proj")
         kept = self.__dict__.get(f"_{part}_quantized")
+        own = self._buffers  # not getattr: nn.Module.__getattr__ is ~1 us a name (ops/quant.py _QuantizedBuffers)
         if isinstance(fmt, KQuantFormat):
-            blocks = getattr(self, f"{part}_blocks")
+            blocks = own[f"{part}_blocks"]
             if kept is None or kept.blocks is not blocks:
                 kept = KQuantExperts(blocks, fmt.parts, self.inputs[part])
                 self.__dict__[f"_{part}_quantized"] = kept
             return kept
-        buffers = [getattr(self, f"{part}_{name}", None) for name in ("qweight", "scales", "offsets")]
+        buffers = [own.get(f"{part}_{name}") for name in ("qweight", "scales", "offsets")]
         if kept is None or any(a is not b for a, b in zip((kept.qweight, kept.scales, kept.offsets), buffers)):
             kept = QuantizedWeight(fmt.kind, *buffers[:2], fmt.group_size, buffers[2])
             self.__dict__[f"_{part}_quantized"] = kept

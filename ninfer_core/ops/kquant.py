@@ -209,10 +209,11 @@ class _KQuantBuffers(nn.Module):
     @property
     def quantized(self) -> KQuantWeight:
         """The weight over this module's buffer (no copy), made again only when the buffer was
-        replaced (`to`, `to_empty`): it caches the CPU kernels' arguments."""
-        cached = self.__dict__.get("_quantized")
-        if cached is None or cached.blocks is not self.blocks:
-            cached = self.__dict__["_quantized"] = KQuantWeight(self.blocks, self.parts, self.in_features)
+        replaced (`to`, `to_empty`): it caches the CPU kernels' arguments. The buffer is read from
+        `_buffers` (as _QuantizedBuffers.quantized does: nn.Module.__getattr__ is ~1 us a name)."""
+        cached, blocks = self.__dict__.get("_quantized"), self._buffers["blocks"]
+        if cached is None or cached.blocks is not blocks:
+            cached = self.__dict__["_quantized"] = KQuantWeight(blocks, self.parts, self.in_features)
         return cached
 
     def _format_repr(self) -> str:

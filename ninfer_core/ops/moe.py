@@ -333,11 +333,17 @@ def cpu_moe_layer(
 
 def _cpu_expert_plan(w: CpuExperts) -> tuple:
     """moe_experts' view of stacked experts: the first's linear, the byte strides between experts
-    (codes, scales, offsets; K-quant blocks move by the first)."""
-    if isinstance(w, KQuantExperts):
-        return linear_plan(w.experts[0]), (w.blocks.stride(0), 0, 0)
-    strides = tuple(0 if t is None else t.stride(0) * t.element_size() for t in (w.qweight, w.scales, w.offsets))
-    return linear_plan(w.experts[0]), strides
+    (codes, scales, offsets; K-quant blocks move by the first). Made once per weight (kept in its
+    __dict__ beside its cached `experts`): every decode step's MoE call asks for it."""
+    plan = w.__dict__.get("_cpu_expert_plan")
+    if plan is None:
+        if isinstance(w, KQuantExperts):
+            strides = (w.blocks.stride(0), 0, 0)
+        else:
+            strides = tuple(0 if t is None else t.stride(0) * t.element_size()
+                            for t in (w.qweight, w.scales, w.offsets))
+        plan = w.__dict__["_cpu_expert_plan"] = (linear_plan(w.experts[0]), strides)
+    return plan
 
 
 def _cpu_shared_plan(shared: SharedExpert, tokens: int) -> tuple | None:

@@ -643,11 +643,13 @@ class _QuantizedBuffers(nn.Module):
     @property
     def quantized(self) -> QuantizedWeight:
         """The quantized weight over this module's buffers (no copy), made again only when the
-        buffers were replaced (`to`, `to_empty`): it caches the CPU kernel's arguments."""
-        cached = self.__dict__.get("_quantized")
-        if cached is None or not (cached.qweight is self.qweight and cached.scales is self.scales
-                                  and cached.offsets is self.offsets):
-            cached = QuantizedWeight(self.kind, self.qweight, self.scales, self.group_size, self.offsets)
+        buffers were replaced (`to`, `to_empty`): it caches the CPU kernel's arguments. The buffers are
+        read from `_buffers`: nn.Module.__getattr__ costs ~1 us a name on a slow host, and a CPU decode
+        step asks for dozens of weights."""
+        cached, buffers = self.__dict__.get("_quantized"), self._buffers
+        qweight, scales, offsets = buffers["qweight"], buffers["scales"], buffers["offsets"]
+        if cached is None or not (cached.qweight is qweight and cached.scales is scales and cached.offsets is offsets):
+            cached = QuantizedWeight(self.kind, qweight, scales, self.group_size, offsets)
             self.__dict__["_quantized"] = cached
         return cached
 
