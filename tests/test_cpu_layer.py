@@ -207,3 +207,55 @@ def test_attention_mixer_binding_checks_its_shapes():
             call(shape)
     with pytest.raises(ValueError, match="qkv \\[q \\(\\| gate\\) \\| k \\| v\\] of H inputs"):
         call((2, 1, 32, 16, 1, 1, 4, 8), cpu_layer.linear_plan(quantize(torch.randn(100, 64), "int8")))
+
+
+@pytest.mark.parametrize("math", ["exact", "bf16", "int8"])
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_dense_qwen35_mlp_block_in_one_call_is_the_layers_calls(tmp_path, monkeypatch, math, weights):
+    """A tiny dense Qwen3.5 model (zero-centred norms): each layer's post-attention add + norm and its
+    SwiGLU MLP in one call (cpu_layer.mlp_block) give the logits of the calls one by one to the bit,
+    over prompts in chunks of up to 7 tokens, then 1-, 3- and 1-token steps of two sequences (every
+    forward: at most CPU_GEMV_ROWS rows); 24 rows (a prefill's) decline."""
+    from tiny_model_dir import write_tiny_model_dir
+
+    monkeypatch.setenv(dispatch.CPU_MATH_ENV, math)
+    monkeypatch.setenv("NINFER_HOME", str(tmp_path / "home"))
+    write_tiny_model_dir(tmp_path / "dense", moe=False, overrides=dict(hidden_size=64, intermediate_size=96))
+    model = load_model(str(tmp_path / "dense"), "cpu", "float32", weights=weights).model
+    ran, declined = [], []
+    real = cpu_layer.mlp_block
+
+    def counted(x, *args):
+        out = real(x, *args)
+        (ran if out is not None else declined).append(x.numel() // x.shape[-1])
+        return out
+
+    monkeypatch.setattr(cpu_layer, "mlp_block", counted)
+    ours = run_steps(model)
+    monkeypatch.setattr(cpu_layer, "mlp_block", lambda *args: None)
+    reference = run_steps(model)
+    assert model.layers[0].post_attention_layernorm.zero_centered
+    layers = len(model.layers)
+    # rows a forward: chunks of 7 / 7 / 4 of a, 4 / 4 / 1 of b, then 2 x 1, 2 x 3, 2 x 1
+    assert sorted(ran) == sorted([7, 7, 4, 4, 4, 1, 2, 6, 2] * layers) and not declined
+    for got, want in zip(ours, reference):
+        assert torch.equal(got, want)
+    x = torch.randn(24, 64)
+    mlp = model.layers[0]
+    assert real(x, x, mlp.post_attention_layernorm, mlp.mlp.gate_up_proj.linear, mlp.mlp.down_proj) is None
+
+
+def test_mlp_block_binding_checks_its_shapes():
+    """The binding refuses, before reading any pointer, projections that do not chain: gate_up [2 I, H]
+    and down [H, I]."""
+    from ninfer_core.ops.quant import quantize
+
+    ext = dispatch.cpu_extension()
+    gate_up = cpu_layer.linear_plan(quantize(torch.randn(2 * 32, 64), "int8"))
+    for down in (torch.randn(64, 48), torch.randn(48, 32)):
+        with pytest.raises(ValueError, match=r"mlp_block: 1 or more tokens, gate_up \[2 I, H\] and down \[H, I\]"):
+            ext.mlp_block(tuple(range(1, 7)), 1, 1e-6, True, gate_up, cpu_layer.linear_plan(quantize(down, "int8")),
+                          1, False)
+    with pytest.raises(ValueError, match="mlp_block: 1 or more tokens"):
+        ext.mlp_block(tuple(range(1, 7)), 0, 1e-6, True, gate_up,
+                      cpu_layer.linear_plan(quantize(torch.randn(64, 32), "int8")), 1, False)

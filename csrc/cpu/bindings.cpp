@@ -373,9 +373,35 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("norm_zero_centered"), py::arg("head_eps"), py::arg("head_zero_centered"), py::arg("scale"),
       py::arg("cache_type"), py::arg("qkv"), py::arg("o"), py::arg("threads"), py::arg("int8_activations"),
       "A decode step's gated-attention mixer of fp32 rows (norm to o_proj). See csrc/cpu/decode_layer.h.");
+  // tensors: (x, residual, residual_out, out, norm weight, scratch) as pointers; gate_up / down as layer_linear
+  // takes them.
+  m.def(
+      "mlp_block",
+      [](const py::tuple& tensors, std::int64_t tokens, float eps, bool zero_centered, const py::tuple& gate_up,
+         const py::tuple& down, int threads, bool int8_activations) {
+        const auto f = [&](int i) { return reinterpret_cast<float*>(tensors[i].cast<std::uintptr_t>()); };
+        ninfer::cpu::MlpBlockArgs a{};
+        a.gate_up = layer_linear(gate_up), a.down = layer_linear(down);
+        using ninfer::cpu::layer_linear_inputs, ninfer::cpu::layer_linear_rows;
+        if (tokens < 1 || layer_linear_rows(a.gate_up) != 2 * layer_linear_inputs(a.down) ||
+            layer_linear_inputs(a.gate_up) != layer_linear_rows(a.down)) {
+          throw std::invalid_argument("mlp_block: 1 or more tokens, gate_up [2 I, H] and down [H, I]");
+        }
+        a.x = f(0), a.residual = f(1), a.residual_out = f(2), a.out = f(3), a.norm = f(4), a.scratch = f(5);
+        a.eps = eps, a.zero_centered = zero_centered, a.tokens = tokens;
+        a.threads = threads, a.int8_activations = int8_activations;
+        py::gil_scoped_release released;
+        ninfer::cpu::mlp_block(a);
+      },
+      py::arg("tensors"), py::arg("tokens"), py::arg("eps"), py::arg("zero_centered"), py::arg("gate_up"),
+      py::arg("down"), py::arg("threads"), py::arg("int8_activations"),
+      "A decode step's dense SwiGLU MLP block (add + norm, gate_up, silu * up, down) of fp32 rows. See "
+      "csrc/cpu/decode_layer.h.");
+  m.def("mlp_block_scratch", &ninfer::cpu::mlp_block_scratch, py::arg("tokens"), py::arg("hidden"),
+        py::arg("intermediate"), "Floats of scratch mlp_block needs.");
   // A layer's constant arguments, made once per layer (ops/cpu_layer.py caches it): the step's fields are
   // filled in by decode_layers. layer: (input_norm, post_norm, q_norm, k_norm, eps, hidden, heads, kv_heads,
-  // head_dim, intermediate, scale); linears: (qkv, o, gate_up, down). Pointers as ints, 0 for none.
+  // head_dim, scale); linears: (qkv, o, gate_up, down). Pointers as ints, 0 for none.
   py::class_<ninfer::cpu::DecodeLayerArgs>(m, "LayerPlan");
   m.def(
       "layer_plan",
@@ -386,7 +412,7 @@ PYBIND11_MODULE(_cpu, m) {
         a.input_norm = f(layer[0]), a.post_norm = f(layer[1]), a.q_norm = f(layer[2]), a.k_norm = f(layer[3]);
         a.eps = layer[4].cast<float>();
         a.hidden = i64(layer[5]), a.heads = i64(layer[6]), a.kv_heads = i64(layer[7]), a.head_dim = i64(layer[8]);
-        a.intermediate = i64(layer[9]), a.scale = layer[10].cast<float>();
+        a.scale = layer[9].cast<float>();
         a.qkv = layer_linear(linears[0]), a.o = layer_linear(linears[1]);
         a.gate_up = layer_linear(linears[2]), a.down = layer_linear(linears[3]);
         return a;

@@ -30,10 +30,6 @@ std::int64_t layer_linear_inputs(const LayerLinear& l) { return l.kquant ? l.kw.
 
 namespace {
 
-void linear(const LayerLinear& l, float* out, const float* x, std::int64_t rows, const DecodeLayerArgs& a) {
-  layer_linear(l, out, x, rows, a.threads, a.int8_activations);
-}
-
 // The attention of a step's normed rows, qkv to o_proj's output `out` (decode_layer and
 // attention_mixer): qkv's rows [q (| gate) | k | v], each head's query then (output_gate) its gate,
 // the head norms, rotary, the KV append, decode attention (times sigmoid(gate)), o. Only a's
@@ -85,17 +81,30 @@ void attend(const AttentionMixerArgs& a, const float* normed, float* out) {
 
 }  // namespace
 
+std::int64_t mlp_block_scratch(std::int64_t tokens, std::int64_t hidden, std::int64_t intermediate) {
+  return tokens * (hidden + 3 * intermediate);  // normed, gate|up, act
+}
+
+void mlp_block(const MlpBlockArgs& a) {
+  const std::int64_t hidden = layer_linear_rows(a.down), intermediate = layer_linear_inputs(a.down);
+  float* normed = a.scratch;
+  float* gate_up = normed + a.tokens * hidden;
+  float* act = gate_up + a.tokens * 2 * intermediate;
+  add_rmsnorm(normed, a.residual_out, a.x, a.residual, a.norm, a.tokens, hidden, a.eps, a.zero_centered);
+  layer_linear(a.gate_up, gate_up, normed, a.tokens, a.threads, a.int8_activations);
+  silu_mul(act, gate_up, a.tokens, intermediate);
+  layer_linear(a.down, a.out, act, a.tokens, a.threads, a.int8_activations);
+}
+
 std::int64_t decode_layer_scratch(std::int64_t tokens, std::int64_t hidden, std::int64_t intermediate) {
-  // normed, o, gate|up, act (the attention's own buffers are attend's)
-  return tokens * (hidden + hidden + 3 * intermediate);
+  // o, then the MLP block's (its normed rows are the attention's input before)
+  return tokens * hidden + mlp_block_scratch(tokens, hidden, intermediate);
 }
 
 void decode_layer(const DecodeLayerArgs& a) {
   const std::int64_t tokens = a.batch * a.num_new;
-  float* normed = a.scratch;
-  float* o = normed + tokens * a.hidden;
-  float* gate_up = o + tokens * a.hidden;
-  float* act = gate_up + tokens * 2 * a.intermediate;
+  float* o = a.scratch;
+  float* normed = o + tokens * a.hidden;  // the MLP block's scratch begins with its normed rows
 
   // h = norm(x + residual); the stream so far to residual_out (layer 0: the embeddings)
   if (a.residual) {
@@ -115,11 +124,9 @@ void decode_layer(const DecodeLayerArgs& a) {
   attention.page_size = a.page_size, attention.table_width = a.table_width, attention.scale = a.scale;
   attention.threads = a.threads, attention.int8_activations = a.int8_activations;
   attend(attention, normed, o);
-  // h = norm(o + stream); the stream goes on in residual_out
-  add_rmsnorm(normed, a.residual_out, o, a.residual_out, a.post_norm, tokens, a.hidden, a.eps, false);
-  linear(a.gate_up, gate_up, normed, tokens, a);
-  silu_mul(act, gate_up, tokens, a.intermediate);
-  linear(a.down, a.out, act, tokens, a);
+  // h = norm(o + stream), the stream going on in residual_out; the MLP of h
+  mlp_block({a.gate_up, a.down, a.post_norm, a.eps, false, o, a.residual_out, a.residual_out, a.out, tokens, normed,
+             a.threads, a.int8_activations});
 }
 
 void attention_mixer(const AttentionMixerArgs& a) {

@@ -34,7 +34,7 @@ struct DecodeLayerArgs {
   const float* k_norm;
   float eps;
   LayerLinear qkv, o, gate_up, down;  // qkv: [q | k | v] rows; gate_up: [gate | up]
-  std::int64_t hidden, heads, kv_heads, head_dim, rotary_dim, intermediate;
+  std::int64_t hidden, heads, kv_heads, head_dim, rotary_dim;
   // the step: tokens = batch * num_new rows
   const float* x;         // [tokens, hidden] the previous layer's output (layer 0: the embeddings)
   const float* residual;  // [tokens, hidden] or null on layer 0
@@ -95,5 +95,26 @@ struct AttentionMixerArgs {
 };
 
 void attention_mixer(const AttentionMixerArgs& a);
+
+// A dense SwiGLU MLP block of a decode step in one call (a Qwen3.5 / 3.6 dense layer after its mixer;
+// decode_layer's second half): h = norm(x + residual), the sum to residual_out (which may be residual
+// itself), out = down(silu(gate) * up) for [gate | up] = gate_up(h). The kernels the layer's calls
+// run one by one (add_rmsnorm, the projections, silu_mul), in their order: the same bits.
+struct MlpBlockArgs {
+  LayerLinear gate_up, down;
+  const float* norm;  // [hidden]
+  float eps;
+  bool zero_centered;
+  const float* x;         // [tokens, hidden]
+  const float* residual;  // [tokens, hidden]
+  float* residual_out;    // [tokens, hidden]
+  float* out;             // [tokens, hidden]
+  std::int64_t tokens;
+  float* scratch;  // mlp_block_scratch() floats
+  int threads;
+  bool int8_activations;
+};
+std::int64_t mlp_block_scratch(std::int64_t tokens, std::int64_t hidden, std::int64_t intermediate);
+void mlp_block(const MlpBlockArgs& a);
 
 }  // namespace ninfer::cpu

@@ -7,10 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops import cpu_layer
 from ..ops.activation import sigmoid_mul, silu_mul
 from ..ops.kquant import KQuantLinear, KQuantWeight
 from ..ops.quant import QuantizedWeight, QuantLinear, quant_linear_gated, quant_swiglu
 from .linear import MergedLinear
+from .norm import RMSNorm
 
 
 class MLP(nn.Module):
@@ -21,6 +23,17 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._swiglu(x))
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(h), s) for (h, s) = norm.add_norm(x, residual): a decode step's whole block in one
+        CPU call where it applies (cpu_layer.mlp_block: a dense layer's Python, ~3 wrapped calls, goes)."""
+        if x.device.type == "cpu":
+            fused = cpu_layer.mlp_block(x, residual, norm, self.gate_up_proj.linear, self.down_proj)
+            if fused is not None:
+                return fused
+        h, residual = norm.add_norm(x, residual)
+        return self(h), residual
 
     def gated(self, x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
         """add + sigmoid(gate) * self(x): a shared expert's output gate and the routed experts' sum,

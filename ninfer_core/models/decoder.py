@@ -86,10 +86,7 @@ class DecoderLayer(nn.Module):
         if isinstance(h, PendingNorm):
             assert h.summed is not None, "the mixer did not project its input"
             residual = h.summed
-        if isinstance(self.mlp, SparseMoE):
-            return self.mlp.add_norm_forward(mixed, residual, self.post_attention_layernorm)
-        h, residual = self.post_attention_layernorm.add_norm(mixed, residual)
-        return self.mlp(h), residual
+        return self.mlp.add_norm_forward(mixed, residual, self.post_attention_layernorm)
 
     def _mix(self, h: torch.Tensor | PendingNorm, step: StepContext) -> torch.Tensor:
         """The token mixer (GDN or attention) of one part's rows [B, T, hidden] (or of those rows

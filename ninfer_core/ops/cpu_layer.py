@@ -21,12 +21,12 @@ import torch
 from . import dispatch
 from .attention import CACHE_TYPES, DECODE_MAX_TOKENS
 from .kquant import KQuantLinear, KQuantWeight
-from .quant import QuantizedWeight, QuantLinear, scratch_buffer
+from .quant import CPU_GEMV_ROWS, QuantizedWeight, QuantLinear, scratch_buffer
 
 if TYPE_CHECKING:
     from ..cache.kv_pool import KVLayer
     from ..layers.attention import Attention, AttentionMetadata
-    from ..layers.norm import PendingNorm
+    from ..layers.norm import PendingNorm, RMSNorm
     from ..models.decoder import DecoderLayer, StepContext
 
 _NO_PLAN = ()  # a layer the kernel cannot run (cached as such)
@@ -100,7 +100,7 @@ def _make_plan(layer: DecoderLayer) -> tuple:
     hidden, intermediate = mlp.down_proj.out_features, mlp.down_proj.in_features
     plan = dispatch.cpu_extension().layer_plan(
         (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), q_norm, k_norm,
-         float(layer.input_layernorm.eps), hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, intermediate,
+         float(layer.input_layernorm.eps), hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim,
          float(attn.scale)), weights)
     return plan, any(isinstance(m, KQuantLinear) for m in linears), (hidden, intermediate)
 
@@ -140,6 +140,31 @@ def attention_mixer(
         tensors, shape, attn.output_gate, float(norm.eps), norm.zero_centered, float(head_eps), head_zc,
         float(attn.scale), CACHE_TYPES[cache_dtype], linear_plan(qkv.quantized), linear_plan(o.quantized),
         dispatch.cpu_threads(), dispatch.cpu_math() == "int8")
+    return out, summed
+
+
+def mlp_block(
+    x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, gate_up: torch.nn.Module, down: torch.nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decode step's dense SwiGLU MLP block on the CPU in one call (csrc/cpu/decode_layer.h `mlp_block`):
+    (down(silu(gate) * up), s) for [gate | up] = gate_up(h), (h, s) = norm.add_norm(x, residual): the
+    kernels MLP.add_norm_forward's calls run, in their order, so the same bits. None where it does not
+    apply: not fp32 rows on the CPU, more rows than the GEMV kernels take (CPU_GEMV_ROWS), projections
+    that are not compact, K-quant weights under the exact math (those multiply dequantized)."""
+    linears = (gate_up, down)
+    if not (all(isinstance(m, (QuantLinear, KQuantLinear)) and m.quantized.cpu_plan is not None
+                and (m.bias is None or cpu_fp32(m.bias)) for m in linears)
+            and dispatch.cpu_kernels_available() and x.numel() <= CPU_GEMV_ROWS * x.shape[-1]
+            and all(cpu_fp32(t) for t in (x, residual, norm.weight)) and residual.shape == x.shape
+            and (dispatch.cpu_math() != "exact" or not any(isinstance(m, KQuantLinear) for m in linears))):
+        return None
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    tokens, hidden = x.numel() // x.shape[-1], x.shape[-1]
+    ext = dispatch.cpu_extension()
+    scratch = scratch_buffer(ext.mlp_block_scratch(tokens, hidden, down.in_features), torch.float32, "mlp_block")
+    ext.mlp_block(tuple(t.data_ptr() for t in (x, residual, summed, out, norm.weight, scratch)), tokens,
+                  float(norm.eps), norm.zero_centered, *(linear_plan(m.quantized, m.bias) for m in linears),
+                  dispatch.cpu_threads(), dispatch.cpu_math() == "int8")
     return out, summed
 
 
