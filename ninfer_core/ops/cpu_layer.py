@@ -73,6 +73,8 @@ def _layer_plan(layer: DecoderLayer) -> tuple:
     """(the kernel's LayerPlan: pointers into the layer's tensors, whether it has K-quant weights,
     its scratch sizes), made once per layer and again only when its weights were replaced; () when
     the kernel does not cover the layer."""
+    if layer.is_linear:
+        return _NO_PLAN  # a GDN layer, whatever its weights (no key to read: a decode step asks every layer)
     key = layer.input_layernorm.weight.data_ptr()
     cached = layer.__dict__.get("_cpu_decode_plan")
     if cached is not None and cached[0] == key:
@@ -83,7 +85,7 @@ def _layer_plan(layer: DecoderLayer) -> tuple:
 
 
 def _make_plan(layer: DecoderLayer) -> tuple:
-    if layer.is_linear or not hasattr(layer.mlp, "gate_up_proj") or dispatch.cpu_extension() is None:
+    if not hasattr(layer.mlp, "gate_up_proj") or dispatch.cpu_extension() is None:
         return _NO_PLAN
     attn, mlp = layer.self_attn, layer.mlp
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
