@@ -86,7 +86,7 @@ LIST
       > "$OUT/serve.log" 2>&1 &
     server=$!
     for _ in $(seq 1 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && grep -q ready "$OUT/serve.log" && break; sleep 1; done
-    # the first request's host time, sampled (py-spy travels as a wheel in .whl/)
+    # the first request's host time, sampled (py-spy travels as a wheel in .whl/ from `device_wheels.sh --profile`)
     if [ -x /tmp/site/bin/py-spy ]; then
       /tmp/site/bin/py-spy record --subprocesses -p $server -r 1000 -d 4 -f raw -o "$OUT/serve_first_request.txt" --threads --nonblocking \
         > /dev/null 2>&1 &
