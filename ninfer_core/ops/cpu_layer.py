@@ -93,8 +93,7 @@ def _make_plan(layer: DecoderLayer) -> tuple:
         norms += [attn.q_norm, attn.k_norm]
     linears = [attn.qkv_proj.linear, attn.o_proj, mlp.gate_up_proj.linear, mlp.down_proj]
     if (attn.output_gate or any(n.zero_centered or not cpu_fp32(n.weight) for n in norms)
-            or not all(isinstance(m, (QuantLinear, KQuantLinear)) and m.quantized.cpu_plan is not None for m in linears)
-            or any(m.bias is not None and not cpu_fp32(m.bias) for m in linears)
+            or not all(cpu_linear(m) for m in linears)
             or len({n.eps for n in norms}) != 1):
         return _NO_PLAN
     weights = tuple(linear_plan(m.quantized, m.bias) for m in linears)
@@ -120,8 +119,7 @@ def attention_mixer(
     head_weights = [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
     cache_dtype = kv.k.dtype
     if not (dispatch.cpu_math() != "exact" and dispatch.cpu_kernels_available() and num_new <= DECODE_MAX_TOKENS
-            and all(isinstance(m, (QuantLinear, KQuantLinear)) and m.bias is None and m.quantized.cpu_plan is not None
-                    for m in (qkv, o))
+            and all(cpu_linear(m) and m.bias is None for m in (qkv, o))
             and all(cpu_fp32(t) for t in (x, residual, norm.weight, cos, sin, *head_weights))
             and residual.shape == x.shape and cos.shape == sin.shape == (batch, num_new, cos.shape[-1])
             and not kv.quantized and cache_dtype in CACHE_TYPES and kv.v.dtype == cache_dtype
@@ -154,9 +152,8 @@ def mlp_block(
     apply: not fp32 rows on the CPU, more rows than the GEMV kernels take (CPU_GEMV_ROWS), projections
     that are not compact, K-quant weights under the exact math (those multiply dequantized)."""
     linears = (gate_up, down)
-    if not (all(isinstance(m, (QuantLinear, KQuantLinear)) and m.quantized.cpu_plan is not None
-                and (m.bias is None or cpu_fp32(m.bias)) for m in linears)
-            and dispatch.cpu_kernels_available() and x.numel() <= CPU_GEMV_ROWS * x.shape[-1]
+    if not (all(cpu_linear(m) for m in linears) and dispatch.cpu_kernels_available()
+            and x.numel() <= CPU_GEMV_ROWS * x.shape[-1]
             and all(cpu_fp32(t) for t in (x, residual, norm.weight)) and residual.shape == x.shape
             and (dispatch.cpu_math() != "exact" or not any(isinstance(m, KQuantLinear) for m in linears))):
         return None
@@ -174,6 +171,13 @@ def linear_plan(w: QuantizedWeight | KQuantWeight, bias: torch.Tensor | None = N
     """A compact weight as csrc/cpu/bindings.cpp's `layer_linear` takes it: (n, bias pointer or 0,
     K-quant?, its CPU plan)."""
     return w.out_features, 0 if bias is None else bias.data_ptr(), isinstance(w, KQuantWeight), w.cpu_plan
+
+
+def cpu_linear(m: torch.nn.Module) -> bool:
+    """Whether the one-call kernels take a projection as linear_plan gives it: compact weights the CPU
+    kernels run, without a bias or with an fp32 one."""
+    return (isinstance(m, (QuantLinear, KQuantLinear)) and m.quantized.cpu_plan is not None
+            and (m.bias is None or cpu_fp32(m.bias)))
 
 
 def cpu_fp32(t: torch.Tensor) -> bool:
