@@ -125,8 +125,11 @@ void decode_layer(const DecodeLayerArgs& a) {
   attention.threads = a.threads, attention.int8_activations = a.int8_activations;
   attend(attention, normed, o);
   // h = norm(o + stream), the stream going on in residual_out; the MLP of h
-  mlp_block({a.gate_up, a.down, a.post_norm, a.eps, false, o, a.residual_out, a.residual_out, a.out, tokens, normed,
-             a.threads, a.int8_activations});
+  MlpBlockArgs mlp{};
+  mlp.gate_up = a.gate_up, mlp.down = a.down, mlp.norm = a.post_norm, mlp.eps = a.eps, mlp.zero_centered = false;
+  mlp.x = o, mlp.residual = a.residual_out, mlp.residual_out = a.residual_out, mlp.out = a.out;
+  mlp.tokens = tokens, mlp.scratch = normed, mlp.threads = a.threads, mlp.int8_activations = a.int8_activations;
+  mlp_block(mlp);
 }
 
 void attention_mixer(const AttentionMixerArgs& a) {
