@@ -488,7 +488,13 @@ constexpr int kRouterRows = 2;  // 129 blocks for the 35B's 257 rows: about one 
 // Tokens a router block takes: one or two alone, else two (H100 replays, thirty-second session: two a
 // block b4 / b8 -1.2% / -1.1% against all in one block; one a block +2.4% / +3.1% against two).
 __host__ __device__ constexpr int router_tokens_per_block(int tokens) { return tokens <= 2 ? tokens : 2; }
-constexpr int kRouterVecs = static_cast<int>(kMoeRouterMaxHidden / 8 / kRouterThreads);  // vectors a thread
+// 16-byte vectors of x a thread holds (router_kernel's kVecs): 1 past 4 tokens up to a hidden of 2,048
+// (the 35B), else 2 (kMoeRouterMaxHidden). At one, the 35B's kernel (256 experts, the norm folded) fits
+// 64 registers without spills, 4 blocks an SM: batch 8's 516 blocks (129 x 4 token pairs) in one wave,
+// where the two-vector kernel's 116 registers held 2 an SM and took two. H100 replays: one vector at
+// every token count (thirty-fourth session) b8 -2.5% but b1 / b4 +0.9% / +0.7%, whose blocks fit one
+// wave already; past 4 tokens only (thirty-sixth session) b8 4.189 -> 4.076 ms (-2.7%), b1 / b4 level.
+constexpr int kRouterMaxVecs = static_cast<int>(kMoeRouterMaxHidden / 8 / kRouterThreads);
 constexpr int kRouterMaxTokens = kMoeRouterMaxTokens;  // batch-8 decode
 static_assert(kRouterMaxTokens <= kRouterWarps, "the last block routes token n with warp n");
 
@@ -508,10 +514,10 @@ struct RouterNorm {
 // there thread c sums the squares of vector c, each warp adds its lanes (a group of 32 vectors),
 // then the group totals, zero-padded to 32, are added with one more warp_sum; here vector c's
 // group is c / 32 = warp + kRouterWarps j. Block 0 writes the rows out. group_totals: shared,
-// kRouterVecs * kRouterWarps floats.
-template <typename T>
-__device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterVecs], const uint4 (&rv)[kRouterVecs],
-                                          const uint4 (&nw)[kRouterVecs], const RouterNorm<T>& norm, std::int64_t n,
+// kVecs * kRouterWarps floats.
+template <typename T, int kVecs>
+__device__ __forceinline__ void fold_norm(uint4 (&xv)[kVecs], const uint4 (&rv)[kVecs], const uint4 (&nw)[kVecs],
+                                          const RouterNorm<T>& norm, std::int64_t n,
                                           int hidden, float* group_totals) {
   constexpr int kPer = 8;
   using TV = Vec<T, kPer>;
@@ -519,7 +525,7 @@ __device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterVecs], const uint4 
   const int nvec = hidden / kPer;
   const std::int64_t base = n * hidden;
 #pragma unroll
-  for (int j = 0; j < kRouterVecs; ++j) {
+  for (int j = 0; j < kVecs; ++j) {
     const int c = threadIdx.x + kRouterThreads * j;
     if (kRouterThreads * j >= nvec) break;  // block-uniform
     if (c < nvec) {
@@ -535,7 +541,7 @@ __device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterVecs], const uint4 
   const int groups = rms_row_threads(nvec) / 32;
   const float rstd = rms_rstd(warp_sum(lane < groups ? group_totals[lane] : 0.0f), hidden, norm.eps);
 #pragma unroll
-  for (int j = 0; j < kRouterVecs; ++j) {
+  for (int j = 0; j < kVecs; ++j) {
     const int c = threadIdx.x + kRouterThreads * j;
     if (c >= nvec) break;
     if (blockIdx.x == 0) reinterpret_cast<uint4*>(norm.residual_out + base)[c] = xv[j];
@@ -548,13 +554,13 @@ __device__ __forceinline__ void fold_norm(uint4 (&xv)[kRouterVecs], const uint4 
   __syncthreads();  // group_totals is free for the next token
 }
 
-template <typename T, int kPerLane, bool kNorm>
-__global__ void __launch_bounds__(kRouterThreads)
+template <typename T, int kPerLane, bool kNorm, int kVecs>
+__global__ void __launch_bounds__(kRouterThreads, kVecs == 1 && kPerLane <= 8 ? 4 : 1)
     router_kernel(T* logits, T* __restrict__ weights, int* __restrict__ ids, unsigned* done,
                   const T* __restrict__ x, const T* __restrict__ w, int tokens, int hidden, int rows,
                   int experts, int top_k, bool renormalize, RouterNorm<T> norm) {
   __shared__ float partial[kRouterMaxTokens][kRouterRows][kRouterWarps];
-  __shared__ float group_totals[kRouterVecs * kRouterWarps];
+  __shared__ float group_totals[kVecs * kRouterWarps];
   __shared__ bool last;
   constexpr int kPer = 8;  // elements of a 16-byte vector
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -564,10 +570,10 @@ __global__ void __launch_bounds__(kRouterThreads)
   const int first = blockIdx.y * per_block, count = min(per_block, tokens - first);  // this block's tokens
   // The router's rows (and the norm's weight) are constant: they load before the wait for x
   // (load_early16 and enter_kernel_after_loads: else ptxas places the wait above them).
-  uint4 wv[kRouterRows][kRouterVecs] = {};
-  uint4 nw[kRouterVecs] = {};
+  uint4 wv[kRouterRows][kVecs] = {};
+  uint4 nw[kVecs] = {};
 #pragma unroll
-  for (int j = 0; j < kRouterVecs; ++j) {
+  for (int j = 0; j < kVecs; ++j) {
     const int c = threadIdx.x + kRouterThreads * j;
 #pragma unroll
     for (int r = 0; r < kRouterRows; ++r) {
@@ -579,10 +585,10 @@ __global__ void __launch_bounds__(kRouterThreads)
   }
   // Token n + 1's x (and residual) vectors are requested before token n is normed and dotted: one
   // L2 round trip for all the tokens, not one a token.
-  uint4 next_x[kRouterVecs], next_r[kRouterVecs];
+  uint4 next_x[kVecs], next_r[kVecs];
   const auto load_token = [&](int n) {
 #pragma unroll
-    for (int j = 0; j < kRouterVecs; ++j) {
+    for (int j = 0; j < kVecs; ++j) {
       const int c = threadIdx.x + kRouterThreads * j;
       if (c >= nvec) continue;
       const std::int64_t at = static_cast<std::int64_t>(n) * nvec + c;
@@ -594,14 +600,14 @@ __global__ void __launch_bounds__(kRouterThreads)
   enter_kernel_after_loads();
   load_token(first);
   for (int n = first; n < first + count; ++n) {
-    uint4 xv[kRouterVecs], rv[kRouterVecs];
+    uint4 xv[kVecs], rv[kVecs];
 #pragma unroll
-    for (int j = 0; j < kRouterVecs; ++j) xv[j] = next_x[j], rv[j] = next_r[j];
+    for (int j = 0; j < kVecs; ++j) xv[j] = next_x[j], rv[j] = next_r[j];
     if (n + 1 < first + count) load_token(n + 1);
     if constexpr (kNorm) fold_norm(xv, rv, nw, norm, n, hidden, group_totals);
     float acc[kRouterRows] = {};
 #pragma unroll
-    for (int j = 0; j < kRouterVecs; ++j) {
+    for (int j = 0; j < kVecs; ++j) {
       if (threadIdx.x + kRouterThreads * j >= nvec) continue;
       const Vec<T, kPer> xt = *reinterpret_cast<const Vec<T, kPer>*>(&xv[j]);
 #pragma unroll
@@ -858,16 +864,23 @@ void launch_router(const MoeRouterArgs& a) {
   const RouterNorm<T> norm{reinterpret_cast<const T*>(a.norm.residual), reinterpret_cast<const T*>(a.norm.weight),
                            reinterpret_cast<T*>(a.norm.normed), reinterpret_cast<T*>(a.norm.residual_out), a.norm.eps,
                            a.norm.zero_centered};
-  const auto go = [&](auto per_lane, auto with_norm) {
-    launch_kernel("moe router kernel launch", router_kernel<T, decltype(per_lane)::value, decltype(with_norm)::value>,
+  const auto go = [&](auto per_lane, auto with_norm, auto vecs) {
+    launch_kernel("moe router kernel launch",
+                  router_kernel<T, decltype(per_lane)::value, decltype(with_norm)::value, decltype(vecs)::value>,
                   blocks, kRouterThreads, 0, as_stream(r.stream), reinterpret_cast<T*>(r.logits),
                   reinterpret_cast<T*>(r.weights), reinterpret_cast<int*>(r.ids), reinterpret_cast<unsigned*>(a.done),
                   reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.w), static_cast<int>(r.tokens),
                   static_cast<int>(a.hidden), static_cast<int>(a.rows), static_cast<int>(r.experts),
                   static_cast<int>(r.top_k), r.renormalize, norm);
   };
+  const auto with_vecs = [&](auto per_lane, auto with_norm) {
+    if (r.tokens > 4 && a.hidden <= 8 * kRouterThreads) {
+      return go(per_lane, with_norm, std::integral_constant<int, 1>{});
+    }
+    go(per_lane, with_norm, std::integral_constant<int, kRouterMaxVecs>{});
+  };
   by_route_width(r.experts, [&](auto per_lane) {
-    a.norm.residual != 0 ? go(per_lane, std::true_type{}) : go(per_lane, std::false_type{});
+    a.norm.residual != 0 ? with_vecs(per_lane, std::true_type{}) : with_vecs(per_lane, std::false_type{});
   });
 }
 
