@@ -116,7 +116,8 @@ LIST
     head -12 "$OUT/pdl_profile.txt" ;;
   ncu)
     # Nsight Compute on the decode step's GEMVs, router and MoE kernels (stall reasons, occupancy,
-    # speed of light) at NCU_TOKENS rows (default 1; NCU_FLAGS=--dense: the 27B's GEMVs); Firecracker
+    # speed of light) at NCU_TOKENS rows (default 1; NCU_FLAGS=--dense: the 27B's GEMVs; --grouped: the
+    # grouped MoE GEMVs of an NCU_TOKENS-token prompt); Firecracker
     # machines read the counters, gVisor ones cannot (device KINDS.md)
     timeout 400 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
       --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats --section SchedulerStats \
