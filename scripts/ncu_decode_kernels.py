@@ -45,8 +45,7 @@ def main() -> None:
     x = torch.randn(tokens, HIDDEN, **bf16)
     projections = {name: quant.quantize(torch.randn(n, k, **bf16) * 0.02, "int8", 128)
                    for name, (n, k) in {"gdn_in_proj": (12352, HIDDEN), "out_proj": (HIDDEN, 4096)}.items()}
-    gate_up = quant.quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, **bf16) * 0.02, "int4", 128)
-    down = quant.quantize(torch.randn(EXPERTS, HIDDEN, INTER, **bf16) * 0.02, "int4", 128)
+    gate_up, down = routed_experts(bf16)
     shared_gate_up = quant.quantize(torch.randn(2 * INTER, HIDDEN, **bf16) * 0.02, "int8")
     shared_down = quant.quantize(torch.randn(HIDDEN, INTER, **bf16) * 0.02, "int8")
     router = torch.randn(EXPERTS + 1, HIDDEN, **bf16) * 0.02
@@ -61,6 +60,13 @@ def main() -> None:
         shared = moe.SharedExpert(shared_gate_up, shared_down, logits[:, EXPERTS:])
         assert moe.moe_experts_with_shared(normed, gate_up, down, weights, ids, shared) is not None
     torch.cuda.synchronize()
+
+
+def routed_experts(bf16: dict) -> tuple[quant.QuantizedWeight, quant.QuantizedWeight]:
+    """The 35B's routed experts (gate_up, down) in int4 groups of 128, random."""
+    gate_up = quant.quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, **bf16) * 0.02, "int4", 128)
+    down = quant.quantize(torch.randn(EXPERTS, HIDDEN, INTER, **bf16) * 0.02, "int4", 128)
+    return gate_up, down
 
 
 def dense_gemvs(tokens: int, bf16: dict) -> None:
@@ -79,8 +85,7 @@ def dense_gemvs(tokens: int, bf16: dict) -> None:
 def grouped_gemvs(tokens: int, bf16: dict) -> None:
     """The routed experts of a short prompt: moe_align, the grouped gate_up and down GEMVs (8-slot
     blocks), the combine; random routing, as bench_moe_triton.py times it."""
-    gate_up = quant.quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, **bf16) * 0.02, "int4", 128)
-    down = quant.quantize(torch.randn(EXPERTS, HIDDEN, INTER, **bf16) * 0.02, "int4", 128)
+    gate_up, down = routed_experts(bf16)
     x = torch.randn(tokens, HIDDEN, **bf16)
     ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)]).to(torch.int32)
     weights = torch.rand(tokens, TOP_K, **bf16)
