@@ -13,7 +13,14 @@
 // chunk) follow: one tile a block, its K over all 8 warps, every token (up to 8) a column of its MMAs.
 // down: grid (hidden / 16, tokens); warp j takes slot j's 16 rows (inter / 128 chunks) and chunk j
 // of the shared expert's rows; each routed chunk's sums are scaled by its group scale times the
-// slot's routing weight, in fp32 (moe.cu's order of roundings otherwise).
+// slot's routing weight, in fp32 (moe.cu's order of roundings otherwise). Past 2 tokens, down's
+// weights go through shared memory in a grid of one wave (down_staged_kernel).
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
 #include "common.cuh"
 #include "launch.cuh"
 #include "mma.cuh"
@@ -176,6 +183,39 @@ __global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: one token'
                       red, tiles, p.parts);
 }
 
+// cp.async (sm_80+) of `bytes` (8 or 16) into shared memory, zeros where !pred (a src-size of 0).
+template <int kBytes>
+__device__ __forceinline__ void cp_async_zfill(void* shared, const void* global, bool pred) {
+  const auto to = static_cast<std::uint32_t>(__cvta_generic_to_shared(shared));
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(global), "r"(pred ? 16 : 0) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(to), "l"(global), "r"(pred ? 8 : 0) : "memory");
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// Blocks an SM of a staged kernel with its shared memory (0: it does not fit), set up once per
+// kernel and device (more than 48 KB of dynamic shared memory is opt-in). A template parameter, not an
+// argument: kernels of one signature (with and without the shared expert) each need their own opt-in.
+template <auto kKernel>
+int staged_blocks_per_sm(int device, int smem) {
+  static std::array<std::atomic<int>, 64> fits{};  // blocks + 1; 0: not asked
+  if (device < 0 || device >= static_cast<int>(fits.size())) return 0;
+  int blocks = fits[device].load(std::memory_order_relaxed) - 1;
+  if (blocks < 0) {
+    blocks = 0;
+    if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, kWarps * 32, smem) != cudaSuccess) {
+      blocks = 0;
+      (void)cudaGetLastError();  // the refusal's error, not left for the next launch check to find
+    }
+    fits[device].store(blocks + 1, std::memory_order_relaxed);
+  }
+  return blocks;
+}
+
 // kBlocksPerSm: 2 (92 registers) where the grid fits one wave of them (up to 2 tokens); 3 (80
 // registers, no spills) for more tokens, whose 3-4 waves then overlap more loads (sixteenth
 // session: batch 8 -2.9%, batch 4 -0.9%, but batch 1 +1.2% at 3).
@@ -261,6 +301,126 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   out[static_cast<std::int64_t>(n) * p.hidden + r0 + i] = from_float<T>(acc);
 }
 
+// down_mma_kernel with its weights staged through shared memory (cp.async, two stages): a grid of one
+// wave whose blocks take items (row tile r0 = item % (hidden / 16), token item / (hidden / 16))
+// blockIdx.x, + gridDim.x, ...; the next item's codes (warp j: slot j's 16 rows, then the shared
+// expert's chunk j) and scales are copied while this one computes, so weights stay in flight across
+// each item's compute and epilogue, and no block ends and another starts (at batch 8 the register
+// kernel's grid is 1,024 blocks, about 4 waves). Each lane reads back the 16-byte pieces it copied; a
+// row's 8-byte scale run is copied by lane t = 0 / 1 and read by its 4 lanes after a __syncwarp. The
+// ids and routing weights are two launches back, so the first item's copies go out before the wait
+// for gate_up's h. For the 35B's inter of 512 (4 groups a row: a row's scales are one 8-byte run).
+constexpr int kDownStageCodes = kWarps * (2 * kPartChunks + 2) * 32;  // uint4 a stage: [warp][slot][lane]
+constexpr int kDownStageRuns = kWarps * 8 * 2;                        // 8-byte scale runs a stage: [warp][g][row]
+constexpr int kDownStagedSmem = 2 * (kDownStageCodes * 16 + kDownStageRuns * 8);  // 82 KB: 2 blocks an SM
+
+template <typename T, bool kShared>
+__global__ void __launch_bounds__(kWarps * 32, 2)
+    down_staged_kernel(T* __restrict__ out, const T* __restrict__ h, const int* __restrict__ ids, DownParams p,
+                       int tokens) {
+  extern __shared__ uint4 staged[];  // [2][kDownStageCodes] codes, then [2][kDownStageRuns] scale runs
+  auto* scale_runs = reinterpret_cast<uint2*>(staged + 2 * kDownStageCodes);
+  __shared__ float red[2][kWarps][16][2];
+  const int lane = threadIdx.x & 31, j = threadIdx.x >> 5;  // warp j: slot j
+  const int g = lane >> 2, t = lane & 3;
+  const int row_tiles = p.hidden / 16, items = row_tiles * tokens;
+  constexpr int kSlots = 2 * kPartChunks + 2;
+  uint4* codes = staged + j * (kSlots * 32) + lane;  // + s kDownStageCodes + slot 32
+  uint2* runs = scale_runs + j * 16 + g * 2;          // + s kDownStageRuns + r
+  const int row_bytes = p.inter / 2;
+  const bool shared_live = kShared && j * kInt8Chunk < p.shared_inter;
+  const auto expert = [&](int item) { return j < p.top_k ? __ldg(ids + item / row_tiles * p.top_k + j) : -1; };
+  const auto issue = [&](int item, int e, int s) {
+    const int r0 = item % row_tiles * 16;
+    const bool live = e >= 0 && e < p.experts;
+    const std::int64_t row = static_cast<std::int64_t>(live ? e : 0) * p.hidden + r0 + g;
+    const std::uint8_t* qr = p.q + row * row_bytes + 16 * t;
+#pragma unroll
+    for (int u = 0; u < kPartChunks; ++u) {
+      cp_async_zfill<16>(codes + s * kDownStageCodes + (2 * u) * 32, qr + u * kChunkBytes, live);
+      cp_async_zfill<16>(codes + s * kDownStageCodes + (2 * u + 1) * 32, qr + 8 * row_bytes + u * kChunkBytes, live);
+    }
+    if (t < 2) cp_async_zfill<8>(runs + s * kDownStageRuns + t, p.scales + (row + 8 * t) * kPartChunks, live);
+    if constexpr (kShared) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        cp_async_zfill<16>(codes + s * kDownStageCodes + (2 * kPartChunks + r) * 32,
+                           p.sq + static_cast<std::int64_t>(r0 + g + 8 * r) * p.shared_inter + (shared_live ? j * kChunkBytes : 0) + 16 * t,
+                           shared_live);
+      }
+    }
+  };
+  int item = blockIdx.x;
+  int e_next = -1;
+  if (item < items) {
+    issue(item, expert(item), 0);
+    if (item + gridDim.x < items) e_next = expert(item + gridDim.x);
+  }
+  cp_async_commit();
+  enter_kernel_after_loads();  // h is gate_up's output
+  for (int s = 0; item < items; item += gridDim.x, s ^= 1) {
+    const int next = item + gridDim.x;
+    if (next < items) {
+      issue(next, e_next, s ^ 1);
+      if (next + gridDim.x < items) e_next = expert(next + gridDim.x);
+    }
+    cp_async_commit();
+    const int n = item / row_tiles, r0 = item % row_tiles * 16;
+    const int e = j < p.top_k ? __ldg(ids + n * p.top_k + j) : -1;
+    const bool live = e >= 0 && e < p.experts;
+    const float wj = live ? load_weight(p.weights, static_cast<std::int64_t>(n) * p.top_k + j, p.weights_dtype) : 0.0f;
+    float shared_scale = 0.0f, gate_logit = 0.0f;
+    if (kShared && threadIdx.x < 16) {
+      shared_scale = __ldg(p.sscales + r0 + threadIdx.x);
+      gate_logit = to_float(static_cast<const T*>(p.shared_gate)[n * p.gate_stride]);
+    }
+    cp_async_wait_one();  // this item's copies are in
+    __syncwarp();         // and the scale runs lanes 0 / 1 of each row copied
+    const T* h_row = h + static_cast<std::int64_t>(n) * p.h_stride;
+    float routed[2] = {};  // column 0 of rows g, g + 8
+    if (live) {  // warp-uniform
+      const uint2 run[2] = {runs[s * kDownStageRuns], runs[s * kDownStageRuns + 1]};
+      const T* xr[1] = {h_row + j * p.inter};
+#pragma unroll
+      for (int u = 0; u < kPartChunks; ++u) {
+        const uint4 q[2] = {codes[s * kDownStageCodes + (2 * u) * 32], codes[s * kDownStageCodes + (2 * u + 1) * 32]};
+        float c[1][4] = {};
+        int4_chunk_sums<T, 1>(c, q, xr, u * kInt4Chunk + 32 * t);
+        const std::uint32_t w0 = u < 2 ? run[0].x : run[0].y, w1 = u < 2 ? run[1].x : run[1].y;
+        const auto bits = [u](std::uint32_t w) { return static_cast<std::uint16_t>(u % 2 ? w >> 16 : w & 0xffffu); };
+        routed[0] = fmaf(bf16_bits_to_float(bits(w0)) * wj, c[0][0], routed[0]);
+        routed[1] = fmaf(bf16_bits_to_float(bits(w1)) * wj, c[0][2], routed[1]);
+      }
+    }
+    float shared[1][4] = {};
+    if (shared_live) {  // warp-uniform
+      const uint4 qs[2] = {codes[s * kDownStageCodes + (2 * kPartChunks) * 32],
+                           codes[s * kDownStageCodes + (2 * kPartChunks + 1) * 32]};
+      const T* xr[1] = {h_row + p.top_k * p.inter};
+      const std::uint16_t no_scale[2] = {};
+      chunk_mma<T, false, false, 1>(shared, qs, no_scale, xr, j * kInt8Chunk + 16 * t);
+    }
+    if (t == 0) {
+      red[s][j][g][0] = routed[0], red[s][j][g + 8][0] = routed[1];
+      red[s][j][g][1] = shared[0][0], red[s][j][g + 8][1] = shared[0][2];
+    }
+    __syncthreads();
+    const int i = threadIdx.x;
+    if (i < 16 && r0 + i < p.hidden) {
+      float acc = 0.0f, shared_sum = 0.0f;
+      for (int w = 0; w < kWarps; ++w) {
+        acc += red[s][w][i][0];
+        shared_sum += red[s][w][i][1];
+      }
+      if constexpr (kShared) {
+        shared_sum *= shared_scale;
+        acc = round_to<T>(acc) + sigmoid_times<T>(round_to<T>(shared_sum), gate_logit);
+      }
+      out[static_cast<std::int64_t>(n) * p.hidden + r0 + i] = from_float<T>(acc);
+    }
+  }
+}
+
 bool is_pow2(std::int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 
 template <typename T>
@@ -289,9 +449,27 @@ void launch(const MoeDecodeArgs& a, bool shared) {
     constexpr bool kShared = decltype(with_shared)::value;
     launch_kernel("moe gate_up (tensor cores) launch", gate_up_mma_kernel<T, kShared>, gate_up_blocks, kWarps * 32, 0,
                   stream, h, reinterpret_cast<const T*>(a.x), ids, gu);
-    const auto down = a.tokens <= 2 ? down_mma_kernel<T, kShared, 2> : down_mma_kernel<T, kShared, 3>;
-    launch_kernel("moe down (tensor cores) launch", down, down_grid, kWarps * 32, 0, stream,
-                  reinterpret_cast<T*>(a.out), static_cast<const T*>(h), ids, dp);
+    // down staged past 2 tokens, where the register kernel's grid is more than a wave (at 1-2 it is
+    // one); H100 replays (thirty-seventh session) against the register down: b4 -2.1%, b8 -0.5%, b1
+    // level. NINFER_MOE_DOWN_STAGED=0 takes the register kernel past 2 tokens too: the path of GPUs
+    // where two staged blocks do not fit an SM (sm_80, 86, 89, 120), for the tests on those that fit.
+    const char* down_policy = std::getenv("NINFER_MOE_DOWN_STAGED");
+    const int down_staged = (down_policy != nullptr && std::strcmp(down_policy, "0") == 0) || inter != kPartK ||
+                                    a.tokens <= 2
+                                ? 0
+                                : staged_blocks_per_sm<down_staged_kernel<T, kShared>>(static_cast<int>(a.device),
+                                                                                      kDownStagedSmem);
+    if (down_staged >= 2) {  // else (GPUs of less shared memory) the register kernel's 3 an SM
+      const int items = hidden / 16 * static_cast<int>(a.tokens);
+      launch_kernel("moe down (tensor cores, staged) launch", down_staged_kernel<T, kShared>,
+                    static_cast<unsigned>(std::min(items, down_staged * sm_count(a.device))),
+                    kWarps * 32, kDownStagedSmem, stream, reinterpret_cast<T*>(a.out), static_cast<const T*>(h), ids, dp,
+                    static_cast<int>(a.tokens));
+    } else {
+      const auto down = a.tokens <= 2 ? down_mma_kernel<T, kShared, 2> : down_mma_kernel<T, kShared, 3>;
+      launch_kernel("moe down (tensor cores) launch", down, down_grid, kWarps * 32, 0, stream,
+                    reinterpret_cast<T*>(a.out), static_cast<const T*>(h), ids, dp);
+    }
   };
   shared ? go(std::true_type{}) : go(std::false_type{});
 }

@@ -980,3 +980,26 @@ def test_grouped_path_bf16_replays_in_cuda_graph(cuda_kernels):
     graph.replay()
     torch.cuda.synchronize()
     _assert_close(out, moe.moe_experts_ref(x, gate_up, down, weights, ids), TOL[torch.bfloat16])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("staged", [True, False], ids=["default", "NINFER_MOE_DOWN_STAGED=0"])
+@pytest.mark.parametrize("tokens", [2, 3, 8])
+def test_decode_kernels_down_staged_past_two_tokens(cuda_kernels, monkeypatch, tokens, staged):
+    """The decode down staged through shared memory past 2 tokens (the register kernel at 1-2, and past 2
+    under NINFER_MOE_DOWN_STAGED=0: GPUs where two staged blocks do not fit an SM), with and without the
+    shared expert; NINFER_ABLATE shows which kernel ran."""
+    if not staged:
+        monkeypatch.setenv("NINFER_MOE_DOWN_STAGED", "0")
+    _decode_check(tokens, 256, 8, 2048, 512, "int4")
+    shared = _shared_expert(2048, 512, "int8", tokens, torch.bfloat16, seed=tokens)
+    weights, ids = _routing(tokens, 256, 8, device="cuda", seed=tokens)
+    x = _inputs(tokens, 2048, device="cuda", seed=tokens)
+    gate_up, down = _cached_experts(256, 2048, 512, "int4", 128)
+    out = moe.moe_experts_with_shared(x, gate_up, down, weights, ids, shared)
+    assert out is not None
+    _assert_close(out, _expected(x, gate_up, down, weights, ids) + _shared64(x, shared), TOL[torch.bfloat16])
+    monkeypatch.setenv("NINFER_ABLATE", "down (tensor cores, staged)")  # its rows stay NaN where it ran
+    with _poisoned_allocations():
+        out = moe.moe_experts_with_shared(x, gate_up, down, weights, ids, shared)
+    assert bool(out.isnan().any()) == (staged and tokens > 2)
