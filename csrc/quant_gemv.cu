@@ -138,9 +138,12 @@ __device__ __forceinline__ void chunk_fp32(float (&sum)[2][8 * kTiles], const ui
 }
 
 // Blocks per SM the registers are budgeted for: 24 / 16 warps on tensor cores keep enough weight
-// loads in flight; the fp32 path is not a decode path and gets what its FMAs need.
-template <typename T, int kTiles>
-constexpr int kMinBlocks = std::is_same_v<T, float> ? 1 : (kTiles == 1 ? 3 : 2);
+// loads in flight; the fp32 path is not a decode path and gets what its FMAs need. Grouped (MoE)
+// GEMVs get 2 (up to 128 registers): at 3 their 8-slot blocks spilled (ncu, 64 tokens: the down 537K
+// local requests, 1.96 TB/s); H100, bench_moe_triton.py (thirty-seventh session), 8-slot blocks at 16 /
+// 64 / 128 tokens -2.4 / -3.4 / -6.6% a layer with the epilogue pointers below.
+template <typename T, int kTiles, bool kGrouped>
+constexpr int kMinBlocks = std::is_same_v<T, float> ? 1 : (kTiles == 1 && !kGrouped ? 3 : 2);
 
 // A warp's weight rows: 16 consecutive ones (Dense, Down), or 8 gate rows and their 8 up rows.
 enum class Layout { Dense, GateUp, Down };
@@ -374,7 +377,7 @@ __device__ void add_norm_rows(T* stage, const T* __restrict__ x, const AddNorm& 
 // ends and writes its outputs, instead of a warp (and a block) ending after every tile.
 template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold,
           int kRowTiles>
-__global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMinBlocks<T, kTiles> : 1)
+__global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMinBlocks<T, kTiles, kGrouped> : 1)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
                       Epilogue epilogue, AddNorm norm, int m, int n, int k, int group_size, int split,
@@ -387,9 +390,11 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMin
   T* const conv_at = kNorm ? conv_stage<T>(m, k) : stage_rows<T>();
   constexpr bool kTensorCores = !std::is_same_v<T, float>;
   constexpr bool kInt4 = kCodes != Codes::Int8;
-  const T* bias = static_cast<const T*>(epilogue.bias);
-  const T* gate = static_cast<const T*>(epilogue.gate);
-  const T* add = static_cast<const T*>(epilogue.add);
+  // A grouped GEMV has no epilogue operands (quant_gemv.h): null at compile time, so none of their
+  // pointers or branches take registers (H100, thirty-seventh session: 32-slot blocks 5-7% faster).
+  const T* bias = kGrouped ? nullptr : static_cast<const T*>(epilogue.bias);
+  const T* gate = kGrouped ? nullptr : static_cast<const T*>(epilogue.gate);
+  const T* add = kGrouped ? nullptr : static_cast<const T*>(epilogue.add);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int part = warp % split;  // this warp's share of its tile's chunks
