@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import ninfer_core.models.loader as loader_module
 import ninfer_core.models.quantize as quantize_module
 from ninfer_core.cache import CacheManager
 from ninfer_core.errors import NinferError
 from ninfer_core.layers.moe import Experts
 from ninfer_core.models.base import ForwardBatch
-from ninfer_core.models.loader import LoadedModel, load_model
+from ninfer_core.config import load_config
+from ninfer_core.models.loader import LoadedModel, build_model, init_random_, load_model, random_model
+from ninfer_core.models.quantize import QuantRecipe, apply_recipe_
 from ninfer_core.ops.quant import QuantFormat, QuantLinear, dequantize_ref, quantize
 from ninfer_core.weights import quant_cache
 from tiny_model_dir import write_tiny_model_dir
@@ -232,6 +236,39 @@ def test_random_weights_take_the_recipe(model_dir):
     assert isinstance(a.model.lm_head, QuantLinear) and a.recipe.mode == "int8"
     logits = prefill_logits(a)
     assert torch.isfinite(logits).all() and torch.equal(logits, prefill_logits(b))
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_random_model_drawn_layer_by_layer_equals_the_whole_model_drawn_then_quantized(
+    model_dir, monkeypatch, weights, tied
+):
+    """random_model quantizes each decoder layer as it is drawn (the 35B's whole bf16 model did not fit
+    an 80 GB card beside the rest): each layer before the next one's draws, and the same draws,
+    formats and ties as building the whole model, `init_random_` over it, then `apply_recipe_` (the
+    composition it replaced)."""
+    config = replace(load_config(model_dir), tie_word_embeddings=tied)
+    recipe = QuantRecipe(weights)
+    quantized_when: list[tuple[str, bool]] = []  # (layer, every later layer still undrawn)
+
+    def spy(model, recipe, within=None):
+        if within is not None:
+            later = model.layers[int(within.split(".")[1]) + 1:]
+            quantized_when.append((within, all(p.is_meta for p in later.parameters())))
+        apply_recipe_(model, recipe, within)
+
+    monkeypatch.setattr(loader_module, "apply_recipe_", spy)
+    ours = random_model(config, torch.device("cpu"), torch.float32, recipe, seed=3)
+    assert quantized_when == [(f"layers.{i}", True) for i in range(config.num_layers)]
+    reference = build_model(config, torch.device("cpu"), torch.float32)
+    init_random_(reference, seed=3)
+    apply_recipe_(reference, recipe)
+    assert [(n, type(m)) for n, m in ours.named_modules()] == [(n, type(m)) for n, m in reference.named_modules()]
+    got, want = ours.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert all(not t.is_meta for t in (*ours.parameters(), *ours.buffers()))
+    if tied and weights == "bf16":  # one Parameter, as the reference's tie_weights makes it
+        assert ours.lm_head.weight is ours.embed_tokens.weight
 
 
 def test_concurrent_model_builds_leave_torch_init_as_it_was():

@@ -134,15 +134,40 @@ def build_model(
     return model
 
 
+@torch.no_grad()
 def random_model(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, recipe: QuantRecipe, seed: int = 0
 ) -> nn.Module:
-    """The model with random weights (`init_random_`), then quantized by the recipe: full-size
-    shapes without a checkpoint (benchmarks, `--random-weights`)."""
-    model = build_model(config, device, dtype)
-    init_random_(model, seed)
-    apply_recipe_(model, recipe)
+    """The model with random weights (`init_random_`'s draws, in its order), quantized by the recipe:
+    full-size shapes without a checkpoint (benchmarks, `--random-weights`). Built on meta and drawn
+    module by module, each decoder layer quantized as soon as it is drawn: the peak is the quantized
+    model and one full-precision layer, not the whole full-precision model (the 35B's 70 GB of bf16:
+    more than a 32 or 48 GB card holds, for a model whose int4 form is 19 GB)."""
+    model = build_model(config, torch.device("meta"), dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    drawn: dict[int, nn.Parameter] = {}  # meta parameter -> its drawn one (a tied lm_head: drawn once)
+    pending: str | None = None  # the decoder layer being drawn, quantized once the draws leave it
+    for name, module in list(model.named_modules()):  # listed first: quantizing swaps modules out
+        layer = _decoder_layer(name)
+        if pending is not None and layer != pending:
+            apply_recipe_(model, recipe, within=pending)
+        pending = layer
+        for key, meta in list(module.named_parameters(recurse=False)):
+            if id(meta) not in drawn:
+                weight = torch.empty(meta.shape, dtype=meta.dtype, device=device).normal_(0, 0.02, generator=generator)
+                drawn[id(meta)] = nn.Parameter(weight, requires_grad=meta.requires_grad)
+            setattr(module, key, drawn[id(meta)])
+    apply_recipe_(model, recipe)  # the rest: embedding, lm_head, MTP and vision towers
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"random_model left tensors undrawn: {left[:4]}")
     return model
+
+
+def _decoder_layer(module_name: str) -> str | None:
+    """The decoder layer ("layers.i") a module belongs to, None outside the decoder layers."""
+    parts = module_name.split(".")
+    return ".".join(parts[:2]) if len(parts) >= 2 and parts[0] == "layers" else None
 
 
 @torch.no_grad()

@@ -163,15 +163,20 @@ def resolve_recipe(
     return QuantRecipe("int4" if fast and params >= AUTO_MIN_PARAMS else "bf16")
 
 
-def apply_recipe_(model: nn.Module, recipe: QuantRecipe) -> None:
+def apply_recipe_(model: nn.Module, recipe: QuantRecipe, within: str | None = None) -> None:
     """Swap Linear / expert / embedding modules for quantized ones (on meta tensors: shapes only;
-    a module given a format gets empty buffers on the Linear's device)."""
+    a module given a format gets empty buffers on the Linear's device). `within`: only the modules
+    under that module name (random_model quantizes a layer at a time); modules quantized already are
+    left as they are."""
     if not recipe.quantized:
         return
     routers = {id(m.gates.linear) for m in model.modules() if isinstance(m, SparseMoE)}
     sources = merged_sources(model)
     for name, module in list(model.named_modules()):
-        if isinstance(module, Experts) and (formats := recipe.experts_format(name, module)) is not None:
+        if within is not None and name != within and not name.startswith(within + "."):
+            continue
+        if (isinstance(module, Experts) and not module.formats
+                and (formats := recipe.experts_format(name, module)) is not None):
             module.quantize_(*formats)
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
@@ -190,7 +195,7 @@ def apply_recipe_(model: nn.Module, recipe: QuantRecipe) -> None:
                     quantized = QuantLinear.from_linear(child, fmt.kind, fmt.group_size, fmt.scale_dtype)
                 setattr(module, child_name, quantized)
     embed = model.embed_tokens
-    if (fmt := recipe.embedding_format()) is not None and isinstance(embed, nn.Embedding):
+    if within is None and (fmt := recipe.embedding_format()) is not None and isinstance(embed, nn.Embedding):
         if isinstance(fmt, KQuantFormat):
             model.embed_tokens = KQuantEmbedding.empty(fmt, embed.embedding_dim, embed.weight.device, embed.weight.dtype)
         else:
