@@ -48,9 +48,9 @@ def plan_cache(
     if kv_capacity is not None or device.type != "cuda":
         context = max_context or min(limit, default_context)
         return CachePlan(kv, kv_capacity or context * max_seqs, context)
-    # What torch's allocator freed but keeps cached is free for the pages too: a model quantized at
-    # load (random weights: the whole bf16 model first) otherwise leaves it out (the 35B's 50 GiB of
-    # bf16 blocks left 2.2 GiB "free" on an 80 GB H100).
+    # What torch's allocator freed but keeps cached is free for the pages too: a model quantized as it
+    # loads leaves its full-precision tensors there (the 35B's random weights, when drawn whole in bf16,
+    # left 2.2 GiB "free" on an 80 GB H100).
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     workspace = max(WORKSPACE_MIN_BYTES, int(WORKSPACE_FRACTION * total))
