@@ -118,9 +118,10 @@ LIST
     # Nsight Compute on the decode step's GEMVs, router and MoE kernels (stall reasons, occupancy,
     # speed of light) at NCU_TOKENS rows (default 1; NCU_FLAGS=--dense: the 27B's GEMVs; --grouped: the
     # grouped MoE GEMVs of an NCU_TOKENS-token prompt); Firecracker
-    # machines read the counters, gVisor ones cannot (device KINDS.md)
+    # machines read the counters, gVisor ones cannot (device KINDS.md); NCU_EXTRA: more ncu flags
+    # (`--section SourceCounters`: the stall samples by instruction, where the machine samples them)
     timeout 400 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
-      --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats --section SchedulerStats \
+      --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats --section SchedulerStats ${NCU_EXTRA:-} \
       -k regex:"quant_gemv|gate_up|down_|router_kernel|align_kernel" \
       python3 scripts/ncu_decode_kernels.py --tokens ${NCU_TOKENS:-1} ${NCU_FLAGS:-} > "$OUT/ncu.txt" 2>&1
     echo "== ncu: rc $?"; grep -E "quant_gemv|gate_up|down_|router_kernel|Duration|DRAM Throughput|Issue Slots|Eligible Warps|Warp Cycles Per Issued" \
