@@ -1,6 +1,7 @@
 // Tensor-core building blocks of the weight-only GEMVs (csrc/quant_gemv.cu) and the MoE decode
-// kernels (csrc/moe_decode_mma.cu): predicated 16-byte loads, int8 / int4 codes as exact 16-bit
-// pairs, and one 64-byte chunk of 16 weight rows through mma.m16n8k16 (fp32 accumulation).
+// kernels (csrc/moe_decode_mma.cu): predicated 16-byte loads and cp.async copies, int8 / int4 codes
+// as exact 16-bit pairs, and one 64-byte chunk of 16 weight rows through mma.m16n8k16 (fp32
+// accumulation).
 //
 // The lane layout: lane = 4 g + t holds rows g and g + 8 of a 16-row tile, bytes 16 t .. 16 t + 15
 // of each 64-byte chunk of those rows. The k order inside an MMA is free as long as A and B agree,
@@ -43,6 +44,30 @@ __device__ __forceinline__ uint4 load16_early(const void* ptr, bool pred) {
                : "l"(ptr), "r"(static_cast<int>(pred)));
   return v;
 }
+
+// Global to shared memory without registers (cp.async, sm_80+). cp_async16: 16 bytes, which the
+// issuing thread sees after cp_async_wait_all, the others after a barrier that follows it.
+// cp_async_zfill: `kBytes` (8 or 16), zeros where !pred (a src-size of 0), in groups closed by
+// cp_async_commit; cp_async_wait_one waits for all but the newest group.
+__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<std::uint32_t>(__cvta_generic_to_shared(shared))),
+               "l"(global)
+               : "memory");
+}
+
+template <int kBytes>
+__device__ __forceinline__ void cp_async_zfill(void* shared, const void* global, bool pred) {
+  const auto to = static_cast<std::uint32_t>(__cvta_generic_to_shared(shared));
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(global), "r"(pred ? 16 : 0) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(to), "l"(global), "r"(pred ? 8 : 0) : "memory");
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // 16 bytes of x (an MMA's B operand) through L1, unpredicated: a lane whose x row does not exist
 // points at a real one (row 0, k 0), and its products land in C columns nobody reads, so no zeros

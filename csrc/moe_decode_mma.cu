@@ -183,19 +183,6 @@ __global__ void __launch_bounds__(kWarps * 32, 3)  // 3 blocks an SM: one token'
                       red, tiles, p.parts);
 }
 
-// cp.async (sm_80+) of `bytes` (8 or 16) into shared memory, zeros where !pred (a src-size of 0).
-template <int kBytes>
-__device__ __forceinline__ void cp_async_zfill(void* shared, const void* global, bool pred) {
-  const auto to = static_cast<std::uint32_t>(__cvta_generic_to_shared(shared));
-  if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(global), "r"(pred ? 16 : 0) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(to), "l"(global), "r"(pred ? 8 : 0) : "memory");
-  }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-
 // Blocks an SM of a staged kernel with its shared memory (0: it does not fit), set up once per
 // kernel and device (more than 48 KB of dynamic shared memory is opt-in). A template parameter, not an
 // argument: kernels of one signature (with and without the shared expert) each need their own opt-in.
@@ -366,7 +353,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     }
     cp_async_commit();
     const int n = item / row_tiles, r0 = item % row_tiles * 16;
-    const int e = j < p.top_k ? __ldg(ids + n * p.top_k + j) : -1;
+    const int e = expert(item);
     const bool live = e >= 0 && e < p.experts;
     const float wj = live ? load_weight(p.weights, static_cast<std::int64_t>(n) * p.top_k + j, p.weights_dtype) : 0.0f;
     float shared_scale = 0.0f, gate_logit = 0.0f;

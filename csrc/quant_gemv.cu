@@ -79,16 +79,6 @@ __device__ __forceinline__ uint4 load_x16(StagedX<T> at) {
   return *reinterpret_cast<const uint4*>(at.row);
 }
 
-// 16 bytes from global to shared memory without registers (cp.async, sm_80+): the issuing thread
-// sees them after cp_async_wait_all, the others after a barrier that follows it.
-__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<std::uint32_t>(__cvta_generic_to_shared(shared))),
-               "l"(global)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 // Signed byte i of a word (q + 128 after the xor) as an exact float: 2^23 + u - (2^23 + 128).
 __device__ __forceinline__ float int8_at(std::uint32_t biased, int i) {
   return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7440u + i)) - 8388736.0f;
