@@ -29,7 +29,8 @@ cuda_tests() {  # the CUDA tests in TESTS into $1, 4 processes on the one GPU wh
     $workers ${TESTS:-tests/} 2>&1 | tee "$1" | grep -vE "^(SKIPPED|PASSED)" | tail -60
 }
 replays() {  # decode graph replays of this build into $1 (preset $2, batch:context runs $3), two rounds
-  timeout 200 python3 scripts/ab_replays.py "$1" X=0 --preset "$2" --runs "$3" --rounds 2 2>&1 | grep "^{"
+  timeout 200 python3 scripts/ab_replays.py "$1" X=0 --preset "$2" --runs "$3" --rounds 2 2>&1 \
+    | tee -a "$OUT/replays.log" | grep "^{" || { echo "== replays $2 $3 failed:"; tail -n 8 "$OUT/replays.log"; }
 }
 bench_model() {  # the weight-less exact-shape 35B model directory `serve` and the engine benches load
   [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
@@ -222,7 +223,7 @@ LIST
         for v in $(in_order $round); do
           name=$(variant $v)
           ( cd /tmp/ab/$name && NINFER_REQUIRE_KERNELS=1 timeout 200 python3 scripts/ab_replays.py /tmp/ab/replays.json ${AB_VARIANTS:-X=0} \
-            --preset "${entry%%=*}" --runs "${entry#*=}" --rounds 1 2>&1 | grep "^{" \
+            --preset "${entry%%=*}" --runs "${entry#*=}" --rounds 1 2>&1 | tee -a "$OUT/replays_$name.log" | grep "^{" \
             | sed "s/^{/{\"build\": \"$name\", \"preset\": \"${entry%%=*}\", \"call_round\": $round, /" \
             | tee -a "$OUT/builds.jsonl" )
         done

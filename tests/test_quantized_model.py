@@ -8,8 +8,10 @@ The distance to the unquantized model is reported as a bound, not as the proof.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -250,16 +252,26 @@ def test_random_model_drawn_layer_by_layer_equals_the_whole_model_drawn_then_qua
     config = replace(load_config(model_dir), tie_word_embeddings=tied)
     recipe = QuantRecipe(weights)
     quantized_when: list[tuple[str, bool]] = []  # (layer, every later layer still undrawn)
+    swapped_out: list[tuple[int, int]] = []  # a layer's full-precision parameters quantized away: (freed, alive)
 
     def spy(model, recipe, within=None):
-        if within is not None:
-            later = model.layers[int(within.split(".")[1]) + 1:]
-            quantized_when.append((within, all(p.is_meta for p in later.parameters())))
+        if within is None:
+            return apply_recipe_(model, recipe, within)
+        later = model.layers[int(within.split(".")[1]) + 1:]
+        quantized_when.append((within, all(p.is_meta for p in later.parameters())))
+        drawn = [weakref.ref(p) for p in model.get_submodule(within).parameters()]
         apply_recipe_(model, recipe, within)
+        kept = {id(p) for p in model.get_submodule(within).parameters()}
+        gc.collect()
+        alive = sum(r() is not None and id(r()) not in kept for r in drawn)
+        swapped_out.append((sum(r() is None for r in drawn), alive))
 
     monkeypatch.setattr(loader_module, "apply_recipe_", spy)
     ours = random_model(config, torch.device("cpu"), torch.float32, recipe, seed=3)
     assert quantized_when == [(f"layers.{i}", True) for i in range(config.num_layers)]
+    # the peak is one full-precision layer: a quantized layer's drawn weights are freed before the next is drawn
+    assert all(alive == 0 for _, alive in swapped_out), swapped_out
+    assert all(freed > 0 for freed, _ in swapped_out) == recipe.quantized, swapped_out
     reference = build_model(config, torch.device("cpu"), torch.float32)
     init_random_(reference, seed=3)
     apply_recipe_(reference, recipe)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -145,29 +146,38 @@ def random_model(
     more than a 32 or 48 GB card holds, for a model whose int4 form is 19 GB)."""
     model = build_model(config, torch.device("meta"), dtype)
     generator = torch.Generator(device=device).manual_seed(seed)
-    drawn: dict[int, nn.Parameter] = {}  # meta parameter -> its drawn one (a tied lm_head: drawn once)
-    pending: str | None = None  # the decoder layer being drawn, quantized once the draws leave it
-    for name, module in list(model.named_modules()):  # listed first: quantizing swaps modules out
-        layer = _decoder_layer(name)
-        if pending is not None and layer != pending:
-            apply_recipe_(model, recipe, within=pending)
-        pending = layer
-        for key, meta in list(module.named_parameters(recurse=False)):
-            if id(meta) not in drawn:
-                weight = torch.empty(meta.shape, dtype=meta.dtype, device=device).normal_(0, 0.02, generator=generator)
-                drawn[id(meta)] = nn.Parameter(weight, requires_grad=meta.requires_grad)
-            setattr(module, key, drawn[id(meta)])
+    # a meta parameter two modules share (a tied lm_head) -> its drawn one, drawn once. Nothing else
+    # may hold a drawn parameter or a swapped-out module (named_modules' memo would): that would keep
+    # the full-precision layers alive to the end.
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    shared: dict[int, nn.Parameter] = {}
+
+    def draw(root: nn.Module, recurse: bool = True) -> None:
+        for module in root.modules() if recurse else (root,):
+            for key, meta in list(module.named_parameters(recurse=False)):
+                if not meta.is_meta:  # a module reached twice
+                    continue
+                param = shared.get(id(meta))
+                if param is None:
+                    weight = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                    param = nn.Parameter(weight.normal_(0, 0.02, generator=generator), requires_grad=meta.requires_grad)
+                    if uses[id(meta)] > 1:
+                        shared[id(meta)] = param
+                setattr(module, key, param)
+
+    draw(model, recurse=False)
+    for name, child in model.named_children():  # init_random_'s order: model.parameters()'
+        if name != "layers":
+            draw(child)
+            continue
+        for i, layer in enumerate(child):
+            draw(layer)
+            apply_recipe_(model, recipe, within=f"layers.{i}")
     apply_recipe_(model, recipe)  # the rest: embedding, lm_head, MTP and vision towers
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"random_model left tensors undrawn: {left[:4]}")
     return model
-
-
-def _decoder_layer(module_name: str) -> str | None:
-    """The decoder layer ("layers.i") a module belongs to, None outside the decoder layers."""
-    parts = module_name.split(".")
-    return ".".join(parts[:2]) if len(parts) >= 2 and parts[0] == "layers" else None
 
 
 @torch.no_grad()
