@@ -365,9 +365,13 @@ __device__ void add_norm_rows(T* stage, const T* __restrict__ x, const AddNorm& 
 // kRowTiles: row tiles a warp takes one after another (grouped GEMVs at split 1 only): a short K
 // (the MoE down's 512) is a few steps a tile, so the next tile's first loads go out while this one
 // ends and writes its outputs, instead of a warp (and a block) ending after every tile.
+// kBlocksPerSm: the register budget's blocks an SM where not kMinBlocks' (the norm folds' spill-free
+// form: launch).
 template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold,
-          int kRowTiles>
-__global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps == kWarps ? kMinBlocks<T, kTiles, kGrouped> : 1)
+          int kRowTiles, int kBlocksPerSm>
+__global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps != kWarps ? 1
+                                                    : kBlocksPerSm > 0    ? kBlocksPerSm
+                                                                          : kMinBlocks<T, kTiles, kGrouped>)
     quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
                       const std::uint8_t* __restrict__ qweight, const void* __restrict__ scales,
                       Epilogue epilogue, AddNorm norm, int m, int n, int k, int group_size, int split,
@@ -785,9 +789,11 @@ int split_for_norm(int split, std::int64_t tiles, std::int64_t chunks, std::int6
 }
 
 template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold,
-          int kRowTiles = 1>
+          int kRowTiles = 1, int kBlocksPerSm = 0>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
-  constexpr auto kernel = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold, kRowTiles>;
+  constexpr auto kernel =
+      quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold, kRowTiles, kBlocksPerSm>;
+  const int asked = split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   std::size_t stage = 0;
   if constexpr (kFold == Fold::Norm) {
@@ -808,6 +814,19 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
     split = kFold == Fold::None || kFold == Fold::Conv
                 ? split_for_waves(split, tiles, chunks, std::max<std::int64_t>(capacity, 1))
                 : split_for_norm(split, tiles, chunks, std::max<std::int64_t>(capacity, 1));
+    // The norm folds spill 64-72 bytes a thread at 3 blocks an SM; at 2 (no spills) their grid is a
+    // wave of 2 blocks an SM, so the form at 2 runs where its split is the same: the 27B's in_proj / qkv
+    // (split 2 either way), not the 35B's (split 4 at 3 an SM would halve; H100, thirty-seventh session:
+    // every norm fold at 2 made the 35B's b1 step 6.7% longer, the 27B's 0.7% shorter).
+    if constexpr ((kFold == Fold::Norm || kFold == Fold::NormConv) && kBlocksPerSm == 0 && kTiles == 1) {
+      constexpr auto spill_free = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold, 1, 2>;
+      allow_largest_stage<spill_free>(a.device, kFold == Fold::Norm ? kStageMaxBytes : kConvStageMaxBytes);
+      const std::int64_t room = static_cast<std::int64_t>(resident_blocks<spill_free, kWarps * 32>(a.device, most)) *
+                                sm_count(a.device) / slot_blocks;
+      if (split_for_norm(asked, tiles, chunks, std::max<std::int64_t>(room, 1)) == split) {
+        return launch<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold, 1, 2>(a, asked, slot_blocks, grouping);
+      }
+    }
   }
   if (a.split_used != nullptr) *a.split_used = split;
   const int tiles_per_block = kBlockWarps / split * kRowTiles;
