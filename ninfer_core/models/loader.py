@@ -166,7 +166,7 @@ def random_model(
                 setattr(module, key, param)
 
     draw(model, recurse=False)
-    for name, child in model.named_children():  # init_random_'s order: model.parameters()'
+    for name, child in model.named_children():  # init_random_'s order (model.parameters())
         if name != "layers":
             draw(child)
             continue
