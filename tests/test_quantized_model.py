@@ -283,6 +283,37 @@ def test_random_model_drawn_layer_by_layer_equals_the_whole_model_drawn_then_qua
         assert ours.lm_head.weight is ours.embed_tokens.weight
 
 
+@pytest.mark.cuda
+def test_random_model_on_the_gpu_holds_one_full_precision_layer_at_a_time():
+    """The benches' synthetic 35B (70 GB of bf16, 19 GB in int4) fits an 80 GB card only if a quantized
+    layer's bf16 weights are freed before the next layer is drawn: from 4 to 12 layers the peak grows
+    by what the 8 quantized layers hold, not by their bf16 Linears too (which it did while random_model
+    kept every swapped-out Linear referenced)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from ninfer_core.models.presets import preset
+
+    base, cuda = preset("tiny-qwen3.6-moe"), torch.device("cuda")
+
+    def build(layers: int) -> tuple[int, int, int]:
+        config = replace(base, num_layers=layers, layer_types=base.layer_types[:4] * (layers // 4))
+        gc.collect()
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model = random_model(config, cuda, torch.bfloat16, QuantRecipe("int4"), seed=1)
+        torch.cuda.synchronize()
+        peak, held = torch.cuda.max_memory_allocated() - start, torch.cuda.memory_allocated() - start
+        swapped = sum(2 * module.in_features * module.out_features for layer in model.layers
+                      for module in layer.modules() if isinstance(module, QuantLinear))
+        del model
+        return peak, held, swapped
+
+    (peak4, held4, linears4), (peak12, held12, linears12) = build(4), build(12)
+    assert linears12 > linears4 > 0
+    assert (peak12 - peak4) - (held12 - held4) < (linears12 - linears4) / 2, (peak4, held4, peak12, held12)
+
+
 def test_concurrent_model_builds_leave_torch_init_as_it_was():
     """build_model skips the constructors' random init by swapping torch.nn.init's functions for a
     while; builds on several threads (a server loading models on demand) must not leave them
