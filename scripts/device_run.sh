@@ -194,7 +194,9 @@ LIST
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
       dir=/tmp/ab/$(variant $v); rm -rf "$dir"; mkdir -p "$dir"
       # untracked files too: the tool copies new files of this tree, which the machine's index may not list
-      git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$dir"
+      # (and the index may still list files this tree deleted: those are skipped)
+      git ls-files -z --cached --others --exclude-standard \
+        | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done | xargs -0 cp --parents -t "$dir"
       ( cd "$dir" && { [ "$v" = main ] || for p in ${v//+/ }; do git apply "$OLDPWD/$p" || exit 1; done; } \
         && CUDAARCHS=${CUDAARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps --target "$dir/site" . \
         && cp "$dir"/site/ninfer_core/_*.so "$dir/ninfer_core/" && touch "$dir/.built" ) > "$OUT/build_$(variant $v).log" 2>&1 &
