@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu sass profile ab replays issue15 patch
+#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu sass profile verify_profile ab replays issue15 patch
 #   NO_BUILD=1 VARIANTS="main a.patch b.patch" scripts/device_run.sh builds pack
 # `pack` last: everything under $OUT in one results.tgz (the device tool brings back a few files only).
 # Wheels for packages missing there travel in .whl/ (scripts/device_wheels.sh fetches them);
@@ -153,6 +153,13 @@ LIST
       timeout 300 python3 scripts/profile_decode.py "$preset" --batch "$batch" --context "$context" \
         --json "$OUT/profile_${preset}_b${batch}_${context}.json" 2>&1 | tail -45
     done ;;
+  verify_profile)
+    # where a K = 3 verify round's time goes (1.87x the decode step on the H100, against 1.59x for a
+    # batch-4 step that reads the same weights): its kernels, then a batch-4 decode step's
+    timeout 200 python3 scripts/bench_spec.py profile --weights int4 --max-k 3 --repeats 5 \
+      --json "$OUT/verify_profile.json" 2>&1 | tail -60
+    timeout 300 python3 scripts/profile_decode.py qwen3.6-35b-a3b --batch 4 --context 512 \
+      --json "$OUT/profile_qwen3.6-35b-a3b_b4_512.json" 2>&1 | tail -30 ;;
   ab)
     # one environment switch off / on in the same call (AB_ENV=NAME, set to 0 / 1; default NINFER_PDL):
     # the GEMV shapes and the decode profile
