@@ -196,6 +196,7 @@ LIST
     # the torch references (NINFER_REQUIRE_KERNELS=1). "main" is this working tree, uncommitted
     # edits included. AB_VARIANTS: ab_replays.py's settings, each build timed under each (default X=0).
     # MOE_ROUNDS=N: then bench_moe_triton.py (MOE_TOKENS, MOE_PATHS) of each build, alternating, N rounds.
+    # VERIFY_ROUNDS=N: then bench_spec.py verify (K = 1..3 verify rounds against the decode step) likewise.
     # an editable install of this tree (an earlier step on a warm machine) would shadow the copies
     python3 -m pip uninstall -y -q ninfer > /dev/null 2>&1
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
@@ -244,6 +245,14 @@ LIST
         ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} NINFER_REQUIRE_KERNELS=1 timeout 200 \
             python3 scripts/bench_moe_triton.py --tokens ${MOE_TOKENS:-16,37,64,128} --paths ${MOE_PATHS:-grouped_gemv_bm8} \
             --json "$OUT/moe_${name}_round$round.json" 2>&1 | sed "s/^/$name round $round: /" | tail -8 )
+      done
+    done
+    for round in $(seq 1 ${VERIFY_ROUNDS:-0}); do  # the K = 3 verify round against the decode step, alternating
+      for v in $(in_order $round); do
+        name=$(variant $v)
+        ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} timeout 200 \
+            python3 scripts/bench_spec.py verify --weights int4 --max-k 3 --repeats 8 \
+            --json "$OUT/verify_${name}_round$round.json" 2>&1 | sed "s/^/$name round $round: /" | tail -5 )
       done
     done
     if [ "${ENGINE_ROUNDS:-0}" -gt 0 ]; then  # the model directory, made with a built copy's package (none is installed)
