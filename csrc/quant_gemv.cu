@@ -220,6 +220,12 @@ __device__ __forceinline__ T* conv_stage(int m, int k) {
 __host__ __device__ constexpr int block_rows(int block_warps, int split) { return block_warps / split * kTileRows; }
 constexpr std::size_t kConvStageMaxBytes =
     kStageMaxBytes + conv_stage_bytes(kQuantGemvNormMaxRows, kWarps * kTileRows, kQuantGemvConvMaxTaps);
+// The largest dynamic stage of a fold's kernels (allow_largest_stage): the norm folds' (0: within the
+// 48 KB a kernel gets unasked, or none).
+template <Fold kFold>
+constexpr std::size_t kLargestStage = kFold == Fold::Norm       ? kStageMaxBytes
+                                      : kFold == Fold::NormConv ? kConvStageMaxBytes
+                                                                : 0;
 
 // The norm's weight into the stage's last row: constant, so copied before the wait for x.
 template <typename T, int kBlockWarps>
@@ -796,11 +802,8 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
   const int asked = split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   std::size_t stage = 0;
-  if constexpr (kFold == Fold::Norm) {
-    allow_largest_stage<kernel>(a.device, kStageMaxBytes);
-    stage = stage_bytes(a.m, a.k);
-  } else if constexpr (kFold == Fold::NormConv) {
-    allow_largest_stage<kernel>(a.device, kConvStageMaxBytes);
+  if constexpr (kLargestStage<kFold> > 0) {
+    allow_largest_stage<kernel>(a.device, kLargestStage<kFold>);
     stage = stage_bytes(a.m, a.k);
   }
   constexpr bool kConv = kFold == Fold::NormConv || kFold == Fold::Conv;
@@ -816,11 +819,12 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
                 : split_for_norm(split, tiles, chunks, std::max<std::int64_t>(capacity, 1));
     // The norm folds spill 64-72 bytes a thread at 3 blocks an SM; at 2 (no spills) their grid is a
     // wave of 2 blocks an SM, so the form at 2 runs where its split is the same: the 27B's in_proj / qkv
-    // (split 2 either way), not the 35B's (split 4 at 3 an SM would halve; H100, thirty-seventh session:
-    // every norm fold at 2 made the 35B's b1 step 6.7% longer, the 27B's 0.7% shorter).
-    if constexpr ((kFold == Fold::Norm || kFold == Fold::NormConv) && kBlocksPerSm == 0 && kTiles == 1) {
+    // (split 2 either way), not the 35B's (split 4 at 3 an SM would halve). H100: every norm fold at 2
+    // made the 35B's b1 step 6.7% longer (thirty-seventh session); this rule made the 27B's 2.0% shorter,
+    // the 35B's level (thirty-eighth session).
+    if constexpr (kLargestStage<kFold> > 0 && kBlocksPerSm == 0 && kTiles == 1) {
       constexpr auto spill_free = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold, 1, 2>;
-      allow_largest_stage<spill_free>(a.device, kFold == Fold::Norm ? kStageMaxBytes : kConvStageMaxBytes);
+      allow_largest_stage<spill_free>(a.device, kLargestStage<kFold>);
       const std::int64_t room = static_cast<std::int64_t>(resident_blocks<spill_free, kWarps * 32>(a.device, most)) *
                                 sm_count(a.device) / slot_blocks;
       if (split_for_norm(asked, tiles, chunks, std::max<std::int64_t>(room, 1)) == split) {
