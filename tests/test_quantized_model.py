@@ -27,6 +27,7 @@ from ninfer_core.layers.moe import Experts
 from ninfer_core.models.base import ForwardBatch
 from ninfer_core.config import load_config
 from ninfer_core.models.loader import LoadedModel, build_model, init_random_, load_model, random_model
+from ninfer_core.models.presets import preset
 from ninfer_core.models.quantize import QuantRecipe, apply_recipe_
 from ninfer_core.ops.quant import QuantFormat, QuantLinear, dequantize_ref, quantize
 from ninfer_core.weights import quant_cache
@@ -289,10 +290,6 @@ def test_random_model_on_the_gpu_holds_one_full_precision_layer_at_a_time():
     layer's bf16 weights are freed before the next layer is drawn: from 4 to 12 layers the peak grows
     by what the 8 quantized layers hold, not by their bf16 Linears too (which it did while random_model
     kept every swapped-out Linear referenced)."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from ninfer_core.models.presets import preset
-
     base, cuda = preset("tiny-qwen3.6-moe"), torch.device("cuda")
 
     def build(layers: int) -> tuple[int, int, int]:
