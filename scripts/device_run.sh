@@ -239,22 +239,23 @@ LIST
         done
       done
     done
-    for round in $(seq 1 ${MOE_ROUNDS:-0}); do  # the MoE of short prompts (MOE_TOKENS, MOE_PATHS), alternating
-      for v in $(in_order $round); do
-        name=$(variant $v)
-        ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} NINFER_REQUIRE_KERNELS=1 timeout 200 \
-            python3 scripts/bench_moe_triton.py --tokens ${MOE_TOKENS:-16,37,64,128} --paths ${MOE_PATHS:-grouped_gemv_bm8} \
-            --json "$OUT/moe_${name}_round$round.json" 2>&1 | sed "s/^/$name round $round: /" | tail -8 )
+    # ROUNDS rounds of one bench script in each built copy (its package on the path), the copies
+    # alternating: its JSON into $OUT/PREFIX_NAME_roundN.json, its last LINES lines shown
+    alternate() {
+      local rounds=$1 prefix=$2 lines=$3 round v name
+      shift 3
+      for round in $(seq 1 $rounds); do
+        for v in $(in_order $round); do
+          name=$(variant $v)
+          ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} timeout 200 "$@" \
+              --json "$OUT/${prefix}_${name}_round$round.json" 2>&1 | sed "s/^/$name round $round: /" | tail -n $lines )
+        done
       done
-    done
-    for round in $(seq 1 ${VERIFY_ROUNDS:-0}); do  # the K = 3 verify round against the decode step, alternating
-      for v in $(in_order $round); do
-        name=$(variant $v)
-        ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} timeout 200 \
-            python3 scripts/bench_spec.py verify --weights int4 --max-k 3 --repeats 8 \
-            --json "$OUT/verify_${name}_round$round.json" 2>&1 | sed "s/^/$name round $round: /" | tail -5 )
-      done
-    done
+    }
+    # the MoE of short prompts (MOE_TOKENS, MOE_PATHS); the K = 3 verify round against the decode step
+    alternate ${MOE_ROUNDS:-0} moe 8 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_moe_triton.py \
+      --tokens ${MOE_TOKENS:-16,37,64,128} --paths ${MOE_PATHS:-grouped_gemv_bm8}
+    alternate ${VERIFY_ROUNDS:-0} verify 5 python3 scripts/bench_spec.py verify --weights int4 --max-k 3 --repeats 8
     if [ "${ENGINE_ROUNDS:-0}" -gt 0 ]; then  # the model directory, made with a built copy's package (none is installed)
       set -- $built
       PYTHONPATH=/tmp/ab/$(variant $1):${PYTHONPATH:-} bench_model
