@@ -37,7 +37,7 @@ void bind_gdn(py::module_& m) {
          TensorArg state_pool, TensorArg slots, std::optional<TensorArg> counts, std::optional<TensorArg> offsets,
          std::optional<TensorArg> fork_slots, std::optional<int> width, std::optional<TensorArg> out,
          TensorArg scratch, TensorArg conv_weight, TensorArg A_log, TensorArg dt_bias, TensorArg norm_weight,
-         bool write_state, float q_scale, float eps, std::uintptr_t stream, bool conv_done) {
+         bool write_state, float q_scale, float eps, std::uintptr_t stream, bool conv_done, bool act_ready) {
         ArgCheck check("gdn_steps");
         // The layer's sizes: heads and head dims from the state pool, the taps from the conv weight.
         check("state_pool", state_pool).shape({kAny, kAny, kAny, kAny}).dtype(ScalarType::F32).contiguous()
@@ -88,10 +88,15 @@ void bind_gdn(py::module_& m) {
           // conv states have advanced; only the recurrence runs, a 16-bit decode step's, and scratch is
           // the B Hv int32 counters that GEMV zeroed (its `zeroed`).
           check.require(dtype != DType::F32, "conv_done needs fp16 / bf16 qkv (the conv ran in a 16-bit GEMV)");
-          check.require(num_tokens == 1 && seq_rows == 1 && out && write_state && !counts && !offsets && !fork_slots,
-                        "conv_done is a decode step's: 1 token, out, write_state, no counts, offsets or fork_slots");
+          check.require(num_tokens == 1 && seq_rows == 1 && out && write_state && !counts && !offsets && !fork_slots &&
+                            !act_ready,
+                        "conv_done is a decode step's: 1 token, out, write_state, no counts, offsets, fork_slots or "
+                        "act_ready");
           check("scratch", scratch).shape({batch * hv}).dtype(ScalarType::I32).contiguous().aligned(4);
         } else {
+          // act_ready: scratch is the verify's over these tokens, its activations kept for this commit
+          check.require(!act_ready || (write_state && !out && !offsets && !fork_slots),
+                        "act_ready is a commit's: write_state, no out, offsets or fork_slots");
           // fp32 activations [B, T, C] (read as float4), then one counter per (sequence, value head)
           check("scratch", scratch).dtype(ScalarType::F32).contiguous().min_numel(batch * (num_tokens * channels + hv))
               .aligned(16);
@@ -102,16 +107,17 @@ void bind_gdn(py::module_& m) {
                    conv_weight.data, A_log.data, dt_bias.data, norm_weight.data, qkv_stride, ab_stride, z_stride,
                    batch, seq_rows, static_cast<int>(num_tokens),
                    write_state, static_cast<int>(hk), static_cast<int>(hv), static_cast<int>(dk),
-                   static_cast<int>(dv), static_cast<int>(taps), conv_done, q_scale, eps, dtype, device, stream});
+                   static_cast<int>(dv), static_cast<int>(taps), conv_done, act_ready, q_scale, eps, dtype, device, stream});
       },
       py::arg("qkv"), py::arg("a"), py::arg("b"), py::arg("z"), py::arg("conv_pool"), py::arg("state_pool"),
       py::arg("slots"), py::arg("counts"), py::arg("offsets"), py::arg("fork_slots"), py::arg("width"),
       py::arg("out"), py::arg("scratch"), py::arg("conv_weight"), py::arg("A_log"), py::arg("dt_bias"),
       py::arg("norm_weight"), py::arg("write_state"), py::arg("q_scale"), py::arg("eps"), py::arg("stream"),
-      py::arg("conv_done") = false,
+      py::arg("conv_done") = false, py::arg("act_ready") = false,
       "Fused GDN steps (conv, delta rule, gated RMSNorm over T tokens); None for an absent tensor; "
       "conv_done: the conv ran in in_proj's GEMV (quant_gemv's conv_pool), scratch its zeroed int32 "
-      "counters [B * Hv]. See csrc/gdn_decode.h.");
+      "counters [B * Hv]; act_ready: a commit whose scratch is its verify's (the activations kept). "
+      "See csrc/gdn_decode.h.");
   m.def(
       "gdn_conv_prefill",
       [](TensorArg out, TensorArg qkv, TensorArg conv_pool, TensorArg slots, std::optional<TensorArg> valid,

@@ -20,7 +20,9 @@
 // shifted after every reader has read it, and the second launch orders that for free.
 // A decode step whose conv ran in the in_proj GEMV's epilogue (conv_done, quant_gemv.h GemvConvArgs)
 // runs kernel 2 alone: it reads q, k, v from qkv, the conv's outputs, and l2-normalises q / k itself
-// (a key head's q / k lie in one block's reach, not in one GEMV tile's).
+// (a key head's q / k lie in one block's reach, not in one GEMV tile's). A commit given its verify's
+// activations (act_ready) runs kernel 2 alone too, which then also moves the conv states on (no kernel
+// reads them in between).
 // The fp32 formulas mirror the torch reference (ops/gdn.py) op for op, rounding where it rounds.
 #include <algorithm>
 #include <limits>
@@ -217,6 +219,32 @@ __device__ __forceinline__ void gated_norm(T* out_head, const float (&x)[kPer], 
   }
 }
 
+// The conv states of sequence b moved on through its first `advance` tokens: each channel's the last
+// K-1 entries of [old state | x_0 .. x_{advance-1}], as gdn_conv_kernel writes them. Block `part` of
+// the sequence's `parts` takes a share of the channels (a commit from its verify's activations: no
+// conv kernel ran).
+template <typename T>
+__device__ void move_conv_states(T* conv_state, const T* x, std::int64_t qkv_stride, int channels, int taps,
+                                 int advance, int part, int parts, int threads) {
+  const int per = (channels + parts - 1) / parts;
+  const int end = min(channels, (part + 1) * per);
+  for (int c = part * per + static_cast<int>(threadIdx.x); c < end; c += threads) {
+    T* state = conv_state + static_cast<std::int64_t>(c) * (taps - 1);
+    T old[kMaxTaps];
+#pragma unroll
+    for (int j = 0; j < kMaxTaps - 1; ++j) {
+      if (j < taps - 1) old[j] = state[j];
+    }
+#pragma unroll
+    for (int j = 0; j < kMaxTaps - 1; ++j) {
+      if (j < taps - 1) {
+        const int i = advance + j;  // index into the concatenation
+        state[j] = i < taps - 1 ? old[i] : x[(i - (taps - 1)) * qkv_stride + c];
+      }
+    }
+  }
+}
+
 // grid B * Hv * splits, block dv / 8 warps (kWholeHead) or 4: each block owns dv / splits columns of one
 // (sequence, value head) state, each warp one 8-column strip over all dk rows, kept in registers
 // across the tokens. The state is stored after token counts[b] - 1 (if written). With outputs (`out`):
@@ -231,7 +259,8 @@ __device__ __forceinline__ void gated_norm(T* out_head, const float (&x)[kPer], 
 // registers they had). kCluster (sm_90+, dv <= 128, with outputs): the head's blocks are one thread
 // block cluster and normalise their own columns, the head's sum of squares gathered from their shared
 // memory (one cluster barrier a token) instead of by the last block. kConvDone: q / k / v come from
-// qkv (T = 1: its row b, conv'd by the GEMV before) instead of act.
+// qkv (T = 1: its row b, conv'd by the GEMV before) instead of act. conv_pool (act_ready: act is a
+// verify's, kept for this commit; else null): the blocks also move the conv states on at the end.
 template <typename T, int kMaxRows, bool kConvDone, bool kWholeHead, bool kCluster>
 __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kWholeHead ? 2 : kMaxRows == 8 ? 8 : 1)
     gdn_recurrent_kernel(T* out, float* __restrict__ state_pool, const float* __restrict__ act,
@@ -244,7 +273,7 @@ __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kW
                          const std::int64_t* __restrict__ fork_slots, std::int64_t ab_stride,
                          std::int64_t z_stride, int seq_rows, int num_tokens, bool write_state,
                          int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim,
-                         float eps) {
+                         float eps, T* __restrict__ conv_pool, int taps) {
   __shared__ float q_s[kMaxHeadDim];
   __shared__ float k_s[kMaxHeadDim];
   __shared__ float o_s[kMaxHeadDim];  // a whole-head (cluster) block's o of the token (its columns), rounded to T
@@ -417,6 +446,13 @@ __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kW
     }
   }
   if constexpr (kCluster) cluster_sync();  // the others' reads of this block's sums are done
+  if constexpr (!kConvDone) {
+    if (conv_pool != nullptr && advance > 0) {  // block-uniform
+      move_conv_states(conv_pool + slots[b] * channels * (taps - 1), qkv + row0 * qkv_stride, qkv_stride, channels,
+                       taps, advance, static_cast<int>(blockIdx.x) % (num_v_heads * splits), num_v_heads * splits,
+                       threads);
+    }
+  }
   if (out == nullptr || kWholeHead || kCluster) return;
   if (row_lane == 0) __threadfence();
   __syncthreads();
@@ -459,7 +495,7 @@ void launch(const GdnStepsArgs& a) {
   auto* done = a.conv_done ? reinterpret_cast<unsigned*>(a.scratch)
                            : reinterpret_cast<unsigned*>(act + a.batch * a.num_tokens * channels);
 
-  if (!a.conv_done) {
+  if (!a.conv_done && !a.act_ready) {
     const dim3 conv_grid(2 * a.num_k_heads + a.num_v_heads, static_cast<unsigned>(a.batch));
     launch_kernel("gdn conv kernel launch", gdn_conv_kernel<T>, conv_grid, std::max(a.head_k_dim, a.head_v_dim), 0,
                   stream, act, done, reinterpret_cast<T*>(a.conv_pool), qkv,
@@ -496,7 +532,7 @@ void launch(const GdnStepsArgs& a) {
                 reinterpret_cast<const T*>(a.b), reinterpret_cast<const T*>(a.z), reinterpret_cast<const T*>(a.A_log),
                 reinterpret_cast<const T*>(a.dt_bias), reinterpret_cast<const T*>(a.norm_weight), slots, counts,
                 offsets, fork_slots, a.ab_stride, a.z_stride, static_cast<int>(a.seq_rows), a.num_tokens, a.write_state, a.num_k_heads, a.num_v_heads, a.head_k_dim,
-                a.head_v_dim, a.eps);
+                a.head_v_dim, a.eps, a.act_ready ? reinterpret_cast<T*>(a.conv_pool) : nullptr, a.conv_kernel);
 }
 
 }  // namespace

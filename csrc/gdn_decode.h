@@ -37,6 +37,10 @@ inline constexpr int kGdnMaxStepTokens = 16;  // speculative verify: K + 1 <= 16
 // holds its outputs, the conv state has advanced, and only the recurrence runs; a 16-bit decode
 // step's (T = 1, out, write_state, no counts / offsets / fork_slots). scratch is then the B Hv
 // counters alone (int32 [B Hv]), which that GEMV zeroed.
+// act_ready: scratch is a verify's scratch over these same T tokens (its fp32 activations: the conv's
+// outputs, q / k normalised), kept for its commit: no conv kernel runs; the recurrence reads them, and
+// its blocks move the conv states on through the first counts[b] tokens themselves. A commit's (counts,
+// write_state, no out / offsets / fork_slots).
 struct GdnStepsArgs {
   std::uintptr_t out;
   std::uintptr_t scratch;
@@ -67,6 +71,7 @@ struct GdnStepsArgs {
   int head_v_dim;
   int conv_kernel;
   bool conv_done;
+  bool act_ready;
   float q_scale;  // head_k_dim^-1/2, rounded to fp32 as torch rounds the Python scalar
   float eps;      // of the gated RMSNorm
   DType dtype;

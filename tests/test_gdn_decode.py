@@ -330,6 +330,15 @@ def _decoded_through_counts(case: dict, decode_step) -> dict:
     return decoded
 
 
+def test_verify_recorded_keeps_no_activations_off_the_cuda_kernel():
+    """Off the CUDA kernel (the CPU's kernel or the reference) a verify has no kernel activations to keep:
+    the recorded verify is the plain one, and its commit recomputes the conv (`act` None)."""
+    case = make_case(SMALL_ODD, 2, torch.float32, seed=9, tokens=3)
+    again = with_pool_copies(case)
+    out, act = gdn_ops.gdn_verify_recorded(**case)
+    assert act is None and torch.equal(out, gdn_ops.gdn_verify(**again))
+
+
 def test_commit_reference_is_decode_steps():
     """Committing n tokens = n decode steps of the reference (up to fp32 rounding: one pass over the
     tokens vs one call per token); other slots untouched."""
@@ -673,6 +682,33 @@ def test_verify_and_commit_kernels(cuda_kernels, shape, tokens, fill):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fill", [False, True], ids=["batch4", "fill_sms"])
+@pytest.mark.parametrize("tokens", [2, 4, 16])
+@pytest.mark.parametrize("shape", [SHAPE_35B, SMALL_ODD, (1, 3, 64, 96, 3), (2, 4, 256, 256, 4)], ids=str)
+def test_commit_from_the_verify_activations_is_the_recomputing_commit(cuda_kernels, shape, tokens, fill):
+    """A commit given its verify's activations (`gdn_verify_recorded`) runs the recurrent kernel alone,
+    which also moves the conv states on: the pools bit-equal to those of the commit that runs the conv
+    again, per-row counts 0, 1, some, all; the verify's outputs the same as `gdn_verify`'s."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = max(4, whole_head_batch(shape)) if fill else 4
+    case = make_case(shape, batch, torch.bfloat16, "cuda", seed=tokens + sum(shape) + 1, tokens=tokens)
+    case["slots"] = case["slots"].contiguous()  # as the engine's: no index copy beside the counted kernel
+    again = with_pool_copies(case)
+    out, act = gdn_ops.gdn_verify_recorded(**case)
+    assert act is not None and torch.equal(out, gdn_ops.gdn_verify(**again))
+    counts = torch.tensor([0, 1, tokens // 2 + 1] + [tokens] * (batch - 3), device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gdn_ops.gdn_commit(**without_z(case), counts=counts, act=act)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "gdn_recurrent_kernel" in kernels[0], kernels
+    gdn_ops.gdn_commit(**without_z(again), counts=counts)
+    assert torch.equal(case["conv_pool"], again["conv_pool"])
+    assert torch.equal(case["state_pool"], again["state_pool"])
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("tokens", [None, 4], ids=["decode", "verify"])
 @pytest.mark.parametrize("shape", [SHAPE_35B, (2, 4, 64, 64, 4)], ids=str)
@@ -744,8 +780,8 @@ def test_verify_and_commit_replay_in_cuda_graph(cuda_kernels):
     counts = torch.zeros(batch, dtype=torch.long, device="cuda")
 
     def round_trip() -> torch.Tensor:
-        out = gdn_ops.gdn_verify(**case)
-        gdn_ops.gdn_commit(**without_z(case), counts=counts)
+        out, act = gdn_ops.gdn_verify_recorded(**case)  # the commit reads the verify's activations
+        gdn_ops.gdn_commit(**without_z(case), counts=counts, act=act)
         return out
 
     graph, out = capture(round_trip)

@@ -211,6 +211,7 @@ class GDNRecord:
     qkv: torch.Tensor  # [B, T, C] pre-conv
     a: torch.Tensor  # [B, T, Hv]
     b: torch.Tensor  # [B, T, Hv]
+    act: torch.Tensor | None = None  # the verify's activations on the CUDA kernel (ops.gdn.gdn_verify_recorded)
 
 
 def _host_cuts(fork: StateFork | None, batch: int) -> list[tuple[int, torch.Tensor]] | None:
@@ -409,15 +410,16 @@ class GatedDeltaNet(nn.Module):
         """`forward`'s outputs for T <= 16 tokens, but the pools stay as they are: the returned
         record lets `commit` keep just the accepted prefix of the tokens."""
         qkv, z, b, a = self.in_proj(x)
-        out = gdn_ops.gdn_verify(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
-        return self._out(out), GDNRecord(qkv=qkv, a=a, b=b)
+        out, act = gdn_ops.gdn_verify_recorded(qkv, a, b, z, conv_pool, state_pool, slots, self.weights)
+        return self._out(out), GDNRecord(qkv=qkv, a=a, b=b, act=act)
 
     def commit(
         self, record: GDNRecord, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
         counts: torch.Tensor,
     ) -> None:
         """Advance slots[b] through the first counts[b] tokens of a verify's record (device tensor)."""
-        gdn_ops.gdn_commit(record.qkv, record.a, record.b, conv_pool, state_pool, slots, counts, self.weights)
+        gdn_ops.gdn_commit(record.qkv, record.a, record.b, conv_pool, state_pool, slots, counts, self.weights,
+                           record.act)
 
     def _mix(
         self, x: torch.Tensor | PendingNorm, conv_pool: torch.Tensor, slots: torch.Tensor, state: torch.Tensor,

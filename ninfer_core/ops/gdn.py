@@ -257,9 +257,23 @@ def gdn_verify(
     """Speculative verification: qkv [B, T, C], a / b [B, T, Hv], z [B, T, Hv*dv] of T <= 16 tokens
     -> gated_rms_norm(o, z) [B, T, Hv*dv], token t seeing the state advanced through tokens
     0..t; the pools stay as they are (`gdn_commit` keeps the accepted prefix later)."""
-    out = _steps("gdn_verify", GDNStepInputs(qkv, a, b, z, conv_pool, state_pool, slots), False, w, None)
+    return gdn_verify_recorded(qkv, a, b, z, conv_pool, state_pool, slots, w)[0]
+
+
+def gdn_verify_recorded(
+    qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, conv_pool: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, w: GDNWeights,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`gdn_verify`, and on the CUDA kernel its activations (the conv's outputs, fp32 [B (T C + Hv)]),
+    which `gdn_commit(act=...)` reads instead of running the conv again: a commit of one launch a layer
+    instead of two. None where the kernel does not run (the commit then recomputes them)."""
+    step = GDNStepInputs(qkv, a, b, z, conv_pool, state_pool, slots)
+    act = None
+    if _kernel_applies(step, w) and not _cpu_kernel_applies(step, w):
+        act = _scratch(step)
+    out = _steps("gdn_verify", step, False, w, None, scratch=act)
     assert out is not None
-    return out
+    return out, act
 
 
 def gdn_commit_ref(
@@ -272,11 +286,13 @@ def gdn_commit_ref(
 
 def gdn_commit(
     qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor,
-    slots: torch.Tensor, counts: torch.Tensor, w: GDNWeights,
+    slots: torch.Tensor, counts: torch.Tensor, w: GDNWeights, act: torch.Tensor | None = None,
 ) -> None:
     """After a verify: advance row b's pools through its first counts[b] tokens (a device int64
-    tensor [B], read on the device: no host sync, so a CUDA graph can replay it)."""
-    _steps("gdn_commit", GDNStepInputs(qkv, a, b, None, conv_pool, state_pool, slots, counts), True, w, None)
+    tensor [B], read on the device: no host sync, so a CUDA graph can replay it). act: that verify's
+    activations (`gdn_verify_recorded`), read instead of running the conv again (the same values)."""
+    step = GDNStepInputs(qkv, a, b, None, conv_pool, state_pool, slots, counts)
+    _steps("gdn_commit", step, True, w, None, scratch=act)
 
 
 def gdn_prefill_tail(
@@ -336,12 +352,22 @@ def _tail_ref(step: GDNStepInputs, w: GDNWeights, out: torch.Tensor) -> None:
     out.copy_(spare.scatter(1, kept[..., None].expand(-1, -1, out.shape[-1]), tail)[:, :rows])
 
 
+def _scratch(step: GDNStepInputs) -> torch.Tensor:
+    """The fused steps' scratch: fp32 activations [B, T, C], then one counter per (row, value head)."""
+    batch, _, channels = step.qkv.shape
+    return torch.empty(batch * (step.num_tokens * channels + step.a.shape[2]), dtype=torch.float32,
+                       device=step.qkv.device)
+
+
 def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
-           out: torch.Tensor | None, counters: torch.Tensor | None = None) -> torch.Tensor | None:
+           out: torch.Tensor | None, counters: torch.Tensor | None = None,
+           scratch: torch.Tensor | None = None) -> torch.Tensor | None:
     """The one dispatch place of the fused steps: the kernel where it applies, else the reference.
     Rows advance through counts[b] tokens (all T when None) if write_state; with z the outputs of
     all T tokens are returned (into `out` [B, T, Hv*dv] when given). counters: with step.conv_done,
-    the recurrent kernel's [B * Hv] int32 counters, which the GEMV that ran the conv zeroed."""
+    the recurrent kernel's [B * Hv] int32 counters, which the GEMV that ran the conv zeroed.
+    scratch (`_scratch`'s): a verify's, kept (`gdn_verify_recorded`); a commit's (write_state): that
+    verify's, whose activations the kernel reads instead of running the conv (unused by the references)."""
     _check(name, step, w)
     if step.conv_done and (counters is None or counters.shape != (step.qkv.shape[0] * step.a.shape[2],)):
         raise ValueError(f"{name}: a step after the conv needs the GEMV's zeroed counters [B * Hv]")
@@ -358,13 +384,11 @@ def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
     kernel_step = _kernel_layout(step)
     if step.z is not None and out is None:
         out = torch.empty(step.z.shape, dtype=step.z.dtype, device=step.z.device)
+    act_ready = write_state and scratch is not None
     if step.conv_done:
         scratch = counters  # [B * Hv] int32, zeroed by the GEMV that ran the conv
-    else:
-        batch, _, channels = step.qkv.shape
-        # fp32 activations [B, T, C], then one counter per (row, value head)
-        scratch = torch.empty(batch * (step.num_tokens * channels + step.a.shape[2]), dtype=torch.float32,
-                              device=step.qkv.device)
+    elif scratch is None:
+        scratch = _scratch(step)
     # The binding takes GDNStepInputs' fields by name (conv_done among them) and reads every size and
     # stride from them.
     dispatch.extension().gdn_steps(
@@ -379,6 +403,7 @@ def _steps(name: str, step: GDNStepInputs, write_state: bool, w: GDNWeights,
         q_scale=w.head_k_dim**-0.5,
         eps=float(w.eps),
         stream=dispatch.stream_handle(step.qkv),
+        act_ready=act_ready,
     )
     return out
 

@@ -6,9 +6,10 @@ causal mask (cache_lens) and overwritten later; their pages go back with `CacheM
 Gated DeltaNet state cannot be truncated. The verify forward leaves every GDN state slot as it
 was and returns, per layer, the token's input projections (`GDNRecord`: pre-conv qkv, a, b).
 `commit_gdn` then advances each slot through its accepted tokens only: the fused GDN steps
-(`ops.gdn.gdn_commit`) re-run conv, gates and the delta rule over the first counts[b] tokens
-(a device tensor: no host sync, so the commit of a verify replays from a CUDA graph, one launch
-pair per GDN layer). This is the original C++ NInfer's scheme ("record and replay"), chosen
+(`ops.gdn.gdn_commit`) re-run gates and the delta rule over the first counts[b] tokens (a device
+tensor: no host sync, so the commit of a verify replays from a CUDA graph), on the CUDA kernel from
+the verify's own conv outputs (`GDNRecord.act`): one launch per GDN layer, which also moves the conv
+states on; elsewhere the conv runs again. This is the original C++ NInfer's scheme ("record and replay"), chosen
 over the alternatives:
 
 (a) per-position state slots (vLLM): the verify writes T = K+1 full states per layer (35B-A3B:
