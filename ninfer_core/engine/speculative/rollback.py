@@ -36,11 +36,11 @@ Measured per round (`scripts/bench_spec.py rollback`, tiny-qwen3.6-moe preset, C
             snapshot + replay (b) 16.6 / 11.4 ms
     K = 7:  16.0 / 16.0 ms, 13.5 / 13.1 ms, 19.3 / 13.2 ms
 (b) pays a second forward on every rejection (+45%). On the CPU, where a state is 16 KB and every
-op is launch overhead, (a)/(c) are ~18% cheaper than re-running the recurrence. On the H200
-(35B-A3B, K = 3, graphs) verify + commit of the GDN layers take 0.99 ms of a 5.6 ms round
-(profile in docs/performance.md), the commit about half of it; (c) inside the verify kernel
-(K+1 states of 2 MB per layer written, one copied back) would move ~0.3 GB instead, ~0.1 ms at
-the measured bandwidth: the next step if the commit's share matters.
+op is launch overhead, (a)/(c) are ~18% cheaper than re-running the recurrence. On the GPU (35B-A3B,
+K = 3, graphs, H100, thirty-ninth session) the commit is 0.30 ms of a 3.4 ms round; (c) inside the
+verify kernel (the state after each token stored, 8 MB a layer, the accepted one copied back) took
+the round only 0.9% faster for 240 MB of memory kept a round: measured and dropped
+(docs/performance.md).
 """
 
 from __future__ import annotations
