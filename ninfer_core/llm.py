@@ -41,7 +41,7 @@ from .engine.prefill_graph import PrefillGraphs
 from .engine.llm_engine import EngineStats, LLMEngine
 from .engine.request import GenerationRequest, SpecStats, StepOutput, Timings
 from .engine.sampling import Sampler, SamplingParams
-from .engine.speculative import build_speculator
+from .engine.speculative import build_speculator, load_draft_weights
 from .config import QWEN_ARCHS
 from .embeddings import EMBED_SAMPLING
 from .errors import EngineError, NinferError
@@ -286,10 +286,14 @@ class LLM:
         graphs = options.cuda_graphs and device.type == "cuda" and kernels_available()
         checkpoints = options.checkpoint_slots(state_bytes_per_slot(loaded.config, loaded.dtype), device)
         kv_dtype = engine_kv_dtype(options.kv_dtype, device, loaded.dtype)
+        # the drafter's weights before the cache is sized: the KV pages get what is left after them
+        draft = None if options.spec is None else load_draft_weights(options.spec, options.draft_model, loaded,
+                                                                     options.random_weights)
         plan = plan_cache(loaded.config, device, loaded.dtype, kv_dtype=kv_dtype,
                           max_seqs=options.max_seqs, max_context=options.max_context,
                           default_context=DEFAULT_MAX_CONTEXT[device.type], kv_capacity=options.kv_capacity,
-                          extra_state_slots=checkpoints)
+                          extra_state_slots=checkpoints,
+                          draft_kv_bytes_per_token=draft.kv_bytes_per_token if draft is not None else 0)
         self.max_context = plan.max_context
         prefill_chunk = options.prefill_chunk or default_prefill_chunk(device)
         cache = CacheManager(loaded.config, max_tokens=plan.kv_tokens, max_seqs=options.max_seqs, dtype=loaded.dtype,
@@ -306,9 +310,9 @@ class LLM:
             self.vision.tower()
         decode_graphs = DecodeGraphs(loaded.model, cache, options.max_seqs, self.max_context) if graphs else None
         speculator = None
-        if options.spec is not None:
-            speculator = build_speculator(options.spec, options.draft_tokens, options.draft_model, loaded, cache,
-                                          Sampler(), options.random_weights, decode_graphs, options.adaptive_draft)
+        if draft is not None:
+            speculator = build_speculator(draft, options.draft_tokens, loaded, cache, Sampler(), decode_graphs,
+                                          options.adaptive_draft)
         prefill_graphs = None
         if decode_graphs is not None:
             widths = range(2, speculator.draft_tokens + 2) if speculator is not None else ()

@@ -1,8 +1,9 @@
 """How big the cache is: `--kv-capacity auto|N`, `--kv-dtype`, and the context limit that follows.
 
-On the GPU, `auto` gives the KV pages the memory left once the weights are resident, minus the
-GDN state slots and a workspace reserve (activations of a prefill chunk, logits, CUDA graphs,
-allocator slack), capped at what max_seqs full-length sequences could ever use. The context limit
+On the GPU, `auto` gives the KV pages the memory left once the weights are resident (a drafter's
+too), minus the GDN state slots and a workspace reserve (activations of a prefill chunk, logits, CUDA
+graphs, allocator slack), capped at what max_seqs full-length sequences could ever use; a drafter's
+own KV (one entry a target token, its pages mirroring the target's) shares the pages' memory. The context limit
 then defaults to the model's limit if the cache can hold it. On the CPU, memory is shared with
 everything else, so `auto` is simply max_context x max_seqs, as before.
 """
@@ -41,8 +42,10 @@ def plan_cache(
     default_context: int,
     kv_capacity: int | None,
     extra_state_slots: int = 0,
+    draft_kv_bytes_per_token: int = 0,
 ) -> CachePlan:
-    """`extra_state_slots`: GDN state slots beyond the sequences' (prefix-cache checkpoints)."""
+    """`extra_state_slots`: GDN state slots beyond the sequences' (prefix-cache checkpoints);
+    `draft_kv_bytes_per_token`: a drafter's own KV a target token (MTP layer, DFlash model)."""
     kv = resolve_kv_dtype(kv_dtype, dtype)
     limit = config.max_position_embeddings
     if kv_capacity is not None or device.type != "cuda":
@@ -55,7 +58,7 @@ def plan_cache(
     free, total = torch.cuda.mem_get_info(device)
     workspace = max(WORKSPACE_MIN_BYTES, int(WORKSPACE_FRACTION * total))
     state = (max_seqs + 1 + extra_state_slots) * state_bytes_per_slot(config, dtype)  # + the graphs' scratch slot
-    per_token = kv_bytes_per_token(config, kv, dtype)
+    per_token = kv_bytes_per_token(config, kv, dtype) + draft_kv_bytes_per_token
     budget = free - workspace - state
     if per_token == 0:  # no attention layers: KV costs nothing, any capacity fits
         tokens = max_seqs * (max_context or limit)

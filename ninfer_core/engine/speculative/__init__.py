@@ -1,22 +1,28 @@
 """Speculative decoding: drafters (n-gram, MTP, DFlash), lossless verification, exact rollback.
 
-`build_speculator` turns `--spec METHOD --draft-tokens K [--draft-model DIR] [--adaptive-draft]`
-into the Speculator the engine runs its decode steps through.
+`--spec METHOD --draft-tokens K [--draft-model DIR] [--adaptive-draft]` becomes the Speculator the
+engine runs its decode steps through in two steps, around the sizing of the cache (llm.py):
+`load_draft_weights` before it (the MTP head or DFlash model resident, so the memory left for the KV
+pages counts them, and the bytes a token of the drafter's own KV takes, whose pages mirror the
+target's), `build_speculator` after it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from ...cache import CacheManager
+from ...cache.kv_pool import kv_bytes_per_token
+from ...cache.sizes import kv_token_bytes
 from ...errors import NinferError
 from ...models.decoder import DecoderModel
 from ...models.dflash import DFlashConfig, DFlashModel
 from ...models.loader import LoadedModel, init_random_
-from ...models.mtp import MTPHead
+from ...models.mtp import MTPHead, mtp_layer_config
 from ...weights.checkpoint import open_checkpoint
 from ..sampling import Sampler
 from .adaptive import AdaptiveDraft, CostModel
@@ -32,30 +38,50 @@ if TYPE_CHECKING:
 METHODS = ("mtp", "dflash", "ngram")
 DEFAULT_DRAFT_TOKENS = {"mtp": 3, "dflash": 15, "ngram": 4}
 
-__all__ = ["DEFAULT_DRAFT_TOKENS", "METHODS", "AdaptiveDraft", "CostModel", "Draft", "Drafter", "Observation",
-           "Speculator", "build_mtp_head", "build_speculator", "load_dflash"]
+__all__ = ["DEFAULT_DRAFT_TOKENS", "METHODS", "AdaptiveDraft", "CostModel", "Draft", "DraftWeights", "Drafter",
+           "Observation", "Speculator", "build_mtp_head", "build_speculator", "load_dflash", "load_draft_weights"]
 
 
-def build_speculator(method: str, draft_tokens: int | None, draft_model: str | Path | None, loaded: LoadedModel,
-                     cache: CacheManager, sampler: Sampler, random_weights: bool = False,
-                     graphs: DecodeGraphs | None = None, adaptive: bool = False) -> Speculator:
-    """`graphs`: the engine's decode graphs (buckets, pool, scratch page) when drafts may use them;
-    `adaptive`: K per request from its acceptance (adaptive.py), `draft_tokens` its maximum."""
+@dataclass
+class DraftWeights:
+    """A drafter's weights, resident before the cache is sized, and its own KV bytes a target token."""
+
+    method: str
+    module: MTPHead | DFlashModel | None  # None: n-gram drafts
+    kv_bytes_per_token: int
+
+
+def load_draft_weights(method: str, draft_model: str | Path | None, loaded: LoadedModel,
+                       random_weights: bool = False) -> DraftWeights:
     if method not in METHODS:
         raise NinferError(f"unknown speculative method '{method}' (use one of {', '.join(METHODS)})")
     if draft_model is not None and method != "dflash":
         raise NinferError(f"--draft-model is for --spec dflash, not {method}")
-    drafter: Drafter
     if method == "ngram":
-        drafter = NgramDrafter()
-    elif method == "mtp":
-        drafter = MTPDrafter(_require_decoder(loaded), build_mtp_head(loaded, random_weights), cache, sampler, graphs)
+        return DraftWeights(method, None, 0)
+    if method == "mtp":  # MTPDrafter's cache: the MTP layer's KV in the model dtype
+        return DraftWeights(method, build_mtp_head(loaded, random_weights),
+                            kv_bytes_per_token(mtp_layer_config(loaded.config), None, loaded.dtype))
+    if draft_model is None:
+        raise NinferError("--spec dflash needs --draft-model DIR (a z-lab DFlash checkpoint)")
+    model = load_dflash(draft_model, loaded.device, loaded.dtype)
+    c = model.config  # DFlashDrafter's cache: every drafter layer's KV in the model dtype
+    return DraftWeights(method, model, c.num_layers * kv_token_bytes(c.num_kv_heads, c.head_dim, loaded.dtype.itemsize,
+                                                                     scaled=False))
+
+
+def build_speculator(weights: DraftWeights, draft_tokens: int | None, loaded: LoadedModel, cache: CacheManager,
+                     sampler: Sampler, graphs: DecodeGraphs | None = None, adaptive: bool = False) -> Speculator:
+    """`graphs`: the engine's decode graphs (buckets, pool, scratch page) when drafts may use them;
+    `adaptive`: K per request from its acceptance (adaptive.py), `draft_tokens` its maximum."""
+    drafter: Drafter
+    if isinstance(weights.module, MTPHead):
+        drafter = MTPDrafter(_require_decoder(loaded), weights.module, cache, sampler, graphs)
+    elif isinstance(weights.module, DFlashModel):
+        drafter = DFlashDrafter(_require_decoder(loaded), weights.module, cache, sampler)
     else:
-        if draft_model is None:
-            raise NinferError("--spec dflash needs --draft-model DIR (a z-lab DFlash checkpoint)")
-        model = load_dflash(draft_model, loaded.device, loaded.dtype)
-        drafter = DFlashDrafter(_require_decoder(loaded), model, cache, sampler)
-    k = min(DEFAULT_DRAFT_TOKENS[method], drafter.max_draft_tokens) if draft_tokens is None else draft_tokens
+        drafter = NgramDrafter()
+    k = min(DEFAULT_DRAFT_TOKENS[weights.method], drafter.max_draft_tokens) if draft_tokens is None else draft_tokens
     return Speculator(drafter, k, sampler, AdaptiveDraft() if adaptive else None)
 
 

@@ -1,0 +1,74 @@
+"""KV sizing with a drafter (cache/sizing.py, llm.py): a drafter's own KV shares the pages' budget, and
+the engine sizes its cache after the drafter's weights are resident, with the per-token bytes its
+drafter then really allocates (MTP layer, DFlash model; n-gram none).
+
+The GPU's free memory is stubbed (torch.cuda.mem_get_info) for the arithmetic; the engine runs on the
+CPU (tiny random Qwen3.5 MoE), where its drafters' caches are allocated as on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer_core import llm as llm_module
+from ninfer_core.cache.kv_pool import kv_bytes_per_token
+from ninfer_core.cache.sizing import WORKSPACE_MIN_BYTES, plan_cache
+from ninfer_core.cache.state_pool import state_bytes_per_slot
+from ninfer_core.config import load_config
+from speculative_harness import load, write_drafter, write_target
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_target(tmp_path_factory)[0]
+
+
+def test_a_drafters_kv_shares_the_pages_budget(monkeypatch, target):
+    """Free memory for exactly 1,000 target tokens past the workspace and state slots: alone they get
+    1,000; with a drafter of a quarter of their bytes a token, the most tokens whose pages and drafter
+    entries together fit."""
+    config = load_config(target)
+    per_token, seqs = kv_bytes_per_token(config, "auto", BF16), 4
+    reserved = WORKSPACE_MIN_BYTES + (seqs + 1) * state_bytes_per_slot(config, BF16)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (reserved + 1000 * per_token, 16 << 30))
+
+    def plan(draft: int) -> int:
+        return plan_cache(config, torch.device("cuda"), BF16, kv_dtype="auto", max_seqs=seqs, max_context=None,
+                          default_context=4096, kv_capacity=None, draft_kv_bytes_per_token=draft).kv_tokens
+
+    assert plan(0) == 1000
+    draft = per_token // 4
+    tokens = plan(draft)
+    assert tokens * (per_token + draft) <= 1000 * per_token < (tokens + 1) * (per_token + draft)
+
+
+@pytest.mark.parametrize("spec", ["mtp", "dflash", "ngram"])
+def test_the_engine_sizes_its_cache_after_loading_the_drafter(monkeypatch, tmp_path_factory, target, spec):
+    """The drafter's weights load first, then the sizing, told the bytes a token of the drafter's KV
+    takes: what its cache then holds for each of the target's pages' tokens."""
+    options = {"spec": spec}
+    if spec == "dflash":
+        options["draft_model"] = write_drafter(tmp_path_factory, target)[0]
+    calls: list[tuple[str, int]] = []
+    load_draft, plan = llm_module.load_draft_weights, llm_module.plan_cache
+
+    def loading(*args, **kwargs):
+        calls.append(("draft", 0))
+        return load_draft(*args, **kwargs)
+
+    def planning(*args, **kwargs):
+        calls.append(("plan", kwargs["draft_kv_bytes_per_token"]))
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(llm_module, "load_draft_weights", loading)
+    monkeypatch.setattr(llm_module, "plan_cache", planning)
+    llm = load(target, **options)
+    assert [name for name, _ in calls] == ["draft", "plan"]
+    per_token = calls[1][1]
+    cache, drafter = llm.engine.cache, llm.engine.speculator.drafter
+    assert drafter.cache_bytes == cache.num_pages * cache.page_size * per_token
+    assert (per_token > 0) == (spec != "ngram")
