@@ -286,14 +286,17 @@ class LLM:
         graphs = options.cuda_graphs and device.type == "cuda" and kernels_available()
         checkpoints = options.checkpoint_slots(state_bytes_per_slot(loaded.config, loaded.dtype), device)
         kv_dtype = engine_kv_dtype(options.kv_dtype, device, loaded.dtype)
-        # the drafter's weights before the cache is sized: the KV pages get what is left after them
+        # the drafter's weights before the cache is sized: the KV pages get what is left after them, and
+        # after a vision tower's room (it is built on the first image, or below with --vision)
         draft = None if options.spec is None else load_draft_weights(options.spec, options.draft_model, loaded,
                                                                      options.random_weights)
+        self.vision = VisionSupport.of(loaded)
         plan = plan_cache(loaded.config, device, loaded.dtype, kv_dtype=kv_dtype,
                           max_seqs=options.max_seqs, max_context=options.max_context,
                           default_context=DEFAULT_MAX_CONTEXT[device.type], kv_capacity=options.kv_capacity,
                           extra_state_slots=checkpoints,
-                          draft_kv_bytes_per_token=draft.kv_bytes_per_token if draft is not None else 0)
+                          draft_kv_bytes_per_token=draft.kv_bytes_per_token if draft is not None else 0,
+                          later_bytes=self.vision.tower_bytes() if self.vision is not None else 0)
         self.max_context = plan.max_context
         prefill_chunk = options.prefill_chunk or default_prefill_chunk(device)
         cache = CacheManager(loaded.config, max_tokens=plan.kv_tokens, max_seqs=options.max_seqs, dtype=loaded.dtype,
@@ -302,7 +305,6 @@ class LLM:
         log.info("KV cache: %d tokens (%s, %.2f GiB) + %d GDN state slots (%.2f GiB); context limit %d tokens",
                  cache.capacity_tokens, cache.cache.kv.dtype_name, cache.kv_bytes / 2**30, options.max_seqs,
                  cache.state_bytes / 2**30, self.max_context)
-        self.vision = VisionSupport.of(loaded)
         if options.vision:
             if self.vision is None:
                 raise NinferError(f"{loaded.name} has no vision tower (--vision needs a multimodal checkpoint, or a "

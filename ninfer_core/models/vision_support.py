@@ -80,6 +80,14 @@ class VisionSupport:
             return cls.from_model_dir(loaded.source, loaded.device, loaded.dtype)
         return None
 
+    def tower_bytes(self) -> int:
+        """Memory the tower's weights will take (0 once built): the cache sizing keeps it free."""
+        if self._tower is not None:
+            return 0
+        with torch.device("meta"):
+            tower = VisionTower(self.config)
+        return sum(p.numel() for p in tower.parameters()) * self.dtype.itemsize
+
     def tower(self) -> VisionTower:
         with self._lock:
             if self._tower is None:
