@@ -107,7 +107,8 @@ void bind_gdn(py::module_& m) {
                    conv_weight.data, A_log.data, dt_bias.data, norm_weight.data, qkv_stride, ab_stride, z_stride,
                    batch, seq_rows, static_cast<int>(num_tokens),
                    write_state, static_cast<int>(hk), static_cast<int>(hv), static_cast<int>(dk),
-                   static_cast<int>(dv), static_cast<int>(taps), conv_done, act_ready, q_scale, eps, dtype, device, stream});
+                   static_cast<int>(dv), static_cast<int>(taps), conv_done, act_ready, q_scale, eps, dtype, device,
+                   stream});
       },
       py::arg("qkv"), py::arg("a"), py::arg("b"), py::arg("z"), py::arg("conv_pool"), py::arg("state_pool"),
       py::arg("slots"), py::arg("counts"), py::arg("offsets"), py::arg("fork_slots"), py::arg("width"),

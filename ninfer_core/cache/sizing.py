@@ -4,9 +4,9 @@ On the GPU, `auto` gives the KV pages the memory left once the weights are resid
 too), minus the GDN state slots and a workspace reserve (activations of a prefill chunk, logits, CUDA
 graphs, allocator slack) and what is loaded later (a vision tower built on its first image), capped
 at what max_seqs full-length sequences could ever use; a drafter's own KV (one entry a target token,
-its pages mirroring the target's) shares the pages' memory. The context limit
-then defaults to the model's limit if the cache can hold it. On the CPU, memory is shared with
-everything else, so `auto` is simply max_context x max_seqs, as before.
+its pages mirroring the target's) shares the pages' memory. The context limit then defaults to the
+model's limit if the cache can hold it. On the CPU, memory is shared with everything else, so
+`auto` is simply max_context x max_seqs, as before.
 """
 
 from __future__ import annotations

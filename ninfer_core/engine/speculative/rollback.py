@@ -8,9 +8,9 @@ was and returns, per layer, the token's input projections (`GDNRecord`: pre-conv
 `commit_gdn` then advances each slot through its accepted tokens only: the fused GDN steps
 (`ops.gdn.gdn_commit`) re-run gates and the delta rule over the first counts[b] tokens (a device
 tensor: no host sync, so the commit of a verify replays from a CUDA graph), on the CUDA kernel from
-the verify's own conv outputs (`GDNRecord.act`): one launch per GDN layer, which also moves the conv
-states on; elsewhere the conv runs again. This is the original C++ NInfer's scheme ("record and replay"), chosen
-over the alternatives:
+the verify's own conv outputs (`GDNRecord.act`): one launch per GDN layer, which also moves the
+conv states on; elsewhere the conv runs again. This is the original C++ NInfer's scheme ("record
+and replay"), chosen over the alternatives:
 
 (a) per-position state slots (vLLM): the verify writes T = K+1 full states per layer (35B-A3B:
     2 MB x 30 layers each) and the sequence moves to the accepted slot; K+1 slots per sequence.
