@@ -52,6 +52,7 @@ from ninfer_core.cache import CacheManager, KVPool  # noqa: E402
 from ninfer_core.config import ModelConfig  # noqa: E402
 from ninfer_core.engine.cuda_graph import DecodeGraphs  # noqa: E402
 from ninfer_core.engine.sampling import Sampler  # noqa: E402
+from ninfer_core.engine.speculative import mtp_head  # noqa: E402
 from ninfer_core.engine.speculative.mtp import MTPDrafter, _Last  # noqa: E402
 from ninfer_core.engine.speculative.rollback import commit_gdn  # noqa: E402
 from ninfer_core.layers.attention import AttentionMetadata  # noqa: E402
@@ -60,7 +61,6 @@ from ninfer_core.models.dflash import BlockInputs, DFlashConfig, DFlashModel  # 
 from ninfer_core.models.loader import init_random_, random_model, resolve_device, resolve_dtype  # noqa: E402
 from ninfer_core.hub.fit import count_params  # noqa: E402
 from ninfer_core.models.quantize import resolve_recipe  # noqa: E402
-from ninfer_core.models.mtp import MTPHead  # noqa: E402
 from ninfer_core.models.presets import preset  # noqa: E402
 
 PROMPTS = {
@@ -169,7 +169,7 @@ class Synthetic:
     @cached_property
     def mtp(self) -> MTPDrafter:
         """The engine's MTP drafter over a random MTP head (its chain graphs on the GPU)."""
-        head = self.random_module(lambda: MTPHead(self.config))
+        head = mtp_head(self.config, self.device, self.dtype, self.recipe, None)  # quantized as the engine's
         return MTPDrafter(self.model, head, self.cache, Sampler(), self.graphs)  # type: ignore[arg-type]
 
     @cached_property

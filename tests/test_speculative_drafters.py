@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.engine.speculative.ngram import lookup
+from ninfer_core.ops.quant import QuantLinear, dequantize_ref
+from safetensors.torch import load_file
 from speculative_harness import DFLASH_LAYERS, PROMPTS, ScriptedDrafter, Spy, greedy, load, run, write_drafter, write_target
 
 torch.set_num_threads(1)
@@ -143,6 +145,37 @@ def test_mtp_sampled_draft_probabilities_match_the_reference(target, reference_m
     for tokens, draft in spy.log:
         expected = torch.stack([torch.softmax(lg, -1) for lg in ref.draft_logits(tokens, draft.tokens)])
         torch.testing.assert_close(draft.probs.double(), expected, atol=1e-5, rtol=0)
+
+
+def _int8_values(weight: torch.Tensor) -> torch.Tensor:
+    """weight [..., N, K] through int8 per row (scale amax / 127 in fp32), dequantized."""
+    w = weight.float()
+    scale = w.abs().amax(-1, keepdim=True) / 127
+    return (w / scale).round().clamp(-127, 127) * scale
+
+
+def test_mtp_block_is_quantized_as_the_model(target):
+    """Under `--weights int8` the MTP block's projections and routed experts are int8 like the
+    target's, filled from its own checkpoint tensors (the merged q | k | v from its three parts); the
+    drafts it makes leave speculative greedy output equal to the plain greedy output."""
+    directory, _ = target
+    llm = load(directory, weights="int8", spec="mtp", draft_tokens=3)
+    layer = llm.engine.speculator.drafter.head.layers[0]
+    tensors = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    attn = "mtp.layers.0.self_attn."
+    qkv = torch.cat([tensors[attn + f"{p}_proj.weight"] for p in "qkv"])
+    assert isinstance(layer.self_attn.qkv_proj.linear, QuantLinear) and layer.self_attn.qkv_proj.linear.kind == "int8"
+    assert torch.equal(dequantize_ref(layer.self_attn.qkv_proj.linear.quantized, torch.float32), _int8_values(qkv))
+    experts = layer.mlp.experts
+    for part in ("gate_up", "down"):
+        assert experts.formats[part].kind == "int8"
+        got = dequantize_ref(getattr(experts, part), torch.float32)
+        assert torch.equal(got, _int8_values(tensors[f"mtp.layers.0.mlp.experts.{part}_proj"]))
+    plain = run(load(directory, weights="int8"), [GenerationRequest(p, greedy(40)) for p in PROMPTS])
+    drafted = run(llm, [GenerationRequest(p, greedy(40)) for p in PROMPTS])
+    assert list(drafted.values()) == list(plain.values())
 
 
 # -- DFlash ----------------------------------------------------------------------------------------

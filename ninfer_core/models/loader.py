@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -120,19 +121,27 @@ def _building_on(device: torch.device, dtype: torch.dtype):
 def build_model(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, recipe: QuantRecipe = QuantRecipe("bf16")
 ) -> nn.Module:
-    """An (uninitialised-weight) model of the config's class, on device, in dtype, in eval mode,
-    its modules swapped for the recipe's quantized ones (built on meta first: no full-precision copy)."""
+    """An (uninitialised-weight) model of the config's class (`build_module`)."""
+    model = build_module(lambda: model_class(config)(config), device, dtype, recipe)
+    if recipe.quantized:
+        model.tie_weights()  # the copy gave a tied lm_head its own tensors
+    return model
+
+
+def build_module(
+    build: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype, recipe: QuantRecipe = QuantRecipe("bf16")
+) -> nn.Module:
+    """`build()`'s module with uninitialised weights, on device, in dtype, in eval mode, its modules
+    swapped for the recipe's quantized ones (built on meta first: no full-precision copy)."""
     if not recipe.quantized:
         with _building_on(device, dtype):
-            return model_class(config)(config).eval()
+            return build().eval()
     with _building_on(torch.device("meta"), dtype):
-        model = model_class(config)(config)
-        apply_recipe_(model, recipe)
+        module = build()
+        apply_recipe_(module, recipe)
     # Module.to_empty without its empty_like of meta tensors, which runs torch's Python reference
     # ops (importing sympy: ~0.7 s of a start)
-    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)).eval()
-    model.tie_weights()  # the copy gave a tied lm_head its own tensors
-    return model
+    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)).eval()
 
 
 @torch.no_grad()

@@ -194,7 +194,7 @@ def apply_recipe_(model: nn.Module, recipe: QuantRecipe, within: str | None = No
                 else:  # a materialised (random-weight) model: its weights quantized now
                     quantized = QuantLinear.from_linear(child, fmt.kind, fmt.group_size, fmt.scale_dtype)
                 setattr(module, child_name, quantized)
-    embed = model.embed_tokens
+    embed = getattr(model, "embed_tokens", None)  # a model's table (an MTP block has none)
     if within is None and (fmt := recipe.embedding_format()) is not None and isinstance(embed, nn.Embedding):
         if isinstance(fmt, KQuantFormat):
             model.embed_tokens = KQuantEmbedding.empty(fmt, embed.embedding_dim, embed.weight.device, embed.weight.dtype)

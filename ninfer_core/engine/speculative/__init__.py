@@ -9,6 +9,7 @@ target's), `build_speculator` after it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,11 +19,13 @@ import torch
 from ...cache import CacheManager
 from ...cache.kv_pool import kv_bytes_per_token
 from ...cache.sizes import kv_token_bytes
+from ...config import ModelConfig
 from ...errors import NinferError
 from ...models.decoder import DecoderModel
 from ...models.dflash import DFlashConfig, DFlashModel
-from ...models.loader import LoadedModel, init_random_
-from ...models.mtp import MTPHead, mtp_layer_config
+from ...models.loader import LoadedModel, build_module, init_random_
+from ...models.mtp import PREFIX, MTPHead, mtp_layer_config
+from ...models.quantize import QuantRecipe, apply_recipe_, fill_quantized_
 from ...weights.checkpoint import open_checkpoint
 from ..sampling import Sampler
 from .adaptive import AdaptiveDraft, CostModel
@@ -39,7 +42,8 @@ METHODS = ("mtp", "dflash", "ngram")
 DEFAULT_DRAFT_TOKENS = {"mtp": 3, "dflash": 15, "ngram": 4}
 
 __all__ = ["DEFAULT_DRAFT_TOKENS", "METHODS", "AdaptiveDraft", "CostModel", "Draft", "DraftWeights", "Drafter",
-           "Observation", "Speculator", "build_mtp_head", "build_speculator", "load_dflash", "load_draft_weights"]
+           "Observation", "Speculator", "build_mtp_head", "build_speculator", "load_dflash", "load_draft_weights",
+           "mtp_head"]
 
 
 @dataclass
@@ -92,32 +96,41 @@ def _require_decoder(loaded: LoadedModel) -> DecoderModel:
 
 
 def build_mtp_head(loaded: LoadedModel, random_weights: bool = False) -> MTPHead:
-    """The checkpoint's MTP block on the model's device and dtype (random for weight-less benchmarks)."""
+    """The checkpoint's MTP block for the loaded model (`mtp_head`; random for weight-less benchmarks)."""
     target = _require_decoder(loaded)
     weights = getattr(target, "mtp_weights", {})
     if loaded.config.mtp_num_layers < 1 or not (weights or random_weights):
         raise NinferError(f"{loaded.name} has no MTP weights (mtp.* tensors): use --spec ngram or dflash")
     if loaded.config.mtp_num_layers > 1:
         raise NinferError(f"{loaded.name}: {loaded.config.mtp_num_layers} MTP layers; only 1 is supported")
-    head = _materialize(lambda: MTPHead(loaded.config), loaded.device, loaded.dtype)
-    if weights:
-        head.load(weights)
-        target.mtp_weights = {}  # now on the head's device: drop the host copies (~1.7 GB for the 35B)
-    else:
+    head = mtp_head(loaded.config, loaded.device, loaded.dtype, loaded.recipe, weights or None)
+    target.mtp_weights = {}  # now on the head's device: drop the host copies (~1.7 GB for the 35B)
+    return head
+
+
+def mtp_head(config: ModelConfig, device: torch.device, dtype: torch.dtype, recipe: QuantRecipe,
+             weights: Mapping[str, torch.Tensor] | None) -> MTPHead:
+    """An MTP block on device in dtype, from `weights` (the checkpoint's `mtp.*` tensors) or random,
+    quantized as the model is under int8 / int4: a draft step then reads its experts and projections
+    through the target layers' kernels, not in bf16 (the 35B's block: 1.7 GB in bf16, of which a
+    draft step reads its attention, 8 routed experts and the shared one)."""
+    recipe = recipe if recipe.mode in ("int8", "int4") else QuantRecipe("bf16")
+    if weights is None:  # drawn in the model dtype, then quantized
+        head = build_module(lambda: MTPHead(config), device, dtype)
         init_random_(head)
+        apply_recipe_(head, recipe)
+        return head
+    head = build_module(lambda: MTPHead(config), device, dtype, recipe)
+    local = {name.removeprefix(PREFIX): tensor for name, tensor in weights.items()}
+    fill_quantized_(head, local.__getitem__, set(local), device, recipe)
+    head.load(weights)  # the rest (norms, the router, what stays in the model dtype)
     return head
 
 
 def load_dflash(directory: str | Path, device: torch.device, dtype: torch.dtype) -> DFlashModel:
     config = DFlashConfig.from_dir(directory)
-    model = _materialize(lambda: DFlashModel(config), device, dtype)
+    model = build_module(lambda: DFlashModel(config), device, dtype)
     checkpoint = open_checkpoint(directory)
     model.load(lambda name: checkpoint.get(name, dtype), checkpoint.names())
     return model
 
-
-def _materialize(build, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Build on the meta device, then allocate on `device` in `dtype` (no full-size CPU copy)."""
-    with torch.device("meta"):
-        module = build()
-    return module.to(dtype).to_empty(device=device).eval()
