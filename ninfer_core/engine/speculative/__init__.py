@@ -57,6 +57,7 @@ class DraftWeights:
 
 def load_draft_weights(method: str, draft_model: str | Path | None, loaded: LoadedModel,
                        random_weights: bool = False) -> DraftWeights:
+    """`--spec METHOD [--draft-model DIR]`'s weights on the model's device (options checked first)."""
     if method not in METHODS:
         raise NinferError(f"unknown speculative method '{method}' (use one of {', '.join(METHODS)})")
     if draft_model is not None and method != "dflash":
@@ -70,8 +71,8 @@ def load_draft_weights(method: str, draft_model: str | Path | None, loaded: Load
         raise NinferError("--spec dflash needs --draft-model DIR (a z-lab DFlash checkpoint)")
     model = load_dflash(draft_model, loaded.device, loaded.dtype)
     c = model.config  # DFlashDrafter's cache: every drafter layer's KV in the model dtype
-    return DraftWeights(method, model, c.num_layers * kv_token_bytes(c.num_kv_heads, c.head_dim, loaded.dtype.itemsize,
-                                                                     scaled=False))
+    per_token = c.num_layers * kv_token_bytes(c.num_kv_heads, c.head_dim, loaded.dtype.itemsize, scaled=False)
+    return DraftWeights(method, model, per_token)
 
 
 def build_speculator(weights: DraftWeights, draft_tokens: int | None, loaded: LoadedModel, cache: CacheManager,
