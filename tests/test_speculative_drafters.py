@@ -154,12 +154,13 @@ def _int8_values(weight: torch.Tensor) -> torch.Tensor:
     return (w / scale).round().clamp(-127, 127) * scale
 
 
-def test_mtp_block_is_quantized_as_the_model(target):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_mtp_block_is_quantized_as_the_model(target, device):
     """Under `--weights int8` the MTP block's projections and routed experts are int8 like the
     target's, filled from its own checkpoint tensors (the merged q | k | v from its three parts); the
     drafts it makes leave speculative greedy output equal to the plain greedy output."""
     directory, _ = target
-    llm = load(directory, weights="int8", spec="mtp", draft_tokens=3)
+    llm = load(directory, weights="int8", spec="mtp", draft_tokens=3, device=device)
     layer = llm.engine.speculator.drafter.head.layers[0]
     tensors = {}
     for shard in sorted(directory.glob("*.safetensors")):
@@ -167,13 +168,14 @@ def test_mtp_block_is_quantized_as_the_model(target):
     attn = "mtp.layers.0.self_attn."
     qkv = torch.cat([tensors[attn + f"{p}_proj.weight"] for p in "qkv"])
     assert isinstance(layer.self_attn.qkv_proj.linear, QuantLinear) and layer.self_attn.qkv_proj.linear.kind == "int8"
-    assert torch.equal(dequantize_ref(layer.self_attn.qkv_proj.linear.quantized, torch.float32), _int8_values(qkv))
+    qkv_values = dequantize_ref(layer.self_attn.qkv_proj.linear.quantized, torch.float32).cpu()
+    assert torch.equal(qkv_values, _int8_values(qkv))
     experts = layer.mlp.experts
     for part in ("gate_up", "down"):
         assert experts.formats[part].kind == "int8"
-        got = dequantize_ref(getattr(experts, part), torch.float32)
+        got = dequantize_ref(getattr(experts, part), torch.float32).cpu()
         assert torch.equal(got, _int8_values(tensors[f"mtp.layers.0.mlp.experts.{part}_proj"]))
-    plain = run(load(directory, weights="int8"), [GenerationRequest(p, greedy(40)) for p in PROMPTS])
+    plain = run(load(directory, weights="int8", device=device), [GenerationRequest(p, greedy(40)) for p in PROMPTS])
     drafted = run(llm, [GenerationRequest(p, greedy(40)) for p in PROMPTS])
     assert list(drafted.values()) == list(plain.values())
 
