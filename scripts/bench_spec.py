@@ -51,7 +51,7 @@ from ninfer_core.bench import cuda_median_ms  # noqa: E402
 from ninfer_core.cache import CacheManager, KVPool  # noqa: E402
 from ninfer_core.config import ModelConfig  # noqa: E402
 from ninfer_core.engine.cuda_graph import DecodeGraphs  # noqa: E402
-from ninfer_core.engine.sampling import Sampler  # noqa: E402
+from ninfer_core.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from ninfer_core.engine.speculative import mtp_head  # noqa: E402
 from ninfer_core.engine.speculative.mtp import MTPDrafter, _Last  # noqa: E402
 from ninfer_core.engine.speculative.rollback import commit_gdn  # noqa: E402
@@ -195,23 +195,28 @@ def dflash_shape(config: ModelConfig) -> dict:
                                                                  target_layer_ids=[0, config.num_layers // 2]))
 
 
-def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool) -> float:
+def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool, sampled: bool = False) -> float:
     """K drafts as the engine's MTP drafter makes them: the catch-up (its layer over the verify's
     K+1 rows, lm_head on the last), then the chain of K-1 single-row steps: eagerly (a host sync
-    per draft, as the engine's eager path takes each token) or by replaying the drafter's graphs."""
+    per draft, as the engine's eager path takes each token) or by replaying the drafter's graphs
+    (`sampled`: the sampling chain of a request at Qwen3.6's suggested temperature 0.7, top-p 0.8,
+    top-k 20, instead of the argmax chain)."""
     drafter, target, n, dev = s.mtp, s.model, s.context, s.device
     table = s.cache.block_table([s.seq])
     hidden = torch.randn(1, k + 1, s.config.hidden_size, device=dev, dtype=s.dtype)
     start = n - k - 1
     catch_up = (s.ids(n - k, k + 1), hidden, torch.arange(start, n, device=dev)[None],
                 torch.tensor([start], device=dev), table, torch.tensor([k], device=dev))
+    params = SamplingParams(temperature=0.7, top_p=0.8, top_k=20) if sampled else SamplingParams(temperature=0)
+    generator = params.make_generator(dev) if sampled else None
 
     def draft() -> None:
         if graph:
             assert drafter.graphs is not None
             caught = drafter.graphs.catch_up(*catch_up)
             assert caught is not None
-            assert drafter.graphs.draft([_Last(n - 1, caught[0][0], caught[1][0])], [0], table, k) is not None
+            last = _Last(n - 1, caught[0][0], caught[1][0])
+            assert drafter.graphs.draft([last], [0], [params], [generator], table, [k]) is not None
             return
         h, logits = drafter.catch_up(*catch_up)
         token = logits.argmax(-1, keepdim=True)
@@ -267,6 +272,8 @@ def bench_verify(args: argparse.Namespace) -> dict:
             mtp = {g: mtp_draft_cost(s, k, args.repeats, g) for g in modes} if k <= 5 else {}
             for g, t in mtp.items():
                 row[f"mtp_draft_{'graph' if g else 'eager'}_ms"] = t * 1e3
+            if mtp and best:  # a sampled request's drafts: the sampling chain graph
+                row["mtp_draft_sampled_graph_ms"] = mtp_draft_cost(s, k, args.repeats, True, sampled=True) * 1e3
             row["dflash_draft_ms"] = dflash_draft_cost(s, k, args.repeats) * 1e3
             ratio = row[f"verify_{'graph' if best else 'eager'}_ratio"]
             tokens = 1 + k * args.acceptance
@@ -285,13 +292,14 @@ def bench_verify(args: argparse.Namespace) -> dict:
           + ", ".join(f"{'graph' if g else 'eager'} {decode[g] * 1e3:.2f} ms" for g in modes)
           + (f", replays alone {decode_replay:.3f} ms" if decode_replay is not None else ""))
     print(f"{'K':>2} {'eager ms':>9} {'x eager':>8} {'graph ms':>9} {'x graph':>8} {'replay ms':>9} {'x replay':>8} "
-          f"{'MTP eager':>10} {'MTP graph':>10} {'DFlash ms':>10} {'S verify-only':>14} "
+          f"{'MTP eager':>10} {'MTP graph':>10} {'MTP sampled':>12} {'DFlash ms':>10} {'S verify-only':>14} "
           f"{'S MTP @' + format(args.acceptance, '.0%'):>10}")
     for r in rows:
         print(f"{r['k']:>2} {r['verify_eager_ms']:>9.2f} {r['verify_eager_ratio']:>8.3f} "
               f"{fmt(r.get('verify_graph_ms')):>9} {fmt(r.get('verify_graph_ratio')):>8} "
               f"{fmt(r.get('verify_replay_ms')):>9} {fmt(r.get('verify_replay_ratio')):>8} "
               f"{fmt(r.get('mtp_draft_eager_ms')):>10} {fmt(r.get('mtp_draft_graph_ms')):>10} "
+              f"{fmt(r.get('mtp_draft_sampled_graph_ms')):>12} "
               f"{fmt(r['dflash_draft_ms']):>10} {fmt(r['speedup_verify_only'], 'x'):>14} "
               f"{fmt(r.get('mtp_speedup_at_acceptance'), 'x'):>10}")
     return result
@@ -367,7 +375,6 @@ def bench_rollback(args: argparse.Namespace) -> dict:
 def bench_acceptance(args: argparse.Namespace) -> dict:
     """Each configuration (fixed K, adaptive K <= limit) on every prompt: the same greedy tokens as
     plain decode, and what its rounds would cost on the GPU the cost table was measured on."""
-    from ninfer_core.engine.sampling import SamplingParams
     from ninfer_core.engine.speculative import CostModel
     from ninfer_core.llm import LLM, ChatRequest, EngineOptions
 

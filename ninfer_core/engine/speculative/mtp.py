@@ -12,8 +12,9 @@ On the GPU both calls of a round replay CUDA graphs (`MTPGraphs`): the catch-up 
 verify's kept rows, and for a batch of greedy requests the whole draft chain (argmax, then K-1
 layer steps each followed by lm_head and argmax, all on the device): one host sync per round
 instead of K Python-level steps. Greedy drafts are the raw argmax of the MTP logits on both paths
-(the target's acceptance applies penalties); sampled requests draft eagerly from their
-sampling distribution.
+(the target's acceptance applies penalties); sampled requests draw from their sampling
+distribution, by the sampling chain graph where none reads its token history (penalties, logit
+bias: those draft eagerly).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from ...config import ModelConfig
 from ...layers.attention import AttentionMetadata
 from ...models.decoder import DecoderModel, StepContext
 from ...models.mtp import MTPHead, mtp_layer_config
-from ..sampling import Sampler, TokenHistory
-from ..sequence import Sequence
+from ...ops import sampling as sampling_ops
 from ...ops.gdn import MAX_STEP_TOKENS
 from ..graph_capture import capture
-from .base import Draft, Drafter, Observation, choose_drafts
+from ..sampling import Sampler, SamplingParams, TokenHistory, draw_from_probs, row_params
+from ..sequence import Sequence
+from .base import Draft, Drafter, Observation, choose_drafts, uniform
 
 if TYPE_CHECKING:
     from ..cuda_graph import DecodeGraphs
@@ -91,11 +93,13 @@ class MTPDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
         lasts = [self._last[s.request_id] for s in seqs]
-        if self.graphs is not None and all(s.request.sampling.is_greedy for s in seqs):
-            table = self.cache.block_table([s.cache for s in seqs])
-            chained = self.graphs.draft(lasts, [s.rope_delta for s in seqs], table, max(counts))
-            if chained is not None:
-                return [Draft(tokens[:k]) for tokens, k in zip(chained, counts)]
+        if self.graphs is not None and not any(s.request.sampling.has_penalties or s.request.sampling.logit_bias
+                                               for s in seqs):
+            drafted = self.graphs.draft(lasts, [s.rope_delta for s in seqs], [s.request.sampling for s in seqs],
+                                        [s.generator for s in seqs], self.cache.block_table([s.cache for s in seqs]),
+                                        counts)
+            if drafted is not None:
+                return drafted
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
@@ -149,6 +153,10 @@ class MTPGraphs:
       draft     greedy K-token chains per (bucket, K): argmax, then K-1 layer steps each followed
                 by lm_head and argmax. Rows run to K even when they asked fewer drafts (the extra
                 entries lie inside the pages the engine reserved for the round).
+      sampled   the same chain for a batch with sampled rows, each step's token drawn from q (the
+                row's temperature / top-k / top-p / min-p over the drafter's logits, on the device;
+                one-hot at the argmax for greedy rows) with a uniform its generator gave before the
+                replay: the draws and the order of eager drafting, so the same drafts and q.
       catch_up  the layer over a verify's rows per (bucket, width <= 16) and the logits of each
                 row's last kept entry (`MTPDrafter.catch_up`); prompt chunks stay eager.
     A capture failure turns both off with a warning (drafting eagerly gives the same drafts)."""
@@ -158,16 +166,34 @@ class MTPGraphs:
         self.captured: dict[tuple[str, int, int], _Captured] = {}
         self.enabled = True
 
-    def draft(self, lasts: list[_Last], deltas: list[int], table: torch.Tensor, k: int) -> list[list[int]] | None:
-        """K drafts per row (a sequence's newest entry, rope delta, block table row), or None when
-        no graph serves the batch."""
-        device = lasts[0].logits.device
+    def draft(self, lasts: list[_Last], deltas: list[int], params: list[SamplingParams],
+              generators: list[torch.Generator | None], table: torch.Tensor, counts: list[int]) -> list[Draft] | None:
+        """counts[b] drafts for row b (a sequence's newest entry, rope delta, sampling, generator, block
+        table row), or None when no graph serves the batch. Sampling that reads the token history
+        (penalties, logit bias) is the caller's to keep away."""
+        device, k = lasts[0].logits.device, max(counts)
         inputs = {"logits": torch.stack([last.logits for last in lasts]),
                   "hidden": torch.stack([last.hidden for last in lasts]),
                   "index": torch.tensor([last.index for last in lasts], device=device),
                   "deltas": torch.tensor(deltas, device=device), "table": table}
-        out = self._replay(("draft", len(lasts), k), inputs, lambda x: (self._chain(x, k),))
-        return None if out is None else out[0].tolist()
+        if all(p.is_greedy for p in params):
+            out = self._replay(("draft", len(lasts), k), inputs, lambda x: (self._chain(x, k),))
+            return None if out is None else [Draft(t[:c]) for t, c in zip(out[0].tolist(), counts)]
+        if self._bucket("sampled", len(lasts), k, table) is None:  # before the generators draw
+            return None
+        temperature, top_k, top_p, min_p = row_params(params)
+        u = torch.zeros(len(lasts), k, dtype=torch.float64, device=device)
+        for b, (generator, c) in enumerate(zip(generators, counts)):
+            if not params[b].is_greedy:  # one uniform a draft, as eager drafting draws them
+                u[b, :c] = torch.cat([uniform(generator) for _ in range(c)]).to(device)
+        inputs.update(temperature=temperature.to(device), top_k=top_k.to(device), top_p=top_p.to(device),
+                      min_p=min_p.to(device), u=u)
+        out = self._replay(("sampled", len(lasts), k), inputs, lambda x: self._sampled_chain(x, k))
+        if out is None:
+            return None
+        tokens, probs = out[0].tolist(), out[1]
+        return [Draft(t[:c], None if p.is_greedy else probs[b, :c].clone())
+                for b, (t, c, p) in enumerate(zip(tokens, counts, params))]
 
     def catch_up(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache_lens: torch.Tensor,
                  block_table: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -186,19 +212,39 @@ class MTPGraphs:
         token = x["logits"].argmax(-1)
         tokens, hidden = [token], x["hidden"]
         for step in range(1, k):
-            index = x["index"] + step
-            hidden = self.drafter.run_layer(token[:, None], hidden[:, None], (index + x["deltas"])[:, None], index,
-                                            x["table"])[:, 0]
-            token = self.drafter.target.lm_head(hidden).float().argmax(-1)
+            hidden, logits = self._step(x, step, token, hidden)
+            token = logits.argmax(-1)
             tokens.append(token)
         return torch.stack(tokens, dim=1)
+
+    def _sampled_chain(self, x: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_chain` with each token drawn from its q: (tokens [B, K], q [B, K, V] fp32)."""
+        rows = (x["temperature"], x["top_k"], x["top_p"], x["min_p"])
+        logits, hidden = x["logits"], x["hidden"]
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for step in range(k):
+            if step:
+                hidden, logits = self._step(x, step, tokens[-1], hidden)
+            probs.append(sampling_ops.filtered_probs(logits, *rows))
+            tokens.append(draw_from_probs(probs[-1], x["u"][:, step]))
+        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+
+    def _step(self, x: dict[str, torch.Tensor], step: int, token: torch.Tensor,
+              hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain step `step`: the layer over (token, the previous normed output) -> (its normed output,
+        its logits, fp32)."""
+        index = x["index"] + step
+        hidden = self.drafter.run_layer(token[:, None], hidden[:, None], (index + x["deltas"])[:, None], index,
+                                        x["table"])[:, 0]
+        return hidden, self.drafter.target.lm_head(hidden).float()
 
     def _replay(self, key: tuple[str, int, int], inputs: dict[str, torch.Tensor],
                 fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...] | None:
         """Load `inputs` (B rows) into the graph of (kind, bucket, size), capturing it first."""
         kind, rows, size = key
-        bucket = self.graphs.bucket(rows, size if kind == "catch_up" else 1)
-        if not self.enabled or bucket is None or inputs["table"].shape[1] > self.graphs.max_pages:
+        bucket = self._bucket(kind, rows, size, inputs["table"])
+        if bucket is None:
             return None
         captured = self.captured.get((kind, bucket, size)) or self._capture((kind, bucket, size), inputs, fn)
         if captured is None or captured.graph is None:
@@ -209,6 +255,13 @@ class MTPGraphs:
         self._park(captured.inputs, rows)
         captured.graph.replay()
         return tuple(t[:rows] for t in captured.outputs)
+
+    def _bucket(self, kind: str, rows: int, size: int, table: torch.Tensor) -> int | None:
+        """The bucket whose graph of `kind` serves `rows` rows, None when none does."""
+        bucket = self.graphs.bucket(rows, size if kind == "catch_up" else 1)
+        if not self.enabled or bucket is None or table.shape[1] > self.graphs.max_pages:
+            return None
+        return bucket
 
     def _park(self, inputs: dict[str, torch.Tensor], start: int) -> None:
         for name, static in inputs.items():
