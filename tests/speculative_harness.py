@@ -11,6 +11,7 @@ and two test drafters.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,53 @@ def run(llm: LLM, requests: list[GenerationRequest]) -> dict[str, list[int]]:
     for out in llm.engine.generate(requests):
         tokens[out.request_id] += out.new_token_ids
     return tokens
+
+
+# Seeded sampled requests (temperature with top-k / top-p, min-p) beside a greedy one
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11, ignore_eos=True),
+           SamplingParams(temperature=0.0, ignore_eos=True),
+           SamplingParams(temperature=1.2, min_p=0.05, seed=7, ignore_eos=True)]
+
+
+def run_sampled(llm_engine: Any, lengths: list[int]) -> list[list[int]]:
+    """PROMPTS under SAMPLED, lengths[i] tokens each, on an LLMEngine: the tokens of each."""
+    requests = [GenerationRequest(p, replace(params, max_tokens=n)) for p, params, n in zip(PROMPTS, SAMPLED, lengths)]
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for step in llm_engine.generate(requests):
+        out[step.request_id] += step.new_token_ids
+    return [out[r.request_id] for r in requests]
+
+
+def eager_then_graph(drafter: Any, rounds: list[tuple[list[Draft], list[Draft]]]):
+    """A stand-in for drafter.propose that drafts each round eagerly, then by its graphs from the same
+    state (the generators' states put back between the two: both draw the same uniforms), records
+    (graph, eager) in `rounds` and hands the target the graph's drafts."""
+    graphs, propose = drafter.graphs, drafter.propose
+
+    def both(seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+        states = [None if s.generator is None else s.generator.get_state() for s in seqs]  # greedy: None
+        drafter.graphs = None
+        eager = propose(seqs, counts)
+        for s, state in zip(seqs, states):
+            if state is not None:
+                s.generator.set_state(state)
+        drafter.graphs = graphs
+        graph = propose(seqs, counts)
+        rounds.append((graph, eager))
+        return graph
+
+    return both
+
+
+def assert_same_drafts(rounds: list[tuple[list[Draft], list[Draft]]]) -> None:
+    """Every round's graph drafts are the eager ones: the tokens, and q where the row sampled."""
+    assert rounds
+    for graph, eager in rounds:
+        assert [d.tokens for d in graph] == [d.tokens for d in eager]
+        for g, e in zip(graph, eager):
+            assert (g.probs is None) == (e.probs is None)
+            if e.probs is not None:
+                torch.testing.assert_close(g.probs, e.probs, atol=1e-6, rtol=1e-6)
 
 
 class ScriptedDrafter(Drafter):

@@ -20,12 +20,12 @@ from ninfer_core.engine.cuda_graph import DecodeGraphs
 from ninfer_core.engine.llm_engine import LLMEngine
 from ninfer_core.engine.prefill_graph import PrefillGraphs
 from ninfer_core.engine.request import GenerationRequest
-from ninfer_core.engine.sampling import Sampler, SamplingParams
+from ninfer_core.engine.sampling import Sampler
 from ninfer_core.engine.speculative import Speculator
 from ninfer_core.engine.speculative import mtp as mtp_module
 from ninfer_core.engine.speculative.mtp import MTPDrafter
 from ninfer_core.engine.speculative.ngram import NgramDrafter
-from speculative_harness import PROMPTS, greedy, load, write_target
+from speculative_harness import PROMPTS, assert_same_drafts, eager_then_graph, greedy, load, run_sampled, write_target
 
 torch.set_num_threads(1)
 N_TOKENS = 40
@@ -161,48 +161,19 @@ def test_mtp_graph_drafts_equal_eager_drafts(target, fake_graphs):
 
 
 def test_mtp_sampled_graph_drafts_equal_eager_drafts(target, fake_graphs):
-    """Seeded sampled requests (temperature, top-k, top-p, min-p) beside a greedy one: every round's
-    drafts and their q by the sampling chain graph equal the eager drafter's from the same state and
-    the same generator states (the graph's uniforms are the ones eager drafting draws, in its order),
-    and the output is the engine's without graphs for the same seeds."""
-    sampling = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11, max_tokens=N_TOKENS, ignore_eos=True),
-                SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
-                SamplingParams(temperature=1.2, min_p=0.05, seed=7, max_tokens=27, ignore_eos=True)]
-
-    def run(eng: LLMEngine) -> list[list[int]]:
-        requests = [GenerationRequest(p, params) for p, params in zip(PROMPTS, sampling)]
-        out: dict[str, list[int]] = {r.request_id: [] for r in requests}
-        for step in eng.generate(requests):
-            out[step.request_id] += step.new_token_ids
-        return [out[r.request_id] for r in requests]
-
-    want = run(engine(target, "mtp", graphs=False))
+    """Seeded sampled requests beside a greedy one: every round's drafts and their q by the sampling
+    chain graph equal the eager drafter's from the same state and the same generator states (the
+    graph's uniforms are the ones eager drafting draws, in its order), and the output is the engine's
+    without graphs for the same seeds."""
+    lengths = [N_TOKENS, 13, 27]
+    want = run_sampled(engine(target, "mtp", graphs=False), lengths)
     eng = engine(target, "mtp", graphs=True)
     drafter = eng.speculator.drafter
-    graphs, propose = drafter.graphs, drafter.propose
-    rounds = []
-
-    def both(seqs, counts):
-        states = [None if s.generator is None else s.generator.get_state() for s in seqs]  # greedy: None
-        drafter.graphs = None
-        eager = propose(seqs, counts)
-        for s, state in zip(seqs, states):
-            if state is not None:
-                s.generator.set_state(state)
-        drafter.graphs = graphs
-        graph = propose(seqs, counts)
-        rounds.append((graph, eager))
-        return graph
-
-    drafter.propose = both
-    assert run(eng) == want
-    assert rounds and {kind for kind, _, _ in graphs.captured} >= {"sampled"}
-    for graph, eager in rounds:
-        assert [d.tokens for d in graph] == [d.tokens for d in eager]
-        for g, e in zip(graph, eager):
-            assert (g.probs is None) == (e.probs is None)
-            if e.probs is not None:
-                torch.testing.assert_close(g.probs, e.probs, atol=1e-6, rtol=1e-6)
+    rounds: list = []
+    drafter.propose = eager_then_graph(drafter, rounds)
+    assert run_sampled(eng, lengths) == want
+    assert "sampled" in {kind for kind, _, _ in drafter.graphs.captured}
+    assert_same_drafts(rounds)
 
 
 @pytest.mark.parametrize("chunk", [16, 4096])

@@ -15,6 +15,7 @@ from ninfer_core.engine.speculative import Draft
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.llm import LLM, EngineOptions
 from ninfer_core.models.base import ForwardBatch
+from speculative_harness import assert_same_drafts, eager_then_graph, run_sampled
 from tiny_model_dir import write_tiny_model_dir
 
 pytestmark = pytest.mark.cuda
@@ -229,46 +230,16 @@ def test_mtp_sampled_graph_drafts_equal_eager_drafting(model_dir):
     """fp32, two seeded sampled sequences beside a greedy one: each round's drafts and their q from the
     sampling chain graph (a real capture) equal the eager drafter's from the same state and generator
     states; the tokens are the engine's without graphs for the same seeds."""
-    sampling = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11, max_tokens=32, ignore_eos=True),
-                SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
-                SamplingParams(temperature=1.2, min_p=0.05, seed=7, max_tokens=32, ignore_eos=True)]
-
-    def run(llm: LLM) -> list[list[int]]:
-        requests = [GenerationRequest(p, params) for p, params in zip(PROMPTS[:3], sampling)]
-        out: dict[str, list[int]] = {r.request_id: [] for r in requests}
-        for step in llm.engine.generate(requests):
-            out[step.request_id] += step.new_token_ids
-        return [out[r.request_id] for r in requests]
-
     options = dict(dtype="float32", weights="bf16", spec="mtp", draft_tokens=3)
-    want = run(load(model_dir, cuda_graphs=False, **options))
+    want = run_sampled(load(model_dir, cuda_graphs=False, **options).engine, [32] * 3)
     llm = load(model_dir, **options)
     drafter = llm.engine.speculator.drafter
-    graphs, propose = drafter.graphs, drafter.propose
-    assert graphs is not None
-    rounds: list[tuple[list[Draft], list[Draft]]] = []
-
-    def both(seqs, counts):
-        states = [None if s.generator is None else s.generator.get_state() for s in seqs]
-        drafter.graphs = None
-        eager = propose(seqs, counts)
-        for s, state in zip(seqs, states):
-            if state is not None:
-                s.generator.set_state(state)
-        drafter.graphs = graphs
-        graph = propose(seqs, counts)
-        rounds.append((graph, eager))
-        return graph
-
-    drafter.propose = both
-    assert run(llm) == want
-    assert graphs.enabled and any(kind == "sampled" for kind, _, _ in graphs.captured) and rounds
-    for graph, eager in rounds:
-        assert [d.tokens for d in graph] == [d.tokens for d in eager]
-        for g, e in zip(graph, eager):
-            assert (g.probs is None) == (e.probs is None)
-            if e.probs is not None:
-                torch.testing.assert_close(g.probs, e.probs, atol=1e-6, rtol=1e-6)
+    assert drafter.graphs is not None
+    rounds: list = []
+    drafter.propose = eager_then_graph(drafter, rounds)
+    assert run_sampled(llm.engine, [32] * 3) == want
+    assert drafter.graphs.enabled and any(kind == "sampled" for kind, _, _ in drafter.graphs.captured)
+    assert_same_drafts(rounds)
 
 
 def first_logits(llm: LLM, prompt: list[int], cached: int = 0) -> torch.Tensor:
