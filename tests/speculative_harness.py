@@ -66,13 +66,18 @@ SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11, ignore_
            SamplingParams(temperature=1.2, min_p=0.05, seed=7, ignore_eos=True)]
 
 
-def run_sampled(llm_engine: Any, lengths: list[int]) -> list[list[int]]:
-    """PROMPTS under SAMPLED, lengths[i] tokens each, on an LLMEngine: the tokens of each."""
-    requests = [GenerationRequest(p, replace(params, max_tokens=n)) for p, params, n in zip(PROMPTS, SAMPLED, lengths)]
+def run_with(llm_engine: Any, params: list[SamplingParams]) -> list[list[int]]:
+    """PROMPTS[i] under params[i] on an LLMEngine: the tokens of each."""
+    requests = [GenerationRequest(p, sampling) for p, sampling in zip(PROMPTS, params)]
     out: dict[str, list[int]] = {r.request_id: [] for r in requests}
     for step in llm_engine.generate(requests):
         out[step.request_id] += step.new_token_ids
     return [out[r.request_id] for r in requests]
+
+
+def run_sampled(llm_engine: Any, lengths: list[int]) -> list[list[int]]:
+    """`run_with` SAMPLED, lengths[i] tokens each."""
+    return run_with(llm_engine, [replace(params, max_tokens=n) for params, n in zip(SAMPLED, lengths)])
 
 
 def eager_then_graph(drafter: Any, rounds: list[tuple[list[Draft], list[Draft]]]):

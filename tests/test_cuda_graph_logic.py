@@ -20,12 +20,13 @@ from ninfer_core.engine.cuda_graph import DecodeGraphs
 from ninfer_core.engine.llm_engine import LLMEngine
 from ninfer_core.engine.prefill_graph import PrefillGraphs
 from ninfer_core.engine.request import GenerationRequest
-from ninfer_core.engine.sampling import Sampler
+from ninfer_core.engine.sampling import Sampler, SamplingParams
 from ninfer_core.engine.speculative import Speculator
 from ninfer_core.engine.speculative import mtp as mtp_module
 from ninfer_core.engine.speculative.mtp import MTPDrafter
 from ninfer_core.engine.speculative.ngram import NgramDrafter
-from speculative_harness import PROMPTS, assert_same_drafts, eager_then_graph, greedy, load, run_sampled, write_target
+from speculative_harness import (PROMPTS, assert_same_drafts, eager_then_graph, greedy, load, run_sampled, run_with,
+                                 write_target)
 
 torch.set_num_threads(1)
 N_TOKENS = 40
@@ -174,6 +175,19 @@ def test_mtp_sampled_graph_drafts_equal_eager_drafts(target, fake_graphs):
     assert run_sampled(eng, lengths) == want
     assert "sampled" in {kind for kind, _, _ in drafter.graphs.captured}
     assert_same_drafts(rounds)
+
+
+def test_mtp_graphs_take_greedy_penalties_and_leave_sampled_ones(target, fake_graphs):
+    """Greedy rows draft the raw argmax, penalised or not: the greedy chain graph serves them; a sampled
+    row with a repetition penalty needs its token history for q: that batch drafts eagerly. The
+    tokens are the engine's without graphs either way."""
+    for temperature, kinds in ((0.0, {"draft"}), (0.9, set())):
+        params = [SamplingParams(temperature=temperature, repetition_penalty=1.3, seed=5, max_tokens=24,
+                                 ignore_eos=True)] * 2
+        want = run_with(engine(target, "mtp", graphs=False), params)
+        eng = engine(target, "mtp", graphs=True)
+        assert run_with(eng, params) == want
+        assert {kind for kind, _, _ in eng.speculator.drafter.graphs.captured} - {"catch_up"} == kinds
 
 
 @pytest.mark.parametrize("chunk", [16, 4096])

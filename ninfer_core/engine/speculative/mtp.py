@@ -93,8 +93,9 @@ class MTPDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
         lasts = [self._last[s.request_id] for s in seqs]
-        if self.graphs is not None and not any(s.request.sampling.has_penalties or s.request.sampling.logit_bias
-                                               for s in seqs):
+        # greedy drafts are the raw argmax (penalties or not); a sampled row's q reads its token history
+        # where it has penalties or a logit bias: those batches draft eagerly
+        if self.graphs is not None and not any(_reads_history(s.request.sampling) for s in seqs):
             drafted = self.graphs.draft(lasts, [s.rope_delta for s in seqs], [s.request.sampling for s in seqs],
                                         [s.generator for s in seqs], self.cache.block_table([s.cache for s in seqs]),
                                         counts)
@@ -138,6 +139,12 @@ class MTPDrafter(Drafter):
         return self.head(embeds, hidden, step)
 
 
+def _reads_history(params: SamplingParams) -> bool:
+    """Whether a draft's q needs the sequence's token history on the host (a sampled row's penalties
+    or logit bias)."""
+    return not params.is_greedy and (params.has_penalties or bool(params.logit_bias))
+
+
 @dataclass
 class _Captured:
     """One captured MTP call: its static inputs (by name), the graph, its static outputs."""
@@ -169,8 +176,8 @@ class MTPGraphs:
     def draft(self, lasts: list[_Last], deltas: list[int], params: list[SamplingParams],
               generators: list[torch.Generator | None], table: torch.Tensor, counts: list[int]) -> list[Draft] | None:
         """counts[b] drafts for row b (a sequence's newest entry, rope delta, sampling, generator, block
-        table row), or None when no graph serves the batch. Sampling that reads the token history
-        (penalties, logit bias) is the caller's to keep away."""
+        table row), or None when no graph serves the batch. Rows whose q reads their token history
+        (`_reads_history`) are the caller's to keep away."""
         device, k = lasts[0].logits.device, max(counts)
         inputs = {"logits": torch.stack([last.logits for last in lasts]),
                   "hidden": torch.stack([last.hidden for last in lasts]),
