@@ -11,10 +11,10 @@ target's hidden states, so speculative entries never outlive their round.
 On the GPU both calls of a round replay CUDA graphs (`MTPGraphs`): the catch-up over the
 verify's kept rows, and the whole draft chain (argmax, then K-1 layer steps each followed by
 lm_head and argmax, all on the device; with sampled rows, a draw from q in place of the argmax):
-one host sync per round instead of K Python-level steps. Greedy drafts are the raw argmax of the MTP logits on both paths
-(the target's acceptance applies penalties); sampled requests draw from their sampling
-distribution, by the sampling chain graph where none reads its token history (penalties, logit
-bias: those draft eagerly).
+one host sync per round instead of K Python-level steps. Greedy drafts are the raw argmax of the
+MTP logits on both paths (the target's acceptance applies penalties); sampled requests draw from
+their sampling distribution, by the sampling chain graph where none reads its token history
+(penalties, logit bias: those draft eagerly).
 """
 
 from __future__ import annotations
