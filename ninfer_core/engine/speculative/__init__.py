@@ -17,14 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...cache import CacheManager
-from ...cache.kv_pool import kv_bytes_per_token
-from ...cache.sizes import kv_token_bytes
 from ...config import ModelConfig
 from ...errors import NinferError
 from ...models.decoder import DecoderModel
 from ...models.dflash import DFlashConfig, DFlashModel
 from ...models.loader import LoadedModel, build_module, init_random_
-from ...models.mtp import PREFIX, MTPHead, mtp_layer_config
+from ...models.mtp import PREFIX, MTPHead
 from ...models.quantize import QuantRecipe, apply_recipe_, fill_quantized_
 from ...weights.checkpoint import open_checkpoint
 from ..sampling import Sampler
@@ -64,15 +62,13 @@ def load_draft_weights(method: str, draft_model: str | Path | None, loaded: Load
         raise NinferError(f"--draft-model is for --spec dflash, not {method}")
     if method == "ngram":
         return DraftWeights(method, None, 0)
-    if method == "mtp":  # MTPDrafter's cache: the MTP layer's KV in the model dtype
+    if method == "mtp":
         return DraftWeights(method, build_mtp_head(loaded, random_weights),
-                            kv_bytes_per_token(mtp_layer_config(loaded.config), None, loaded.dtype))
+                            MTPDrafter.kv_bytes_per_token(loaded.config, loaded.dtype))
     if draft_model is None:
         raise NinferError("--spec dflash needs --draft-model DIR (a z-lab DFlash checkpoint)")
     model = load_dflash(draft_model, loaded.device, loaded.dtype)
-    c = model.config  # DFlashDrafter's cache: every drafter layer's KV in the model dtype
-    per_token = c.num_layers * kv_token_bytes(c.num_kv_heads, c.head_dim, loaded.dtype.itemsize, scaled=False)
-    return DraftWeights(method, model, per_token)
+    return DraftWeights(method, model, DFlashDrafter.kv_bytes_per_token(model.config, loaded.dtype))
 
 
 def build_speculator(weights: DraftWeights, draft_tokens: int | None, loaded: LoadedModel, cache: CacheManager,

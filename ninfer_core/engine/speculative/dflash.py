@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from ...cache import CacheManager, KVPool
+from ...cache.sizes import kv_token_bytes
 from ...layers.attention import AttentionMetadata
 from ...models.decoder import DecoderModel
-from ...models.dflash import BlockInputs, DFlashModel
+from ...models.dflash import BlockInputs, DFlashConfig, DFlashModel
 from ..sampling import Sampler, TokenHistory
 from ..sequence import Sequence
 from .base import Draft, Drafter, Observation, choose_drafts
@@ -22,6 +23,12 @@ from .base import Draft, Drafter, Observation, choose_drafts
 
 class DFlashDrafter(Drafter):
     method = "dflash"
+
+    @staticmethod
+    def kv_bytes_per_token(config: DFlashConfig, dtype: torch.dtype) -> int:
+        """What the cache `__init__` allocates takes a target token: every drafter layer's KV in the
+        model dtype."""
+        return config.num_layers * kv_token_bytes(config.num_kv_heads, config.head_dim, dtype.itemsize, scaled=False)
 
     def __init__(self, target: DecoderModel, model: DFlashModel, cache: CacheManager, sampler: Sampler):
         config = model.config

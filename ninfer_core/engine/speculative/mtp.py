@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...cache import CacheManager, ModelCache
+from ...cache.kv_pool import kv_bytes_per_token
 from ...config import ModelConfig
 from ...layers.attention import AttentionMetadata
 from ...models.decoder import DecoderModel, StepContext
@@ -56,6 +57,11 @@ class _Last:
 class MTPDrafter(Drafter):
     method = "mtp"
     max_draft_tokens = 5
+
+    @staticmethod
+    def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        """What the cache `__init__` allocates takes a target token: the MTP layer's KV in the model dtype."""
+        return kv_bytes_per_token(mtp_layer_config(config), None, dtype)
 
     def __init__(self, target: DecoderModel, head: MTPHead, cache: CacheManager, sampler: Sampler,
                  graphs: DecodeGraphs | None = None):
