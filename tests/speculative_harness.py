@@ -29,9 +29,9 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], list(range(20, 61))]
 DFLASH_LAYERS = [0, 2]  # tiny target: layers 0-2 GDN, 3 attention
 
 
-def write_target(tmp_path_factory: Any, moe: bool = True) -> tuple[Path, Any]:
+def write_target(tmp_path_factory: Any, moe: bool = True, overrides: dict | None = None) -> tuple[Path, Any]:
     directory = tmp_path_factory.mktemp("spec_target_moe" if moe else "spec_target_dense")
-    hf_model, _ = write_tiny_model_dir(directory, moe=moe, max_positions=1024)
+    hf_model, _ = write_tiny_model_dir(directory, moe=moe, max_positions=1024, overrides=overrides)
     return directory, hf_model.eval()
 
 

@@ -16,12 +16,11 @@ from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.llm import LLM, EngineOptions
 from ninfer_core.models.base import ForwardBatch
 from speculative_harness import assert_same_drafts, eager_then_graph, run_sampled
-from tiny_model_dir import write_tiny_model_dir
+from tiny_model_dir import WIDE, write_tiny_model_dir
 
 pytestmark = pytest.mark.cuda
 
 # int4 groups (32) divide every FFN input; q/k/v, GDN and shared-expert projections reach 64 outputs.
-WIDE = dict(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64)
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], list(range(20, 61)), [300, 301, 2, 9, 77]]
 
 

@@ -16,10 +16,9 @@ from ninfer_core.models.loader import build_model, load_model
 from ninfer_core.models.quantize import QuantRecipe
 from ninfer_core.ops.quant import QuantLinear
 from tiny_checkpoints import canonical_reference
-from tiny_model_dir import write_tiny_model_dir
+from tiny_model_dir import WIDE, write_tiny_model_dir
 
 PARTS = {"q_proj": 96, "k_proj": 32, "v_proj": 32}
-WIDE = {"hidden_size": 64, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}
 
 
 def separate_and_merged(bias: bool) -> tuple[dict[str, nn.Linear], nn.Module]:

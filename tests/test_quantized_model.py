@@ -31,10 +31,9 @@ from ninfer_core.models.presets import preset
 from ninfer_core.models.quantize import QuantRecipe, apply_recipe_
 from ninfer_core.ops.quant import QuantFormat, QuantLinear, dequantize_ref, quantize
 from ninfer_core.weights import quant_cache
-from tiny_model_dir import write_tiny_model_dir
+from tiny_model_dir import WIDE, write_tiny_model_dir
 
 # Wide enough that int4 groups (32) divide every FFN input and the big projections reach 64 outputs.
-WIDE = dict(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64)
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 11, 12, 13, 200, 201, 202, 8, 9]
 
 

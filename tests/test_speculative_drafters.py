@@ -29,6 +29,7 @@ from ninfer_core.engine.speculative.ngram import lookup
 from ninfer_core.ops.quant import QuantLinear, dequantize_ref
 from safetensors.torch import load_file
 from speculative_harness import DFLASH_LAYERS, PROMPTS, ScriptedDrafter, Spy, greedy, load, run, write_drafter, write_target
+from tiny_model_dir import WIDE
 
 torch.set_num_threads(1)
 
@@ -49,6 +50,12 @@ def test_ngram_lookup():
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     return write_target(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def wide_target(tmp_path_factory):
+    """The target at sizes the int8 CUDA kernels cover, so its decode steps are captured in graphs."""
+    return write_target(tmp_path_factory, overrides=WIDE)
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +162,11 @@ def _int8_values(weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_mtp_block_is_quantized_as_the_model(target, device):
+def test_mtp_block_is_quantized_as_the_model(wide_target, device):
     """Under `--weights int8` the MTP block's projections and routed experts are int8 like the
     target's, filled from its own checkpoint tensors (the merged q | k | v from its three parts); the
     drafts it makes leave speculative greedy output equal to the plain greedy output."""
-    directory, _ = target
+    directory, _ = wide_target
     llm = load(directory, weights="int8", spec="mtp", draft_tokens=3, device=device)
     layer = llm.engine.speculator.drafter.head.layers[0]
     tensors = {}

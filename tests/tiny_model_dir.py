@@ -26,6 +26,10 @@ CORPUS = [
     "Émoji 😀 and 中文 and ünïcödé text, numbers 0123456789.",
 ]
 VOCAB_SIZE = 400
+# sizes the quantized CUDA kernels cover (their vector widths divide every row length): the tiny
+# defaults (hidden 32, expert inter 20) send int8 experts to the host-synced grouped path,
+# which a CUDA graph cannot capture
+WIDE = dict(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64)
 
 
 def build_tokenizer() -> tokenizers.Tokenizer:
