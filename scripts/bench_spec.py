@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -53,6 +54,7 @@ from ninfer_core.config import ModelConfig  # noqa: E402
 from ninfer_core.engine.cuda_graph import DecodeGraphs  # noqa: E402
 from ninfer_core.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from ninfer_core.engine.speculative import mtp_head  # noqa: E402
+from ninfer_core.engine.speculative.draft_head import draft_lm_head  # noqa: E402
 from ninfer_core.engine.speculative.mtp import MTPDrafter, _Last  # noqa: E402
 from ninfer_core.engine.speculative.rollback import commit_gdn  # noqa: E402
 from ninfer_core.layers.attention import AttentionMetadata  # noqa: E402
@@ -167,10 +169,16 @@ class Synthetic:
         return module
 
     @cached_property
+    def draft_lm_head(self) -> torch.nn.Module:
+        """The drafters' lm_head, as the engine gives them (draft_head.py)."""
+        return draft_lm_head(self.model.lm_head)
+
+    @cached_property
     def mtp(self) -> MTPDrafter:
         """The engine's MTP drafter over a random MTP head (its chain graphs on the GPU)."""
         head = mtp_head(self.config, self.device, self.dtype, self.recipe, None)  # quantized as the engine's
-        return MTPDrafter(self.model, head, self.cache, Sampler(), self.graphs)  # type: ignore[arg-type]
+        return MTPDrafter(self.model, head, self.cache, Sampler(), self.graphs,  # type: ignore[arg-type]
+                          self.draft_lm_head)
 
     @cached_property
     def dflash(self) -> tuple[DFlashModel, KVPool]:
@@ -195,20 +203,26 @@ def dflash_shape(config: ModelConfig) -> dict:
                                                                  target_layer_ids=[0, config.num_layers // 2]))
 
 
-def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool, sampled: bool = False) -> float:
+def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool, sampling: str = "greedy") -> float:
     """K drafts as the engine's MTP drafter makes them: the catch-up (its layer over the verify's
     K+1 rows, lm_head on the last), then the chain of K-1 single-row steps: eagerly (a host sync
     per draft, as the engine's eager path takes each token) or by replaying the drafter's graphs
-    (`sampled`: the sampling chain of a request at Qwen3.6's suggested temperature 0.7, top-p 0.8,
-    top-k 20, instead of the argmax chain)."""
-    drafter, target, n, dev = s.mtp, s.model, s.context, s.device
+    (`sampling` "sampled": the sampling chain of a request at Qwen3.6's suggested temperature 0.7,
+    top-p 0.8, top-k 20, instead of the argmax chain; "penalised": that with its suggested presence
+    penalty 1.5 over a history of `context` tokens, the drafter's tables brought up to date first)."""
+    drafter, n, dev = s.mtp, s.context, s.device
     table = s.cache.block_table([s.seq])
     hidden = torch.randn(1, k + 1, s.config.hidden_size, device=dev, dtype=s.dtype)
     start = n - k - 1
     catch_up = (s.ids(n - k, k + 1), hidden, torch.arange(start, n, device=dev)[None],
                 torch.tensor([start], device=dev), table, torch.tensor([k], device=dev))
-    params = SamplingParams(temperature=0.7, top_p=0.8, top_k=20) if sampled else SamplingParams(temperature=0)
+    sampled = sampling != "greedy"
+    params = SamplingParams(temperature=0.7, top_p=0.8, top_k=20,
+                            presence_penalty=1.5 if sampling == "penalised" else None) if sampled else SamplingParams(
+        temperature=0)
     generator = params.make_generator(dev) if sampled else None
+    history = SimpleNamespace(request=SimpleNamespace(sampling=params), cache=s.seq, prompt_ids=list(range(n)),
+                              output_ids=[])
 
     def draft() -> None:
         if graph:
@@ -216,7 +230,8 @@ def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool, sampled: boo
             caught = drafter.graphs.catch_up(*catch_up)
             assert caught is not None
             last = _Last(n - 1, caught[0][0], caught[1][0])
-            assert drafter.graphs.draft([last], [0], [params], [generator], table, [k]) is not None
+            slots = drafter.penalty_slots([history]) if sampling == "penalised" else None
+            assert drafter.graphs.draft([last], [0], [params], [generator], table, [k], slots) is not None
             return
         h, logits = drafter.catch_up(*catch_up)
         token = logits.argmax(-1, keepdim=True)
@@ -224,7 +239,7 @@ def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool, sampled: boo
         for step in range(1, k):
             index = torch.tensor([n + step - 1], device=dev)
             h = drafter.run_layer(token, h[:, None], index[:, None], index, table)[:, 0]
-            token = target.lm_head(h).float().argmax(-1, keepdim=True)
+            token = drafter.lm_head(h).float().argmax(-1, keepdim=True)
             token.tolist()
 
     with torch.inference_mode():
@@ -245,7 +260,7 @@ def dflash_draft_cost(s: Synthetic, k: int, repeats: int) -> float:
     def draft() -> None:
         m.write_context(features, lens[:, None] + torch.arange(k + 1, device=dev), meta.slot_mapping, *caches)
         hidden = m(s.model.embed_tokens(s.ids(n, k + 1)), where, *caches)
-        m.logits(hidden[:, 1:], s.model.lm_head).argmax(-1)
+        m.logits(hidden[:, 1:], s.draft_lm_head).argmax(-1)
 
     with torch.inference_mode():
         return timed(draft, dev, repeats)
@@ -272,8 +287,9 @@ def bench_verify(args: argparse.Namespace) -> dict:
             mtp = {g: mtp_draft_cost(s, k, args.repeats, g) for g in modes} if k <= 5 else {}
             for g, t in mtp.items():
                 row[f"mtp_draft_{'graph' if g else 'eager'}_ms"] = t * 1e3
-            if mtp and best:  # a sampled request's drafts: the sampling chain graph
-                row["mtp_draft_sampled_graph_ms"] = mtp_draft_cost(s, k, args.repeats, True, sampled=True) * 1e3
+            if mtp and best:  # a sampled request's drafts: the sampling chain graph, without / with penalties
+                for sampling in ("sampled", "penalised"):
+                    row[f"mtp_draft_{sampling}_graph_ms"] = mtp_draft_cost(s, k, args.repeats, True, sampling) * 1e3
             row["dflash_draft_ms"] = dflash_draft_cost(s, k, args.repeats) * 1e3
             ratio = row[f"verify_{'graph' if best else 'eager'}_ratio"]
             tokens = 1 + k * args.acceptance
@@ -292,14 +308,15 @@ def bench_verify(args: argparse.Namespace) -> dict:
           + ", ".join(f"{'graph' if g else 'eager'} {decode[g] * 1e3:.2f} ms" for g in modes)
           + (f", replays alone {decode_replay:.3f} ms" if decode_replay is not None else ""))
     print(f"{'K':>2} {'eager ms':>9} {'x eager':>8} {'graph ms':>9} {'x graph':>8} {'replay ms':>9} {'x replay':>8} "
-          f"{'MTP eager':>10} {'MTP graph':>10} {'MTP sampled':>12} {'DFlash ms':>10} {'S verify-only':>14} "
+          f"{'MTP eager':>10} {'MTP graph':>10} {'MTP sampled':>12} {'MTP penalised':>14} {'DFlash ms':>10} "
+          f"{'S verify-only':>14} "
           f"{'S MTP @' + format(args.acceptance, '.0%'):>10}")
     for r in rows:
         print(f"{r['k']:>2} {r['verify_eager_ms']:>9.2f} {r['verify_eager_ratio']:>8.3f} "
               f"{fmt(r.get('verify_graph_ms')):>9} {fmt(r.get('verify_graph_ratio')):>8} "
               f"{fmt(r.get('verify_replay_ms')):>9} {fmt(r.get('verify_replay_ratio')):>8} "
               f"{fmt(r.get('mtp_draft_eager_ms')):>10} {fmt(r.get('mtp_draft_graph_ms')):>10} "
-              f"{fmt(r.get('mtp_draft_sampled_graph_ms')):>12} "
+              f"{fmt(r.get('mtp_draft_sampled_graph_ms')):>12} {fmt(r.get('mtp_draft_penalised_graph_ms')):>14} "
               f"{fmt(r['dflash_draft_ms']):>10} {fmt(r['speedup_verify_only'], 'x'):>14} "
               f"{fmt(r.get('mtp_speedup_at_acceptance'), 'x'):>10}")
     return result

@@ -11,6 +11,9 @@ scratch slot / page must be the only cache the spare rows touch.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -177,17 +180,75 @@ def test_mtp_sampled_graph_drafts_equal_eager_drafts(target, fake_graphs):
     assert_same_drafts(rounds)
 
 
-def test_mtp_graphs_take_greedy_penalties_and_leave_sampled_ones(target, fake_graphs):
+def test_mtp_graphs_take_greedy_penalties_and_leave_biased_rows(target, fake_graphs):
     """Greedy rows draft the raw argmax, penalised or not: the greedy chain graph serves them; a sampled
-    row with a repetition penalty needs its token history for q: that batch drafts eagerly. The
-    tokens are the engine's without graphs either way."""
-    for temperature, kinds in ((0.0, {"draft"}), (0.9, set())):
-        params = [SamplingParams(temperature=temperature, repetition_penalty=1.3, seed=5, max_tokens=24,
-                                 ignore_eos=True)] * 2
+    row with a logit bias needs it in q, which no graph holds: that batch drafts eagerly. The tokens
+    are the engine's without graphs either way."""
+    for params, kinds in ((SamplingParams(temperature=0.0, repetition_penalty=1.3), {"draft"}),
+                          (SamplingParams(temperature=0.9, logit_bias={5: 2.0}), set())):
+        params = [replace(params, seed=5, max_tokens=24, ignore_eos=True)] * 2
         want = run_with(engine(target, "mtp", graphs=False), params)
         eng = engine(target, "mtp", graphs=True)
         assert run_with(eng, params) == want
         assert {kind for kind, _, _ in eng.speculator.drafter.graphs.captured} - {"catch_up"} == kinds
+
+
+def test_mtp_penalised_graph_drafts_equal_eager_drafts(target, fake_graphs):
+    """Sampled rows with repetition / presence / frequency penalties beside a greedy penalised one:
+    every round's drafts and q by the penalised chain graph (the drafter's tables brought up to date
+    each round, each draft joining the history within the chain) equal eager drafting's over the host
+    histories, and the output is the engine's without graphs. Run twice on one engine: the second
+    batch's sequences take the first's slots, whose tables must start again from their histories."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=1.5, seed=3, max_tokens=N_TOKENS),
+              SamplingParams(temperature=0.0, frequency_penalty=1.0, max_tokens=13),
+              SamplingParams(temperature=1.1, repetition_penalty=1.4, frequency_penalty=0.5, seed=9, max_tokens=27)]
+    params = [replace(p, ignore_eos=True) for p in params]
+    want = run_with(engine(target, "mtp", graphs=False), params)
+    eng = engine(target, "mtp", graphs=True)
+    drafter = eng.speculator.drafter
+    rounds: list = []
+    drafter.propose = eager_then_graph(drafter, rounds)
+    for _ in range(2):
+        assert run_with(eng, params) == want
+    assert {kind for kind, _, _ in drafter.graphs.captured} - {"catch_up"} == {"penalised"}
+    assert_same_drafts(rounds)
+    assert not drafter._penalty_rows  # released with their sequences
+
+
+def test_mtp_penalty_tables_follow_each_slots_sequence(target):
+    """The drafter's tables hold, per slot, the history of the sequence drafting there: the outputs
+    since its last round added; a whole history where the slot held another sequence (one preempted
+    without a release) or the sequence comes back in another slot. Reference: counts and seen ids
+    written out from each history."""
+    drafter = load(target, spec="mtp").engine.speculator.drafter
+    params = SamplingParams(temperature=1.0, presence_penalty=1.0)
+
+    def sequence(slot: int, prompt: list[int], output: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(request=SimpleNamespace(sampling=params), cache=SimpleNamespace(slot=slot),
+                               prompt_ids=prompt, output_ids=output)
+
+    def check(seq: SimpleNamespace) -> None:
+        vocab = drafter.penalties.counts.shape[1]
+        counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long), minlength=vocab).to(torch.int32)
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[seq.prompt_ids + seq.output_ids] = True
+        assert torch.equal(drafter.penalties.counts[seq.cache.slot], counts)
+        assert torch.equal(drafter.penalties.seen[seq.cache.slot], seen)
+
+    a = sequence(1, [1, 2], [3])
+    assert drafter.penalty_slots([a]).tolist() == [1]
+    check(a)
+    a.output_ids += [3, 4]
+    drafter.penalty_slots([a])
+    check(a)
+    b = sequence(1, [5], [6, 6])  # a preempted, b in its slot
+    drafter.penalty_slots([b])
+    check(b)
+    a.cache.slot = 2
+    a.output_ids.append(7)
+    drafter.penalty_slots([a, b])
+    check(a)
+    check(b)
 
 
 @pytest.mark.parametrize("chunk", [16, 4096])

@@ -3,6 +3,7 @@ unquantized one, automatic KV sizing. (Each kernel has its own tests beside its 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from ninfer_core.engine.speculative import Draft
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.llm import LLM, EngineOptions
 from ninfer_core.models.base import ForwardBatch
-from speculative_harness import assert_same_drafts, eager_then_graph, run_sampled
+from speculative_harness import SAMPLED, assert_same_drafts, eager_then_graph, run_with
 from tiny_model_dir import WIDE, write_tiny_model_dir
 
 pytestmark = pytest.mark.cuda
@@ -225,19 +226,23 @@ def test_mtp_graph_drafts_equal_eager_drafting(model_dir):
     assert all(graph == eager for graph, eager in rounds)
 
 
-def test_mtp_sampled_graph_drafts_equal_eager_drafting(model_dir):
-    """fp32, two seeded sampled sequences beside a greedy one: each round's drafts and their q from the
-    sampling chain graph (a real capture) equal the eager drafter's from the same state and generator
-    states; the tokens are the engine's without graphs for the same seeds."""
+@pytest.mark.parametrize("penalties", [{}, dict(presence_penalty=1.5, repetition_penalty=1.2, frequency_penalty=0.3)])
+def test_mtp_sampled_graph_drafts_equal_eager_drafting(model_dir, penalties):
+    """fp32, two seeded sampled sequences beside a greedy one, without and with penalties: each round's
+    drafts and their q from the sampling chain graph (a real capture; the penalised one reads the
+    drafter's tables) equal the eager drafter's from the same state and generator states; the
+    tokens are the engine's without graphs for the same seeds."""
     options = dict(dtype="float32", weights="bf16", spec="mtp", draft_tokens=3)
-    want = run_sampled(load(model_dir, cuda_graphs=False, **options).engine, [32] * 3)
+    params = [replace(p, max_tokens=32, **penalties) for p in SAMPLED]
+    want = run_with(load(model_dir, cuda_graphs=False, **options).engine, params)
     llm = load(model_dir, **options)
     drafter = llm.engine.speculator.drafter
     assert drafter.graphs is not None
     rounds: list = []
     drafter.propose = eager_then_graph(drafter, rounds)
-    assert run_sampled(llm.engine, [32] * 3) == want
-    assert drafter.graphs.enabled and any(kind == "sampled" for kind, _, _ in drafter.graphs.captured)
+    assert run_with(llm.engine, params) == want
+    kind = "penalised" if penalties else "sampled"
+    assert drafter.graphs.enabled and any(k == kind for k, _, _ in drafter.graphs.captured)
     assert_same_drafts(rounds)
 
 

@@ -22,10 +22,15 @@ class PenaltyTables:
 
     def reset(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """A sequence starts sampling in this slot with these tokens already in its history."""
-        device = self.counts.device
         self.counts[slot].zero_()
         self.seen[slot].zero_()
-        seen = torch.tensor(prompt_ids + output_ids, dtype=torch.long).to(device, non_blocking=True)
+        self.extend(slot, prompt_ids, output_ids)
+
+    def extend(self, slot: int, seen_ids: list[int], output_ids: list[int]) -> None:
+        """Host tokens that joined the slot's history: `seen_ids` (a prompt) seen only, `output_ids`
+        generated (seen and counted)."""
+        device = self.counts.device
+        seen = torch.tensor(seen_ids + output_ids, dtype=torch.long).to(device, non_blocking=True)
         self.seen[slot].index_fill_(0, seen, True)
         if output_ids:
             out = torch.tensor(output_ids, dtype=torch.long).to(device, non_blocking=True)
@@ -33,14 +38,8 @@ class PenaltyTables:
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Penalised logits [R, V] for rows in `slots` [R] (device), each with its params."""
-        rep = torch.tensor([p.repetition_penalty or 1.0 for p in params], dtype=logits.dtype)
-        presence = torch.tensor([p.presence_penalty or 0.0 for p in params], dtype=logits.dtype)
-        frequency = torch.tensor([p.frequency_penalty or 0.0 for p in params], dtype=logits.dtype)
-        rep, presence, frequency = (t.to(logits.device, non_blocking=True)[:, None] for t in (rep, presence, frequency))
-        seen = self.seen.index_select(0, slots)
-        counts = self.counts.index_select(0, slots).to(logits.dtype)
-        out = torch.where(seen & (rep != 1), torch.where(logits < 0, logits * rep, logits / rep), logits)
-        return out - (frequency * counts + presence * (counts > 0).to(logits.dtype))
+        return penalise(logits, self.seen.index_select(0, slots), self.counts.index_select(0, slots),
+                        *penalty_columns(params, logits.dtype, logits.device))
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Sampled tokens [R] (device; -1 = none) of rows in `slots` [R]; no host sync (a
@@ -49,3 +48,21 @@ class PenaltyTables:
         ids = tokens.clamp(min=0)
         self.counts.index_put_((slots, ids), valid.to(torch.int32), accumulate=True)
         self.seen.index_put_((slots, ids), self.seen[slots, ids] | valid)
+
+
+def penalty_columns(params: list[SamplingParams], dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (repetition, presence, frequency) [R] on `device`, unset ones neutral (1, 0, 0)."""
+    columns = ([p.repetition_penalty or 1.0 for p in params], [p.presence_penalty or 0.0 for p in params],
+               [p.frequency_penalty or 0.0 for p in params])
+    return tuple(torch.tensor(c, dtype=dtype).to(device, non_blocking=True) for c in columns)
+
+
+def penalise(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, rep: torch.Tensor,
+             presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] with rows' seen [R, V] bool, generated counts [R, V] and penalties [R]: a neutral
+    row (1, 0, 0) comes back bit for bit (x - 0 is x)."""
+    rep, presence, frequency = rep[:, None], presence[:, None], frequency[:, None]
+    counts = counts.to(logits.dtype)
+    out = torch.where(seen & (rep != 1), torch.where(logits < 0, logits * rep, logits / rep), logits)
+    return out - (frequency * counts + presence * (counts > 0).to(logits.dtype))

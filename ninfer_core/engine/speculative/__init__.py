@@ -29,6 +29,7 @@ from ..sampling import Sampler
 from .adaptive import AdaptiveDraft, CostModel
 from .base import Draft, Drafter, Observation
 from .dflash import DFlashDrafter
+from .draft_head import draft_lm_head
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 from .speculator import Speculator
@@ -51,6 +52,7 @@ class DraftWeights:
     method: str
     module: MTPHead | DFlashModel | None  # None: n-gram drafts
     kv_bytes_per_token: int
+    lm_head: torch.nn.Module | None = None  # the drafts' logits' (draft_head.py), None: the target's
 
 
 def load_draft_weights(method: str, draft_model: str | Path | None, loaded: LoadedModel,
@@ -64,11 +66,13 @@ def load_draft_weights(method: str, draft_model: str | Path | None, loaded: Load
         return DraftWeights(method, None, 0)
     if method == "mtp":
         return DraftWeights(method, build_mtp_head(loaded, random_weights),
-                            MTPDrafter.kv_bytes_per_token(loaded.config, loaded.dtype))
+                            MTPDrafter.kv_bytes_per_token(loaded.config, loaded.dtype),
+                            draft_lm_head(_require_decoder(loaded).lm_head))
     if draft_model is None:
         raise NinferError("--spec dflash needs --draft-model DIR (a z-lab DFlash checkpoint)")
     model = load_dflash(draft_model, loaded.device, loaded.dtype)
-    return DraftWeights(method, model, DFlashDrafter.kv_bytes_per_token(model.config, loaded.dtype))
+    return DraftWeights(method, model, DFlashDrafter.kv_bytes_per_token(model.config, loaded.dtype),
+                        draft_lm_head(_require_decoder(loaded).lm_head))
 
 
 def build_speculator(weights: DraftWeights, draft_tokens: int | None, loaded: LoadedModel, cache: CacheManager,
@@ -77,9 +81,9 @@ def build_speculator(weights: DraftWeights, draft_tokens: int | None, loaded: Lo
     `adaptive`: K per request from its acceptance (adaptive.py), `draft_tokens` its maximum."""
     drafter: Drafter
     if isinstance(weights.module, MTPHead):
-        drafter = MTPDrafter(_require_decoder(loaded), weights.module, cache, sampler, graphs)
+        drafter = MTPDrafter(_require_decoder(loaded), weights.module, cache, sampler, graphs, weights.lm_head)
     elif isinstance(weights.module, DFlashModel):
-        drafter = DFlashDrafter(_require_decoder(loaded), weights.module, cache, sampler)
+        drafter = DFlashDrafter(_require_decoder(loaded), weights.module, cache, sampler, weights.lm_head)
     else:
         drafter = NgramDrafter()
     k = min(DEFAULT_DRAFT_TOKENS[weights.method], drafter.max_draft_tokens) if draft_tokens is None else draft_tokens

@@ -30,10 +30,13 @@ class DFlashDrafter(Drafter):
         model dtype."""
         return config.num_layers * kv_token_bytes(config.num_kv_heads, config.head_dim, dtype.itemsize, scaled=False)
 
-    def __init__(self, target: DecoderModel, model: DFlashModel, cache: CacheManager, sampler: Sampler):
+    def __init__(self, target: DecoderModel, model: DFlashModel, cache: CacheManager, sampler: Sampler,
+                 lm_head: torch.nn.Module | None = None):
+        """`lm_head`: the drafts' (draft_head.py's int4 copy), None: the target's."""
         config = model.config
         config.check_target(target.config)
         self.target, self.model, self.cache, self.sampler = target, model, cache, sampler
+        self.lm_head = target.lm_head if lm_head is None else lm_head
         self.max_draft_tokens = config.block_size - 1
         self.capture_layers = tuple(config.target_layer_ids)
         dtype = target.norm.weight.dtype  # the model dtype (the embedding table may be quantized)
@@ -71,7 +74,7 @@ class DFlashDrafter(Drafter):
         )
         embeds = self.target.embed_tokens(ids) * self.model.config.embedding_scale
         hidden = self.model(embeds, where, *self._caches)
-        logits = self.model.logits(hidden[:, 1:], self.target.lm_head)  # [B, width - 1, V]
+        logits = self.model.logits(hidden[:, 1:], self.lm_head)  # [B, width - 1, V]
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for t in range(width - 1):

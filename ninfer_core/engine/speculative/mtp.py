@@ -13,8 +13,10 @@ verify's kept rows, and the whole draft chain (argmax, then K-1 layer steps each
 lm_head and argmax, all on the device; with sampled rows, a draw from q in place of the argmax):
 one host sync per round instead of K Python-level steps. Greedy drafts are the raw argmax of the
 MTP logits on both paths (the target's acceptance applies penalties); sampled requests draw from
-their sampling distribution, by the sampling chain graph where none reads its token history
-(penalties, logit bias: those draft eagerly).
+their sampling distribution, penalties included, by the sampling chain graph (its penalties read
+the drafter's own device tables of each sequence's history, brought up to date before each
+round); a batch with a sampled row's logit bias drafts eagerly. The logits come from `draft_head.py`'s lm_head: an
+int4 copy of an int8 one (half its bytes, read once a draft step), else the target's.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ...models.mtp import MTPHead, mtp_layer_config
 from ...ops import sampling as sampling_ops
 from ...ops.gdn import MAX_STEP_TOKENS
 from ..graph_capture import capture
+from ..penalties import PenaltyTables, penalise, penalty_columns
 from ..sampling import Sampler, SamplingParams, TokenHistory, draw_from_probs, row_params
 from ..sequence import Sequence
 from .base import Draft, Drafter, Observation, choose_drafts, uniform
@@ -64,9 +67,11 @@ class MTPDrafter(Drafter):
         return kv_bytes_per_token(mtp_layer_config(config), None, dtype)
 
     def __init__(self, target: DecoderModel, head: MTPHead, cache: CacheManager, sampler: Sampler,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, lm_head: torch.nn.Module | None = None):
+        """`lm_head`: the drafts' (draft_head.py's int4 copy), None: the target's."""
         config: ModelConfig = target.config
         self.target, self.head, self.cache, self.sampler = target, head, cache, sampler
+        self.lm_head = target.lm_head if lm_head is None else lm_head
         dtype = target.norm.weight.dtype  # the model dtype (the embedding table may be quantized)
         # the target's pages + its scratch page (graph rows with no sequence write there)
         pages = cache.num_pages + (cache.scratch_page is not None)
@@ -74,6 +79,8 @@ class MTPDrafter(Drafter):
         self.cache_bytes = self.kv.kv.nbytes
         self._last: dict[str, _Last] = {}
         self.graphs = MTPGraphs(self, graphs) if graphs is not None else None
+        self.penalties: PenaltyTables | None = None  # the graph's sampled rows' histories, made on first use
+        self._penalty_rows: dict[int, tuple[Sequence, int]] = {}  # slot -> (its sequence, outputs recorded)
 
     @torch.inference_mode()
     def observe(self, obs: Observation) -> None:
@@ -94,17 +101,17 @@ class MTPDrafter(Drafter):
         -> the normed output and logits of each row's entry `last` ([B, H], [B, V] fp32)."""
         out = self.run_layer(ids, self.target.norm(hidden), positions, cache_lens, block_table)
         tail = out[torch.arange(out.shape[0], device=out.device), last]
-        return tail, self.target.lm_head(tail).float()
+        return tail, self.lm_head(tail).float()
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
         lasts = [self._last[s.request_id] for s in seqs]
-        # greedy drafts are the raw argmax (penalties or not); a sampled row's q reads its token history
-        # where it has penalties or a logit bias: those batches draft eagerly
-        if self.graphs is not None and not any(_reads_history(s.request.sampling) for s in seqs):
-            drafted = self.graphs.draft(lasts, [s.rope_delta for s in seqs], [s.request.sampling for s in seqs],
-                                        [s.generator for s in seqs], self.cache.block_table([s.cache for s in seqs]),
-                                        counts)
+        # greedy drafts are the raw argmax (penalties or not); a sampled row's logit bias drafts eagerly
+        if self.graphs is not None and not any(_biased(s.request.sampling) for s in seqs):
+            params = [s.request.sampling for s in seqs]
+            drafted = self.graphs.draft(lasts, [s.rope_delta for s in seqs], params, [s.generator for s in seqs],
+                                        self.cache.block_table([s.cache for s in seqs]), counts,
+                                        self.penalty_slots(seqs) if any(map(_penalised, params)) else None)
             if drafted is not None:
                 return drafted
         tokens: list[list[int]] = [[] for _ in seqs]
@@ -129,11 +136,31 @@ class MTPDrafter(Drafter):
             ids = torch.tensor([[chosen[j]] for j in keep], device=device)
             table = self.cache.block_table([seqs[i].cache for i in active])
             hidden = self.run_layer(ids, hidden[keep, None], (index + deltas)[:, None], index, table)[:, 0]
-            logits = self.target.lm_head(hidden).float()
+            logits = self.lm_head(hidden).float()
         return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def release(self, seq: Sequence) -> None:
         self._last.pop(seq.request_id, None)
+        for slot in [slot for slot, (owner, _) in self._penalty_rows.items() if owner is seq]:
+            del self._penalty_rows[slot]
+
+    def penalty_slots(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's state slot, the penalised rows' rows of `self.penalties` brought up to their
+        sequences' histories: the outputs since the last round added, a whole history where the slot
+        held another sequence (or this one was preempted into it)."""
+        if self.penalties is None:
+            self.penalties = PenaltyTables(self.cache.max_seqs, self.target.config.vocab_size, self.cache.device)
+        for seq in seqs:
+            if not _penalised(seq.request.sampling):
+                continue
+            slot = seq.cache.slot
+            owner, recorded = self._penalty_rows.get(slot, (None, 0))
+            if owner is seq:
+                self.penalties.extend(slot, [], seq.output_ids[recorded:])
+            else:
+                self.penalties.reset(slot, seq.prompt_ids, seq.output_ids)
+            self._penalty_rows[slot] = (seq, len(seq.output_ids))
+        return torch.tensor([s.cache.slot for s in seqs], dtype=torch.long).to(self.cache.device, non_blocking=True)
 
     def run_layer(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache_lens: torch.Tensor,
              block_table: torch.Tensor) -> torch.Tensor:
@@ -145,10 +172,14 @@ class MTPDrafter(Drafter):
         return self.head(embeds, hidden, step)
 
 
-def _reads_history(params: SamplingParams) -> bool:
-    """Whether a draft's q needs the sequence's token history on the host (a sampled row's penalties
-    or logit bias)."""
-    return not params.is_greedy and (params.has_penalties or bool(params.logit_bias))
+def _penalised(params: SamplingParams) -> bool:
+    """A sampled row whose q reads its token history (greedy drafts are the raw argmax)."""
+    return not params.is_greedy and params.has_penalties
+
+
+def _biased(params: SamplingParams) -> bool:
+    """A sampled row whose q adds a logit bias, which the chain graphs do not hold."""
+    return not params.is_greedy and bool(params.logit_bias)
 
 
 @dataclass
@@ -170,6 +201,9 @@ class MTPGraphs:
                 row's temperature / top-k / top-p / min-p over the drafter's logits, on the device;
                 one-hot at the argmax for greedy rows) with a uniform its generator gave before the
                 replay: the draws and the order of eager drafting, so the same drafts and q.
+      penalised that, with a sampled row's repetition / presence / frequency penalties on its logits
+                first: its history is its row of the drafter's tables (indexed by the rows' slots)
+                plus the drafts drawn so far, as eager drafting sees it.
       catch_up  the layer over a verify's rows per (bucket, width <= 16) and the logits of each
                 row's last kept entry (`MTPDrafter.catch_up`); prompt chunks stay eager.
     A capture failure turns both off with a warning (drafting eagerly gives the same drafts)."""
@@ -180,10 +214,12 @@ class MTPGraphs:
         self.enabled = True
 
     def draft(self, lasts: list[_Last], deltas: list[int], params: list[SamplingParams],
-              generators: list[torch.Generator | None], table: torch.Tensor, counts: list[int]) -> list[Draft] | None:
+              generators: list[torch.Generator | None], table: torch.Tensor, counts: list[int],
+              slots: torch.Tensor | None = None) -> list[Draft] | None:
         """counts[b] drafts for row b (a sequence's newest entry, rope delta, sampling, generator, block
-        table row), or None when no graph serves the batch. Rows whose q reads their token history
-        (`_reads_history`) are the caller's to keep away."""
+        table row), or None when no graph serves the batch. `slots`: where a sampled row has penalties,
+        each row's slot in `drafter.penalties` (brought up to date); sampled rows with a logit bias
+        are the caller's to keep away."""
         device, k = lasts[0].logits.device, max(counts)
         inputs = {"logits": torch.stack([last.logits for last in lasts]),
                   "hidden": torch.stack([last.hidden for last in lasts]),
@@ -192,7 +228,8 @@ class MTPGraphs:
         if all(p.is_greedy for p in params):
             out = self._replay(("draft", len(lasts), k), inputs, lambda x: (self._chain(x, k),))
             return None if out is None else [Draft(t[:c]) for t, c in zip(out[0].tolist(), counts)]
-        if self._bucket("sampled", len(lasts), k, table) is None:  # before the generators draw
+        kind = "sampled" if slots is None else "penalised"
+        if self._bucket(kind, len(lasts), k, table) is None:  # before the generators draw
             return None
         temperature, top_k, top_p, min_p = row_params(params)
         u = torch.zeros(len(lasts), k, dtype=torch.float64, device=device)
@@ -201,7 +238,12 @@ class MTPGraphs:
                 u[b, :c] = torch.cat([uniform(generator) for _ in range(c)]).to(device)
         inputs.update(temperature=temperature.to(device), top_k=top_k.to(device), top_p=top_p.to(device),
                       min_p=min_p.to(device), u=u)
-        out = self._replay(("sampled", len(lasts), k), inputs, lambda x: self._sampled_chain(x, k))
+        if slots is not None:  # greedy rows' drafts are the raw argmax: neutral penalties
+            neutral = SamplingParams()
+            inputs["slots"] = slots
+            inputs.update(zip(("repetition", "presence", "frequency"), penalty_columns(
+                [neutral if p.is_greedy else p for p in params], torch.float32, device)))
+        out = self._replay((kind, len(lasts), k), inputs, lambda x: self._sampled_chain(x, k))
         if out is None:
             return None
         tokens, probs = out[0].tolist(), out[1]
@@ -231,16 +273,26 @@ class MTPGraphs:
         return torch.stack(tokens, dim=1)
 
     def _sampled_chain(self, x: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_chain` with each token drawn from its q: (tokens [B, K], q [B, K, V] fp32)."""
+        """`_chain` with each token drawn from its q: (tokens [B, K], q [B, K, V] fp32). With `slots`
+        in x, each row's logits penalised first by its history, each draft joining it."""
         rows = (x["temperature"], x["top_k"], x["top_p"], x["min_p"])
         logits, hidden = x["logits"], x["hidden"]
+        penalised = "slots" in x
+        if penalised:
+            tables = self.drafter.penalties
+            seen, counts = tables.seen.index_select(0, x["slots"]), tables.counts.index_select(0, x["slots"])
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for step in range(k):
             if step:
                 hidden, logits = self._step(x, step, tokens[-1], hidden)
+            if penalised:
+                logits = penalise(logits, seen, counts, x["repetition"], x["presence"], x["frequency"])
             probs.append(sampling_ops.filtered_probs(logits, *rows))
             tokens.append(draw_from_probs(probs[-1], x["u"][:, step]))
+            if penalised and step + 1 < k:
+                seen.scatter_(1, tokens[-1][:, None], True)
+                counts.scatter_add_(1, tokens[-1][:, None], torch.ones_like(tokens[-1][:, None], dtype=counts.dtype))
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
     def _step(self, x: dict[str, torch.Tensor], step: int, token: torch.Tensor,
@@ -250,7 +302,7 @@ class MTPGraphs:
         index = x["index"] + step
         hidden = self.drafter.run_layer(token[:, None], hidden[:, None], (index + x["deltas"])[:, None], index,
                                         x["table"])[:, 0]
-        return hidden, self.drafter.target.lm_head(hidden).float()
+        return hidden, self.drafter.lm_head(hidden).float()
 
     def _replay(self, key: tuple[str, int, int], inputs: dict[str, torch.Tensor],
                 fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...] | None:
@@ -280,6 +332,8 @@ class MTPGraphs:
         for name, static in inputs.items():
             if name == "table":
                 static[start:].fill_(self.graphs.scratch_page)
+            elif name == "repetition":  # neutral (a 0 would divide by it)
+                static[start:].fill_(1)
             elif name == "positions":
                 static[start:].copy_(torch.arange(static.shape[1], device=static.device).expand_as(static[start:]))
             else:
