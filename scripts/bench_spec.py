@@ -5,6 +5,8 @@
     python3 scripts/bench_spec.py profile    [--max-k 3] [--json OUT]
     python3 scripts/bench_spec.py acceptance [--model DIR] [--spec ngram] [--draft-tokens 1,..,8]
                                              [--adaptive 8] [--json OUT]
+    python3 scripts/bench_spec.py engine     [--model .bench/qwen3.6-35b-a3b] [--batches 1,8]
+                                             [--acceptance 0.72] [--json OUT]
 
 verify: on the synthetic model (exact shapes, random weights; the engine's own forward, eager),
 after a `--context`-token prefill, the time of one verify round of K+1 tokens per sequence
@@ -28,6 +30,16 @@ identical output, acceptance, tokens per round, rounds, and the projected speed 
 decode on the GPU of the cost table (engine/speculative/adaptive.py: H200, 35B-A3B int4):
 
     speedup = tokens of the rounds / sum over rounds of cost(drafts in the round)
+
+engine: what the projections leave out, the engine loop's own time (`LLMEngine.step`: the host's
+work between the syncs of a round, the judge, the commit, the catch-up), on a random-weight model
+directory (scripts/make_bench_model.py). Per batch: plain decode (greedy, then Qwen3.6's suggested
+sampling with presence penalty 1.0, as the reference engine benchmarks MTP), then MTP K = 3 rounds
+whose drafts the real drafter makes (its time, its state) but the target verifies the known greedy
+continuation instead, each draft kept with a seeded probability that puts accepted / drafted at
+`--acceptance` (random weights would reject nearly everything), and at 0 (every round's first draft
+wrong: the round's cost alone); sampled rounds run at their own (random-weight) acceptance. Round
+time = decode time / rounds, next to the plain step's.
 """
 
 from __future__ import annotations
@@ -35,10 +47,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
@@ -52,7 +67,10 @@ from ninfer_core.bench import cuda_median_ms  # noqa: E402
 from ninfer_core.cache import CacheManager, KVPool  # noqa: E402
 from ninfer_core.config import ModelConfig  # noqa: E402
 from ninfer_core.engine.cuda_graph import DecodeGraphs  # noqa: E402
+from ninfer_core.engine.request import GenerationRequest, SpecStats  # noqa: E402
 from ninfer_core.engine.sampling import Sampler, SamplingParams  # noqa: E402
+from ninfer_core.engine.sequence import Sequence  # noqa: E402
+from ninfer_core.engine.speculative import Draft, Drafter, Observation  # noqa: E402
 from ninfer_core.engine.speculative import mtp_head  # noqa: E402
 from ninfer_core.engine.speculative.draft_head import draft_lm_head  # noqa: E402
 from ninfer_core.engine.speculative.mtp import MTPDrafter, _Last  # noqa: E402
@@ -440,6 +458,130 @@ def bench_acceptance(args: argparse.Namespace) -> dict:
     return result
 
 
+class ScriptedAcceptance(Drafter):
+    """The engine's drafter proposes (its time, its state), then the target verifies `truth`'s next
+    tokens instead, each kept with probability `keep` once the ones before it were (a seeded draw;
+    the first dropped one is corrupted)."""
+
+    def __init__(self, inner: Drafter, truth: dict[str, list[int]], keep: float, vocab: int):
+        self.inner, self.truth, self.keep, self.vocab = inner, truth, keep, vocab
+        self.method, self.max_draft_tokens = inner.method, inner.max_draft_tokens
+        self.capture_layers = inner.capture_layers
+        self.rng = random.Random(0)
+
+    def observe(self, obs: Observation) -> None:
+        self.inner.observe(obs)
+
+    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+        self.inner.propose(seqs, counts)
+        drafts = []
+        for seq, k in zip(seqs, counts):
+            tokens = self.truth[seq.request_id][len(seq.output_ids):][:k]
+            kept = next((j for j in range(len(tokens)) if self.rng.random() >= self.keep), len(tokens))
+            if kept < len(tokens):
+                tokens[kept] = (tokens[kept] + 1) % self.vocab
+            drafts.append(Draft(tokens))
+        return drafts
+
+    def release(self, seq: Sequence) -> None:
+        self.inner.release(seq)
+
+
+def keep_probability(acceptance: float, k: int) -> float:
+    """c with (c + c^2 + ... + c^k) / k = acceptance: a prefix of drafts kept one by one with
+    probability c averages acceptance * k accepted of k drafted."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        c = (low + high) / 2
+        low, high = (c, high) if sum(c ** j for j in range(1, k + 1)) / k < acceptance else (low, c)
+    return (low + high) / 2
+
+
+def engine_decode(llm: Any, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Every prompt decoded at once by the engine loop: the tokens of each, and the decode phase timed
+    from the step that gave every sequence its first token to the last (tok/s aggregate, rounds a
+    sequence, SpecStats summed)."""
+    engine = llm.engine
+    ids = [f"p{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(GenerationRequest(prompt, params, request_id=rid))
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    outputs: Counter[str] = Counter()
+    stats: dict[str, SpecStats | None] = {}
+    start = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            outputs[out.request_id] += 1
+            stats[out.request_id] = out.spec
+        if start is None and all(tokens.values()):
+            start, base, first = time.perf_counter(), sum(map(len, tokens.values())), outputs.copy()
+    seconds = time.perf_counter() - start
+    generated = sum(map(len, tokens.values())) - base
+    rounds = sum(outputs.values()) - sum(first.values())
+    result = {"tok_s": generated / seconds, "ms_per_step": seconds / (rounds / len(prompts)) * 1e3,
+              "steps": rounds / len(prompts), "tokens": tokens}
+    spec = [st for st in stats.values() if st is not None]
+    if spec:
+        drafted, accepted = sum(st.drafted for st in spec), sum(st.accepted for st in spec)
+        result.update(acceptance=accepted / drafted if drafted else 0.0,
+                      tokens_per_round=sum(st.round_tokens for st in spec) / sum(st.rounds for st in spec))
+    return result
+
+
+def bench_engine(args: argparse.Namespace) -> dict:
+    from ninfer_core.llm import LLM, EngineOptions
+
+    batches = int_list(args.batches)
+    length = args.context + args.tokens + 64
+    options = EngineOptions(device=args.device, dtype=args.dtype, weights=args.weights, random_weights=True,
+                            max_context=length, max_seqs=max(batches), kv_capacity=max(batches) * length,
+                            prefix_cache=False)
+    plain = LLM.load(args.model, options)
+    spec = LLM(plain.loaded, replace(options, spec="mtp", draft_tokens=args.k))
+    drafter = spec.engine.speculator.drafter
+    vocab = plain.loaded.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, presence_penalty=1.0, seed=1,
+                             max_tokens=args.tokens, ignore_eos=True)
+    engine_decode(plain, [[1, 2, 3]], replace(greedy, max_tokens=8))  # first-use costs out of the way
+    rows = []
+    for batch in batches:
+        prompts = [torch.randint(0, vocab, (args.context,), generator=gen).tolist() for _ in range(batch)]
+        row: dict = {"batch": batch}
+        base = engine_decode(plain, prompts, greedy)
+        truth = base.pop("tokens")
+        row["plain_greedy"] = base
+        for name, acceptance in ((f"mtp_greedy_at_{args.acceptance:g}", args.acceptance), ("mtp_greedy_at_0", 0.0)):
+            spec.engine.speculator.drafter = ScriptedAcceptance(drafter, truth, keep_probability(acceptance, args.k),
+                                                               vocab)
+            run = engine_decode(spec, prompts, greedy)
+            assert run.pop("tokens") == truth, "speculative greedy decode left the plain tokens"
+            row[name] = run
+        spec.engine.speculator.drafter = drafter
+        for name, llm in (("plain_sampled", plain), ("mtp_sampled", spec)):
+            run = engine_decode(llm, prompts, sampled)
+            run.pop("tokens")
+            row[name] = run
+        rows.append(row)
+    result = {"bench": "engine", "model": str(args.model), "weights": plain.loaded.recipe.key, "k": args.k,
+              "context": args.context, "tokens": args.tokens, "acceptance": args.acceptance,
+              **env(plain.loaded.device, plain.loaded.dtype), "rows": rows}
+    print(f"engine loop, {args.model}, {result['device']}: plain decode vs MTP K = {args.k} rounds, context "
+          f"{args.context}, {args.tokens} tokens a sequence (round ms = decode time / rounds)")
+    print(f"{'batch':>5} {'run':<22} {'tok/s':>9} {'ms/round':>9} {'acc':>6} {'tok/rd':>7} {'x plain':>8}")
+    for row in rows:
+        for name, run in row.items():
+            if name == "batch":
+                continue
+            plain_run = row["plain_sampled" if "sampled" in name else "plain_greedy"]
+            print(f"{row['batch']:>5} {name:<22} {run['tok_s']:>9.1f} {run['ms_per_step']:>9.3f} "
+                  f"{fmt(run.get('acceptance')):>6} {fmt(run.get('tokens_per_round')):>7} "
+                  f"{run['tok_s'] / plain_run['tok_s']:>7.2f}x")
+    return result
+
+
 def int_list(value: str) -> list[int]:
     """`1,2,8` -> [1, 2, 8]; empty -> []."""
     return [int(v) for v in value.split(",") if v.strip()]
@@ -464,6 +606,14 @@ def main() -> None:
         p.add_argument("--max-k", type=int, default=7 if name == "verify" else 3)
         p.add_argument("--repeats", type=int, default=20)
         p.add_argument("--acceptance", type=float, default=0.72, help="per-draft acceptance for the projection")
+    eng = sub.add_parser("engine")
+    eng.add_argument("--model", type=Path, default=Path(".bench/qwen3.6-35b-a3b"),
+                     help="a model directory (scripts/make_bench_model.py); its weights are random")
+    eng.add_argument("--batches", default="1,8")
+    eng.add_argument("--k", type=int, default=3)
+    eng.add_argument("--context", type=int, default=512)
+    eng.add_argument("--tokens", type=int, default=256)
+    eng.add_argument("--acceptance", type=float, default=0.72)
     acc = sub.add_parser("acceptance")
     acc.add_argument("--model", default=None, help="checkpoint dir / .gguf (default: embedded SmolLM2-135M)")
     acc.add_argument("--spec", default="ngram", choices=["ngram", "mtp", "dflash"])
@@ -479,7 +629,7 @@ def main() -> None:
         p.add_argument("--json", type=Path, default=None, help="write the result here")
     args = parser.parse_args()
     benches = {"verify": bench_verify, "rollback": bench_rollback, "profile": bench_profile,
-               "acceptance": bench_acceptance}
+               "acceptance": bench_acceptance, "engine": bench_engine}
     result = benches[args.bench](args)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))

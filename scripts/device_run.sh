@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (Python 3.12 + its own torch, no internet): install the package
 # with the CUDA extension, then run the chosen steps, results under $OUT.
-#   scripts/device_run.sh tests kernels bench engine serve spec grammar chunk prefix pdl ncu sass profile verify_profile ab replays issue15 patch
+#   scripts/device_run.sh tests kernels bench engine serve spec spec_engine grammar chunk prefix pdl ncu sass profile verify_profile ab replays issue15 patch
 #   NO_BUILD=1 VARIANTS="main a.patch b.patch" scripts/device_run.sh builds pack
 # `pack` last: everything under $OUT in one results.tgz (the device tool brings back a few files only).
 # Wheels for packages missing there travel in .whl/ (scripts/device_wheels.sh fetches them);
@@ -291,6 +291,11 @@ LIST
     for w in bf16 int4; do
       timeout 200 python3 scripts/bench_spec.py verify --repeats 8 --weights $w --json "$OUT/spec_verify_$w.json" 2>&1 | tail -12
     done ;;
+  spec_engine)
+    # the engine loop with MTP K = 3 at a set acceptance against plain decode, batch 1 and 8
+    bench_model
+    NINFER_REQUIRE_KERNELS=1 timeout 300 python3 scripts/bench_spec.py engine --weights int4 \
+      --json "$OUT/spec_engine.json" 2>&1 | tail -14 ;;
   grammar)
     # the grammar's host work, mask copy + kernel, and constrained vs free engine steps at batch 1
     # and 8 (issue 16); xgrammar is not in the image: its wheel and apache-tvm-ffi's go in .whl/

@@ -1,0 +1,47 @@
+"""scripts/bench_spec.py `engine`: the engine loop with MTP rounds at a set acceptance. Its numbers are
+timings (the GPU's, in docs/performance.md); what is checked here is that the rounds are what the
+table says they are: the speculative tokens are the plain ones (the script asserts it), no draft
+survives at acceptance 0, and the keep probability gives the asked accepted / drafted."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tiny_model_dir import WIDE, write_tiny_model_dir
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_spec.py"
+
+
+@pytest.fixture(scope="module")
+def bench_spec():
+    spec = importlib.util.spec_from_file_location("bench_spec", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("acceptance", [0.0, 0.3, 0.72, 0.95])
+def test_keep_probability_gives_the_acceptance(bench_spec, k, acceptance):
+    c = bench_spec.keep_probability(acceptance, k)
+    assert sum(c ** j for j in range(1, k + 1)) / k == pytest.approx(acceptance, abs=1e-9)
+
+
+def test_engine_rounds_keep_the_plain_tokens(bench_spec, tmp_path):
+    write_tiny_model_dir(tmp_path, moe=True, overrides=WIDE)
+    args = argparse.Namespace(model=tmp_path, batches="1,2", k=3, context=16, tokens=200, acceptance=0.72,
+                              device="cpu", dtype="auto", weights="bf16", json=None)
+    rows = bench_spec.bench_engine(args)["rows"]
+    assert [row["batch"] for row in rows] == [1, 2]
+    for row in rows:
+        none = row["mtp_greedy_at_0"]
+        assert none["acceptance"] == 0 and none["tokens_per_round"] == 1
+        assert none["steps"] == pytest.approx(row["plain_greedy"]["steps"])  # a token a round, as plain decode
+        scripted = row["mtp_greedy_at_0.72"]
+        assert scripted["acceptance"] == pytest.approx(0.72, abs=0.1)
+        assert scripted["tokens_per_round"] > 2
+        assert row["mtp_sampled"]["tok_s"] > 0 and row["plain_sampled"]["tok_s"] > 0
