@@ -21,7 +21,6 @@ from tiny_model_dir import WIDE, write_tiny_model_dir
 
 pytestmark = pytest.mark.cuda
 
-# int4 groups (32) divide every FFN input; q/k/v, GDN and shared-expert projections reach 64 outputs.
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], list(range(20, 61)), [300, 301, 2, 9, 77]]
 
 

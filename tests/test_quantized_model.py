@@ -33,7 +33,6 @@ from ninfer_core.ops.quant import QuantFormat, QuantLinear, dequantize_ref, quan
 from ninfer_core.weights import quant_cache
 from tiny_model_dir import WIDE, write_tiny_model_dir
 
-# Wide enough that int4 groups (32) divide every FFN input and the big projections reach 64 outputs.
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 11, 12, 13, 200, 201, 202, 8, 9]
 
 
@@ -387,3 +386,17 @@ def test_final_norm_is_folded_into_lm_head(model_dir, monkeypatch, logits):
     unfolded_logits, unfolded_hidden = decode()
     assert not seen
     assert torch.equal(folded_logits, unfolded_logits) and torch.equal(folded_hidden, unfolded_hidden)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_rows_of_quantized_experts_follow_the_activations(model_dir, dtype):
+    """fp32 activations keep quantized experts on the decode kernels (the grouped GEMV and Triton
+    kernels take 16-bit ones): a captured forward may carry only what those take without a host
+    sync; 16-bit ones reach the grouped GEMV's (Triton's: any) size."""
+    from ninfer_core.engine.graph_capture import graph_row_limit
+    from ninfer_core.ops import moe as moe_ops
+
+    loaded = load_model(str(model_dir), "cpu", dtype, weights="int8")
+    want = (moe_ops.QUANTIZED_DECODE_ALONE_TOKENS if dtype == "float32"
+            else moe_ops.SYNC_FREE_UNLIMITED if moe_ops.moe_triton.available() else moe_ops.GROUPED_GEMV_MAX_TOKENS)
+    assert graph_row_limit(loaded.model) == want

@@ -26,9 +26,10 @@ CORPUS = [
     "Émoji 😀 and 中文 and ünïcödé text, numbers 0123456789.",
 ]
 VOCAB_SIZE = 400
-# sizes the quantized CUDA kernels cover (their vector widths divide every row length): the tiny
-# defaults (hidden 32, expert inter 20) send int8 experts to the host-synced grouped path,
-# which a CUDA graph cannot capture
+# sizes the quantized kernels cover: int4 groups (32) divide every FFN input, the q / k / v, GDN and
+# shared-expert projections reach 64 outputs, the CUDA kernels' vector widths divide every row (the
+# tiny defaults, hidden 32 and expert inter 20, send int8 experts to the host-synced grouped path,
+# which a CUDA graph cannot capture)
 WIDE = dict(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64)
 
 

@@ -29,6 +29,7 @@ def capture(fn: Callable[[], Result], pool: tuple[int, int] | None = None) -> tu
 
 def graph_row_limit(model: torch.nn.Module) -> int | None:
     """The most tokens one captured forward may carry (None: no limit): MoE experts run without a
-    host sync only up to `graph_max_tokens` rows."""
-    limits = [m.graph_max_tokens for m in model.modules() if isinstance(m, Experts)]
+    host sync only up to `graph_max_tokens` rows of the model's activations."""
+    dtype = getattr(model, "dtype", None)
+    limits = [m.graph_max_tokens(dtype) for m in model.modules() if isinstance(m, Experts)]
     return min(limits, default=None)

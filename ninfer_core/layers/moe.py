@@ -83,10 +83,10 @@ class Experts(nn.Module):
     def down(self) -> ExpertTensor:
         return self._tensor("down")
 
-    @property
-    def graph_max_tokens(self) -> int:
-        """Tokens per forward up to which the experts run without a host sync (CUDA graphs)."""
-        return sync_free_tokens(self.gate_up, self.down)
+    def graph_max_tokens(self, dtype: torch.dtype | None) -> int:
+        """Tokens per forward of `dtype` activations up to which the experts run without a host sync
+        (CUDA graphs)."""
+        return sync_free_tokens(self.gate_up, self.down, dtype)
 
     def _tensor(self, part: str) -> ExpertTensor:
         """The part's tensor; quantized, one QuantizedWeight kept while its buffers stay the same objects

@@ -137,6 +137,11 @@ class DecoderModel(nn.Module):
         self.tie_weights()
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the embedding table may be quantized: the final norm's)."""
+        return self.norm.weight.dtype
+
     def tie_weights(self) -> None:
         """lm_head shares the embedding table: the same Parameter, or for a quantized table
         (`QuantEmbedding`, `KQuantEmbedding`) a linear over its buffers, unless a recipe gave lm_head its own
@@ -197,12 +202,12 @@ class DecoderModel(nn.Module):
 
     def _embed(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.inputs_embeds is not None:
-            return batch.inputs_embeds.to(self.norm.weight.dtype)  # the model dtype (the table may be quantized)
+            return batch.inputs_embeds.to(self.dtype)
         return self.embed_tokens(batch.input_ids)
 
     def _step_context(self, batch: ForwardBatch, cache: ModelCache) -> StepContext:
         positions = batch.mrope_positions if batch.mrope_positions is not None else batch.positions
-        cos, sin = self.rotary_emb(positions, self.norm.weight.dtype)
+        cos, sin = self.rotary_emb(positions, self.dtype)
         attn = AttentionMetadata.build(
             batch.block_table, batch.cache_lens, batch.num_new_tokens, cache.page_size, cache.kv.num_pages,
             batch.host_cache_lens, batch.valid_tokens, batch.pad_kv_row,

@@ -434,13 +434,17 @@ def _grouped_quantized(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTenso
     )
 
 
-def sync_free_tokens(gate_up: ExpertTensor, down: ExpertTensor) -> int:
-    """The most tokens `moe_experts` takes without a host sync, so that CUDA graphs can capture
-    calls up to this size (the dequantizing grouped path reads group sizes on the host)."""
-    quantized = isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
-    if quantized and moe_triton.available():
-        return SYNC_FREE_UNLIMITED
-    return max(QUANTIZED_DECODE_ALONE_TOKENS, GROUPED_GEMV_MAX_TOKENS) if quantized else DECODE_MAX_TOKENS
+def sync_free_tokens(gate_up: ExpertTensor, down: ExpertTensor, dtype: torch.dtype | None) -> int:
+    """The most tokens of `dtype` activations `moe_experts` takes without a host sync, so that CUDA
+    graphs can capture calls up to this size (the dequantizing grouped path reads group sizes on the
+    host). The Triton and grouped GEMV kernels take fp16 / bf16 activations only: fp32 ones (or an
+    unknown dtype) keep quantized experts on the decode kernels."""
+    if not (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)):
+        return DECODE_MAX_TOKENS
+    if dtype not in (torch.float16, torch.bfloat16):
+        return QUANTIZED_DECODE_ALONE_TOKENS
+    return SYNC_FREE_UNLIMITED if moe_triton.available() else max(QUANTIZED_DECODE_ALONE_TOKENS,
+                                                                   GROUPED_GEMV_MAX_TOKENS)
 
 
 def decode_kernel_tokens(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor) -> int:

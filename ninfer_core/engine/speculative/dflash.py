@@ -39,7 +39,7 @@ class DFlashDrafter(Drafter):
         self.lm_head = target.lm_head if lm_head is None else lm_head
         self.max_draft_tokens = config.block_size - 1
         self.capture_layers = tuple(config.target_layer_ids)
-        dtype = target.norm.weight.dtype  # the model dtype (the embedding table may be quantized)
+        dtype = target.dtype
         self.kv = KVPool(list(range(config.num_layers)), cache.num_pages, cache.page_size, config.num_kv_heads,
                          config.head_dim, dtype, cache.device)
         self.cache_bytes = self.kv.nbytes

@@ -72,7 +72,7 @@ class MTPDrafter(Drafter):
         config: ModelConfig = target.config
         self.target, self.head, self.cache, self.sampler = target, head, cache, sampler
         self.lm_head = target.lm_head if lm_head is None else lm_head
-        dtype = target.norm.weight.dtype  # the model dtype (the embedding table may be quantized)
+        dtype = target.dtype
         # the target's pages + its scratch page (graph rows with no sequence write there)
         pages = cache.num_pages + (cache.scratch_page is not None)
         self.kv = ModelCache.allocate(mtp_layer_config(config), pages, cache.page_size, 1, dtype, cache.device)
