@@ -33,13 +33,11 @@ decode on the GPU of the cost table (engine/speculative/adaptive.py: H200, 35B-A
 
 engine: what the projections leave out, the engine loop's own time (`LLMEngine.step`: the host's
 work between the syncs of a round, the judge, the commit, the catch-up), on a random-weight model
-directory (scripts/make_bench_model.py). Per batch: plain decode (greedy, then Qwen3.6's suggested
-sampling with presence penalty 1.0, as the reference engine benchmarks MTP), then MTP K = 3 rounds
-whose drafts the real drafter makes (its time, its state) but the target verifies the known greedy
-continuation instead, each draft kept with a seeded probability that puts accepted / drafted at
-`--acceptance` (random weights would reject nearly everything), and at 0 (every round's first draft
-wrong: the round's cost alone); sampled rounds run at their own (random-weight) acceptance. Round
-time = decode time / rounds, next to the plain step's.
+directory (scripts/make_bench_model.py). Per batch, greedy and at Qwen3.6's suggested sampling with
+presence penalty 1.0 (as the reference engine benchmarks MTP): plain decode, then MTP K = 3 rounds
+whose judge runs as usual but whose kept drafts are a seeded draw putting accepted / drafted at
+`--acceptance` (random weights would reject nearly everything), and at 0 (the round's cost alone).
+The tokens are not the model's (forced drafts); the work and time of each round are the engine's.
 """
 
 from __future__ import annotations
@@ -57,7 +55,6 @@ from typing import Any
 from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -67,10 +64,11 @@ from ninfer_core.bench import cuda_median_ms  # noqa: E402
 from ninfer_core.cache import CacheManager, KVPool  # noqa: E402
 from ninfer_core.config import ModelConfig  # noqa: E402
 from ninfer_core.engine.cuda_graph import DecodeGraphs  # noqa: E402
+from ninfer_core.engine.penalties import PenaltyTables  # noqa: E402
 from ninfer_core.engine.request import GenerationRequest, SpecStats  # noqa: E402
 from ninfer_core.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from ninfer_core.engine.sequence import Sequence  # noqa: E402
-from ninfer_core.engine.speculative import Draft, Drafter, Observation  # noqa: E402
+from ninfer_core.engine.speculative import Draft  # noqa: E402
 from ninfer_core.engine.speculative import mtp_head  # noqa: E402
 from ninfer_core.engine.speculative.draft_head import draft_lm_head  # noqa: E402
 from ninfer_core.engine.speculative.mtp import MTPDrafter, _Last  # noqa: E402
@@ -227,7 +225,7 @@ def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool, sampling: st
     per draft, as the engine's eager path takes each token) or by replaying the drafter's graphs
     (`sampling` "sampled": the sampling chain of a request at Qwen3.6's suggested temperature 0.7,
     top-p 0.8, top-k 20, instead of the argmax chain; "penalised": that with its suggested presence
-    penalty 1.5 over a history of `context` tokens, the drafter's tables brought up to date first)."""
+    penalty 1.5 over a history of `context` tokens in penalty tables as the engine keeps them)."""
     drafter, n, dev = s.mtp, s.context, s.device
     table = s.cache.block_table([s.seq])
     hidden = torch.randn(1, k + 1, s.config.hidden_size, device=dev, dtype=s.dtype)
@@ -239,8 +237,10 @@ def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool, sampling: st
                             presence_penalty=1.5 if sampling == "penalised" else None) if sampled else SamplingParams(
         temperature=0)
     generator = params.make_generator(dev) if sampled else None
-    history = SimpleNamespace(request=SimpleNamespace(sampling=params), cache=s.seq, prompt_ids=list(range(n)),
-                              output_ids=[])
+    penalties = None
+    if sampling == "penalised":
+        penalties = PenaltyTables(s.cache.max_seqs, s.config.vocab_size, dev)
+        penalties.reset(s.seq.slot, s.tokens[0, :n].tolist(), [])
 
     def draft() -> None:
         if graph:
@@ -248,8 +248,8 @@ def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool, sampling: st
             caught = drafter.graphs.catch_up(*catch_up)
             assert caught is not None
             last = _Last(n - 1, caught[0][0], caught[1][0])
-            slots = drafter.penalty_slots([history]) if sampling == "penalised" else None
-            assert drafter.graphs.draft([last], [0], [params], [generator], table, [k], slots) is not None
+            assert drafter.graphs.draft([last], [0], [params], [generator], table, [k], penalties,
+                                        [s.seq.slot]) is not None
             return
         h, logits = drafter.catch_up(*catch_up)
         token = logits.argmax(-1, keepdim=True)
@@ -458,33 +458,23 @@ def bench_acceptance(args: argparse.Namespace) -> dict:
     return result
 
 
-class ScriptedAcceptance(Drafter):
-    """The engine's drafter proposes (its time, its state), then the target verifies `truth`'s next
-    tokens instead, each kept with probability `keep` once the ones before it were (a seeded draw;
-    the first dropped one is corrupted)."""
+def force_acceptance(speculator: Any, keep: float) -> Callable:
+    """Make `speculator.judge` run as the engine runs it (its time, its syncs), then keep each
+    sequence's first n drafts, n a seeded draw (each draft kept with probability `keep` once the
+    ones before were), and the judge's last token after them: the round's work (commit, catch-up,
+    next drafts) at a set acceptance, whatever the random weights say. Returns the judge to put back."""
+    judge, rng = speculator.judge, random.Random(0)
 
-    def __init__(self, inner: Drafter, truth: dict[str, list[int]], keep: float, vocab: int):
-        self.inner, self.truth, self.keep, self.vocab = inner, truth, keep, vocab
-        self.method, self.max_draft_tokens = inner.method, inner.max_draft_tokens
-        self.capture_layers = inner.capture_layers
-        self.rng = random.Random(0)
+    def forced(seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor,
+               penalties: PenaltyTables | None = None) -> list[list[int]]:
+        kept = []
+        for draft, own in zip(drafts, judge(seqs, drafts, logits, penalties)):
+            n = next((j for j in range(len(draft.tokens)) if rng.random() >= keep), len(draft.tokens))
+            kept.append(draft.tokens[:n] + own[-1:])
+        return kept
 
-    def observe(self, obs: Observation) -> None:
-        self.inner.observe(obs)
-
-    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
-        self.inner.propose(seqs, counts)
-        drafts = []
-        for seq, k in zip(seqs, counts):
-            tokens = self.truth[seq.request_id][len(seq.output_ids):][:k]
-            kept = next((j for j in range(len(tokens)) if self.rng.random() >= self.keep), len(tokens))
-            if kept < len(tokens):
-                tokens[kept] = (tokens[kept] + 1) % self.vocab
-            drafts.append(Draft(tokens))
-        return drafts
-
-    def release(self, seq: Sequence) -> None:
-        self.inner.release(seq)
+    speculator.judge = forced
+    return judge
 
 
 def keep_probability(acceptance: float, k: int) -> float:
@@ -498,9 +488,9 @@ def keep_probability(acceptance: float, k: int) -> float:
 
 
 def engine_decode(llm: Any, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """Every prompt decoded at once by the engine loop: the tokens of each, and the decode phase timed
-    from the step that gave every sequence its first token to the last (tok/s aggregate, rounds a
-    sequence, SpecStats summed)."""
+    """Every prompt decoded at once by the engine loop, the decode phase timed from the step that gave
+    every sequence its first token to the last: tok/s aggregate, steps (rounds) a sequence and their
+    time, the speculative rounds' acceptance and tokens a round."""
     engine = llm.engine
     ids = [f"p{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
@@ -520,7 +510,7 @@ def engine_decode(llm: Any, prompts: list[list[int]], params: SamplingParams) ->
     generated = sum(map(len, tokens.values())) - base
     rounds = sum(outputs.values()) - sum(first.values())
     result = {"tok_s": generated / seconds, "ms_per_step": seconds / (rounds / len(prompts)) * 1e3,
-              "steps": rounds / len(prompts), "tokens": tokens}
+              "steps": rounds / len(prompts)}
     spec = [st for st in stats.values() if st is not None]
     if spec:
         drafted, accepted = sum(st.drafted for st in spec), sum(st.accepted for st in spec)
@@ -539,38 +529,31 @@ def bench_engine(args: argparse.Namespace) -> dict:
                             prefix_cache=False)
     plain = LLM.load(args.model, options)
     spec = LLM(plain.loaded, replace(options, spec="mtp", draft_tokens=args.k))
-    drafter = spec.engine.speculator.drafter
-    vocab = plain.loaded.config.vocab_size
+    speculator = spec.engine.speculator
     gen = torch.Generator().manual_seed(0)
-    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    sampled = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, presence_penalty=1.0, seed=1,
-                             max_tokens=args.tokens, ignore_eos=True)
-    engine_decode(plain, [[1, 2, 3]], replace(greedy, max_tokens=8))  # first-use costs out of the way
+    params = {"greedy": SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True),
+              "sampled": SamplingParams(temperature=0.6, top_p=0.95, top_k=20, presence_penalty=1.0, seed=1,
+                                        max_tokens=args.tokens, ignore_eos=True)}
+    for llm in (plain, spec):  # first-use costs out of the way
+        engine_decode(llm, [[1, 2, 3]], replace(params["sampled"], max_tokens=8))
     rows = []
     for batch in batches:
-        prompts = [torch.randint(0, vocab, (args.context,), generator=gen).tolist() for _ in range(batch)]
+        prompts = [torch.randint(0, plain.loaded.config.vocab_size, (args.context,), generator=gen).tolist()
+                   for _ in range(batch)]
         row: dict = {"batch": batch}
-        base = engine_decode(plain, prompts, greedy)
-        truth = base.pop("tokens")
-        row["plain_greedy"] = base
-        for name, acceptance in ((f"mtp_greedy_at_{args.acceptance:g}", args.acceptance), ("mtp_greedy_at_0", 0.0)):
-            spec.engine.speculator.drafter = ScriptedAcceptance(drafter, truth, keep_probability(acceptance, args.k),
-                                                               vocab)
-            run = engine_decode(spec, prompts, greedy)
-            assert run.pop("tokens") == truth, "speculative greedy decode left the plain tokens"
-            row[name] = run
-        spec.engine.speculator.drafter = drafter
-        for name, llm in (("plain_sampled", plain), ("mtp_sampled", spec)):
-            run = engine_decode(llm, prompts, sampled)
-            run.pop("tokens")
-            row[name] = run
+        for kind, sampling in params.items():
+            row[f"plain_{kind}"] = engine_decode(plain, prompts, sampling)
+            for acceptance in (args.acceptance, 0.0):
+                judge = force_acceptance(speculator, keep_probability(acceptance, args.k))
+                row[f"mtp_{kind}_at_{acceptance:g}"] = engine_decode(spec, prompts, sampling)
+                speculator.judge = judge
         rows.append(row)
     result = {"bench": "engine", "model": str(args.model), "weights": plain.loaded.recipe.key, "k": args.k,
               "context": args.context, "tokens": args.tokens, "acceptance": args.acceptance,
               **env(plain.loaded.device, plain.loaded.dtype), "rows": rows}
     print(f"engine loop, {args.model}, {result['device']}: plain decode vs MTP K = {args.k} rounds, context "
-          f"{args.context}, {args.tokens} tokens a sequence (round ms = decode time / rounds)")
-    print(f"{'batch':>5} {'run':<22} {'tok/s':>9} {'ms/round':>9} {'acc':>6} {'tok/rd':>7} {'x plain':>8}")
+          f"{args.context}, {args.tokens} tokens a sequence (ms/step: decode time / steps or rounds)")
+    print(f"{'batch':>5} {'run':<22} {'tok/s':>9} {'ms/step':>9} {'acc':>6} {'tok/rd':>7} {'x plain':>8}")
     for row in rows:
         for name, run in row.items():
             if name == "batch":

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ninfer_core.engine.penalties import PenaltyTables
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.engine.sequence import Sequence
@@ -86,15 +87,15 @@ def eager_then_graph(drafter: Any, rounds: list[tuple[list[Draft], list[Draft]]]
     (graph, eager) in `rounds` and hands the target the graph's drafts."""
     graphs, propose = drafter.graphs, drafter.propose
 
-    def both(seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+    def both(seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
         states = [None if s.generator is None else s.generator.get_state() for s in seqs]  # greedy: None
         drafter.graphs = None
-        eager = propose(seqs, counts)
+        eager = propose(seqs, counts, penalties)
         for s, state in zip(seqs, states):
             if state is not None:
                 s.generator.set_state(state)
         drafter.graphs = graphs
-        graph = propose(seqs, counts)
+        graph = propose(seqs, counts, penalties)
         rounds.append((graph, eager))
         return graph
 
@@ -124,7 +125,7 @@ class ScriptedDrafter(Drafter):
         self.script, self.vocab = script, vocab
         self.rounds: Counter[str] = Counter()
 
-    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
         drafts = []
         for seq, k in zip(seqs, counts):
             done = len(seq.output_ids)
@@ -150,10 +151,10 @@ class Spy(Drafter):
     def observe(self, obs: Observation) -> None:
         self.inner.observe(obs)
 
-    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
-        own = self.inner.propose(seqs, counts)
+    def propose(self, seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
+        own = self.inner.propose(seqs, counts, penalties)
         self.log += [(s.prompt_ids + s.output_ids, d) for s, d in zip(seqs, own)]
-        return own if self.outer is None else self.outer.propose(seqs, counts)
+        return own if self.outer is None else self.outer.propose(seqs, counts, penalties)
 
     def release(self, seq: Sequence) -> None:
         self.inner.release(seq)

@@ -1,7 +1,8 @@
 """scripts/bench_spec.py `engine`: the engine loop with MTP rounds at a set acceptance. Its numbers are
 timings (the GPU's, in docs/performance.md); what is checked here is that the rounds are what the
-table says they are: the speculative tokens are the plain ones (the script asserts it), no draft
-survives at acceptance 0, and the keep probability gives the asked accepted / drafted."""
+table says they are: the keep probability gives the asked accepted / drafted, no draft survives at
+acceptance 0 (a token a round, as many rounds as plain steps), and the forced judge puts the engine's
+back when a run is done."""
 
 from __future__ import annotations
 
@@ -31,17 +32,31 @@ def test_keep_probability_gives_the_acceptance(bench_spec, k, acceptance):
     assert sum(c ** j for j in range(1, k + 1)) / k == pytest.approx(acceptance, abs=1e-9)
 
 
-def test_engine_rounds_keep_the_plain_tokens(bench_spec, tmp_path):
+def test_engine_rounds_at_the_asked_acceptance(bench_spec, tmp_path):
     write_tiny_model_dir(tmp_path, moe=True, overrides=WIDE)
     args = argparse.Namespace(model=tmp_path, batches="1,2", k=3, context=16, tokens=200, acceptance=0.72,
                               device="cpu", dtype="auto", weights="bf16", json=None)
     rows = bench_spec.bench_engine(args)["rows"]
     assert [row["batch"] for row in rows] == [1, 2]
     for row in rows:
-        none = row["mtp_greedy_at_0"]
-        assert none["acceptance"] == 0 and none["tokens_per_round"] == 1
-        assert none["steps"] == pytest.approx(row["plain_greedy"]["steps"])  # a token a round, as plain decode
-        scripted = row["mtp_greedy_at_0.72"]
-        assert scripted["acceptance"] == pytest.approx(0.72, abs=0.1)
-        assert scripted["tokens_per_round"] > 2
-        assert row["mtp_sampled"]["tok_s"] > 0 and row["plain_sampled"]["tok_s"] > 0
+        for kind in ("greedy", "sampled"):
+            none, forced = row[f"mtp_{kind}_at_0"], row[f"mtp_{kind}_at_0.72"]
+            assert none["acceptance"] == 0 and none["tokens_per_round"] == 1
+            assert none["steps"] == pytest.approx(row[f"plain_{kind}"]["steps"])
+            assert forced["acceptance"] == pytest.approx(0.72, abs=0.1)
+            assert forced["tokens_per_round"] > 2 and forced["steps"] < none["steps"] / 2
+
+
+def test_forced_judge_keeps_drafts_then_the_judges_token(bench_spec):
+    """Keep 1: every draft, then the judge's last token; keep 0: the judge's last token alone; the
+    returned judge is the engine's own."""
+    def judge(seqs, drafts, logits, penalties=None):
+        return [[7] for _ in seqs]
+
+    drafts = [bench_spec.Draft([1, 2, 3]), bench_spec.Draft([4])]
+    speculator = argparse.Namespace(judge=judge)
+    assert bench_spec.force_acceptance(speculator, 1.0) is judge
+    assert speculator.judge([None, None], drafts, None) == [[1, 2, 3, 7], [4, 7]]
+    speculator.judge = judge
+    bench_spec.force_acceptance(speculator, 0.0)
+    assert speculator.judge([None, None], drafts, None) == [[7], [7]]

@@ -210,11 +210,11 @@ def test_mtp_graph_drafts_equal_eager_drafting(model_dir):
     assert graphs is not None
     rounds: list[tuple[list[list[int]], list[list[int]]]] = []
 
-    def both(seqs, counts):
+    def both(seqs, counts, penalties=None):
         drafter.graphs = None
-        eager = [d.tokens for d in propose(seqs, counts)]
+        eager = [d.tokens for d in propose(seqs, counts, penalties)]
         drafter.graphs = graphs
-        graph = [d.tokens for d in propose(seqs, counts)]
+        graph = [d.tokens for d in propose(seqs, counts, penalties)]
         rounds.append((graph, eager))
         return [Draft(tokens) for tokens in graph]
 

@@ -275,6 +275,31 @@ def test_penalty_tables_equal_the_host_reference():
     assert torch.equal(tables.apply(logits, slots, params), expected)
 
 
+def test_penalty_table_rows_with_drafts_equal_the_host_reference():
+    """A verify's rows: each slot's history (filled at reset, then a round's kept tokens added from
+    the host) with the drafts before the row counted as generated, bit for bit apply_penalties over
+    the host histories; a slot appearing in several rows, tokens repeated in a row's drafts."""
+    from ninfer_core.engine.penalties import PenaltyTables
+    from ninfer_core.engine.sampling import TokenHistory, apply_penalties
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 61
+    tables = PenaltyTables(4, vocab, torch.device("cpu"))
+    prompts = {1: [3, 4, 5, 3], 3: [9]}
+    outputs = {1: [7, 7, 2], 3: []}
+    for slot in prompts:
+        tables.reset(slot, prompts[slot], outputs[slot][:1])
+    tables.add([1, 3], [outputs[1][1:], [8, 8]])
+    outputs[3] = [8, 8]
+    rows = [(1, []), (1, [2]), (1, [2, 9, 2]), (3, []), (3, [8, 60])]
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)] * 3 + [
+        SamplingParams(frequency_penalty=2.0), SamplingParams(repetition_penalty=0.7, presence_penalty=-1.0)]
+    logits = torch.randn(len(rows), vocab, generator=gen) * 3
+    expected = apply_penalties(logits, params, [TokenHistory(prompts[s], outputs[s] + extra) for s, extra in rows])
+    got = tables.apply_rows(logits, [s for s, _ in rows], [extra for _, extra in rows], params)
+    assert torch.equal(got, expected)
+
+
 def test_warm_up_runs_a_whole_chunk_then_each_length_alone_then_mixed(model_dir, monkeypatch):
     """The prompts go in as batches run to completion one after another: one of a whole prefill
     chunk (capped by the context), each length alone, then all of them together, then all but the

@@ -96,6 +96,31 @@ def test_rollback_at_every_acceptance_length(target, plain):
     assert set(accepted) == set(range(8)), accepted
 
 
+def test_greedy_with_penalties_identical_to_plain_decode(target):
+    """Greedy requests with repetition / presence / frequency penalties, drafts that are the plain
+    continuation (corrupted at every acceptance length): each verify row is penalised by the
+    engine's tables with the drafts before it counted, so the tokens are plain decode's (whose
+    penalties come from the same tables, one sampled token at a time)."""
+    penalties = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.4),
+                 dict(repetition_penalty=0.9, frequency_penalty=1.5)]
+
+    def requests() -> list[GenerationRequest]:
+        return [GenerationRequest(p, SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True, **kw))
+                for p, kw in zip(PROMPTS, penalties)]
+
+    plain_requests = requests()
+    want = run(load(target), plain_requests)
+    assert [want[r.request_id] for r in plain_requests] != [next(iter(run(load(target), [GenerationRequest(
+        r.prompt_token_ids, greedy(N_TOKENS))]).values())) for r in plain_requests]  # the penalties matter
+    llm = load(target)
+    spec_requests = requests()
+    scripted(llm, {s.request_id: want[p.request_id] for s, p in zip(spec_requests, plain_requests)}, k=4)
+    out = run(llm, spec_requests)
+    assert [out[r.request_id] for r in spec_requests] == [want[r.request_id] for r in plain_requests]
+    spec = llm.engine.speculator.totals
+    assert spec.accepted > 50 and spec.rejected > 10, spec
+
+
 def test_stops_inside_an_accepted_run(target, plain):
     """A stop token, stop string or max_tokens met among accepted drafts ends the output exactly as
     plain decode does: the rest of the round's tokens are dropped."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ninfer_core.engine.penalties import PenaltyTables
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import Sampler
 from ninfer_core.engine.sequence import Sequence
@@ -146,7 +147,7 @@ class PhasedDrafter(Drafter):
     def __init__(self, script: dict[str, list[int]], vocab: int):
         self.script, self.vocab = script, vocab
 
-    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
         drafts = []
         for seq, k in zip(seqs, counts):
             done = len(seq.output_ids)

@@ -407,12 +407,8 @@ class LLMEngine:
         logits = constrain(logits, [None if s.finished else s.grammar for s in seqs])
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         slots = None
-        if penalised:
-            tables = self._penalty_tables()
-            for i in penalised:
-                if not seqs[i].penalties_ready:
-                    tables.reset(seqs[i].cache.slot, seqs[i].prompt_ids, seqs[i].output_ids)
-                    seqs[i].penalties_ready = True
+        tables = self._ready_penalties(seqs)
+        if tables is not None:
             index = torch.tensor(penalised, dtype=torch.long).to(self.device, non_blocking=True)
             slots = torch.tensor([seqs[i].cache.slot for i in penalised], dtype=torch.long).to(self.device,
                                                                                                 non_blocking=True)
@@ -420,7 +416,7 @@ class LLMEngine:
                                                                  [params[i] for i in penalised]))
         tokens = self.sampler.sample(logits, params, [s.history() for s in seqs], [s.generator for s in seqs],
                                      penalised=True)
-        if penalised:
+        if tables is not None:
             tables.record(slots, tokens.index_select(0, index))
         return tokens, scores.pick(tokens) if scores is not None else None
 
@@ -436,9 +432,18 @@ class LLMEngine:
             out[i, ..., ids] = float("-inf")
         return out
 
-    def _penalty_tables(self) -> PenaltyTables:
+    def _ready_penalties(self, seqs: list[Sequence]) -> PenaltyTables | None:
+        """The penalty tables, each penalised sequence's row holding its history (filled from the host
+        on its first use, or again after a preemption); None when no sequence has penalties."""
+        penalised = [s for s in seqs if s.request.sampling.has_penalties]
+        if not penalised:
+            return None
         if self._penalties is None:
             self._penalties = PenaltyTables(self.cache.max_seqs, self.config.vocab_size, self.device)
+        for seq in penalised:
+            if not seq.penalties_ready:
+                self._penalties.reset(seq.cache.slot, seq.prompt_ids, seq.output_ids)
+                seq.penalties_ready = True
         return self._penalties
 
     def _complete(self, step: LaunchedStep) -> list[StepOutput]:
@@ -481,7 +486,8 @@ class LLMEngine:
         assert spec is not None
         seqs = plan.decodes
         ks = self.scheduler.reserve_drafts(seqs, spec.wanted(seqs)) if seqs else []
-        drafts = spec.propose(seqs, ks) if seqs else []
+        penalties = self._ready_penalties(seqs)  # the drafts' and the judge's histories, kept rows added below
+        drafts = spec.propose(seqs, ks, penalties) if seqs else []
         parts: list[ForwardBatch] = []
         verify = False
         if seqs:
@@ -500,7 +506,7 @@ class LLMEngine:
         if seqs:
             batch, out = parts[0], outs[0]
             assert out.logits is not None
-            kept = spec.judge(seqs, drafts, self._ban_ends(seqs, out.logits))
+            kept = spec.judge(seqs, drafts, self._ban_ends(seqs, out.logits), penalties)
             logprobs = self._verify_logprobs(seqs, kept, out.logits)
             if verify:
                 self._commit(batch, out, torch.tensor([len(k) for k in kept], dtype=torch.long, device=self.device))
@@ -510,6 +516,10 @@ class LLMEngine:
                 spec.record(seq, output, draft, len(tokens))
                 outputs.append(output)
                 self.scheduler.note_progress(seq)
+            if penalties is not None:
+                penalised = [(s, o) for s, o in zip(seqs, outputs)
+                             if s.request.sampling.has_penalties and s.cache is not None and not s.finished]
+                penalties.add([s.cache.slot for s, _ in penalised], [o.new_token_ids for _, o in penalised])
             spec.observe(seqs, kept, batch, out)
             for seq in seqs:
                 if seq.cache is not None:

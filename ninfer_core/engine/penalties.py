@@ -3,9 +3,13 @@
 `apply_penalties` (sampling.py) reads each row's history from host lists; with steps in flight
 the newest token is still on the device, so the engine keeps per slot what the penalties read
 instead: how often each token was generated (`counts`) and which tokens were seen in prompt or
-answer (`seen`). A sampled step updates both by a scatter of its device ids: no host sync.
-The arithmetic is the reference's, elementwise over the row (untouched entries unchanged), so
-the penalised logits are the same bit for bit.
+answer (`seen`). A sampled step updates both by a scatter of its device ids: no host sync. A
+speculative round reads them too (its judge's rows, the MTP sampling chain: each row's history
+plus the drafts before it) and adds its kept tokens from the host, where it knows them anyway;
+apply_penalties' host path cost a device sync or two per row and history (its id checks and
+`unique`) and a copy of the whole history per verify row. The arithmetic is the reference's,
+elementwise over the row (untouched entries unchanged), so the penalised logits are the same bit
+for bit.
 """
 
 from __future__ import annotations
@@ -24,22 +28,40 @@ class PenaltyTables:
         """A sequence starts sampling in this slot with these tokens already in its history."""
         self.counts[slot].zero_()
         self.seen[slot].zero_()
-        self.extend(slot, prompt_ids, output_ids)
+        prompt = torch.tensor(prompt_ids, dtype=torch.long).to(self.seen.device, non_blocking=True)
+        self.seen[slot].index_fill_(0, prompt, True)
+        self.add([slot], [output_ids])
 
-    def extend(self, slot: int, seen_ids: list[int], output_ids: list[int]) -> None:
-        """Host tokens that joined the slot's history: `seen_ids` (a prompt) seen only, `output_ids`
-        generated (seen and counted)."""
-        device = self.counts.device
-        seen = torch.tensor(seen_ids + output_ids, dtype=torch.long).to(device, non_blocking=True)
-        self.seen[slot].index_fill_(0, seen, True)
-        if output_ids:
-            out = torch.tensor(output_ids, dtype=torch.long).to(device, non_blocking=True)
-            self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+    def add(self, slots: list[int], tokens: list[list[int]]) -> None:
+        """Host tokens generated in these slots (a prompt's answer so far, a speculative round's kept
+        tokens): counted and seen, in one scatter."""
+        index = torch.tensor([[s for s, ts in zip(slots, tokens) for _ in ts], [t for ts in tokens for t in ts]],
+                             dtype=torch.long).to(self.counts.device, non_blocking=True)
+        if index.shape[1]:
+            self.counts.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.int32), accumulate=True)
+            self.seen.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.bool))
+
+    def rows(self, slots: list[int], extra: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen [R, V], counts [R, V]) of R rows: row r the history in slot slots[r] with extra[r]
+        generated after it (a verify's row t: the drafts before it)."""
+        index = torch.tensor(slots, dtype=torch.long).to(self.counts.device, non_blocking=True)
+        seen, counts = self.seen.index_select(0, index), self.counts.index_select(0, index)
+        at = torch.tensor([[r for r, ts in enumerate(extra) for _ in ts], [t for ts in extra for t in ts]],
+                          dtype=torch.long).to(self.counts.device, non_blocking=True)
+        if at.shape[1]:
+            counts.index_put_((at[0], at[1]), torch.ones_like(at[0], dtype=torch.int32), accumulate=True)
+            seen.index_put_((at[0], at[1]), torch.ones_like(at[0], dtype=torch.bool))
+        return seen, counts
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Penalised logits [R, V] for rows in `slots` [R] (device), each with its params."""
         return penalise(logits, self.seen.index_select(0, slots), self.counts.index_select(0, slots),
                         *penalty_columns(params, logits.dtype, logits.device))
+
+    def apply_rows(self, logits: torch.Tensor, slots: list[int], extra: list[list[int]],
+                   params: list[SamplingParams]) -> torch.Tensor:
+        """Penalised logits [R, V]: row r with the history in slots[r] and extra[r] after it (`rows`)."""
+        return penalise(logits, *self.rows(slots, extra), *penalty_columns(params, logits.dtype, logits.device))
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Sampled tokens [R] (device; -1 = none) of rows in `slots` [R]; no host sync (a

@@ -288,12 +288,14 @@ class Sampler:
     CUDA logits, the float64 reference otherwise)."""
 
     def distribution(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                     histories: Sequence[TokenHistory]) -> torch.Tensor:
+                     histories: Sequence[TokenHistory], penalised: bool = False) -> torch.Tensor:
         """The exact distribution `sample` draws from, [B, V] float32 (masked tokens exactly 0;
-        greedy rows one-hot at the argmax): the target `p` for speculative rejection sampling."""
+        greedy rows one-hot at the argmax): the target `p` for speculative rejection sampling.
+        `penalised`: as in `sample`."""
         self._check(logits, params, histories)
-        penalised = apply_logit_bias(apply_penalties(logits, params, histories), params)
-        return sampling_ops.filtered_probs(penalised, *row_params(params))
+        if not penalised:
+            logits = apply_penalties(logits, params, histories)
+        return sampling_ops.filtered_probs(apply_logit_bias(logits, params), *row_params(params))
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
                generators: Sequence[torch.Generator | None], penalised: bool = False) -> torch.Tensor:

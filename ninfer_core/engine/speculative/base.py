@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ...models.base import ForwardBatch, ForwardOutput
+from ..penalties import PenaltyTables
 from ..sampling import Sampler, TokenHistory, draw_from_probs
 from ..sequence import Sequence
 
@@ -65,8 +66,10 @@ class Drafter(ABC):
         """The target committed these rows (see Observation). Default: nothing to learn."""
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
-        """At most counts[i] >= 1 tokens following each sequence's last token."""
+    def propose(self, seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
+        """At most counts[i] >= 1 tokens following each sequence's last token. `penalties`: the
+        engine's tables, each penalised sequence's row holding its history (None: none has
+        penalties); a drafter may read sampled rows' penalties from them instead of the host lists."""
 
     def release(self, seq: Sequence) -> None:
         """The sequence ended: drop what the drafter keeps for it."""

@@ -16,6 +16,7 @@ from ...cache.sizes import kv_token_bytes
 from ...layers.attention import AttentionMetadata
 from ...models.decoder import DecoderModel
 from ...models.dflash import BlockInputs, DFlashConfig, DFlashModel
+from ..penalties import PenaltyTables
 from ..sampling import Sampler, TokenHistory
 from ..sequence import Sequence
 from .base import Draft, Drafter, Observation, choose_drafts
@@ -60,7 +61,7 @@ class DFlashDrafter(Drafter):
             self._ctx_len[seq.request_id] = int(cache_lens[i]) + obs.counts[i]
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
         device = self.cache.device
         width = 1 + max(counts)
         ctx_lens = torch.tensor([self._ctx_len[s.request_id] for s in seqs], device=device)

@@ -14,8 +14,8 @@ lm_head and argmax, all on the device; with sampled rows, a draw from q in place
 one host sync per round instead of K Python-level steps. Greedy drafts are the raw argmax of the
 MTP logits on both paths (the target's acceptance applies penalties); sampled requests draw from
 their sampling distribution, penalties included, by the sampling chain graph (its penalties read
-the drafter's own device tables of each sequence's history, brought up to date before each
-round); a batch with a sampled row's logit bias drafts eagerly. The logits come from `draft_head.py`'s lm_head: an
+the engine's device tables of each sequence's history); a batch with a sampled row's logit bias
+drafts eagerly. The logits come from `draft_head.py`'s lm_head: an
 int4 copy of an int8 one (half its bytes, read once a draft step), else the target's.
 """
 
@@ -79,8 +79,6 @@ class MTPDrafter(Drafter):
         self.cache_bytes = self.kv.kv.nbytes
         self._last: dict[str, _Last] = {}
         self.graphs = MTPGraphs(self, graphs) if graphs is not None else None
-        self.penalties: PenaltyTables | None = None  # the graph's sampled rows' histories, made on first use
-        self._penalty_rows: dict[int, tuple[Sequence, int]] = {}  # slot -> (its sequence, outputs recorded)
 
     @torch.inference_mode()
     def observe(self, obs: Observation) -> None:
@@ -104,14 +102,15 @@ class MTPDrafter(Drafter):
         return tail, self.lm_head(tail).float()
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
         lasts = [self._last[s.request_id] for s in seqs]
         # greedy drafts are the raw argmax (penalties or not); a sampled row's logit bias drafts eagerly
-        if self.graphs is not None and not any(_biased(s.request.sampling) for s in seqs):
-            params = [s.request.sampling for s in seqs]
+        params = [s.request.sampling for s in seqs]
+        penalised = any(map(_penalised, params))
+        if self.graphs is not None and not any(map(_biased, params)) and (penalties is not None or not penalised):
             drafted = self.graphs.draft(lasts, [s.rope_delta for s in seqs], params, [s.generator for s in seqs],
                                         self.cache.block_table([s.cache for s in seqs]), counts,
-                                        self.penalty_slots(seqs) if any(map(_penalised, params)) else None)
+                                        penalties if penalised else None, [s.cache.slot for s in seqs])
             if drafted is not None:
                 return drafted
         tokens: list[list[int]] = [[] for _ in seqs]
@@ -141,26 +140,6 @@ class MTPDrafter(Drafter):
 
     def release(self, seq: Sequence) -> None:
         self._last.pop(seq.request_id, None)
-        for slot in [slot for slot, (owner, _) in self._penalty_rows.items() if owner is seq]:
-            del self._penalty_rows[slot]
-
-    def penalty_slots(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Each row's state slot, the penalised rows' rows of `self.penalties` brought up to their
-        sequences' histories: the outputs since the last round added, a whole history where the slot
-        held another sequence (or this one was preempted into it)."""
-        if self.penalties is None:
-            self.penalties = PenaltyTables(self.cache.max_seqs, self.target.config.vocab_size, self.cache.device)
-        for seq in seqs:
-            if not _penalised(seq.request.sampling):
-                continue
-            slot = seq.cache.slot
-            owner, recorded = self._penalty_rows.get(slot, (None, 0))
-            if owner is seq:
-                self.penalties.extend(slot, [], seq.output_ids[recorded:])
-            else:
-                self.penalties.reset(slot, seq.prompt_ids, seq.output_ids)
-            self._penalty_rows[slot] = (seq, len(seq.output_ids))
-        return torch.tensor([s.cache.slot for s in seqs], dtype=torch.long).to(self.cache.device, non_blocking=True)
 
     def run_layer(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache_lens: torch.Tensor,
              block_table: torch.Tensor) -> torch.Tensor:
@@ -211,15 +190,17 @@ class MTPGraphs:
     def __init__(self, drafter: MTPDrafter, graphs: DecodeGraphs):
         self.drafter, self.graphs = drafter, graphs
         self.captured: dict[tuple[str, int, int], _Captured] = {}
+        self.penalties: PenaltyTables | None = None  # the engine's tables, which the penalised chains read
         self.enabled = True
 
     def draft(self, lasts: list[_Last], deltas: list[int], params: list[SamplingParams],
               generators: list[torch.Generator | None], table: torch.Tensor, counts: list[int],
-              slots: torch.Tensor | None = None) -> list[Draft] | None:
+              penalties: PenaltyTables | None = None, slots: list[int] | None = None) -> list[Draft] | None:
         """counts[b] drafts for row b (a sequence's newest entry, rope delta, sampling, generator, block
-        table row), or None when no graph serves the batch. `slots`: where a sampled row has penalties,
-        each row's slot in `drafter.penalties` (brought up to date); sampled rows with a logit bias
-        are the caller's to keep away."""
+        table row), or None when no graph serves the batch. `penalties`: where a sampled row has
+        penalties, the tables holding each row's history at slots[b] (one tables object for the
+        graphs' lifetime: they read its tensors); sampled rows with a logit bias are the caller's to
+        keep away."""
         device, k = lasts[0].logits.device, max(counts)
         inputs = {"logits": torch.stack([last.logits for last in lasts]),
                   "hidden": torch.stack([last.hidden for last in lasts]),
@@ -228,7 +209,7 @@ class MTPGraphs:
         if all(p.is_greedy for p in params):
             out = self._replay(("draft", len(lasts), k), inputs, lambda x: (self._chain(x, k),))
             return None if out is None else [Draft(t[:c]) for t, c in zip(out[0].tolist(), counts)]
-        kind = "sampled" if slots is None else "penalised"
+        kind = "sampled" if penalties is None else "penalised"
         if self._bucket(kind, len(lasts), k, table) is None:  # before the generators draw
             return None
         temperature, top_k, top_p, min_p = row_params(params)
@@ -238,9 +219,11 @@ class MTPGraphs:
                 u[b, :c] = torch.cat([uniform(generator) for _ in range(c)]).to(device)
         inputs.update(temperature=temperature.to(device), top_k=top_k.to(device), top_p=top_p.to(device),
                       min_p=min_p.to(device), u=u)
-        if slots is not None:  # greedy rows' drafts are the raw argmax: neutral penalties
+        if penalties is not None:  # greedy rows' drafts are the raw argmax: neutral penalties
+            assert self.penalties in (None, penalties) and slots is not None, "the graphs read one tables object"
+            self.penalties = penalties
             neutral = SamplingParams()
-            inputs["slots"] = slots
+            inputs["slots"] = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
             inputs.update(zip(("repetition", "presence", "frequency"), penalty_columns(
                 [neutral if p.is_greedy else p for p in params], torch.float32, device)))
         out = self._replay((kind, len(lasts), k), inputs, lambda x: self._sampled_chain(x, k))
@@ -279,7 +262,8 @@ class MTPGraphs:
         logits, hidden = x["logits"], x["hidden"]
         penalised = "slots" in x
         if penalised:
-            tables = self.drafter.penalties
+            tables = self.penalties
+            assert tables is not None
             seen, counts = tables.seen.index_select(0, x["slots"]), tables.counts.index_select(0, x["slots"])
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []

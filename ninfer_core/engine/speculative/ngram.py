@@ -13,6 +13,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ...errors import NinferError
+from ..penalties import PenaltyTables
 from ..sequence import Sequence
 from .base import Draft, Drafter
 
@@ -57,7 +58,7 @@ class NgramDrafter(Drafter):
         self.max_n, self.min_n = max_n, min_n
         self._buffers: dict[str, _TokenBuffer] = {}
 
-    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
         drafts = []
         for seq, k in zip(seqs, counts):
             tokens = self._buffers.setdefault(seq.request_id, _TokenBuffer()).sync(seq)

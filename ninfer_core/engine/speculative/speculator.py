@@ -8,7 +8,8 @@ A round (driven by `LLMEngine`, which alone appends tokens and advances or trunc
    forward (logits for every row, GDN state deferred), or runs a plain decode step when no
    sequence drafts.
 3. `judge`: per sequence the target distributions p_0..p_k (exact sampler distributions,
-   penalties with the drafts counted as generated) decide the kept tokens (verify.py).
+   penalties with the drafts counted as generated, from the engine's device tables) decide the
+   kept tokens (verify.py).
 4. The engine commits the kept prefix of the GDN state (rollback.py), appends the tokens, shows
    the drafter the kept rows (`observe`) and frees surplus pages; `record` counts the round.
 Sequences asking no drafts ride along as rows of width 1 (+ padding); grammar-constrained
@@ -23,6 +24,7 @@ from ...errors import NinferError
 from ...models.base import ForwardBatch, ForwardOutput
 from ..grammar import constrain
 from ..request import GenerationRequest, SpecStats, StepOutput
+from ..penalties import PenaltyTables
 from ..sampling import Sampler, TokenHistory
 from ..sequence import Sequence
 from .adaptive import AdaptiveDraft
@@ -73,11 +75,13 @@ class Speculator:
         """Drafts each sequence asks for this round, before the KV cap (none past max_tokens)."""
         return [min(self._wanted(s), s.tokens_left - 1) for s in seqs]
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], ks: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
+        """`penalties`: the engine's tables, current for every penalised sequence (None: none has any)."""
         drafts = [Draft([]) for _ in seqs]
         asking = [i for i, k in enumerate(ks) if k > 0]
         if asking:
-            for i, draft in zip(asking, self.drafter.propose([seqs[i] for i in asking], [ks[i] for i in asking])):
+            proposed = self.drafter.propose([seqs[i] for i in asking], [ks[i] for i in asking], penalties)
+            for i, draft in zip(asking, proposed):
                 drafts[i] = draft
         return drafts
 
@@ -101,27 +105,37 @@ class Speculator:
             return seq.draft_limit
         return self.adaptive.choose(seq.request_id, seq.draft_limit)
 
-    def judge(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor) -> list[list[int]]:
+    def judge(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor,
+              penalties: PenaltyTables | None = None) -> list[list[int]]:
         """The kept tokens per sequence from the target's logits [B, T, V]. Row t of a sequence is
         judged with the history output + drafts[:t], exactly as plain decoding would see it (a
-        constrained sequence's one row through its grammar mask)."""
+        constrained sequence's one row through its grammar mask); `penalties`: as in `propose`."""
         kept: list[list[int]] = [[] for _ in seqs]
+        unread = TokenHistory(())  # the penalties come from the tables: the sampler reads no history
         for greedy in (True, False):
             index = [b for b, s in enumerate(seqs) if s.request.sampling.is_greedy == greedy]
             if not index:
                 continue
-            rows, params, histories, matchers = [], [], [], []
+            rows, params, matchers, slots, extra = [], [], [], [], []
             for b in index:
                 for t in range(len(drafts[b].tokens) + 1):
                     rows.append(logits[b, t])
                     params.append(seqs[b].request.sampling)
-                    histories.append(TokenHistory(seqs[b].prompt_ids, seqs[b].output_ids + drafts[b].tokens[:t]))
                     matchers.append(seqs[b].grammar)  # constrained sequences never draft: only t = 0
+                    if params[-1].has_penalties:
+                        slots.append(seqs[b].cache.slot)
+                        extra.append(drafts[b].tokens[:t])
             stacked = constrain(torch.stack(rows).float(), matchers)
+            if slots:
+                assert penalties is not None, "penalised rows need the engine's penalty tables"
+                at = torch.tensor([r for r, p in enumerate(params) if p.has_penalties]).to(stacked.device)
+                stacked = stacked.index_copy(0, at, penalties.apply_rows(
+                    stacked.index_select(0, at), slots, extra, [p for p in params if p.has_penalties]))
+            histories = [unread] * len(rows)
             if greedy:  # the argmax of the penalised logits, no draws
-                targets = self.sampler.sample(stacked, params, histories, [None] * len(rows)).tolist()
+                targets = self.sampler.sample(stacked, params, histories, [None] * len(rows), penalised=True).tolist()
             else:
-                p = self.sampler.distribution(stacked, params, histories)
+                p = self.sampler.distribution(stacked, params, histories, penalised=True)
             start = 0
             for b in index:
                 n = len(drafts[b].tokens) + 1
