@@ -198,6 +198,7 @@ LIST
     # MOE_ROUNDS=N: then bench_moe_triton.py (MOE_TOKENS, MOE_PATHS) of each build, alternating, N rounds.
     # VERIFY_ROUNDS=N: then bench_spec.py verify (K = 1..3 verify rounds against the decode step) likewise;
     # SPEC_ENGINE_ROUNDS=N: bench_spec.py engine (the engine loop's MTP rounds, batch 1 and 8) likewise.
+    # MAIN_TESTS="tests/a.py tests/b.py": main's GPU tests in its copy, before the patches' ones.
     # an editable install of this tree (an earlier step on a warm machine) would shadow the copies
     python3 -m pip uninstall -y -q ninfer > /dev/null 2>&1
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
@@ -215,10 +216,15 @@ LIST
     for v in $VARIANTS; do
       if [ -f "/tmp/ab/$(variant $v)/.built" ]; then built="$built $v"; else echo "== $(variant $v): NOT BUILT, left out"; tail -n 5 "$OUT/build_$(variant $v).log"; fi
     done
-    for v in $built; do  # a patch's GPU tests: the test files listed in NAME.tests beside NAME.patch
+    for v in $built; do  # a patch's GPU tests: the test files listed in NAME.tests beside NAME.patch (main: MAIN_TESTS)
       name=$(variant $v)
-      [ -f "${v%.patch}.tests" ] || continue
-      mapfile -t test_args < "${v%.patch}.tests"
+      if [ "$v" = main ]; then
+        [ -n "${MAIN_TESTS:-}" ] || continue
+        read -ra test_args <<< "$MAIN_TESTS"
+      else
+        [ -f "${v%.patch}.tests" ] || continue
+        mapfile -t test_args < "${v%.patch}.tests"
+      fi
       echo "== $name: tests"
       # serial: under pytest-xdist the copies' runs collected nothing ("no tests ran") twice on the H200
       # the copy's site/ holds ninfer_app (app/ installed under its package name) for the CLI tests

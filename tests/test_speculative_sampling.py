@@ -23,7 +23,7 @@ import torch
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import Sampler, SamplingParams, TokenHistory
 from ninfer_core.engine.speculative import Draft, speculator
-from ninfer_core.engine.speculative.verify import accept_stochastic
+from ninfer_core.engine.speculative.verify import accept_stochastic, accept_stochastic_rows
 from speculative_harness import PROMPTS, load, run, write_target
 
 torch.set_num_threads(1)
@@ -87,6 +87,37 @@ def test_rejection_sampling_keeps_the_target_distribution(one_hot):
     assert second.sum() > 1500 and chi2_pvalue(second, p[1]) > 1e-3
 
 
+def test_a_batch_is_judged_as_its_sequences_one_by_one():
+    """accept_stochastic_rows over sequences with 0..3 drafts, q drawn or one-hot, equals each
+    sequence judged alone from the same generator state (the batch's rows back to back)."""
+    gen = torch.Generator().manual_seed(4)
+    for trial in range(200):
+        drafts, ps = [], []
+        for b, k in enumerate((3, 0, 2, 1, 3)):
+            p = random_dist(gen, k + 1)
+            if (b + trial) % 2 and k:
+                q = random_dist(gen, k)
+                drafts.append(Draft(torch.multinomial(q.double(), 1, generator=gen)[:, 0].tolist(), q))
+            else:
+                drafts.append(Draft(torch.randint(0, V, (k,), generator=gen).tolist()))
+            ps.append(p)
+        seeds = [trial * 10 + b for b in range(len(drafts))]
+        alone = [accept_stochastic(d, p, torch.Generator().manual_seed(s)) for d, p, s in zip(drafts, ps, seeds)]
+        together = accept_stochastic_rows(drafts, torch.cat(ps), [torch.Generator().manual_seed(s) for s in seeds])
+        assert together == alone
+
+
+def per_sequence(rule):
+    """The judge's batch rule from a per-sequence one."""
+    def rows(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator]) -> list[list[int]]:
+        out, start = [], 0
+        for draft, generator in zip(drafts, generators):
+            out.append(rule(draft, p[start : start + len(draft.tokens) + 1], generator))
+            start += len(draft.tokens) + 1
+        return out
+    return rows
+
+
 @pytest.mark.parametrize("rule", [accept_always, resample_from_p])
 def test_broken_acceptance_rules_fail_the_test(rule):
     first, second, p = emitted_counts(rule, one_hot=False)
@@ -143,7 +174,7 @@ def test_engine_samples_the_plain_distribution(spec, target):
 
 
 def test_engine_with_broken_acceptance_fails(target, monkeypatch):
-    monkeypatch.setattr(speculator, "accept_stochastic", accept_always)
+    monkeypatch.setattr(speculator, "accept_stochastic_rows", per_sequence(accept_always))
     pvalue, stats = engine_pvalue(*target, spec="mtp")
     assert pvalue < 1e-6, (pvalue, stats)
 
@@ -158,7 +189,7 @@ def test_verify_rows_are_the_exact_target_distributions(target, monkeypatch):
         seen.append((llm.engine.running[0].output_ids[:], draft.tokens, p.clone()))  # output before this round
         return accept_stochastic(draft, p, generator)
 
-    monkeypatch.setattr(speculator, "accept_stochastic", spy)
+    monkeypatch.setattr(speculator, "accept_stochastic_rows", per_sequence(spy))
     llm = load(directory, spec="mtp")
     params = SamplingParams(seed=1, max_tokens=12, **PARAMS["mtp"])
     request = GenerationRequest(PROMPTS[0], params)

@@ -29,7 +29,7 @@ from ..sampling import Sampler, TokenHistory
 from ..sequence import Sequence
 from .adaptive import AdaptiveDraft
 from .base import Draft, Drafter, Observation
-from .verify import accept_greedy, accept_stochastic
+from .verify import accept_greedy, accept_stochastic_rows
 
 
 class Speculator:
@@ -136,14 +136,15 @@ class Speculator:
                 targets = self.sampler.sample(stacked, params, histories, [None] * len(rows), penalised=True).tolist()
             else:
                 p = self.sampler.distribution(stacked, params, histories, penalised=True)
+            if not greedy:
+                generators = [seqs[b].generator for b in index]
+                assert all(g is not None for g in generators)  # every sampled request has its own
+                for b, tokens in zip(index, accept_stochastic_rows([drafts[b] for b in index], p, generators)):
+                    kept[b] = tokens
+                continue
             start = 0
             for b in index:
                 n = len(drafts[b].tokens) + 1
-                if greedy:
-                    kept[b] = accept_greedy(drafts[b].tokens, targets[start : start + n])
-                else:
-                    generator = seqs[b].generator
-                    assert generator is not None  # every sampled request has its own
-                    kept[b] = accept_stochastic(drafts[b], p[start : start + n], generator)
+                kept[b] = accept_greedy(drafts[b].tokens, targets[start : start + n])
                 start += n
         return kept

@@ -13,7 +13,9 @@ token is then distributed exactly as plain sampling from p. A deterministic draf
 greedy MTP/DFlash) has q one-hot: accept with probability p_t(d), resample from p_t without d.
 
 Draws come from the request's own generator (k + 1 uniforms per round, whatever is accepted),
-so a seeded request is reproducible for a given drafter and K.
+so a seeded request is reproducible for a given drafter and K. A round's sampled sequences are
+judged together on the device (`accept_stochastic_rows`): one host sync for the batch, where a
+sequence at a time took four (its rejection index, the residual's emptiness, the draw).
 """
 
 from __future__ import annotations
@@ -34,29 +36,52 @@ def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
 
 def accept_stochastic(draft: Draft, p: torch.Tensor, generator: torch.Generator) -> list[int]:
     """p [k+1, V] target distributions. Returns the accepted drafts plus one more token."""
-    k = len(draft.tokens)
-    u = uniform(generator, k + 1).to(p.device)
-    if k:
-        ids = torch.tensor(draft.tokens, device=p.device)
-        rows = torch.arange(k, device=p.device)
-        p_d = p[rows, ids].double()
-        q_d = torch.ones_like(p_d) if draft.probs is None else draft.probs.to(p.device)[rows, ids].double()
-        rejected = (u[:k] * q_d >= p_d).nonzero()
-        n = int(rejected[0, 0]) if rejected.numel() else k
+    return accept_stochastic_rows([draft], p, [generator])[0]
+
+
+def accept_stochastic_rows(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator]) -> list[list[int]]:
+    """`accept_stochastic` for B sequences at once, on p's device with one host sync for the batch
+    (per sequence it took four): p holds each sequence's k_b + 1 rows back to back. Each generator
+    gives its k_b + 1 uniforms first, in batch order, as one sequence at a time would."""
+    device, ks = p.device, [len(d.tokens) for d in drafts]
+    width = max(ks)
+    u = torch.zeros(len(drafts), width + 1, dtype=torch.float64, device=device)
+    for b, (generator, k) in enumerate(zip(generators, ks)):
+        u[b, : k + 1] = uniform(generator, k + 1).to(device)
+    k_rows = torch.tensor(ks, device=device)
+    starts = [sum(ks[:b]) + b for b in range(len(ks))]
+    # row of (b, t) in p, t past k_b clamped to b's last row
+    rows = torch.tensor([[start + min(t, k) for t in range(width + 1)] for start, k in zip(starts, ks)], device=device)
+    tokens = torch.tensor([d.tokens + [0] * (width - len(d.tokens)) for d in drafts], dtype=torch.long, device=device)
+    drawn = [d for d in drafts if d.probs is not None]  # drafts with their q; the others are one-hot
+    q_all = torch.cat([d.probs.to(device) for d in drawn]) if drawn else None
+    q_starts, at = [], 0
+    for d in drafts:
+        q_starts.append(at if d.probs is not None else -1)
+        at += len(d.tokens) if d.probs is not None else 0
+    has_q = torch.tensor([s >= 0 for s in q_starts], device=device)
+    q_rows = torch.tensor([[min(max(s, 0) + min(t, max(k - 1, 0)), max(at - 1, 0)) for t in range(max(width, 1))]
+                           for s, k in zip(q_starts, ks)], device=device)  # (b, t)'s q row, clamped into q_all
+    if width:
+        p_d = p[rows[:, :width], tokens].double()
+        q_d = torch.ones_like(p_d) if q_all is None else torch.where(
+            has_q[:, None], q_all[q_rows[:, :width], tokens].double(), 1.0)
+        rejected = (u[:, :width] * q_d >= p_d) & (torch.arange(width, device=device) < k_rows[:, None])
+        n = torch.where(rejected.any(1), rejected.to(torch.int8).argmax(1), k_rows)
     else:
-        n = 0
-    if n == k:
-        return draft.tokens + [int(draw_from_probs(p[k : k + 1], u[k:]))]
-    q = _draft_row(draft, n, p)
-    residual = (p[n].double() - q).clamp(min=0)
-    if not bool((residual > 0).any()):  # p == q: a rejection had probability 0 (rounding); p is the answer
-        residual = p[n].double()
-    return draft.tokens[:n] + [int(draw_from_probs(residual[None], u[k:]))]
-
-
-def _draft_row(draft: Draft, t: int, p: torch.Tensor) -> torch.Tensor:
-    if draft.probs is not None:
-        return draft.probs[t].to(p.device).double()
-    q = torch.zeros(p.shape[-1], dtype=torch.float64, device=p.device)
-    q[draft.tokens[t]] = 1.0
-    return q
+        n = k_rows
+    p_n = p[rows.gather(1, n[:, None]).squeeze(1)].double()
+    # the draft's q at the first rejection (nothing where every draft was accepted: p_k itself)
+    rejecting = n < k_rows
+    q_n = torch.zeros_like(p_n)
+    if q_all is not None:
+        q_at_n = q_rows.gather(1, n.clamp(max=q_rows.shape[1] - 1)[:, None]).squeeze(1)
+        q_n = torch.where((has_q & rejecting)[:, None], q_all[q_at_n].double(), q_n)
+    if width:  # one-hot drafts: q is 1 at the rejected token
+        one_hot = (~has_q & rejecting).double()
+        q_n.scatter_add_(1, tokens.gather(1, n.clamp(max=width - 1)[:, None]), one_hot[:, None])
+    residual = (p_n - q_n).clamp(min=0)
+    residual = torch.where((residual > 0).any(1, keepdim=True), residual, p_n)  # p == q: rounding; p is the answer
+    token = draw_from_probs(residual, u.gather(1, k_rows[:, None]).squeeze(1))
+    counts, last = torch.stack([n, token]).tolist()
+    return [d.tokens[:m] + [t] for d, m, t in zip(drafts, counts, last)]
