@@ -468,7 +468,7 @@ def force_acceptance(speculator: Any, keep: float) -> Callable:
     def forced(seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor,
                penalties: PenaltyTables | None = None) -> list[list[int]]:
         kept = []
-        for draft, own in zip(drafts, judge(seqs, drafts, logits, penalties)):
+        for draft, own in zip(drafts, judge(seqs, drafts, logits, *([] if penalties is None else [penalties]))):
             n = next((j for j in range(len(draft.tokens)) if rng.random() >= keep), len(draft.tokens))
             kept.append(draft.tokens[:n] + own[-1:])
         return kept
@@ -548,9 +548,17 @@ def bench_engine(args: argparse.Namespace) -> dict:
                 row[f"mtp_{kind}_at_{acceptance:g}"] = engine_decode(spec, prompts, sampling)
                 speculator.judge = judge
         rows.append(row)
+    profiles = {}
+    if args.profile:  # batch 1 at the set acceptance, greedy and sampled, under the profiler
+        prompt = [torch.randint(0, plain.loaded.config.vocab_size, (args.context,), generator=gen).tolist()]
+        for kind, sampling in params.items():
+            judge = force_acceptance(speculator, keep_probability(args.acceptance, args.k))
+            profiles[f"mtp_{kind}"] = profile_rounds(spec, prompt, replace(sampling, max_tokens=args.profile))
+            speculator.judge = judge
+            profiles[f"plain_{kind}"] = profile_rounds(plain, prompt, replace(sampling, max_tokens=args.profile))
     result = {"bench": "engine", "model": str(args.model), "weights": plain.loaded.recipe.key, "k": args.k,
               "context": args.context, "tokens": args.tokens, "acceptance": args.acceptance,
-              **env(plain.loaded.device, plain.loaded.dtype), "rows": rows}
+              **env(plain.loaded.device, plain.loaded.dtype), "rows": rows, "profiles": profiles}
     print(f"engine loop, {args.model}, {result['device']}: plain decode vs MTP K = {args.k} rounds, context "
           f"{args.context}, {args.tokens} tokens a sequence (ms/step: decode time / steps or rounds)")
     print(f"{'batch':>5} {'run':<22} {'tok/s':>9} {'ms/step':>9} {'acc':>6} {'tok/rd':>7} {'x plain':>8}")
@@ -563,6 +571,38 @@ def bench_engine(args: argparse.Namespace) -> dict:
                   f"{fmt(run.get('acceptance')):>6} {fmt(run.get('tokens_per_round')):>7} "
                   f"{run['tok_s'] / plain_run['tok_s']:>7.2f}x")
     return result
+
+
+def profile_rounds(llm: Any, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """`engine_decode` under the profiler (its decode phase and the prefill before it): per step
+    (round) the wall time, the GPU's busy time and kernels, the host's device syncs; the host ops
+    and the kernels that take the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from profile_decode import kernel_rows, print_rows
+    from profile_prefill import cpu_rows
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run = engine_decode(llm, prompts, params)
+    steps = run["steps"]
+    kernels = kernel_rows(prof, steps)
+    host = cpu_rows(prof, top=400)
+    syncs = sum(c for _, c, name in host if name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                     "cudaEventSynchronize", "aten::_local_scalar_dense"))
+    out = {"steps": steps, "wall_ms_per_step": run["ms_per_step"],
+           "gpu_busy_ms_per_step": sum(k[0] for k in kernels) / 1e3,
+           "kernels_per_step": sum(k[1] for k in kernels), "syncs_per_step": syncs / steps,
+           "host_ops": [dict(us_per_step=us / steps, calls_per_step=c / steps, name=n) for us, c, n in host[:25]],
+           "kernels": [dict(us=u, calls=c, name=n) for u, c, n in kernels[:25]]}
+    print(f"== profiled {params.temperature and 'sampled' or 'greedy'} {steps:.0f} steps: wall "
+          f"{run['ms_per_step']:.3f} ms a step (the profiler's overhead in it), GPU busy "
+          f"{out['gpu_busy_ms_per_step']:.3f} ms in {out['kernels_per_step']:.0f} kernels, "
+          f"{out['syncs_per_step']:.1f} host syncs a step")
+    print_rows(kernels, 12)
+    print("   host ops by self CPU time a step:")
+    for us, calls, name in host[:14]:
+        print(f"   {us / steps:8.1f} us {calls / steps:6.1f}x  {name[:90]}")
+    return out
 
 
 def int_list(value: str) -> list[int]:
@@ -597,6 +637,7 @@ def main() -> None:
     eng.add_argument("--context", type=int, default=512)
     eng.add_argument("--tokens", type=int, default=256)
     eng.add_argument("--acceptance", type=float, default=0.72)
+    eng.add_argument("--profile", type=int, default=0, help="then profile batch 1 over this many tokens (0: no)")
     acc = sub.add_parser("acceptance")
     acc.add_argument("--model", default=None, help="checkpoint dir / .gguf (default: embedded SmolLM2-135M)")
     acc.add_argument("--spec", default="ngram", choices=["ngram", "mtp", "dflash"])

@@ -269,7 +269,7 @@ LIST
     fi
     # SPEC_ENGINE_ROUNDS=N: bench_spec.py engine (the engine loop's MTP rounds at a set acceptance) likewise
     alternate ${SPEC_ENGINE_ROUNDS:-0} spec_engine 14 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_spec.py engine \
-      --weights int4 --model "$PWD/.bench/qwen3.6-35b-a3b"
+      --weights int4 --model "$PWD/.bench/qwen3.6-35b-a3b" --profile ${SPEC_PROFILE_TOKENS:-0}
     for round in $(seq 1 ${ENGINE_ROUNDS:-0}); do
       for v in $(in_order $round); do
         name=$(variant $v)
@@ -304,8 +304,8 @@ LIST
   spec_engine)
     # the engine loop with MTP K = 3 at a set acceptance against plain decode, batch 1 and 8
     bench_model
-    NINFER_REQUIRE_KERNELS=1 timeout 300 python3 scripts/bench_spec.py engine --weights int4 \
-      --json "$OUT/spec_engine.json" 2>&1 | tail -14 ;;
+    NINFER_REQUIRE_KERNELS=1 timeout 300 python3 scripts/bench_spec.py engine --weights int4 --profile 128 \
+      --json "$OUT/spec_engine.json" 2>&1 | tail -90 ;;
   grammar)
     # the grammar's host work, mask copy + kernel, and constrained vs free engine steps at batch 1
     # and 8 (issue 16); xgrammar is not in the image: its wheel and apache-tvm-ffi's go in .whl/

@@ -35,8 +35,11 @@ def test_keep_probability_gives_the_acceptance(bench_spec, k, acceptance):
 def test_engine_rounds_at_the_asked_acceptance(bench_spec, tmp_path):
     write_tiny_model_dir(tmp_path, moe=True, overrides=WIDE)
     args = argparse.Namespace(model=tmp_path, batches="1,2", k=3, context=16, tokens=200, acceptance=0.72,
-                              device="cpu", dtype="auto", weights="bf16", json=None)
-    rows = bench_spec.bench_engine(args)["rows"]
+                              device="cpu", dtype="auto", weights="bf16", json=None, profile=24)
+    result = bench_spec.bench_engine(args)
+    rows = result["rows"]
+    assert set(result["profiles"]) == {"mtp_greedy", "plain_greedy", "mtp_sampled", "plain_sampled"}
+    assert result["profiles"]["mtp_greedy"]["steps"] < result["profiles"]["plain_greedy"]["steps"]
     assert [row["batch"] for row in rows] == [1, 2]
     for row in rows:
         for kind in ("greedy", "sampled"):
