@@ -1,9 +1,11 @@
 """Sampler timing at Qwen3.6's vocabulary (248,320): the CUDA kernel vs the float64 torch reference,
-both on the GPU, timed with CUDA events; batch 1, 8, 64 with top-k 20 + top-p 0.95 and with top-p
-0.95 alone (temperature 0.7), on LLM-like peaked rows and on wide Gaussian rows (where top-p keeps
-thousands of tokens: the kernel's full-vocabulary path).
+both on the GPU, timed with CUDA events; batch 1, 4, 8, 16, 64 with top-k 20 + top-p 0.95 and with
+top-p 0.95 alone (temperature 0.7), on LLM-like peaked rows and on wide Gaussian rows (where top-p
+keeps thousands of tokens: the kernel's full-vocabulary path). The kernel's draw (`sample`) and its
+distribution (`filtered_probs`, what speculative sampling reads), each also with one block a row
+(the split path off: `*_one_block_ms`), in the same run.
 
-    python scripts/bench_sampling.py OUT.json [--iters 50] [--ref-iters 5]
+    python scripts/bench_sampling.py --json OUT.json [--iters 50] [--ref-iters 5]
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from ninfer_core.ops import sampling as ops
 
 VOCAB = 248320
-BATCHES = (1, 8, 64)
+BATCHES = (1, 4, 8, 16, 64)
 CONFIGS = {"top_k20_top_p0.95": (20, 0.95), "top_p0.95": (0, 0.95)}
 
 
@@ -46,18 +48,27 @@ def time_ms(fn: Callable[[], object], iters: int) -> float:
 
 def measure(logits: torch.Tensor, params: tuple[torch.Tensor, ...], iters: int, ref_iters: int) -> dict:
     u = torch.rand(logits.shape[0], dtype=torch.float64, device="cuda")
-    kernel_ms = time_ms(lambda: ops.sample(logits, *params, u), iters)
+    split = getattr(ops, "SPLIT_MAX_ROWS", None)  # None: a build without the split path
+    times = {}
+    for name, rows in (("", split), ("_one_block", 0)) if split is not None else (("", None),):
+        if rows is not None:
+            ops.SPLIT_MAX_ROWS = rows
+        times[f"kernel{name}_ms"] = round(time_ms(lambda: ops.sample(logits, *params, u), iters), 4)
+        times[f"probs{name}_ms"] = round(time_ms(lambda: ops.filtered_probs(logits, *params), iters), 4)
+    if split is not None:
+        ops.SPLIT_MAX_ROWS = split
+    kernel_ms = times["kernel_ms"]
     ref_ms = time_ms(lambda: ops.sample_ref(logits, *params, u), ref_iters)
     agree = (ops.sample(logits, *params, u) == ops.sample_ref(logits, *params, u)).float().mean()
     kept = (ops.filtered_probs(logits, *params) > 0).sum(-1).float().mean()
-    return {"kernel_ms": round(kernel_ms, 4), "reference_ms": round(ref_ms, 3),
+    return {**times, "reference_ms": round(ref_ms, 3),
             "speedup": round(ref_ms / kernel_ms, 1), "mean_kept_tokens": round(float(kept), 1),
             "tokens_agree": float(agree)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="JSON results path")
+    parser.add_argument("--json", required=True, help="JSON results path")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--ref-iters", type=int, default=5)
     args = parser.parse_args()
@@ -77,7 +88,7 @@ def main() -> None:
                        **measure(logits, params, args.iters, args.ref_iters)}
                 print(json.dumps(row), flush=True)
                 results.append(row)
-    with open(args.out, "w") as f:
+    with open(args.json, "w") as f:
         json.dump({"vocab": VOCAB, "device": torch.cuda.get_device_name(), "results": results}, f, indent=2)
 
 

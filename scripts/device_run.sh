@@ -199,6 +199,7 @@ LIST
     # VERIFY_ROUNDS=N: then bench_spec.py verify (K = 1..3 verify rounds against the decode step) likewise;
     # SPEC_ENGINE_ROUNDS=N: bench_spec.py engine (the engine loop's MTP rounds, batch 1 and 8) likewise.
     # MAIN_TESTS="tests/a.py tests/b.py": main's GPU tests in its copy, before the patches' ones.
+    # SAMPLING_ROUNDS=N: bench_sampling.py (the sampler kernel at 248k tokens) likewise.
     # an editable install of this tree (an earlier step on a warm machine) would shadow the copies
     python3 -m pip uninstall -y -q ninfer > /dev/null 2>&1
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
@@ -267,9 +268,11 @@ LIST
       set -- $built
       PYTHONPATH=/tmp/ab/$(variant $1):${PYTHONPATH:-} bench_model
     fi
+    # SAMPLING_ROUNDS=N: bench_sampling.py (the sampler kernel, split path on and off) likewise
+    alternate ${SAMPLING_ROUNDS:-0} sampling 4 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_sampling.py --ref-iters 2
     # SPEC_ENGINE_ROUNDS=N: bench_spec.py engine (the engine loop's MTP rounds at a set acceptance) likewise
     alternate ${SPEC_ENGINE_ROUNDS:-0} spec_engine 14 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_spec.py engine \
-      --weights int4 --model "$PWD/.bench/qwen3.6-35b-a3b" --profile ${SPEC_PROFILE_TOKENS:-0}
+      --weights int4 --model "$PWD/.bench/qwen3.6-35b-a3b" --profile ${SPEC_PROFILE_TOKENS:-0} --batches ${SPEC_BATCHES:-1,8}
     for round in $(seq 1 ${ENGINE_ROUNDS:-0}); do
       for v in $(in_order $round); do
         name=$(variant $v)
