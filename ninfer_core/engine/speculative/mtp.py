@@ -15,8 +15,8 @@ one host sync per round instead of K Python-level steps. Greedy drafts are the r
 MTP logits on both paths (the target's acceptance applies penalties); sampled requests draw from
 their sampling distribution, penalties included, by the sampling chain graph (its penalties read
 the engine's device tables of each sequence's history); a batch with a sampled row's logit bias
-drafts eagerly. The logits come from `draft_head.py`'s lm_head: an
-int4 copy of an int8 one (half its bytes, read once a draft step), else the target's.
+drafts eagerly. The logits come from `draft_head.py`'s lm_head: an int4 copy of an int8 one (half
+its bytes, read once a draft step), else the target's.
 """
 
 from __future__ import annotations
@@ -181,8 +181,8 @@ class MTPGraphs:
                 one-hot at the argmax for greedy rows) with a uniform its generator gave before the
                 replay: the draws and the order of eager drafting, so the same drafts and q.
       penalised that, with a sampled row's repetition / presence / frequency penalties on its logits
-                first: its history is its row of the drafter's tables (indexed by the rows' slots)
-                plus the drafts drawn so far, as eager drafting sees it.
+                first: its history is its row of the engine's penalty tables (indexed by the rows'
+                slots) plus the drafts drawn so far, as eager drafting sees it.
       catch_up  the layer over a verify's rows per (bucket, width <= 16) and the logits of each
                 row's last kept entry (`MTPDrafter.catch_up`); prompt chunks stay eager.
     A capture failure turns both off with a warning (drafting eagerly gives the same drafts)."""
