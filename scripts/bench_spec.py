@@ -5,8 +5,8 @@
     python3 scripts/bench_spec.py profile    [--max-k 3] [--json OUT]
     python3 scripts/bench_spec.py acceptance [--model DIR] [--spec ngram] [--draft-tokens 1,..,8]
                                              [--adaptive 8] [--json OUT]
-    python3 scripts/bench_spec.py engine     [--model .bench/qwen3.6-35b-a3b] [--batches 1,8]
-                                             [--acceptance 0.72] [--json OUT]
+    python3 scripts/bench_spec.py engine     [--model .bench/qwen3.6-35b-a3b] [--batches 1,8] [--k 1,2,3]
+                                             [--acceptance 0.72] [--profile TOKENS] [--json OUT]
 
 verify: on the synthetic model (exact shapes, random weights; the engine's own forward, eager),
 after a `--context`-token prefill, the time of one verify round of K+1 tokens per sequence
@@ -487,14 +487,14 @@ def keep_probability(acceptance: float, k: int) -> float:
     return (low + high) / 2
 
 
-def engine_decode(llm: Any, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """Every prompt decoded at once by the engine loop, the decode phase timed from the step that gave
-    every sequence its first token to the last: tok/s aggregate, steps (rounds) a sequence and their
-    time, the speculative rounds' acceptance and tokens a round."""
+def engine_decode(llm: Any, prompts: list[list[int]], params: SamplingParams, draft_tokens: int | None = None) -> dict:
+    """Every prompt decoded at once by the engine loop (`draft_tokens`: each request's K), the decode
+    phase timed from the step that gave every sequence its first token to the last: tok/s aggregate,
+    steps (rounds) a sequence and their time, the speculative rounds' acceptance and tokens a round."""
     engine = llm.engine
     ids = [f"p{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
-        engine.add_request(GenerationRequest(prompt, params, request_id=rid))
+        engine.add_request(GenerationRequest(prompt, params, request_id=rid, draft_tokens=draft_tokens))
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     outputs: Counter[str] = Counter()
     stats: dict[str, SpecStats | None] = {}
@@ -522,13 +522,13 @@ def engine_decode(llm: Any, prompts: list[list[int]], params: SamplingParams) ->
 def bench_engine(args: argparse.Namespace) -> dict:
     from ninfer_core.llm import LLM, EngineOptions
 
-    batches = int_list(args.batches)
+    batches, ks = int_list(args.batches), int_list(args.k)
     length = args.context + args.tokens + 64
     options = EngineOptions(device=args.device, dtype=args.dtype, weights=args.weights, random_weights=True,
                             max_context=length, max_seqs=max(batches), kv_capacity=max(batches) * length,
                             prefix_cache=False)
     plain = LLM.load(args.model, options)
-    spec = LLM(plain.loaded, replace(options, spec="mtp", draft_tokens=args.k))
+    spec = LLM(plain.loaded, replace(options, spec="mtp", draft_tokens=max(ks)))
     speculator = spec.engine.speculator
     gen = torch.Generator().manual_seed(0)
     params = {"greedy": SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True),
@@ -543,32 +543,35 @@ def bench_engine(args: argparse.Namespace) -> dict:
         row: dict = {"batch": batch}
         for kind, sampling in params.items():
             row[f"plain_{kind}"] = engine_decode(plain, prompts, sampling)
-            for acceptance in (args.acceptance, 0.0):
-                judge = force_acceptance(speculator, keep_probability(acceptance, args.k))
-                row[f"mtp_{kind}_at_{acceptance:g}"] = engine_decode(spec, prompts, sampling)
-                speculator.judge = judge
+            for k in ks:
+                for acceptance in (args.acceptance, 0.0):
+                    judge = force_acceptance(speculator, keep_probability(acceptance, k))
+                    row[f"mtp_{kind}_k{k}_at_{acceptance:g}"] = engine_decode(spec, prompts, sampling, k)
+                    speculator.judge = judge
         rows.append(row)
     profiles = {}
     if args.profile:  # batch 1 at the set acceptance, greedy and sampled, under the profiler
         prompt = [torch.randint(0, plain.loaded.config.vocab_size, (args.context,), generator=gen).tolist()]
         for kind, sampling in params.items():
-            judge = force_acceptance(speculator, keep_probability(args.acceptance, args.k))
+            judge = force_acceptance(speculator, keep_probability(args.acceptance, max(ks)))
             profiles[f"mtp_{kind}"] = profile_rounds(spec, prompt, replace(sampling, max_tokens=args.profile))
             speculator.judge = judge
             profiles[f"plain_{kind}"] = profile_rounds(plain, prompt, replace(sampling, max_tokens=args.profile))
-    result = {"bench": "engine", "model": str(args.model), "weights": plain.loaded.recipe.key, "k": args.k,
+    result = {"bench": "engine", "model": str(args.model), "weights": plain.loaded.recipe.key, "k": ks,
               "context": args.context, "tokens": args.tokens, "acceptance": args.acceptance,
               **env(plain.loaded.device, plain.loaded.dtype), "rows": rows, "profiles": profiles}
-    print(f"engine loop, {args.model}, {result['device']}: plain decode vs MTP K = {args.k} rounds, context "
-          f"{args.context}, {args.tokens} tokens a sequence (ms/step: decode time / steps or rounds)")
-    print(f"{'batch':>5} {'run':<22} {'tok/s':>9} {'ms/step':>9} {'acc':>6} {'tok/rd':>7} {'x plain':>8}")
+    print(f"engine loop, {args.model}, {result['device']}: plain decode vs MTP rounds of K = {args.k}, context "
+          f"{args.context}, {args.tokens} tokens a sequence (ms/step: decode time / steps or rounds; steps: a "
+          f"round's time in plain steps, what engine/speculative/adaptive.py's cost model holds)")
+    print(f"{'batch':>5} {'run':<25} {'tok/s':>9} {'ms/step':>9} {'steps':>6} {'acc':>6} {'tok/rd':>7} {'x plain':>8}")
     for row in rows:
         for name, run in row.items():
             if name == "batch":
                 continue
             plain_run = row["plain_sampled" if "sampled" in name else "plain_greedy"]
-            print(f"{row['batch']:>5} {name:<22} {run['tok_s']:>9.1f} {run['ms_per_step']:>9.3f} "
-                  f"{fmt(run.get('acceptance')):>6} {fmt(run.get('tokens_per_round')):>7} "
+            run["plain_steps"] = run["ms_per_step"] / plain_run["ms_per_step"]
+            print(f"{row['batch']:>5} {name:<25} {run['tok_s']:>9.1f} {run['ms_per_step']:>9.3f} "
+                  f"{run['plain_steps']:>6.2f} {fmt(run.get('acceptance')):>6} {fmt(run.get('tokens_per_round')):>7} "
                   f"{run['tok_s'] / plain_run['tok_s']:>7.2f}x")
     return result
 
@@ -633,7 +636,7 @@ def main() -> None:
     eng.add_argument("--model", type=Path, default=Path(".bench/qwen3.6-35b-a3b"),
                      help="a model directory (scripts/make_bench_model.py); its weights are random")
     eng.add_argument("--batches", default="1,8")
-    eng.add_argument("--k", type=int, default=3)
+    eng.add_argument("--k", default="3", help="drafts a round (comma list: one run each)")
     eng.add_argument("--context", type=int, default=512)
     eng.add_argument("--tokens", type=int, default=256)
     eng.add_argument("--acceptance", type=float, default=0.72)

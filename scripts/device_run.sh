@@ -272,7 +272,7 @@ LIST
     alternate ${SAMPLING_ROUNDS:-0} sampling 4 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_sampling.py --ref-iters 2
     # SPEC_ENGINE_ROUNDS=N: bench_spec.py engine (the engine loop's MTP rounds at a set acceptance) likewise
     alternate ${SPEC_ENGINE_ROUNDS:-0} spec_engine 14 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_spec.py engine \
-      --weights int4 --model "$PWD/.bench/qwen3.6-35b-a3b" --profile ${SPEC_PROFILE_TOKENS:-0} --batches ${SPEC_BATCHES:-1,8}
+      --weights int4 --model "$PWD/.bench/qwen3.6-35b-a3b" --profile ${SPEC_PROFILE_TOKENS:-0} --batches ${SPEC_BATCHES:-1,8} --k ${SPEC_KS:-3}
     for round in $(seq 1 ${ENGINE_ROUNDS:-0}); do
       for v in $(in_order $round); do
         name=$(variant $v)

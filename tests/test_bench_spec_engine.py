@@ -34,7 +34,7 @@ def test_keep_probability_gives_the_acceptance(bench_spec, k, acceptance):
 
 def test_engine_rounds_at_the_asked_acceptance(bench_spec, tmp_path):
     write_tiny_model_dir(tmp_path, moe=True, overrides=WIDE)
-    args = argparse.Namespace(model=tmp_path, batches="1,2", k=3, context=16, tokens=200, acceptance=0.72,
+    args = argparse.Namespace(model=tmp_path, batches="1,2", k="1,3", context=16, tokens=200, acceptance=0.72,
                               device="cpu", dtype="auto", weights="bf16", json=None, profile=24)
     result = bench_spec.bench_engine(args)
     rows = result["rows"]
@@ -43,11 +43,13 @@ def test_engine_rounds_at_the_asked_acceptance(bench_spec, tmp_path):
     assert [row["batch"] for row in rows] == [1, 2]
     for row in rows:
         for kind in ("greedy", "sampled"):
-            none, forced = row[f"mtp_{kind}_at_0"], row[f"mtp_{kind}_at_0.72"]
-            assert none["acceptance"] == 0 and none["tokens_per_round"] == 1
-            assert none["steps"] == pytest.approx(row[f"plain_{kind}"]["steps"])
-            assert forced["acceptance"] == pytest.approx(0.72, abs=0.1)
-            assert forced["tokens_per_round"] > 2 and forced["steps"] < none["steps"] / 2
+            for k in (1, 3):
+                none, forced = row[f"mtp_{kind}_k{k}_at_0"], row[f"mtp_{kind}_k{k}_at_0.72"]
+                assert none["acceptance"] == 0 and none["tokens_per_round"] == 1
+                assert none["steps"] == pytest.approx(row[f"plain_{kind}"]["steps"])
+                assert forced["acceptance"] == pytest.approx(0.72, abs=0.1)
+                assert forced["tokens_per_round"] == pytest.approx(1 + 0.72 * k, abs=0.35)
+                assert none["plain_steps"] == pytest.approx(none["ms_per_step"] / row[f"plain_{kind}"]["ms_per_step"])
 
 
 def test_forced_judge_keeps_drafts_then_the_judges_token(bench_spec):
