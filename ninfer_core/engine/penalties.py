@@ -14,6 +14,8 @@ for bit.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from .sampling import SamplingParams
@@ -35,22 +37,14 @@ class PenaltyTables:
     def add(self, slots: list[int], tokens: list[list[int]]) -> None:
         """Host tokens generated in these slots (a prompt's answer so far, a speculative round's kept
         tokens): counted and seen, in one scatter."""
-        index = torch.tensor([[s for s, ts in zip(slots, tokens) for _ in ts], [t for ts in tokens for t in ts]],
-                             dtype=torch.long).to(self.counts.device, non_blocking=True)
-        if index.shape[1]:
-            self.counts.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.int32), accumulate=True)
-            self.seen.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.bool))
+        _generated(self.seen, self.counts, slots, tokens)
 
     def rows(self, slots: list[int], extra: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(seen [R, V], counts [R, V]) of R rows: row r the history in slot slots[r] with extra[r]
         generated after it (a verify's row t: the drafts before it)."""
         index = torch.tensor(slots, dtype=torch.long).to(self.counts.device, non_blocking=True)
         seen, counts = self.seen.index_select(0, index), self.counts.index_select(0, index)
-        at = torch.tensor([[r for r, ts in enumerate(extra) for _ in ts], [t for ts in extra for t in ts]],
-                          dtype=torch.long).to(self.counts.device, non_blocking=True)
-        if at.shape[1]:
-            counts.index_put_((at[0], at[1]), torch.ones_like(at[0], dtype=torch.int32), accumulate=True)
-            seen.index_put_((at[0], at[1]), torch.ones_like(at[0], dtype=torch.bool))
+        _generated(seen, counts, range(len(extra)), extra)
         return seen, counts
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -70,6 +64,15 @@ class PenaltyTables:
         ids = tokens.clamp(min=0)
         self.counts.index_put_((slots, ids), valid.to(torch.int32), accumulate=True)
         self.seen.index_put_((slots, ids), self.seen[slots, ids] | valid)
+
+
+def _generated(seen: torch.Tensor, counts: torch.Tensor, rows: Iterable[int], tokens: list[list[int]]) -> None:
+    """Host tokens[i] generated in row rows[i] of seen / counts [R, V]: counted and seen, one scatter."""
+    index = torch.tensor([[r for r, ts in zip(rows, tokens) for _ in ts], [t for ts in tokens for t in ts]],
+                         dtype=torch.long).to(counts.device, non_blocking=True)
+    if index.shape[1]:
+        counts.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.int32), accumulate=True)
+        seen.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.bool))
 
 
 def penalty_columns(params: list[SamplingParams], dtype: torch.dtype,

@@ -134,17 +134,15 @@ class Speculator:
             histories = [unread] * len(rows)
             if greedy:  # the argmax of the penalised logits, no draws
                 targets = self.sampler.sample(stacked, params, histories, [None] * len(rows), penalised=True).tolist()
+                start = 0
+                for b in index:
+                    n = len(drafts[b].tokens) + 1
+                    kept[b] = accept_greedy(drafts[b].tokens, targets[start : start + n])
+                    start += n
             else:
                 p = self.sampler.distribution(stacked, params, histories, penalised=True)
-            if not greedy:
                 generators = [seqs[b].generator for b in index]
                 assert all(g is not None for g in generators)  # every sampled request has its own
                 for b, tokens in zip(index, accept_stochastic_rows([drafts[b] for b in index], p, generators)):
                     kept[b] = tokens
-                continue
-            start = 0
-            for b in index:
-                n = len(drafts[b].tokens) + 1
-                kept[b] = accept_greedy(drafts[b].tokens, targets[start : start + n])
-                start += n
         return kept
