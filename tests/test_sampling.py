@@ -595,13 +595,23 @@ def test_empirical_frequencies_match_and_the_check_can_fail():
     [
         (torch.zeros(8), 1, "float \\[batch, vocab\\]"),
         (torch.zeros(2, 8), 1, "2 logit rows, 1 params"),
-        (torch.tensor([[0.0, math.nan]]), 1, "NaN"),
-        (torch.tensor([[-math.inf, -math.inf]]), 1, "no finite value"),
     ],
 )
 def test_bad_batches_are_rejected(logits, n_params, fragment):
     with pytest.raises(NinferError, match=fragment):
         run([SamplingParams()] * n_params, logits, [TokenHistory([])] * n_params)
+
+
+def test_rows_without_finite_logits_are_flagged_not_raised():
+    """The distribution reads nothing back from the device: a row of NaN, +inf or only -inf comes
+    out as a proper distribution (its filter over zero logits) and `finite_rows` names it; the
+    other rows are as they would be alone."""
+    logits = torch.tensor([[0.0, math.nan, 1.0], [-math.inf] * 3, [0.0, math.inf, 1.0], [1.0, 2.0, 0.5]])
+    params = [SamplingParams(temperature=0.7)] * 4
+    probs = run(params, logits, [TokenHistory([])] * 4)
+    assert sampling.finite_rows(logits).tolist() == [False, False, False, True]
+    assert bool(torch.isfinite(probs).all()) and torch.allclose(probs.sum(-1), torch.ones(4))
+    torch.testing.assert_close(probs[3:], run(params[:1], logits[3:], [TokenHistory([])]))
 
 
 def test_generator_count_must_match_rows():

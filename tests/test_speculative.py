@@ -150,6 +150,39 @@ def test_seeded_sampling_reproducible_with_drafts(target):
     assert out[a.request_id] == out[b.request_id] != out[c.request_id]
 
 
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_non_finite_verify_logits_fail_that_request_alone(kind, target, plain):
+    """A verify whose first row of logits for one sequence holds NaN (its third round) ends that
+    request with an error and no token from the round, as a plain step's NaN row does; the other request's tokens
+    are plain decode's. The judge reads no device value to find it (the sampled path used to raise
+    for the whole batch after a host sync)."""
+    llm = load(target, spec="mtp", draft_tokens=3)
+    params = greedy(N_TOKENS) if kind == "greedy" else SamplingParams(temperature=0.8, top_k=20, seed=3,
+                                                                      max_tokens=N_TOKENS, ignore_eos=True)
+    bad, good = GenerationRequest(PROMPTS[0], params), GenerationRequest(PROMPTS[1], greedy(N_TOKENS))
+    rounds = Counter()
+    ban_ends = llm.engine._ban_ends
+
+    def poison(seqs, logits):
+        logits = ban_ends(seqs, logits)
+        for b, seq in enumerate(seqs):
+            if seq.request_id == bad.request_id:
+                rounds[b] += 1
+                if sum(rounds.values()) == 3:
+                    logits = logits.clone()
+                    logits[b, 0] = float("nan")
+        return logits
+
+    llm.engine._ban_ends = poison
+    outputs = list(llm.engine.generate([bad, good]))
+    ends = {o.request_id: o for o in outputs if o.finished}
+    assert ends[bad.request_id].finish_reason == "error" and "NaN or infinite" in ends[bad.request_id].error
+    assert ends[good.request_id].finish_reason == "length"
+    assert [t for o in outputs if o.request_id == good.request_id for t in o.new_token_ids] == plain[1]
+    assert all(t >= 0 for o in outputs for t in o.new_token_ids)
+    assert llm.stats().running == 0 and llm.stats().kv_used_tokens == 0
+
+
 def test_rounds_without_drafts_are_plain_decode_steps(target, plain):
     """A round where no sequence drafts (n-gram finds no match) runs the plain decode forward (its
     CUDA graph on a GPU) instead of a width-1 verify + commit; output still equals plain decode."""

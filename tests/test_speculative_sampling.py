@@ -107,9 +107,34 @@ def test_a_batch_is_judged_as_its_sequences_one_by_one():
         assert together == alone
 
 
+def test_sequences_with_non_finite_rows_get_no_token():
+    """`finite` False on one row of a sequence: if the sequence was judged on that row (it came
+    before or at the first rejection) it keeps nothing and gets -1, else its tokens stand; the
+    others are judged as without it (each generator gives its uniforms either way)."""
+    gen = torch.Generator().manual_seed(9)
+    ks = (3, 2, 1)
+    drafts = [Draft(torch.randint(0, V, (k,), generator=gen).tolist()) for k in ks]
+    p = random_dist(gen, sum(ks) + len(ks))
+    def judge(finite: torch.Tensor | None) -> list[list[int]]:
+        return accept_stochastic_rows(drafts, p, [torch.Generator().manual_seed(s) for s in (1, 2, 3)], finite)
+
+    plain = judge(None)
+    for row in range(p.shape[0]):
+        b = next(b for b in range(len(ks)) if row < sum(ks[: b + 1]) + b + 1)
+        t = row - (sum(ks[:b]) + b)
+        finite = torch.ones(p.shape[0], dtype=torch.bool)
+        finite[row] = False
+        masked = judge(finite)
+        judged = t <= len(plain[b]) - 1  # rows 0..n: the accepted drafts' and the last token's
+        assert masked[b] == ([-1] if judged else plain[b])
+        assert all(masked[c] == plain[c] for c in range(len(ks)) if c != b)
+
+
 def per_sequence(rule):
     """The judge's batch rule from a per-sequence one."""
-    def rows(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator]) -> list[list[int]]:
+    def rows(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator],
+             finite: torch.Tensor | None = None) -> list[list[int]]:
+        assert finite is None or bool(finite.all())
         out, start = [], 0
         for draft, generator in zip(drafts, generators):
             out.append(rule(draft, p[start : start + len(draft.tokens) + 1], generator))

@@ -512,6 +512,9 @@ class LLMEngine:
                 self._commit(batch, out, torch.tensor([len(k) for k in kept], dtype=torch.long, device=self.device))
             for seq, draft, tokens, lps in zip(seqs, drafts, kept, logprobs):
                 seq.num_cached += len(tokens)
+                if tokens[-1] < 0:
+                    outputs.append(self._fail_sampling(seq))
+                    continue
                 output = self._append(seq, tokens, lps)
                 spec.record(seq, output, draft, len(tokens))
                 outputs.append(output)

@@ -47,6 +47,7 @@ __all__ = [  # the filters and the draw live in ops/sampling.py; re-exported for
     "apply_logit_bias",
     "apply_penalties",
     "draw_from_probs",
+    "finite_rows",
     "min_p_keep",
     "row_params",
     "top_k_keep",
@@ -282,6 +283,11 @@ def plain_greedy(params: Sequence[SamplingParams]) -> bool:
     return all(p.is_greedy and not p.has_penalties and not p.logit_bias for p in params)
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows a sampler can draw from (amax propagates NaN; +inf, or all -inf, is not finite)."""
+    return torch.isfinite(logits.amax(-1))
+
+
 class Sampler:
     """Batched sampling with per-row params, token histories and generators (stateless). Penalties
     run here in torch; filtering and the draw run in ops/sampling.py (the CUDA kernel for fp32
@@ -291,8 +297,10 @@ class Sampler:
                      histories: Sequence[TokenHistory], penalised: bool = False) -> torch.Tensor:
         """The exact distribution `sample` draws from, [B, V] float32 (masked tokens exactly 0;
         greedy rows one-hot at the argmax): the target `p` for speculative rejection sampling.
-        `penalised`: as in `sample`."""
-        self._check(logits, params, histories)
+        `penalised`: as in `sample`. No host sync: a row whose logits are not finite comes out as
+        its filter over zero logits; the caller tells those rows by `finite_rows`."""
+        self._check_shapes(logits, params, histories)
+        logits = logits.masked_fill(~finite_rows(logits)[:, None], 0.0)
         if not penalised:
             logits = apply_penalties(logits, params, histories)
         return sampling_ops.filtered_probs(apply_logit_bias(logits, params), *row_params(params))
@@ -312,7 +320,7 @@ class Sampler:
             # the rows the sampler rejects: no fp32 copy, filtering, draws or row-parameter copies,
             # one kernel launch on CUDA (ops/sampling.py `greedy`).
             return sampling_ops.greedy(logits)
-        bad = ~torch.isfinite(logits.amax(-1))  # amax propagates NaN; +inf, or all -inf, is not finite
+        bad = ~finite_rows(logits)
         logits = logits.masked_fill(bad[:, None], 0.0)
         if not penalised:
             logits = apply_penalties(logits, params, histories)
@@ -320,14 +328,6 @@ class Sampler:
         zero = torch.zeros((), dtype=torch.float64, device=logits.device)
         u = torch.stack([zero if p.is_greedy else self._uniform(g, logits.device) for p, g in zip(params, generators)])
         return sampling_ops.sample(logits, *row_params(params), u).masked_fill(bad, -1)
-
-    @classmethod
-    def _check(cls, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]) -> None:
-        cls._check_shapes(logits, params, histories)
-        bad = ~torch.isfinite(logits.amax(-1))  # amax propagates NaN; +inf, or all -inf, is not finite
-        if bool(bad.any()):
-            raise NinferError(f"sampler: logits rows {bad.nonzero().squeeze(1).tolist()} hold NaN / +inf "
-                              f"or no finite value")
 
     @staticmethod
     def _check_shapes(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -25,7 +25,7 @@ from ...models.base import ForwardBatch, ForwardOutput
 from ..grammar import constrain
 from ..request import GenerationRequest, SpecStats, StepOutput
 from ..penalties import PenaltyTables
-from ..sampling import Sampler, TokenHistory
+from ..sampling import Sampler, TokenHistory, finite_rows
 from ..sequence import Sequence
 from .adaptive import AdaptiveDraft
 from .base import Draft, Drafter, Observation
@@ -109,7 +109,9 @@ class Speculator:
               penalties: PenaltyTables | None = None) -> list[list[int]]:
         """The kept tokens per sequence from the target's logits [B, T, V]. Row t of a sequence is
         judged with the history output + drafts[:t], exactly as plain decoding would see it (a
-        constrained sequence's one row through its grammar mask); `penalties`: as in `propose`."""
+        constrained sequence's one row through its grammar mask); `penalties`: as in `propose`.
+        A sequence whose judged logits were not finite (or whose grammar left no token) ends in
+        token -1, as the plain sampler's rows do."""
         kept: list[list[int]] = [[] for _ in seqs]
         unread = TokenHistory(())  # the penalties come from the tables: the sampler reads no history
         for greedy in (True, False):
@@ -143,6 +145,7 @@ class Speculator:
                 p = self.sampler.distribution(stacked, params, histories, penalised=True)
                 generators = [seqs[b].generator for b in index]
                 assert all(g is not None for g in generators)  # every sampled request has its own
-                for b, tokens in zip(index, accept_stochastic_rows([drafts[b] for b in index], p, generators)):
+                for b, tokens in zip(index, accept_stochastic_rows([drafts[b] for b in index], p, generators,
+                                                                   finite_rows(stacked))):
                     kept[b] = tokens
         return kept

@@ -39,10 +39,13 @@ def accept_stochastic(draft: Draft, p: torch.Tensor, generator: torch.Generator)
     return accept_stochastic_rows([draft], p, [generator])[0]
 
 
-def accept_stochastic_rows(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator]) -> list[list[int]]:
+def accept_stochastic_rows(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator],
+                           finite: torch.Tensor | None = None) -> list[list[int]]:
     """`accept_stochastic` for B sequences at once, on p's device with one host sync for the batch
     (per sequence it took four): p holds each sequence's k_b + 1 rows back to back. Each generator
-    gives its k_b + 1 uniforms first, in batch order, as one sequence at a time would."""
+    gives its k_b + 1 uniforms first, in batch order, as one sequence at a time would. `finite`
+    [rows of p]: False where the row's logits were not finite: a sequence with such a row among
+    those it was judged on keeps no draft and gets token -1 (the engine fails it)."""
     device, ks = p.device, [len(d.tokens) for d in drafts]
     width = max(ks)
     u = torch.zeros(len(drafts), width + 1, dtype=torch.float64, device=device)
@@ -83,5 +86,8 @@ def accept_stochastic_rows(drafts: list[Draft], p: torch.Tensor, generators: lis
     residual = (p_n - q_n).clamp(min=0)
     residual = torch.where((residual > 0).any(1, keepdim=True), residual, p_n)  # p == q: rounding; p is the answer
     token = draw_from_probs(residual, u.gather(1, k_rows[:, None]).squeeze(1))
+    if finite is not None:  # a row past the one the token came from is never judged, as in plain decoding
+        invalid = (~finite[rows] & (torch.arange(width + 1, device=device) <= n[:, None])).any(1)
+        n, token = n.masked_fill(invalid, 0), token.masked_fill(invalid, -1)
     counts, last = torch.stack([n, token]).tolist()
     return [d.tokens[:m] + [t] for d, m, t in zip(drafts, counts, last)]
