@@ -19,6 +19,7 @@ import torch
 from ninfer_core.cache import CacheManager
 from ninfer_core.engine import cuda_graph, prefill_graph
 from ninfer_core.engine.cuda_graph import DecodeGraphs
+from ninfer_core.engine.penalties import Generated
 from ninfer_core.engine.llm_engine import LLMEngine
 from ninfer_core.engine.prefill_graph import PrefillGraphs
 from ninfer_core.engine.request import GenerationRequest
@@ -119,7 +120,13 @@ def test_graph_replays_match_eager(target, fake_graphs, method):
     lengths = [N_TOKENS, 13, 27]
     want = generate(engine(target, None, graphs=False), PROMPTS, lengths)
     eng = engine(target, method, graphs=True)
+    unread = []
+    if method == "mtp":  # the chain's drafts reach the judge unread: it reads them with its tokens, one sync
+        judge = eng.speculator.judge
+        eng.speculator.judge = lambda seqs, drafts, *rest: unread.append(
+            all(d.pending is not None for d in drafts if d.count)) or judge(seqs, drafts, *rest)
     assert generate(eng, PROMPTS, lengths) == want
+    assert all(unread) and len(unread) > 10 or method != "mtp"
     keys = set(eng.graphs.graphs)
     assert {(4, 0, ()), (2, 0, ()), (1, 0, ())} & keys and FakeGraph.replays > 0
     if method is not None:
@@ -212,7 +219,7 @@ def test_mtp_penalised_graph_drafts_equal_eager_drafts(target, fake_graphs):
 
     def checking_judge(seqs, drafts, logits, penalties=None):
         for seq in seqs:
-            seen, counts = penalties.rows([seq.cache.slot], [[]])
+            seen, counts = penalties.rows([seq.cache.slot], Generated.of([0], [[]], penalties.counts.device))
             vocab = counts.shape[1]
             assert torch.equal(counts[0], torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long),
                                                          minlength=vocab).to(torch.int32))
@@ -226,6 +233,25 @@ def test_mtp_penalised_graph_drafts_equal_eager_drafts(target, fake_graphs):
     assert {kind for kind, _, _ in drafter.graphs.captured} - {"catch_up"} == {"penalised"}
     assert_same_drafts(rounds)
     assert len(checked) > 20 and max(checked) > 30
+
+
+def test_chain_drafts_reach_the_judge_unread(target, fake_graphs):
+    """Sampled, penalised and greedy rows together: the sampling chain's drafts go into the verify
+    and through the judge's penalties and rejection sampling still on the device, read once with its
+    verdict (one sync a round), and the output is the engine's without graphs."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=1.5, seed=3, max_tokens=40),
+              SamplingParams(temperature=0.0, frequency_penalty=1.0, max_tokens=13),
+              SamplingParams(temperature=1.1, top_k=5, seed=9, max_tokens=27)]
+    params = [replace(p, ignore_eos=True) for p in params]
+    want = run_with(engine(target, "mtp", graphs=False), params)
+    eng = engine(target, "mtp", graphs=True)
+    judge, unread = eng.speculator.judge, []
+    eng.speculator.judge = lambda seqs, drafts, *rest: unread.append(
+        all(d.pending is not None for d in drafts if d.count)) or judge(seqs, drafts, *rest)
+    assert run_with(eng, params) == want
+    assert len(unread) > 10 and all(unread)
+    # the penalised chain while the first sequence runs, the plain sampling chain after it ends
+    assert {kind for kind, _, _ in eng.speculator.drafter.graphs.captured} - {"catch_up"} == {"penalised", "sampled"}
 
 
 @pytest.mark.parametrize("chunk", [16, 4096])

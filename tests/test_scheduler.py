@@ -279,7 +279,7 @@ def test_penalty_table_rows_with_drafts_equal_the_host_reference():
     """A verify's rows: each slot's history (filled at reset, then a round's kept tokens added from
     the host) with the drafts before the row counted as generated, bit for bit apply_penalties over
     the host histories; a slot appearing in several rows, tokens repeated in a row's drafts."""
-    from ninfer_core.engine.penalties import PenaltyTables
+    from ninfer_core.engine.penalties import Generated, PenaltyTables
     from ninfer_core.engine.sampling import TokenHistory, apply_penalties
 
     gen = torch.Generator().manual_seed(5)
@@ -296,7 +296,8 @@ def test_penalty_table_rows_with_drafts_equal_the_host_reference():
         SamplingParams(frequency_penalty=2.0), SamplingParams(repetition_penalty=0.7, presence_penalty=-1.0)]
     logits = torch.randn(len(rows), vocab, generator=gen) * 3
     expected = apply_penalties(logits, params, [TokenHistory(prompts[s], outputs[s] + extra) for s, extra in rows])
-    got = tables.apply_rows(logits, [s for s, _ in rows], [extra for _, extra in rows], params)
+    got = tables.apply_rows(logits, [s for s, _ in rows], Generated.of(range(len(rows)), [e for _, e in rows], "cpu"),
+                            params)
     assert torch.equal(got, expected)
 
 

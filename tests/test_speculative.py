@@ -16,7 +16,8 @@ import torch
 
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import Sampler, SamplingParams
-from ninfer_core.engine.speculative import Speculator
+from ninfer_core.engine.speculative import Draft, Speculator
+from ninfer_core.engine.speculative.base import place_pending, read_with
 from ninfer_core.errors import NinferError
 from ninfer_core.llm import ChatRequest
 from ninfer_core.server.openai_chat import chat_usage
@@ -181,6 +182,28 @@ def test_non_finite_verify_logits_fail_that_request_alone(kind, target, plain):
     assert [t for o in outputs if o.request_id == good.request_id for t in o.new_token_ids] == plain[1]
     assert all(t >= 0 for o in outputs for t in o.new_token_ids)
     assert llm.stats().running == 0 and llm.stats().kv_used_tokens == 0
+
+
+def test_drafts_on_the_device_are_read_once_with_the_judges_tokens():
+    """A draft handed over on the device is counted without a read, goes into a verify batch's ids
+    unread, and `read_with` returns the judge's values and fills every pending draft in one copy;
+    `tokens` reads a draft on its own where nothing did."""
+    pending = [Draft(pending=torch.tensor([5, 6, 7])), Draft([9]), Draft(pending=torch.tensor([], dtype=torch.long)),
+               Draft(pending=torch.tensor([3]))]
+    assert [d.count for d in pending] == [3, 1, 0, 1]
+    ids = torch.full((4, 4), -1)
+    place_pending(ids, pending)
+    assert ids.tolist() == [[-1, 5, 6, 7], [-1] * 4, [-1] * 4, [-1, 3, -1, -1]]
+    copies = []
+    tolist = torch.Tensor.tolist
+    try:
+        torch.Tensor.tolist = lambda t: copies.append(t.numel()) or tolist(t)
+        assert read_with(pending[:3], torch.tensor([1, 2])) == [1, 2]
+        assert copies == [5]  # the two values and the three pending tokens
+        assert [d.tokens for d in pending[:3]] == [[5, 6, 7], [9], []] and len(copies) == 1
+        assert pending[3].tokens == [3] and len(copies) == 2
+    finally:
+        torch.Tensor.tolist = tolist
 
 
 def test_rounds_without_drafts_are_plain_decode_steps(target, plain):

@@ -23,6 +23,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ContextLengthError, NinferError
+from ..ops.dispatch import upload
 from .kv_pool import KVPool
 from .prefix_cache import ROOT, Checkpoint, Hit, PrefixCache, chain
 from .sizes import gdn_conv_dim
@@ -377,7 +378,7 @@ class CacheManager:
 
     def block_table(self, seqs: list[SequenceCache]) -> torch.Tensor:
         """[B, P] int32 page ids of these sequences, P covering the longest."""
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
+        slots = upload([s.slot for s in seqs], torch.long, self.device)
         return self.rows(slots, max(len(s.pages) for s in seqs) * self.page_size)
 
     def _pages_needed(self, seq: SequenceCache, total_tokens: int) -> int:

@@ -32,6 +32,7 @@ from ..detokenizer import IncrementalDetokenizer
 from ..errors import ContextLengthError, NinferError, logged_internal_error
 from ..models.base import CausalLM, ForwardBatch, ForwardOutput, StateFork
 from ..models.quantize import weight_bytes
+from ..ops.dispatch import upload
 from ..ops.gdn import MAX_STEP_TOKENS
 from ..stop_strings import StopStringFilter
 from ..tokenizer import Tokenizer
@@ -43,6 +44,7 @@ from .prompt_logprobs import ChunkScores, score_chunks, scored_chunk
 from .sampling import Sampler, SamplingParams, plain_greedy
 from .scheduler import PrefillChunk, Scheduler, StepPlan
 from .sequence import Sequence
+from .speculative.base import place_pending
 from .speculative.rollback import commit_gdn
 from .speculative.speculator import Speculator
 
@@ -491,13 +493,15 @@ class LLMEngine:
         parts: list[ForwardBatch] = []
         verify = False
         if seqs:
-            width = 1 + max(len(d.tokens) for d in drafts)
+            width = 1 + max(d.count for d in drafts)
             capture = spec.drafter.capture_layers
             verify = width > 1 or bool(capture)
-            ids = [[s.output_ids[-1], *d.tokens] + [s.output_ids[-1]] * (width - 1 - len(d.tokens))
+            # drafts still on the device go in after the copy (their places hold the last token until then)
+            ids = [[s.output_ids[-1], *d.host_or(s.output_ids[-1])] + [s.output_ids[-1]] * (width - 1 - d.count)
                    for s, d in zip(seqs, drafts)]
             parts.append(self._rows_batch(seqs, ids, "all" if verify else "last", verify=verify,
                                           capture_layers=capture if verify else ()))
+            place_pending(parts[0].input_ids, drafts)
         parts, outs = self._forward_with_chunks(parts, plan.prefills)
         self._count(plan)
         for scores in score_chunks(plan.prefills, outs[len(outs) - len(plan.prefills):], to_host=False):
@@ -509,7 +513,7 @@ class LLMEngine:
             kept = spec.judge(seqs, drafts, self._ban_ends(seqs, out.logits), penalties)
             logprobs = self._verify_logprobs(seqs, kept, out.logits)
             if verify:
-                self._commit(batch, out, torch.tensor([len(k) for k in kept], dtype=torch.long, device=self.device))
+                self._commit(batch, out, upload([len(k) for k in kept], torch.long, self.device))
             for seq, draft, tokens, lps in zip(seqs, drafts, kept, logprobs):
                 seq.num_cached += len(tokens)
                 if tokens[-1] < 0:
@@ -570,7 +574,7 @@ class LLMEngine:
         scores = log_softmax_rows(torch.cat([logits[b, : len(kept[b])] for b in asking]),
                                   [seqs[b].request.sampling.logprobs for b in asking for _ in kept[b]])
         assert scores is not None
-        entries = scores.pick(torch.tensor(ids, device=logits.device)).entries(ids)
+        entries = scores.pick(upload(ids, torch.long, logits.device)).entries(ids)
         start = 0
         for b in asking:
             out[b] = [entries[start + t] for t in range(len(kept[b]))]

@@ -15,10 +15,28 @@ for bit.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+from ..ops.dispatch import upload
 from .sampling import SamplingParams
+
+
+@dataclass
+class Generated:
+    """Tokens generated after rows of the tables (or of rows taken from them): ids[i] in row rows[i],
+    both [N] int64 on the tables' device (a verify row's drafts may still be there, unread)."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: Iterable[int], tokens: list[list[int]], device: torch.device) -> Generated:
+        """From the host: tokens[i] generated in row rows[i]."""
+        pairs = upload([[r for r, ts in zip(rows, tokens) for _ in ts], [t for ts in tokens for t in ts]],
+                       torch.long, device)
+        return cls(pairs[0], pairs[1])
 
 
 class PenaltyTables:
@@ -30,21 +48,21 @@ class PenaltyTables:
         """A sequence starts sampling in this slot with these tokens already in its history."""
         self.counts[slot].zero_()
         self.seen[slot].zero_()
-        prompt = torch.tensor(prompt_ids, dtype=torch.long).to(self.seen.device, non_blocking=True)
+        prompt = upload(prompt_ids, torch.long, self.seen.device)
         self.seen[slot].index_fill_(0, prompt, True)
         self.add([slot], [output_ids])
 
     def add(self, slots: list[int], tokens: list[list[int]]) -> None:
         """Host tokens generated in these slots (a prompt's answer so far, a speculative round's kept
         tokens): counted and seen, in one scatter."""
-        _generated(self.seen, self.counts, slots, tokens)
+        _scatter(self.seen, self.counts, Generated.of(slots, tokens, self.counts.device))
 
-    def rows(self, slots: list[int], extra: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seen [R, V], counts [R, V]) of R rows: row r the history in slot slots[r] with extra[r]
-        generated after it (a verify's row t: the drafts before it)."""
-        index = torch.tensor(slots, dtype=torch.long).to(self.counts.device, non_blocking=True)
+    def rows(self, slots: list[int], extra: Generated) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen [R, V], counts [R, V]) of R rows: row r the history in slot slots[r] with `extra`'s
+        tokens of row r generated after it (a verify's row t: the drafts before it)."""
+        index = upload(slots, torch.long, self.counts.device)
         seen, counts = self.seen.index_select(0, index), self.counts.index_select(0, index)
-        _generated(seen, counts, range(len(extra)), extra)
+        _scatter(seen, counts, extra)
         return seen, counts
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -52,7 +70,7 @@ class PenaltyTables:
         return penalise(logits, self.seen.index_select(0, slots), self.counts.index_select(0, slots),
                         *penalty_columns(params, logits.dtype, logits.device))
 
-    def apply_rows(self, logits: torch.Tensor, slots: list[int], extra: list[list[int]],
+    def apply_rows(self, logits: torch.Tensor, slots: list[int], extra: Generated,
                    params: list[SamplingParams]) -> torch.Tensor:
         """Penalised logits [R, V]: row r with the history in slots[r] and extra[r] after it (`rows`)."""
         return penalise(logits, *self.rows(slots, extra), *penalty_columns(params, logits.dtype, logits.device))
@@ -66,13 +84,12 @@ class PenaltyTables:
         self.seen.index_put_((slots, ids), self.seen[slots, ids] | valid)
 
 
-def _generated(seen: torch.Tensor, counts: torch.Tensor, rows: Iterable[int], tokens: list[list[int]]) -> None:
-    """Host tokens[i] generated in row rows[i] of seen / counts [R, V]: counted and seen, one scatter."""
-    index = torch.tensor([[r for r, ts in zip(rows, tokens) for _ in ts], [t for ts in tokens for t in ts]],
-                         dtype=torch.long).to(counts.device, non_blocking=True)
-    if index.shape[1]:
-        counts.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.int32), accumulate=True)
-        seen.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.bool))
+def _scatter(seen: torch.Tensor, counts: torch.Tensor, generated: Generated) -> None:
+    """`generated` counted and seen in seen / counts [R, V], one scatter each."""
+    if generated.ids.numel():
+        index = (generated.rows, generated.ids)
+        counts.index_put_(index, torch.ones_like(generated.ids, dtype=torch.int32), accumulate=True)
+        seen.index_put_(index, torch.ones_like(generated.ids, dtype=torch.bool))
 
 
 def penalty_columns(params: list[SamplingParams], dtype: torch.dtype,
@@ -80,7 +97,7 @@ def penalty_columns(params: list[SamplingParams], dtype: torch.dtype,
     """Per-row (repetition, presence, frequency) [R] on `device`, unset ones neutral (1, 0, 0)."""
     columns = ([p.repetition_penalty or 1.0 for p in params], [p.presence_penalty or 0.0 for p in params],
                [p.frequency_penalty or 0.0 for p in params])
-    return tuple(torch.tensor(c, dtype=dtype).to(device, non_blocking=True) for c in columns)
+    return tuple(upload(columns, dtype, device))  # one copy
 
 
 def penalise(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, rep: torch.Tensor,

@@ -167,6 +167,19 @@ def kernel_dtype(t: torch.Tensor) -> object:
     return getattr(extension().DType, _KERNEL_DTYPES[t.dtype])
 
 
+def upload(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (a list, nested lists, a CPU tensor) as a tensor on `device`, without waiting
+    for the GPU:
+    `torch.tensor(values, device=cuda)` copies from pageable memory and synchronizes the stream,
+    so the host stalls until every queued kernel has run and the GPU then idles while the host
+    goes on; a pinned staging tensor copies without a wait (the caching host allocator keeps it
+    until the copy is done)."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def stream_handle(t: torch.Tensor) -> int:
     """torch's current stream on t's device, so kernels order with torch ops and graph capture."""
     return torch.cuda.current_stream(t.device).cuda_stream

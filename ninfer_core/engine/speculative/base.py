@@ -21,17 +21,65 @@ from dataclasses import dataclass
 import torch
 
 from ...models.base import ForwardBatch, ForwardOutput
+from ...ops.dispatch import upload
 from ..penalties import PenaltyTables
 from ..sampling import Sampler, TokenHistory, draw_from_probs
 from ..sequence import Sequence
 
 
-@dataclass
 class Draft:
-    """Proposed tokens for one sequence and the distribution each was drawn from."""
+    """Proposed tokens for one sequence and the distribution each was drawn from (`probs` [count,
+    V]; None: a deterministic proposal, q one-hot). A drafter may hand its tokens over still on the
+    device (`pending`, [count] int64): the engine writes them into the verify batch unread and the
+    judge reads them with its own result (`read_with`), so a round syncs once; `tokens`
+    reads them (a sync) where anything else asks first."""
 
-    tokens: list[int]
-    probs: torch.Tensor | None = None  # [len(tokens), V]; None: deterministic proposal (q one-hot)
+    def __init__(self, tokens: list[int] | None = None, probs: torch.Tensor | None = None,
+                 pending: torch.Tensor | None = None):
+        assert (tokens is None) != (pending is None), "a draft's tokens are on the host or on the device"
+        self._tokens, self.probs, self.pending = tokens, probs, pending
+
+    @property
+    def count(self) -> int:
+        return len(self._tokens) if self._tokens is not None else self.pending.numel()
+
+    def host_or(self, fill: int) -> list[int]:
+        """The tokens where the host has them, else `fill` in each place (read nothing)."""
+        return self._tokens if self._tokens is not None else [fill] * self.count
+
+    @property
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            read_with([self], None)
+        return self._tokens
+
+
+def read_with(drafts: list[Draft], values: torch.Tensor | None) -> list:
+    """The tokens of the drafts still on the device, read in one copy with `values` (a 1-D device
+    tensor: its values are returned): one host sync for both."""
+    pending = [d for d in drafts if d._tokens is None]
+    parts = ([] if values is None else [values.long()]) + [d.pending for d in pending]
+    host = torch.cat(parts).tolist() if parts else []
+    at = 0 if values is None else values.numel()
+    for d in pending:
+        d._tokens, d.pending = host[at : at + d.count], None
+        at += len(d._tokens)
+    return host[: 0 if values is None else values.numel()]
+
+
+def place_pending(ids: torch.Tensor, drafts: list[Draft], start: int = 1) -> None:
+    """The drafts still on the device into rows of ids [B, T] from column `start` (a verify batch's:
+    the last token, then the drafts), without reading them."""
+    for b, d in enumerate(drafts):
+        if d.pending is not None and d.count:
+            ids[b, start : start + d.count].copy_(d.pending)
+
+
+def draft_matrix(drafts: list[Draft], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] int64 on `device`: row b draft b's tokens, then zeros; nothing read from the device."""
+    matrix = upload([d.host_or(0) + [0] * (width - d.count) for d in drafts], torch.long, device)
+    place_pending(matrix, drafts, start=0)
+    return matrix
 
 
 @dataclass
@@ -46,14 +94,20 @@ class Observation:
     batch: ForwardBatch
     out: ForwardOutput
 
+    def start(self, i: int) -> int:
+        """The cache index of seqs[i]'s first row, from the host's copy of the lengths where the
+        batch has one (reading the device's waits for every queued kernel)."""
+        row, host = self.rows[i], self.batch.host_cache_lens
+        return host[row] if host is not None else int(self.batch.cache_lens[row])
+
     def next_tokens(self, pad: int = 0) -> torch.Tensor:
         """[len(seqs), T] the token after each row's position (`pad` past counts[i])."""
         width = self.batch.num_new_tokens
         rows = []
-        for seq, row, count in zip(self.seqs, self.rows, self.counts):
-            start = int(self.batch.cache_lens[row])
+        for i, (seq, count) in enumerate(zip(self.seqs, self.counts)):
+            start = self.start(i)
             rows.append([seq.token_at(start + t + 1) for t in range(count)] + [pad] * (width - count))
-        return torch.tensor(rows, dtype=torch.long, device=self.batch.input_ids.device)
+        return upload(rows, torch.long, self.batch.input_ids.device)
 
 
 class Drafter(ABC):

@@ -16,6 +16,7 @@ from ...cache.sizes import kv_token_bytes
 from ...layers.attention import AttentionMetadata
 from ...models.decoder import DecoderModel
 from ...models.dflash import BlockInputs, DFlashConfig, DFlashModel
+from ...ops.dispatch import upload
 from ..penalties import PenaltyTables
 from ..sampling import Sampler, TokenHistory
 from ..sequence import Sequence
@@ -50,7 +51,7 @@ class DFlashDrafter(Drafter):
     @torch.inference_mode()
     def observe(self, obs: Observation) -> None:
         batch = obs.batch
-        rows = torch.tensor(obs.rows, device=batch.input_ids.device)
+        rows = upload(obs.rows, torch.long, batch.input_ids.device)
         assert obs.out.captured is not None, "the target forward did not capture the drafter's layers"
         cache_lens = batch.cache_lens[rows]
         width = batch.num_new_tokens
@@ -58,18 +59,18 @@ class DFlashDrafter(Drafter):
         positions = cache_lens[:, None] + torch.arange(width, device=rows.device)
         self.model.write_context(obs.out.captured[rows], positions, meta.slot_mapping, *self._caches)
         for i, seq in enumerate(obs.seqs):
-            self._ctx_len[seq.request_id] = int(cache_lens[i]) + obs.counts[i]
+            self._ctx_len[seq.request_id] = obs.start(i) + obs.counts[i]
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
         device = self.cache.device
         width = 1 + max(counts)
-        ctx_lens = torch.tensor([self._ctx_len[s.request_id] for s in seqs], device=device)
-        ids = torch.tensor([[s.output_ids[-1]] + [self.model.config.mask_token_id] * (width - 1) for s in seqs],
-                           device=device)
+        ctx_lens = upload([self._ctx_len[s.request_id] for s in seqs], torch.long, device)
+        ids = upload([[s.output_ids[-1]] + [self.model.config.mask_token_id] * (width - 1) for s in seqs], torch.long,
+                     device)
         where = BlockInputs(
             positions=ctx_lens[:, None] + torch.arange(width, device=device),
-            block_lens=torch.tensor(counts, device=device) + 1,
+            block_lens=upload([c + 1 for c in counts], torch.long, device),
             ctx_lens=ctx_lens,
             block_table=self.cache.block_table([s.cache for s in seqs]),
         )

@@ -10,9 +10,9 @@ target's hidden states, so speculative entries never outlive their round.
 
 On the GPU both calls of a round replay CUDA graphs (`MTPGraphs`): the catch-up over the
 verify's kept rows, and the whole draft chain (argmax, then K-1 layer steps each followed by
-lm_head and argmax, all on the device; with sampled rows, a draw from q in place of the argmax):
-one host sync per round instead of K Python-level steps. Greedy drafts are the raw argmax of the
-MTP logits on both paths (the target's acceptance applies penalties); sampled requests draw from
+lm_head and argmax, all on the device; with sampled rows, a draw from q in place of the argmax),
+with no host sync: the drafts stay on the device until the judge reads them with its verdict.
+Greedy drafts are the raw argmax of the MTP logits on both paths (the target's acceptance applies penalties); sampled requests draw from
 their sampling distribution, penalties included, by the sampling chain graph (its penalties read
 the engine's device tables of each sequence's history); a batch with a sampled row's logit bias
 drafts eagerly. The logits come from `draft_head.py`'s lm_head: an int4 copy of an int8 one (half
@@ -35,6 +35,7 @@ from ...layers.attention import AttentionMetadata
 from ...models.decoder import DecoderModel, StepContext
 from ...models.mtp import MTPHead, mtp_layer_config
 from ...ops import sampling as sampling_ops
+from ...ops.dispatch import upload
 from ...ops.gdn import MAX_STEP_TOKENS
 from ..graph_capture import capture
 from ..penalties import PenaltyTables, penalise, penalty_columns
@@ -83,14 +84,14 @@ class MTPDrafter(Drafter):
     @torch.inference_mode()
     def observe(self, obs: Observation) -> None:
         batch = obs.batch
-        rows = torch.tensor(obs.rows, device=batch.input_ids.device)
+        rows = upload(obs.rows, torch.long, batch.input_ids.device)
         positions = batch.mrope_positions[:, rows] if batch.mrope_positions is not None else batch.positions[rows]
         inputs = (obs.next_tokens(), obs.out.hidden_states[rows], positions, batch.cache_lens[rows],
-                  batch.block_table[rows], torch.tensor(obs.counts, device=rows.device) - 1)
+                  batch.block_table[rows], upload([c - 1 for c in obs.counts], torch.long, rows.device))
         caught = self.graphs.catch_up(*inputs) if self.graphs is not None else None
         tail, logits = caught if caught is not None else self.catch_up(*inputs)
-        for i, (seq, row) in enumerate(zip(obs.seqs, obs.rows)):
-            index = int(batch.cache_lens[row]) + obs.counts[i] - 1
+        for i, seq in enumerate(obs.seqs):
+            index = obs.start(i) + obs.counts[i] - 1
             self._last[seq.request_id] = _Last(index=index, hidden=tail[i], logits=logits[i])
 
     def catch_up(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache_lens: torch.Tensor,
@@ -204,11 +205,14 @@ class MTPGraphs:
         device, k = lasts[0].logits.device, max(counts)
         inputs = {"logits": torch.stack([last.logits for last in lasts]),
                   "hidden": torch.stack([last.hidden for last in lasts]),
-                  "index": torch.tensor([last.index for last in lasts], device=device),
-                  "deltas": torch.tensor(deltas, device=device), "table": table}
+                  "index": upload([last.index for last in lasts], torch.long, device),
+                  "deltas": upload(deltas, torch.long, device), "table": table}
         if all(p.is_greedy for p in params):
             out = self._replay(("draft", len(lasts), k), inputs, lambda x: (self._chain(x, k),))
-            return None if out is None else [Draft(t[:c]) for t, c in zip(out[0].tolist(), counts)]
+            if out is None:
+                return None
+            tokens = out[0].clone()  # the graph's buffer is the next round's too: the judge reads these later
+            return [Draft(pending=tokens[b, :c]) for b, c in enumerate(counts)]
         kind = "sampled" if penalties is None else "penalised"
         if self._bucket(kind, len(lasts), k, table) is None:  # before the generators draw
             return None
@@ -217,21 +221,22 @@ class MTPGraphs:
         for b, (generator, c) in enumerate(zip(generators, counts)):
             if not params[b].is_greedy:  # one uniform a draft, as eager drafting draws them
                 u[b, :c] = torch.cat([uniform(generator) for _ in range(c)]).to(device)
-        inputs.update(temperature=temperature.to(device), top_k=top_k.to(device), top_p=top_p.to(device),
-                      min_p=min_p.to(device), u=u)
+        temperature, top_k, top_p, min_p = upload(torch.stack([temperature, top_k.double(), top_p, min_p]),
+                                                  torch.float64, device)  # one copy
+        inputs.update(temperature=temperature, top_k=top_k.long(), top_p=top_p, min_p=min_p, u=u)
         if penalties is not None:  # greedy rows' drafts are the raw argmax: neutral penalties
             assert self.penalties in (None, penalties) and slots is not None, "the graphs read one tables object"
             self.penalties = penalties
             neutral = SamplingParams()
-            inputs["slots"] = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
+            inputs["slots"] = upload(slots, torch.long, device)
             inputs.update(zip(("repetition", "presence", "frequency"), penalty_columns(
                 [neutral if p.is_greedy else p for p in params], torch.float32, device)))
         out = self._replay((kind, len(lasts), k), inputs, lambda x: self._sampled_chain(x, k))
         if out is None:
             return None
-        tokens, probs = out[0].tolist(), out[1]
-        return [Draft(t[:c], None if p.is_greedy else probs[b, :c].clone())
-                for b, (t, c, p) in enumerate(zip(tokens, counts, params))]
+        tokens, probs = out[0].clone(), out[1]  # read by the judge with its tokens
+        return [Draft(pending=tokens[b, :c], probs=None if p.is_greedy else probs[b, :c].clone())
+                for b, (c, p) in enumerate(zip(counts, params))]
 
     def catch_up(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache_lens: torch.Tensor,
                  block_table: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -22,13 +22,14 @@ import torch
 
 from ...errors import NinferError
 from ...models.base import ForwardBatch, ForwardOutput
+from ...ops.dispatch import upload
 from ..grammar import constrain
 from ..request import GenerationRequest, SpecStats, StepOutput
-from ..penalties import PenaltyTables
+from ..penalties import Generated, PenaltyTables
 from ..sampling import Sampler, TokenHistory, finite_rows
 from ..sequence import Sequence
 from .adaptive import AdaptiveDraft
-from .base import Draft, Drafter, Observation
+from .base import Draft, Drafter, Observation, draft_matrix, read_with
 from .verify import accept_greedy, accept_stochastic_rows
 
 
@@ -118,34 +119,42 @@ class Speculator:
             index = [b for b, s in enumerate(seqs) if s.request.sampling.is_greedy == greedy]
             if not index:
                 continue
-            rows, params, matchers, slots, extra = [], [], [], [], []
-            for b in index:
-                for t in range(len(drafts[b].tokens) + 1):
+            group = [drafts[b] for b in index]
+            width = max(d.count for d in group)
+            # penalised rows: row t of the i-th sequence has its drafts 0..t-1 (entries of the group's
+            # draft matrix, which may still be on the device) generated after its slot's history
+            rows, params, matchers, slots, extra_rows, extra_at = [], [], [], [], [], []
+            for i, b in enumerate(index):
+                for t in range(drafts[b].count + 1):
                     rows.append(logits[b, t])
                     params.append(seqs[b].request.sampling)
                     matchers.append(seqs[b].grammar)  # constrained sequences never draft: only t = 0
                     if params[-1].has_penalties:
+                        extra_rows += [len(slots)] * t
+                        extra_at += range(i * width, i * width + t)
                         slots.append(seqs[b].cache.slot)
-                        extra.append(drafts[b].tokens[:t])
             stacked = constrain(torch.stack(rows).float(), matchers)
             if slots:
                 assert penalties is not None, "penalised rows need the engine's penalty tables"
-                at = torch.tensor([r for r, p in enumerate(params) if p.has_penalties]).to(stacked.device)
+                device = stacked.device
+                at = upload([r for r, p in enumerate(params) if p.has_penalties], torch.long, device)
+                pairs = upload([extra_rows, extra_at], torch.long, device)
+                extra = Generated(pairs[0], draft_matrix(group, width, device).view(-1)[pairs[1]])
                 stacked = stacked.index_copy(0, at, penalties.apply_rows(
                     stacked.index_select(0, at), slots, extra, [p for p in params if p.has_penalties]))
             histories = [unread] * len(rows)
             if greedy:  # the argmax of the penalised logits, no draws
-                targets = self.sampler.sample(stacked, params, histories, [None] * len(rows), penalised=True).tolist()
+                targets = read_with(group, self.sampler.sample(
+                    stacked, params, histories, [None] * len(rows), penalised=True))
                 start = 0
                 for b in index:
-                    n = len(drafts[b].tokens) + 1
+                    n = drafts[b].count + 1
                     kept[b] = accept_greedy(drafts[b].tokens, targets[start : start + n])
                     start += n
             else:
                 p = self.sampler.distribution(stacked, params, histories, penalised=True)
                 generators = [seqs[b].generator for b in index]
                 assert all(g is not None for g in generators)  # every sampled request has its own
-                for b, tokens in zip(index, accept_stochastic_rows([drafts[b] for b in index], p, generators,
-                                                                   finite_rows(stacked))):
+                for b, tokens in zip(index, accept_stochastic_rows(group, p, generators, finite_rows(stacked))):
                     kept[b] = tokens
         return kept

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from ...ops.dispatch import upload
 from ..sampling import draw_from_probs
-from .base import Draft, uniform
+from .base import Draft, draft_matrix, read_with, uniform
 
 
 def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
@@ -46,25 +47,25 @@ def accept_stochastic_rows(drafts: list[Draft], p: torch.Tensor, generators: lis
     gives its k_b + 1 uniforms first, in batch order, as one sequence at a time would. `finite`
     [rows of p]: False where the row's logits were not finite: a sequence with such a row among
     those it was judged on keeps no draft and gets token -1 (the engine fails it)."""
-    device, ks = p.device, [len(d.tokens) for d in drafts]
+    device, ks = p.device, [d.count for d in drafts]
     width = max(ks)
     u = torch.zeros(len(drafts), width + 1, dtype=torch.float64, device=device)
     for b, (generator, k) in enumerate(zip(generators, ks)):
         u[b, : k + 1] = uniform(generator, k + 1).to(device)
-    k_rows = torch.tensor(ks, device=device)
+    k_rows = upload(ks, torch.long, device)
     starts = [sum(ks[:b]) + b for b in range(len(ks))]
     # row of (b, t) in p, t past k_b clamped to b's last row
-    rows = torch.tensor([[start + min(t, k) for t in range(width + 1)] for start, k in zip(starts, ks)], device=device)
-    tokens = torch.tensor([d.tokens + [0] * (width - len(d.tokens)) for d in drafts], dtype=torch.long, device=device)
+    rows = upload([[start + min(t, k) for t in range(width + 1)] for start, k in zip(starts, ks)], torch.long, device)
+    tokens = draft_matrix(drafts, width, device)
     drawn = [d for d in drafts if d.probs is not None]  # drafts with their q; the others are one-hot
     q_all = torch.cat([d.probs.to(device) for d in drawn]) if drawn else None
     q_starts, at = [], 0
     for d in drafts:
         q_starts.append(at if d.probs is not None else -1)
-        at += len(d.tokens) if d.probs is not None else 0
-    has_q = torch.tensor([s >= 0 for s in q_starts], device=device)
-    q_rows = torch.tensor([[min(max(s, 0) + min(t, max(k - 1, 0)), max(at - 1, 0)) for t in range(max(width, 1))]
-                           for s, k in zip(q_starts, ks)], device=device)  # (b, t)'s q row, clamped into q_all
+        at += d.count if d.probs is not None else 0
+    has_q = upload([s >= 0 for s in q_starts], torch.bool, device)
+    q_rows = upload([[min(max(s, 0) + min(t, max(k - 1, 0)), max(at - 1, 0)) for t in range(max(width, 1))]
+                     for s, k in zip(q_starts, ks)], torch.long, device)  # (b, t)'s q row, clamped into q_all
     if width:
         p_d = p[rows[:, :width], tokens].double()
         q_d = torch.ones_like(p_d) if q_all is None else torch.where(
@@ -89,5 +90,6 @@ def accept_stochastic_rows(drafts: list[Draft], p: torch.Tensor, generators: lis
     if finite is not None:  # a row past the one the token came from is never judged, as in plain decoding
         invalid = (~finite[rows] & (torch.arange(width + 1, device=device) <= n[:, None])).any(1)
         n, token = n.masked_fill(invalid, 0), token.masked_fill(invalid, -1)
-    counts, last = torch.stack([n, token]).tolist()
+    host = read_with(drafts, torch.cat([n, token]))  # and the drafts still on the device: one sync
+    counts, last = host[: len(drafts)], host[len(drafts) :]
     return [d.tokens[:m] + [t] for d, m, t in zip(drafts, counts, last)]
