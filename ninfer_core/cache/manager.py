@@ -363,9 +363,7 @@ class CacheManager:
         """Write the pages reserved since the last flush into the device table (one scatter)."""
         if not self._new_entries:
             return
-        entries = torch.tensor(self._new_entries, dtype=torch.long)
-        if self.device.type == "cuda":
-            entries = entries.pin_memory().to(self.device, non_blocking=True)
+        entries = upload(self._new_entries, torch.long, self.device)
         self.table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(torch.int32)
         self._new_entries.clear()
 

@@ -710,9 +710,7 @@ class LLMEngine:
                          then=then, host_tokens=chunk.forks[0] - chunk.start)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return upload(host, host.dtype, self.device)
 
     def _forward(self, parts: list[ForwardBatch]) -> list[ForwardOutput]:
         """The parts' outputs: by CUDA graph replays when every part has a graph (the decode /

@@ -255,10 +255,7 @@ def _on_device(columns: list[torch.Tensor], device: torch.device) -> list[torch.
     plain copy from pageable memory would wait for the GPU to finish the queued step."""
     if all(c.device == device for c in columns):
         return [c.double() for c in columns]
-    packed = torch.stack([c.double().cpu() for c in columns])
-    if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    return list(packed.to(device).unbind(0))
+    return list(dispatch.upload(torch.stack([c.double().cpu() for c in columns]), torch.float64, device).unbind(0))
 
 
 def _into(dst: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
