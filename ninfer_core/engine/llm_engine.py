@@ -411,9 +411,8 @@ class LLMEngine:
         slots = None
         tables = self._ready_penalties(seqs)
         if tables is not None:
-            index = torch.tensor(penalised, dtype=torch.long).to(self.device, non_blocking=True)
-            slots = torch.tensor([seqs[i].cache.slot for i in penalised], dtype=torch.long).to(self.device,
-                                                                                                non_blocking=True)
+            index = upload(penalised, torch.long, self.device)
+            slots = upload([seqs[i].cache.slot for i in penalised], torch.long, self.device)
             logits = logits.index_copy(0, index, tables.apply(logits.index_select(0, index), slots,
                                                                  [params[i] for i in penalised]))
         tokens = self.sampler.sample(logits, params, [s.history() for s in seqs], [s.generator for s in seqs],
@@ -618,7 +617,7 @@ class LLMEngine:
         if source == list(range(len(previous.rows))):
             batch.input_ids = previous.tokens[:, None]
         else:
-            src = torch.tensor(source, dtype=torch.long).to(self.device, non_blocking=True)
+            src = upload(source, torch.long, self.device)
             fresh = previous.tokens.index_select(0, src.clamp(min=0))
             batch.input_ids = torch.where(src[:, None] >= 0, fresh[:, None], batch.input_ids)
         return batch

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.dispatch import upload
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -31,7 +33,7 @@ def log_softmax_rows(logits: torch.Tensor, wanted: Sequence[int | None]) -> LogS
     rows = [i for i, n in enumerate(wanted) if n is not None]
     if not rows:
         return None
-    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    index = upload(rows, torch.long, logits.device)
     scores = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
     return LogSoftmax(rows, [wanted[i] or 0 for i in rows], scores, index)
 

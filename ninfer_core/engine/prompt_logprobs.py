@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.base import ForwardOutput
+from ..ops.dispatch import upload
 from .logprobs import LogprobRows, log_softmax_rows
 from .scheduler import PrefillChunk
 from .sequence import Sequence
@@ -64,6 +65,6 @@ def score_chunks(chunks: Seq[PrefillChunk], outs: Seq[ForwardOutput], to_host: b
         targets = prompt[chunk.start + 1 : chunk.start + 1 + rows]
         scores = log_softmax_rows(logits, [seq.request.sampling.prompt_logprobs] * rows)
         assert scores is not None
-        picked = scores.pick(torch.tensor(targets, dtype=torch.long).to(logits.device, non_blocking=True))
+        picked = scores.pick(upload(targets, torch.long, logits.device))
         scored.append(ChunkScores(seq, chunk.start, targets, picked.to_host() if to_host else picked))
     return scored

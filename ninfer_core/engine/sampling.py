@@ -36,6 +36,7 @@ import torch
 from ..config import GenerationDefaults
 from ..errors import NinferError
 from ..ops import sampling as sampling_ops
+from ..ops.dispatch import upload
 from .logprobs import MAX_TOP_LOGPROBS
 from ..ops.sampling import draw_from_probs, min_p_keep, top_k_keep, top_p_keep
 
@@ -249,8 +250,8 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
             raise NinferError(f"sampler: row {i} biases token id {max(ids)}, outside the vocabulary "
                               f"[0, {logits.shape[-1]})")
         out = logits.clone() if out is logits else out
-        index = torch.tensor(ids, dtype=torch.long).to(logits.device, non_blocking=True)
-        bias = torch.tensor(list(p.logit_bias.values()), dtype=out.dtype).to(logits.device, non_blocking=True)
+        index = upload(ids, torch.long, logits.device)
+        bias = upload(list(p.logit_bias.values()), out.dtype, logits.device)
         out[i, index] += bias
     return out
 

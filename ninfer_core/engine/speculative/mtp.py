@@ -8,15 +8,15 @@ the sequence's last one). Drafts 2..K feed the layer its own output: step s writ
 from (draft s, output of entry c + s - 1). The next observation rewrites those entries with the
 target's hidden states, so speculative entries never outlive their round.
 
-On the GPU both calls of a round replay CUDA graphs (`MTPGraphs`): the catch-up over the
-verify's kept rows, and the whole draft chain (argmax, then K-1 layer steps each followed by
-lm_head and argmax, all on the device; with sampled rows, a draw from q in place of the argmax),
-with no host sync: the drafts stay on the device until the judge reads them with its verdict.
-Greedy drafts are the raw argmax of the MTP logits on both paths (the target's acceptance applies penalties); sampled requests draw from
-their sampling distribution, penalties included, by the sampling chain graph (its penalties read
-the engine's device tables of each sequence's history); a batch with a sampled row's logit bias
-drafts eagerly. The logits come from `draft_head.py`'s lm_head: an int4 copy of an int8 one (half
-its bytes, read once a draft step), else the target's.
+On the GPU both calls of a round replay CUDA graphs (`MTPGraphs`): the catch-up over the verify's
+kept rows, and the whole draft chain (argmax, then K-1 layer steps each followed by lm_head and
+argmax, all on the device; with sampled rows, a draw from q in place of the argmax), with no host
+sync: the drafts stay on the device until the judge reads them with its verdict. Greedy drafts are
+the raw argmax of the MTP logits on both paths (the target's acceptance applies penalties); sampled
+requests draw from their sampling distribution, penalties included, by the sampling chain graph (its
+penalties read the engine's device tables of each sequence's history); a batch with a sampled row's
+logit bias drafts eagerly. The logits come from `draft_head.py`'s lm_head: an int4 copy of an int8
+one (half its bytes, read once a draft step), else the target's.
 """
 
 from __future__ import annotations
