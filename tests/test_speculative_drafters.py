@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.engine.speculative.ngram import lookup
-from ninfer_core.ops.quant import QuantLinear, dequantize_ref
+from ninfer_core.ops.quant import QuantizedWeight, QuantLinear
 from safetensors.torch import load_file
 from speculative_harness import DFLASH_LAYERS, PROMPTS, ScriptedDrafter, Spy, greedy, load, run, write_drafter, write_target
 from tiny_model_dir import WIDE
@@ -154,22 +154,16 @@ def test_mtp_sampled_draft_probabilities_match_the_reference(target, reference_m
         torch.testing.assert_close(draft.probs.double(), expected, atol=1e-5, rtol=0)
 
 
-def _assert_int8_of(got: torch.Tensor, weight: torch.Tensor) -> None:
-    """got is weight [..., N, K] through int8 per row (scale amax / 127 in fp32), dequantized: the
-    written-out quantization's values, but for a code one step off where w / scale lies within
-    rounding of a half (the GPU divides its own way: the H100 gave such codes in session 40)."""
+def _assert_int8_of(quantized: QuantizedWeight, weight: torch.Tensor) -> None:
+    """quantized is weight [..., N, K] through int8 per row, exactly: scale = amax / 127 in fp32 (a
+    true division on every device), code = round-half-even(w / scale)."""
     w = weight.float()
-    scale = w.abs().amax(-1, keepdim=True) / 127
-    x = w / scale
-    off = (got - x.round().clamp(-127, 127) * scale).abs()
-    differ = off > 0
-    # how near a half the codes that differ lie, and the scales the model holds (its row amax / 127?)
-    near_half = float(((x - x.floor() - 0.5).abs())[differ].max()) if bool(differ.any()) else 0.0
-    held = got.abs().amax(-1, keepdim=True)
-    why = (f"{float(differ.double().mean()):.4f} of the codes differ, in {int(differ.any(-1).sum())} of "
-           f"{differ[..., 0].numel()} rows, at most {near_half:.4f} from a half; rows whose largest value "
-           f"is held exactly: {float((held == w.abs().amax(-1, keepdim=True)).double().mean()):.3f}")
-    assert bool((off <= scale * 1.001).all()) and float(differ.double().mean()) < 0.01, why
+    scale = w.abs().amax(-1) / 127
+    got = quantized.scales.float().cpu()
+    assert torch.equal(got, scale), f"{float((got != scale).double().mean()):.4f} of the scales differ"
+    codes = (w / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    differ = quantized.qweight.cpu() != codes
+    assert not bool(differ.any()), f"{float(differ.double().mean()):.4f} of the codes differ"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -186,13 +180,11 @@ def test_mtp_block_is_quantized_as_the_model(wide_target, device):
     attn = "mtp.layers.0.self_attn."
     qkv = torch.cat([tensors[attn + f"{p}_proj.weight"] for p in "qkv"])
     assert isinstance(layer.self_attn.qkv_proj.linear, QuantLinear) and layer.self_attn.qkv_proj.linear.kind == "int8"
-    qkv_values = dequantize_ref(layer.self_attn.qkv_proj.linear.quantized, torch.float32).cpu()
-    _assert_int8_of(qkv_values, qkv)
+    _assert_int8_of(layer.self_attn.qkv_proj.linear.quantized, qkv)
     experts = layer.mlp.experts
     for part in ("gate_up", "down"):
         assert experts.formats[part].kind == "int8"
-        got = dequantize_ref(getattr(experts, part), torch.float32).cpu()
-        _assert_int8_of(got, tensors[f"mtp.layers.0.mlp.experts.{part}_proj"])
+        _assert_int8_of(getattr(experts, part), tensors[f"mtp.layers.0.mlp.experts.{part}_proj"])
     plain = run(load(directory, weights="int8", device=device), [GenerationRequest(p, greedy(40)) for p in PROMPTS])
     drafted = run(llm, [GenerationRequest(p, greedy(40)) for p in PROMPTS])
     assert list(drafted.values()) == list(plain.values())

@@ -212,7 +212,10 @@ def quantize(
     groups = wf[..., None, :] if kind == "int8" else wf.unflatten(-1, (-1, group_size))
     amax = groups.abs().amax(-1)
     limit = 127 if kind == "int8" else 7
-    scales = torch.where(amax > 0, amax / limit, torch.ones_like(amax)).to(scale_dtype or _GPU_SCALES[kind])
+    # a true division on every device: CUDA divides by a Python scalar as a product with its
+    # reciprocal, off by an ulp for ~4% of the values, so a GPU and a CPU load differed
+    quotient = amax / torch.full_like(amax, limit)
+    scales = torch.where(amax > 0, quotient, torch.ones_like(amax)).to(scale_dtype or _GPU_SCALES[kind])
     # A scale rounded to zero in a narrow dtype still divides: the smallest one it holds.
     scales = torch.where(scales > 0, scales, torch.full_like(scales, torch.finfo(scales.dtype).smallest_normal))
     q = torch.round(groups / scales.float()[..., None])
