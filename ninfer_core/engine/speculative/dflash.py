@@ -5,6 +5,8 @@ layer (cache index = the target's); a proposal is one drafter pass over the bloc
 [last token, mask x K] at indices num_cached .. num_cached + K, whose rows 1..K give the drafts.
 Blocks of different K in one batch are padded; padded block tokens are masked out of every
 row's attention (inside the block attention is bidirectional, so they would change the drafts).
+A greedy batch's drafts are the block's argmax in one kernel, left on the device for the judge to
+read with its verdict (one sync a round, where a position at a time read each).
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class DFlashDrafter(Drafter):
         embeds = self.target.embed_tokens(ids) * self.model.config.embedding_scale
         hidden = self.model(embeds, where, *self._caches)
         logits = self.model.logits(hidden[:, 1:], self.lm_head)  # [B, width - 1, V]
+        if all(s.request.sampling.is_greedy for s in seqs):  # the block's argmax at once, read by the judge
+            chosen = logits.argmax(-1)
+            return [Draft(pending=chosen[b, :c]) for b, c in enumerate(counts)]
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for t in range(width - 1):
