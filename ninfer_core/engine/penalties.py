@@ -72,7 +72,8 @@ class PenaltyTables:
 
     def apply_rows(self, logits: torch.Tensor, slots: list[int], extra: Generated,
                    params: list[SamplingParams]) -> torch.Tensor:
-        """Penalised logits [R, V]: row r with the history in slots[r] and extra[r] after it (`rows`)."""
+        """Penalised logits [R, V]: row r with the history in slots[r] and `extra`'s tokens of row r
+        after it (`rows`)."""
         return penalise(logits, *self.rows(slots, extra), *penalty_columns(params, logits.dtype, logits.device))
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
