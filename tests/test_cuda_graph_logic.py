@@ -237,19 +237,31 @@ def test_mtp_penalised_graph_drafts_equal_eager_drafts(target, fake_graphs):
 
 def test_chain_drafts_reach_the_judge_unread(target, fake_graphs):
     """Sampled, penalised and greedy rows together: the sampling chain's drafts go into the verify
-    and through the judge's penalties and rejection sampling still on the device, read once with its
-    verdict (one sync a round), and the output is the engine's without graphs."""
+    and through the judge's penalties and rejection sampling still on the device, read once with the
+    verdicts of both kinds of rows (one read a round), and the output is the engine's without graphs."""
     params = [SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=1.5, seed=3, max_tokens=40),
               SamplingParams(temperature=0.0, frequency_penalty=1.0, max_tokens=13),
               SamplingParams(temperature=1.1, top_k=5, seed=9, max_tokens=27)]
     params = [replace(p, ignore_eos=True) for p in params]
     want = run_with(engine(target, "mtp", graphs=False), params)
     eng = engine(target, "mtp", graphs=True)
-    judge, unread = eng.speculator.judge, []
-    eng.speculator.judge = lambda seqs, drafts, *rest: unread.append(
-        all(d.pending is not None for d in drafts if d.count)) or judge(seqs, drafts, *rest)
+    judge, unread, reads = eng.speculator.judge, [], []
+    tolist = torch.Tensor.tolist
+
+    def counting_judge(seqs, drafts, *rest):
+        unread.append(all(d.pending is not None for d in drafts if d.count))
+        calls = []
+        torch.Tensor.tolist = lambda t: calls.append(1) or tolist(t)
+        try:
+            return judge(seqs, drafts, *rest)
+        finally:
+            torch.Tensor.tolist = tolist
+            reads.append(len(calls))
+
+    eng.speculator.judge = counting_judge
     assert run_with(eng, params) == want
     assert len(unread) > 10 and all(unread)
+    assert set(reads) == {1}, reads  # greedy and sampled rows, verdicts and drafts: one read a round
     # the penalised chain while the first sequence runs, the plain sampling chain after it ends
     assert {kind for kind, _, _ in eng.speculator.drafter.graphs.captured} - {"catch_up"} == {"penalised", "sampled"}
 

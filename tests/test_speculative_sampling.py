@@ -131,15 +131,17 @@ def test_sequences_with_non_finite_rows_get_no_token():
 
 
 def per_sequence(rule):
-    """The judge's batch rule from a per-sequence one."""
+    """The judge's batch rule (`judge_stochastic`: the verdict, each sequence's accepted count then
+    its last token) from a per-sequence one, which returns accepted drafts + one token."""
     def rows(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator],
-             finite: torch.Tensor | None = None) -> list[list[int]]:
+             finite: torch.Tensor | None = None) -> torch.Tensor:
         assert finite is None or bool(finite.all())
         out, start = [], 0
         for draft, generator in zip(drafts, generators):
             out.append(rule(draft, p[start : start + len(draft.tokens) + 1], generator))
+            assert out[-1][:-1] == draft.tokens[: len(out[-1]) - 1]
             start += len(draft.tokens) + 1
-        return out
+        return torch.tensor([len(o) - 1 for o in out] + [o[-1] for o in out], device=p.device)
     return rows
 
 
@@ -199,7 +201,7 @@ def test_engine_samples_the_plain_distribution(spec, target):
 
 
 def test_engine_with_broken_acceptance_fails(target, monkeypatch):
-    monkeypatch.setattr(speculator, "accept_stochastic_rows", per_sequence(accept_always))
+    monkeypatch.setattr(speculator, "judge_stochastic", per_sequence(accept_always))
     pvalue, stats = engine_pvalue(*target, spec="mtp")
     assert pvalue < 1e-6, (pvalue, stats)
 
@@ -214,7 +216,7 @@ def test_verify_rows_are_the_exact_target_distributions(target, monkeypatch):
         seen.append((llm.engine.running[0].output_ids[:], draft.tokens, p.clone()))  # output before this round
         return accept_stochastic(draft, p, generator)
 
-    monkeypatch.setattr(speculator, "accept_stochastic_rows", per_sequence(spy))
+    monkeypatch.setattr(speculator, "judge_stochastic", per_sequence(spy))
     llm = load(directory, spec="mtp")
     params = SamplingParams(seed=1, max_tokens=12, **PARAMS["mtp"])
     request = GenerationRequest(PROMPTS[0], params)

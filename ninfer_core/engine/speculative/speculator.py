@@ -30,7 +30,7 @@ from ..sampling import Sampler, TokenHistory, finite_rows
 from ..sequence import Sequence
 from .adaptive import AdaptiveDraft
 from .base import Draft, Drafter, Observation, draft_matrix, read_with
-from .verify import accept_greedy, accept_stochastic_rows
+from .verify import accept_greedy, judge_stochastic, stochastic_kept
 
 
 class Speculator:
@@ -113,8 +113,8 @@ class Speculator:
         constrained sequence's one row through its grammar mask); `penalties`: as in `propose`.
         A sequence whose judged logits were not finite (or whose grammar left no token) ends in
         token -1, as the plain sampler's rows do."""
-        kept: list[list[int]] = [[] for _ in seqs]
         unread = TokenHistory(())  # the penalties come from the tables: the sampler reads no history
+        verdicts: list[tuple[bool, list[int], torch.Tensor]] = []  # per group: its sequences' verdict, on the device
         for greedy in (True, False):
             index = [b for b, s in enumerate(seqs) if s.request.sampling.is_greedy == greedy]
             if not index:
@@ -144,17 +144,23 @@ class Speculator:
                     stacked.index_select(0, at), slots, extra, [p for p in params if p.has_penalties]))
             histories = [unread] * len(rows)
             if greedy:  # the argmax of the penalised logits, no draws
-                targets = read_with(group, self.sampler.sample(
-                    stacked, params, histories, [None] * len(rows), penalised=True))
-                start = 0
-                for b in index:
-                    n = drafts[b].count + 1
-                    kept[b] = accept_greedy(drafts[b].tokens, targets[start : start + n])
-                    start += n
+                verdict = self.sampler.sample(stacked, params, histories, [None] * len(rows), penalised=True)
             else:
                 p = self.sampler.distribution(stacked, params, histories, penalised=True)
                 generators = [seqs[b].generator for b in index]
                 assert all(g is not None for g in generators)  # every sampled request has its own
-                for b, tokens in zip(index, accept_stochastic_rows(group, p, generators, finite_rows(stacked))):
+                verdict = judge_stochastic(group, p, generators, finite_rows(stacked))
+            verdicts.append((greedy, index, verdict))
+        # the round's one read of the device: every group's verdict and the drafts still there
+        host = read_with(drafts, torch.cat([verdict for _, _, verdict in verdicts]))
+        kept: list[list[int]] = [[] for _ in seqs]
+        for greedy, index, verdict in verdicts:
+            values, host = host[: verdict.numel()], host[verdict.numel() :]
+            if greedy:  # values: the target's token after each row
+                for b in index:
+                    n = drafts[b].count + 1
+                    kept[b], values = accept_greedy(drafts[b].tokens, values[:n]), values[n:]
+            else:
+                for b, tokens in zip(index, stochastic_kept([drafts[b] for b in index], values)):
                     kept[b] = tokens
         return kept

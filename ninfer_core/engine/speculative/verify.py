@@ -14,8 +14,9 @@ greedy MTP/DFlash) has q one-hot: accept with probability p_t(d), resample from 
 
 Draws come from the request's own generator (k + 1 uniforms per round, whatever is accepted),
 so a seeded request is reproducible for a given drafter and K. A round's sampled sequences are
-judged together on the device (`accept_stochastic_rows`): one host sync for the batch, where a
-sequence at a time took four (its rejection index, the residual's emptiness, the draw).
+judged together on the device (`judge_stochastic`, whose verdict the Speculator reads with the
+greedy rows' and the drafts: one host sync for the round), where a sequence at a time took four
+(its rejection index, the residual's emptiness, the draw).
 """
 
 from __future__ import annotations
@@ -47,6 +48,19 @@ def accept_stochastic_rows(drafts: list[Draft], p: torch.Tensor, generators: lis
     gives its k_b + 1 uniforms first, in batch order, as one sequence at a time would. `finite`
     [rows of p]: False where the row's logits were not finite: a sequence with such a row among
     those it was judged on keeps no draft and gets token -1 (the engine fails it)."""
+    return stochastic_kept(drafts, read_with(drafts, judge_stochastic(drafts, p, generators, finite)))
+
+
+def stochastic_kept(drafts: list[Draft], verdict: list[int]) -> list[list[int]]:
+    """The kept tokens from `judge_stochastic`'s verdict read to the host (the drafts read too)."""
+    counts, last = verdict[: len(drafts)], verdict[len(drafts) :]
+    return [d.tokens[:m] + [t] for d, m, t in zip(drafts, counts, last)]
+
+
+def judge_stochastic(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator],
+                     finite: torch.Tensor | None = None) -> torch.Tensor:
+    """`accept_stochastic_rows` on the device, nothing read: [2B] int64, each sequence's accepted
+    draft count, then each one's last token (`stochastic_kept` turns them into the kept tokens)."""
     device, ks = p.device, [d.count for d in drafts]
     width = max(ks)
     u = torch.zeros(len(drafts), width + 1, dtype=torch.float64, device=device)
@@ -90,6 +104,4 @@ def accept_stochastic_rows(drafts: list[Draft], p: torch.Tensor, generators: lis
     if finite is not None:  # a row past the one the token came from is never judged, as in plain decoding
         invalid = (~finite[rows] & (torch.arange(width + 1, device=device) <= n[:, None])).any(1)
         n, token = n.masked_fill(invalid, 0), token.masked_fill(invalid, -1)
-    host = read_with(drafts, torch.cat([n, token]))  # and the drafts still on the device: one sync
-    counts, last = host[: len(drafts)], host[len(drafts) :]
-    return [d.tokens[:m] + [t] for d, m, t in zip(drafts, counts, last)]
+    return torch.cat([n, token])
