@@ -194,7 +194,7 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     # A positive temperature below fp32's smallest normal stays positive (0 would mean greedy).
     temperature = temperature.double()
     temperature = torch.where(temperature > 0, temperature.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    temperature, top_k, top_p, min_p = _on_device([temperature, top_k.clamp(-1, vocab), top_p, min_p], dev)
+    temperature, top_k, top_p, min_p = columns_on_device([temperature, top_k.clamp(-1, vocab), top_p, min_p], dev)
     temperature, top_p, min_p = (t.to(torch.float32).contiguous() for t in (temperature, top_p, min_p))
     dispatch.extension().sample_rows(  # shapes, dtypes and layouts checked there
         tokens=tokens, probs=probs, threshold=threshold, logits=logits, temperature=temperature,
@@ -250,7 +250,7 @@ def _greedy_workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, to
     return cached
 
 
-def _on_device(columns: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def columns_on_device(columns: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Per-row parameter columns to the device as float64 in one pinned, non-blocking copy: a
     plain copy from pageable memory would wait for the GPU to finish the queued step."""
     if all(c.device == device for c in columns):

@@ -221,8 +221,9 @@ class MTPGraphs:
         for b, (generator, c) in enumerate(zip(generators, counts)):
             if not params[b].is_greedy:  # one uniform a draft, as eager drafting draws them
                 u[b, :c] = torch.cat([uniform(generator) for _ in range(c)]).to(device)
-        temperature, top_k, top_p, min_p = upload(torch.stack([temperature, top_k.double(), top_p, min_p]),
-                                                  torch.float64, device)  # one copy
+        vocab = inputs["logits"].shape[-1]  # top_k past it means no cap (and a 2**63 - 1 stays exact in float64)
+        temperature, top_k, top_p, min_p = sampling_ops.columns_on_device(
+            [temperature, top_k.clamp(-1, vocab), top_p, min_p], device)
         inputs.update(temperature=temperature, top_k=top_k.long(), top_p=top_p, min_p=min_p, u=u)
         if penalties is not None:  # greedy rows' drafts are the raw argmax: neutral penalties
             assert self.penalties in (None, penalties) and slots is not None, "the graphs read one tables object"
