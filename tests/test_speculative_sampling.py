@@ -134,7 +134,7 @@ def per_sequence(rule):
     """The judge's batch rule (`judge_stochastic`: the verdict, each sequence's accepted count then
     its last token) from a per-sequence one, which returns accepted drafts + one token."""
     def rows(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator],
-             finite: torch.Tensor | None = None) -> torch.Tensor:
+             finite: torch.Tensor | None = None, tokens: torch.Tensor | None = None) -> torch.Tensor:
         assert finite is None or bool(finite.all())
         out, start = [], 0
         for draft, generator in zip(drafts, generators):

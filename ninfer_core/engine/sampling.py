@@ -295,13 +295,16 @@ class Sampler:
     CUDA logits, the float64 reference otherwise)."""
 
     def distribution(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                     histories: Sequence[TokenHistory], penalised: bool = False) -> torch.Tensor:
+                     histories: Sequence[TokenHistory], penalised: bool = False,
+                     finite: torch.Tensor | None = None) -> torch.Tensor:
         """The exact distribution `sample` draws from, [B, V] float32 (masked tokens exactly 0;
         greedy rows one-hot at the argmax): the target `p` for speculative rejection sampling.
         `penalised`: as in `sample`. No host sync: a row whose logits are not finite comes out as
-        its filter over zero logits; the caller tells those rows by `finite_rows`."""
+        its filter over zero logits; the caller tells those rows by `finite_rows` (`finite`: those
+        rows, where the caller has them already)."""
         self._check_shapes(logits, params, histories)
-        logits = logits.masked_fill(~finite_rows(logits)[:, None], 0.0)
+        finite = finite_rows(logits) if finite is None else finite
+        logits = logits.masked_fill(~finite[:, None], 0.0)
         if not penalised:
             logits = apply_penalties(logits, params, histories)
         return sampling_ops.filtered_probs(apply_logit_bias(logits, params), *row_params(params))

@@ -134,22 +134,25 @@ class Speculator:
                         extra_at += range(i * width, i * width + t)
                         slots.append(seqs[b].cache.slot)
             stacked = constrain(torch.stack(rows).float(), matchers)
+            device = stacked.device
+            # the drafts as a device matrix, for the penalties and rejection sampling (made once)
+            matrix = draft_matrix(group, width, device) if slots or not greedy else None
             if slots:
                 assert penalties is not None, "penalised rows need the engine's penalty tables"
-                device = stacked.device
                 at = upload([r for r, p in enumerate(params) if p.has_penalties], torch.long, device)
                 pairs = upload([extra_rows, extra_at], torch.long, device)
-                extra = Generated(pairs[0], draft_matrix(group, width, device).view(-1)[pairs[1]])
+                extra = Generated(pairs[0], matrix.view(-1)[pairs[1]])
                 stacked = stacked.index_copy(0, at, penalties.apply_rows(
                     stacked.index_select(0, at), slots, extra, [p for p in params if p.has_penalties]))
             histories = [unread] * len(rows)
             if greedy:  # the argmax of the penalised logits, no draws
                 verdict = self.sampler.sample(stacked, params, histories, [None] * len(rows), penalised=True)
             else:
-                p = self.sampler.distribution(stacked, params, histories, penalised=True)
+                finite = finite_rows(stacked)
+                p = self.sampler.distribution(stacked, params, histories, penalised=True, finite=finite)
                 generators = [seqs[b].generator for b in index]
                 assert all(g is not None for g in generators)  # every sampled request has its own
-                verdict = judge_stochastic(group, p, generators, finite_rows(stacked))
+                verdict = judge_stochastic(group, p, generators, finite, matrix)
             verdicts.append((greedy, index, verdict))
         # the round's one read of the device: every group's verdict and the drafts still there
         host = read_with(drafts, torch.cat([verdict for _, _, verdict in verdicts]))

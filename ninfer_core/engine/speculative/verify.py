@@ -58,9 +58,10 @@ def stochastic_kept(drafts: list[Draft], verdict: list[int]) -> list[list[int]]:
 
 
 def judge_stochastic(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator],
-                     finite: torch.Tensor | None = None) -> torch.Tensor:
+                     finite: torch.Tensor | None = None, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """`accept_stochastic_rows` on the device, nothing read: [2B] int64, each sequence's accepted
-    draft count, then each one's last token (`stochastic_kept` turns them into the kept tokens)."""
+    draft count, then each one's last token (`stochastic_kept` turns them into the kept tokens).
+    `tokens`: the drafts' `draft_matrix` where the caller made it already."""
     device, ks = p.device, [d.count for d in drafts]
     width = max(ks)
     u = torch.zeros(len(drafts), width + 1, dtype=torch.float64, device=device)
@@ -70,7 +71,7 @@ def judge_stochastic(drafts: list[Draft], p: torch.Tensor, generators: list[torc
     starts = [sum(ks[:b]) + b for b in range(len(ks))]
     # row of (b, t) in p, t past k_b clamped to b's last row
     rows = upload([[start + min(t, k) for t in range(width + 1)] for start, k in zip(starts, ks)], torch.long, device)
-    tokens = draft_matrix(drafts, width, device)
+    tokens = draft_matrix(drafts, width, device) if tokens is None else tokens
     drawn = [d for d in drafts if d.probs is not None]  # drafts with their q; the others are one-hot
     q_all = torch.cat([d.probs.to(device) for d in drawn]) if drawn else None
     q_starts, at = [], 0
