@@ -468,7 +468,7 @@ def force_acceptance(speculator: Any, keep: float) -> Callable:
     def forced(seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor,
                penalties: PenaltyTables | None = None) -> list[list[int]]:
         kept = []
-        for draft, own in zip(drafts, judge(seqs, drafts, logits, *([] if penalties is None else [penalties]))):
+        for draft, own in zip(drafts, judge(seqs, drafts, logits, penalties)):
             n = next((j for j in range(len(draft.tokens)) if rng.random() >= keep), len(draft.tokens))
             kept.append(draft.tokens[:n] + own[-1:])
         return kept
