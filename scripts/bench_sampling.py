@@ -2,8 +2,7 @@
 both on the GPU, timed with CUDA events; batch 1, 4, 8, 16, 64 with top-k 20 + top-p 0.95 and with
 top-p 0.95 alone (temperature 0.7), on LLM-like peaked rows and on wide Gaussian rows (where top-p
 keeps thousands of tokens: the kernel's full-vocabulary path). The kernel's draw (`sample`) and its
-distribution (`filtered_probs`, what speculative sampling reads), each also with one block a row
-(the split path off: `*_one_block_ms`), in the same run.
+distribution (`filtered_probs`, what speculative sampling reads), in the same run.
 
     python scripts/bench_sampling.py --json OUT.json [--iters 50] [--ref-iters 5]
 """
@@ -48,20 +47,12 @@ def time_ms(fn: Callable[[], object], iters: int) -> float:
 
 def measure(logits: torch.Tensor, params: tuple[torch.Tensor, ...], iters: int, ref_iters: int) -> dict:
     u = torch.rand(logits.shape[0], dtype=torch.float64, device="cuda")
-    split = getattr(ops, "SPLIT_MAX_ROWS", None)  # None: a build without the split path
-    times = {}
-    for name, rows in (("", split), ("_one_block", 0)) if split is not None else (("", None),):
-        if rows is not None:
-            ops.SPLIT_MAX_ROWS = rows
-        times[f"kernel{name}_ms"] = round(time_ms(lambda: ops.sample(logits, *params, u), iters), 4)
-        times[f"probs{name}_ms"] = round(time_ms(lambda: ops.filtered_probs(logits, *params), iters), 4)
-    if split is not None:
-        ops.SPLIT_MAX_ROWS = split
-    kernel_ms = times["kernel_ms"]
+    kernel_ms = time_ms(lambda: ops.sample(logits, *params, u), iters)
+    probs_ms = time_ms(lambda: ops.filtered_probs(logits, *params), iters)
     ref_ms = time_ms(lambda: ops.sample_ref(logits, *params, u), ref_iters)
     agree = (ops.sample(logits, *params, u) == ops.sample_ref(logits, *params, u)).float().mean()
     kept = (ops.filtered_probs(logits, *params) > 0).sum(-1).float().mean()
-    return {**times, "reference_ms": round(ref_ms, 3),
+    return {"kernel_ms": round(kernel_ms, 4), "probs_ms": round(probs_ms, 4), "reference_ms": round(ref_ms, 3),
             "speedup": round(ref_ms / kernel_ms, 1), "mean_kept_tokens": round(float(kept), 1),
             "tokens_agree": float(agree)}
 
