@@ -268,7 +268,7 @@ LIST
       set -- $built
       PYTHONPATH=/tmp/ab/$(variant $1):${PYTHONPATH:-} bench_model
     fi
-    # SAMPLING_ROUNDS=N: bench_sampling.py (the sampler kernel, split path on and off) likewise
+    # SAMPLING_ROUNDS=N: bench_sampling.py (the sampler at 248k tokens: sample, filtered_probs) likewise
     alternate ${SAMPLING_ROUNDS:-0} sampling 4 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_sampling.py --ref-iters 2
     # SPEC_ENGINE_ROUNDS=N: bench_spec.py engine (the engine loop's MTP rounds at a set acceptance) likewise
     alternate ${SPEC_ENGINE_ROUNDS:-0} spec_engine 14 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_spec.py engine \
