@@ -3,6 +3,7 @@
 #include <string>
 
 #include "bind.h"
+#include "penalties.h"
 #include "sampling.h"
 #include "tensor_arg.h"
 
@@ -13,34 +14,60 @@ void bind_sampling(py::module_& m) {
   m.def(
       "sample_rows",
       [](std::optional<TensorArg> tokens, std::optional<TensorArg> probs, std::optional<TensorArg> threshold,
-         TensorArg logits, TensorArg temperature, TensorArg top_k, TensorArg top_p, TensorArg min_p,
-         std::optional<TensorArg> uniform, int max_candidates, std::uintptr_t stream) {
+         TensorArg logits, TensorArg columns, std::optional<TensorArg> uniform, TensorArg segments, int max_candidates, std::uintptr_t stream) {
         ArgCheck check("sample_rows");
         check("logits", logits).shape({kAny, kAny}).dtype(ScalarType::F32).contiguous();
         const std::int64_t rows = logits.size(0), vocab = logits.size(1);
         check.require(vocab >= 1 && vocab < (std::int64_t{1} << 31) && rows < (std::int64_t{1} << 31),
                       "logits has shape ", logits.shape_str(), ", out of the kernel's range");
-        check("temperature", temperature).shape({rows}).dtype(ScalarType::F32).contiguous();
-        check("top_k", top_k).shape({rows}).dtype(ScalarType::I32).contiguous();
-        check("top_p", top_p).shape({rows}).dtype(ScalarType::F32).contiguous();
-        check("min_p", min_p).shape({rows}).dtype(ScalarType::F32).contiguous();
+        check("columns", columns).shape({4, rows}).dtype(ScalarType::F64).contiguous();
         check("uniform", uniform).shape({rows}).dtype(ScalarType::F64).contiguous();
         check.require(!tokens || uniform, "tokens needs uniform (the draws)");
         check("tokens", tokens).shape({rows}).dtype(ScalarType::I64).contiguous();
-        check("probs", probs).shape({rows, vocab}).dtype(ScalarType::F32).contiguous();
+        // probs: zeroed before the row is read, so never the logits themselves
+        check("probs", probs).shape({rows, vocab}).dtype(ScalarType::F32).contiguous().disjoint(logits, "logits");
         check("threshold", threshold).shape({rows}).dtype(ScalarType::F32).contiguous();
+        check("segments", segments).shape({kAny}).dtype(ScalarType::I64).contiguous()
+            .min_numel(rows * kSampleMaxSegments).disjoint(logits, "logits");
+        if (probs) check("segments", segments).disjoint(*probs, "probs");
+        if (tokens) check("segments", segments).disjoint(*tokens, "tokens");
         check.require(max_candidates >= 0 && max_candidates <= kSampleMaxCandidates,
                       "max_candidates ", max_candidates, " out of range 0..", kSampleMaxCandidates);
         const int device = check.device();
-        sample_rows({data_or_null(tokens), data_or_null(probs), data_or_null(threshold), logits.data,
-                     temperature.data, top_k.data, top_p.data, min_p.data, data_or_null(uniform), rows, vocab,
-                     max_candidates, device, stream});
+        sample_rows({data_or_null(tokens), data_or_null(probs), data_or_null(threshold), logits.data, columns.data,
+                     data_or_null(uniform), segments.data, rows, vocab, max_candidates, device, stream});
       },
-      py::arg("tokens"), py::arg("probs"), py::arg("threshold"), py::arg("logits"), py::arg("temperature"),
-      py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("uniform"), py::arg("max_candidates"),
+      py::arg("tokens"), py::arg("probs"), py::arg("threshold"), py::arg("logits"), py::arg("columns"),
+      py::arg("uniform"), py::arg("segments"), py::arg("max_candidates"),
       py::arg("stream"),
-      "Temperature / top-k / top-p / min-p sampling, one block per row; None for an unused output. "
-      "See csrc/sampling.h.");
+      "Temperature / top-k / top-p / min-p sampling (two launches); None for an unused output; "
+      "segments: the workspace. See csrc/sampling.h.");
+  m.def(
+      "penalise",
+      [](TensorArg out, TensorArg logits, TensorArg seen, TensorArg counts, std::optional<TensorArg> rows,
+         TensorArg repetition, TensorArg presence, TensorArg frequency, std::uintptr_t stream) {
+        ArgCheck check("penalise");
+        check("logits", logits).shape({kAny, kAny}).dtype(ScalarType::F32).contiguous();
+        const std::int64_t num_rows = logits.size(0), vocab = logits.size(1);
+        check.require(num_rows >= 1 && num_rows < 65536 && vocab >= 1, "logits has shape ", logits.shape_str(),
+                      ", out of the kernel's range (1..65535 rows)");
+        check("out", out).matches(logits, "logits").contiguous();
+        check("seen", seen).shape({kAny, vocab}).dtype(ScalarType::Bool).contiguous();
+        check("counts", counts).shape({seen.size(0), vocab}).dtype(ScalarType::I32).contiguous();
+        check.require(rows || seen.size(0) == num_rows, "without rows, seen / counts need ", num_rows, " rows, got ",
+                      seen.size(0));
+        check("rows", rows).shape({num_rows}).dtype(ScalarType::I64).contiguous();
+        check("repetition", repetition).shape({num_rows}).dtype(ScalarType::F32).contiguous();
+        check("presence", presence).shape({num_rows}).dtype(ScalarType::F32).contiguous();
+        check("frequency", frequency).shape({num_rows}).dtype(ScalarType::F32).contiguous();
+        const int device = check.device();
+        penalise({out.data, logits.data, seen.data, counts.data, data_or_null(rows), repetition.data, presence.data,
+                  frequency.data, num_rows, vocab, device, stream});
+      },
+      py::arg("out"), py::arg("logits"), py::arg("seen"), py::arg("counts"), py::arg("rows"), py::arg("repetition"),
+      py::arg("presence"), py::arg("frequency"), py::arg("stream"),
+      "Repetition / presence / frequency penalties on fp32 logits from per-slot tables (rows: the table row "
+      "of each logits row, None: row r). See csrc/penalties.h.");
   m.def(
       "greedy_rows",
       [](TensorArg tokens, TensorArg logits, TensorArg partials, TensorArg counters, std::uintptr_t stream) {

@@ -1,14 +1,21 @@
-// Sampler: temperature, top-k, top-p, min-p and one inverse-CDF draw per row, one block per row,
-// without sorting the vocabulary (contract in sampling.h).
+// Sampler: temperature, top-k, top-p, min-p and one inverse-CDF draw per row, without sorting the
+// vocabulary (contract in sampling.h). Two launches: segment_kernel spreads the row's one full pass
+// over many blocks, then one block per row finishes it.
 //
 // Every filter is monotone in the logit, so a row keeps {logit >= L} (min-p tested per token on
 // the same weights) and the work is finding L, the kept mass and then the token:
-// 1. one pass: the max (and argmax) of the row, and each thread's own max;
-// 2. a lower bound tau <= L: the k-th largest of the 1024 thread maxima (top-k, k <= 1024), else
-//    one pass of a histogram of x = (logit - max) / T over (-32, 0] in bins of 1/8 (counts for
-//    top-k, mass for top-p) whose top bins holding k tokens / top_p of the mass bound L;
-// 3. one pass gathers {logit >= tau} into shared memory; when they fit (the usual case: top-k 20,
-//    or top-p on a peaked row) the rest is bitonic sorts and scans of at most 4096 candidates;
+// 1. segment_kernel: the max (and argmax) of each of the row's <= 1024 segments of contiguous
+//    tokens, a warp a segment, blocks over the whole GPU (and the probs row zeroed, when asked);
+//    a single block read the row at the bandwidth of one SM: ~0.11 ms a 248k-token row, flat
+//    from batch 1 to 64 (bench_sampling.py, fortieth session);
+// 2. a lower bound tau <= L: the k-th largest of the segment maxima (top-k, k <= segments: k
+//    tokens are >= it), else one pass of a histogram of x = (logit - max) / T over (-32, 0] in
+//    bins of 1/8 (counts for top-k, mass for top-p) whose top bins holding k tokens / top_p of
+//    the mass bound L;
+// 3. the candidates {logit >= tau} from the segments whose max is >= tau (with top-k 20 about 20
+//    of ~970: the row is not read again); when they fit (the usual case: top-k 20, or top-p on a
+//    peaked row) the rest is bitonic sorts and scans of at most 4096 candidates, and the probs
+//    are written over those segments only (the rest is segment_kernel's zeros);
 // 4. otherwise the full-vocabulary path: radix select on the logit's order key (11 + 11 + 10
 //    bits, 2048-bin shared histograms of counts for top-k, of mass for top-p; tokens below tau
 //    skip the atomics; it stops once the selected bin holds the answer alone), one pass for the
@@ -22,6 +29,7 @@
 #include "sampling.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -34,6 +42,7 @@ namespace {
 using u64 = unsigned long long;  // the type CUDA's 64-bit atomics and shuffles take
 
 constexpr int kThreads = 1024;
+static_assert(kSampleMaxSegments == kThreads, "the sampling kernel's thread t holds segment t's max");
 constexpr int kWarps = kThreads / 32;
 constexpr int kCapacity = kSampleMaxCandidates;
 constexpr int kSlots = kCapacity / kThreads;  // candidate slots per thread
@@ -42,10 +51,13 @@ constexpr int kGridBins = 256;
 constexpr float kGridPerUnit = 8.0f;  // grid bins per unit of x: they cover x in (-32, 0]
 constexpr unsigned kFull = 0xffffffffu;
 constexpr unsigned kNone = 0xffffffffu;
+constexpr unsigned kBadKey = 0xffffffffu;  // above order_key of every non-NaN float, +inf's too
 
 struct Shared {
-  u64 buf[kCapacity];  // thread maxima, candidates, or histograms (one use at a time)
+  u64 buf[kCapacity];  // segment maxima, candidates, or histograms (one use at a time)
   u64 scratch[kWarps];
+  int picked[kThreads];  // the segments whose max is >= tau
+  int picked_count;
   u64 sel_above;
   unsigned sel_bin;
   unsigned sel_count;
@@ -57,12 +69,13 @@ struct Params {
   float* probs;
   float* threshold;
   const float* logits;
-  const float* temperature;
-  const int* top_k;
-  const float* top_p;
-  const float* min_p;
+  const double* columns;  // [4, rows]: temperature, top_k, top_p, min_p
+  std::int64_t rows;
   const double* uniform;
+  const u64* segments;  // [rows, kThreads] segment_kernel's maxima
   int vocab;
+  int segment;   // tokens a segment: a multiple of 4 * 32 (a warp's 16-byte loads)
+  int segments_count;  // a row's: <= kThreads
   int capacity;
   float scale;  // fixed-point mass of weight 1
 };
@@ -187,6 +200,71 @@ __device__ void write_row(float* out, const float* __restrict__ x, int vocab, F&
     }
   } else {
     for (int i = threadIdx.x; i < vocab; i += kThreads) out[i] = prob(i, __ldg(x + i));
+  }
+}
+
+// Lane `lane`'s tokens of segment `seg` ([seg * len, (seg + 1) * len) clipped to the row), kBatch
+// 16-byte loads in flight before f sees them; f(i, v) in no particular order.
+template <int VEC, int kBatch, typename F>
+__device__ __forceinline__ void for_segment(const float* x, int vocab, int seg, int len, int lane, F&& f) {
+  const int begin = seg * len, end = min(begin + len, vocab);
+  for (int i0 = begin + VEC * lane; i0 < end; i0 += kBatch * 32 * VEC) {
+    float v[kBatch][VEC];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = i0 + b * 32 * VEC;
+      if (i >= end) continue;
+      if constexpr (VEC == 4) {
+        const float4 f4 = __ldcg(reinterpret_cast<const float4*>(x + i));
+        v[b][0] = f4.x, v[b][1] = f4.y, v[b][2] = f4.z, v[b][3] = f4.w;
+      } else {
+        v[b][0] = __ldcg(x + i);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = i0 + b * 32 * VEC;
+      if (i >= end) break;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f(i + j, v[b][j]);
+    }
+  }
+}
+
+constexpr int kSegmentWarps = 8;  // segments a segment_kernel block: grid (rows, segments / 8)
+
+// Block (row, y), warp w: segment 8 y + w of the row, its max as pack(key, id) (the largest key at
+// its lowest id; NaN and +inf the bad key above all) into segments[row, seg]; the segment's probs
+// zeroed where asked (the sampling
+// kernel then writes only the kept tokens' ones, or the whole row on its full-vocabulary path).
+template <int VEC>
+__global__ void __launch_bounds__(kSegmentWarps * 32)
+    segment_kernel(const float* logits, u64* __restrict__ segments, float* __restrict__ probs, int vocab, int len,
+                   int count) {
+  enter_kernel();  // the logits are the kernel before's output; probs may be what it reads
+  const int lane = threadIdx.x & 31;
+  const int seg = blockIdx.y * kSegmentWarps + (threadIdx.x >> 5);
+  if (seg >= count) return;
+  const std::int64_t offset = static_cast<std::int64_t>(blockIdx.x) * vocab;
+  u64 best = 0;
+  for_segment<VEC, 2>(logits + offset, vocab, seg, len, lane, [&](int i, float v) {
+    const u64 e = pack(isnan(v) || v == INFINITY ? kBadKey : order_key(v), static_cast<unsigned>(i));
+    best = best > e ? best : e;
+  });
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const u64 other = __shfl_xor_sync(kFull, best, o);
+    best = best > other ? best : other;
+  }
+  if (lane == 0) segments[static_cast<std::int64_t>(blockIdx.x) * kThreads + seg] = best;
+  if (probs != nullptr) {
+    float* out = probs + offset;
+    const int begin = seg * len, end = min(begin + len, vocab);
+    if constexpr (VEC == 4) {
+      for (int i = begin + 4 * lane; i < end; i += 4 * 32) *reinterpret_cast<float4*>(out + i) = make_float4(0, 0, 0, 0);
+    } else {
+      for (int i = begin + lane; i < end; i += 32) out[i] = 0.0f;
+    }
   }
 }
 
@@ -492,39 +570,44 @@ __device__ Kept candidate_path(const Row& r, Shared& s, int n, int k, float top_
 
 template <int VEC>
 __global__ void __launch_bounds__(kThreads) sampling_kernel(const Params p) {
-  enter_kernel();
+  enter_kernel();  // segment_kernel's maxima
   __shared__ Shared s;
   const int row = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const std::int64_t offset = static_cast<std::int64_t>(row) * p.vocab;
   const float* x = p.logits + offset;
 
-  u64 best = 0;  // this thread's max as pack(key, id)
-  for_each<VEC>(x, p.vocab, [&](int i, float v) {
-    const u64 e = pack(order_key(v), static_cast<unsigned>(i));
-    best = best > e ? best : e;
-  });
+  // this thread's segment max as pack(key, id); 0 past the row's segments (below every token)
+  const u64 best = threadIdx.x < p.segments_count ? __ldcg(p.segments + static_cast<std::int64_t>(row) * kThreads + threadIdx.x) : 0;
   const u64 top = block_reduce(best, Max{}, s.scratch);
-  const float top_value = key_value(static_cast<unsigned>(top >> 32));
-  const float temperature = p.temperature[row];
-  if (!(temperature > 0.0f)) {  // greedy: the max, lowest id on ties
+  const unsigned top_key = static_cast<unsigned>(top >> 32);
+  if (top_key == kBadKey || top_key <= order_key(-INFINITY)) {  // NaN / +inf, or nothing finite
+    if (threadIdx.x == 0 && p.tokens != nullptr) p.tokens[row] = -1;
+    if (threadIdx.x == 0 && p.threshold != nullptr) p.threshold[row] = NAN;
+    return;  // probs: segment_kernel's zeros
+  }
+  const float top_value = key_value(top_key);
+  // The row's columns in float64 as the caller has them: a positive temperature below fp32's
+  // smallest normal stays positive (0 means greedy); top-k outside 1..vocab - 1 is none.
+  const double* c = p.columns + row;
+  const float temperature = c[0] > 0.0 ? static_cast<float>(fmax(c[0], static_cast<double>(FLT_MIN))) : 0.0f;
+  if (temperature == 0.0f) {  // greedy: the max, lowest id on ties
     const int argmax = static_cast<int>(kFull - static_cast<unsigned>(top));
     if (threadIdx.x == 0 && p.tokens != nullptr) p.tokens[row] = argmax;
     if (threadIdx.x == 0 && p.threshold != nullptr) p.threshold[row] = top_value;
-    if (p.probs != nullptr) {
-      write_row<VEC>(p.probs + offset, x, p.vocab,
-                     [&](int i, float) { return i == argmax ? 1.0f : 0.0f; });
-    }
+    if (threadIdx.x == 0 && p.probs != nullptr) p.probs[offset + argmax] = 1.0f;  // the rest: segment_kernel's 0
     return;
   }
 
   const Row r{x, p.vocab, top_value, temperature, p.scale};
-  const int k = p.top_k[row] > 0 && p.top_k[row] < p.vocab ? p.top_k[row] : 0;
-  const float top_p = p.top_p[row];
-  const float min_p = p.min_p[row];
+  const double top_k = c[p.rows];
+  const int k = top_k >= 1.0 && top_k < p.vocab ? static_cast<int>(top_k) : 0;
+  const float top_p = static_cast<float>(c[2 * p.rows]);
+  const float min_p = static_cast<float>(c[3 * p.rows]);
   unsigned tau = 0;
   u64 row_mass = 0;  // set by grid_bound; the candidate path needs it for top-p without top-k
-  if (k > 0 && k <= kThreads) {
-    s.buf[threadIdx.x] = best >> 32 << 32;  // 0 for a thread without tokens
+  if (k > 0 && k <= p.segments_count) {
+    s.buf[threadIdx.x] = best >> 32 << 32;
     sort_desc(s.buf, kThreads);
     tau = static_cast<unsigned>(s.buf[k - 1] >> 32);
     __syncthreads();
@@ -533,23 +616,31 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const Params p) {
   }
 
   int n = kCapacity + 1;
-  if (p.capacity > 0 && (tau > 0 || p.vocab <= p.capacity)) {
-    if (threadIdx.x == 0) s.count = 0;
+  const bool gathered = p.capacity > 0 && (tau > 0 || p.vocab <= p.capacity);
+  if (gathered) {  // the tokens >= tau lie in the segments whose max is >= tau
+    if (threadIdx.x == 0) s.count = s.picked_count = 0;
     __syncthreads();
-    for_each<VEC>(x, p.vocab, [&](int i, float v) {
-      const unsigned key = order_key(v);
-      if (key < tau) return;
-      const int slot = atomicAdd(&s.count, 1);
-      if (slot < p.capacity) s.buf[slot] = pack(key, static_cast<unsigned>(i));
-    });
+    if (threadIdx.x < p.segments_count && static_cast<unsigned>(best >> 32) >= tau) {
+      s.picked[atomicAdd(&s.picked_count, 1)] = threadIdx.x;
+    }
+    __syncthreads();
+    for (int j = warp; j < s.picked_count; j += kWarps) {
+      for_segment<VEC, 1>(x, p.vocab, s.picked[j], p.segment, lane, [&](int i, float v) {
+        const unsigned key = order_key(v);
+        if (key < tau) return;
+        const int slot = atomicAdd(&s.count, 1);
+        if (slot < p.capacity) s.buf[slot] = pack(key, static_cast<unsigned>(i));
+      });
+    }
     __syncthreads();
     n = s.count;
   }
 
   std::int64_t* token = p.tokens != nullptr ? p.tokens + row : nullptr;
   const double u = token != nullptr ? p.uniform[row] : 0.0;
+  const bool candidates = n <= p.capacity;
   Kept kept;
-  if (n <= p.capacity) {
+  if (candidates) {
     kept = candidate_path(r, s, n, k, top_p, min_p, row_mass, u, token);
   } else {
     unsigned threshold = k > 0 ? radix_select<VEC, false>(r, s, tau, 0, k, 0.0f) : 0u;
@@ -564,30 +655,47 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const Params p) {
   if (p.probs != nullptr) {
     const float norm = static_cast<float>(static_cast<double>(p.scale) /
                                           static_cast<double>(kept.mass));
-    write_row<VEC>(p.probs + offset, x, p.vocab, [&](int, float v) {
+    const auto prob = [&](float v) {
       if (order_key(v) < kept.threshold) return 0.0f;
       const float w = r.weight(v);
       return w >= min_p ? w * norm : 0.0f;
-    });
+    };
+    float* out = p.probs + offset;
+    if (candidates) {  // every kept token is a candidate, in a picked segment; the rest are 0 already
+      for (int j = warp; j < s.picked_count; j += kWarps) {
+        for_segment<VEC, 1>(x, p.vocab, s.picked[j], p.segment, lane, [&](int i, float v) { out[i] = prob(v); });
+      }
+    } else {
+      write_row<VEC>(out, x, p.vocab, [&](int, float v) { return prob(v); });
+    }
   }
 }
 
 template <int VEC>
 void launch(const SamplingArgs& a, float scale) {
+  const auto ceil_div = [](std::int64_t n, std::int64_t d) { return (n + d - 1) / d; };
+  // at most kThreads segments (one a thread of the sampling kernel), each a multiple of a warp's loads
+  const std::int64_t segment = ceil_div(ceil_div(a.vocab, kThreads), 4 * 32) * 4 * 32;
+  const std::int64_t segments = ceil_div(a.vocab, segment);
   const Params p{reinterpret_cast<std::int64_t*>(a.tokens),
                  reinterpret_cast<float*>(a.probs),
                  reinterpret_cast<float*>(a.threshold),
                  reinterpret_cast<const float*>(a.logits),
-                 reinterpret_cast<const float*>(a.temperature),
-                 reinterpret_cast<const int*>(a.top_k),
-                 reinterpret_cast<const float*>(a.top_p),
-                 reinterpret_cast<const float*>(a.min_p),
+                 reinterpret_cast<const double*>(a.columns),
+                 a.rows,
                  reinterpret_cast<const double*>(a.uniform),
+                 reinterpret_cast<const u64*>(a.segments),
                  static_cast<int>(a.vocab),
+                 static_cast<int>(segment),
+                 static_cast<int>(segments),
                  a.max_candidates,
                  scale};
-  launch_kernel("sampling kernel launch", sampling_kernel<VEC>, static_cast<unsigned>(a.rows), kThreads, 0,
-                as_stream(a.stream), p);
+  const auto stream = as_stream(a.stream);
+  launch_kernel("sampling segment kernel launch", segment_kernel<VEC>,
+                dim3(static_cast<unsigned>(a.rows), static_cast<unsigned>(ceil_div(segments, kSegmentWarps))),
+                dim3(kSegmentWarps * 32), 0, stream, p.logits, reinterpret_cast<u64*>(a.segments), p.probs, p.vocab,
+                p.segment, p.segments_count);
+  launch_kernel("sampling kernel launch", sampling_kernel<VEC>, static_cast<unsigned>(a.rows), kThreads, 0, stream, p);
 }
 
 }  // namespace
@@ -619,7 +727,6 @@ namespace {
 constexpr int kGreedyThreads = 256;
 constexpr int kGreedyWarps = kGreedyThreads / 32;
 constexpr int kGreedyBatch = 4;  // items a thread loads before it compares them
-constexpr unsigned kBadKey = 0xffffffffu;  // above order_key of every non-NaN float, +inf's too
 static_assert(kGreedyMaxChunks <= kGreedyThreads, "the last block reads one partial per thread");
 
 // Coherent (.cg) loads: ptxas may hoist read-only (.nc) ones above the PDL wait (launch.cuh), and

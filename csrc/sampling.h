@@ -8,9 +8,10 @@
 namespace ninfer {
 
 inline constexpr int kSampleMaxCandidates = 4096;  // sampling.cu's candidate slots (32 KiB of shared memory)
+inline constexpr int kSampleMaxSegments = 1024;    // a row's segments at most (ops/sampling.py mirrors it)
 
-// One block per row of fp32 logits [rows, vocab] (already penalised), each row with its own
-// params; the rules are ninfer_core/engine/sampling.py's:
+// Rows of fp32 logits [rows, vocab] (already penalised), each row with its own params; the rules
+// are ninfer_core/engine/sampling.py's:
 //   temperature 0 => greedy: argmax, the lowest id on ties (nothing else is read);
 //   else x = (logit - max) / temperature, then three threshold filters whose ties are all kept:
 //   top-k (0 < k < vocab): logit >= the k-th largest logit;
@@ -21,23 +22,25 @@ inline constexpr int kSampleMaxCandidates = 4096;  // sampling.cu's candidate sl
 //   exceeds uniform * the kept mass.
 // Filters run in fp32 (exp of fp32 x), their sums in 64-bit fixed point (exact and
 // order-independent, so a row's result never depends on thread timing).
+// A row holding a NaN or +inf, or no finite value, is rejected: token -1, probs all 0, threshold NaN.
 // Outputs (each optional, 0 = not written):
 //   tokens [rows] int64: the drawn token (argmax for greedy rows);
 //   probs [rows, vocab] fp32: the filtered, normalised distribution (one-hot for greedy rows);
 //   threshold [rows] fp32: the smallest kept logit (debug: kept = logits >= threshold).
-// Inputs: temperature, top_p, min_p [rows] fp32; top_k [rows] int32; uniform [rows] fp64 in
-// [0, 1) (read only when tokens != 0). max_candidates (0..4096) bounds the shared-memory
-// candidate set of a row; 0 forces the full-vocabulary path (tests).
+// Inputs: columns [4, rows] fp64: temperature (<= 0 or NaN: greedy; a positive one below fp32's
+// smallest normal counts as that normal), top_k (none outside 1..vocab - 1), top_p, min_p (both
+// rounded to fp32); uniform [rows] fp64 in [0, 1) (read only when tokens != 0). max_candidates (0..4096) bounds the shared-memory
+// candidate set of a row; 0 forces the full-vocabulary path (tests). Workspace: segments
+// [rows * kSampleMaxSegments] 64-bit, any contents (the row's segment maxima between the two
+// launches).
 struct SamplingArgs {
   std::uintptr_t tokens;
   std::uintptr_t probs;
   std::uintptr_t threshold;
   std::uintptr_t logits;
-  std::uintptr_t temperature;
-  std::uintptr_t top_k;
-  std::uintptr_t top_p;
-  std::uintptr_t min_p;
+  std::uintptr_t columns;
   std::uintptr_t uniform;
+  std::uintptr_t segments;
   std::int64_t rows;
   std::int64_t vocab;
   int max_candidates;

@@ -471,9 +471,10 @@ def test_sampling_reaches_launch(kernels_on_cpu, monkeypatch, rows, vocab, candi
 
 def _sampling_kwargs(rows: int = 4, vocab: int = 100) -> dict:
     return dict(tokens=torch.empty(rows, dtype=torch.long), probs=torch.empty(rows, vocab),
-                threshold=torch.empty(rows), logits=torch.randn(rows, vocab), temperature=torch.ones(rows),
-                top_k=torch.zeros(rows, dtype=torch.int), top_p=torch.ones(rows), min_p=torch.zeros(rows),
-                uniform=torch.rand(rows, dtype=torch.float64), max_candidates=4096, stream=0)
+                threshold=torch.empty(rows), logits=torch.randn(rows, vocab),
+                columns=torch.tensor([[1.0] * rows, [0.0] * rows, [1.0] * rows, [0.0] * rows], dtype=torch.float64),
+                uniform=torch.rand(rows, dtype=torch.float64), segments=torch.empty(rows * 1024, dtype=torch.long),
+                max_candidates=4096, stream=0)
 
 
 SAMPLING_REJECTS: list[tuple[str, Changes]] = [
@@ -481,11 +482,10 @@ SAMPLING_REJECTS: list[tuple[str, Changes]] = [
     ("logits must be contiguous", lambda kw: {"logits": torch.randn(100, 4).t()}),
     (r"logits has shape \(4, 0\), out of the kernel's range", lambda kw: {"logits": kw["logits"][:, :0]}),
     (r"logits has shape \(400,\), expected \(\*, \*\)", lambda kw: {"logits": kw["logits"].view(-1)}),
-    ("temperature is float64, expected float32", lambda kw: {"temperature": kw["temperature"].double()}),
-    (r"temperature has shape \(3,\), expected \(4,\)", lambda kw: {"temperature": kw["temperature"][:3]}),
-    ("top_k is int64, expected int32", lambda kw: {"top_k": kw["top_k"].long()}),
-    ("top_p must be contiguous", lambda kw: {"top_p": torch.ones(8)[::2]}),
-    (r"min_p has shape \(4, 1\)", lambda kw: {"min_p": kw["min_p"][:, None]}),
+    ("columns is float32, expected float64", lambda kw: {"columns": kw["columns"].float()}),
+    (r"columns has shape \(4, 3\), expected \(4, 4\)", lambda kw: {"columns": kw["columns"][:, :3]}),
+    (r"columns has shape \(3, 4\), expected \(4, 4\)", lambda kw: {"columns": kw["columns"][:3]}),
+    ("columns must be contiguous", lambda kw: {"columns": kw["columns"].t().contiguous().t()}),
     ("uniform is float32, expected float64", lambda kw: {"uniform": kw["uniform"].float()}),
     (r"uniform has shape \(5,\), expected \(4,\)", lambda kw: {"uniform": torch.rand(5, dtype=torch.float64)}),
     ("tokens needs uniform", lambda kw: {"uniform": None}),
@@ -494,6 +494,13 @@ SAMPLING_REJECTS: list[tuple[str, Changes]] = [
     ("probs must be contiguous", lambda kw: {"probs": torch.empty(100, 4).t()}),
     ("threshold is float16, expected float32", lambda kw: {"threshold": kw["threshold"].half()}),
     ("max_candidates 4097 out of range 0..4096", lambda kw: {"max_candidates": 4097}),
+    ("probs overlaps logits", lambda kw: {"probs": kw["logits"]}),
+    ("segments has 4095 elements, needs at least 4096", lambda kw: {"segments": kw["segments"][1:]}),
+    ("segments is int32, expected int64", lambda kw: {"segments": kw["segments"].int()}),
+    (r"segments has shape \(4, 1024\), expected \(\*,\)", lambda kw: {"segments": kw["segments"].view(4, -1)}),
+    ("segments overlaps logits", lambda kw: {"logits": kw["segments"][-200:].view(torch.float32).view(4, 100)}),
+    ("segments overlaps probs", lambda kw: {"probs": kw["segments"][:200].view(torch.float32).view(4, 100)}),
+    ("segments overlaps tokens", lambda kw: {"tokens": kw["segments"][:4]}),
 ]
 
 
@@ -503,3 +510,33 @@ def test_sample_rows_rejects_what_the_kernel_cannot_take(match, change):
     reaches_launch(lambda: ext.sample_rows(**kw))
     reaches_launch(lambda: ext.sample_rows(**{**kw, "tokens": None, "uniform": None, "threshold": None}))
     rejects_change("sample_rows", kw, change, "sample_rows: " + match)
+
+
+def _penalise_kwargs(rows: int = 3, vocab: int = 100, slots: int = 5) -> dict:
+    return dict(out=torch.empty(rows, vocab), logits=torch.randn(rows, vocab),
+                seen=torch.zeros(slots, vocab, dtype=torch.bool), counts=torch.zeros(slots, vocab, dtype=torch.int),
+                rows=torch.tensor([4, 0, 2]), repetition=torch.ones(rows), presence=torch.zeros(rows),
+                frequency=torch.zeros(rows), stream=0)
+
+
+PENALISE_REJECTS: list[tuple[str, Changes]] = [
+    ("logits is bfloat16, expected float32", lambda kw: {"logits": kw["logits"].to(BF16)}),
+    (r"logits has shape \(0, 100\), out of the kernel's range", lambda kw: {"logits": kw["logits"][:0]}),
+    (r"out has shape \(3, 99\), logits \(3, 100\): they must match",
+     lambda kw: {"out": kw["out"][:, :99].contiguous()}),
+    ("seen is uint8, expected bool", lambda kw: {"seen": kw["seen"].to(torch.uint8)}),
+    (r"counts has shape \(4, 100\), expected \(5, 100\)", lambda kw: {"counts": kw["counts"][:4]}),
+    ("counts is int64, expected int32", lambda kw: {"counts": kw["counts"].long()}),
+    ("without rows, seen / counts need 3 rows, got 5", lambda kw: {"rows": None}),
+    ("rows is int32, expected int64", lambda kw: {"rows": kw["rows"].int()}),
+    (r"presence has shape \(2,\), expected \(3,\)", lambda kw: {"presence": kw["presence"][:2]}),
+    ("frequency is float64, expected float32", lambda kw: {"frequency": kw["frequency"].double()}),
+]
+
+
+@pytest.mark.parametrize("match,change", PENALISE_REJECTS, ids=[m for m, _ in PENALISE_REJECTS])
+def test_penalise_rejects_what_the_kernel_cannot_take(match, change):
+    kw = _penalise_kwargs()
+    reaches_launch(lambda: ext.penalise(**kw))
+    reaches_launch(lambda: ext.penalise(**{**kw, "rows": None, "seen": kw["seen"][:3], "counts": kw["counts"][:3]}))
+    rejects_change("penalise", kw, change, "penalise: " + match)

@@ -167,6 +167,32 @@ def test_cpu_logits_use_the_reference():
         ops.kept_threshold(logits, *params)
 
 
+def rejected_batch(vocab: int, g: torch.Generator) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    """Rows 1-4 rejected (NaN, a NaN with its sign bit set, +inf, nothing but -inf), rows 0 and 5
+    drawable; greedy and stochastic rows among both kinds."""
+    logits = torch.randn(6, vocab, generator=g) * 2
+    logits[1, vocab // 3] = math.nan
+    logits[2, vocab - 1] = -math.nan
+    logits[3, 0] = math.inf
+    logits[4] = -math.inf
+    assert logits[2, vocab - 1].view(torch.int32) < 0  # the sign bit is set: the smallest order key
+    params = row_params([SamplingParams(top_k=5), SamplingParams(temperature=0), SamplingParams(top_k=20, top_p=0.7),
+                         SamplingParams(), SamplingParams(temperature=0), SamplingParams(min_p=0.1)])
+    return logits, params, torch.rand(6, generator=g, dtype=torch.float64)
+
+
+def test_rejected_rows_draw_nothing():
+    """`sample` gives -1 and `filtered_probs` a zero row for a row holding a NaN (of either sign) or
+    +inf, or nothing finite, greedy or not; the batch's other rows come out as they would alone."""
+    logits, params, u = rejected_batch(40, torch.Generator().manual_seed(3))
+    tokens, probs = ops.sample(logits, *params, u), ops.filtered_probs(logits, *params)
+    assert tokens[1:5].tolist() == [-1] * 4 and (probs[1:5] == 0).all()
+    good = torch.tensor([0, 5])
+    alone = [c[good] for c in params]
+    assert torch.equal(tokens[good], ops.sample(logits[good], *alone, u[good])) and (tokens[good] >= 0).all()
+    assert torch.equal(probs[good], ops.filtered_probs(logits[good], *alone))
+
+
 # ---- CUDA: the kernel --------------------------------------------------------------------------------
 
 
@@ -253,6 +279,19 @@ def test_qwen_defaults_on_a_full_vocabulary(path):
     p = torch.full((16,), 0.95, dtype=torch.float64)
     assert check_rows(logits, t, k, p, torch.zeros(16, dtype=torch.float64),
                       torch.rand(16, generator=g, dtype=torch.float64)) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab", [40, 4099, 248320])
+def test_kernel_rejects_rows_as_the_reference(path, vocab):
+    """The kernel's own check of the rows (its first launch's segment maxima): -1, zero probs and a
+    NaN threshold where the reference rejects a row, the reference's tokens and probs elsewhere."""
+    logits, params, u = rejected_batch(vocab, torch.Generator().manual_seed(vocab))
+    tokens, probs, threshold = run_kernel(logits, *params, u)
+    assert tokens.tolist() == ops.sample_ref(logits, *params, u).tolist()
+    assert tokens[1:5].tolist() == [-1] * 4 and threshold[1:5].isnan().all() and not threshold[[0, 5]].isnan().any()
+    torch.testing.assert_close(probs, ops.filtered_probs_ref(logits, *params), atol=1e-7, rtol=1e-4)
+    assert (probs[1:5] == 0).all()
 
 
 @pytest.mark.cuda

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.dispatch import upload
+from ..ops.penalties import penalise
 from .sampling import SamplingParams
 
 
@@ -67,8 +68,8 @@ class PenaltyTables:
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Penalised logits [R, V] for rows in `slots` [R] (device), each with its params."""
-        return penalise(logits, self.seen.index_select(0, slots), self.counts.index_select(0, slots),
-                        *penalty_columns(params, logits.dtype, logits.device))
+        columns = penalty_columns(params, logits.dtype, logits.device)
+        return penalise(logits, self.seen, self.counts, *columns, rows=slots)
 
     def apply_rows(self, logits: torch.Tensor, slots: list[int], extra: Generated,
                    params: list[SamplingParams]) -> torch.Tensor:
@@ -99,13 +100,3 @@ def penalty_columns(params: list[SamplingParams], dtype: torch.dtype,
     columns = ([p.repetition_penalty or 1.0 for p in params], [p.presence_penalty or 0.0 for p in params],
                [p.frequency_penalty or 0.0 for p in params])
     return tuple(upload(columns, dtype, device))  # one copy
-
-
-def penalise(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, rep: torch.Tensor,
-             presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] with rows' seen [R, V] bool, generated counts [R, V] and penalties [R]: a neutral
-    row (1, 0, 0) comes back bit for bit (x - 0 is x)."""
-    rep, presence, frequency = rep[:, None], presence[:, None], frequency[:, None]
-    counts = counts.to(logits.dtype)
-    out = torch.where(seen & (rep != 1), torch.where(logits < 0, logits * rep, logits / rep), logits)
-    return out - (frequency * counts + presence * (counts > 0).to(logits.dtype))

@@ -38,7 +38,7 @@ from ..errors import NinferError
 from ..ops import sampling as sampling_ops
 from ..ops.dispatch import upload
 from .logprobs import MAX_TOP_LOGPROBS
-from ..ops.sampling import draw_from_probs, min_p_keep, top_k_keep, top_p_keep
+from ..ops.sampling import draw_from_probs, finite_rows, min_p_keep, top_k_keep, top_p_keep
 
 __all__ = [  # the filters and the draw live in ops/sampling.py; re-exported for engine callers
     "Sampler",
@@ -284,11 +284,6 @@ def plain_greedy(params: Sequence[SamplingParams]) -> bool:
     return all(p.is_greedy and not p.has_penalties and not p.logit_bias for p in params)
 
 
-def finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[B] bool: the rows a sampler can draw from (amax propagates NaN; +inf, or all -inf, is not finite)."""
-    return torch.isfinite(logits.amax(-1))
-
-
 class Sampler:
     """Batched sampling with per-row params, token histories and generators (stateless). Penalties
     run here in torch; filtering and the draw run in ops/sampling.py (the CUDA kernel for fp32
@@ -324,14 +319,12 @@ class Sampler:
             # the rows the sampler rejects: no fp32 copy, filtering, draws or row-parameter copies,
             # one kernel launch on CUDA (ops/sampling.py `greedy`).
             return sampling_ops.greedy(logits)
-        bad = ~finite_rows(logits)
-        logits = logits.masked_fill(bad[:, None], 0.0)
-        if not penalised:
+        if not penalised:  # a rejected row stays one (NaN / inf survive the penalties): the kernel's -1
             logits = apply_penalties(logits, params, histories)
         logits = apply_logit_bias(logits, params)
         zero = torch.zeros((), dtype=torch.float64, device=logits.device)
         u = torch.stack([zero if p.is_greedy else self._uniform(g, logits.device) for p, g in zip(params, generators)])
-        return sampling_ops.sample(logits, *row_params(params), u).masked_fill(bad, -1)
+        return sampling_ops.sample(logits, *row_params(params), u)
 
     @staticmethod
     def _check_shapes(logits: torch.Tensor, params: Sequence[SamplingParams],

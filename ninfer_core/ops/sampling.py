@@ -35,6 +35,9 @@ CANDIDATES = 4096
 # Blocks the greedy kernel splits a row into at most: its partials per row (sampling.h:
 # kGreedyMaxChunks; the binding checks the workspace against it).
 GREEDY_MAX_CHUNKS = 256
+# A row's segments at most in the sampler's first launch: its workspace per row (sampling.h:
+# kSampleMaxSegments; the binding checks it).
+SAMPLE_MAX_SEGMENTS = 1024
 
 
 # ---- references (float64) -----------------------------------------------------------------------
@@ -104,9 +107,18 @@ def filter_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     return probs / probs.sum(-1, keepdim=True)
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows a sampler can draw from (amax propagates NaN; +inf, or all -inf, is not
+    finite); the others are rejected."""
+    return torch.isfinite(logits.amax(-1))
+
+
 def filtered_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                        top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Reference of `filtered_probs`: float32 [B, V], greedy rows one-hot at the argmax."""
+    """Reference of `filtered_probs`: float32 [B, V], greedy rows one-hot at the argmax, rejected
+    rows (not `finite_rows`) all 0."""
+    rejected = ~finite_rows(logits)
+    logits = logits.masked_fill(rejected[:, None], 0.0)
     probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     greedy = (temperature == 0).cpu()
     if bool(greedy.any()):
@@ -118,12 +130,14 @@ def filtered_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
         p = filter_ref(logits[rows], temperature.cpu()[keep], top_k.cpu()[keep], top_p.cpu()[keep],
                        min_p.cpu()[keep])
         probs[rows] = p.to(probs.dtype)
-    return probs
+    return probs.masked_fill(rejected[:, None], 0.0)
 
 
 def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Reference of `sample`: [B] int64 token ids."""
+    """Reference of `sample`: [B] int64 token ids, -1 for a rejected row (not `finite_rows`)."""
+    rejected = ~finite_rows(logits)
+    logits = logits.masked_fill(rejected[:, None], 0.0)
     tokens = logits.argmax(-1)
     stochastic = (temperature > 0).cpu().nonzero().squeeze(1)
     if stochastic.numel():
@@ -131,7 +145,7 @@ def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
         probs = filter_ref(logits[rows], temperature.cpu()[stochastic], top_k.cpu()[stochastic],
                            top_p.cpu()[stochastic], min_p.cpu()[stochastic])
         tokens[rows] = draw_from_probs(probs, u.to(logits.device)[rows])
-    return tokens
+    return tokens.masked_fill(rejected, -1)
 
 
 def greedy_ref(logits: torch.Tensor) -> torch.Tensor:
@@ -155,7 +169,8 @@ def use_kernel(logits: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.fl
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, u: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One token id per row, [B] int64 (into `out` when given). No host sync on the kernel path."""
+    """One token id per row, [B] int64 (into `out` when given), -1 for a row holding NaN / +inf or
+    nothing finite. No host sync on the kernel path."""
     if not use_kernel(logits):
         dispatch.fallback("sample", logits)
         return _into(out, sample_ref(logits, temperature, top_k, top_p, min_p, u))
@@ -167,7 +182,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                    top_p: torch.Tensor, min_p: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution `sample` draws from, [B, V] float32: filtered tokens exactly 0, greedy rows
-    one-hot at the argmax (the target `p` of speculative rejection sampling)."""
+    one-hot at the argmax (the target `p` of speculative rejection sampling), rejected rows all 0."""
     if not use_kernel(logits):
         return _into(out, filtered_probs_ref(logits, temperature, top_k, top_p, min_p))
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) if out is None else out
@@ -189,18 +204,16 @@ def kept_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 def _launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
             min_p: torch.Tensor, *, tokens: torch.Tensor | None = None, probs: torch.Tensor | None = None,
             threshold: torch.Tensor | None = None, u: torch.Tensor | None = None) -> None:
-    vocab, dev = logits.shape[1], logits.device
-    logits = logits.contiguous()
-    # A positive temperature below fp32's smallest normal stays positive (0 would mean greedy).
-    temperature = temperature.double()
-    temperature = torch.where(temperature > 0, temperature.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    temperature, top_k, top_p, min_p = columns_on_device([temperature, top_k.clamp(-1, vocab), top_p, min_p], dev)
-    temperature, top_p, min_p = (t.to(torch.float32).contiguous() for t in (temperature, top_p, min_p))
+    dev = logits.device
     dispatch.extension().sample_rows(  # shapes, dtypes and layouts checked there
-        tokens=tokens, probs=probs, threshold=threshold, logits=logits, temperature=temperature,
-        top_k=top_k.to(torch.int32).contiguous(), top_p=top_p, min_p=min_p,
-        uniform=None if u is None else u.to(dev, torch.float64).contiguous(), max_candidates=CANDIDATES,
-        stream=dispatch.stream_handle(logits),
+        tokens=tokens, probs=probs, threshold=threshold, logits=logits.contiguous(),
+        # float64 as they come: the kernel rounds and clamps them itself (no conversion launches)
+        columns=columns_on_device([temperature, top_k, top_p, min_p], dev),
+        uniform=None if u is None else u.to(dev, torch.float64).contiguous(),
+        # the segment maxima between the kernel's two launches: any contents, so no memset (inside a
+        # CUDA graph capture, an allocation from the graph's pool)
+        segments=torch.empty(logits.shape[0] * SAMPLE_MAX_SEGMENTS, dtype=torch.long, device=dev),
+        max_candidates=CANDIDATES, stream=dispatch.stream_handle(logits),
     )
 
 
@@ -250,12 +263,13 @@ def _greedy_workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, to
     return cached
 
 
-def columns_on_device(columns: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Per-row parameter columns to the device as float64 in one pinned, non-blocking copy: a
-    plain copy from pageable memory would wait for the GPU to finish the queued step."""
+def columns_on_device(columns: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Per-row parameter columns as one [len(columns), B] float64 tensor on `device`; host columns in
+    one pinned, non-blocking copy: a plain copy from pageable memory would wait for the GPU to finish
+    the queued step."""
     if all(c.device == device for c in columns):
-        return [c.double() for c in columns]
-    return list(dispatch.upload(torch.stack([c.double().cpu() for c in columns]), torch.float64, device).unbind(0))
+        return torch.stack([c.double() for c in columns])
+    return dispatch.upload(torch.stack([c.double().cpu() for c in columns]), torch.float64, device)
 
 
 def _into(dst: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:

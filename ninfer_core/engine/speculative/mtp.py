@@ -35,10 +35,11 @@ from ...layers.attention import AttentionMetadata
 from ...models.decoder import DecoderModel, StepContext
 from ...models.mtp import MTPHead, mtp_layer_config
 from ...ops import sampling as sampling_ops
+from ...ops.penalties import penalise
 from ...ops.dispatch import upload
 from ...ops.gdn import MAX_STEP_TOKENS
 from ..graph_capture import capture
-from ..penalties import PenaltyTables, penalise, penalty_columns
+from ..penalties import PenaltyTables, penalty_columns
 from ..sampling import Sampler, SamplingParams, TokenHistory, draw_from_probs, row_params
 from ..sequence import Sequence
 from .base import Draft, Drafter, Observation, choose_drafts, uniform

@@ -1,0 +1,36 @@
+"""Repetition / presence / frequency penalties on logits, each row's history from count tables
+(engine/penalties.py keeps them per slot): the CUDA kernel (csrc/penalties.cu: one pass, reading the
+tables' rows in place) for fp32 CUDA logits, else the torch reference. Both give the same bits."""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+
+
+def penalise_ref(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, rep: torch.Tensor,
+                 presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] with rows' seen [R, V] bool, generated counts [R, V] and penalties [R]: a neutral
+    row (1, 0, 0) comes back bit for bit (x - 0 is x)."""
+    rep, presence, frequency = rep[:, None], presence[:, None], frequency[:, None]
+    counts = counts.to(logits.dtype)
+    out = torch.where(seen & (rep != 1), torch.where(logits < 0, logits * rep, logits / rep), logits)
+    return out - (frequency * counts + presence * (counts > 0).to(logits.dtype))
+
+
+def penalise(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, rep: torch.Tensor,
+             presence: torch.Tensor, frequency: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Penalised logits [R, V]: row r's history is row rows[r] of seen / counts [S, V] (None: row r,
+    S = R); rep / presence / frequency [R] in the logits' dtype."""
+    if not (logits.dtype == torch.float32 and logits.dim() == 2 and 0 < logits.shape[0] < 65536
+            and dispatch.use_kernel(logits)):
+        dispatch.fallback("penalise", logits)
+        if rows is not None:
+            seen, counts = seen.index_select(0, rows), counts.index_select(0, rows)
+        return penalise_ref(logits, seen, counts, rep, presence, frequency)
+    logits = logits.contiguous()
+    out = torch.empty_like(logits)
+    dispatch.extension().penalise(out, logits, seen, counts, rows, rep.contiguous(), presence.contiguous(),
+                                  frequency.contiguous(), dispatch.stream_handle(logits))
+    return out
