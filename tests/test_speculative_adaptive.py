@@ -2,8 +2,10 @@
 expectations, and greedy decoding with K chosen per round still equal to plain decoding.
 
 Expected values come from the model of adaptive.py worked by hand: E(K) = 1 + a + ... + a^K
-tokens per round, C(K) the verify-cost table, K = argmax E(K) / C(K) (ties: the smaller K);
-a = EMA(accepted) / EMA(tested) with weight w, starting from (prior, 1).
+tokens per round, C(K) the round-cost table, K = argmax E(K) / C(K) (ties: the smaller K);
+a = EMA(accepted) / EMA(tested) with weight w, starting from (prior, 1). The policy's dynamics are
+worked on issue 4's H200 verify table (one table for every batch and kind); the default costs
+(the engine loop's, by batch and kind) have their own test.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from ninfer_core.engine.penalties import PenaltyTables
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import Sampler
 from ninfer_core.engine.sequence import Sequence
-from ninfer_core.engine.speculative import AdaptiveDraft, CostModel, Draft, Drafter, Speculator
-from ninfer_core.engine.speculative.adaptive import best_k, expected_tokens
+from ninfer_core.engine.speculative import AdaptiveDraft, CostModel, Draft, Drafter, RoundCosts, Speculator
+from ninfer_core.engine.speculative.adaptive import LOOP_COST, best_k, expected_tokens
 from ninfer_core.errors import NinferError
 from speculative_harness import PROMPTS, greedy, load, run, write_drafter, write_target
 
@@ -28,29 +30,64 @@ H200 = (1.0, 1.32, 1.61, 1.62, 1.84, 1.91, 2.07, 2.27)  # docs/performance.md, i
 # -- the policy -----------------------------------------------------------------------------
 
 
-def policy(**kw) -> AdaptiveDraft:
-    return AdaptiveDraft(**{"prior": 0.6, "weight": 0.5, "probe_every": 8, **kw})
+def policy(cls: type[AdaptiveDraft] = AdaptiveDraft, **kw) -> AdaptiveDraft:
+    return cls(**{"cost": one_table(H200), "prior": 0.6, "weight": 0.5, "probe_every": 8, **kw})
+
+
+def one_table(verify: tuple[float, ...]) -> RoundCosts:
+    """The same costs for every batch, greedy or sampled."""
+    return RoundCosts({(False, 1): verify, (True, 1): verify})
 
 
 def test_model_pieces():
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert expected_tokens(0.8, 3) == pytest.approx((1 - 0.8**4) / 0.2)
     assert expected_tokens(1.0, 4) == 5
-    cost = CostModel()
+    cost = CostModel(H200)
     assert [cost(k) for k in range(8)] == pytest.approx(H200)
     assert [cost(k) for k in (8, 10)] == pytest.approx([2.47, 2.87])  # the last slope, 0.20 a draft
-    assert CostModel(draft=0.5)(3) == pytest.approx(1.62 + 1.5)
+    assert CostModel(H200, draft=0.5)(3) == pytest.approx(1.62 + 1.5)
     with pytest.raises(NinferError):
         CostModel(verify=(1.0,))
     with pytest.raises(NinferError):
         AdaptiveDraft(weight=0)
+    with pytest.raises(NinferError, match="sampled table"):
+        RoundCosts({(False, 1): H200})
+    with pytest.raises(NinferError):
+        RoundCosts({(False, 1): H200, (True, 1): (1.0, -2.0)})
+
+
+def test_round_costs_between_and_past_the_measured_batches():
+    """Entrywise linear in the batch between measured ones, the nearest past the ends; a shorter
+    table is extended by its last slope before the two are mixed."""
+    costs = RoundCosts({(False, 2): (1.0, 2.0, 3.0), (False, 8): (1.0, 3.0, 6.0), (True, 4): (1.0, 4.0)})
+    assert costs.at(2, False).verify == pytest.approx((1.0, 2.0, 3.0))
+    assert costs.at(1, False).verify == pytest.approx((1.0, 2.0, 3.0))  # below the smallest: it
+    assert costs.at(6, False).verify == pytest.approx((1.0, 2 + 2 / 3, 3 + 2))  # 4 / 6 of the way
+    assert costs.at(64, False).verify == pytest.approx((1.0, 3.0, 6.0))
+    assert costs.at(8, True)(3) == pytest.approx(10.0)  # the one sampled table, its slope of 3
+    mixed = RoundCosts({(False, 1): (1.0, 2.0), (False, 3): (1.0, 2.0, 2.5), (True, 1): (1.0, 2.0)})
+    assert mixed.at(2, False).verify == pytest.approx((1.0, 2.0, (3.0 + 2.5) / 2))
+
+
+def test_default_costs_draft_where_the_loop_gains():
+    """The engine loop's MTP costs (LOOP_COST), worked by hand at the prior a = 0.86 (E(1..3) = 1.86,
+    2.5996, 3.2357): batch 1 greedy K=3 (3.2357 / 2.33 = 1.39 > K=2 1.30); batch 1 sampled K=3
+    (1.18 > K=2 1.07); batch 8 greedy K=3 (1.14); batch 8 sampled none (K=3 0.94, K=2 0.87, K=1
+    0.82: the 0.90x measured at 72%); batch 4 sampled, 3/7 of the way to batch 8: K=3 costs
+    2.75 + 0.71 * 3/7 = 3.054 -> 1.06. At a = 0.6, batch 1 greedy: none (K=2 1.96 / 2.00 = 0.98)."""
+    p = AdaptiveDraft()
+    assert p.cost.tables == LOOP_COST and p.prior == 0.86
+    assert [p.choose("r", 3, b, sampled) for b, sampled in ((1, False), (1, True), (8, False), (8, True))] == [3, 3, 3, 0]
+    assert p.cost.at(4, True)(3) == pytest.approx(2.75 + 0.71 * 3 / 7) and p.choose("r", 3, 4, True) == 3
+    assert AdaptiveDraft(prior=0.6).choose("r", 3) == 0
 
 
 def test_choices_follow_the_h200_table():
     """(1 + a + .. + a^K) / C(K) worked by hand: a = 0.6 -> K=3 2.176/1.62 = 1.34 beats K=4 1.25 and
     K=1 1.21; a = 0.3 -> K=1 1.3/1.32 < 1: none; a = 0.4 -> K=1 1.4/1.32 = 1.06 beats K=3 1.624/1.62;
     a = 0.875 -> K=6 4.86/2.07 = 2.35 beats K=7 5.25/2.27 = 2.31; a = 0.99 -> the limit."""
-    cost = CostModel()
+    cost = CostModel(H200)
     assert [best_k(a, 7, cost) for a in (0.0, 0.3, 0.4, 0.6, 0.875, 0.99)] == [0, 0, 1, 3, 6, 7]
     assert best_k(0.99, 15, cost) == 15  # 14.85/3.87 = 3.84 > K=14 13.99/3.67 = 3.81 (past the table: +0.2 a draft)
     assert best_k(0.6, 2, cost) == 2  # 1.96/1.61 = 1.217 > K=1 1.6/1.32 = 1.212
@@ -61,7 +98,7 @@ def test_flat_table_drafts_the_limit_steep_table_fewer():
     """Flat: every round costs one step, more drafts never hurt: the limit for any a > 0 (a = 0: a
     tie, the smaller K). Steep (1, 1.1, 2.0, then +0.9): a = 0.8 -> K=1 (1.8/1.1 = 1.64 > 2.44/2),
     a = 0.05 -> none (1.05/1.1 < 1)."""
-    flat, steep = CostModel(verify=(1.0, 1.0)), CostModel(verify=(1.0, 1.1, 2.0))
+    flat, steep = one_table((1.0, 1.0)), one_table((1.0, 1.1, 2.0))
     for a in (0.05, 0.3, 0.9):
         assert policy(cost=flat, prior=a).choose("r", 6) == 6
     assert policy(cost=flat, prior=0.0).choose("r", 6) == 0
@@ -163,7 +200,14 @@ def test_adaptive_greedy_identical_to_plain_and_k_follows_acceptance(target, pla
     requests = [GenerationRequest(p, greedy(N_TOKENS)) for p in PROMPTS]
     requests[1].draft_tokens = 0
     drafter = PhasedDrafter({r.request_id: toks for r, toks in zip(requests, plain)}, llm.loaded.config.vocab_size)
-    llm.engine.speculator = Speculator(drafter, 7, Sampler(), policy())
+    asked: list[tuple[str, int, bool]] = []  # (request, batch, sampled) of every choice
+
+    class Recorded(AdaptiveDraft):
+        def choose(self, key: str, limit: int, batch: int = 1, sampled: bool = False) -> int:
+            asked.append((key, batch, sampled))
+            return super().choose(key, limit, batch, sampled)
+
+    llm.engine.speculator = Speculator(drafter, 7, Sampler(), policy(Recorded))
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     rounds: dict[str, list[tuple[int, int]]] = {r.request_id: [] for r in requests}  # (start position, drafted)
     for out in llm.engine.generate(requests):
@@ -183,6 +227,9 @@ def test_adaptive_greedy_identical_to_plain_and_k_follows_acceptance(target, pla
         start = next(i for i, k in enumerate(after) if k)
         assert start < 9 and after[start] == 1 and 7 in after[start:], log  # a probe finds good drafts again
     assert all(k == 0 for _, k in rounds[requests[1].request_id])
+    # asked with the round's batch (the opted-out request rides along), greedy; never for the opted-out one
+    assert {key for key, _, _ in asked} == {requests[0].request_id, requests[2].request_id}
+    assert asked[0][1] == 3 and {batch for _, batch, _ in asked} <= {1, 2, 3} and not any(s for _, _, s in asked)
     stats = llm.stats().spec
     assert stats is not None and stats.draft_tokens == 7 and stats.accepted > N_TOKENS
 

@@ -26,7 +26,7 @@ from ...models.mtp import PREFIX, MTPHead
 from ...models.quantize import QuantRecipe, apply_recipe_, fill_quantized_
 from ...weights.checkpoint import open_checkpoint
 from ..sampling import Sampler
-from .adaptive import AdaptiveDraft, CostModel
+from .adaptive import AdaptiveDraft, CostModel, RoundCosts
 from .base import Draft, Drafter, Observation
 from .dflash import DFlashDrafter
 from .draft_head import draft_lm_head
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 METHODS = ("mtp", "dflash", "ngram")
 DEFAULT_DRAFT_TOKENS = {"mtp": 3, "dflash": 15, "ngram": 4}
 
-__all__ = ["DEFAULT_DRAFT_TOKENS", "METHODS", "AdaptiveDraft", "CostModel", "Draft", "DraftWeights", "Drafter",
+__all__ = ["DEFAULT_DRAFT_TOKENS", "METHODS", "AdaptiveDraft", "CostModel", "RoundCosts", "Draft", "DraftWeights", "Drafter",
            "Observation", "Speculator", "build_mtp_head", "build_speculator", "load_dflash", "load_draft_weights",
            "mtp_head"]
 

@@ -3,8 +3,12 @@ most tokens per unit of time, from the sequence's recent acceptance.
 
 Model: draft i is accepted with probability a only if every draft before it was (geometric), so a
 round of K drafts yields E(K) = 1 + a + ... + a^K = (1 - a^(K+1)) / (1 - a) tokens and costs
-C(K) = verify(K) + K * draft decode steps. The policy takes argmax E(K) / C(K) over K = 0..limit
-(ties: the smaller K). Deterministic: the same rounds give the same choices.
+C(K) = round(K) + K * draft in plain decode steps, C(0) = 1. The policy takes argmax E(K) / C(K)
+over K = 0..limit (ties: the smaller K). Deterministic: the same rounds give the same choices.
+
+round(K) depends on the batch and on whether the sequence samples (a sampled round also filters
+and rejection-samples full-vocabulary rows): `RoundCosts` holds measured tables by (sampled,
+batch) and interpolates between batches.
 
 a per sequence: EMA(accepted) / EMA(tested) over its rounds, starting from a prior. Tested =
 accepted, plus the first rejected draft if there was one: drafts after a rejection are never
@@ -15,21 +19,32 @@ the policy asks for one draft, and recovers when acceptance comes back.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ...errors import NinferError
 
-# A verify round of K drafts / a 1-token decode step, K = 0..7: Qwen3.6-35B-A3B int4, CUDA graphs,
-# H200 (docs/performance.md, issue 4). K = 0 is the plain step.
-H200_VERIFY_COST = (1.0, 1.32, 1.61, 1.62, 1.84, 1.91, 2.07, 2.27)
+# A round of K = 0..3 drafts in plain decode steps of the same batch and kind: the engine loop's
+# MTP rounds with the judge's kept drafts at 72% (`scripts/bench_spec.py engine`, Qwen3.6-35B-A3B
+# int4 with random weights, context 512; H100, docs/performance.md, forty-second session), greedy
+# and sampled (Qwen3.6's settings, presence penalty 1), batch 1 and 8. Past K = 3: the last slope.
+# Random weights route every token to its own experts, so a batch-8 verify reads more expert bytes
+# than a real model's: its costs are an upper bound. n-gram rounds draft on the host (cheaper than
+# MTP's chain), so for n-gram these costs are conservative too.
+LOOP_COST: dict[tuple[bool, int], tuple[float, ...]] = {
+    (False, 1): (1.0, 1.71, 2.00, 2.33),
+    (False, 8): (1.0, 1.86, 2.46, 2.83),
+    (True, 1): (1.0, 2.11, 2.42, 2.75),
+    (True, 8): (1.0, 2.28, 2.99, 3.46),
+}
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """The time of a round of K drafts in decode steps."""
+    """The time of a round of K drafts in plain decode steps (one batch size, one kind)."""
 
-    verify: tuple[float, ...] = H200_VERIFY_COST  # verify[K]; past the table: its last slope
-    draft: float = 0.0  # drafting one token; the engine's 0: n-gram is free, MTP / DFlash cost not per draft
+    verify: tuple[float, ...]  # verify[K]: the round's cost; past the table: its last slope
+    draft: float = 0.0  # drafting one token, where the table leaves it out
 
     def __post_init__(self) -> None:
         if len(self.verify) < 2 or min(self.verify) <= 0 or self.draft < 0:
@@ -39,6 +54,32 @@ class CostModel:
         table, last = self.verify, len(self.verify) - 1
         verify = table[k] if k <= last else table[last] + (k - last) * (table[last] - table[last - 1])
         return verify + k * self.draft
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """Cost models by (sampled, batch size): a measured batch's table, else the entrywise linear
+    interpolation of the two measured batches around it (past the ends: the nearest)."""
+
+    tables: Mapping[tuple[bool, int], tuple[float, ...]] = field(default_factory=lambda: dict(LOOP_COST))
+    draft: float = 0.0
+
+    def __post_init__(self) -> None:
+        for sampled in (False, True):
+            if not any(kind == sampled for kind, _ in self.tables):
+                raise NinferError(f"round costs need a {'sampled' if sampled else 'greedy'} table")
+        for table in self.tables.values():
+            CostModel(table, self.draft)  # each checked
+
+    def at(self, batch: int, sampled: bool) -> CostModel:
+        sizes = sorted(b for kind, b in self.tables if kind == sampled)
+        low = max([b for b in sizes if b <= batch], default=sizes[0])
+        high = min([b for b in sizes if b >= batch], default=sizes[-1])
+        a, b = self.tables[sampled, low], self.tables[sampled, high]
+        t = 0.0 if high == low else (batch - low) / (high - low)
+        width = max(len(a), len(b))
+        a, b = (tuple(CostModel(x)(k) for k in range(width)) for x in (a, b))
+        return CostModel(tuple(x + t * (y - x) for x, y in zip(a, b)), self.draft)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -61,8 +102,10 @@ class _Rate:
 class AdaptiveDraft:
     """Per-sequence K (keyed by request id) from the sequence's recent rounds."""
 
-    cost: CostModel = field(default_factory=CostModel)
-    prior: float = 0.6  # acceptance assumed before a sequence's first judged draft (K = 3 on the H200 table)
+    cost: RoundCosts = field(default_factory=RoundCosts)
+    # acceptance assumed before a sequence's first judged draft: the reference engine's MTP keeps 72%
+    # of its K = 3 drafts, (a + a^2 + a^3) / 3 = 0.72 at a = 0.86
+    prior: float = 0.86
     weight: float = 0.5  # of the newest round in the EMAs: drafts are good or bad in runs, follow them fast
     probe_every: int = 8  # rounds at K = 0 before one draft is tried
     _rates: dict[str, _Rate] = field(default_factory=dict, init=False, repr=False)
@@ -75,9 +118,9 @@ class AdaptiveDraft:
         rate = self._rates.get(key)
         return self.prior if rate is None else rate.accepted / rate.tested
 
-    def choose(self, key: str, limit: int) -> int:
-        """Drafts for the next round of `key`, at most `limit`."""
-        k = best_k(self.acceptance(key), limit, self.cost)
+    def choose(self, key: str, limit: int, batch: int = 1, sampled: bool = False) -> int:
+        """Drafts for the next round of `key`, at most `limit`, in a round of `batch` sequences."""
+        k = best_k(self.acceptance(key), limit, self.cost.at(batch, sampled))
         rate = self._rates.get(key)
         if k == 0 and limit > 0 and rate is not None and rate.idle >= self.probe_every:
             return 1

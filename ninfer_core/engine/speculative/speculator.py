@@ -74,7 +74,7 @@ class Speculator:
 
     def wanted(self, seqs: list[Sequence]) -> list[int]:
         """Drafts each sequence asks for this round, before the KV cap (none past max_tokens)."""
-        return [min(self._wanted(s), s.tokens_left - 1) for s in seqs]
+        return [min(self._wanted(s, len(seqs)), s.tokens_left - 1) for s in seqs]
 
     def propose(self, seqs: list[Sequence], ks: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
         """`penalties`: the engine's tables, current for every penalised sequence (None: none has any)."""
@@ -100,11 +100,12 @@ class Speculator:
         if self.adaptive is not None:
             self.adaptive.update(seq.request_id, output.drafted, output.accepted)
 
-    def _wanted(self, seq: Sequence) -> int:
-        """Drafts for this round before the caps: the limit, or the adaptive policy's choice under it."""
+    def _wanted(self, seq: Sequence, batch: int) -> int:
+        """Drafts for this round before the caps: the limit, or the adaptive policy's choice under it
+        (for a round of `batch` sequences)."""
         if self.adaptive is None or not seq.draft_limit:
             return seq.draft_limit
-        return self.adaptive.choose(seq.request_id, seq.draft_limit)
+        return self.adaptive.choose(seq.request_id, seq.draft_limit, batch, not seq.request.sampling.is_greedy)
 
     def judge(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor,
               penalties: PenaltyTables | None = None) -> list[list[int]]:
