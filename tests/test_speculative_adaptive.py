@@ -78,7 +78,8 @@ def test_default_costs_draft_where_the_loop_gains():
     2.75 + 0.71 * 3/7 = 3.054 -> 1.06. At a = 0.6, batch 1 greedy: none (K=2 1.96 / 2.00 = 0.98)."""
     p = AdaptiveDraft()
     assert p.cost.tables == LOOP_COST and p.prior == 0.86
-    assert [p.choose("r", 3, b, sampled) for b, sampled in ((1, False), (1, True), (8, False), (8, True))] == [3, 3, 3, 0]
+    kinds = ((1, False), (1, True), (8, False), (8, True))
+    assert [p.choose("r", 3, b, sampled) for b, sampled in kinds] == [3, 3, 3, 0]
     assert p.cost.at(4, True)(3) == pytest.approx(2.75 + 0.71 * 3 / 7) and p.choose("r", 3, 4, True) == 3
     assert AdaptiveDraft(prior=0.6).choose("r", 3) == 0
 

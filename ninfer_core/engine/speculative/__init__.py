@@ -40,9 +40,9 @@ if TYPE_CHECKING:
 METHODS = ("mtp", "dflash", "ngram")
 DEFAULT_DRAFT_TOKENS = {"mtp": 3, "dflash": 15, "ngram": 4}
 
-__all__ = ["DEFAULT_DRAFT_TOKENS", "METHODS", "AdaptiveDraft", "CostModel", "RoundCosts", "Draft", "DraftWeights", "Drafter",
-           "Observation", "Speculator", "build_mtp_head", "build_speculator", "load_dflash", "load_draft_weights",
-           "mtp_head"]
+__all__ = ["DEFAULT_DRAFT_TOKENS", "METHODS", "AdaptiveDraft", "CostModel", "Draft", "DraftWeights", "Drafter",
+           "Observation", "RoundCosts", "Speculator", "build_mtp_head", "build_speculator", "load_dflash",
+           "load_draft_weights", "mtp_head"]
 
 
 @dataclass
