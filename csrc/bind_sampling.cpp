@@ -69,6 +69,22 @@ void bind_sampling(py::module_& m) {
       "Repetition / presence / frequency penalties on fp32 logits from per-slot tables (rows: the table row "
       "of each logits row, None: row r). See csrc/penalties.h.");
   m.def(
+      "record_tokens",
+      [](TensorArg seen, TensorArg counts, TensorArg rows, TensorArg ids, std::uintptr_t stream) {
+        ArgCheck check("record_tokens");
+        check("seen", seen).shape({kAny, kAny}).dtype(ScalarType::Bool).contiguous();
+        check("counts", counts).shape({seen.size(0), seen.size(1)}).dtype(ScalarType::I32).contiguous()
+            .disjoint(seen, "seen");
+        check("rows", rows).shape({kAny}).dtype(ScalarType::I64).contiguous();
+        check("ids", ids).shape({rows.size(0)}).dtype(ScalarType::I64).contiguous();
+        const int device = check.device();
+        record_tokens({seen.data, counts.data, rows.data, ids.data, rows.size(0), seen.size(0), seen.size(1), device,
+                       stream});
+      },
+      py::arg("seen"), py::arg("counts"), py::arg("rows"), py::arg("ids"), py::arg("stream"),
+      "Generated tokens into the penalty tables: counts[rows[i], ids[i]] += 1, seen[...] = true; ids[i] < 0 "
+      "(no token) skipped. See csrc/penalties.h.");
+  m.def(
       "greedy_rows",
       [](TensorArg tokens, TensorArg logits, TensorArg partials, TensorArg counters, std::uintptr_t stream) {
         ArgCheck check("greedy_rows");

@@ -1,4 +1,5 @@
-// Penalties in one pass (csrc/penalties.h); torch reference: ninfer_core/ops/penalties.py.
+// Penalties in one pass, and the tables' update for generated tokens (csrc/penalties.h); torch
+// references: ninfer_core/ops/penalties.py.
 // Replaces about a dozen elementwise torch kernels over [rows, vocab] (and the tables' row copies)
 // per sampling call with penalties: a plain sampled step, each step of the MTP sampling chain, the
 // speculative judge's rows.
@@ -33,7 +34,31 @@ __global__ void penalise_kernel(float* out, const float* logits, const bool* __r
   }
 }
 
+// Thread i: entry i. One launch where torch's sync-free form took about ten (index_put with its
+// bounds asserts and accumulation, a gather for the seen flags, the masks).
+__global__ void record_kernel(bool* __restrict__ seen, int* __restrict__ counts, const std::int64_t* __restrict__ rows,
+                              const std::int64_t* __restrict__ ids, std::int64_t n, std::int64_t table_rows,
+                              std::int64_t vocab) {
+  enter_kernel();  // the ids are the sampler's output
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(kThreads) + threadIdx.x;
+  if (i >= n) return;
+  const std::int64_t id = ids[i], t = rows[i];
+  if (id < 0 || id >= vocab || t < 0 || t >= table_rows) return;
+  atomicAdd(counts + t * vocab + id, 1);
+  seen[t * vocab + id] = true;
+}
+
 }  // namespace
+
+// Trusts its arguments: the binding (bind_sampling.cpp) checks them against penalties.h.
+void record_tokens(const RecordArgs& a) {
+  if (a.n == 0) return;
+  DeviceGuard guard(a.device);
+  launch_kernel("record kernel launch", record_kernel, static_cast<unsigned>((a.n + kThreads - 1) / kThreads), kThreads, 0,
+                as_stream(a.stream), reinterpret_cast<bool*>(a.seen), reinterpret_cast<int*>(a.counts),
+                reinterpret_cast<const std::int64_t*>(a.rows), reinterpret_cast<const std::int64_t*>(a.ids), a.n,
+                a.table_rows, a.vocab);
+}
 
 // Trusts its arguments: the binding (bind_sampling.cpp) checks them against penalties.h.
 void penalise(const PenaliseArgs& a) {

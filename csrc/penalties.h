@@ -32,4 +32,22 @@ struct PenaliseArgs {
 
 void penalise(const PenaliseArgs& args);
 
+// The tables' update for generated tokens: for i < n with id = ids[i] in [0, vocab) and row
+// t = rows[i] in [0, table_rows): counts[t, id] += 1 (atomic: a pair may repeat) and seen[t, id] =
+// true; any other entry (a -1: no token) is skipped. seen (bool), counts (int32) [table_rows, vocab];
+// rows, ids int64 [n]; all contiguous. The torch reference: ninfer_core/ops/penalties.py `record_ref`.
+struct RecordArgs {
+  std::uintptr_t seen;
+  std::uintptr_t counts;
+  std::uintptr_t rows;
+  std::uintptr_t ids;
+  std::int64_t n;
+  std::int64_t table_rows;
+  std::int64_t vocab;
+  int device;
+  std::uintptr_t stream;
+};
+
+void record_tokens(const RecordArgs& args);
+
 }  // namespace ninfer

@@ -540,3 +540,29 @@ def test_penalise_rejects_what_the_kernel_cannot_take(match, change):
     reaches_launch(lambda: ext.penalise(**kw))
     reaches_launch(lambda: ext.penalise(**{**kw, "rows": None, "seen": kw["seen"][:3], "counts": kw["counts"][:3]}))
     rejects_change("penalise", kw, change, "penalise: " + match)
+
+
+def _record_kwargs(slots: int = 5, vocab: int = 100) -> dict:
+    return dict(seen=torch.zeros(slots, vocab, dtype=torch.bool), counts=torch.zeros(slots, vocab, dtype=torch.int),
+                rows=torch.tensor([4, 0, 2]), ids=torch.tensor([7, -1, 99]), stream=0)
+
+
+RECORD_REJECTS: list[tuple[str, Changes]] = [
+    ("seen is uint8, expected bool", lambda kw: {"seen": kw["seen"].to(torch.uint8)}),
+    (r"seen has shape \(500,\), expected \(\*, \*\)", lambda kw: {"seen": kw["seen"].view(-1)}),
+    (r"counts has shape \(5, 99\), expected \(5, 100\)", lambda kw: {"counts": kw["counts"][:, :99].contiguous()}),
+    ("counts is int64, expected int32", lambda kw: {"counts": kw["counts"].long()}),
+    ("counts must be contiguous", lambda kw: {"counts": torch.zeros(100, 5, dtype=torch.int).t()}),
+    ("counts overlaps seen", lambda kw: {"seen": kw["counts"].view(-1).view(torch.bool)[:500].view(5, 100)}),
+    ("rows is int32, expected int64", lambda kw: {"rows": kw["rows"].int()}),
+    (r"ids has shape \(2,\), expected \(3,\)", lambda kw: {"ids": kw["ids"][:2]}),
+    ("ids must be contiguous", lambda kw: {"ids": torch.tensor([7, 0, -1, 0, 99, 0])[::2]}),
+]
+
+
+@pytest.mark.parametrize("match,change", RECORD_REJECTS, ids=[m for m, _ in RECORD_REJECTS])
+def test_record_tokens_rejects_what_the_kernel_cannot_take(match, change):
+    kw = _record_kwargs()
+    reaches_launch(lambda: ext.record_tokens(**kw))
+    reaches_launch(lambda: ext.record_tokens(**{**kw, "rows": kw["rows"][:0], "ids": kw["ids"][:0]}))
+    rejects_change("record_tokens", kw, change, "record_tokens: " + match)

@@ -2,7 +2,8 @@
 bit: fp32 logits with negatives, zeros, -inf and NaN, tables with counts from 0 to large, rows read
 through an index (slots in any order, one slot for several rows) or in place, neutral rows; and the
 engine's tables through it against the host-history reference (apply_penalties). The reference
-itself is checked against apply_penalties in test_scheduler.py."""
+itself is checked against apply_penalties in test_scheduler.py. Then the tables' update for
+generated tokens (`record_tokens`): the reference against a loop, the kernel against the reference."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from ninfer_core.engine.penalties import PenaltyTables
 from ninfer_core.engine.sampling import SamplingParams, TokenHistory, apply_penalties
 from ninfer_core.ops import dispatch
-from ninfer_core.ops.penalties import penalise, penalise_ref
+from ninfer_core.ops.penalties import penalise, penalise_ref, record_ref, record_tokens
 
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and dispatch.kernels_available()),
                           reason="needs CUDA and the extension")
@@ -88,3 +89,66 @@ def test_engine_tables_on_the_kernel_equal_the_host_histories():
     got = table.apply(logits.cuda(), torch.tensor(slots).cuda(), params).cpu()
     want = apply_penalties(logits, params, [TokenHistory(p, o) for p, o in zip(prompts, outputs)])
     assert torch.equal(got, want)
+
+
+def record_inputs(gen: torch.Generator, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Tables of 5 rows; 40 entries with pairs repeated, rows in any order, and -1s (no token) in
+    rows that hold no token 0."""
+    seen, counts = tables(5, vocab, gen)
+    rows = torch.randint(0, 5, (40,), generator=gen)
+    ids = torch.randint(1, vocab, (40,), generator=gen)
+    ids[:6] = ids[6:12]  # repeated pairs where the rows match too
+    rows[:6] = rows[6:12]
+    ids[20:25] = -1
+    rows[20:25] = torch.tensor([0, 1, 1, 3, 4])
+    ids[30] = 0  # a token 0, in a row without a -1
+    rows[30] = 2
+    return seen, counts, rows, ids
+
+
+def test_record_reference_counts_every_token_and_skips_the_missing():
+    gen = torch.Generator().manual_seed(5)
+    seen, counts, rows, ids = record_inputs(gen, 60)
+    want_seen, want_counts = seen.clone(), counts.clone()
+    for r, i in zip(rows.tolist(), ids.tolist()):
+        if i >= 0:
+            want_counts[r, i] += 1
+            want_seen[r, i] = True
+    record_ref(seen, counts, rows, ids)
+    assert torch.equal(counts, want_counts) and torch.equal(seen, want_seen)
+    record_tokens(seen, counts, rows[:0], ids[:0])  # nothing: nothing changes
+    assert torch.equal(counts, want_counts)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab", [60, 248_320])
+def test_record_kernel_equals_the_reference(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    seen, counts, rows, ids = record_inputs(gen, vocab)
+    dev = [t.cuda() for t in (seen, counts, rows, ids)]
+    record_tokens(*dev)
+    record_ref(seen, counts, rows, ids)
+    assert torch.equal(dev[0].cpu(), seen) and torch.equal(dev[1].cpu(), counts)
+    # entries out of range are skipped on the device (the reference raises)
+    before = [t.clone() for t in dev[:2]]
+    outside = torch.tensor([0, 9, -1, 2], device="cuda"), torch.tensor([vocab, 1, 1, -7], device="cuda")
+    record_tokens(dev[0], dev[1], *outside)
+    assert torch.equal(dev[0], before[0]) and torch.equal(dev[1], before[1])
+
+
+@cuda
+@pytest.mark.cuda
+def test_record_kernel_replays_in_a_cuda_graph():
+    gen = torch.Generator().manual_seed(1)
+    seen, counts, rows, ids = (t.cuda() for t in record_inputs(gen, 300))
+    want_seen, want_counts = seen.clone(), counts.clone()
+    for _ in range(2):
+        record_ref(want_seen, want_counts, rows, ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        record_tokens(seen, counts, rows, ids)
+    graph.replay()
+    graph.replay()
+    assert torch.equal(seen, want_seen) and torch.equal(counts, want_counts)

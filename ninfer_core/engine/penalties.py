@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.dispatch import upload
-from ..ops.penalties import penalise
+from ..ops.penalties import penalise, record_tokens
 from .sampling import SamplingParams
 
 
@@ -56,14 +56,15 @@ class PenaltyTables:
     def add(self, slots: list[int], tokens: list[list[int]]) -> None:
         """Host tokens generated in these slots (a prompt's answer so far, a speculative round's kept
         tokens): counted and seen, in one scatter."""
-        _scatter(self.seen, self.counts, Generated.of(slots, tokens, self.counts.device))
+        generated = Generated.of(slots, tokens, self.counts.device)
+        record_tokens(self.seen, self.counts, generated.rows, generated.ids)
 
     def rows(self, slots: list[int], extra: Generated) -> tuple[torch.Tensor, torch.Tensor]:
         """(seen [R, V], counts [R, V]) of R rows: row r the history in slot slots[r] with `extra`'s
         tokens of row r generated after it (a verify's row t: the drafts before it)."""
         index = upload(slots, torch.long, self.counts.device)
         seen, counts = self.seen.index_select(0, index), self.counts.index_select(0, index)
-        _scatter(seen, counts, extra)
+        record_tokens(seen, counts, extra.rows, extra.ids)
         return seen, counts
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -78,20 +79,8 @@ class PenaltyTables:
         return penalise(logits, *self.rows(slots, extra), *penalty_columns(params, logits.dtype, logits.device))
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Sampled tokens [R] (device; -1 = none) of rows in `slots` [R]; no host sync (a
-        boolean mask would need one, so invalid rows add 0 at id 0 instead)."""
-        valid = tokens >= 0
-        ids = tokens.clamp(min=0)
-        self.counts.index_put_((slots, ids), valid.to(torch.int32), accumulate=True)
-        self.seen.index_put_((slots, ids), self.seen[slots, ids] | valid)
-
-
-def _scatter(seen: torch.Tensor, counts: torch.Tensor, generated: Generated) -> None:
-    """`generated` counted and seen in seen / counts [R, V], one scatter each."""
-    if generated.ids.numel():
-        index = (generated.rows, generated.ids)
-        counts.index_put_(index, torch.ones_like(generated.ids, dtype=torch.int32), accumulate=True)
-        seen.index_put_(index, torch.ones_like(generated.ids, dtype=torch.bool))
+        """Sampled tokens [R] (device; -1 = none) of rows in `slots` [R] (distinct); no host sync."""
+        record_tokens(self.seen, self.counts, slots, tokens)
 
 
 def penalty_columns(params: list[SamplingParams], dtype: torch.dtype,

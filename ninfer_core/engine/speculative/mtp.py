@@ -35,7 +35,7 @@ from ...layers.attention import AttentionMetadata
 from ...models.decoder import DecoderModel, StepContext
 from ...models.mtp import MTPHead, mtp_layer_config
 from ...ops import sampling as sampling_ops
-from ...ops.penalties import penalise
+from ...ops.penalties import penalise, record_tokens
 from ...ops.dispatch import upload
 from ...ops.gdn import MAX_STEP_TOKENS
 from ..graph_capture import capture
@@ -272,6 +272,7 @@ class MTPGraphs:
             tables = self.penalties
             assert tables is not None
             seen, counts = tables.seen.index_select(0, x["slots"]), tables.counts.index_select(0, x["slots"])
+            row_ids = torch.arange(seen.shape[0], device=seen.device)  # row b of the copies: sequence b
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for step in range(k):
@@ -282,8 +283,7 @@ class MTPGraphs:
             probs.append(sampling_ops.filtered_probs(logits, *rows))
             tokens.append(draw_from_probs(probs[-1], x["u"][:, step]))
             if penalised and step + 1 < k:
-                seen.scatter_(1, tokens[-1][:, None], True)
-                counts.scatter_add_(1, tokens[-1][:, None], torch.ones_like(tokens[-1][:, None], dtype=counts.dtype))
+                record_tokens(seen, counts, row_ids, tokens[-1])
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
     def _step(self, x: dict[str, torch.Tensor], step: int, token: torch.Tensor,
