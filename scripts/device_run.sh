@@ -198,7 +198,8 @@ LIST
     # MOE_ROUNDS=N: then bench_moe_triton.py (MOE_TOKENS, MOE_PATHS) of each build, alternating, N rounds.
     # VERIFY_ROUNDS=N: then bench_spec.py verify (K = 1..3 verify rounds against the decode step) likewise;
     # SPEC_ENGINE_ROUNDS=N: bench_spec.py engine (the engine loop's MTP rounds, batch 1 and 8) likewise.
-    # MAIN_TESTS="tests/a.py tests/b.py": main's GPU tests in its copy, before the patches' ones.
+    # MAIN_TESTS="tests/a.py tests/b.py": main's GPU tests in its copy, before the patches' ones (a
+    # combined build runs its parts' lists together); NO_TESTS=1: none.
     # SAMPLING_ROUNDS=N: bench_sampling.py (the sampler kernel at 248k tokens) likewise.
     # an editable install of this tree (an earlier step on a warm machine) would shadow the copies
     python3 -m pip uninstall -y -q ninfer > /dev/null 2>&1
@@ -218,13 +219,17 @@ LIST
       if [ -f "/tmp/ab/$(variant $v)/.built" ]; then built="$built $v"; else echo "== $(variant $v): NOT BUILT, left out"; tail -n 5 "$OUT/build_$(variant $v).log"; fi
     done
     for v in $built; do  # a patch's GPU tests: the test files listed in NAME.tests beside NAME.patch (main: MAIN_TESTS)
+      [ "${NO_TESTS:-0}" = 1 ] && break  # NO_TESTS=1: timings only (the tests ran in an earlier call)
       name=$(variant $v)
       if [ "$v" = main ]; then
         [ -n "${MAIN_TESTS:-}" ] || continue
         read -ra test_args <<< "$MAIN_TESTS"
-      else
-        [ -f "${v%.patch}.tests" ] || continue
-        mapfile -t test_args < "${v%.patch}.tests"
+      else  # a combined build ("a.patch+b.patch") runs its parts' lists together (a `-k` then applies to all)
+        test_args=()
+        for part in ${v//+/ }; do
+          if [ -f "${part%.patch}.tests" ]; then mapfile -t more < "${part%.patch}.tests"; test_args+=("${more[@]}"); fi
+        done
+        [ ${#test_args[@]} -gt 0 ] || continue
       fi
       echo "== $name: tests"
       # serial: under pytest-xdist the copies' runs collected nothing ("no tests ran") twice on the H200

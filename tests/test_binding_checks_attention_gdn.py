@@ -31,7 +31,8 @@ from test_decode_attention import Case
 from test_gdn_decode import SHAPE_35B, _tail_case, make_case, without_z
 
 ext = dispatch.extension()
-pytestmark = pytest.mark.skipif(ext is None, reason="ninfer_core._C is not built")
+# The extension is built only where CUDA is: `cuda` too, so the device's `pytest -m cuda` runs them.
+pytestmark = [pytest.mark.skipif(ext is None, reason="ninfer_core._C is not built"), pytest.mark.cuda]
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 KINDS = [None, "fp8", "int8"]

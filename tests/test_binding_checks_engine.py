@@ -17,6 +17,10 @@ from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.llm import LLM, EngineOptions
 from tiny_model_dir import write_tiny_model_dir
 
+# needs ninfer_core._C (kernels_on_cpu skips without it), built only where CUDA is: the device's
+# `pytest -m cuda` runs these
+pytestmark = pytest.mark.cuda
+
 # head dims the kernels take (attention 64, GDN 32); int4 groups of 32 divide every FFN input
 KERNEL_SHAPES = dict(
     hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64, head_dim=64,

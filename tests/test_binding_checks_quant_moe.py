@@ -21,7 +21,8 @@ from ninfer_core.ops.quant import quantize
 from kernel_stub import kernels_on_cpu, reaches_launch, rejects  # noqa: F401 - kernels_on_cpu is a fixture
 
 ext = dispatch.extension()
-pytestmark = pytest.mark.skipif(ext is None, reason="ninfer_core._C is not built")
+# The extension is built only where CUDA is: `cuda` too, so the device's `pytest -m cuda` runs them.
+pytestmark = [pytest.mark.skipif(ext is None, reason="ninfer_core._C is not built"), pytest.mark.cuda]
 
 BF16 = torch.bfloat16
 I32 = torch.int32
