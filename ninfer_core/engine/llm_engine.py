@@ -411,8 +411,7 @@ class LLMEngine:
         slots = None
         tables = self._ready_penalties(seqs)
         if tables is not None:
-            index = upload(penalised, torch.long, self.device)
-            slots = upload([seqs[i].cache.slot for i in penalised], torch.long, self.device)
+            index, slots = upload([penalised, [seqs[i].cache.slot for i in penalised]], torch.long, self.device)
             logits = logits.index_copy(0, index, tables.apply(logits.index_select(0, index), slots,
                                                                  [params[i] for i in penalised]))
         tokens = self.sampler.sample(logits, params, [s.history() for s in seqs], [s.generator for s in seqs],
@@ -630,9 +629,8 @@ class LLMEngine:
         b, width = len(seqs), len(ids[0])
         lens = [s.num_cached for s in seqs]
         positions = [n + s.rope_delta + t for n, s in zip(lens, seqs) for t in range(width)]
-        host = torch.tensor([t for row in ids for t in row] + positions + lens + [s.cache.slot for s in seqs],
-                            dtype=torch.long)
-        flat = self._to_device(host)
+        flat = upload([t for row in ids for t in row] + positions + lens + [s.cache.slot for s in seqs], torch.long,
+                      self.device)
         n = b * width
         slots = flat[2 * n + b :]
         return ForwardBatch(
@@ -703,13 +701,10 @@ class LLMEngine:
         if not chunk.forks:
             return None
         n = len(chunk.forks)
-        values = self._to_device(torch.tensor([p - chunk.start for p in chunk.forks] + chunk.fork_slots))
+        values = upload([p - chunk.start for p in chunk.forks] + chunk.fork_slots, torch.long, self.device)
         then = StateFork(values[1:2], values[3:4], host_tokens=chunk.forks[1] - chunk.start) if n == 2 else None
         return StateFork(values[:1], values[n : n + 1], tail=n == 1 and chunk.end - chunk.forks[0] <= MAX_STEP_TOKENS,
                          then=then, host_tokens=chunk.forks[0] - chunk.start)
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return upload(host, host.dtype, self.device)
 
     def _forward(self, parts: list[ForwardBatch]) -> list[ForwardOutput]:
         """The parts' outputs: by CUDA graph replays when every part has a graph (the decode /

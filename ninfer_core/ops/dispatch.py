@@ -169,11 +169,10 @@ def kernel_dtype(t: torch.Tensor) -> object:
 
 def upload(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values (a list, nested lists, a CPU tensor) as a tensor on `device`, without waiting
-    for the GPU:
-    `torch.tensor(values, device=cuda)` copies from pageable memory and synchronizes the stream,
-    so the host stalls until every queued kernel has run and the GPU then idles while the host
-    goes on; a pinned staging tensor copies without a wait (the caching host allocator keeps it
-    until the copy is done)."""
+    for the GPU. `torch.tensor(values, device=cuda)` copies from pageable memory and synchronizes
+    the stream, so the host stalls until every queued kernel has run and the GPU then idles while
+    the host goes on; a pinned staging tensor copies without a wait (the caching host allocator
+    keeps it until the copy is done)."""
     host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
