@@ -85,6 +85,33 @@ void bind_sampling(py::module_& m) {
       "Generated tokens into the penalty tables: counts[rows[i], ids[i]] += 1, seen[...] = true; ids[i] < 0 "
       "(no token) skipped. See csrc/penalties.h.");
   m.def(
+      "judge_rows",
+      [](TensorArg out, TensorArg p, std::optional<TensorArg> q, TensorArg drafts, TensorArg u, TensorArg meta,
+         std::optional<TensorArg> finite, TensorArg sums, std::uintptr_t stream) {
+        ArgCheck check("judge_rows");
+        check("p", p).shape({kAny, kAny}).dtype(ScalarType::F32).contiguous();
+        const std::int64_t vocab = p.size(1);
+        check.require(vocab >= 1 && vocab < (std::int64_t{1} << 31), "p has shape ", p.shape_str(),
+                      ", out of the kernel's range");
+        check("q", q).shape({kAny, vocab}).dtype(ScalarType::F32).contiguous();
+        check("drafts", drafts).shape({kAny, kAny}).dtype(ScalarType::I64).contiguous();
+        const std::int64_t batch = drafts.size(0), width = drafts.size(1);
+        check.require(width <= kJudgeMaxDrafts, "drafts has ", width, " columns, at most ", kJudgeMaxDrafts);
+        check("u", u).shape({batch, width + 1}).dtype(ScalarType::F64).contiguous();
+        check("meta", meta).shape({batch, 3}).dtype(ScalarType::I64).contiguous();
+        check("finite", finite).shape({p.size(0)}).dtype(ScalarType::Bool).contiguous();
+        check("out", out).shape({2 * batch}).dtype(ScalarType::I64).contiguous().disjoint(p, "p");
+        check("sums", sums).shape({kAny}).dtype(ScalarType::I64).contiguous()
+            .min_numel(2 * batch * kSampleMaxSegments).disjoint(p, "p").disjoint(out, "out");
+        const int device = check.device();
+        judge_rows({out.data, p.data, data_or_null(q), drafts.data, u.data, meta.data, data_or_null(finite), sums.data,
+                    batch, width, vocab, device, stream});
+      },
+      py::arg("out"), py::arg("p"), py::arg("q"), py::arg("drafts"), py::arg("u"), py::arg("meta"), py::arg("finite"),
+      py::arg("sums"), py::arg("stream"),
+      "Speculative rejection sampling of a round: each sequence's accepted drafts and last token; sums: the "
+      "workspace. See csrc/sampling.h.");
+  m.def(
       "greedy_rows",
       [](TensorArg tokens, TensorArg logits, TensorArg partials, TensorArg counters, std::uintptr_t stream) {
         ArgCheck check("greedy_rows");

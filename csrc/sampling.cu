@@ -32,6 +32,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include "common.cuh"
 #include "launch.cuh"
@@ -671,12 +672,25 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const Params p) {
   }
 }
 
+std::int64_t ceil_div(std::int64_t n, std::int64_t d) { return (n + d - 1) / d; }
+
+// A row's split into segments: at most kThreads (one a thread of the row's block), each a multiple
+// of a warp's 16-byte loads. (tokens a segment, segments)
+std::pair<std::int64_t, std::int64_t> segment_split(std::int64_t vocab) {
+  const std::int64_t segment = ceil_div(ceil_div(vocab, kThreads), 4 * 32) * 4 * 32;
+  return {segment, ceil_div(vocab, segment)};
+}
+
+// The fixed-point mass of weight 1 for a row of `vocab` tokens: vocab * scale <= 2^62, so sums never overflow.
+float fixed_point_scale(std::int64_t vocab) {
+  int bits = 0;
+  while ((1LL << bits) < vocab) ++bits;
+  return std::ldexp(1.0f, 62 - bits);
+}
+
 template <int VEC>
 void launch(const SamplingArgs& a, float scale) {
-  const auto ceil_div = [](std::int64_t n, std::int64_t d) { return (n + d - 1) / d; };
-  // at most kThreads segments (one a thread of the sampling kernel), each a multiple of a warp's loads
-  const std::int64_t segment = ceil_div(ceil_div(a.vocab, kThreads), 4 * 32) * 4 * 32;
-  const std::int64_t segments = ceil_div(a.vocab, segment);
+  const auto [segment, segments] = segment_split(a.vocab);
   const Params p{reinterpret_cast<std::int64_t*>(a.tokens),
                  reinterpret_cast<float*>(a.probs),
                  reinterpret_cast<float*>(a.threshold),
@@ -704,9 +718,7 @@ void launch(const SamplingArgs& a, float scale) {
 void sample_rows(const SamplingArgs& a) {
   if (a.rows == 0) return;
   DeviceGuard guard(a.device);
-  int bits = 0;
-  while ((1LL << bits) < a.vocab) ++bits;
-  const float scale = std::ldexp(1.0f, 62 - bits);  // vocab * scale <= 2^62: sums never overflow
+  const float scale = fixed_point_scale(a.vocab);
   if (a.vocab % 4 == 0 && is_aligned(a.logits, 16) && (a.probs == 0 || is_aligned(a.probs, 16))) {
     launch<4>(a, scale);
   } else {
@@ -853,6 +865,196 @@ void greedy_rows(const GreedyArgs& a) {
       launch_greedy<T, 1>(a);
     }
   });
+}
+
+// ---- speculative rejection sampling: a round's verdict per sequence ------------------------------
+//
+// engine/speculative/verify.py's rule (its torch reference: ops/rejection.py `judge_ref`) for B
+// sequences on the device, in two launches as the sampler: the residual's segment masses over the
+// whole GPU, then a block per sequence. Masses are exact 64-bit fixed point (the sampler's scale), so
+// the drawn token is the reference's bit for bit, whatever the order of the sums.
+namespace {
+
+struct JudgeParams {
+  std::int64_t* out;           // [2B]: accepted counts, then last tokens
+  const float* p;              // [P, V] the target distributions
+  const float* q;              // [Q, V] the drafter's, or null (every draft one-hot)
+  const std::int64_t* drafts;  // [B, W]
+  const double* u;             // [B, W + 1]
+  const std::int64_t* meta;    // [B, 3]: k, p's first row, q's first row (-1: one-hot drafts)
+  const bool* finite;          // [P] or null
+  u64* sums;                   // [B, kThreads, 2] segment masses of the residual and of p_n
+  int batch, width, vocab, segment, segments;
+  double scale;
+};
+
+struct Verdict {
+  int n;                  // drafts accepted
+  std::int64_t p_row;     // the row the last token comes from
+  std::int64_t q_row;     // the rejected draft's q row, or -1
+  std::int64_t one_hot;   // the rejected one-hot draft's token, or -1
+};
+
+// Warp-wide: lane t judges draft t (accept with probability min(1, p / q)); the first rejection ends it.
+__device__ Verdict judge_drafts(const JudgeParams& a, int b, int lane) {
+  const std::int64_t* m = a.meta + 3 * static_cast<std::int64_t>(b);
+  const int k = static_cast<int>(m[0]);
+  const std::int64_t p0 = m[1], q0 = m[2];
+  bool rejected = false;
+  if (lane < k) {
+    const std::int64_t d = a.drafts[static_cast<std::int64_t>(b) * a.width + lane];
+    const double p_d = a.p[(p0 + lane) * a.vocab + d];
+    const double q_d = q0 >= 0 ? static_cast<double>(a.q[(q0 + lane) * a.vocab + d]) : 1.0;
+    rejected = a.u[static_cast<std::int64_t>(b) * (a.width + 1) + lane] * q_d >= p_d;
+  }
+  const unsigned mask = __ballot_sync(kFull, rejected);
+  const int n = mask ? __ffs(mask) - 1 : k;
+  const bool rejecting = n < k;
+  return {n, p0 + n, rejecting && q0 >= 0 ? q0 + n : -1,
+          rejecting && q0 < 0 ? a.drafts[static_cast<std::int64_t>(b) * a.width + n] : -1};
+}
+
+// Token i's fixed-point masses: (residual max(0, p_n - q_n), p_n), each product rounded to the nearest.
+__device__ __forceinline__ void residual_masses(const JudgeParams& a, const Verdict& v, std::int64_t i, u64* r,
+                                                u64* pn) {
+  const double p = a.p[v.p_row * a.vocab + i];
+  const double q = v.q_row >= 0 ? static_cast<double>(a.q[v.q_row * a.vocab + i]) : (i == v.one_hot ? 1.0 : 0.0);
+  *r = __double2ull_rn(fmax(p - q, 0.0) * a.scale);
+  *pn = __double2ull_rn(p * a.scale);
+}
+
+// Block (b, y), warp w: sequence b's segment 8 y + w, its two masses into sums.
+__global__ void __launch_bounds__(kSegmentWarps * 32) judge_segment_kernel(const JudgeParams a) {
+  enter_kernel();  // p is the sampler's output
+  const int lane = threadIdx.x & 31, b = blockIdx.x;
+  const int seg = blockIdx.y * kSegmentWarps + (threadIdx.x >> 5);
+  if (seg >= a.segments) return;
+  const Verdict v = judge_drafts(a, b, lane);
+  const std::int64_t begin = static_cast<std::int64_t>(seg) * a.segment;
+  const std::int64_t end = min(begin + a.segment, static_cast<std::int64_t>(a.vocab));
+  u64 r_sum = 0, p_sum = 0;
+  for (std::int64_t i = begin + lane; i < end; i += 32) {
+    u64 r, pn;
+    residual_masses(a, v, i, &r, &pn);
+    r_sum += r;
+    p_sum += pn;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    r_sum += __shfl_xor_sync(kFull, r_sum, o);
+    p_sum += __shfl_xor_sync(kFull, p_sum, o);
+  }
+  if (lane == 0) {
+    u64* out = a.sums + 2 * (static_cast<std::int64_t>(b) * kThreads + seg);
+    out[0] = r_sum;
+    out[1] = p_sum;
+  }
+}
+
+// Block b: the residual's mass (p_n's where the residual is empty: p == q up to rounding), the draw
+// u[b, k] * mass located first in the segments, then token by token in id order inside the one that
+// holds it (warp 0); the verdict, -1 where a row judged on was not finite.
+__global__ void __launch_bounds__(kThreads) judge_draw_kernel(const JudgeParams a) {
+  enter_kernel();  // judge_segment_kernel's masses
+  __shared__ u64 scratch[kWarps];
+  __shared__ Verdict verdict;
+  __shared__ int picked;
+  __shared__ u64 below;  // the mass before the picked segment
+  const int b = blockIdx.x, lane = threadIdx.x & 31;
+  if (threadIdx.x < 32) {
+    const Verdict v = judge_drafts(a, b, lane);
+    if (lane == 0) verdict = v;
+  }
+  if (threadIdx.x == 0) picked = -1;
+  const u64* sums = a.sums + 2 * static_cast<std::int64_t>(b) * kThreads;
+  const bool mine = threadIdx.x < a.segments;
+  const u64 r = mine ? __ldcg(sums + 2 * threadIdx.x) : 0, pn = mine ? __ldcg(sums + 2 * threadIdx.x + 1) : 0;
+  const bool residual = block_reduce(r, Sum{}, scratch) > 0;  // its barriers publish verdict and picked
+  const u64 mass = residual ? r : pn;
+  u64 total;
+  const u64 before = block_exclusive_scan(mass, scratch, &total);
+  const Verdict v = verdict;
+  const std::int64_t* m = a.meta + 3 * static_cast<std::int64_t>(b);
+  const int k = static_cast<int>(m[0]);
+  const double u = a.u[static_cast<std::int64_t>(b) * (a.width + 1) + k];
+  const u64 target = total > 0 ? draw_target(u, total) : 0;
+  if (total > 0 && mass > 0 && before <= target && target < before + mass) {
+    picked = threadIdx.x;
+    below = before;
+  }
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  std::int64_t token = -1;
+  if (picked >= 0) {  // lane l: a run of the segment's tokens, in id order
+    const std::int64_t begin = static_cast<std::int64_t>(picked) * a.segment;
+    const std::int64_t end = min(begin + a.segment, static_cast<std::int64_t>(a.vocab));
+    const std::int64_t per_lane = (a.segment + 31) / 32;
+    const std::int64_t first = begin + lane * per_lane, last = min(first + per_lane, end);
+    u64 run = 0;
+    for (std::int64_t i = first; i < last; ++i) {
+      u64 rr, pp;
+      residual_masses(a, v, i, &rr, &pp);
+      run += residual ? rr : pp;
+    }
+    u64 at = run;  // inclusive scan over the lanes, then this lane's start
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const u64 x = __shfl_up_sync(kFull, at, o);
+      if (lane >= o) at += x;
+    }
+    at = below + at - run;
+    std::int64_t hit = -1;
+    if (at <= target && target < at + run) {
+      for (std::int64_t i = first; i < last; ++i) {
+        u64 rr, pp;
+        residual_masses(a, v, i, &rr, &pp);
+        const u64 x = residual ? rr : pp;
+        if (x > 0 && target < at + x) {
+          hit = i;
+          break;
+        }
+        at += x;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) hit = max(hit, static_cast<std::int64_t>(__shfl_xor_sync(kFull, hit, o)));
+    token = hit;
+  }
+  if (lane != 0) return;
+  bool judged_bad = false;  // a row at or before the last token's
+  if (a.finite != nullptr) {
+    for (int t = 0; t <= v.n; ++t) judged_bad |= !a.finite[m[1] + t];
+  }
+  a.out[b] = judged_bad ? 0 : v.n;
+  a.out[a.batch + b] = judged_bad ? -1 : token;
+}
+
+}  // namespace
+
+// Trusts its arguments: the binding (bind_sampling.cpp) checks them against sampling.h.
+void judge_rows(const JudgeArgs& a) {
+  if (a.batch == 0) return;
+  DeviceGuard guard(a.device);
+  const auto [segment, segments] = segment_split(a.vocab);
+  const JudgeParams p{reinterpret_cast<std::int64_t*>(a.out),
+                      reinterpret_cast<const float*>(a.p),
+                      reinterpret_cast<const float*>(a.q),
+                      reinterpret_cast<const std::int64_t*>(a.drafts),
+                      reinterpret_cast<const double*>(a.u),
+                      reinterpret_cast<const std::int64_t*>(a.meta),
+                      reinterpret_cast<const bool*>(a.finite),
+                      reinterpret_cast<u64*>(a.sums),
+                      static_cast<int>(a.batch),
+                      static_cast<int>(a.width),
+                      static_cast<int>(a.vocab),
+                      static_cast<int>(segment),
+                      static_cast<int>(segments),
+                      static_cast<double>(fixed_point_scale(a.vocab))};
+  const auto stream = as_stream(a.stream);
+  launch_kernel("judge segment kernel launch", judge_segment_kernel,
+                dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(ceil_div(segments, kSegmentWarps))),
+                dim3(kSegmentWarps * 32), 0, stream, p);
+  launch_kernel("judge draw kernel launch", judge_draw_kernel, static_cast<unsigned>(a.batch), kThreads, 0, stream, p);
 }
 
 }  // namespace ninfer

@@ -73,4 +73,35 @@ struct GreedyArgs {
 
 void greedy_rows(const GreedyArgs& args);
 
+inline constexpr int kJudgeMaxDrafts = 32;  // drafts a sequence at most (a warp's lanes judge one each)
+
+// Speculative rejection sampling of a round (engine/speculative/verify.py; torch reference:
+// ninfer_core/ops/rejection.py `judge_ref`) for B sequences. Sequence b has k = meta[b, 0] <= W
+// drafts drafts[b, :k], target rows p[meta[b, 1] + t] (t = 0..k) and, where meta[b, 2] >= 0, the
+// drafter's q rows q[meta[b, 2] + t] (t < k; else every draft is one-hot); uniforms u[b, :k + 1].
+// Draft t is accepted while u[b, t] * q_t(d) < p_t(d) (float64); at the first rejection n the last
+// token is drawn from max(0, p_n - q_n), else (n = k) from p_k: the inverse CDF at u[b, k] in id
+// order over 64-bit fixed-point masses (round(x * 2^(62 - ceil(log2 vocab)))), p_n's own where the
+// residual's sum to 0. out [2B] int64: n per sequence, then the last token; where `finite` (P bool,
+// optional) is false on a row t <= n of the sequence: 0 and -1. All contiguous: p [P, vocab], q
+// [Q, vocab] fp32; drafts [B, W] int64; u [B, W + 1] fp64; meta [B, 3] int64 (rows inside p / q:
+// not checked); workspace sums [B * kSampleMaxSegments * 2] 64-bit, any contents.
+struct JudgeArgs {
+  std::uintptr_t out;
+  std::uintptr_t p;
+  std::uintptr_t q;  // 0: no drawn drafts
+  std::uintptr_t drafts;
+  std::uintptr_t u;
+  std::uintptr_t meta;
+  std::uintptr_t finite;  // 0: every row finite
+  std::uintptr_t sums;
+  std::int64_t batch;
+  std::int64_t width;
+  std::int64_t vocab;
+  int device;
+  std::uintptr_t stream;
+};
+
+void judge_rows(const JudgeArgs& args);
+
 }  // namespace ninfer

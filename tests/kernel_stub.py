@@ -69,9 +69,11 @@ class ChecksOnly:
     check (every other check passed), then its outputs are zeroed (finite logits, in-range ids) so
     the engine around it runs on; `calls` counts the calls per binding."""
 
-    # outputs by argument name (moe_route / moe_router also write `weights`)
-    OUTPUTS = ("out", "q_out", "h", "logits", "normed", "residual_out", "probs", "threshold", "tokens", "ids",
+    # outputs by argument name; `weights` and `logits` are outputs only of the bindings named here
+    # (elsewhere inputs: the sampler's logits come from the forward as inference tensors)
+    OUTPUTS = ("out", "q_out", "h", "normed", "residual_out", "probs", "threshold", "tokens", "ids",
                "sorted_slots", "block_experts", "used")
+    EXTRA_OUTPUTS = {"moe_route": ("weights",), "moe_router": ("weights", "logits")}
 
     def __init__(self, ext: Any) -> None:
         self.ext, self.calls = ext, Counter()
@@ -80,7 +82,7 @@ class ChecksOnly:
         binding = getattr(self.ext, name)
         if isinstance(binding, type) or not callable(binding) or name == "decode_attention_max_splits":
             return binding
-        outputs = self.OUTPUTS + (("weights",) if name in ("moe_route", "moe_router") else ())
+        outputs = self.OUTPUTS + self.EXTRA_OUTPUTS.get(name, ())
 
         def checked(**kwargs: Any) -> None:
             with pytest.raises(self.ext.DeviceError, match="is not on a CUDA device"):

@@ -567,3 +567,34 @@ def test_record_tokens_rejects_what_the_kernel_cannot_take(match, change):
     reaches_launch(lambda: ext.record_tokens(**kw))
     reaches_launch(lambda: ext.record_tokens(**{**kw, "rows": kw["rows"][:0], "ids": kw["ids"][:0]}))
     rejects_change("record_tokens", kw, change, "record_tokens: " + match)
+
+
+def _judge_kwargs(batch: int = 2, width: int = 3, vocab: int = 50) -> dict:
+    return dict(out=torch.empty(2 * batch, dtype=torch.long), p=torch.rand(8, vocab), q=torch.rand(5, vocab),
+                drafts=torch.zeros(batch, width, dtype=torch.long), u=torch.rand(batch, width + 1, dtype=torch.float64),
+                meta=torch.tensor([[3, 0, 0], [2, 4, -1]]), finite=torch.ones(8, dtype=torch.bool),
+                sums=torch.empty(2 * batch * 1024, dtype=torch.long), stream=0)
+
+
+JUDGE_REJECTS: list[tuple[str, Changes]] = [
+    ("p is bfloat16, expected float32", lambda kw: {"p": kw["p"].to(BF16)}),
+    (r"q has shape \(5, 49\), expected \(\*, 50\)", lambda kw: {"q": kw["q"][:, :49].contiguous()}),
+    ("drafts is int32, expected int64", lambda kw: {"drafts": kw["drafts"].int()}),
+    ("drafts has 33 columns, at most 32", lambda kw: {"drafts": torch.zeros(2, 33, dtype=torch.long),
+                                                      "u": torch.rand(2, 34, dtype=torch.float64)}),
+    (r"u has shape \(2, 3\), expected \(2, 4\)", lambda kw: {"u": kw["u"][:, :3].contiguous()}),
+    ("u is float32, expected float64", lambda kw: {"u": kw["u"].float()}),
+    (r"meta has shape \(2, 2\), expected \(2, 3\)", lambda kw: {"meta": kw["meta"][:, :2].contiguous()}),
+    (r"finite has shape \(7,\), expected \(8,\)", lambda kw: {"finite": kw["finite"][:7]}),
+    (r"out has shape \(3,\), expected \(4,\)", lambda kw: {"out": kw["out"][:3]}),
+    ("sums has 4095 elements, needs at least 4096", lambda kw: {"sums": kw["sums"][1:]}),
+    ("sums overlaps out", lambda kw: {"out": kw["sums"][:4]}),
+]
+
+
+@pytest.mark.parametrize("match,change", JUDGE_REJECTS, ids=[m for m, _ in JUDGE_REJECTS])
+def test_judge_rows_rejects_what_the_kernel_cannot_take(match, change):
+    kw = _judge_kwargs()
+    reaches_launch(lambda: ext.judge_rows(**kw))
+    reaches_launch(lambda: ext.judge_rows(**{**kw, "q": None, "finite": None}))
+    rejects_change("judge_rows", kw, change, "judge_rows: " + match)

@@ -193,6 +193,16 @@ def test_rejected_rows_draw_nothing():
     assert torch.equal(probs[good], ops.filtered_probs(logits[good], *alone))
 
 
+def test_sample_and_probs_are_sample_and_filtered_probs():
+    """The drafters' one call: on the CPU the two references (the kernel's: a GPU test below)."""
+    g = torch.Generator().manual_seed(17)
+    logits = make_logits(["gauss", "peaked", "ties", "neginf"], 300, g)
+    params, u = make_params(4, 300, g), torch.rand(4, generator=g, dtype=torch.float64)
+    tokens, probs = ops.sample_and_probs(logits, *params, u)
+    assert torch.equal(tokens, ops.sample_ref(logits, *params, u))
+    assert torch.equal(probs, ops.filtered_probs_ref(logits, *params))
+
+
 # ---- CUDA: the kernel --------------------------------------------------------------------------------
 
 
@@ -292,6 +302,21 @@ def test_kernel_rejects_rows_as_the_reference(path, vocab):
     assert tokens[1:5].tolist() == [-1] * 4 and threshold[1:5].isnan().all() and not threshold[[0, 5]].isnan().any()
     torch.testing.assert_close(probs, ops.filtered_probs_ref(logits, *params), atol=1e-7, rtol=1e-4)
     assert (probs[1:5] == 0).all()
+
+
+@pytest.mark.cuda
+def test_sample_and_probs_in_one_launch_equal_the_two_calls(path):
+    """One launch with both outputs gives `sample`'s tokens and `filtered_probs`' rows exactly, and
+    each token is one its distribution keeps."""
+    g = torch.Generator().manual_seed(21)
+    vocab = 248320
+    logits = make_logits(["gauss", "peaked", "ties", "neginf"] * 2, vocab, g).to(DEVICE)
+    params = [v.to(DEVICE) for v in make_params(8, vocab, g)]
+    u = torch.rand(8, generator=g, dtype=torch.float64).to(DEVICE)
+    tokens, probs = ops.sample_and_probs(logits, *params, u)
+    assert torch.equal(tokens, ops.sample(logits, *params, u))
+    assert torch.equal(probs, ops.filtered_probs(logits, *params))
+    assert (probs.gather(1, tokens[:, None]) > 0).all()
 
 
 @pytest.mark.cuda

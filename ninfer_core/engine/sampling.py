@@ -297,12 +297,25 @@ class Sampler:
         `penalised`: as in `sample`. No host sync: a row whose logits are not finite comes out as
         its filter over zero logits; the caller tells those rows by `finite_rows` (`finite`: those
         rows, where the caller has them already)."""
+        return sampling_ops.filtered_probs(self._filter_input(logits, params, histories, penalised, finite),
+                                           *row_params(params))
+
+    def draw(self, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
+             u: torch.Tensor, penalised: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B], `distribution` [B, V]): each row's token drawn with uniform u[b] from exactly
+        that distribution, in one kernel launch (a drafter's token and its q)."""
+        return sampling_ops.sample_and_probs(self._filter_input(logits, params, histories, penalised, None),
+                                             *row_params(params), u)
+
+    def _filter_input(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                      histories: Sequence[TokenHistory], penalised: bool, finite: torch.Tensor | None) -> torch.Tensor:
+        """`distribution`'s logits before the filters: non-finite rows zeroed, penalties, logit bias."""
         self._check_shapes(logits, params, histories)
         finite = finite_rows(logits) if finite is None else finite
         logits = logits.masked_fill(~finite[:, None], 0.0)
         if not penalised:
             logits = apply_penalties(logits, params, histories)
-        return sampling_ops.filtered_probs(apply_logit_bias(logits, params), *row_params(params))
+        return apply_logit_bias(logits, params)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
                generators: Sequence[torch.Generator | None], penalised: bool = False) -> torch.Tensor:

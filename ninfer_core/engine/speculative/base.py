@@ -23,7 +23,7 @@ import torch
 from ...models.base import ForwardBatch, ForwardOutput
 from ...ops.dispatch import upload
 from ..penalties import PenaltyTables
-from ..sampling import Sampler, TokenHistory, draw_from_probs
+from ..sampling import Sampler, TokenHistory
 from ..sequence import Sequence
 
 
@@ -142,10 +142,9 @@ def choose_drafts(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence],
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     stochastic = [i for i, s in enumerate(seqs) if not s.request.sampling.is_greedy]
     if stochastic:
-        q = sampler.distribution(logits[stochastic].float(), [seqs[i].request.sampling for i in stochastic],
-                                 [histories[i] for i in stochastic])
-        u = torch.cat([uniform(seqs[i].generator).to(q.device) for i in stochastic])
-        drawn = draw_from_probs(q, u).tolist()
-        for j, i in enumerate(stochastic):
-            tokens[i], probs[i] = drawn[j], q[j]
+        u = torch.cat([uniform(seqs[i].generator).to(logits.device) for i in stochastic])
+        drawn, q = sampler.draw(logits[stochastic].float(), [seqs[i].request.sampling for i in stochastic],
+                                [histories[i] for i in stochastic], u)
+        for j, (i, token) in enumerate(zip(stochastic, drawn.tolist())):
+            tokens[i], probs[i] = token, q[j]
     return tokens, probs

@@ -40,7 +40,7 @@ from ...ops.dispatch import upload
 from ...ops.gdn import MAX_STEP_TOKENS
 from ..graph_capture import capture
 from ..penalties import PenaltyTables, penalty_columns
-from ..sampling import Sampler, SamplingParams, TokenHistory, draw_from_probs, row_params
+from ..sampling import Sampler, SamplingParams, TokenHistory, row_params
 from ..sequence import Sequence
 from .base import Draft, Drafter, Observation, choose_drafts, uniform
 
@@ -280,8 +280,9 @@ class MTPGraphs:
                 hidden, logits = self._step(x, step, tokens[-1], hidden)
             if penalised:
                 logits = penalise(logits, seen, counts, x["repetition"], x["presence"], x["frequency"])
-            probs.append(sampling_ops.filtered_probs(logits, *rows))
-            tokens.append(draw_from_probs(probs[-1], x["u"][:, step]))
+            token, q = sampling_ops.sample_and_probs(logits, *rows, x["u"][:, step])
+            tokens.append(token)
+            probs.append(q)
             if penalised and step + 1 < k:
                 record_tokens(seen, counts, row_ids, tokens[-1])
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)

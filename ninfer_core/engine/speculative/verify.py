@@ -16,15 +16,16 @@ Draws come from the request's own generator (k + 1 uniforms per round, whatever 
 so a seeded request is reproducible for a given drafter and K. A round's sampled sequences are
 judged together on the device (`judge_stochastic`, whose verdict the Speculator reads with the
 greedy rows' and the drafts: one host sync for the round), where a sequence at a time took four
-(its rejection index, the residual's emptiness, the draw).
+(its rejection index, the residual's emptiness, the draw); the last token is drawn over 64-bit
+fixed-point masses (ops/rejection.py: the CUDA kernel and its torch reference agree exactly).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...ops import rejection
 from ...ops.dispatch import upload
-from ..sampling import draw_from_probs
 from .base import Draft, draft_matrix, read_with, uniform
 
 
@@ -60,49 +61,19 @@ def stochastic_kept(drafts: list[Draft], verdict: list[int]) -> list[list[int]]:
 def judge_stochastic(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator],
                      finite: torch.Tensor | None = None, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """`accept_stochastic_rows` on the device, nothing read: [2B] int64, each sequence's accepted
-    draft count, then each one's last token (`stochastic_kept` turns them into the kept tokens).
-    `tokens`: the drafts' `draft_matrix` where the caller made it already."""
+    draft count, then each one's last token (`stochastic_kept` turns them into the kept tokens;
+    ops/rejection.py does the work). `tokens`: the drafts' `draft_matrix` where the caller made it."""
     device, ks = p.device, [d.count for d in drafts]
     width = max(ks)
     u = torch.zeros(len(drafts), width + 1, dtype=torch.float64, device=device)
     for b, (generator, k) in enumerate(zip(generators, ks)):
         u[b, : k + 1] = uniform(generator, k + 1).to(device)
-    k_rows = upload(ks, torch.long, device)
-    starts = [sum(ks[:b]) + b for b in range(len(ks))]
-    # row of (b, t) in p, t past k_b clamped to b's last row
-    rows = upload([[start + min(t, k) for t in range(width + 1)] for start, k in zip(starts, ks)], torch.long, device)
     tokens = draft_matrix(drafts, width, device) if tokens is None else tokens
     drawn = [d for d in drafts if d.probs is not None]  # drafts with their q; the others are one-hot
-    q_all = torch.cat([d.probs.to(device) for d in drawn]) if drawn else None
-    q_starts, at = [], 0
+    q = torch.cat([d.probs.to(device) for d in drawn]) if drawn else None
+    meta, p_row, q_row = [], 0, 0
     for d in drafts:
-        q_starts.append(at if d.probs is not None else -1)
-        at += d.count if d.probs is not None else 0
-    has_q = upload([s >= 0 for s in q_starts], torch.bool, device)
-    q_rows = upload([[min(max(s, 0) + min(t, max(k - 1, 0)), max(at - 1, 0)) for t in range(max(width, 1))]
-                     for s, k in zip(q_starts, ks)], torch.long, device)  # (b, t)'s q row, clamped into q_all
-    if width:
-        p_d = p[rows[:, :width], tokens].double()
-        q_d = torch.ones_like(p_d) if q_all is None else torch.where(
-            has_q[:, None], q_all[q_rows[:, :width], tokens].double(), 1.0)
-        rejected = (u[:, :width] * q_d >= p_d) & (torch.arange(width, device=device) < k_rows[:, None])
-        n = torch.where(rejected.any(1), rejected.to(torch.int8).argmax(1), k_rows)
-    else:
-        n = k_rows
-    p_n = p[rows.gather(1, n[:, None]).squeeze(1)].double()
-    # the draft's q at the first rejection (nothing where every draft was accepted: p_k itself)
-    rejecting = n < k_rows
-    q_n = torch.zeros_like(p_n)
-    if q_all is not None:
-        q_at_n = q_rows.gather(1, n.clamp(max=q_rows.shape[1] - 1)[:, None]).squeeze(1)
-        q_n = torch.where((has_q & rejecting)[:, None], q_all[q_at_n].double(), q_n)
-    if width:  # one-hot drafts: q is 1 at the rejected token
-        one_hot = (~has_q & rejecting).double()
-        q_n.scatter_add_(1, tokens.gather(1, n.clamp(max=width - 1)[:, None]), one_hot[:, None])
-    residual = (p_n - q_n).clamp(min=0)
-    residual = torch.where((residual > 0).any(1, keepdim=True), residual, p_n)  # p == q: rounding; p is the answer
-    token = draw_from_probs(residual, u.gather(1, k_rows[:, None]).squeeze(1))
-    if finite is not None:  # a row past the one the token came from is never judged, as in plain decoding
-        invalid = (~finite[rows] & (torch.arange(width + 1, device=device) <= n[:, None])).any(1)
-        n, token = n.masked_fill(invalid, 0), token.masked_fill(invalid, -1)
-    return torch.cat([n, token])
+        meta.append([d.count, p_row, q_row if d.probs is not None else -1])
+        p_row += d.count + 1
+        q_row += d.count if d.probs is not None else 0
+    return rejection.judge(p, q, tokens, u, upload(meta, torch.long, device), finite)
