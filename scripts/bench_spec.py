@@ -554,7 +554,8 @@ def bench_engine(args: argparse.Namespace) -> dict:
         prompt = [torch.randint(0, plain.loaded.config.vocab_size, (args.context,), generator=gen).tolist()]
         for kind, sampling in params.items():
             judge = force_acceptance(speculator, keep_probability(args.acceptance, max(ks)))
-            profiles[f"mtp_{kind}"] = profile_rounds(spec, prompt, replace(sampling, max_tokens=args.profile))
+            profiles[f"mtp_{kind}"] = profile_rounds(spec, prompt, replace(sampling, max_tokens=args.profile),
+                                                     trace_path(args, f"mtp_{kind}"))
             speculator.judge = judge
             profiles[f"plain_{kind}"] = profile_rounds(plain, prompt, replace(sampling, max_tokens=args.profile))
     result = {"bench": "engine", "model": str(args.model), "weights": plain.loaded.recipe.key, "k": ks,
@@ -576,17 +577,44 @@ def bench_engine(args: argparse.Namespace) -> dict:
     return result
 
 
-def profile_rounds(llm: Any, prompts: list[list[int]], params: SamplingParams) -> dict:
+def trace_path(args: argparse.Namespace, name: str) -> Path | None:
+    """Where `--trace` puts MTP run `name`'s profiler trace: beside the --json file."""
+    if not args.trace or args.json is None:
+        return None
+    return args.json.with_name(f"{args.json.stem}_{name}.trace.json.gz")
+
+
+def gpu_idle_us(prof: Any) -> float:
+    """The time between the first kernel's start and the last one's end when no kernel ran: where
+    the GPU waited for the host."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    idle, latest = 0.0, spans[0][1] if spans else 0.0
+    for start, end in spans:
+        idle += max(0.0, start - latest)
+        latest = max(latest, end)
+    return idle
+
+
+def profile_rounds(llm: Any, prompts: list[list[int]], params: SamplingParams, trace: Path | None = None) -> dict:
     """`engine_decode` under the profiler (its decode phase and the prefill before it): per step
-    (round) the wall time, the GPU's busy time and kernels, the host's device syncs; the host ops
-    and the kernels that take the most time."""
+    (round) the wall time, the GPU's busy and idle time and kernels, the host's device syncs; the
+    host ops and the kernels that take the most time. `trace`: the profiler's chrome trace (with
+    Python stacks), gzipped, there."""
+    import gzip
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     from profile_decode import kernel_rows, print_rows
     from profile_prefill import cpu_rows
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=trace is not None) as prof:
         run = engine_decode(llm, prompts, params)
+    if trace is not None:
+        with tempfile.NamedTemporaryFile(suffix=".json") as raw:
+            prof.export_chrome_trace(raw.name)
+            trace.write_bytes(gzip.compress(Path(raw.name).read_bytes()))
     steps = run["steps"]
     kernels = kernel_rows(prof, steps)
     host = cpu_rows(prof, top=400)
@@ -594,12 +622,14 @@ def profile_rounds(llm: Any, prompts: list[list[int]], params: SamplingParams) -
                                                      "cudaEventSynchronize", "aten::_local_scalar_dense"))
     out = {"steps": steps, "wall_ms_per_step": run["ms_per_step"],
            "gpu_busy_ms_per_step": sum(k[0] for k in kernels) / 1e3,
+           "gpu_idle_ms_per_step": gpu_idle_us(prof) / 1e3 / steps,
            "kernels_per_step": sum(k[1] for k in kernels), "syncs_per_step": syncs / steps,
            "host_ops": [dict(us_per_step=us / steps, calls_per_step=c / steps, name=n) for us, c, n in host[:25]],
-           "kernels": [dict(us=u, calls=c, name=n) for u, c, n in kernels[:25]]}
+           "kernels": [dict(us=u, calls=c, name=n) for u, c, n in kernels]}
     print(f"== profiled {params.temperature and 'sampled' or 'greedy'} {steps:.0f} steps: wall "
           f"{run['ms_per_step']:.3f} ms a step (the profiler's overhead in it), GPU busy "
-          f"{out['gpu_busy_ms_per_step']:.3f} ms in {out['kernels_per_step']:.0f} kernels, "
+          f"{out['gpu_busy_ms_per_step']:.3f} ms in {out['kernels_per_step']:.0f} kernels (idle "
+          f"{out['gpu_idle_ms_per_step']:.3f} ms), "
           f"{out['syncs_per_step']:.1f} host syncs a step")
     print_rows(kernels, 12)
     print("   host ops by self CPU time a step:")
@@ -641,6 +671,8 @@ def main() -> None:
     eng.add_argument("--tokens", type=int, default=256)
     eng.add_argument("--acceptance", type=float, default=0.72)
     eng.add_argument("--profile", type=int, default=0, help="then profile batch 1 over this many tokens (0: no)")
+    eng.add_argument("--trace", action="store_true", help="with --profile and --json: the profiled MTP runs' "
+                     "chrome traces, Python stacks included, beside the JSON (NAME_RUN.trace.json.gz)")
     acc = sub.add_parser("acceptance")
     acc.add_argument("--model", default=None, help="checkpoint dir / .gguf (default: embedded SmolLM2-135M)")
     acc.add_argument("--spec", default="ngram", choices=["ngram", "mtp", "dflash"])

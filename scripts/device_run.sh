@@ -197,7 +197,8 @@ LIST
     # edits included. AB_VARIANTS: ab_replays.py's settings, each build timed under each (default X=0).
     # MOE_ROUNDS=N: then bench_moe_triton.py (MOE_TOKENS, MOE_PATHS) of each build, alternating, N rounds.
     # VERIFY_ROUNDS=N: then bench_spec.py verify (K = 1..3 verify rounds against the decode step) likewise;
-    # SPEC_ENGINE_ROUNDS=N: bench_spec.py engine (the engine loop's MTP rounds, batch 1 and 8) likewise.
+    # SPEC_ENGINE_ROUNDS=N: bench_spec.py engine (the engine loop's MTP rounds, batch 1 and 8) likewise
+    # (SPEC_PROFILE_TOKENS=N: then batch 1 under the profiler; SPEC_TRACE=1: its traces too).
     # MAIN_TESTS="tests/a.py tests/b.py": main's GPU tests in its copy, before the patches' ones (a
     # combined build runs its parts' lists together); NO_TESTS=1: none.
     # SAMPLING_ROUNDS=N: bench_sampling.py (the sampler kernel at 248k tokens) likewise.
@@ -277,7 +278,7 @@ LIST
     alternate ${SAMPLING_ROUNDS:-0} sampling 4 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_sampling.py --ref-iters 2
     # SPEC_ENGINE_ROUNDS=N: bench_spec.py engine (the engine loop's MTP rounds at a set acceptance) likewise
     alternate ${SPEC_ENGINE_ROUNDS:-0} spec_engine 14 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_spec.py engine \
-      --weights int4 --model "$PWD/.bench/qwen3.6-35b-a3b" --profile ${SPEC_PROFILE_TOKENS:-0} --batches ${SPEC_BATCHES:-1,8} --k ${SPEC_KS:-3}
+      --weights int4 --model "$PWD/.bench/qwen3.6-35b-a3b" --profile ${SPEC_PROFILE_TOKENS:-0} ${SPEC_TRACE:+--trace} --batches ${SPEC_BATCHES:-1,8} --k ${SPEC_KS:-3}
     for round in $(seq 1 ${ENGINE_ROUNDS:-0}); do
       for v in $(in_order $round); do
         name=$(variant $v)

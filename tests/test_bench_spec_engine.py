@@ -7,7 +7,9 @@ back when a run is done."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -33,12 +35,20 @@ def test_keep_probability_gives_the_acceptance(bench_spec, k, acceptance):
 
 
 def test_engine_rounds_at_the_asked_acceptance(bench_spec, tmp_path):
-    write_tiny_model_dir(tmp_path, moe=True, overrides=WIDE)
-    args = argparse.Namespace(model=tmp_path, batches="1,2", k="1,3", context=16, tokens=200, acceptance=0.72,
-                              device="cpu", dtype="auto", weights="bf16", json=None, profile=24)
+    write_tiny_model_dir(tmp_path / "model", moe=True, overrides=WIDE)
+    args = argparse.Namespace(model=tmp_path / "model", batches="1,2", k="1,3", context=16, tokens=200,
+                              acceptance=0.72, device="cpu", dtype="auto", weights="bf16", json=tmp_path / "r.json",
+                              profile=24, trace=True)
     result = bench_spec.bench_engine(args)
     rows = result["rows"]
     assert set(result["profiles"]) == {"mtp_greedy", "plain_greedy", "mtp_sampled", "plain_sampled"}
+    for name, profiled in result["profiles"].items():  # no GPU here: no kernel, so no idle time between them
+        assert profiled["gpu_idle_ms_per_step"] == 0
+        if name.startswith("plain"):
+            assert not (tmp_path / f"r_{name}.trace.json.gz").exists()
+            continue
+        events = json.loads(gzip.decompress((tmp_path / f"r_{name}.trace.json.gz").read_bytes()))["traceEvents"]
+        assert any(e.get("cat") == "python_function" and "engine_decode" in e.get("name", "") for e in events)
     assert result["profiles"]["mtp_greedy"]["steps"] < result["profiles"]["plain_greedy"]["steps"]
     assert [row["batch"] for row in rows] == [1, 2]
     for row in rows:
