@@ -72,16 +72,18 @@ def test_round_costs_between_and_past_the_measured_batches():
 
 def test_default_costs_draft_where_the_loop_gains():
     """The engine loop's MTP costs (LOOP_COST), worked by hand at the prior a = 0.86 (E(1..3) = 1.86,
-    2.5996, 3.2357): batch 1 greedy K=3 (3.2357 / 2.33 = 1.39 > K=2 1.30); batch 1 sampled K=3
-    (1.18 > K=2 1.07); batch 8 greedy K=3 (1.14); batch 8 sampled none (K=3 0.94, K=2 0.87, K=1
-    0.82: the 0.90x measured at 72%); batch 4 sampled, 3/7 of the way to batch 8: K=3 costs
-    2.75 + 0.71 * 3/7 = 3.054 -> 1.06. At a = 0.6, batch 1 greedy: none (K=2 1.96 / 2.00 = 0.98)."""
+    2.5996, 3.2357): batch 1 greedy K=3 (3.2357 / 2.30 = 1.41 > K=2 1.35); batch 1 sampled K=3
+    (1.28 > K=2 1.18); batch 8 greedy K=3 (1.15); batch 8 sampled K=3 (1.08 > K=2 1.00 > K=1 0.91:
+    the 1.04x measured at 72%); batch 4 sampled, 3/7 of the way to batch 8: K=3 costs
+    2.53 + 0.47 * 3/7 = 2.731 -> 1.18. Batch 1 greedy at a = 0.6: K=2 (1.96 / 1.92 = 1.02; K=1 0.95,
+    K=3 0.95); at a = 0.5: none (K=2 1.75 / 1.92 = 0.91)."""
     p = AdaptiveDraft()
     assert p.cost.tables == LOOP_COST and p.prior == 0.86
     kinds = ((1, False), (1, True), (8, False), (8, True))
-    assert [p.choose("r", 3, b, sampled) for b, sampled in kinds] == [3, 3, 3, 0]
-    assert p.cost.at(4, True)(3) == pytest.approx(2.75 + 0.71 * 3 / 7) and p.choose("r", 3, 4, True) == 3
-    assert AdaptiveDraft(prior=0.6).choose("r", 3) == 0
+    assert [p.choose("r", 3, b, sampled) for b, sampled in kinds] == [3, 3, 3, 3]
+    assert p.cost.at(4, True)(3) == pytest.approx(2.53 + 0.47 * 3 / 7) and p.choose("r", 3, 4, True) == 3
+    assert AdaptiveDraft(prior=0.6).choose("r", 3) == 2
+    assert AdaptiveDraft(prior=0.5).choose("r", 3) == 0
 
 
 def test_choices_follow_the_h200_table():

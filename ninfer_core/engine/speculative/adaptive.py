@@ -26,16 +26,16 @@ from ...errors import NinferError
 
 # A round of K = 0..3 drafts in plain decode steps of the same batch and kind: the engine loop's
 # MTP rounds with the judge's kept drafts at 72% (`scripts/bench_spec.py engine`, Qwen3.6-35B-A3B
-# int4 with random weights, context 512; H100, docs/performance.md, forty-second session), greedy
+# int4 with random weights, context 512; H100, docs/performance.md, forty-third session), greedy
 # and sampled (Qwen3.6's settings, presence penalty 1), batch 1 and 8. Past K = 3: the last slope.
 # Random weights route every token to its own experts, so a batch-8 verify reads more expert bytes
 # than a real model's: its costs are an upper bound. n-gram rounds draft on the host (cheaper than
 # MTP's chain), so for n-gram these costs are conservative too.
 LOOP_COST: dict[tuple[bool, int], tuple[float, ...]] = {
-    (False, 1): (1.0, 1.71, 2.00, 2.33),
-    (False, 8): (1.0, 1.86, 2.46, 2.83),
-    (True, 1): (1.0, 2.11, 2.42, 2.75),
-    (True, 8): (1.0, 2.28, 2.99, 3.46),
+    (False, 1): (1.0, 1.68, 1.92, 2.30),
+    (False, 8): (1.0, 1.85, 2.46, 2.81),
+    (True, 1): (1.0, 1.91, 2.21, 2.53),
+    (True, 8): (1.0, 2.04, 2.61, 3.00),
 }
 
 
