@@ -28,8 +28,8 @@ from ninfer_core.engine.speculative import Speculator
 from ninfer_core.engine.speculative import mtp as mtp_module
 from ninfer_core.engine.speculative.mtp import MTPDrafter
 from ninfer_core.engine.speculative.ngram import NgramDrafter
-from speculative_harness import (PROMPTS, assert_same_drafts, eager_then_graph, greedy, load, run_sampled, run_with,
-                                 write_target)
+from speculative_harness import (PROMPTS, SAMPLED, assert_same_drafts, eager_then_graph, greedy, load, run_sampled,
+                                 run_with, write_target)
 
 torch.set_num_threads(1)
 N_TOKENS = 40
@@ -184,6 +184,24 @@ def test_mtp_sampled_graph_drafts_equal_eager_drafts(target, fake_graphs):
     assert run_sampled(eng, lengths) == want
     assert "sampled" in {kind for kind, _, _ in drafter.graphs.captured}
     assert_same_drafts(rounds)
+
+
+def test_mtp_sampled_graph_reloads_its_rows_parameters_for_a_new_batch(target, fake_graphs):
+    """The sampling chain graph keeps its rows' sampling columns between replays while the batch keeps
+    them; a second batch on the same graphs (same bucket, other temperatures / top-k / top-p / min-p
+    and a greedy row moved) must load its own: its drafts and q equal eager drafting's again."""
+    first = [replace(p, max_tokens=20) for p in SAMPLED]
+    second = [replace(SAMPLED[2], temperature=0.5, top_k=3, max_tokens=20),
+              replace(SAMPLED[0], top_p=0.5, seed=12, max_tokens=20), replace(SAMPLED[1], max_tokens=20)]
+    eager = engine(target, "mtp", graphs=False)
+    want = [run_with(eager, first), run_with(eager, second)]
+    eng = engine(target, "mtp", graphs=True)
+    drafter = eng.speculator.drafter
+    rounds: list = []
+    drafter.propose = eager_then_graph(drafter, rounds)
+    assert [run_with(eng, first), run_with(eng, second)] == want
+    assert_same_drafts(rounds)
+    assert len([key for key in drafter.graphs.captured if key[0] == "sampled"]) < len(rounds)  # graphs reused
 
 
 def test_mtp_graphs_take_greedy_penalties_and_leave_biased_rows(target, fake_graphs):

@@ -512,6 +512,8 @@ class LLMEngine:
             logprobs = self._verify_logprobs(seqs, kept, out.logits)
             if verify:
                 self._commit(batch, out, upload([len(k) for k in kept], torch.long, self.device))
+            # the drafter's catch-up goes to the GPU before the host's bookkeeping (detokenizing, stops)
+            spec.observe(seqs, kept, batch, out)
             for seq, draft, tokens, lps in zip(seqs, drafts, kept, logprobs):
                 seq.num_cached += len(tokens)
                 if tokens[-1] < 0:
@@ -525,7 +527,6 @@ class LLMEngine:
                 penalised = [(s, o) for s, o in zip(seqs, outputs)
                              if s.request.sampling.has_penalties and s.cache is not None and not s.finished]
                 penalties.add([s.cache.slot for s, _ in penalised], [o.new_token_ids for _, o in penalised])
-            spec.observe(seqs, kept, batch, out)
             for seq in seqs:
                 if seq.cache is not None:
                     self.cache.truncate(seq.cache, seq.num_tokens)

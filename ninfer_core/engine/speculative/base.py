@@ -85,14 +85,16 @@ def draft_matrix(drafts: list[Draft], width: int, device: torch.device) -> torch
 @dataclass
 class Observation:
     """Target rows that became part of their sequences: `seqs[i]` owns batch row `rows[i]`, whose
-    first `counts[i]` tokens (cache indices `batch.cache_lens[row] + t`) are kept, and the sequence
-    already holds the token that follows them. Rows past `counts[i]` are padding or rejected."""
+    first `counts[i]` tokens (cache indices `batch.cache_lens[row] + t`) are kept, and the token
+    that follows each is `following[i][t]`, or the sequence's own where `following` is None. Rows
+    past `counts[i]` are padding or rejected."""
 
     seqs: list[Sequence]
     rows: list[int]
     counts: list[int]
     batch: ForwardBatch
     out: ForwardOutput
+    following: list[list[int]] | None = None
 
     def start(self, i: int) -> int:
         """The cache index of seqs[i]'s first row, from the host's copy of the lengths where the
@@ -100,14 +102,20 @@ class Observation:
         row, host = self.rows[i], self.batch.host_cache_lens
         return host[row] if host is not None else int(self.batch.cache_lens[row])
 
-    def next_tokens(self, pad: int = 0) -> torch.Tensor:
-        """[len(seqs), T] the token after each row's position (`pad` past counts[i])."""
+    def device_rows(self, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """On the device, in one upload: [len(seqs), T] the token after each row's position (`pad`
+        past counts[i]), then [len(seqs)] each one's batch row and its last kept row counts[i] - 1."""
         width = self.batch.num_new_tokens
-        rows = []
-        for i, (seq, count) in enumerate(zip(self.seqs, self.counts)):
-            start = self.start(i)
-            rows.append([seq.token_at(start + t + 1) for t in range(count)] + [pad] * (width - count))
-        return upload(rows, torch.long, self.batch.input_ids.device)
+        table = []
+        for i, (seq, row, count) in enumerate(zip(self.seqs, self.rows, self.counts)):
+            if self.following is not None:
+                after = self.following[i]
+            else:
+                after = [seq.token_at(self.start(i) + t + 1) for t in range(count)]
+            tokens = after + [pad] * (width - count)
+            table.append(tokens + [row, count - 1])
+        host = upload(table, torch.long, self.batch.input_ids.device)
+        return host[:, :width], host[:, width], host[:, width + 1]
 
 
 class Drafter(ABC):
@@ -129,20 +137,23 @@ class Drafter(ABC):
         """The sequence ended: drop what the drafter keeps for it."""
 
 
-def uniform(generator: torch.Generator, n: int = 1) -> torch.Tensor:
-    """n float64 uniforms from a request's own generator (on the generator's device)."""
-    return torch.rand(n, dtype=torch.float64, generator=generator, device=generator.device)
+def uniform(generator: torch.Generator, n: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """n float64 uniforms from a request's own generator (on the generator's device; into `out`, n
+    long, where given: the same draws)."""
+    return torch.rand(n, dtype=torch.float64, generator=generator, device=generator.device, out=out)
 
 
-def choose_drafts(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence],
-                  histories: list[TokenHistory]) -> tuple[list[int], list[torch.Tensor | None]]:
+def choose_drafts(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], histories: list[TokenHistory],
+                  u: torch.Tensor | None = None) -> tuple[list[int], list[torch.Tensor | None]]:
     """One draft token per row of a drafter's logits [N, V]: argmax for greedy requests (q one-hot),
-    else a draw from q = the request's own sampling distribution over the drafter's logits."""
+    else a draw from q = the request's own sampling distribution over the drafter's logits, with
+    u[j] for the j-th sampled row (None: one uniform from each one's generator)."""
     tokens = logits.argmax(-1).tolist()
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     stochastic = [i for i, s in enumerate(seqs) if not s.request.sampling.is_greedy]
     if stochastic:
-        u = torch.cat([uniform(seqs[i].generator).to(logits.device) for i in stochastic])
+        if u is None:
+            u = torch.cat([uniform(seqs[i].generator).to(logits.device) for i in stochastic])
         drawn, q = sampler.draw(logits[stochastic].float(), [seqs[i].request.sampling for i in stochastic],
                                 [histories[i] for i in stochastic], u)
         for j, (i, token) in enumerate(zip(stochastic, drawn.tolist())):

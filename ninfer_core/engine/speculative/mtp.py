@@ -85,10 +85,9 @@ class MTPDrafter(Drafter):
     @torch.inference_mode()
     def observe(self, obs: Observation) -> None:
         batch = obs.batch
-        rows = upload(obs.rows, torch.long, batch.input_ids.device)
+        ids, rows, last = obs.device_rows()
         positions = batch.mrope_positions[:, rows] if batch.mrope_positions is not None else batch.positions[rows]
-        inputs = (obs.next_tokens(), obs.out.hidden_states[rows], positions, batch.cache_lens[rows],
-                  batch.block_table[rows], upload([c - 1 for c in obs.counts], torch.long, rows.device))
+        inputs = (ids, obs.out.hidden_states[rows], positions, batch.cache_lens[rows], batch.block_table[rows], last)
         caught = self.graphs.catch_up(*inputs) if self.graphs is not None else None
         tail, logits = caught if caught is not None else self.catch_up(*inputs)
         for i, seq in enumerate(obs.seqs):
@@ -120,9 +119,13 @@ class MTPDrafter(Drafter):
         active = list(range(len(seqs)))
         logits = torch.stack([last.logits for last in lasts])
         hidden = torch.stack([last.hidden for last in lasts])
+        # a sampled row's uniforms, one a draft, drawn at once as the chain graphs draw them
+        draws = [None if s.request.sampling.is_greedy else uniform(s.generator, c) for s, c in zip(seqs, counts)]
         for step in range(max(counts)):
             histories = [TokenHistory(seqs[i].prompt_ids, seqs[i].output_ids + tokens[i]) for i in active]
-            chosen, q = choose_drafts(self.sampler, logits, [seqs[i] for i in active], histories)
+            u = [draws[i][step] for i in active if draws[i] is not None]
+            chosen, q = choose_drafts(self.sampler, logits, [seqs[i] for i in active], histories,
+                                      torch.stack(u).to(logits.device) if u else None)
             for j, i in enumerate(active):
                 tokens[i].append(chosen[j])
                 if q[j] is not None:
@@ -158,6 +161,12 @@ def _penalised(params: SamplingParams) -> bool:
     return not params.is_greedy and params.has_penalties
 
 
+def _row_key(params: SamplingParams) -> tuple:
+    """What of a row's sampling the sampled chains' inputs hold (`MTPGraphs._row_inputs`)."""
+    return (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty,
+            params.presence_penalty, params.frequency_penalty)
+
+
 def _biased(params: SamplingParams) -> bool:
     """A sampled row whose q adds a logit bias, which the chain graphs do not hold."""
     return not params.is_greedy and bool(params.logit_bias)
@@ -170,6 +179,7 @@ class _Captured:
     inputs: dict[str, torch.Tensor]
     graph: torch.cuda.CUDAGraph | None = None
     outputs: tuple[torch.Tensor, ...] = ()
+    held: object = None  # what the inputs that outlive a replay hold (MTPGraphs.draft)
 
 
 class MTPGraphs:
@@ -206,8 +216,8 @@ class MTPGraphs:
         device, k = lasts[0].logits.device, max(counts)
         inputs = {"logits": torch.stack([last.logits for last in lasts]),
                   "hidden": torch.stack([last.hidden for last in lasts]),
-                  "index": upload([last.index for last in lasts], torch.long, device),
-                  "deltas": upload(deltas, torch.long, device), "table": table}
+                  "table": table}
+        inputs["index"], inputs["deltas"] = upload([[last.index for last in lasts], deltas], torch.long, device)
         if all(p.is_greedy for p in params):
             out = self._replay(("draft", len(lasts), k), inputs, lambda x: (self._chain(x, k),))
             if out is None:
@@ -215,30 +225,49 @@ class MTPGraphs:
             tokens = out[0].clone()  # the graph's buffer is the next round's too: the judge reads these later
             return [Draft(pending=tokens[b, :c]) for b, c in enumerate(counts)]
         kind = "sampled" if penalties is None else "penalised"
-        if self._bucket(kind, len(lasts), k, table) is None:  # before the generators draw
-            return None
-        temperature, top_k, top_p, min_p = row_params(params)
-        u = torch.zeros(len(lasts), k, dtype=torch.float64, device=device)
-        for b, (generator, c) in enumerate(zip(generators, counts)):
-            if not params[b].is_greedy:  # one uniform a draft, as eager drafting draws them
-                u[b, :c] = torch.cat([uniform(generator) for _ in range(c)]).to(device)
-        vocab = inputs["logits"].shape[-1]  # top_k past it means no cap (and a 2**63 - 1 stays exact in float64)
-        temperature, top_k, top_p, min_p = sampling_ops.columns_on_device(
-            [temperature, top_k.clamp(-1, vocab), top_p, min_p], device)
-        inputs.update(temperature=temperature, top_k=top_k.long(), top_p=top_p, min_p=min_p, u=u)
-        if penalties is not None:  # greedy rows' drafts are the raw argmax: neutral penalties
+        if penalties is not None:
             assert self.penalties in (None, penalties) and slots is not None, "the graphs read one tables object"
             self.penalties = penalties
-            neutral = SamplingParams()
-            inputs["slots"] = upload(slots, torch.long, device)
-            inputs.update(zip(("repetition", "presence", "frequency"), penalty_columns(
-                [neutral if p.is_greedy else p for p in params], torch.float32, device)))
-        out = self._replay((kind, len(lasts), k), inputs, lambda x: self._sampled_chain(x, k))
-        if out is None:
+        slots = slots if penalties is not None else None
+        vocab = inputs["logits"].shape[-1]
+
+        def like() -> dict[str, torch.Tensor]:  # the uniforms are drawn into the graph's input itself
+            u = torch.zeros(len(lasts), k, dtype=torch.float64, device=device)
+            return inputs | self._row_inputs(params, slots, vocab, device) | {"u": u}
+
+        captured = self._graph((kind, len(lasts), k), table, like, lambda x: self._sampled_chain(x, k))
+        if captured is None:  # before the generators draw
             return None
-        tokens, probs = out[0].clone(), out[1]  # read by the judge with its tokens
+        # the rows' sampling parameters (and slots) stay in the graph's inputs while its batch keeps them
+        held = (tuple(map(_row_key, params)), tuple(slots or ()))
+        if captured.held != held:
+            inputs |= self._row_inputs(params, slots, vocab, device)
+            captured.held = held
+        u = captured.inputs["u"]  # one uniform a draft, as eager drafting draws them, into the graph's input
+        for b, (generator, c) in enumerate(zip(generators, counts)):
+            if not params[b].is_greedy:
+                uniform(generator, c, out=u[b, :c])
+        tokens, probs = self._run(captured, inputs, len(lasts))
+        tokens = tokens.clone()  # the graph's buffer is the next round's too: read by the judge with its tokens
         return [Draft(pending=tokens[b, :c], probs=None if p.is_greedy else probs[b, :c].clone())
                 for b, (c, p) in enumerate(zip(counts, params))]
+
+    @staticmethod
+    def _row_inputs(params: list[SamplingParams], slots: list[int] | None, vocab: int,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+        """The sampled chains' per-row inputs: the sampling columns and, with `slots`, the rows of the
+        penalty tables and the penalties (greedy rows': neutral, their drafts are the raw argmax)."""
+        temperature, top_k, top_p, min_p = row_params(params)
+        # top_k past the vocabulary means no cap (and a 2**63 - 1 stays exact in float64)
+        temperature, top_k, top_p, min_p = sampling_ops.columns_on_device(
+            [temperature, top_k.clamp(-1, vocab), top_p, min_p], device)
+        out = dict(temperature=temperature, top_k=top_k.long(), top_p=top_p, min_p=min_p)
+        if slots is not None:
+            neutral = SamplingParams()
+            out["slots"] = upload(slots, torch.long, device)
+            out.update(zip(("repetition", "presence", "frequency"), penalty_columns(
+                [neutral if p.is_greedy else p for p in params], torch.float32, device)))
+        return out
 
     def catch_up(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache_lens: torch.Tensor,
                  block_table: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -299,17 +328,27 @@ class MTPGraphs:
     def _replay(self, key: tuple[str, int, int], inputs: dict[str, torch.Tensor],
                 fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...] | None:
         """Load `inputs` (B rows) into the graph of (kind, bucket, size), capturing it first."""
+        captured = self._graph(key, inputs["table"], lambda: inputs, fn)
+        return None if captured is None else self._run(captured, inputs, key[1])
+
+    def _graph(self, key: tuple[str, int, int], table: torch.Tensor, like: Callable[[], dict[str, torch.Tensor]],
+               fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]) -> _Captured | None:
+        """The graph of (kind, bucket, size) serving B = key[1] rows of this block table, captured on
+        first use over inputs shaped like `like()` (all it reads), or None when none serves."""
         kind, rows, size = key
-        bucket = self._bucket(kind, rows, size, inputs["table"])
+        bucket = self._bucket(kind, rows, size, table)
         if bucket is None:
             return None
-        captured = self.captured.get((kind, bucket, size)) or self._capture((kind, bucket, size), inputs, fn)
-        if captured is None or captured.graph is None:
-            return None
+        captured = self.captured.get((kind, bucket, size)) or self._capture((kind, bucket, size), like(), fn)
+        return None if captured is None or captured.graph is None else captured
+
+    def _run(self, captured: _Captured, inputs: dict[str, torch.Tensor], rows: int) -> tuple[torch.Tensor, ...]:
+        """Load `inputs` into their graph inputs' first `rows` rows (the inputs not named keep what
+        they hold), replay, and return the outputs' first `rows` rows."""
         for name, value in inputs.items():
             static = captured.inputs[name][:rows]
             (static[:, : value.shape[1]] if name == "table" else static).copy_(value)
-        self._park(captured.inputs, rows)
+        self._park({name: captured.inputs[name] for name in inputs}, rows)
         captured.graph.replay()
         return tuple(t[:rows] for t in captured.outputs)
 
@@ -321,6 +360,8 @@ class MTPGraphs:
         return bucket
 
     def _park(self, inputs: dict[str, torch.Tensor], start: int) -> None:
+        if not inputs or start == next(iter(inputs.values())).shape[0]:  # a full bucket: no spare rows
+            return
         for name, static in inputs.items():
             if name == "table":
                 static[start:].fill_(self.graphs.scratch_page)

@@ -61,11 +61,13 @@ class Speculator:
             self.drafter.observe(Observation([seq], [0], [batch.num_new_tokens], batch, out))
 
     def observe(self, seqs: list[Sequence], kept: list[list[int]], batch: ForwardBatch, out: ForwardOutput) -> None:
-        """A verify's kept rows are part of their sequences now: the drafter conditions on them."""
-        watched = [i for i, s in enumerate(seqs) if s.draft_limit and not s.finished]
+        """A verify's kept rows become part of their sequences (before the engine appends `kept`, the
+        token after each kept row): the drafter conditions on them. A row whose sampling failed
+        (its last token -1) ends its sequence: not watched."""
+        watched = [i for i, s in enumerate(seqs) if s.draft_limit and not s.finished and kept[i][-1] >= 0]
         if watched:
             self.drafter.observe(Observation([seqs[i] for i in watched], watched, [len(kept[i]) for i in watched],
-                                             batch, out))
+                                             batch, out, [kept[i] for i in watched]))
 
     def release(self, seq: Sequence) -> None:
         self.drafter.release(seq)

@@ -67,7 +67,7 @@ def judge_stochastic(drafts: list[Draft], p: torch.Tensor, generators: list[torc
     width = max(ks)
     u = torch.zeros(len(drafts), width + 1, dtype=torch.float64, device=device)
     for b, (generator, k) in enumerate(zip(generators, ks)):
-        u[b, : k + 1] = uniform(generator, k + 1).to(device)
+        uniform(generator, k + 1, out=u[b, : k + 1])
     tokens = draft_matrix(drafts, width, device) if tokens is None else tokens
     drawn = [d for d in drafts if d.probs is not None]  # drafts with their q; the others are one-hot
     q = torch.cat([d.probs.to(device) for d in drawn]) if drawn else None
