@@ -23,7 +23,8 @@ import torch
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import Sampler, SamplingParams, TokenHistory
 from ninfer_core.engine.speculative import Draft, speculator
-from ninfer_core.engine.speculative.verify import accept_stochastic, accept_stochastic_rows
+from ninfer_core.engine.speculative.base import read_with
+from ninfer_core.engine.speculative.verify import judge_stochastic, stochastic_kept
 from speculative_harness import PROMPTS, load, run, write_target
 
 torch.set_num_threads(1)
@@ -42,6 +43,19 @@ def chi2_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
     stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
     df = int(keep.sum()) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def accept_stochastic(draft: Draft, p: torch.Tensor, generator: torch.Generator) -> list[int]:
+    """The engine's rule for one sequence: p [k+1, V] target distributions -> the accepted drafts plus
+    one more token."""
+    return accept_stochastic_rows([draft], p, [generator])[0]
+
+
+def accept_stochastic_rows(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator],
+                           finite: torch.Tensor | None = None) -> list[list[int]]:
+    """`accept_stochastic` for B sequences at once, as the engine judges them: `judge_stochastic` (p,
+    generators and `finite` as it takes them), then one read."""
+    return stochastic_kept(drafts, read_with(drafts, judge_stochastic(drafts, p, generators, finite)))
 
 
 def accept_always(draft: Draft, p: torch.Tensor, generator: torch.Generator) -> list[int]:

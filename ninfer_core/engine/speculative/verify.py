@@ -26,7 +26,7 @@ import torch
 
 from ...ops import rejection
 from ...ops.dispatch import upload
-from .base import Draft, draft_matrix, read_with, uniform
+from .base import Draft, draft_matrix, uniform
 
 
 def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
@@ -37,21 +37,6 @@ def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
     return draft[:n] + [target[n]]
 
 
-def accept_stochastic(draft: Draft, p: torch.Tensor, generator: torch.Generator) -> list[int]:
-    """p [k+1, V] target distributions. Returns the accepted drafts plus one more token."""
-    return accept_stochastic_rows([draft], p, [generator])[0]
-
-
-def accept_stochastic_rows(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator],
-                           finite: torch.Tensor | None = None) -> list[list[int]]:
-    """`accept_stochastic` for B sequences at once, on p's device with one host sync for the batch
-    (per sequence it took four): p holds each sequence's k_b + 1 rows back to back. Each generator
-    gives its k_b + 1 uniforms first, in batch order, as one sequence at a time would. `finite`
-    [rows of p]: False where the row's logits were not finite: a sequence with such a row among
-    those it was judged on keeps no draft and gets token -1 (the engine fails it)."""
-    return stochastic_kept(drafts, read_with(drafts, judge_stochastic(drafts, p, generators, finite)))
-
-
 def stochastic_kept(drafts: list[Draft], verdict: list[int]) -> list[list[int]]:
     """The kept tokens from `judge_stochastic`'s verdict read to the host (the drafts read too)."""
     counts, last = verdict[: len(drafts)], verdict[len(drafts) :]
@@ -60,9 +45,13 @@ def stochastic_kept(drafts: list[Draft], verdict: list[int]) -> list[list[int]]:
 
 def judge_stochastic(drafts: list[Draft], p: torch.Tensor, generators: list[torch.Generator],
                      finite: torch.Tensor | None = None, tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """`accept_stochastic_rows` on the device, nothing read: [2B] int64, each sequence's accepted
-    draft count, then each one's last token (`stochastic_kept` turns them into the kept tokens;
-    ops/rejection.py does the work). `tokens`: the drafts' `draft_matrix` where the caller made it."""
+    """B sequences judged at once on p's device, nothing read: [2B] int64, each sequence's accepted
+    draft count, then each one's last token (`stochastic_kept` turns them, read, into the kept
+    tokens; ops/rejection.py does the work). p holds each sequence's k_b + 1 rows back to back; each
+    generator gives its k_b + 1 uniforms first, in batch order, as one sequence at a time would.
+    `finite` [rows of p]: False where the row's logits were not finite: a sequence with such a row
+    among those it was judged on keeps no draft and gets token -1 (the engine fails it). `tokens`:
+    the drafts' `draft_matrix` where the caller made it."""
     device, ks = p.device, [d.count for d in drafts]
     width = max(ks)
     u = torch.zeros(len(drafts), width + 1, dtype=torch.float64, device=device)
