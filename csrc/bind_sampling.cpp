@@ -14,7 +14,8 @@ void bind_sampling(py::module_& m) {
   m.def(
       "sample_rows",
       [](std::optional<TensorArg> tokens, std::optional<TensorArg> probs, std::optional<TensorArg> threshold,
-         TensorArg logits, TensorArg columns, std::optional<TensorArg> uniform, TensorArg segments, int max_candidates, std::uintptr_t stream) {
+         TensorArg logits, TensorArg columns, std::optional<TensorArg> uniform, TensorArg segments, int max_candidates,
+         std::uintptr_t stream) {
         ArgCheck check("sample_rows");
         check("logits", logits).shape({kAny, kAny}).dtype(ScalarType::F32).contiguous();
         const std::int64_t rows = logits.size(0), vocab = logits.size(1);

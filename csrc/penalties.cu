@@ -54,8 +54,9 @@ __global__ void record_kernel(bool* __restrict__ seen, int* __restrict__ counts,
 void record_tokens(const RecordArgs& a) {
   if (a.n == 0) return;
   DeviceGuard guard(a.device);
-  launch_kernel("record kernel launch", record_kernel, static_cast<unsigned>((a.n + kThreads - 1) / kThreads), kThreads, 0,
-                as_stream(a.stream), reinterpret_cast<bool*>(a.seen), reinterpret_cast<int*>(a.counts),
+  const auto blocks = static_cast<unsigned>((a.n + kThreads - 1) / kThreads);
+  launch_kernel("record kernel launch", record_kernel, blocks, kThreads, 0, as_stream(a.stream),
+                reinterpret_cast<bool*>(a.seen), reinterpret_cast<int*>(a.counts),
                 reinterpret_cast<const std::int64_t*>(a.rows), reinterpret_cast<const std::int64_t*>(a.ids), a.n,
                 a.table_rows, a.vocab);
 }

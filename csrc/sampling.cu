@@ -262,7 +262,8 @@ __global__ void __launch_bounds__(kSegmentWarps * 32)
     float* out = probs + offset;
     const int begin = seg * len, end = min(begin + len, vocab);
     if constexpr (VEC == 4) {
-      for (int i = begin + 4 * lane; i < end; i += 4 * 32) *reinterpret_cast<float4*>(out + i) = make_float4(0, 0, 0, 0);
+      for (int i = begin + 4 * lane; i < end; i += 4 * 32)
+        *reinterpret_cast<float4*>(out + i) = make_float4(0, 0, 0, 0);
     } else {
       for (int i = begin + lane; i < end; i += 32) out[i] = 0.0f;
     }
@@ -579,7 +580,8 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const Params p) {
   const float* x = p.logits + offset;
 
   // this thread's segment max as pack(key, id); 0 past the row's segments (below every token)
-  const u64 best = threadIdx.x < p.segments_count ? __ldcg(p.segments + static_cast<std::int64_t>(row) * kThreads + threadIdx.x) : 0;
+  const u64 best =
+      threadIdx.x < p.segments_count ? __ldcg(p.segments + static_cast<std::int64_t>(row) * kThreads + threadIdx.x) : 0;
   const u64 top = block_reduce(best, Max{}, s.scratch);
   const unsigned top_key = static_cast<unsigned>(top >> 32);
   if (top_key == kBadKey || top_key <= order_key(-INFINITY)) {  // NaN / +inf, or nothing finite

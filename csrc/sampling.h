@@ -29,10 +29,10 @@ inline constexpr int kSampleMaxSegments = 1024;    // a row's segments at most (
 //   threshold [rows] fp32: the smallest kept logit (debug: kept = logits >= threshold).
 // Inputs: columns [4, rows] fp64: temperature (<= 0 or NaN: greedy; a positive one below fp32's
 // smallest normal counts as that normal), top_k (none outside 1..vocab - 1), top_p, min_p (both
-// rounded to fp32); uniform [rows] fp64 in [0, 1) (read only when tokens != 0). max_candidates (0..4096) bounds the shared-memory
-// candidate set of a row; 0 forces the full-vocabulary path (tests). Workspace: segments
-// [rows * kSampleMaxSegments] 64-bit, any contents (the row's segment maxima between the two
-// launches).
+// rounded to fp32); uniform [rows] fp64 in [0, 1) (read only when tokens != 0). max_candidates
+// (0..4096) bounds the shared-memory candidate set of a row; 0 forces the full-vocabulary path
+// (tests). Workspace: segments [rows * kSampleMaxSegments] 64-bit, any contents (the row's segment
+// maxima between the two launches).
 struct SamplingArgs {
   std::uintptr_t tokens;
   std::uintptr_t probs;
