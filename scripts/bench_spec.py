@@ -37,6 +37,7 @@ directory (scripts/make_bench_model.py). Per batch, greedy and at Qwen3.6's sugg
 presence penalty 1.0 (as the reference engine benchmarks MTP): plain decode, then MTP K = 3 rounds
 whose judge runs as usual but whose kept drafts are a seeded draw putting accepted / drafted at
 `--acceptance` (random weights would reject nearly everything), and at 0 (the round's cost alone).
+K = 0 times `--adaptive-draft`'s rounds without drafts: the speculative step, not the plain one.
 The tokens are not the model's (forced drafts); the work and time of each round are the engine's.
 """
 
@@ -68,6 +69,7 @@ from ninfer_core.engine.penalties import PenaltyTables  # noqa: E402
 from ninfer_core.engine.request import GenerationRequest, SpecStats  # noqa: E402
 from ninfer_core.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from ninfer_core.engine.sequence import Sequence  # noqa: E402
+from ninfer_core.engine.speculative.adaptive import AdaptiveDraft  # noqa: E402
 from ninfer_core.engine.speculative import Draft  # noqa: E402
 from ninfer_core.engine.speculative import mtp_head  # noqa: E402
 from ninfer_core.engine.speculative.draft_head import draft_lm_head  # noqa: E402
@@ -519,6 +521,19 @@ def engine_decode(llm: Any, prompts: list[list[int]], params: SamplingParams, dr
     return result
 
 
+def no_draft_rounds(llm: Any, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """`engine_decode` with every round an adaptive policy's K = 0 round: the sequences may draft
+    (their limit is 1), a policy that has seen nothing accepted never asks (and never probes), so
+    each round is the speculative step without drafts (a sync, the judge, the drafter's catch-up)
+    where `--adaptive-draft`'s cost model counts one plain step."""
+    speculator = llm.engine.speculator
+    policy, speculator.adaptive = speculator.adaptive, AdaptiveDraft(prior=0.0, probe_every=sys.maxsize)
+    try:
+        return engine_decode(llm, prompts, params, 1)
+    finally:
+        speculator.adaptive = policy
+
+
 def bench_engine(args: argparse.Namespace) -> dict:
     from ninfer_core.llm import LLM, EngineOptions
 
@@ -528,7 +543,8 @@ def bench_engine(args: argparse.Namespace) -> dict:
                             max_context=length, max_seqs=max(batches), kv_capacity=max(batches) * length,
                             prefix_cache=False)
     plain = LLM.load(args.model, options)
-    spec = LLM(plain.loaded, replace(options, spec="mtp", draft_tokens=max(ks)))
+    top = max(*ks, 1)  # the engine's K (K = 0 runs need a limit too)
+    spec = LLM(plain.loaded, replace(options, spec="mtp", draft_tokens=top))
     speculator = spec.engine.speculator
     gen = torch.Generator().manual_seed(0)
     params = {"greedy": SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True),
@@ -544,6 +560,9 @@ def bench_engine(args: argparse.Namespace) -> dict:
         for kind, sampling in params.items():
             row[f"plain_{kind}"] = engine_decode(plain, prompts, sampling)
             for k in ks:
+                if k == 0:
+                    row[f"mtp_{kind}_k0"] = no_draft_rounds(spec, prompts, sampling)
+                    continue
                 for acceptance in (args.acceptance, 0.0):
                     judge = force_acceptance(speculator, keep_probability(acceptance, k))
                     row[f"mtp_{kind}_k{k}_at_{acceptance:g}"] = engine_decode(spec, prompts, sampling, k)
@@ -553,7 +572,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
     if args.profile:  # batch 1 at the set acceptance, greedy and sampled, under the profiler
         prompt = [torch.randint(0, plain.loaded.config.vocab_size, (args.context,), generator=gen).tolist()]
         for kind, sampling in params.items():
-            judge = force_acceptance(speculator, keep_probability(args.acceptance, max(ks)))
+            judge = force_acceptance(speculator, keep_probability(args.acceptance, top))
             profiles[f"mtp_{kind}"] = profile_rounds(spec, prompt, replace(sampling, max_tokens=args.profile),
                                                      trace_path(args, f"mtp_{kind}"))
             speculator.judge = judge
@@ -666,7 +685,8 @@ def main() -> None:
     eng.add_argument("--model", type=Path, default=Path(".bench/qwen3.6-35b-a3b"),
                      help="a model directory (scripts/make_bench_model.py); its weights are random")
     eng.add_argument("--batches", default="1,8")
-    eng.add_argument("--k", default="3", help="drafts a round (comma list: one run each)")
+    eng.add_argument("--k", default="3", help="drafts a round (comma list: one run each; 0: the adaptive "
+                     "policy's rounds without drafts)")
     eng.add_argument("--context", type=int, default=512)
     eng.add_argument("--tokens", type=int, default=256)
     eng.add_argument("--acceptance", type=float, default=0.72)

@@ -1,8 +1,8 @@
 """scripts/bench_spec.py `engine`: the engine loop with MTP rounds at a set acceptance. Its numbers are
 timings (the GPU's, in docs/performance.md); what is checked here is that the rounds are what the
 table says they are: the keep probability gives the asked accepted / drafted, no draft survives at
-acceptance 0 (a token a round, as many rounds as plain steps), and the forced judge puts the engine's
-back when a run is done."""
+acceptance 0 (a token a round, as many rounds as plain steps), K = 0 runs speculative rounds without
+drafts, and the forced judge puts the engine's back when a run is done."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_keep_probability_gives_the_acceptance(bench_spec, k, acceptance):
 
 def test_engine_rounds_at_the_asked_acceptance(bench_spec, tmp_path):
     write_tiny_model_dir(tmp_path / "model", moe=True, overrides=WIDE)
-    args = argparse.Namespace(model=tmp_path / "model", batches="1,2", k="1,3", context=16, tokens=200,
+    args = argparse.Namespace(model=tmp_path / "model", batches="1,2", k="0,1,3", context=16, tokens=200,
                               acceptance=0.72, device="cpu", dtype="auto", weights="bf16", json=tmp_path / "r.json",
                               profile=24, trace=True)
     result = bench_spec.bench_engine(args)
@@ -60,6 +60,11 @@ def test_engine_rounds_at_the_asked_acceptance(bench_spec, tmp_path):
                 assert forced["acceptance"] == pytest.approx(0.72, abs=0.1)
                 assert forced["tokens_per_round"] == pytest.approx(1 + 0.72 * k, abs=0.35)
                 assert none["plain_steps"] == pytest.approx(none["ms_per_step"] / row[f"plain_{kind}"]["ms_per_step"])
+            # K = 0: speculative rounds (their spec counters exist) without a draft, a token each
+            bare = row[f"mtp_{kind}_k0"]
+            assert bare["acceptance"] == 0 and bare["tokens_per_round"] == 1
+            assert bare["steps"] == pytest.approx(row[f"plain_{kind}"]["steps"])
+    assert "acceptance" not in rows[0]["plain_greedy"]  # plain runs have no spec counters
 
 
 def test_forced_judge_keeps_drafts_then_the_judges_token(bench_spec):
