@@ -224,6 +224,36 @@ def test_rounds_without_drafts_are_plain_decode_steps(target, plain):
     assert (1, True) not in decode
 
 
+@pytest.mark.parametrize("opted_out", ["draft_tokens", "min_tokens"])
+def test_a_drafting_request_arrives_while_plain_steps_overlap(opted_out, target, plain):
+    """With steps overlapped (as on a GPU), sequences that never draft (a request's draft_tokens 0;
+    one with min_tokens or a grammar, whose rows are masked) run plain steps launched before the
+    last one's tokens are read; a drafting request that arrives meanwhile needs those tokens on the
+    host before its first speculative step (it crashed the engine's loop: `assert self._launched is
+    None`). Both answers stay plain decode's."""
+    llm = load(target, spec="mtp", draft_tokens=3)
+    eng = llm.engine
+    eng.overlap = True
+    first = GenerationRequest(PROMPTS[0], greedy(N_TOKENS, min_tokens=2) if opted_out == "min_tokens"
+                              else greedy(N_TOKENS))
+    if opted_out == "draft_tokens":
+        first.draft_tokens = 0
+    second = GenerationRequest(PROMPTS[1], greedy(N_TOKENS))
+    tokens: dict[str, list[int]] = {first.request_id: [], second.request_id: []}
+    eng.add_request(first)
+    steps = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+        steps += 1
+        if steps == 5:
+            assert eng._launched is not None  # the plain steps do overlap
+            eng.add_request(second)
+    assert list(tokens.values()) == plain[:2]
+    spec = llm.stats().spec
+    assert spec is not None and spec.rounds > 0
+
+
 def test_metrics_per_request_and_aggregate(target):
     llm = load(target, spec="ngram", draft_tokens=5)
     result = llm.chat_result(ChatRequest(messages=[{"role": "user", "content": "hi hi hi hi"}],

@@ -346,7 +346,10 @@ class LLMEngine:
             return False
         running = self.scheduler.running
         decoding = [s for s in running if not s.finished and not s.in_prefill]
-        return not any(s.draft_limit for s in running) and self.scheduler.can_grow(decoding)
+        # a speculative step reads the last tokens on the host: none while a sequence that drafts
+        # runs, or waits (the next plan may admit it beside rows whose step would still be in flight)
+        drafting = any(s.draft_limit for s in (*running, *self.scheduler.waiting))
+        return not drafting and self.scheduler.can_grow(decoding)
 
     def _speculating(self, plan: StepPlan) -> bool:
         return self.speculator is not None and any(s.draft_limit for s in plan.sequences)
