@@ -12,8 +12,9 @@ running the next one (SGLang's overlap scheduler). Grammar-constrained rows keep
 row's mask needs step N's token accepted by its grammar (engine/grammar.py), so such a step queues
 its forward, then completes step N (tokens accepted) and fills the masks while that forward runs,
 and only then queues the masking and sampling. A step falls back to running alone when it needs
-the previous tokens on the host before its forward: speculative rounds, or a plan that may
-preempt. Sequences that stop get one wasted row in the already launched step.
+the previous tokens on the host before its forward: speculative rounds (none is launched while a
+sequence that drafts runs or waits), or a plan that may preempt. Sequences that stop get one
+wasted row in the already launched step.
 """
 
 from __future__ import annotations
