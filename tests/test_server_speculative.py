@@ -5,13 +5,14 @@ drafts were made, and the server ends idle with its cache free."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
 import pytest
 
 from ninfer_core.server.app import ServerHandle
-from server_harness import load_tiny_llm, sse_json, wait_for, write_model
+from server_harness import load_tiny_llm, wait_for, write_model
 
 # thinking off: the answer is the content (the JSON under its grammar)
 GREEDY = {"temperature": 0, "max_tokens": 40, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
@@ -41,35 +42,23 @@ def servers(tmp_path_factory):
 
 def _stream(url: str, body: dict, out: dict, name: str, started: threading.Event | None = None,
             leave_after: int | None = None) -> None:
-    """One streamed chat: its text into out[name] (set `started` at its first chunk; stop reading after
-    `leave_after` chunks, closing the connection)."""
-    chunks = 0
+    """One streamed chat: its text into out[name] (set `started` at its first chunk; after `leave_after`
+    chunks, None, and the connection closed)."""
+    text = []
     with httpx.stream("POST", url + "/v1/chat/completions", json={**GREEDY, **body, "stream": True},
                       timeout=120) as response:
         assert response.status_code == 200, response.read()
-        text = []
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunks += 1
             if started is not None:
                 started.set()
-            if leave_after is not None and chunks >= leave_after:
+            if leave_after is not None and len(text) + 1 >= leave_after:
                 out[name] = None
                 return
-            text.append(line)
-    out[name] = "".join(c["choices"][0]["delta"].get("content") or "" for c in
-                        sse_json(_Lines(text)) if c["choices"])
-
-
-class _Lines:
-    """The `iter_lines` of data lines already read (sse_json reads a response's lines)."""
-
-    def __init__(self, lines: list[str]):
-        self.lines = lines
-
-    def iter_lines(self):
-        return iter(self.lines)
+            choices = json.loads(line[6:])["choices"]
+            text.append(choices[0]["delta"].get("content") or "" if choices else "")
+    out[name] = "".join(text)
 
 
 def test_drafting_requests_join_plain_rows_in_flight(servers):
