@@ -63,6 +63,7 @@ class RoundCosts:
 
     tables: Mapping[tuple[bool, int], tuple[float, ...]] = field(default_factory=lambda: dict(LOOP_COST))
     draft: float = 0.0
+    _models: dict[tuple[int, bool], CostModel] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for sampled in (False, True):
@@ -72,6 +73,12 @@ class RoundCosts:
             CostModel(table, self.draft)  # each checked
 
     def at(self, batch: int, sampled: bool) -> CostModel:
+        model = self._models.get((batch, sampled))
+        if model is None:  # made once a (batch, kind): the engine asks for every sequence, every step
+            model = self._models[batch, sampled] = self._interpolate(batch, sampled)
+        return model
+
+    def _interpolate(self, batch: int, sampled: bool) -> CostModel:
         sizes = sorted(b for kind, b in self.tables if kind == sampled)
         low = max([b for b in sizes if b <= batch], default=sizes[0])
         high = min([b for b in sizes if b >= batch], default=sizes[-1])
