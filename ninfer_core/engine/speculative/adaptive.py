@@ -74,7 +74,7 @@ class RoundCosts:
 
     def at(self, batch: int, sampled: bool) -> CostModel:
         model = self._models.get((batch, sampled))
-        if model is None:  # made once a (batch, kind): the engine asks for every sequence, every step
+        if model is None:  # made once a (batch, kind): the engine asks for every sequence every round
             model = self._models[batch, sampled] = self._interpolate(batch, sampled)
         return model
 
