@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from ninfer_core.server.app import ServerHandle
-from server_harness import load_tiny_llm, wait_for, write_model
+from server_harness import load_tiny_llm, sse_events, wait_for, write_model
 
 # thinking off: the answer is the content (the JSON under its grammar)
 GREEDY = {"temperature": 0, "max_tokens": 40, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
@@ -48,15 +48,15 @@ def _stream(url: str, body: dict, out: dict, name: str, started: threading.Event
     with httpx.stream("POST", url + "/v1/chat/completions", json={**GREEDY, **body, "stream": True},
                       timeout=120) as response:
         assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        for _, data in sse_events(response):
+            if data == "[DONE]":
                 continue
             if started is not None:
                 started.set()
             if leave_after is not None and len(text) + 1 >= leave_after:
                 out[name] = None
                 return
-            choices = json.loads(line[6:])["choices"]
+            choices = json.loads(data)["choices"]
             text.append(choices[0]["delta"].get("content") or "" if choices else "")
     out[name] = "".join(text)
 
