@@ -66,7 +66,8 @@ def rejects(call: Callable[[], object], match: str) -> None:
 
 class ChecksOnly:
     """The real extension with each binding stopped after its checks: a call must end at the device
-    check (every other check passed), then its outputs are zeroed (finite logits, in-range ids) so
+    check (every other check passed), then its outputs are zeroed (finite logits, in-range ids) and
+    a sampler's probabilities made one-hot at token 0 (a distribution the judge can draw from) so
     the engine around it runs on; `calls` counts the calls per binding."""
 
     # outputs by argument name; `weights` and `logits` are outputs only of the bindings named here
@@ -91,6 +92,8 @@ class ChecksOnly:
             for key in outputs:
                 if kwargs.get(key) is not None:
                     kwargs[key].zero_()
+            if kwargs.get("probs") is not None:
+                kwargs["probs"][:, 0] = 1.0
 
         return checked
 
