@@ -73,8 +73,10 @@ from ninfer_core.engine.speculative.adaptive import AdaptiveDraft  # noqa: E402
 from ninfer_core.engine.speculative import Draft  # noqa: E402
 from ninfer_core.engine.speculative import mtp_head  # noqa: E402
 from ninfer_core.engine.speculative.draft_head import draft_lm_head  # noqa: E402
+from ninfer_core.engine.speculative.base import draft_matrix  # noqa: E402
 from ninfer_core.engine.speculative.mtp import MTPDrafter, _Last  # noqa: E402
 from ninfer_core.engine.speculative.rollback import commit_gdn  # noqa: E402
+from ninfer_core.engine.speculative.verify import Verdict  # noqa: E402
 from ninfer_core.layers.attention import AttentionMetadata  # noqa: E402
 from ninfer_core.models.base import ForwardBatch  # noqa: E402
 from ninfer_core.models.dflash import BlockInputs, DFlashConfig, DFlashModel  # noqa: E402
@@ -82,6 +84,7 @@ from ninfer_core.models.loader import init_random_, random_model, resolve_device
 from ninfer_core.hub.fit import count_params  # noqa: E402
 from ninfer_core.models.quantize import resolve_recipe  # noqa: E402
 from ninfer_core.models.presets import preset  # noqa: E402
+from ninfer_core.ops.dispatch import upload  # noqa: E402
 
 PROMPTS = {
     "code": "Write a Python class LinkedList with methods append, prepend, remove and __len__, each with a docstring.",
@@ -461,19 +464,28 @@ def bench_acceptance(args: argparse.Namespace) -> dict:
 
 
 def force_acceptance(speculator: Any, keep: float) -> Callable:
-    """Make `speculator.judge` run as the engine runs it (its time, its syncs), then keep each
+    """Make `speculator.judge` run as the engine runs it (its time, its read), then keep each
     sequence's first n drafts, n a seeded draw (each draft kept with probability `keep` once the
     ones before were), and the judge's last token after them: the round's work (commit, catch-up,
-    next drafts) at a set acceptance, whatever the random weights say. Returns the judge to put back."""
+    next drafts) at a set acceptance, whatever the random weights say. The forced verdict is made
+    on the device as the judge's is (the engine commits and catches up from it before the read).
+    Returns the judge to put back."""
     judge, rng = speculator.judge, random.Random(0)
 
     def forced(seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor,
-               penalties: PenaltyTables | None = None) -> list[list[int]]:
-        kept = []
-        for draft, own in zip(drafts, judge(seqs, drafts, logits, penalties)):
-            n = next((j for j in range(len(draft.tokens)) if rng.random() >= keep), len(draft.tokens))
-            kept.append(draft.tokens[:n] + own[-1:])
-        return kept
+               penalties: PenaltyTables | None = None) -> Verdict:
+        verdict = judge(seqs, drafts, logits, penalties)
+        ns = [next((j for j in range(d.count) if rng.random() >= keep), d.count) for d in drafts]
+        device, width = verdict.following.device, verdict.following.shape[1]
+        n = upload(ns, torch.long, device)
+        own = verdict.following.gather(1, verdict.counts[:, None] - 1)  # the judge's last token
+        accepted = draft_matrix(drafts, width, device)  # the drafts, then zeros
+        following = torch.where(torch.arange(width, device=device) < n[:, None], accepted, own)
+
+        def kept() -> list[list[int]]:
+            return [d.tokens[:k] + own_kept[-1:] for d, k, own_kept in zip(drafts, ns, verdict.kept())]
+
+        return Verdict(n + 1, following, kept)
 
     speculator.judge = forced
     return judge

@@ -151,6 +151,9 @@ class Spy(Drafter):
     def observe(self, obs: Observation) -> None:
         self.inner.observe(obs)
 
+    def settle(self, obs: Observation, counts: list[int]) -> None:
+        self.inner.settle(obs, counts)
+
     def propose(self, seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:
         own = self.inner.propose(seqs, counts, penalties)
         self.log += [(s.prompt_ids + s.output_ids, d) for s, d in zip(seqs, own)]

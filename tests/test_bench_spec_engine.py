@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiny_model_dir import WIDE, write_tiny_model_dir
 
@@ -68,15 +69,21 @@ def test_engine_rounds_at_the_asked_acceptance(bench_spec, tmp_path):
 
 
 def test_forced_judge_keeps_drafts_then_the_judges_token(bench_spec):
-    """Keep 1: every draft, then the judge's last token; keep 0: the judge's last token alone; the
-    returned judge is the engine's own."""
-    def judge(seqs, drafts, logits, penalties=None):
-        return [[7] for _ in seqs]
+    """Keep 1: every draft, then the judge's last token; keep 0: the judge's last token alone, on the
+    device (kept counts, following tokens) as on the host; the returned judge is the engine's own."""
+    def judge(seqs, drafts, logits, penalties=None):  # accepts nothing: its last token 7 (then pads)
+        return bench_spec.Verdict(torch.tensor([1, 1]), torch.tensor([[7, 0, 0, 0], [7, 5, 5, 5]]),
+                                  lambda: [[7], [7]])
 
     drafts = [bench_spec.Draft([1, 2, 3]), bench_spec.Draft([4])]
     speculator = argparse.Namespace(judge=judge)
     assert bench_spec.force_acceptance(speculator, 1.0) is judge
-    assert speculator.judge([None, None], drafts, None) == [[1, 2, 3, 7], [4, 7]]
+    verdict = speculator.judge([None, None], drafts, None)
+    assert verdict.kept() == [[1, 2, 3, 7], [4, 7]]
+    assert verdict.counts.tolist() == [4, 2] and verdict.following[:, :4].tolist()[0] == [1, 2, 3, 7]
+    assert verdict.following[1, :2].tolist() == [4, 7]
     speculator.judge = judge
     bench_spec.force_acceptance(speculator, 0.0)
-    assert speculator.judge([None, None], drafts, None) == [[7], [7]]
+    verdict = speculator.judge([None, None], drafts, None)
+    assert verdict.kept() == [[7], [7]]
+    assert verdict.counts.tolist() == [1, 1] and verdict.following[:, 0].tolist() == [7, 7]

@@ -256,7 +256,8 @@ def test_mtp_penalised_graph_drafts_equal_eager_drafts(target, fake_graphs):
 def test_chain_drafts_reach_the_judge_unread(target, fake_graphs):
     """Sampled, penalised and greedy rows together: the sampling chain's drafts go into the verify
     and through the judge's penalties and rejection sampling still on the device, read once with the
-    verdicts of both kinds of rows (one read a round), and the output is the engine's without graphs."""
+    verdicts of both kinds of rows (one read a round, the verdict's), and the output is the engine's
+    without graphs."""
     params = [SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=1.5, seed=3, max_tokens=40),
               SamplingParams(temperature=0.0, frequency_penalty=1.0, max_tokens=13),
               SamplingParams(temperature=1.1, top_k=5, seed=9, max_tokens=27)]
@@ -270,8 +271,10 @@ def test_chain_drafts_reach_the_judge_unread(target, fake_graphs):
         unread.append(all(d.pending is not None for d in drafts if d.count))
         calls = []
         torch.Tensor.tolist = lambda t: calls.append(1) or tolist(t)
-        try:
-            return judge(seqs, drafts, *rest)
+        try:  # the verdict's read, which the engine waits for after launching the commit and catch-up
+            verdict = judge(seqs, drafts, *rest)
+            verdict.kept()
+            return verdict
         finally:
             torch.Tensor.tolist = tolist
             reads.append(len(calls))

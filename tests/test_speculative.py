@@ -10,6 +10,7 @@ The scripted drafter (true continuation, randomly corrupted) makes every accepta
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -301,3 +302,54 @@ def test_greedy_identical_on_cuda(backend, target, drafter_dir):
     llm = load(target, device="cuda", **options)
     assert list(run(llm, [GenerationRequest(p, greedy(N_TOKENS)) for p in PROMPTS]).values()) == plain_cuda
     assert llm.stats().spec.rejected > 10
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["mtp", "ngram"])
+def test_adaptive_rounds_without_drafts_on_cuda(backend, target):
+    """The adaptive policy's rounds without drafts are plain decode steps on the GPU (graphs, steps
+    overlapped), the drafter catching up from their tokens on the device between its probes:
+    speculative greedy = plain greedy, some drafts made and kept."""
+    from ninfer_core.engine.speculative.adaptive import AdaptiveDraft
+
+    requests = lambda: [GenerationRequest(p, greedy(N_TOKENS)) for p in PROMPTS]  # noqa: E731
+    plain_cuda = list(run(load(target, device="cuda"), requests()).values())
+    llm = load(target, device="cuda", **BACKENDS[backend])
+    assert llm.engine.overlap
+    llm.engine.speculator.adaptive = AdaptiveDraft(prior=0.0, probe_every=3)
+    overlapped, launch = [], llm.engine._launch_sampling
+    llm.engine._launch_sampling = lambda *args: overlapped.append(llm.engine._launched is not None) or launch(*args)
+    assert list(run(llm, requests()).values()) == plain_cuda
+    spec = llm.stats().spec
+    assert sum(overlapped) > 5 and spec.drafted > 0 and spec.rounds >= N_TOKENS, spec
+
+
+@pytest.mark.parametrize("backend", ["mtp", "ngram"])
+def test_device_verdict_is_the_verdict_read(backend, target):
+    """A round's verdict on the device (kept counts, the tokens following each row), from which the
+    GDN commit and the drafter's catch-up run before the host reads it, is the verdict the host reads:
+    greedy and sampled sequences in one batch, with different draft counts (one asks for 1 draft),
+    so both groups and the gathers of unequal rows are taken."""
+    from speculative_harness import SAMPLED
+
+    llm = load(target, **BACKENDS[backend])
+    judge, rounds = llm.engine.speculator.judge, []
+
+    def checking(seqs, drafts, *rest):
+        verdict = judge(seqs, drafts, *rest)
+        device = (verdict.counts.tolist(), verdict.following.tolist())
+        rounds.append(([d.count for d in drafts], *device, verdict.kept()))
+        return verdict
+
+    llm.engine.speculator.judge = checking
+    params = [greedy(40), *[replace(s, max_tokens=40) for s in SAMPLED]]
+    requests = [GenerationRequest(p, s) for p, s in zip(PROMPTS, params)]
+    requests[0].draft_tokens = 1
+    run(llm, requests)
+    assert len(rounds) > 10
+    mixed = 0
+    for drafted, counts, following, kept in rounds:
+        assert counts == [len(k) for k in kept]
+        assert [f[: len(k)] for f, k in zip(following, kept)] == [[max(t, 0) for t in k] for k in kept]
+        mixed += len(set(drafted)) > 1
+    assert mixed > 5

@@ -76,14 +76,17 @@ def test_default_costs_draft_where_the_loop_gains():
     (1.28 > K=2 1.18); batch 8 greedy K=3 (1.15); batch 8 sampled K=3 (1.08 > K=2 1.00 > K=1 0.91:
     the 1.04x measured at 72%); batch 4 sampled, 3/7 of the way to batch 8: K=3 costs
     2.53 + 0.47 * 3/7 = 2.731 -> 1.18. Batch 1 greedy at a = 0.6: K=2 (1.96 / 1.92 = 1.02; K=1 0.95,
-    K=3 0.95); at a = 0.5: none (K=2 1.75 / 1.92 = 0.91)."""
+    K=3 0.95, K=0 1 / 1.12 = 0.89); at a = 0.5 still K=2 (1.75 / 1.92 = 0.911 > K=0's 0.893: a round
+    without drafts pays the drafter's catch-up too); at a = 0.45: none (K=1 1.45 / 1.68 = 0.863, K=2
+    1.6525 / 1.92 = 0.861)."""
     p = AdaptiveDraft()
     assert p.cost.tables == LOOP_COST and p.prior == 0.86
     kinds = ((1, False), (1, True), (8, False), (8, True))
     assert [p.choose("r", 3, b, sampled) for b, sampled in kinds] == [3, 3, 3, 3]
     assert p.cost.at(4, True)(3) == pytest.approx(2.53 + 0.47 * 3 / 7) and p.choose("r", 3, 4, True) == 3
     assert AdaptiveDraft(prior=0.6).choose("r", 3) == 2
-    assert AdaptiveDraft(prior=0.5).choose("r", 3) == 0
+    assert AdaptiveDraft(prior=0.5).choose("r", 3) == 2
+    assert AdaptiveDraft(prior=0.45).choose("r", 3) == 0
 
 
 def test_choices_follow_the_h200_table():

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import SamplingParams
+from ninfer_core.engine.speculative.adaptive import AdaptiveDraft
 from ninfer_core.engine.speculative.ngram import lookup
 from ninfer_core.ops.quant import QuantizedWeight, QuantLinear
 from safetensors.torch import load_file
@@ -137,6 +138,30 @@ def test_mtp_drafts_match_the_transformers_reference(target, reference_model):
     script = ScriptedDrafter(plain_script(directory, requests, 40), llm.loaded.config.vocab_size)
     spy = spy_run(llm, (llm.engine.speculator.drafter, script), requests)
     assert len(spy.log) > 20
+    for tokens, draft in spy.log:
+        expected = [int(lg.argmax()) for lg in ref.draft_logits(tokens, draft.tokens)]
+        assert draft.tokens == expected, (len(tokens), draft.tokens, expected)
+
+
+def test_mtp_drafts_after_plain_steps_match_the_reference(target, reference_model):
+    """Rounds without drafts (the adaptive policy's K = 0 between its probes) run as plain decode
+    steps, overlapped as on a GPU, the drafter catching up from their tokens still on the device: the
+    drafts it makes when the policy drafts again equal the reference's, and the answers plain decode's."""
+    directory, hf_model = target
+    ref = MTPReference(reference_model, hf_model.mtp_reference)
+    llm = load(directory, spec="mtp", draft_tokens=3, prefill_chunk=16)
+    eng = llm.engine
+    eng.overlap = True
+    eng.speculator.adaptive = AdaptiveDraft(prior=0.0, probe_every=3)  # nothing drafted until a probe
+    requests = [GenerationRequest(PROMPTS[2], greedy(60)), GenerationRequest(PROMPTS[0], greedy(60))]
+    plain = plain_script(directory, requests, 60)
+    spy = Spy(eng.speculator.drafter, ScriptedDrafter(plain, llm.loaded.config.vocab_size))
+    eng.speculator.drafter = spy
+    overlapped, launch = [], eng._launch_sampling
+    eng._launch_sampling = lambda *args: overlapped.append(eng._launched is not None) or launch(*args)
+    assert run(llm, requests) == plain
+    assert sum(overlapped) > 20  # plain steps launched with the last one in flight
+    assert len(spy.log) >= 8 and llm.stats().spec.accepted > 0
     for tokens, draft in spy.log:
         expected = [int(lg.argmax()) for lg in ref.draft_logits(tokens, draft.tokens)]
         assert draft.tokens == expected, (len(tokens), draft.tokens, expected)

@@ -45,7 +45,7 @@ from .prompt_logprobs import ChunkScores, score_chunks, scored_chunk
 from .sampling import Sampler, SamplingParams, plain_greedy
 from .scheduler import PrefillChunk, Scheduler, StepPlan
 from .sequence import Sequence
-from .speculative.base import place_pending
+from .speculative.base import Draft, place_pending
 from .speculative.rollback import commit_gdn
 from .speculative.speculator import Speculator
 
@@ -261,14 +261,16 @@ class LLMEngine:
         if plan.empty:
             if self._launched is None and self.scheduler.running and not outputs:
                 raise NinferError("the scheduler found nothing to run: the KV cache cannot hold any waiting prompt")
-        elif self._speculating(plan):
-            assert self._launched is None
+        elif self._speculating(plan) and self._launched is None:
             outputs += self._speculative_step(plan)
-        else:
-            rows, logits, scored = self._launch_forward(plan)
+        else:  # with a step in flight, a sequence that wants drafts gets them a round later
+            rows, logits, scored, decoded = self._launch_forward(plan)
             if self._launched is not None and any(s.grammar is not None or s.bans_end for s in rows):
                 outputs += self.sync()  # the masks need its tokens (counted): done while the forward runs
             launched = self._launch_sampling(plan, rows, logits, scored)
+            if decoded is not None and self.speculator is not None:
+                # drafting rows without drafts: the drafter catches up from the sampled tokens
+                self.speculator.observe_step(plan.decodes, *decoded, launched.tokens[: len(plan.decodes)])
             if self._launched is not None:
                 outputs += self._complete(self._launched)
             self._launched = launched
@@ -347,19 +349,34 @@ class LLMEngine:
             return False
         running = self.scheduler.running
         decoding = [s for s in running if not s.finished and not s.in_prefill]
-        # a speculative step reads the last tokens on the host: none while a sequence that drafts
-        # runs, or waits (the next plan may admit it beside rows whose step would still be in flight)
-        drafting = any(s.draft_limit for s in (*running, *self.scheduler.waiting))
-        return not drafting and self.scheduler.can_grow(decoding)
+        # a speculative step reads the last tokens on the host: none while a drafting sequence waits or
+        # is in its prompt (the next plan may hold its chunk beside rows still in flight), nor while
+        # one that decodes wants drafts
+        entering = any(s.draft_limit for s in self.scheduler.waiting) or any(
+            s.draft_limit and s.in_prefill for s in running)
+        return not entering and not self._drafting(decoding) and self.scheduler.can_grow(decoding)
 
     def _speculating(self, plan: StepPlan) -> bool:
-        return self.speculator is not None and any(s.draft_limit for s in plan.sequences)
+        return self.speculator is not None and (any(c.seq.draft_limit for c in plan.prefills)
+                                                or self._drafting(plan.decodes))
+
+    def _drafting(self, seqs: list[Sequence]) -> bool:
+        """Whether a round of these decoding sequences is a speculative step: one wants drafts, or its
+        drafter cannot follow plain steps. Otherwise it is a plain step (overlapped on a GPU), the
+        drafter catching up from its sampled tokens (`Speculator.observe_step`)."""
+        spec = self.speculator
+        if spec is None or not any(s.draft_limit for s in seqs):
+            return False
+        return not spec.follows_plain_steps or any(k > 0 for k in spec.wanted(seqs))
 
     # -- a plain step: launch, then complete -------------------------------------------------
 
-    def _launch_forward(self, plan: StepPlan) -> tuple[list[Sequence], list[torch.Tensor], list[ChunkScores]]:
-        """Queue the plan's forward; the rows that sample and their logits (not yet ready), and the
-        scores of the prompt tokens it read for requests that asked (being copied to the host)."""
+    def _launch_forward(self, plan: StepPlan) -> tuple[list[Sequence], list[torch.Tensor], list[ChunkScores],
+                                                      tuple[ForwardBatch, ForwardOutput] | None]:
+        """Queue the plan's forward; the rows that sample and their logits (not yet ready), the
+        scores of the prompt tokens it read for requests that asked (being copied to the host), and
+        the decode rows' batch and output."""
+        assert not any(c.seq.draft_limit for c in plan.prefills), "a drafting prompt is a speculative step's"
         parts: list[ForwardBatch] = []
         if plan.decodes:
             parts.append(self._decode_batch(plan.decodes, self._launched))
@@ -380,7 +397,7 @@ class LLMEngine:
             seq.inflight += 1
         for seq in rows:
             seq.num_pending += 1
-        return rows, logits, scored
+        return rows, logits, scored, (parts[0], outs[0]) if plan.decodes else None
 
     def _launch_sampling(self, plan: StepPlan, rows: list[Sequence], logits: list[torch.Tensor],
                          scored: list[ChunkScores]) -> LaunchedStep:
@@ -468,6 +485,8 @@ class LLMEngine:
                 continue
             self._first_token(seq, now)
             outputs.append(self._append(seq, [token], [logprobs[row]] if row in logprobs else None))
+            if self.speculator is not None and row < len(step.plan.decodes):  # a round without drafts
+                self.speculator.record(seq, outputs[-1], Draft([]), 1)
             self.scheduler.note_progress(seq)
         for chunk in step.plan.prefills:
             if chunk.last and chunk.seq.request.multimodal is not None:
@@ -512,12 +531,15 @@ class LLMEngine:
         if seqs:
             batch, out = parts[0], outs[0]
             assert out.logits is not None
-            kept = spec.judge(seqs, drafts, self._ban_ends(seqs, out.logits), penalties)
-            logprobs = self._verify_logprobs(seqs, kept, out.logits)
+            verdict = spec.judge(seqs, drafts, self._ban_ends(seqs, out.logits), penalties)
+            # the GDN commit and the drafter's catch-up from the verdict on the device: the GPU runs
+            # them while the host waits for the verdict and then does its bookkeeping
             if verify:
-                self._commit(batch, out, upload([len(k) for k in kept], torch.long, self.device))
-            # the drafter's catch-up goes to the GPU before the host's bookkeeping (detokenizing, stops)
-            spec.observe(seqs, kept, batch, out)
+                self._commit(batch, out, verdict.counts)
+            settle = spec.observe(seqs, verdict, batch, out)
+            kept = verdict.kept()  # the round's one wait for the device
+            settle(kept)
+            logprobs = self._verify_logprobs(seqs, kept, out.logits)
             for seq, draft, tokens, lps in zip(seqs, drafts, kept, logprobs):
                 seq.num_cached += len(tokens)
                 if tokens[-1] < 0:

@@ -3,7 +3,8 @@ most tokens per unit of time, from the sequence's recent acceptance.
 
 Model: draft i is accepted with probability a only if every draft before it was (geometric), so a
 round of K drafts yields E(K) = 1 + a + ... + a^K = (1 - a^(K+1)) / (1 - a) tokens and costs
-C(K) = round(K) + K * draft in plain decode steps, C(0) = 1. The policy takes argmax E(K) / C(K)
+C(K) = round(K) + K * draft in plain decode steps (round(0): a plain step and the drafter's
+catch-up, a little over 1). The policy takes argmax E(K) / C(K)
 over K = 0..limit (ties: the smaller K). Deterministic: the same rounds give the same choices.
 
 round(K) depends on the batch and on whether the sequence samples (a sampled round also filters
@@ -26,16 +27,18 @@ from ...errors import NinferError
 
 # A round of K = 0..3 drafts in plain decode steps of the same batch and kind: the engine loop's
 # MTP rounds with the judge's kept drafts at 72% (`scripts/bench_spec.py engine`, Qwen3.6-35B-A3B
-# int4 with random weights, context 512; H100, docs/performance.md, forty-third session), greedy
-# and sampled (Qwen3.6's settings, presence penalty 1), batch 1 and 8. Past K = 3: the last slope.
+# int4 with random weights, context 512; docs/performance.md), greedy and sampled (Qwen3.6's
+# settings, presence penalty 1), batch 1 and 8: K = 1..3 on an H100 (forty-third session), K = 0
+# on an H200 (forty-fifth session: a plain step, overlapped, plus the MTP drafter's catch-up).
+# Past K = 3: the last slope.
 # Random weights route every token to its own experts, so a batch-8 verify reads more expert bytes
 # than a real model's: its costs are an upper bound. n-gram rounds draft on the host (cheaper than
 # MTP's chain), so for n-gram these costs are conservative too.
 LOOP_COST: dict[tuple[bool, int], tuple[float, ...]] = {
-    (False, 1): (1.0, 1.68, 1.92, 2.30),
-    (False, 8): (1.0, 1.85, 2.46, 2.81),
-    (True, 1): (1.0, 1.91, 2.21, 2.53),
-    (True, 8): (1.0, 2.04, 2.61, 3.00),
+    (False, 1): (1.12, 1.68, 1.92, 2.30),
+    (False, 8): (1.08, 1.85, 2.46, 2.81),
+    (True, 1): (1.11, 1.91, 2.21, 2.53),
+    (True, 8): (1.08, 2.04, 2.61, 3.00),
 }
 
 

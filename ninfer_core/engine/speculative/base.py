@@ -16,6 +16,7 @@ up to the verify width, inside that reservation.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,14 +58,38 @@ class Draft:
 def read_with(drafts: list[Draft], values: torch.Tensor | None) -> list:
     """The tokens of the drafts still on the device, read in one copy with `values` (a 1-D device
     tensor: its values are returned): one host sync for both."""
+    return start_read(drafts, values)()
+
+
+def start_read(drafts: list[Draft], values: torch.Tensor | None) -> Callable[[], list]:
+    """`read_with`, its copy started now and waited for by the returned call: the GPU takes more
+    work meanwhile (a CUDA copy into pinned memory, then an event the call waits for)."""
     pending = [d for d in drafts if d._tokens is None]
     parts = ([] if values is None else [values.long()]) + [d.pending for d in pending]
-    host = torch.cat(parts).tolist() if parts else []
-    at = 0 if values is None else values.numel()
-    for d in pending:
-        d._tokens, d.pending = host[at : at + d.count], None
-        at += len(d._tokens)
-    return host[: 0 if values is None else values.numel()]
+    n = 0 if values is None else values.numel()
+    if not parts:
+        return list
+    device = torch.cat(parts)
+    event = None
+    if device.is_cuda:
+        host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+        host.copy_(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        host = device
+
+    def finish() -> list:
+        if event is not None:
+            event.synchronize()
+        read = host.tolist()
+        at = n
+        for d in pending:
+            d._tokens, d.pending = read[at : at + d.count], None
+            at += d.count
+        return read[:n]
+
+    return finish
 
 
 def place_pending(ids: torch.Tensor, drafts: list[Draft], start: int = 1) -> None:
@@ -87,14 +112,17 @@ class Observation:
     """Target rows that became part of their sequences: `seqs[i]` owns batch row `rows[i]`, whose
     first `counts[i]` tokens (cache indices `batch.cache_lens[row] + t`) are kept, and the token
     that follows each is `following[i][t]`, or the sequence's own where `following` is None. Rows
-    past `counts[i]` are padding or rejected."""
+    past `counts[i]` are padding or rejected. A verify's observation may come before the host has
+    read its verdict: `following` and `last` on the device, `counts` None until the drafter's
+    `settle`."""
 
     seqs: list[Sequence]
     rows: list[int]
-    counts: list[int]
+    counts: list[int] | None
     batch: ForwardBatch
     out: ForwardOutput
-    following: list[list[int]] | None = None
+    following: list[list[int]] | torch.Tensor | None = None
+    last: torch.Tensor | None = None  # [len(seqs)] counts[i] - 1 on the device, with `following` there
 
     def start(self, i: int) -> int:
         """The cache index of seqs[i]'s first row, from the host's copy of the lengths where the
@@ -105,6 +133,11 @@ class Observation:
     def device_rows(self, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """On the device, in one upload: [len(seqs), T] the token after each row's position (`pad`
         past counts[i]), then [len(seqs)] each one's batch row and its last kept row counts[i] - 1."""
+        device = self.batch.input_ids.device
+        if isinstance(self.following, torch.Tensor):  # the device verdict's (entries past counts[i]: any id)
+            assert self.last is not None
+            return self.following, upload(self.rows, torch.long, device), self.last
+        assert self.counts is not None
         width = self.batch.num_new_tokens
         table = []
         for i, (seq, row, count) in enumerate(zip(self.seqs, self.rows, self.counts)):
@@ -114,7 +147,7 @@ class Observation:
                 after = [seq.token_at(self.start(i) + t + 1) for t in range(count)]
             tokens = after + [pad] * (width - count)
             table.append(tokens + [row, count - 1])
-        host = upload(table, torch.long, self.batch.input_ids.device)
+        host = upload(table, torch.long, device)
         return host[:, :width], host[:, width], host[:, width + 1]
 
 
@@ -125,7 +158,11 @@ class Drafter(ABC):
     cache_bytes: int = 0  # memory of the drafter's own KV cache
 
     def observe(self, obs: Observation) -> None:
-        """The target committed these rows (see Observation). Default: nothing to learn."""
+        """The target committed these rows (see Observation): the drafter's device work, and where
+        obs.counts is known its host bookkeeping too (`settle`). Default: nothing to learn."""
+
+    def settle(self, obs: Observation, counts: list[int]) -> None:
+        """The kept counts of an observation made before the verdict was read. Default: nothing."""
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:

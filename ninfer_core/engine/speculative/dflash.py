@@ -60,8 +60,12 @@ class DFlashDrafter(Drafter):
         meta = AttentionMetadata.build(batch.block_table[rows], cache_lens, width, self.kv.page_size, self.kv.num_pages)
         positions = cache_lens[:, None] + torch.arange(width, device=rows.device)
         self.model.write_context(obs.out.captured[rows], positions, meta.slot_mapping, *self._caches)
+        if obs.counts is not None:
+            self.settle(obs, obs.counts)
+
+    def settle(self, obs: Observation, counts: list[int]) -> None:
         for i, seq in enumerate(obs.seqs):
-            self._ctx_len[seq.request_id] = obs.start(i) + obs.counts[i]
+            self._ctx_len[seq.request_id] = obs.start(i) + counts[i]
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], counts: list[int], penalties: PenaltyTables | None = None) -> list[Draft]:

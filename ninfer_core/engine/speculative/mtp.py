@@ -80,6 +80,7 @@ class MTPDrafter(Drafter):
         self.kv = ModelCache.allocate(mtp_layer_config(config), pages, cache.page_size, 1, dtype, cache.device)
         self.cache_bytes = self.kv.kv.nbytes
         self._last: dict[str, _Last] = {}
+        self._caught: tuple[torch.Tensor, torch.Tensor] | None = None  # the last observation's, until settled
         self.graphs = MTPGraphs(self, graphs) if graphs is not None else None
 
     @torch.inference_mode()
@@ -89,10 +90,15 @@ class MTPDrafter(Drafter):
         positions = batch.mrope_positions[:, rows] if batch.mrope_positions is not None else batch.positions[rows]
         inputs = (ids, obs.out.hidden_states[rows], positions, batch.cache_lens[rows], batch.block_table[rows], last)
         caught = self.graphs.catch_up(*inputs) if self.graphs is not None else None
-        tail, logits = caught if caught is not None else self.catch_up(*inputs)
+        self._caught = caught if caught is not None else self.catch_up(*inputs)
+        if obs.counts is not None:
+            self.settle(obs, obs.counts)
+
+    def settle(self, obs: Observation, counts: list[int]) -> None:
+        assert self._caught is not None, "settle follows its observe"
+        tail, logits = self._caught
         for i, seq in enumerate(obs.seqs):
-            index = obs.start(i) + obs.counts[i] - 1
-            self._last[seq.request_id] = _Last(index=index, hidden=tail[i], logits=logits[i])
+            self._last[seq.request_id] = _Last(index=obs.start(i) + counts[i] - 1, hidden=tail[i], logits=logits[i])
 
     def catch_up(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache_lens: torch.Tensor,
                  block_table: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

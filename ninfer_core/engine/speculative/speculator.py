@@ -9,14 +9,18 @@ A round (driven by `LLMEngine`, which alone appends tokens and advances or trunc
    sequence drafts.
 3. `judge`: per sequence the target distributions p_0..p_k (exact sampler distributions,
    penalties with the drafts counted as generated, from the engine's device tables) decide the
-   kept tokens (verify.py).
-4. The engine commits the kept prefix of the GDN state (rollback.py), appends the tokens, shows
-   the drafter the kept rows (`observe`) and frees surplus pages; `record` counts the round.
+   kept tokens (verify.py), on the device, their read started (`Verdict`).
+4. From the device verdict the engine commits the kept prefix of the GDN state (rollback.py) and
+   shows the drafter the kept rows (`observe`); then it waits for the read, the drafter settles
+   its host state, and the engine appends the tokens and frees surplus pages; `record` counts the
+   round.
 Sequences asking no drafts ride along as rows of width 1 (+ padding); grammar-constrained
 sequences never draft (engine/grammar.py), and `judge` masks their single row like plain sampling.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -29,8 +33,8 @@ from ..penalties import Generated, PenaltyTables
 from ..sampling import Sampler, TokenHistory, finite_rows
 from ..sequence import Sequence
 from .adaptive import AdaptiveDraft
-from .base import Draft, Drafter, Observation, draft_matrix, read_with
-from .verify import accept_greedy, judge_stochastic, stochastic_kept
+from .base import Draft, Drafter, Observation, draft_matrix, start_read
+from .verify import Verdict, accept_greedy, greedy_verdict, judge_stochastic, stochastic_kept, stochastic_verdict
 
 
 class Speculator:
@@ -60,14 +64,40 @@ class Speculator:
         if seq.draft_limit and not seq.finished:
             self.drafter.observe(Observation([seq], [0], [batch.num_new_tokens], batch, out))
 
-    def observe(self, seqs: list[Sequence], kept: list[list[int]], batch: ForwardBatch, out: ForwardOutput) -> None:
-        """A verify's kept rows become part of their sequences (before the engine appends `kept`, the
-        token after each kept row): the drafter conditions on them. A row whose sampling failed
-        (its last token -1) ends its sequence: not watched."""
-        watched = [i for i, s in enumerate(seqs) if s.draft_limit and not s.finished and kept[i][-1] >= 0]
-        if watched:
-            self.drafter.observe(Observation([seqs[i] for i in watched], watched, [len(kept[i]) for i in watched],
-                                             batch, out, [kept[i] for i in watched]))
+    def observe(self, seqs: list[Sequence], verdict: Verdict, batch: ForwardBatch,
+                out: ForwardOutput) -> Callable[[list[list[int]]], None]:
+        """A verify's kept rows become part of their sequences: the drafter conditions on them from
+        the verdict on the device, before the host has read it (a failed sequence's rows go too,
+        harmlessly: it ends). Returns what the drafter is told once the kept tokens are read."""
+        watched = [i for i, s in enumerate(seqs) if s.draft_limit and not s.finished]
+        if not watched:
+            return lambda kept: None
+        counts, following = verdict.counts, verdict.following
+        if len(watched) < len(seqs):
+            at = upload(watched, torch.long, counts.device)
+            counts, following = counts[at], following[at]
+        obs = Observation([seqs[i] for i in watched], watched, None, batch, out, following, counts - 1)
+        self.drafter.observe(obs)
+        return lambda kept: self.drafter.settle(obs, [len(kept[i]) for i in watched])
+
+    @property
+    def follows_plain_steps(self) -> bool:
+        """Whether rounds without drafts may run as plain decode steps: the drafter learns from a
+        step's sampled tokens on the device (MTP, n-gram), not from captured layers (DFlash)."""
+        return not self.drafter.capture_layers
+
+    def observe_step(self, seqs: list[Sequence], batch: ForwardBatch, out: ForwardOutput,
+                     tokens: torch.Tensor) -> None:
+        """A plain decode step's rows, one token each, sampled on the device (`tokens` [len(seqs)], -1
+        where sampling failed: that sequence ends): the drafter conditions on them before the host
+        has read them."""
+        watched = [i for i, s in enumerate(seqs) if s.draft_limit and not s.finished]
+        if not watched:
+            return
+        if len(watched) < len(seqs):
+            tokens = tokens[upload(watched, torch.long, tokens.device)]
+        self.drafter.observe(Observation([seqs[i] for i in watched], watched, [1] * len(watched), batch, out,
+                                         tokens.clamp_min(0)[:, None], torch.zeros_like(tokens)))
 
     def release(self, seq: Sequence) -> None:
         self.drafter.release(seq)
@@ -110,14 +140,15 @@ class Speculator:
         return self.adaptive.choose(seq.request_id, seq.draft_limit, batch, not seq.request.sampling.is_greedy)
 
     def judge(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor,
-              penalties: PenaltyTables | None = None) -> list[list[int]]:
-        """The kept tokens per sequence from the target's logits [B, T, V]. Row t of a sequence is
-        judged with the history output + drafts[:t], exactly as plain decoding would see it (a
-        constrained sequence's one row through its grammar mask); `penalties`: as in `propose`.
-        A sequence whose judged logits were not finite (or whose grammar left no token) ends in
-        token -1, as the plain sampler's rows do."""
+              penalties: PenaltyTables | None = None) -> Verdict:
+        """The kept tokens per sequence from the target's logits [B, T, V], on the device and being
+        read (verify.py `Verdict`). Row t of a sequence is judged with the history output +
+        drafts[:t], exactly as plain decoding would see it (a constrained sequence's one row through
+        its grammar mask); `penalties`: as in `propose`. A sequence whose judged logits were not
+        finite (or whose grammar left no token) ends in token -1, as the plain sampler's rows do."""
         unread = TokenHistory(())  # the penalties come from the tables: the sampler reads no history
-        verdicts: list[tuple[bool, list[int], torch.Tensor]] = []  # per group: its sequences' verdict, on the device
+        # per group: its sequences, their verdict and drafts (`draft_matrix`), on the device
+        verdicts: list[tuple[bool, list[int], torch.Tensor, torch.Tensor]] = []
         for greedy in (True, False):
             index = [b for b, s in enumerate(seqs) if s.request.sampling.is_greedy == greedy]
             if not index:
@@ -138,8 +169,8 @@ class Speculator:
                         slots.append(seqs[b].cache.slot)
             stacked = constrain(torch.stack(rows).float(), matchers)
             device = stacked.device
-            # the drafts as a device matrix, for the penalties and rejection sampling (made once)
-            matrix = draft_matrix(group, width, device) if slots or not greedy else None
+            # the drafts as a device matrix, for the penalties, the judge and the verdict (made once)
+            matrix = draft_matrix(group, width, device)
             if slots:
                 assert penalties is not None, "penalised rows need the engine's penalty tables"
                 at = upload([r for r, p in enumerate(params) if p.has_penalties], torch.long, device)
@@ -156,17 +187,55 @@ class Speculator:
                 generators = [seqs[b].generator for b in index]
                 assert all(g is not None for g in generators)  # every sampled request has its own
                 verdict = judge_stochastic(group, p, generators, finite, matrix)
-            verdicts.append((greedy, index, verdict))
-        # the round's one read of the device: every group's verdict and the drafts still there
-        host = read_with(drafts, torch.cat([verdict for _, _, verdict in verdicts]))
-        kept: list[list[int]] = [[] for _ in seqs]
-        for greedy, index, verdict in verdicts:
-            values, host = host[: verdict.numel()], host[verdict.numel() :]
-            if greedy:  # values: the target's token after each row
-                for b in index:
-                    n = drafts[b].count + 1
-                    kept[b], values = accept_greedy(drafts[b].tokens, values[:n]), values[n:]
-            else:
-                for b, tokens in zip(index, stochastic_kept([drafts[b] for b in index], values)):
-                    kept[b] = tokens
-        return kept
+            verdicts.append((greedy, index, verdict, matrix))
+        # the round's one read of the device, started: every group's verdict and the drafts still there
+        finish = start_read(drafts, torch.cat([verdict for _, _, verdict, _ in verdicts]))
+
+        def kept() -> list[list[int]]:
+            host = finish()
+            out: list[list[int]] = [[] for _ in seqs]
+            for greedy, index, verdict, _ in verdicts:
+                values, host = host[: verdict.numel()], host[verdict.numel() :]
+                if greedy:  # values: the target's token after each row
+                    for b in index:
+                        n = drafts[b].count + 1
+                        out[b], values = accept_greedy(drafts[b].tokens, values[:n]), values[n:]
+                else:
+                    for b, tokens in zip(index, stochastic_kept([drafts[b] for b in index], values)):
+                        out[b] = tokens
+            return out
+
+        counts, following = self._device_verdict(seqs, drafts, verdicts, logits.device)
+        return Verdict(counts, following, kept)
+
+    @staticmethod
+    def _device_verdict(seqs: list[Sequence], drafts: list[Draft],
+                        verdicts: list[tuple[bool, list[int], torch.Tensor, torch.Tensor]],
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every group's kept counts [B] and following tokens [B, W] (the verify's width) on the
+        device; a failed sequence's -1 becomes 0 there (any id does for rows the host drops)."""
+        width = 1 + max(d.count for d in drafts)
+        parts = []
+        for greedy, index, verdict, matrix in verdicts:
+            ks = [drafts[b].count for b in index]
+            if not greedy:
+                parts.append((index, *stochastic_verdict(verdict, matrix)))
+                continue
+            w = matrix.shape[1]
+            if all(k == w for k in ks):  # the verdict's rows as they lie: k + 1 a sequence
+                targets = verdict.view(len(index), w + 1)
+            else:  # sequence i's row t at its offset + t, its last row repeated past its k
+                offsets = [sum(k + 1 for k in ks[:i]) for i in range(len(ks))]
+                at = [[o + min(t, k) for t in range(w + 1)] for o, k in zip(offsets, ks)]
+                targets = verdict[upload(at, torch.long, device)]
+            parts.append((index, *greedy_verdict(targets, matrix, ks)))
+        if len(parts) == 1:  # one group: every sequence, in order
+            _, counts, following = parts[0]
+            return counts, following.clamp_min(0)
+        counts = torch.zeros(len(seqs), dtype=torch.long, device=device)
+        following = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+        for index, group_counts, group_following in parts:
+            at = upload(index, torch.long, device)
+            counts.index_copy_(0, at, group_counts)
+            following[at, : group_following.shape[1]] = group_following.clamp_min(0)
+        return counts, following

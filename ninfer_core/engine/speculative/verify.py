@@ -22,11 +22,53 @@ fixed-point masses (ops/rejection.py: the CUDA kernel and its torch reference ag
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from ...ops import rejection
 from ...ops.dispatch import upload
 from .base import Draft, draft_matrix, uniform
+
+
+@dataclass
+class Verdict:
+    """A round's verdict on the device, its read under way: `counts` [B] int64 (each sequence's kept
+    tokens, its accepted drafts + 1) and `following` [B, W] int64 (its kept tokens in order, the
+    token after each row; entries past counts[b] any valid id) let the GDN commit and the drafter's
+    catch-up go before the host waits; `kept()` waits for the read (the round's one sync) and gives
+    the kept tokens, a failed sequence's ending in -1."""
+
+    counts: torch.Tensor
+    following: torch.Tensor
+    read: Callable[[], list[list[int]]]
+    _kept: list[list[int]] | None = None
+
+    def kept(self) -> list[list[int]]:
+        if self._kept is None:
+            self._kept = self.read()
+        return self._kept
+
+
+def greedy_verdict(targets: torch.Tensor, drafts: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept_greedy` on the device for G sequences: targets [G, W + 1] (the target's token after
+    each row), drafts [G, W] (`draft_matrix`), counts[g] drafts each -> (kept counts [G], following
+    [G, W + 1]: the targets, which are the kept tokens up to the first mismatch)."""
+    width = drafts.shape[1]
+    match = drafts == targets[:, :width]
+    if any(c != width for c in counts):
+        match &= torch.arange(width, device=drafts.device) < upload(counts, torch.long, drafts.device)[:, None]
+    return match.long().cumprod(1).sum(1) + 1, targets
+
+
+def stochastic_verdict(verdict: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`judge_stochastic`'s verdict [2G] (accepted n, then the last token) and the drafts [G, W] ->
+    (kept counts n + 1 [G], following [G, W + 1]: the accepted drafts, then the last token)."""
+    n, last = verdict.view(2, -1)
+    column = torch.arange(drafts.shape[1] + 1, device=drafts.device)
+    padded = torch.nn.functional.pad(drafts, (0, 1))
+    return n + 1, torch.where(column < n[:, None], padded, last[:, None])
 
 
 def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
