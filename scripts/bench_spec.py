@@ -127,12 +127,21 @@ class Synthetic:
         self.seq = self.cache.allocate()
         self.cache.reserve(self.seq, context + 2 * max_k + 16)
         self.context = context
+        self._penalties: PenaltyTables | None = None
         gen = torch.Generator().manual_seed(0)
         self.tokens = torch.randint(0, self.config.vocab_size, (1, context + 2 * max_k + 16), generator=gen)
         with torch.inference_mode():
             for start in range(0, context, 1024):
                 end = min(context, start + 1024)
                 self.forward(self.tokens[:, start:end].to(self.device), start, "none")
+
+    def penalties(self) -> PenaltyTables:
+        """Penalty tables holding the context as the sequence's history: one object for the model's
+        life, as in the engine (the drafter's penalised graphs read its tensors)."""
+        if self._penalties is None:
+            self._penalties = PenaltyTables(self.cache.max_seqs, self.config.vocab_size, self.device)
+            self._penalties.reset(self.seq.slot, self.tokens[0, :self.context].tolist(), [])
+        return self._penalties
 
     def forward(self, ids: torch.Tensor, start: int, logits: str = "last", verify: bool = False,
                 capture: tuple[int, ...] = ()):
@@ -242,10 +251,7 @@ def mtp_draft_cost(s: Synthetic, k: int, repeats: int, graph: bool, sampling: st
                             presence_penalty=1.5 if sampling == "penalised" else None) if sampled else SamplingParams(
         temperature=0)
     generator = params.make_generator(dev) if sampled else None
-    penalties = None
-    if sampling == "penalised":
-        penalties = PenaltyTables(s.cache.max_seqs, s.config.vocab_size, dev)
-        penalties.reset(s.seq.slot, s.tokens[0, :n].tolist(), [])
+    penalties = s.penalties() if sampling == "penalised" else None
 
     def draft() -> None:
         if graph:

