@@ -22,6 +22,7 @@ from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.engine.sequence import Sequence
 from ninfer_core.engine.speculative import Draft, Drafter, Observation
+from ninfer_core.engine.speculative.adaptive import AdaptiveDraft, RoundCosts
 from ninfer_core.llm import LLM, EngineOptions
 from tiny_dflash import write_tiny_dflash
 from tiny_model_dir import write_tiny_model_dir
@@ -48,6 +49,15 @@ def load(directory: Path, **options: Any) -> LLM:
     # the exact fp32 path, its KV cache too (the CPU default is fp16): the tests compare with transformers
     base = dict(device="cpu", dtype="float32", kv_dtype="fp32", max_seqs=4, max_context=512)
     return LLM.load(str(directory), EngineOptions(**{**base, **options}))
+
+
+def probes_only(every: int = 3) -> AdaptiveDraft:
+    """An adaptive policy that drafts only when it probes (one draft every `every` rounds without a
+    tested draft): a draft costs more than any round can yield, whatever the acceptance and
+    whatever the engine's measured costs (LOOP_COST) say."""
+    never_pays = (1.0, 3.0)  # K = 1 costs 3 plain steps and yields at most 2 tokens
+    costs = RoundCosts({(False, 1): never_pays, (True, 1): never_pays})
+    return AdaptiveDraft(cost=costs, prior=0.0, probe_every=every)
 
 
 def greedy(n: int, **kw: Any) -> SamplingParams:

@@ -22,7 +22,7 @@ from ninfer_core.engine.speculative.base import place_pending, read_with
 from ninfer_core.errors import NinferError
 from ninfer_core.llm import ChatRequest
 from ninfer_core.server.openai_chat import chat_usage
-from speculative_harness import PROMPTS, ScriptedDrafter, greedy, load, run, write_drafter, write_target
+from speculative_harness import PROMPTS, ScriptedDrafter, greedy, load, probes_only, run, write_drafter, write_target
 
 torch.set_num_threads(1)
 N_TOKENS = 120
@@ -310,13 +310,11 @@ def test_adaptive_rounds_without_drafts_on_cuda(backend, target):
     """The adaptive policy's rounds without drafts are plain decode steps on the GPU (graphs, steps
     overlapped), the drafter catching up from their tokens on the device between its probes:
     speculative greedy = plain greedy, some drafts made and kept."""
-    from ninfer_core.engine.speculative.adaptive import AdaptiveDraft
-
     requests = lambda: [GenerationRequest(p, greedy(N_TOKENS)) for p in PROMPTS]  # noqa: E731
     plain_cuda = list(run(load(target, device="cuda"), requests()).values())
     llm = load(target, device="cuda", **BACKENDS[backend])
     assert llm.engine.overlap
-    llm.engine.speculator.adaptive = AdaptiveDraft(prior=0.0, probe_every=3)
+    llm.engine.speculator.adaptive = probes_only()
     overlapped, launch = [], llm.engine._launch_sampling
     llm.engine._launch_sampling = lambda *args: overlapped.append(llm.engine._launched is not None) or launch(*args)
     assert list(run(llm, requests()).values()) == plain_cuda

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import SamplingParams
-from ninfer_core.engine.speculative.adaptive import AdaptiveDraft
 from ninfer_core.engine.speculative.ngram import lookup
 from ninfer_core.ops.quant import QuantizedWeight, QuantLinear
 from safetensors.torch import load_file
-from speculative_harness import DFLASH_LAYERS, PROMPTS, ScriptedDrafter, Spy, greedy, load, run, write_drafter, write_target
+from speculative_harness import (DFLASH_LAYERS, PROMPTS, ScriptedDrafter, Spy, greedy, load, probes_only, run,
+                                 write_drafter, write_target)
 from tiny_model_dir import WIDE
 
 torch.set_num_threads(1)
@@ -152,7 +152,7 @@ def test_mtp_drafts_after_plain_steps_match_the_reference(target, reference_mode
     llm = load(directory, spec="mtp", draft_tokens=3, prefill_chunk=16)
     eng = llm.engine
     eng.overlap = True
-    eng.speculator.adaptive = AdaptiveDraft(prior=0.0, probe_every=3)  # nothing drafted until a probe
+    eng.speculator.adaptive = probes_only()
     requests = [GenerationRequest(PROMPTS[2], greedy(60)), GenerationRequest(PROMPTS[0], greedy(60))]
     plain = plain_script(directory, requests, 60)
     spy = Spy(eng.speculator.drafter, ScriptedDrafter(plain, llm.loaded.config.vocab_size))
