@@ -255,6 +255,29 @@ def test_a_drafting_request_arrives_while_plain_steps_overlap(opted_out, target,
     assert spec is not None and spec.rounds > 0
 
 
+def test_plain_steps_overlap_while_a_drafting_request_waits_for_a_slot(target, plain):
+    """Every slot held by sequences that never draft (draft_tokens 0), a drafting request waits:
+    their steps stay overlapped meanwhile (it cannot be admitted before one of them ends), and when
+    a slot frees, its prompt's speculative step follows the read of the step in flight. The answers
+    are plain decode's, and the drafting request drafts."""
+    llm = load(target, spec="mtp", draft_tokens=3, max_seqs=2)
+    eng = llm.engine
+    eng.overlap = True
+    opted_out = [GenerationRequest(p, greedy(N_TOKENS)) for p in PROMPTS[:2]]
+    for request in opted_out:
+        request.draft_tokens = 0
+    drafting = GenerationRequest(PROMPTS[2], greedy(N_TOKENS))
+    overlapped, launch = [], eng._launch_sampling
+    eng._launch_sampling = lambda *args: overlapped.append(
+        eng._launched is not None and bool(eng.scheduler.waiting)) or launch(*args)
+    tokens = {r.request_id: [] for r in [*opted_out, drafting]}
+    for out in eng.generate([*opted_out, drafting]):
+        tokens[out.request_id] += out.new_token_ids
+    assert list(tokens.values()) == plain
+    assert sum(overlapped) > N_TOKENS // 2  # launched with one in flight while the request waited
+    assert llm.stats().spec.drafted > 0
+
+
 def test_metrics_per_request_and_aggregate(target):
     llm = load(target, spec="ngram", draft_tokens=5)
     result = llm.chat_result(ChatRequest(messages=[{"role": "user", "content": "hi hi hi hi"}],

@@ -263,6 +263,10 @@ class LLMEngine:
                 raise NinferError("the scheduler found nothing to run: the KV cache cannot hold any waiting prompt")
         elif self._speculating(plan) and self._launched is None:
             outputs += self._speculative_step(plan)
+        elif self._launched is not None and any(c.seq.draft_limit for c in plan.prefills):
+            # a drafting prompt was admitted beside a step in flight: its chunk is a speculative step
+            # (the drafter learns the prompt), which needs that step's tokens: plan again once read
+            outputs += self.sync()
         else:  # with a step in flight, a sequence that wants drafts gets them a round later
             rows, logits, scored, decoded = self._launch_forward(plan)
             if self._launched is not None and any(s.grammar is not None or s.bans_end for s in rows):
@@ -349,11 +353,10 @@ class LLMEngine:
             return False
         running = self.scheduler.running
         decoding = [s for s in running if not s.finished and not s.in_prefill]
-        # a speculative step reads the last tokens on the host: none while a drafting sequence waits or
-        # is in its prompt (the next plan may hold its chunk beside rows still in flight), nor while
-        # one that decodes wants drafts
-        entering = any(s.draft_limit for s in self.scheduler.waiting) or any(
-            s.draft_limit and s.in_prefill for s in running)
+        # a speculative step reads the last tokens on the host: none while a drafting sequence is in
+        # its prompt or one that decodes wants drafts (one still waiting, once admitted, has `step`
+        # plan again after the read: waiting for a slot, it leaves the running rows' steps overlapped)
+        entering = any(s.draft_limit and s.in_prefill for s in running)
         return not entering and not self._drafting(decoding) and self.scheduler.can_grow(decoding)
 
     def _speculating(self, plan: StepPlan) -> bool:
