@@ -199,14 +199,16 @@ class PhasedDrafter(Drafter):
         return drafts
 
 
-def test_adaptive_greedy_identical_to_plain_and_k_follows_acceptance(target, plain):
-    """Two adaptive requests (limit 7) and one opted out share every verify batch; the drafts turn
-    useless in the middle: K goes to the limit, to 0 with probes, and back to the limit."""
+def run_phased(target, plain, overlap: bool):
+    """Two adaptive requests (limit 7) and one opted out, the drafts useless in the middle (BAD):
+    the requests, the engine, every choice's (request, batch, sampled), the tokens and each
+    request's rounds as (start position, drafted)."""
     llm = load(target)
+    llm.engine.overlap = overlap
     requests = [GenerationRequest(p, greedy(N_TOKENS)) for p in PROMPTS]
     requests[1].draft_tokens = 0
     drafter = PhasedDrafter({r.request_id: toks for r, toks in zip(requests, plain)}, llm.loaded.config.vocab_size)
-    asked: list[tuple[str, int, bool]] = []  # (request, batch, sampled) of every choice
+    asked: list[tuple[str, int, bool]] = []
 
     class Recorded(AdaptiveDraft):
         def choose(self, key: str, limit: int, batch: int = 1, sampled: bool = False) -> int:
@@ -215,12 +217,20 @@ def test_adaptive_greedy_identical_to_plain_and_k_follows_acceptance(target, pla
 
     llm.engine.speculator = Speculator(drafter, 7, Sampler(), policy(Recorded))
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    rounds: dict[str, list[tuple[int, int]]] = {r.request_id: [] for r in requests}  # (start position, drafted)
+    rounds: dict[str, list[tuple[int, int]]] = {r.request_id: [] for r in requests}
     for out in llm.engine.generate(requests):
         if tokens[out.request_id]:  # the first output is the prefill's token
             rounds[out.request_id].append((len(tokens[out.request_id]), out.drafted))
         tokens[out.request_id] += out.new_token_ids
-    assert list(tokens.values()) == plain
+    return requests, llm, asked, list(tokens.values()), list(rounds.values())
+
+
+def test_adaptive_greedy_identical_to_plain_and_k_follows_acceptance(target, plain):
+    """Two adaptive requests (limit 7) and one opted out share every verify batch; the drafts turn
+    useless in the middle: K goes to the limit, to 0 with probes, and back to the limit."""
+    requests, llm, asked, tokens, logs = run_phased(target, plain, overlap=False)
+    assert tokens == plain
+    rounds = {r.request_id: log for r, log in zip(requests, logs)}
     for request in (requests[0], requests[2]):
         log = rounds[request.request_id]
         before = [k for at, k in log if at < BAD.start]
@@ -238,6 +248,16 @@ def test_adaptive_greedy_identical_to_plain_and_k_follows_acceptance(target, pla
     assert asked[0][1] == 3 and {batch for _, batch, _ in asked} <= {1, 2, 3} and not any(s for _, _, s in asked)
     stats = llm.stats().spec
     assert stats is not None and stats.draft_tokens == 7 and stats.accepted > N_TOKENS
+
+
+def test_overlapped_rounds_without_drafts_probe_on_time(target, plain):
+    """With steps overlapped (as on a GPU), the rounds without drafts are plain steps, each launched
+    before the last is read: the policy counts them at launch, so its probes, and every round's
+    K, come where the synchronous engine's do."""
+    _, llm, _, tokens, overlapped = run_phased(target, plain, overlap=True)
+    _, _, _, _, synchronous = run_phased(target, plain, overlap=False)
+    assert tokens == plain and overlapped == synchronous
+    assert llm.stats().spec.rounds > 0 and any(k == 1 for log in overlapped for _, k in log)  # probes made
 
 
 @pytest.fixture(scope="module")

@@ -489,7 +489,7 @@ class LLMEngine:
             self._first_token(seq, now)
             outputs.append(self._append(seq, [token], [logprobs[row]] if row in logprobs else None))
             if self.speculator is not None and row < len(step.plan.decodes):  # a round without drafts
-                self.speculator.record(seq, outputs[-1], Draft([]), 1)
+                self.speculator.record(seq, outputs[-1], Draft([]), 1, learned=True)
             self.scheduler.note_progress(seq)
         for chunk in step.plan.prefills:
             if chunk.last and chunk.seq.request.multimodal is not None:

@@ -90,10 +90,15 @@ class Speculator:
                      tokens: torch.Tensor) -> None:
         """A plain decode step's rows, one token each, sampled on the device (`tokens` [len(seqs)], -1
         where sampling failed: that sequence ends): the drafter conditions on them before the host
-        has read them."""
+        has read them. The adaptive policy counts the round now, not when it is read: a round
+        without drafts has no outcome to wait for, and the next round's choice, made while this one
+        is in flight, sees it as the synchronous engine's would (its probes come on time)."""
         watched = [i for i, s in enumerate(seqs) if s.draft_limit and not s.finished]
         if not watched:
             return
+        if self.adaptive is not None:
+            for i in watched:
+                self.adaptive.update(seqs[i].request_id, 0, 0)
         if len(watched) < len(seqs):
             tokens = tokens[upload(watched, torch.long, tokens.device)]
         self.drafter.observe(Observation([seqs[i] for i in watched], watched, [1] * len(watched), batch, out,
@@ -118,8 +123,9 @@ class Speculator:
                 drafts[i] = draft
         return drafts
 
-    def record(self, seq: Sequence, output: StepOutput, draft: Draft, kept: int) -> None:
-        """Count a sequence's round (its drafts and how many were accepted) into `output` and the totals."""
+    def record(self, seq: Sequence, output: StepOutput, draft: Draft, kept: int, learned: bool = False) -> None:
+        """Count a sequence's round (its drafts and how many were accepted) into `output` and the totals,
+        and for the adaptive policy unless it `learned` of the round already (`observe_step`)."""
         if not seq.draft_limit:
             return
         output.drafted, output.accepted = len(draft.tokens), kept - 1
@@ -129,7 +135,7 @@ class Speculator:
             stats.accepted += output.accepted
             stats.rounds += 1
             stats.round_tokens += len(output.new_token_ids)
-        if self.adaptive is not None:
+        if self.adaptive is not None and not learned:
             self.adaptive.update(seq.request_id, output.drafted, output.accepted)
 
     def _wanted(self, seq: Sequence, batch: int) -> int:
