@@ -191,7 +191,7 @@ LIST
     # every round (AB_ROUNDS; PRESETS: preset=batch:context,... entries); before them the GPU tests
     # that NAME.tests lists (one pytest argument a line: `-k` and its expression on two lines), run in
     # NAME's copy; after them, with ENGINE_ROUNDS=N, `bench engine` (the engine loop: TPOT at batch 1
-    # and 8, TTFT of 37 tokens) of each build, alternating, N rounds. Make each patch against this tree's HEAD: a patch
+    # and 8, TTFT of 37 tokens or ENGINE_LENGTHS=37,128,...) of each build, alternating, N rounds. Make each patch against this tree's HEAD: a patch
     # that does not apply (or a copy that does not build) is left out with its log, never timed on
     # the torch references (NINFER_REQUIRE_KERNELS=1). "main" is this working tree, uncommitted
     # edits included. AB_VARIANTS: ab_replays.py's settings, each build timed under each (default X=0).
@@ -283,7 +283,7 @@ LIST
       for v in $(in_order $round); do
         name=$(variant $v)
         ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} NINFER_REQUIRE_KERNELS=1 timeout 200 \
-            python3 -m ninfer_app bench engine "$OLDPWD/.bench/qwen3.6-35b-a3b" --random-weights --json --lengths 37 \
+            python3 -m ninfer_app bench engine "$OLDPWD/.bench/qwen3.6-35b-a3b" --random-weights --json --lengths ${ENGINE_LENGTHS:-37} \
             --repeats 2 --batches 1,8 --tokens 256 2> "$OUT/engine_${name}_round$round.err" \
             | sed "s/^{/{\"build\": \"$name\", \"call_round\": $round, /" | tee -a "$OUT/builds_engine.jsonl" | cut -c1-600 )
       done
