@@ -543,13 +543,13 @@ class LLMEngine:
             kept = verdict.kept()  # the round's one wait for the device
             settle(kept)
             logprobs = self._verify_logprobs(seqs, kept, out.logits)
-            for seq, draft, tokens, lps in zip(seqs, drafts, kept, logprobs):
+            for seq, asked, draft, tokens, lps in zip(seqs, ks, drafts, kept, logprobs):
                 seq.num_cached += len(tokens)
                 if tokens[-1] < 0:
                     outputs.append(self._fail_sampling(seq))
                     continue
                 output = self._append(seq, tokens, lps)
-                spec.record(seq, output, draft, len(tokens))
+                spec.record(seq, output, draft, len(tokens), asked=asked)
                 outputs.append(output)
                 self.scheduler.note_progress(seq)
             if penalties is not None:

@@ -28,17 +28,16 @@ from ...errors import NinferError
 # A round of K = 0..3 drafts in plain decode steps of the same batch and kind: the engine loop's
 # MTP rounds with the judge's kept drafts at 72% (`scripts/bench_spec.py engine`, Qwen3.6-35B-A3B
 # int4 with random weights, context 512; docs/performance.md), greedy and sampled (Qwen3.6's
-# settings, presence penalty 1), batch 1 and 8: K = 1..3 on an H100 (forty-third session), K = 0
-# on an H200 (forty-fifth session: a plain step, overlapped, plus the MTP drafter's catch-up).
-# Past K = 3: the last slope.
+# settings, presence penalty 1), batch 1 and 8, all on one H100 in one run (forty-eighth session;
+# K = 0: a plain step, overlapped, plus the MTP drafter's catch-up). Past K = 3: the last slope.
 # Random weights route every token to its own experts, so a batch-8 verify reads more expert bytes
 # than a real model's: its costs are an upper bound. n-gram rounds draft on the host (cheaper than
 # MTP's chain), so for n-gram these costs are conservative too.
 LOOP_COST: dict[tuple[bool, int], tuple[float, ...]] = {
-    (False, 1): (1.12, 1.68, 1.92, 2.30),
-    (False, 8): (1.08, 1.85, 2.46, 2.81),
-    (True, 1): (1.11, 1.91, 2.21, 2.53),
-    (True, 8): (1.08, 2.04, 2.61, 3.00),
+    (False, 1): (1.13, 1.59, 1.90, 2.24),
+    (False, 8): (1.07, 1.81, 2.43, 2.79),
+    (True, 1): (1.13, 1.62, 1.94, 2.27),
+    (True, 8): (1.08, 1.91, 2.49, 2.89),
 }
 
 
@@ -136,11 +135,14 @@ class AdaptiveDraft:
             return 1
         return k
 
-    def update(self, key: str, drafted: int, accepted: int) -> None:
-        """One verified round of `key`: `accepted` of its `drafted` drafts were kept."""
+    def update(self, key: str, drafted: int, accepted: int, asked: int = 0) -> None:
+        """One verified round of `key`: `accepted` of its `drafted` drafts were kept, `asked` drafts
+        were asked for. A round that asked and got none (an n-gram drafter without a match) spent its
+        probe: the next comes `probe_every` rounds on, not in every round after, each of which would
+        be a speculative step instead of a plain, overlapped one."""
         rate = self._rates.setdefault(key, _Rate(accepted=self.prior, tested=1.0))
         if drafted == 0:
-            rate.idle += 1
+            rate.idle = 0 if asked else rate.idle + 1
             return
         w, tested = self.weight, accepted + (accepted < drafted)
         rate.accepted = (1 - w) * rate.accepted + w * accepted

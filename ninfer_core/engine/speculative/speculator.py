@@ -123,9 +123,11 @@ class Speculator:
                 drafts[i] = draft
         return drafts
 
-    def record(self, seq: Sequence, output: StepOutput, draft: Draft, kept: int, learned: bool = False) -> None:
+    def record(self, seq: Sequence, output: StepOutput, draft: Draft, kept: int, learned: bool = False,
+               asked: int = 0) -> None:
         """Count a sequence's round (its drafts and how many were accepted) into `output` and the totals,
-        and for the adaptive policy unless it `learned` of the round already (`observe_step`)."""
+        and for the adaptive policy unless it `learned` of the round already (`observe_step`); `asked`:
+        the drafts the round asked the drafter for."""
         if not seq.draft_limit:
             return
         output.drafted, output.accepted = len(draft.tokens), kept - 1
@@ -136,7 +138,7 @@ class Speculator:
             stats.rounds += 1
             stats.round_tokens += len(output.new_token_ids)
         if self.adaptive is not None and not learned:
-            self.adaptive.update(seq.request_id, output.drafted, output.accepted)
+            self.adaptive.update(seq.request_id, output.drafted, output.accepted, asked)
 
     def _wanted(self, seq: Sequence, batch: int) -> int:
         """Drafts for this round before the caps: the limit, or the adaptive policy's choice under it
