@@ -485,9 +485,15 @@ __global__ void __launch_bounds__(32)
 constexpr int kRouterThreads = 256;
 constexpr int kRouterWarps = kRouterThreads / 32;
 constexpr int kRouterRows = 2;  // 129 blocks for the 35B's 257 rows: about one an SM
-// Tokens a router block takes: one or two alone, else two (H100 replays, thirty-second session: two a
-// block b4 / b8 -1.2% / -1.1% against all in one block; one a block +2.4% / +3.1% against two).
-__host__ __device__ constexpr int router_tokens_per_block(int tokens) { return tokens <= 2 ? tokens : 2; }
+// Rows and tokens a router block takes. Two rows: one or two tokens alone, else two (H100 replays,
+// thirty-second session: two a block b4 / b8 -1.2% / -1.1% against all in one block; one a block
+// +2.4% / +3.1% against two, in two waves). Where a thread holds one vector of x (kVecs, past 4
+// tokens) a block takes 4 rows of one token: 65 x 8 blocks, one wave, each a single token's chain.
+template <int kVecs>
+__host__ __device__ constexpr int router_rows() { return kVecs == 1 ? 4 : kRouterRows; }
+__host__ __device__ constexpr int router_tokens_per_block(int tokens, int rows) {
+  return rows > kRouterRows ? 1 : tokens <= 2 ? tokens : 2;
+}
 // 16-byte vectors of x a thread holds (router_kernel's kVecs): 1 past 4 tokens up to a hidden of 2,048
 // (the 35B), else 2 (kMoeRouterMaxHidden). At one, the 35B's kernel (256 experts, the norm folded) fits
 // 64 registers without spills, 4 blocks an SM: batch 8's 516 blocks (129 x 4 token pairs) in one wave,
@@ -559,24 +565,25 @@ __global__ void __launch_bounds__(kRouterThreads, kVecs == 1 && kPerLane <= 8 ? 
     router_kernel(T* logits, T* __restrict__ weights, int* __restrict__ ids, unsigned* done,
                   const T* __restrict__ x, const T* __restrict__ w, int tokens, int hidden, int rows,
                   int experts, int top_k, bool renormalize, RouterNorm<T> norm) {
-  __shared__ float partial[kRouterMaxTokens][kRouterRows][kRouterWarps];
+  constexpr int kRows = router_rows<kVecs>();
+  __shared__ float partial[kRouterMaxTokens][kRows][kRouterWarps];
   __shared__ float group_totals[kVecs * kRouterWarps];
   __shared__ bool last;
   constexpr int kPer = 8;  // elements of a 16-byte vector
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nvec = hidden / kPer;
-  const int row0 = blockIdx.x * kRouterRows;
-  const int per_block = router_tokens_per_block(tokens);
+  const int row0 = blockIdx.x * kRows;
+  const int per_block = router_tokens_per_block(tokens, kRows);
   const int first = blockIdx.y * per_block, count = min(per_block, tokens - first);  // this block's tokens
   // The router's rows (and the norm's weight) are constant: they load before the wait for x
   // (load_early16 and enter_kernel_after_loads: else ptxas places the wait above them).
-  uint4 wv[kRouterRows][kVecs] = {};
+  uint4 wv[kRows][kVecs] = {};
   uint4 nw[kVecs] = {};
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     const int c = threadIdx.x + kRouterThreads * j;
 #pragma unroll
-    for (int r = 0; r < kRouterRows; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       if (row0 + r < rows && c < nvec) {
         wv[r][j] = load_early16(reinterpret_cast<const uint4*>(w + static_cast<std::int64_t>(row0 + r) * hidden) + c);
       }
@@ -599,34 +606,35 @@ __global__ void __launch_bounds__(kRouterThreads, kVecs == 1 && kPerLane <= 8 ? 
   };
   enter_kernel_after_loads();
   load_token(first);
-  for (int n = first; n < first + count; ++n) {
+  constexpr bool kOneToken = kRows > kRouterRows;  // router_tokens_per_block: nothing to load ahead
+  for (int n = first; n < first + (kOneToken ? 1 : count); ++n) {
     uint4 xv[kVecs], rv[kVecs];
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) xv[j] = next_x[j], rv[j] = next_r[j];
-    if (n + 1 < first + count) load_token(n + 1);
+    if (!kOneToken && n + 1 < first + count) load_token(n + 1);
     if constexpr (kNorm) fold_norm(xv, rv, nw, norm, n, hidden, group_totals);
-    float acc[kRouterRows] = {};
+    float acc[kRows] = {};
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       if (threadIdx.x + kRouterThreads * j >= nvec) continue;
       const Vec<T, kPer> xt = *reinterpret_cast<const Vec<T, kPer>*>(&xv[j]);
 #pragma unroll
-      for (int r = 0; r < kRouterRows; ++r) {
+      for (int r = 0; r < kRows; ++r) {
         const Vec<T, kPer> wt = *reinterpret_cast<const Vec<T, kPer>*>(&wv[r][j]);
 #pragma unroll
         for (int i = 0; i < kPer; ++i) acc[r] = fmaf(to_float(wt.v[i]), to_float(xt.v[i]), acc[r]);
       }
     }
 #pragma unroll
-    for (int r = 0; r < kRouterRows; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const float v = warp_sum(acc[r]);
       if (lane == 0) partial[n - first][r][warp] = v;
     }
   }
   __syncthreads();
-  // Thread n kRouterRows + r adds the warps' sums of (token n, row row0 + r) in warp order.
-  if (threadIdx.x < count * kRouterRows) {
-    const int n = threadIdx.x / kRouterRows, r = threadIdx.x % kRouterRows;
+  // Thread n kRows + r adds the warps' sums of (token n, row row0 + r) in warp order.
+  if (threadIdx.x < count * kRows) {
+    const int n = threadIdx.x / kRows, r = threadIdx.x % kRows;
     if (row0 + r < rows) {
       float v = 0.0f;
 #pragma unroll
@@ -858,13 +866,14 @@ void launch_route(const MoeRouteArgs& a) {
 template <typename T>
 void launch_router(const MoeRouterArgs& a) {
   const MoeRouteArgs& r = a.route;
-  const int per_block = router_tokens_per_block(static_cast<int>(r.tokens));
-  const dim3 blocks(static_cast<unsigned>((a.rows + kRouterRows - 1) / kRouterRows),
-                    static_cast<unsigned>((r.tokens + per_block - 1) / per_block));
   const RouterNorm<T> norm{reinterpret_cast<const T*>(a.norm.residual), reinterpret_cast<const T*>(a.norm.weight),
                            reinterpret_cast<T*>(a.norm.normed), reinterpret_cast<T*>(a.norm.residual_out), a.norm.eps,
                            a.norm.zero_centered};
   const auto go = [&](auto per_lane, auto with_norm, auto vecs) {
+    constexpr int kRows = router_rows<decltype(vecs)::value>();
+    const int per_block = router_tokens_per_block(static_cast<int>(r.tokens), kRows);
+    const dim3 blocks(static_cast<unsigned>((a.rows + kRows - 1) / kRows),
+                      static_cast<unsigned>((r.tokens + per_block - 1) / per_block));
     launch_kernel("moe router kernel launch",
                   router_kernel<T, decltype(per_lane)::value, decltype(with_norm)::value, decltype(vecs)::value>,
                   blocks, kRouterThreads, 0, as_stream(r.stream), reinterpret_cast<T*>(r.logits),
