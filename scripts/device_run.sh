@@ -202,10 +202,14 @@ LIST
     # MAIN_TESTS="tests/a.py tests/b.py": main's GPU tests in its copy, before the patches' ones (a
     # combined build runs its parts' lists together); NO_TESTS=1: none.
     # SAMPLING_ROUNDS=N: bench_sampling.py (the sampler kernel at 248k tokens) likewise.
+    # REUSE_BUILDS=1 (a later call on the same warm machine): copies built before are not built again.
     # an editable install of this tree (an earlier step on a warm machine) would shadow the copies
     python3 -m pip uninstall -y -q ninfer > /dev/null 2>&1
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
-      dir=/tmp/ab/$(variant $v); rm -rf "$dir"; mkdir -p "$dir"
+      dir=/tmp/ab/$(variant $v)
+      # REUSE_BUILDS=1: a copy an earlier call on this warm machine built is timed as it is
+      [ "${REUSE_BUILDS:-0}" = 1 ] && [ -f "$dir/.built" ] && { echo "== $(variant $v): built earlier, reused"; continue; }
+      rm -rf "$dir"; mkdir -p "$dir"
       # untracked files too: the tool copies new files of this tree, which the machine's index may not list
       # (and the index may still list files this tree deleted: those are skipped)
       git ls-files -z --cached --others --exclude-standard \
