@@ -886,8 +886,8 @@ def _conv64(qkv, state, weight, valid):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("tokens,taps,padded", [(1, 4, False), (3, 4, True), (64, 4, False), (65, 2, True),
-                                                (200, 8, True), (517, 4, False)])
+@pytest.mark.parametrize("tokens,taps,padded", [(1, 4, False), (3, 4, True), (37, 4, True), (64, 4, False),
+                                                (65, 2, True), (200, 8, True), (517, 4, False)])
 def test_conv_prefill_kernel_matches_reference_and_float64(cuda_kernels, dtype, tokens, taps, padded):
     batch, channels = 3, 200
     qkv, pool, slots, weight = _conv_case(batch, tokens, channels, taps, dtype, seed=tokens + taps)
