@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Annotated
 
 import typer
@@ -42,16 +43,20 @@ def bench_engine(
                                 max_seqs=max(batch_sizes, default=1), cuda_graphs=cuda_graphs,
                                 random_weights=random_weights)
         logging.basicConfig(level=logging.WARNING)
+        started = time.perf_counter()
         llm = LLM.load(model, options)
+        load_s = time.perf_counter() - started
         report = run_engine_bench(llm, parse_int_list(lengths, "--lengths"), batch_sizes, tokens, repeats,
                                   progress=lambda msg: typer.secho(msg, err=True, dim=True))
+        report.load_s = load_s
     except NinferError as e:
         fail(str(e))
     if json_out:
         print(json.dumps(report.to_json()))
         return
     print(f"{report.model} on {report.device}: weights {report.weights}, KV {report.kv_dtype}, "
-          f"graphs {'on' if report.cuda_graphs else 'off'}, overlap {'on' if report.overlap else 'off'}")
+          f"graphs {'on' if report.cuda_graphs else 'off'}, overlap {'on' if report.overlap else 'off'}, "
+          f"loaded in {report.load_s:.1f} s")
     for t in report.ttft:
         chat = "" if t.chat_ms is None else f", chat-shaped {t.chat_ms:8.1f} ms (chunk ends: {t.chat_split_ms:8.1f} ms)"
         pieces = "" if t.pieces_ms is None else f", graph pieces {t.pieces_ms:8.1f} ms (one chunk: {t.one_chunk_ms:8.1f} ms)"

@@ -71,6 +71,7 @@ class EngineBenchReport:
     decode: list[LoopDecodeRun] = field(default_factory=list)
     date: str = ""
     torch: str = ""
+    load_s: float | None = None  # LLM.load's wall time (weights, KV sizing, graph captures, warm-up), if timed
 
     def to_json(self) -> dict:
         return asdict(self)

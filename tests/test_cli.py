@@ -161,6 +161,17 @@ def test_bench_synthetic_tiny_json():
     assert_clean_error(ninfer("bench"), "--synthetic")
 
 
+def test_bench_engine_reports_its_load_time(model_dir):
+    """`ninfer bench engine --json` on the CPU: the TTFT and loop runs asked for, and the load's wall
+    time (a start's cost: graph captures and their first launches are paid there on a GPU)."""
+    proc = ninfer("bench", "engine", str(model_dir[0]), "--device", "cpu", "--lengths", "8", "--batches", "1",
+                  "--tokens", "3", "--repeats", "1", "--max-context", "64", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert [t["tokens"] for t in out["ttft"]] == [8] and [d["batch"] for d in out["decode"]] == [1]
+    assert 0 < out["load_s"] < 300
+
+
 def test_bench_first_layers_of_a_preset():
     """--layers N: the preset's first N layers, the same shapes (half the layers: half the layers'
     weights a token, the embedding and lm_head unchanged); out of range is a clear error."""
