@@ -297,7 +297,7 @@ LIST
         name=$(variant $v)
         ( cd /tmp/ab/$name && PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-} NINFER_REQUIRE_KERNELS=1 timeout 200 \
             python3 -m ninfer_app bench engine "$OLDPWD/.bench/qwen3.6-35b-a3b" --random-weights --json --lengths ${ENGINE_LENGTHS:-37} \
-            --repeats 2 --batches 1,8 --tokens 256 2> "$OUT/engine_${name}_round$round.err" \
+            --repeats 2 --batches ${ENGINE_BATCHES:-1,8} --tokens 256 2> "$OUT/engine_${name}_round$round.err" \
             | sed "s/^{/{\"build\": \"$name\", \"call_round\": $round, /" | tee -a "$OUT/builds_engine.jsonl" | cut -c1-600 )
       done
     done ;;
