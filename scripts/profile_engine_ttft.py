@@ -2,7 +2,7 @@
 through the engine loop (scheduler, prompt chunks, prefix-cache checkpoints, sampling), with the
 largest kernels, the host ops by self CPU time and the peak memory above the loaded engine.
 Compare with `profile_prefill.py` (one forward).
-    python3 scripts/profile_engine_ttft.py .bench/qwen3.6-35b-a3b --lengths 2048,8192 [--prefill-chunk 8192]
+    python3 scripts/profile_engine_ttft.py .bench/qwen3.6-35b-a3b --lengths 2048,8192 [--prefill-chunk 8192] [--top 40]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None)
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--weights", default="int4", help="the recipe `ninfer bench engine` times (auto may not fit)")
+    parser.add_argument("--top", type=int, default=14, help="kernels and host ops listed per length")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     # a context of at least 4,096 tokens: a short prompt's alone is under the cache's MIN_KV_TOKENS
@@ -51,9 +52,9 @@ def main() -> None:
         print(f"== engine TTFT {length} (chunk {llm.engine.prefill_chunk}): {', '.join(f'{t:.1f}' for t in times)} ms; "
               f"profiled {profiled:.1f} ms, GPU busy {busy:.1f} ms in {sum(r[1] for r in rows):.0f} kernels; "
               f"peak activations {peak:.0f} MiB")
-        print_rows(rows, top=14)
+        print_rows(rows, top=args.top)
         print("   host ops by self CPU time:")
-        for us, calls, name in cpu_rows(prof, top=14):
+        for us, calls, name in cpu_rows(prof, top=args.top):
             print(f"   {us / 1e3:8.2f} ms {calls:6d}x  {name[:90]}")
 
 
