@@ -191,7 +191,7 @@ LIST
     # every round (AB_ROUNDS; PRESETS: preset=batch:context,... entries); before them the GPU tests
     # that NAME.tests lists (one pytest argument a line: `-k` and its expression on two lines), run in
     # NAME's copy; after them, with ENGINE_ROUNDS=N, `bench engine` (the engine loop: TPOT at batch 1
-    # and 8, TTFT of 37 tokens or ENGINE_LENGTHS=37,128,...) of each build, alternating, N rounds. Make each patch against this tree's HEAD: a patch
+    # and 8 or ENGINE_BATCHES=1,5,8, TTFT of 37 tokens or ENGINE_LENGTHS=37,128,...) of each build, alternating, N rounds. Make each patch against this tree's HEAD: a patch
     # that does not apply (or a copy that does not build) is left out with its log, never timed on
     # the torch references (NINFER_REQUIRE_KERNELS=1). "main" is this working tree, uncommitted
     # edits included. AB_VARIANTS: ab_replays.py's settings, each build timed under each (default X=0).
@@ -207,7 +207,6 @@ LIST
     python3 -m pip uninstall -y -q ninfer > /dev/null 2>&1
     for v in ${VARIANTS:?VARIANTS="main a.patch ..."}; do
       dir=/tmp/ab/$(variant $v)
-      # REUSE_BUILDS=1: a copy an earlier call on this warm machine built is timed as it is
       [ "${REUSE_BUILDS:-0}" = 1 ] && [ -f "$dir/.built" ] && { echo "== $(variant $v): built earlier, reused"; continue; }
       rm -rf "$dir"; mkdir -p "$dir"
       # untracked files too: the tool copies new files of this tree, which the machine's index may not list

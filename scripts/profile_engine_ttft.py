@@ -28,14 +28,12 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,8192")
     parser.add_argument("--prefill-chunk", type=int, default=None)
     parser.add_argument("--no-prefix-cache", action="store_true")
-    parser.add_argument("--weights", default="int4", help="the recipe `ninfer bench engine` times (auto may not fit)")
     parser.add_argument("--top", type=int, default=14, help="kernels and host ops listed per length")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     # a context of at least 4,096 tokens: a short prompt's alone is under the cache's MIN_KV_TOKENS
     context = max(max(lengths) + 64, 4096)
     llm = LLM.load(args.model, EngineOptions(device="cuda", random_weights=True, max_context=context,
-                                             weights=args.weights,
                                              prefill_chunk=args.prefill_chunk,
                                              prefix_cache=not args.no_prefix_cache))
     runner = _Runner(llm.engine, seed=0)
