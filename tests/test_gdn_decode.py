@@ -28,6 +28,7 @@ from ninfer_core.layers.gdn import (
     GatedDeltaNet,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
+    heads_and_gates,
     l2norm,
 )
 from ninfer_core.ops import dispatch
@@ -859,6 +860,76 @@ def test_prefill_selection_on_cuda(fla_available):
     got = gdn_ops.gated_delta_rule_prefill(*bf16)
     assert got[0].dtype == torch.bfloat16
     assert all(torch.equal(x, y) for x, y in zip(got, gdn_ops.gated_delta_rule_fla(*bf16), strict=True))
+
+
+def _conv_output_case(shape, seq_len: int, dtype: torch.dtype, device, padded: bool) -> tuple:
+    """A prefill's conv output [2, T, C], raw gate inputs a, b [2, T, Hv], the layer's weights, valid
+    tokens (row 1 three short when padded) and an fp32 state."""
+    hk, hv, dk, dv = shape
+    gen = torch.Generator().manual_seed(seq_len + dk)
+    mixed = torch.randn(2, seq_len, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
+    a, b = (torch.randn(2, seq_len, hv, generator=gen).to(dtype) for _ in range(2))
+    a_log, dt_bias = ((torch.randn(hv, generator=gen) * 0.5).to(device) for _ in range(2))
+    w = gdn_ops.GDNWeights(conv_weight=torch.empty(0), A_log=a_log, dt_bias=dt_bias, norm_weight=torch.empty(0),
+                           eps=EPS, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
+    valid = torch.tensor([seq_len, seq_len - 3], device=device) if padded else None
+    state = torch.randn(2, hv, dk, dv, generator=gen) * 0.5
+    return mixed.to(device), a.to(device), b.to(device), w, valid, state.to(device)
+
+
+def _fla_contract(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                  use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel):
+    """fla 0.6's chunk_gated_delta_rule with its in-kernel options as its docstring defines them
+    (l2norm of q and k, g = -exp(A_log) softplus(g + dt_bias), beta = sigmoid(beta)), in float64."""
+    assert use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel and output_final_state
+    g = -A_log.double().exp() * F.softplus(g.double() + dt_bias.double())
+    return gated_delta_rule_recurrent(l2norm(q.double()) * scale, l2norm(k.double()), v.double(), g,
+                                      torch.sigmoid(beta.double()), initial_state.double())
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_fla_call_with_gates_in_kernel_gets_them_raw(monkeypatch, padded):
+    """The fused fla call's arguments, checked on the CPU against fla's contract: q / k / v as the
+    conv output's heads, q's dk^-1/2 as the scale, a / b raw with A_log and dt_bias, and padding
+    tokens whose raw gates leave the state exactly as it was (row 1's last three)."""
+    monkeypatch.setattr(gdn_ops, "_fla_chunk", lambda: _fla_contract)
+    monkeypatch.setattr(gdn_ops, "_fla_applies", lambda q, v, state: True)
+    mixed, a, b, w, valid, state = _conv_output_case((2, 4, 16, 8), 11, torch.float32, "cpu", padded)
+    out, final = gdn_ops.gated_delta_rule_from_conv(mixed, a, b, w, valid, state)
+    q, k, v, g, beta = heads_and_gates(mixed.double(), a.double(), b.double(), w, valid, torch.float64)
+    want_out, want_state = gated_delta_rule_recurrent(q, k, v, g, beta, state.double())
+    # (the torch gates are fp32, the contract's float64: 5e-5 apart)
+    torch.testing.assert_close(out, want_out, rtol=2e-4, atol=1e-6)
+    torch.testing.assert_close(final, want_state, rtol=2e-4, atol=1e-6)
+    if padded:  # the state after row 1's real tokens alone
+        q, k, v, g, beta = heads_and_gates(mixed[1:, :8].double(), a[1:, :8].double(), b[1:, :8].double(), w, None,
+                                           torch.float64)
+        torch.testing.assert_close(final[1:], gated_delta_rule_recurrent(q, k, v, g, beta, state[1:].double())[1],
+                                   rtol=2e-4, atol=1e-6)
+
+
+def test_prefill_from_conv_on_cpu_is_the_reference(monkeypatch):
+    monkeypatch.setattr(gdn_ops, "_fla_chunk", lambda: pytest.fail("fla looked up for CPU tensors"))
+    mixed, a, b, w, valid, state = _conv_output_case((2, 4, 16, 8), 70, torch.float32, "cpu", True)
+    got = gdn_ops.gated_delta_rule_from_conv(mixed, a, b, w, valid, state)
+    want = gated_delta_rule_chunked(*heads_and_gates(mixed, a, b, w, valid, torch.float32), state)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seq_len,padded", [(37, True), (48, False), (200, True)])
+def test_fla_with_gates_in_kernel_matches_the_torch_gates(fla_available, dtype, seq_len, padded):
+    """fla with l2norm, gates and beta's sigmoid inside against the fp32 reference of the torch gates
+    (the 35B's heads: 16 key heads, 32 value heads of 128), padding included."""
+    mixed, a, b, w, valid, state = _conv_output_case((16, 32, 128, 128), seq_len, dtype, "cuda", padded)
+    out, final = gdn_ops.gated_delta_rule_from_conv(mixed, a, b, w, valid, state)
+    q, k, v, g, beta = heads_and_gates(mixed, a, b, w, valid, torch.float32)
+    want_out, want_state = gated_delta_rule_chunked(q, k, v.float(), g, beta, state)
+    assert out.dtype == dtype and final.dtype == torch.float32
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    assert_rms_rel(out, want_out, tol)
+    assert_rms_rel(final, want_state, tol)
 
 
 # ---------------------------------------------------------------- prefill conv (csrc/gdn_conv.cu)

@@ -76,16 +76,42 @@ def conv_qkv_heads(
     return (*qkv_heads(mixed, num_k_heads, head_k_dim, head_v_dim, compute), conv_state)
 
 
+def split_heads(
+    mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv output [B, T, C] as per-head q, k [B, T, Hk, dk] and v [B, T, Hv, dv] (views)."""
+    batch, num_new, _ = mixed.shape
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+    return (q.reshape(batch, num_new, num_k_heads, head_k_dim), k.reshape(batch, num_new, num_k_heads, head_k_dim),
+            v.reshape(batch, num_new, -1, head_v_dim))
+
+
 def qkv_heads(
     mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int, compute: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The conv output [B, T, C] as per-head q, k (l2-normalised in `compute`, q scaled by dk^-1/2), v."""
-    batch, num_new, _ = mixed.shape
-    key_dim = num_k_heads * head_k_dim
-    q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
-    q = l2norm(q.reshape(batch, num_new, num_k_heads, head_k_dim).to(compute)) * head_k_dim**-0.5
-    k = l2norm(k.reshape(batch, num_new, num_k_heads, head_k_dim).to(compute))
-    return q, k, v.reshape(batch, num_new, -1, head_v_dim)
+    q, k, v = split_heads(mixed, num_k_heads, head_k_dim, head_v_dim)
+    return l2norm(q.to(compute)) * head_k_dim**-0.5, l2norm(k.to(compute)), v
+
+
+def real_tokens(valid_tokens: torch.Tensor, num_new: int) -> torch.Tensor:
+    """[B, T, 1]: whether token t of row b is one of its first valid_tokens[b] (the rest: padding)."""
+    return (torch.arange(num_new, device=valid_tokens.device)[None, :] < valid_tokens[:, None])[..., None]
+
+
+def heads_and_gates(
+    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: gdn_ops.GDNWeights, valid_tokens: torch.Tensor | None,
+    compute: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    """q, k, v of the conv output (q, k in `compute`) and g, beta of a, b; padding tokens (past
+    valid_tokens) get g = beta = 0, which leaves the recurrent state as it is."""
+    q, k, v = qkv_heads(mixed, w.num_k_heads, w.head_k_dim, w.head_v_dim, compute)
+    g, beta = gdn_gates(a, b, w.A_log, w.dt_bias)
+    if valid_tokens is not None:
+        real = real_tokens(valid_tokens, mixed.shape[1])
+        g, beta = g * real, beta * real
+    return q, k, v, g, beta
 
 
 def conv_state_after(conv_state: torch.Tensor, qkv: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -380,7 +406,8 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(x)
         end = fork.then.tokens if fork.then is not None else valid  # where the chunked rule stops
         conv_pool[fork.slots] = conv_state_after(conv_pool[slots], qkv, fork.tokens)
-        q, k, v, g, beta = self._conv_gates(qkv, b, a, conv_pool, slots, end, state_pool.dtype)
+        mixed = gdn_ops.conv_prefill(qkv, conv_pool, slots, self.conv1d.weight[:, 0], end)
+        q, k, v, g, beta = heads_and_gates(mixed, a, b, self.weights, end, state_pool.dtype)
         rule = gdn_ops.gated_delta_rule_prefill
         if sliced:  # one unpadded row, positions on the host: each run over its side's tokens only
             cut, stop = fork.host_tokens, fork.then.host_tokens if fork.then is not None else num_new
@@ -437,27 +464,11 @@ class GatedDeltaNet(nn.Module):
         slots: torch.Tensor, state: torch.Tensor, valid_tokens: torch.Tensor | None,
         delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """conv, delta rule and gated norm of the projections: (normed [B, T, value_dim], new state)."""
-        q, k, v, g, beta = self._conv_gates(qkv, b, a, conv_pool, slots, valid_tokens, state.dtype)
-        out, state = (delta_rule or gdn_ops.gated_delta_rule_prefill)(q, k, v, g, beta, state)
-        return self._normed(out, z), state
-
-    def _conv_gates(
-        self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-        valid_tokens: torch.Tensor | None, compute: torch.dtype,
-    ) -> tuple[torch.Tensor, ...]:
-        """The conv (the pool's conv states of `slots` advance) and q, k, v (q, k in `compute`, the
-        recurrent state's dtype), g, beta. Padding tokens
-        (past valid_tokens) get g = beta = 0, which leaves the recurrent state as it is, and the
-        conv state ends at the last real token."""
-        num_new = qkv.shape[1]
+        """conv, delta rule and gated norm of the projections: (normed [B, T, value_dim], new state).
+        The conv states of `slots` advance in the pool, ending at each row's last real token."""
         mixed = gdn_ops.conv_prefill(qkv, conv_pool, slots, self.conv1d.weight[:, 0], valid_tokens)
-        q, k, v = qkv_heads(mixed, self.num_k_heads, self.head_k_dim, self.head_v_dim, compute)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-        if valid_tokens is not None:
-            real = (torch.arange(num_new, device=qkv.device)[None, :] < valid_tokens[:, None])[..., None]
-            g, beta = g * real, beta * real
-        return q, k, v, g, beta
+        out, state = gdn_ops.gated_delta_rule_from_conv(mixed, a, b, self.weights, valid_tokens, state, delta_rule)
+        return self._normed(out, z), state
 
     def _normed(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The gated RMSNorm of the rule's output [B, T, Hv, dv] (gate z), as [B, T, value_dim]."""

@@ -41,7 +41,10 @@ A chunked kernel of our own (intra-chunk triangular solve, inter-chunk state sca
 tiling per GPU) is a large project for prefill alone, while decode, a plain memory-bound
 recurrence, is where owning the kernel pays (fused norm, CUDA graphs). Only bf16 / fp16 models
 take it: q, k go in at the model dtype (as transformers feeds them) and fla's fp32 matmuls would
-run in TF32 (~1e-3), so fp32 models (the parity tests) keep the exact reference.
+run in TF32 (~1e-3), so fp32 models (the parity tests) keep the exact reference. The layer's prefill
+(`gated_delta_rule_from_conv`) hands fla the conv output's heads and the gates' raw inputs, with q /
+k's l2norm, the gates and beta's sigmoid done inside fla's kernels: a short prompt's GDN layer is
+launch-bound, and those steps in torch were about 25 small kernels a layer.
 """
 
 from __future__ import annotations
@@ -518,6 +521,48 @@ def gated_delta_rule_prefill(
         return gated_delta_rule_fla(q, k, v, g, beta, state)
     dispatch.fallback("gated_delta_rule_prefill (fla)", v, state)
     return gdn_layer.gated_delta_rule_chunked(q, k, v, g, beta, state)
+
+
+def gated_delta_rule_from_conv(
+    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: GDNWeights, valid_tokens: torch.Tensor | None,
+    state: torch.Tensor, delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked rule from the conv's output [B, T, C] and the gates' raw inputs a, b [B, T, Hv]:
+    (o, final state); padding (past valid_tokens) leaves the state as it is. On fla, q / k's l2norm,
+    the gates and beta's sigmoid run inside its kernels (`gated_delta_rule_fla_raw`): about 25 small
+    torch kernels fewer a layer, each a launch-bound ~2 us of a short prompt's graph (2,479 kernels
+    for a 37-token prompt of the 35B, 12.4 ms of GPU time on the H100). Else, or with `delta_rule`
+    (a test's recurrent form): `heads_and_gates`, then that rule or `gated_delta_rule_prefill`."""
+    q, k, v = gdn_layer.split_heads(mixed, w.num_k_heads, w.head_k_dim, w.head_v_dim)
+    if delta_rule is None and _fla_applies(q, v, state):
+        return gated_delta_rule_fla_raw(q, k, v, a, b, w, valid_tokens, state)
+    q, k, v, g, beta = gdn_layer.heads_and_gates(mixed, a, b, w, valid_tokens, state.dtype)
+    return (delta_rule or gated_delta_rule_prefill)(q, k, v, g, beta, state)
+
+
+# a padding token's raw gate inputs: softplus(a + dt_bias) and sigmoid(b) come out exactly 0 in fp32
+# (g = beta = 0: the state as it was), a finite value, in range of fp16 and bf16
+_PADDING_GATE = -1e4
+
+
+def gated_delta_rule_fla_raw(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: GDNWeights,
+    valid_tokens: torch.Tensor | None, state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_rule_from_conv` on fla's kernel (q, k, v: the conv output's heads, `split_heads`)
+    with q / k's l2norm (q's dk^-1/2 as its scale), g = -exp(A_log) softplus(a + dt_bias) and beta =
+    sigmoid(b) inside it (fla >= 0.6: `use_qk_l2norm_in_kernel`, `use_gate_in_kernel`,
+    `use_beta_sigmoid_in_kernel`). q, k are normalised from the model dtype to it (the torch path
+    normalises in fp32 before rounding)."""
+    chunk = _fla_chunk()
+    if chunk is None:
+        raise RuntimeError("flash-linear-attention (fla >= 0.6 with triton) is not importable")
+    if valid_tokens is not None:
+        real = gdn_layer.real_tokens(valid_tokens, q.shape[1])
+        a, b = torch.where(real, a, _PADDING_GATE), torch.where(real, b, _PADDING_GATE)
+    return chunk(q, k, v, a, b, scale=w.head_k_dim**-0.5, initial_state=state.float(), output_final_state=True,
+                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=w.A_log, dt_bias=w.dt_bias,
+                 use_beta_sigmoid_in_kernel=True)
 
 
 def gated_delta_rule_fla(
