@@ -67,7 +67,8 @@ def _copy_into(static, fresh) -> None:
 
 
 def fake_capture(fn, pool=None):
-    """Like graph_capture.capture: one warm-up call, then the 'captured' call's outputs."""
+    """Like graph_capture.capture: one warm-up call, then the 'captured' call's outputs (a real
+    capture runs no kernel, but replays the graph once: the fake's two calls are the real two runs)."""
     fn()
     result = fn()
     return FakeGraph(fn, result), result

@@ -11,6 +11,7 @@ import torch
 
 from ninfer_core.cache.sizing import plan_cache
 from ninfer_core.config import load_config
+from ninfer_core.engine.graph_capture import capture
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.speculative import Draft
 from ninfer_core.engine.sampling import SamplingParams
@@ -174,6 +175,18 @@ def test_quantized_engine_against_bf16(model_dir, capsys):
         with capsys.disabled():
             print(f"\ntiny random model {weights} vs bf16: KL {kl:.4f}, top-1 {top1:.3f}")
         assert kl < max_kl
+
+
+def test_capture_leaves_the_graph_launched_once():
+    """graph_capture.capture runs fn as a warm-up, captures it, and replays the graph once (its first
+    launch, the driver's upload, paid at capture): two runs before it returns, one more a replay."""
+    count = torch.zeros(1, device="cuda")
+    graph, out = capture(lambda: count.add_(1))
+    torch.cuda.synchronize()
+    assert count.item() == 2 and out is count
+    graph.replay()
+    torch.cuda.synchronize()
+    assert count.item() == 3
 
 
 def test_kv_capacity_auto_fills_free_memory(model_dir):
