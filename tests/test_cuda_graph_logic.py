@@ -21,7 +21,7 @@ from ninfer_core.engine import cuda_graph, prefill_graph
 from ninfer_core.engine.cuda_graph import DecodeGraphs
 from ninfer_core.engine.penalties import Generated
 from ninfer_core.engine.llm_engine import LLMEngine
-from ninfer_core.engine.prefill_graph import PrefillGraphs
+from ninfer_core.engine.prefill_graph import FORK_KINDS, PrefillGraphs, fork_kind
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import Sampler, SamplingParams
 from ninfer_core.engine.speculative import Speculator
@@ -325,7 +325,7 @@ def test_prefill_graphs_fork_a_prompt_near_its_end(target, fake_graphs, monkeypa
                          checkpoints=4)
     eng = LLMEngine(llm.loaded.model, llm.loaded.config, llm.loaded.tokenizer, cache, max_context=512)
     eng.prefill_graphs = PrefillGraphs(eng.model, eng.cache, 512, None)
-    assert eng.prefill_graphs.capture_all() == 3 * len(eng.prefill_graphs.buckets)
+    assert eng.prefill_graphs.capture_all() == (1 + len(FORK_KINDS)) * len(eng.prefill_graphs.buckets)
     replayed = []
     forward = eng.prefill_graphs.forward
     eng.prefill_graphs.forward = lambda batch: replayed.append(
@@ -337,15 +337,18 @@ def test_prefill_graphs_fork_a_prompt_near_its_end(target, fake_graphs, monkeypa
     assert outs[-1].timings.cached_tokens == len(prompt) - 1
 
 
-def test_prefill_graphs_fork_a_prompt_anywhere(target, fake_graphs, monkeypatch):
-    """A checkpoint far from the prompt's end (a chat's last message start) is a fork too: the
-    bucket's graph of the other kind runs the chunked rule twice, and a second checkpoint near the
-    end (a chat's answer start) is a second fork in the same chunk. The tokens are the cache-off
-    engine's, and prompts that share the part before either fork resume there."""
+@pytest.mark.parametrize("last, kind", [(50, "chunked"), (27, "windows")])
+def test_prefill_graphs_fork_a_prompt_anywhere(target, fake_graphs, monkeypatch, last, kind):
+    """A checkpoint far from the prompt's end (a chat's last message start, `last` tokens before it)
+    is a fork too, with a second checkpoint near the end (a chat's answer start) a second fork in the
+    same chunk: 48 tokens apart the bucket's graph that runs the chunked rule twice, 25 apart the one
+    whose fused steps run in windows after one chunked run (engine/fork_windows.py). The tokens are
+    the cache-off engine's, and prompts that share the part before either fork resume there."""
     monkeypatch.setattr(prefill_graph, "graph_row_limit", lambda model: None)
     shared = [3 + i % 50 for i in range(100)]
-    prompt = shared + [60 + i % 7 for i in range(50)]
-    prompts = [prompt, shared + [70 + i % 5 for i in range(30)], prompt[:148] + [9, 9, 9]]
+    prompt = shared + [60 + i % 7 for i in range(last)]
+    second = len(prompt) - 2
+    prompts = [prompt, shared + [70 + i % 5 for i in range(20)], prompt[:second] + [9, 9, 9]]
     plain = engine(target, None, graphs=False)
     want = [generate(plain, [p], [8])[0] for p in prompts]
     llm = load(target)
@@ -360,19 +363,19 @@ def test_prefill_graphs_fork_a_prompt_anywhere(target, fake_graphs, monkeypatch)
     def record(batch):
         fork = batch.fork
         forks = [] if fork is None else [int(f.tokens[0]) for f in (fork, fork.then) if f is not None]
-        replayed.append((batch.num_new_tokens, forks, None if fork is None else fork.tail))
+        replayed.append((batch.num_new_tokens, forks, fork_kind(fork)))
         return forward(batch)
 
     eng.prefill_graphs.forward = record
     got, cached = [], []
     for tokens in prompts:
-        outs = list(eng.generate([GenerationRequest(tokens, greedy(8), checkpoints=(100, 148))]))
+        outs = list(eng.generate([GenerationRequest(tokens, greedy(8), checkpoints=(100, second))]))
         got.append([t for o in outs for t in o.new_token_ids])
         cached.append(outs[-1].timings.cached_tokens)
     assert got == want
-    # one chunk, forked at 100 (chunked rule twice) and 148 (fused steps); then resumed at 100, at 148
-    assert replayed == [(150, [100, 148], False), (30, [], None), (3, [], None)]
-    assert cached == [0, 100, 148]
+    # one chunk, forked at 100 and near its end; then resumed at 100, at the second fork
+    assert replayed == [(len(prompt), [100, second], kind), (20, [], None), (3, [], None)]
+    assert cached == [0, 100, second]
 
 
 def test_a_scored_prompt_runs_beside_graph_replays(target, fake_graphs, monkeypatch):

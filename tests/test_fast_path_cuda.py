@@ -321,14 +321,16 @@ def prompt_logits(llm: LLM, prompt: list[int], checkpoints: tuple[int, ...] = ()
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
-@pytest.mark.parametrize("length,checkpoints,forks", [(300, (), [299]), (200, (100,), [100]), (300, (100,), [100, 299])],
-                         ids=["fused_tail", "chunked_twice", "chunked_then_tail"])
+@pytest.mark.parametrize("length,checkpoints,forks",
+                         [(300, (), [299]), (200, (100,), [100]), (300, (100,), [100, 299]), (300, (273,), [273, 299])],
+                         ids=["fused_tail", "chunked_twice", "chunked_then_tail", "windows"])
 def test_prefill_forks_match_the_split(model_dir, weights, length, checkpoints, forks):
     """With the prefix cache a prompt runs as one chunk that keeps the GDN state at its
     checkpoints (forks: before its last token by the fused steps, elsewhere by fla's chunked rule
-    twice, or both; a chunk graph with int4 experts, eager with bf16 ones, whose graphs stop at 16
-    rows). Its logits are as close to the cache-off engine's as those of the chunks it replaces,
-    and the same prompt again resumes from the last fork's checkpoint with the same logits."""
+    twice, or both, or within three windows of the fused steps by those after one chunked run; a
+    chunk graph with int4 experts, eager with bf16 ones, whose graphs stop at 16 rows). Its logits
+    are as close to the cache-off engine's as those of the chunks it replaces, and the same prompt
+    again resumes from the last fork's checkpoint with the same logits."""
     prompt = [(7 * i) % 290 + 5 for i in range(length)]
     want = first_logits(load(model_dir, weights=weights, max_context=512, cuda_graphs=False, prefix_cache=False),
                         prompt)

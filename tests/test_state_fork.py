@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer_core.models.base import StateFork
+from ninfer_core.engine.fork_windows import step_windows
+from ninfer_core.models.base import StateFork, StepWindows
 from ninfer_core.ops import dispatch
 from ninfer_core.ops import gdn as gdn_ops
 from test_speculative_rollback import gdn_layer_and_pools
@@ -62,11 +63,13 @@ def test_a_forked_forward_equals_the_split_and_keeps_the_state_at_the_fork(padde
     assert not torch.equal(state[3], state0[3])  # the fork slots were written
 
 
+@pytest.mark.parametrize("form", ["chunked", "windows"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_two_forks_in_one_chunk(padded):
+def test_two_forks_in_one_chunk(padded, form):
     """A chunked fork with a second one near the end (`StateFork.then`: a chat's history end and
-    answer start): the outputs and pooled state of three forwards, each fork slot holding its state;
-    a row whose second fork is at its end has none."""
+    answer start), or the same two forks as the fused steps' windows after one chunked run
+    (`StateFork.steps`, engine/fork_windows.py): the outputs and pooled state of three forwards,
+    each fork slot holding its state; a row whose second fork is at its end has none."""
     layer, conv, state, gen = gdn_layer_and_pools(4)
     conv, state = torch.cat([conv, conv, conv]), torch.cat([state, state, state])  # 9 slots: rows, forks, thens
     num_new = 40
@@ -75,6 +78,12 @@ def test_two_forks_in_one_chunk(padded):
     firsts, seconds = torch.tensor([7, 2, 20]), torch.tensor([37, 30, 40])  # row 2: no second fork
     slots, fork_slots, then_slots = torch.tensor([2, 0, 1]), torch.tensor([3, 4, 5]), torch.tensor([6, 7, 8])
     fork = StateFork(firsts, fork_slots, tail=False, then=StateFork(seconds, then_slots))
+    if form == "windows":  # rows of 30, 28 and 20 tokens to the second fork: two windows, then its own
+        rows = [step_windows([int(firsts[r]), int(seconds[r])], [int(fork_slots[r]), int(then_slots[r])],
+                             int(valid[r]) if padded else num_new, int(slots[r])) for r in range(3)]
+        assert all(r is not None and r[1][2] == int(valid[i] if padded else num_new) - int(seconds[i])
+                   for i, r in enumerate(rows))
+        fork = StateFork(firsts, fork_slots, steps=StepWindows(*(torch.tensor(part).T for part in zip(*rows))))
     with torch.no_grad():
         want_conv, want_state, wants = conv.clone(), state.clone(), []
         for row in range(3):
@@ -157,3 +166,14 @@ def test_a_cpu_row_with_host_positions_runs_the_fused_steps(second, monkeypatch)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(conv, conv_masked, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(state, state_masked, atol=2e-5, rtol=2e-5)
+
+
+def test_step_windows_cover_each_fork_to_the_next_in_windows_of_the_fused_steps():
+    """Hand-worked (engine/fork_windows.py): a chat's checkpoints 27 and 3 tokens before a 37-token
+    chunk's end; one fork 27 before it; a second fork at the end (a copy, no token); a lone fork near
+    the end (the plain tail: None); one too far for three windows (the chunked rule: None)."""
+    assert step_windows([10, 34], [7, 8], 37, 3) == ([10, 26, 34], [16, 8, 3], [7, 3, 8])
+    assert step_windows([10], [7], 37, 3) == ([10, 26, 37], [16, 11, 0], [7, 3, 3])
+    assert step_windows([10, 37], [7, 8], 37, 3) == ([10, 26, 37], [16, 11, 0], [7, 3, 8])
+    assert step_windows([30], [7], 37, 3) is None
+    assert step_windows([0], [7], 49, 3) is None and step_windows([0], [7], 48, 3) is not None

@@ -31,12 +31,13 @@ from ..cache import CacheManager
 from ..config import GenerationDefaults, ModelConfig
 from ..detokenizer import IncrementalDetokenizer
 from ..errors import ContextLengthError, NinferError, logged_internal_error
-from ..models.base import CausalLM, ForwardBatch, ForwardOutput, StateFork
+from ..models.base import CausalLM, ForwardBatch, ForwardOutput, StateFork, StepWindows
 from ..models.quantize import weight_bytes
 from ..ops.dispatch import upload
 from ..ops.gdn import MAX_STEP_TOKENS
 from ..stop_strings import StopStringFilter
 from ..tokenizer import Tokenizer
+from .fork_windows import TAIL_WINDOWS, step_windows
 from .grammar import constrain
 from .logprobs import LogprobRows, TokenLogprob, log_softmax_rows
 from .request import GenerationRequest, SpecStats, StepOutput
@@ -720,8 +721,9 @@ class LLMEngine:
 
     def _fork(self, chunk: PrefillChunk) -> StateFork | None:
         """The chunk's checkpoints as a state fork, each with a reserved checkpoint slot (those that
-        get none are not kept): the first one by the fused steps when it is near the end, else by
-        the chunked rule twice, a second one (near the end) by the fused steps after that."""
+        get none are not kept): by the fused steps from the first one when it is near the end (one
+        window of them, or up to TAIL_WINDOWS: `step_windows`), else by the chunked rule twice, a
+        second one (near the end) by the fused steps after that."""
         for _ in chunk.forks:
             slot = self.cache.reserve_checkpoint_slot()
             if slot is None:
@@ -730,11 +732,15 @@ class LLMEngine:
         del chunk.forks[len(chunk.fork_slots):]
         if not chunk.forks:
             return None
-        n = len(chunk.forks)
-        values = upload([p - chunk.start for p in chunk.forks] + chunk.fork_slots, torch.long, self.device)
-        then = StateFork(values[1:2], values[3:4], host_tokens=chunk.forks[1] - chunk.start) if n == 2 else None
-        return StateFork(values[:1], values[n : n + 1], tail=n == 1 and chunk.end - chunk.forks[0] <= MAX_STEP_TOKENS,
-                         then=then, host_tokens=chunk.forks[0] - chunk.start)
+        n, end = len(chunk.forks), chunk.end - chunk.start
+        forks = [p - chunk.start for p in chunk.forks]
+        windows = step_windows(forks, chunk.fork_slots, end, chunk.seq.cache.slot)
+        values = upload(forks + chunk.fork_slots + [v for column in windows or () for v in column], torch.long,
+                        self.device)
+        then = StateFork(values[1:2], values[3:4], host_tokens=forks[1]) if n == 2 else None
+        steps = None if windows is None else StepWindows(*values[2 * n:].view(3, TAIL_WINDOWS, 1))
+        tail = steps is not None or (n == 1 and end - forks[0] <= MAX_STEP_TOKENS)
+        return StateFork(values[:1], values[n : n + 1], tail=tail, then=then, host_tokens=forks[0], steps=steps)
 
     def _forward(self, parts: list[ForwardBatch]) -> list[ForwardOutput]:
         """The parts' outputs: by CUDA graph replays when every part has a graph (the decode /

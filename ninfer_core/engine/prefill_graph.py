@@ -11,9 +11,10 @@ advances no GDN state (g = beta = 0) and is never attended to by real tokens; at
 `chunk_attention` (lengths on the device, a tensor-core Triton kernel on the GPU), so a
 chunk may continue a cached prefix. The logits are the last real token's. With the prefix cache
 each bucket also has graphs of chunks with a GDN state fork (`ForwardBatch.fork`: a checkpoint
-taken inside the chunk), one per kind (the last tokens through the fused steps, or the chunked
-rule twice, then the fused steps from a second fork, or from the end when there is none); the
-forks' positions and slots are device buffers.
+taken inside the chunk), one per kind (the last tokens through the fused steps, in one window or
+in TAIL_WINDOWS of them, engine/fork_windows.py; or the chunked rule twice, then the fused steps
+from a second fork, or from the end when there is none); the forks' positions and slots are device
+buffers.
 
 Chunks that carry media, drafter layers or several sequences (mixed steps) run eagerly, and so
 do chunks past the model's graph row limit (MoE experts that sync with the host past it: bf16
@@ -29,10 +30,20 @@ import torch
 
 from ..cache import CacheManager
 from ..errors import NinferError
-from ..models.base import CausalLM, ForwardBatch, ForwardOutput, StateFork
+from ..models.base import CausalLM, ForwardBatch, ForwardOutput, StateFork, StepWindows
+from .fork_windows import TAIL_WINDOWS
 from .graph_capture import capture, graph_row_limit
 
 BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+FORK_KINDS = ("tail", "windows", "chunked")
+
+
+def fork_kind(fork: StateFork | None) -> str | None:
+    """Which graph a chunk with this fork replays: none, the fused steps in one window or in
+    TAIL_WINDOWS (`StateFork.steps`), or the chunked rule twice."""
+    if fork is None:
+        return None
+    return ("tail" if fork.steps is None else "windows") if fork.tail else "chunked"
 
 
 @dataclass
@@ -60,9 +71,10 @@ class PrefillGraphs:
         self.block_table = torch.full((1, self.max_pages), manager.scratch_page, dtype=torch.int32, device=device)
         self.fork = StateFork(torch.ones(1, dtype=torch.long, device=device), self.slots.clone(),
                               then=StateFork(torch.ones(1, dtype=torch.long, device=device), self.slots.clone()))
-        # graph variants per bucket: no fork, or a fork of each kind (StateFork.tail)
-        self.kinds: tuple[bool | None, ...] = (None, True, False) if manager.prefix is not None else (None,)
-        self.graphs: dict[tuple[int, bool | None], _Graph] = {}
+        self.steps = StepWindows(*torch.zeros(3, TAIL_WINDOWS, 1, dtype=torch.long, device=device))
+        # graph variants per bucket: no fork, or a fork of each kind (`fork_kind`)
+        self.kinds: tuple[str | None, ...] = (None, *FORK_KINDS) if manager.prefix is not None else (None,)
+        self.graphs: dict[tuple[int, str | None], _Graph] = {}
 
     def capture_all(self) -> int:
         for bucket in self.buckets:
@@ -81,14 +93,14 @@ class PrefillGraphs:
             and batch.inputs_embeds is None
             and batch.mrope_positions is None
             and batch.block_table.shape[1] <= self.max_pages
-            and (None if batch.fork is None else batch.fork.tail) in self.kinds
+            and fork_kind(batch.fork) in self.kinds
         )
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """The chunk's forward by replay: logits of its last token ([1, 1, V], when asked) and the
         hidden states of its tokens (views of static buffers, valid until the next replay)."""
         tokens = batch.num_new_tokens
-        kind = None if batch.fork is None else batch.fork.tail
+        kind = fork_kind(batch.fork)
         graph = self.graphs.get((next(b for b in self.buckets if b >= tokens), kind))
         if graph is None:
             raise NinferError(f"no prefill graph for {tokens} tokens (capture_all was not run)")
@@ -102,6 +114,10 @@ class PrefillGraphs:
         if batch.fork is not None:
             self.fork.tokens.copy_(batch.fork.tokens)
             self.fork.slots.copy_(batch.fork.slots)
+        if batch.fork is not None and batch.fork.steps is not None:  # the windows kind's, in one launch
+            mine, theirs = self.steps, batch.fork.steps
+            torch._foreach_copy_([mine.offsets, mine.counts, mine.fork_slots],
+                                 [theirs.offsets, theirs.counts, theirs.fork_slots])
         if batch.fork is not None and not batch.fork.tail:  # the chunked kind's graph reads a second fork
             then, spare = batch.fork.then, self.fork.then
             assert spare is not None
@@ -116,7 +132,7 @@ class PrefillGraphs:
         return ForwardOutput(logits=out.logits if batch.logits == "last" else None,
                              hidden_states=out.hidden_states[:, :tokens])
 
-    def _capture(self, bucket: int, kind: bool | None) -> None:
+    def _capture(self, bucket: int, kind: str | None) -> None:
         """Warm up and capture with every row on the scratch slot / page (the warm-up really runs)."""
         device = self.slots.device
         ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
@@ -127,11 +143,15 @@ class PrefillGraphs:
             assert fork is not None
             fork.tokens.fill_(bucket)
             fork.slots.copy_(self.slots)
+        self.steps.offsets.fill_(bucket)  # empty windows on the scratch slot
+        self.steps.counts.zero_()
+        self.steps.fork_slots.fill_(self.scratch_slot)
+        forks = {None: None, "tail": replace(self.fork, tail=True, then=None),
+                 "windows": replace(self.fork, tail=True, then=None, steps=self.steps),
+                 "chunked": replace(self.fork, tail=False)}
         batch = ForwardBatch(input_ids=ids, positions=positions, cache_lens=self.cache_lens, slots=self.slots,
                              block_table=self.block_table, logits="last", valid_tokens=self.valid,
-                             pad_kv_row=self.pad_kv_row,
-                             fork=None if kind is None else replace(self.fork, tail=kind,
-                                                                    then=None if kind else self.fork.then))
+                             pad_kv_row=self.pad_kv_row, fork=forks[kind])
         try:
             with torch.inference_mode():
                 graph, out = capture(lambda: self.model.forward(batch, self.cache), self.pool)

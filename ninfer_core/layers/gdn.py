@@ -371,13 +371,19 @@ class GatedDeltaNet(nn.Module):
         """The prefill with a checkpoint inside: the chunked rule runs through the fork (the tokens
         after it are padding to it); the fused steps then copy the state there to the fork's slots
         and run the tokens from the fork to the end (at most MAX_STEP_TOKENS) from it, reading
-        their projections and writing their outputs in place. One in_proj and out_proj over the
-        whole chunk, so the weights are read once (a second forward for the tail read them all
-        again: a decode step's time)."""
+        their projections and writing their outputs in place; or, with `fork.steps`, run its
+        windows in turn (checkpoints at their starts). One in_proj and out_proj over the whole
+        chunk, so the weights are read once (a second forward for the tail read them all again: a
+        decode step's time)."""
         qkv, z, b, a = self.in_proj(x)
         normed, state = self._rule(qkv, z, b, a, conv_pool, slots, state_pool[slots], fork.tokens)
         state_pool[slots] = state
-        self._tail(qkv, z, b, a, conv_pool, state_pool, slots, valid, fork, normed)
+        if fork.steps is None:
+            self._tail(qkv, z, b, a, conv_pool, state_pool, slots, valid, fork, normed)
+        else:
+            steps = fork.steps
+            for offsets, counts, fork_slots in zip(steps.offsets, steps.counts, steps.fork_slots):
+                self._steps(qkv, z, b, a, conv_pool, state_pool, slots, offsets, counts, fork_slots, normed)
         return self._out(normed)
 
     def _tail(
@@ -386,8 +392,17 @@ class GatedDeltaNet(nn.Module):
     ) -> None:
         """The fused steps over row b's tokens fork.tokens[b] .. valid[b] - 1 from the pooled state
         (first copied to fork.slots[b]); their outputs overwrite those rows of normed."""
-        gdn_ops.gdn_prefill_tail(qkv, a, b, z, conv_pool, state_pool, slots, self.weights, offsets=fork.tokens,
-                                 counts=valid - fork.tokens, fork_slots=fork.slots,
+        self._steps(qkv, z, b, a, conv_pool, state_pool, slots, fork.tokens, valid - fork.tokens, fork.slots, normed)
+
+    def _steps(
+        self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
+        state_pool: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
+        fork_slots: torch.Tensor, normed: torch.Tensor,
+    ) -> None:
+        """Row b's tokens offsets[b] .. + counts[b] - 1 (at most MAX_STEP_TOKENS) through the fused steps
+        from the pooled state, first copied to fork_slots[b]; their outputs overwrite those rows of normed."""
+        gdn_ops.gdn_prefill_tail(qkv, a, b, z, conv_pool, state_pool, slots, self.weights, offsets=offsets,
+                                 counts=counts, fork_slots=fork_slots,
                                  width=min(gdn_ops.MAX_STEP_TOKENS, qkv.shape[1]), out=normed)
 
     def _forked_chunked(

@@ -19,6 +19,21 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class StepWindows:
+    """A tail fork's fused steps (`StateFork.tail`, layers/gdn.py `_forked`) as windows of at most
+    MAX_STEP_TOKENS tokens run in turn after the chunked rule: window i advances row b from token
+    offsets[i, b] for counts[i, b] tokens (0: none), its state first copied to fork_slots[i, b] (a
+    checkpoint slot, or the row's own slot where no checkpoint falls). So a chat prompt's two
+    checkpoints, its last message's start and its answer start (24 + 3 tokens apart in
+    `bench_engine.chat_checkpoints`), take three windows instead of the chunked rule twice. Device
+    tensors [W, B]; a prompt-chunk CUDA graph replays any values (W is its kind)."""
+
+    offsets: torch.Tensor
+    counts: torch.Tensor
+    fork_slots: torch.Tensor
+
+
+@dataclass
 class StateFork:
     """A prefix-cache checkpoint inside a prompt chunk: row b's GDN state after its first tokens[b]
     new tokens is also written to state slot slots[b], and the chunk runs on (layers/gdn.py). So a
@@ -28,8 +43,9 @@ class StateFork:
 
     tokens: torch.Tensor  # [B] int64, 0 < tokens[b] <= valid_tokens[b]
     slots: torch.Tensor  # [B] int64 state slots (tokens[b] == valid_tokens[b]: a scratch slot, no fork)
-    # every fork within MAX_STEP_TOKENS of its row's end: the rest runs through the fused steps;
-    # else the chunked rule runs twice (layers/gdn.py `_forked`, `_forked_chunked`)
+    # every fork within MAX_STEP_TOKENS of its row's end (or within `steps`' windows of it): the rest
+    # runs through the fused steps; else the chunked rule runs twice (layers/gdn.py `_forked`,
+    # `_forked_chunked`)
     tail: bool = True
     # chunked forks only: a second fork within MAX_STEP_TOKENS of the row's end, the fused steps
     # after it (then.tokens == valid_tokens: none)
@@ -37,6 +53,8 @@ class StateFork:
     # tokens[0] on the host, for an eager forward of one unpadded row: the chunked fork then runs the
     # rule over each side's own tokens (graphs replay with any values: None, masks)
     host_tokens: int | None = None
+    # tail forks: the fused steps' windows (None: one, from tokens to the row's end, copying to slots)
+    steps: StepWindows | None = None
 
 
 @dataclass
