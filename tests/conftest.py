@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
-# Without a GPU, Triton kernels (ops/moe_triton_kernels.py) run in Triton's interpreter where
+# Without a GPU, Triton kernels (ops/quant_triton_kernels.py) run in Triton's interpreter where
 # Triton is installed; the variable is read when Triton is imported, so it is set first thing.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -39,14 +39,12 @@ def kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ops take their CUDA-kernel path on CPU tensors, into the real extension (stream 0): not
     the CPU extension's kernels, which CPU tensors would take first, and with an H100 / H200's SM
     count where the split-K attention sizes its grid by it."""
-    from ninfer_core.ops import attention
-
     if dispatch.extension() is None:
         pytest.skip("ninfer_core._C is not built")
     monkeypatch.setattr(dispatch, "use_kernel", lambda *tensors: True)
     monkeypatch.setattr(dispatch, "stream_handle", lambda t: 0)
     monkeypatch.setattr(dispatch, "cpu_kernels_available", lambda: False)
-    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(dispatch, "num_sms", lambda device: 132)
 
 
 def reaches_launch(call: Callable[[], object]) -> None:

@@ -251,7 +251,7 @@ def _record(monkeypatch, binding: str) -> list[dict]:
     wrappers ask the extension for."""
     calls = record_kernel_calls(monkeypatch, binding)
     dispatch.extension().decode_attention_max_splits = lambda **kw: 3
-    monkeypatch.setattr(attention_ops, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(dispatch, "num_sms", lambda device: 132)
     return calls
 
 

@@ -17,7 +17,8 @@ from ninfer_core.ops.quant import QuantizedWeight, dequantize_ref, quantize
 torch.set_num_threads(1)
 
 
-def _triton(monkeypatch, device: str) -> None:
+def need_triton(device: str) -> None:
+    """Skip unless the Triton kernels run on `device`: compiled on a GPU, in the interpreter on the CPU."""
     pytest.importorskip("triton")
     if device == "cpu":
         if torch.cuda.is_available():
@@ -51,28 +52,29 @@ def _reference(x, gate_up, down, weights, ids) -> torch.Tensor:
     return out
 
 
-def _quantized(shape: tuple[int, ...], kind: str, group: int, gen: torch.Generator) -> QuantizedWeight:
-    """Random weights of `kind`; int8 with groups (GGUF's Q8_0 kind) built from codes and scales."""
+def quantized_weight(shape: tuple[int, ...], kind: str, group: int, gen: torch.Generator,
+                     device: str = "cpu") -> QuantizedWeight:
+    """Random weights of `kind` on `device`; int8 with groups (GGUF's Q8_0 kind) built from codes and
+    fp16 scales."""
     if kind == "int8" and group:
         codes = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
         scales = (torch.rand(*shape[:-1], shape[-1] // group, generator=gen) * 1e-3).to(torch.float16)
-        return QuantizedWeight("int8", codes, scales, group)
-    qw = quantize(torch.randn(shape, generator=gen) * 0.1, kind, group or 128)
-    assert qw.group_size == group
-    return qw
+        qw = QuantizedWeight("int8", codes, scales, group)
+    else:
+        qw = quantize(torch.randn(shape, generator=gen) * 0.1, kind, group or 128)
+        assert qw.group_size == group
+    return QuantizedWeight(qw.kind, qw.qweight.to(device), qw.scales.to(device), qw.group_size)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", 0), ("int8", 32)])
 @pytest.mark.parametrize("tokens", [3, 37, 200])  # blocks of 16, 16 and 128 rows (block_m_for)
-def test_grouped_quantized_experts_match_float64(monkeypatch, device, kind, group, tokens):
-    _triton(monkeypatch, device)
+def test_grouped_quantized_experts_match_float64(device, kind, group, tokens):
+    need_triton(device)
     gen = torch.Generator().manual_seed(tokens + group)
     experts, hidden, inter, top_k = 8, 128, 64, 3
-    gate_up = _quantized((experts, 2 * inter, hidden), kind, group, gen)
-    down = _quantized((experts, hidden, inter), kind, group, gen)
-    to = lambda q: type(q)(q.kind, q.qweight.to(device), q.scales.to(device), q.group_size)  # noqa: E731
-    gate_up, down = to(gate_up), to(down)
+    gate_up = quantized_weight((experts, 2 * inter, hidden), kind, group, gen, device)
+    down = quantized_weight((experts, hidden, inter), kind, group, gen, device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's dot mishandles bf16
     x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(device, torch.int32)

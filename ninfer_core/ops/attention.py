@@ -27,7 +27,6 @@ SDPA over the whole gathered (dequantized) block table.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -251,7 +250,7 @@ def decode_attention(
     lens = cache_lens.to(torch.int64).contiguous()
     splits = ext.decode_attention_max_splits(
         batch=batch, num_new=num_new, num_heads=heads, kv_heads=kv_heads, head_dim=dim, page_size=page_size,
-        table_width=table.shape[1], num_sms=_num_sms(q.device),
+        table_width=table.shape[1], num_sms=dispatch.num_sms(q.device),
     )
     partials = batch * kv_heads * splits * num_new * (heads // kv_heads)
     workspace = torch.empty(partials * (dim + 2), dtype=torch.float32, device=q.device)  # O, then (max, sum)
@@ -315,7 +314,7 @@ def chunk_attention(
     tiles = chunk_tiles(group, dim)
     grid_tokens = -(-num_new // tiles.block_t)
     programs = grid_tokens * batch * kv_heads
-    sms = _num_sms(q.device) if q.is_cuda else 4  # the interpreter: any count
+    sms = dispatch.num_sms(q.device) if q.is_cuda else 4  # the interpreter: any count
     splits = min(16, 1 << max(0, math.ceil(math.log2(max(1, 2 * sms / programs)))))
     table = block_table.to(torch.int32).contiguous()
     lens = cache_lens.to(torch.int64).contiguous()
@@ -470,15 +469,6 @@ def _kernel_fits(x: torch.Tensor, kv: KVLayer) -> bool:
     if not all(t.device == x.device and t.is_contiguous() for t in tensors):
         return False
     return kv.k.dtype == kv.v.dtype and kv.k.shape[-1] == x.shape[-1] and _cache_readable(kv, x.dtype)
-
-
-@functools.cache
-def _num_sms_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _checked_out(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -179,6 +179,16 @@ def upload(values: object, dtype: torch.dtype, device: torch.device) -> torch.Te
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def num_sms(device: torch.device) -> int:
+    """The SM count of a CUDA device (grids sized to fill it), asked of the driver once per device."""
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _num_sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def stream_handle(t: torch.Tensor) -> int:
     """torch's current stream on t's device, so kernels order with torch ops and graph capture."""
     return torch.cuda.current_stream(t.device).cuda_stream

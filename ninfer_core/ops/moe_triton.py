@@ -23,30 +23,13 @@ first-sight cost).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import ModuleType
-
 import torch
 
-from . import dispatch
 from .moe_align import Aligned, align_by_expert, combine_slots
 from .quant import QuantizedWeight
+from .quant_triton import TileConfig, available, kernels
 
-
-def available() -> bool:
-    """Triton is importable (and runs: a GPU, or the interpreter)."""
-    return _kernels() is not None
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Kernel tiling (the rows per block come from the problem: `block_m_for`)."""
-
-    block_n: int = 64
-    block_k: int = 64  # capped at the group size
-    num_warps: int = 4
-    num_stages: int = 3
-
+__all__ = ["TileConfig", "available", "moe_experts_grouped_quantized"]
 
 DEFAULT_TILES = TileConfig()
 # per rows-per-block: the fastest tiling measured at the 35B expert shape on the H200
@@ -93,21 +76,16 @@ def block_m_for(slots: int, num_experts: int) -> int:
 def _launch(a: torch.Tensor, w: QuantizedWeight, out: torch.Tensor,
             aligned: Aligned, rows_per_a: int, n: int, block_m: int,
             tiles: TileConfig, gate_up: bool) -> None:
-    kernels = _kernels()
-    assert kernels is not None, "Triton is not available"
+    kern = kernels()
+    assert kern is not None, "Triton is not available"
     sorted_slots, block_experts, used = aligned
-    block_k = min(tiles.block_k, w.group_size) if w.group_size else tiles.block_k
     a = a.contiguous()
     grid = (sorted_slots.numel() // block_m * -(-n // tiles.block_n),)
-    kernels.grouped_gemm[grid](
+    kern.grouped_gemm[grid](
         a, w.qweight, w.scales, out, sorted_slots, block_experts, used,
         out.shape[0], rows_per_a, n, w.in_features, a.stride(0), w.qweight.stride(0), w.qweight.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(0), n if gate_up else 0,
         GATE_UP=gate_up, INT4=w.kind == "int4", GROUP=w.group_size,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.k_step(w.group_size), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-
-
-def _kernels() -> ModuleType | None:
-    return dispatch.triton_kernels("moe_triton_kernels")

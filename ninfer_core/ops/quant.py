@@ -29,7 +29,9 @@ weights the prefill path multiplies by. `quant_linear_ref` is the exact fp32 def
 tested against. `quant_linear_add_norm` is a decoder layer's input RMSNorm (with the residual add
 before it) and the projection that reads its output: on CUDA at decode sizes one GEMV, bit-equal to
 add_rmsnorm + quant_linear. `quant_linear_add_norm_conv` is that GEMV with a GDN decode step's conv as
-its epilogue (ops/gdn.py `gdn_decode_step_folded`).
+its epilogue (ops/gdn.py `gdn_decode_step_folded`). A short prompt's rows by a wide weight on CUDA
+take the Triton GEMM that dequantizes in registers (ops/quant_triton.py), a long prompt's a
+dequantized copy and cuBLAS.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import dispatch
+from . import dispatch, quant_triton
 from .activation import row_view, sigmoid_mul, silu_mul
 from .rmsnorm import add_rmsnorm, add_rmsnorm_ref
 
@@ -54,10 +56,17 @@ KERNEL_MAX_ROWS = 1024  # csrc/quant_gemv.h: kQuantGemvMaxRows (16 rows a block)
 # CPU without its kernels, the reference); past it a dequantized copy + GEMM, compute-bound
 # prefill. On CUDA the GEMV kernel reads the weight once per 16 rows, mostly from L2, against the
 # copy's write + read of twice the bytes: measured on the H200 (bench_quant.py --rows, 2026-12-02),
-# the GEMV wins at every shape up to 32 rows (qkv 8192 x 2048 int8: 15.1 vs 22.1 us) and loses at
-# the large ones from 48-64 (qkv at 64 rows: 25.0 vs 22.4 us; the 27B MLP down at 64: 169 vs 123).
+# the GEMV wins at every shape up to 32 rows (qkv 8192 x 2048 int8: 15.1 vs 22.1 us), is level at 48
+# on the large ones (qkv 23.0 vs 22.1) and loses from 64 (qkv 25.0 vs 22.4 us; the 27B MLP down 169 vs
+# 123); on the H100 (forty-eighth session) it wins at every shape at 48 rows (o_proj 13.6 vs 16.1 us,
+# the 27B MLP down 97 vs 164, the shared expert's up 3.2 vs 7.7).
 MAX_GEMV_ROWS = 16
-CUDA_MAX_GEMV_ROWS = 32
+CUDA_MAX_GEMV_ROWS = 48
+# Past 32 rows and up to this many on CUDA, a weight whose grid fills the GPU takes the Triton GEMM that
+# dequantizes in registers (ops/quant_triton.py `fits`) instead of the GEMV or the dequantized copy:
+# H100, forty-eighth session, the 35B's GDN in_proj 20 / 28 us at 48 / 128 rows against the GEMV's
+# 37 / 59 and the copy's 45 / 47; at 512 rows the copy + cuBLAS wins at every shape timed.
+TRITON_MIN_ROWS, TRITON_MAX_ROWS = 33, 128
 CPU_GEMV_ROWS = 16  # the CPU kernel up to this many rows; past it a tiled dequantize + fp32 GEMM is faster
 # The add + RMSNorm a CUDA GEMV folds in front (csrc/quant_gemv.h: kQuantGemvNorm*): up to 4 rows of
 # K <= 8192 (past 4 rows the fold cost more than the launch it saves).
@@ -325,10 +334,14 @@ def quant_linear(
         x2 = x.reshape(rows, qw.in_features)
         out = (_cpu_tiled_linear if rows > cpu_gemv_rows else _cpu_matmul)(x2, qw, bias).view(x.shape[:-1] + (-1,))
         return out if out.dtype == x.dtype else out.to(x.dtype)
+    if x.device.type == "cuda" and TRITON_MIN_ROWS <= rows <= TRITON_MAX_ROWS:
+        x2 = x.reshape(rows, qw.in_features)
+        if quant_triton.fits(x2, qw):
+            return quant_triton.quant_gemm(x2, qw, bias).view(*x.shape[:-1], qw.out_features)
     if rows > (CUDA_MAX_GEMV_ROWS if x.device.type == "cuda" else MAX_GEMV_ROWS):
-        # Prefill: with many rows the product is compute-bound; a GEMM (cuBLAS tensor cores, or
-        # the CPU's fp32 BLAS) on a transient dequantized copy beats any GEMV, and the copy costs
-        # two passes over the weight, small next to a long prompt's FLOPs.
+        # A long prompt: the product is compute-bound; a GEMM (cuBLAS tensor cores, or the CPU's
+        # fp32 BLAS) on a transient dequantized copy beats any GEMV, and the copy costs two passes
+        # over the weight, small next to the prompt's FLOPs.
         return F.linear(x, dequantize(qw, x.dtype), None if bias is None else bias.to(x.dtype))
     x2 = x.reshape(rows, qw.in_features).contiguous()
     if not _kernel_ok(x2, qw, bias):
