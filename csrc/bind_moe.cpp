@@ -62,7 +62,8 @@ ExpertWeights expert_weights(ArgCheck& check, const char* name, const char* scal
 void bind_moe(py::module_& m) {
   m.def(
       "moe_route",
-      [](TensorArg weights, TensorArg ids, TensorArg logits, bool renormalize, std::uintptr_t stream) {
+      [](TensorArg weights, TensorArg ids, TensorArg logits, std::optional<TensorArg> rows, bool renormalize,
+         std::uintptr_t stream) {
         ArgCheck check("moe_route");
         const DType dtype = kernel_dtype(check, "logits", logits);
         check("logits", logits).shape({kAny, kAny}).contiguous();
@@ -72,12 +73,15 @@ void bind_moe(py::module_& m) {
         const std::int64_t top_k = weights.size(1);
         require_route(check, experts, top_k);
         check("ids", ids).shape({tokens, top_k}).dtype(ScalarType::I32).contiguous();
+        // rows[n] < tokens is the caller's to keep (ops/moe.py builds them on the device, unchecked)
+        check("rows", rows).shape({tokens}).dtype(ScalarType::I64).contiguous();
         const int device = check.device();
-        moe_route({weights.data, ids.data, logits.data, tokens, experts, top_k, renormalize, dtype, device, stream});
+        moe_route({weights.data, ids.data, logits.data, data_or_null(rows), tokens, experts, top_k, renormalize, dtype,
+                   device, stream});
       },
-      py::arg("weights"), py::arg("ids"), py::arg("logits"), py::arg("renormalize"), py::arg("stream"),
-      "Softmax top-k routing of logits [tokens, experts], one warp per token, into weights and ids "
-      "[tokens, top_k]. See csrc/moe.h.");
+      py::arg("weights"), py::arg("ids"), py::arg("logits"), py::arg("rows"), py::arg("renormalize"), py::arg("stream"),
+      "Softmax top-k routing of logits [tokens, experts] (token n's row rows[n] where rows is given), one warp "
+      "per token, into weights and ids [tokens, top_k]. See csrc/moe.h.");
 
   m.def(
       "moe_router",
@@ -130,7 +134,7 @@ void bind_moe(py::module_& m) {
           }
         }
         const int device = check.device();
-        moe_router({{weights.data, ids.data, logits.data, tokens, experts, top_k, renormalize, dtype, device, stream},
+        moe_router({{weights.data, ids.data, logits.data, 0, tokens, experts, top_k, renormalize, dtype, device, stream},
                     done.data, x.data, w.data, hidden, rows,
                     {data_or_null(residual), data_or_null(norm_weight), data_or_null(normed),
                      data_or_null(residual_out), eps, zero_centered}});

@@ -462,10 +462,11 @@ __device__ __forceinline__ void route_token(T* __restrict__ weights, int* __rest
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(32)
     route_kernel(T* __restrict__ weights, int* __restrict__ ids, const T* __restrict__ logits,
-                 int experts, int top_k, bool renormalize) {
+                 const std::int64_t* __restrict__ rows, int experts, int top_k, bool renormalize) {
   enter_kernel();
   const std::int64_t token = blockIdx.x;
-  route_token<kPerLane>(weights, ids, logits + token * experts, token, experts, top_k, renormalize);
+  const std::int64_t row = rows == nullptr ? token : rows[token];
+  route_token<kPerLane>(weights, ids, logits + row * experts, token, experts, top_k, renormalize);
 }
 
 // The router of a decode step in one launch: block (b, y) computes logits rows kRouterRows b ..
@@ -858,8 +859,8 @@ void launch_route(const MoeRouteArgs& a) {
   by_route_width(a.experts, [&](auto per_lane) {
     launch_kernel("moe route kernel launch", route_kernel<T, decltype(per_lane)::value>, static_cast<unsigned>(a.tokens),
                   32, 0, as_stream(a.stream), reinterpret_cast<T*>(a.weights), reinterpret_cast<int*>(a.ids),
-                  reinterpret_cast<const T*>(a.logits), static_cast<int>(a.experts), static_cast<int>(a.top_k),
-                  a.renormalize);
+                  reinterpret_cast<const T*>(a.logits), reinterpret_cast<const std::int64_t*>(a.rows),
+                  static_cast<int>(a.experts), static_cast<int>(a.top_k), a.renormalize);
   });
 }
 

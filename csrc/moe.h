@@ -21,6 +21,10 @@ struct MoeRouteArgs {
   std::uintptr_t weights;
   std::uintptr_t ids;
   std::uintptr_t logits;
+  // 0, or [tokens] int64: token n routes logits row rows[n] (a padded prompt chunk's padding tokens
+  // route as real ones, so they hit no expert the real tokens do not; moe_route only: the router
+  // kernel, at most kMoeRouterMaxTokens rows, leaves this 0)
+  std::uintptr_t rows;
   std::int64_t tokens;
   std::int64_t experts;
   std::int64_t top_k;

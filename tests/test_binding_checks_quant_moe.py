@@ -100,6 +100,7 @@ def test_moe_route_passes_the_checks(kernels_on_cpu, dtype, tokens, experts, top
     logits = _randn(tokens, experts, dtype=dtype)
     reaches_launch(lambda: moe.moe_route(logits, top_k, True))
     reaches_launch(lambda: moe.moe_route(_randn(tokens, experts + 3, dtype=dtype)[:, :experts], top_k, False))
+    reaches_launch(lambda: moe.moe_route(logits, top_k, True, torch.zeros(tokens, dtype=torch.long)))
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=str)
@@ -410,7 +411,7 @@ def test_dequant_rejects_what_the_kernel_cannot_take(case):
 
 def _route_args(tokens=5, experts=64, top_k=8, **changes) -> dict:
     return dict(weights=torch.empty(tokens, top_k, dtype=BF16), ids=torch.empty(tokens, top_k, dtype=I32),
-                logits=_randn(tokens, experts), renormalize=True, stream=0) | changes
+                logits=_randn(tokens, experts), rows=None, renormalize=True, stream=0) | changes
 
 
 ROUTE_CASES = {
@@ -424,6 +425,9 @@ ROUTE_CASES = {
                        r"weights has shape \(4, 8\), expected \(5, \*\)"),
     "ids shape": (lambda: _route_args(ids=torch.empty(5, 7, dtype=I32)), r"ids has shape \(5, 7\), expected \(5, 8\)"),
     "ids dtype": (lambda: _route_args(ids=torch.empty(5, 8, dtype=torch.long)), "ids is int64, expected int32"),
+    "rows dtype": (lambda: _route_args(rows=torch.zeros(5, dtype=I32)), "rows is int32, expected int64"),
+    "rows shape": (lambda: _route_args(rows=torch.zeros(4, dtype=torch.long)),
+                   r"rows has shape \(4,\), expected \(5,\)"),
     "experts past a warp's registers": (lambda: _route_args(experts=600), r"experts 600 / top_k 8 out of range"),
     "top_k past the limit": (lambda: _route_args(experts=128, top_k=65), r"experts 128 / top_k 65 out of range"),
     "top_k past the experts": (lambda: _route_args(experts=4), r"experts 4 / top_k 8 out of range"),

@@ -164,6 +164,24 @@ def test_route_reference_matches_float64(dtype, renormalize, shape):
     torch.testing.assert_close(weights.double(), want_w, rtol=rtol, atol=rtol * 1e-3)
 
 
+def test_padding_route_rows_route_padding_as_real_tokens_of_its_row():
+    """Hand-worked: row 0 has 3 real tokens of 5, row 1 all 5, row 2 one: padding takes the real
+    tokens of its own row in turn."""
+    rows = moe.padding_route_rows(torch.tensor([3, 5, 1]), 5)
+    assert rows.tolist() == [0, 1, 2, 0, 1, 5, 6, 7, 8, 9, 10, 10, 10, 10, 10]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_route_reference_with_rows_routes_each_token_as_its_row(dtype):
+    logits = _distinct_logits(6, 64, dtype, "cpu", seed=5)
+    rows = torch.tensor([0, 1, 2, 0, 1, 2])
+    weights, ids = moe.moe_route(logits, 8, True, rows)  # CPU: the reference
+    want_w, want_ids = _route64(logits[rows], 8, True)
+    assert torch.equal(ids.long(), want_ids) and torch.equal(ids[3:], ids[:3])
+    rtol = _route_rtol(dtype)
+    torch.testing.assert_close(weights.double(), want_w, rtol=rtol, atol=rtol * 1e-3)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp32", "int8", "int4"])
 def test_experts_reference_matches_float64(fmt):
     dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
@@ -486,6 +504,25 @@ def test_route_kernel_matches_reference(cuda_kernels, dtype, renormalize, shape)
     assert torch.equal(ids, ref_ids) and torch.equal(ids.long().cpu(), want_ids)
     rtol = _route_rtol(dtype)
     torch.testing.assert_close(weights, ref_w, rtol=rtol, atol=rtol * 1e-3)
+    torch.testing.assert_close(weights.double().cpu(), want_w, rtol=rtol, atol=rtol * 1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_route_kernel_takes_rows(cuda_kernels, dtype):
+    """A 37-token prompt padded to 48: the padding tokens routed by `padding_route_rows` get the
+    real tokens' ids and weights bit for bit, the real ones their own."""
+    logits = _distinct_logits(48, 256, dtype, "cuda", seed=48)
+    rows = moe.padding_route_rows(torch.tensor([37], device="cuda"), 48)
+    with _poisoned_allocations():
+        weights, ids = moe.moe_route(logits, 8, True, rows)
+    own_w, own_ids = moe.moe_route(logits, 8, True)
+    ref_w, ref_ids = moe.moe_route_ref(logits, 8, True, rows)
+    want_w, want_ids = _route64(logits[rows].cpu(), 8, True)
+    assert torch.equal(ids, ref_ids) and torch.equal(ids.long().cpu(), want_ids)
+    assert torch.equal(ids[:37], own_ids[:37]) and torch.equal(weights[:37], own_w[:37])
+    assert torch.equal(ids[37:], own_ids[:11]) and torch.equal(weights[37:], own_w[:11])
+    rtol = _route_rtol(dtype)
     torch.testing.assert_close(weights.double().cpu(), want_w, rtol=rtol, atol=rtol * 1e-3)
 
 

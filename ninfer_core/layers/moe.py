@@ -122,14 +122,22 @@ class SparseMoE(nn.Module):
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_expert = MLP(config.hidden_size, shared) if shared else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`route_rows` [N] (`padding_route_rows` of a padded prompt chunk): token n takes the experts
+        of row route_rows[n], so the padding reads no expert the real tokens do not."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        return self._experts(x, *self._route(x)).reshape(shape)
+        return self._experts(x, *self._route(x, route_rows)).reshape(shape)
 
-    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                         route_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(h), s) for (h, s) = norm.add_norm(x, residual): a decode step's add + norm run inside
-        the router kernel (`moe_add_norm_router`, one launch fewer a layer) where it applies."""
+        the router kernel (`moe_add_norm_router`, one launch fewer a layer) where it applies.
+        `route_rows`: as `forward`'s; a padded chunk has 16 rows or more, past the router kernel's
+        (and the CPU's one-call layer routes every row as its own), so those rows take the GEMM."""
+        if route_rows is not None:
+            h, residual = norm.add_norm(x, residual)
+            return self(h, route_rows), residual
         shape = x.shape
         router = self._kernel_router()
         if x.device.type == "cpu" and router is not None:
@@ -175,16 +183,19 @@ class SparseMoE(nn.Module):
         linear = self.gates.linear
         return linear.weight if type(linear) is nn.Linear and linear.bias is None else None
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    def _route(
+        self, x: torch.Tensor, route_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """(weights, ids, [the shared expert's gate logits] or []): a decode step's router GEMV and
-        top-k in one kernel where it applies, else the GEMM and `moe_route`."""
+        top-k in one kernel where it applies (no `route_rows`: see `add_norm_forward`), else the GEMM
+        and `moe_route`."""
         router = self._kernel_router()
-        fused = None if router is None else moe_router(x, router, self.gates.parts["gate"], self.top_k,
-                                                        self.renormalize)
+        fused = None if router is None or route_rows is not None else moe_router(
+            x, router, self.gates.parts["gate"], self.top_k, self.renormalize)
         if fused is not None:
             logits, weights, ids = fused
             _, *shared_gate = self.gates.split(logits)
             return weights, ids, shared_gate
         router_logits, *shared_gate = self.gates(x)  # shared_gate: [] without a shared expert
-        weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
+        weights, ids = moe_route(router_logits, self.top_k, self.renormalize, route_rows)
         return weights, ids, shared_gate

@@ -89,9 +89,11 @@ _grouped_mm_works: bool | None = None  # torch._grouped_mm, tried at first use
 
 
 def moe_route_ref(
-    logits: torch.Tensor, top_k: int, renormalize: bool
+    logits: torch.Tensor, top_k: int, renormalize: bool, rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of `moe_route` (any device)."""
+    if rows is not None:
+        logits = logits.index_select(0, rows)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -100,25 +102,40 @@ def moe_route_ref(
 
 
 def moe_route(
-    logits: torch.Tensor, top_k: int, renormalize: bool
+    logits: torch.Tensor, top_k: int, renormalize: bool, rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k] int32).
 
     Softmax over all experts in fp32, the top k in descending order, optionally rescaled to sum
     to 1, rounded to the logits' dtype. One warp per token, at every token count (torch's
     softmax + topk + renormalization cost a 512-token prompt 14 us a layer in topk alone).
+    `rows` [N] int64 (values < N): token n is routed by logits row rows[n] instead of its own
+    (`padding_route_rows`: a padded chunk's padding tokens take real tokens' experts).
     """
     tokens, experts = logits.shape
     if not (dispatch.use_kernel(logits) and 1 <= top_k <= min(experts, _MAX_TOP_K) and experts <= _MAX_ROUTE_EXPERTS):
         dispatch.fallback("moe_route", logits)
-        return moe_route_ref(logits, top_k, renormalize)
+        return moe_route_ref(logits, top_k, renormalize, rows)
     logits = logits.contiguous()
     weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     dispatch.extension().moe_route(
-        weights=weights, ids=ids, logits=logits, renormalize=renormalize, stream=dispatch.stream_handle(logits),
+        weights=weights, ids=ids, logits=logits, rows=rows, renormalize=renormalize,
+        stream=dispatch.stream_handle(logits),
     )
     return weights, ids
+
+
+def padding_route_rows(valid_tokens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`moe_route`'s rows for a padded prompt chunk of B rows of `tokens` (valid_tokens [B] real ones,
+    on the device): [B * tokens] int64, row b's token t routed as its token t % valid_tokens[b] (itself
+    if real). Padding rows routed like real ones hit experts of their own (a 37-token prompt in the
+    48-token graph: ~200 experts a layer read instead of ~176); as copies of real tokens they hit none
+    more, spread over all real tokens rather than one token's experts, whose grouped blocks they would
+    overflow. A few kernels once a forward, no host sync (prefill CUDA graphs)."""
+    t = torch.arange(tokens, device=valid_tokens.device)
+    first = torch.arange(valid_tokens.shape[0], device=valid_tokens.device) * tokens
+    return (first[:, None] + t[None, :] % valid_tokens.clamp(min=1)[:, None]).reshape(-1)
 
 
 # Tokens and widths up to which `moe_router` runs the router as one kernel (csrc/moe.cu:
