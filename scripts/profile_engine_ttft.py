@@ -1,8 +1,10 @@
 """Where an engine TTFT goes beyond one forward: wall time against GPU busy time per prompt length,
 through the engine loop (scheduler, prompt chunks, prefix-cache checkpoints, sampling), with the
 largest kernels, the host ops by self CPU time and the peak memory above the loaded engine.
-Compare with `profile_prefill.py` (one forward).
-    python3 scripts/profile_engine_ttft.py .bench/qwen3.6-35b-a3b --lengths 2048,8192 [--prefill-chunk 8192] [--top 40]
+Compare with `profile_prefill.py` (one forward). `--chat`: each length also as a chat-shaped prompt
+(`ninfer bench engine`'s checkpoints, 27 and 3 tokens before the end), profiled the same way.
+    python3 scripts/profile_engine_ttft.py .bench/qwen3.6-35b-a3b --lengths 2048,8192 [--prefill-chunk 8192] \
+        [--top 40] [--chat]
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ninfer_core.bench_engine import _Runner  # noqa: E402
+from ninfer_core.bench_engine import _Runner, chat_checkpoints  # noqa: E402
 from ninfer_core.llm import LLM, EngineOptions  # noqa: E402
 from profile_decode import kernel_rows, print_rows  # noqa: E402
 from profile_prefill import cpu_rows  # noqa: E402
@@ -29,6 +31,7 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None)
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--top", type=int, default=14, help="kernels and host ops listed per length")
+    parser.add_argument("--chat", action="store_true", help="also each length as a chat-shaped prompt")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     # a context of at least 4,096 tokens: a short prompt's alone is under the cache's MIN_KV_TOKENS
@@ -37,19 +40,23 @@ def main() -> None:
                                              prefill_chunk=args.prefill_chunk,
                                              prefix_cache=not args.no_prefix_cache))
     runner = _Runner(llm.engine, seed=0)
-    for length in lengths:
+    chat = args.chat and llm.engine.cache.prefix is not None
+    runs = [(length, marks) for length in lengths
+            for marks in ((), *([chat_checkpoints(length)] if chat and chat_checkpoints(length) else []))]
+    for length, marks in runs:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        times = [runner.ttft_ms(length) for _ in range(3)]
+        times = [runner.ttft_ms(length, marks) for _ in range(3)]
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            profiled = runner.ttft_ms(length)
+            profiled = runner.ttft_ms(length, marks)
         rows = kernel_rows(prof, 1)
         busy = sum(r[0] for r in rows) / 1e3
-        print(f"== engine TTFT {length} (chunk {llm.engine.prefill_chunk}): {', '.join(f'{t:.1f}' for t in times)} ms; "
-              f"profiled {profiled:.1f} ms, GPU busy {busy:.1f} ms in {sum(r[1] for r in rows):.0f} kernels; "
-              f"peak activations {peak:.0f} MiB")
+        shape = f", chat-shaped (checkpoints {', '.join(map(str, marks))})" if marks else ""
+        print(f"== engine TTFT {length}{shape} (chunk {llm.engine.prefill_chunk}): "
+              f"{', '.join(f'{t:.1f}' for t in times)} ms; profiled {profiled:.1f} ms, GPU busy {busy:.1f} ms in "
+              f"{sum(r[1] for r in rows):.0f} kernels; peak activations {peak:.0f} MiB")
         print_rows(rows, top=args.top)
         print("   host ops by self CPU time:")
         for us, calls, name in cpu_rows(prof, top=args.top):
