@@ -43,8 +43,7 @@ else
   build
 fi
 ninfer() { python3 -m ninfer_app "$@"; }
-# a builds entry's name: main, or its patch files' names less .patch ("a.patch+b.patch": both applied)
-variant() { local p names=""; for p in ${1//+/ }; do names+="${names:++}$(basename "${p%.patch}")"; done; echo "$names"; }
+. scripts/device_lib.sh  # variant, queue_test_args
 
 for step in "$@"; do
   echo "== step $step"
@@ -228,21 +227,8 @@ LIST
       if [ "$v" = main ]; then
         [ -n "${MAIN_TESTS:-}" ] || continue
         read -ra test_args <<< "$MAIN_TESTS"
-      else  # a combined build ("a.patch+b.patch") runs its parts' lists together, their `-k`s joined by
-        # "or" (pytest keeps the last -k alone: the forty-ninth session's combined run skipped a part's
-        # tests); a part without one runs its files whole, so then none applies
-        test_args=(); ks=(); whole=0
-        for part in ${v//+/ }; do
-          [ -f "${part%.patch}.tests" ] || continue
-          mapfile -t more < "${part%.patch}.tests"
-          k=""
-          for ((i = 0; i < ${#more[@]}; i++)); do
-            if [ "${more[$i]}" = -k ]; then i=$((i + 1)); k=${more[$i]}; else test_args+=("${more[$i]}"); fi
-          done
-          if [ -n "$k" ]; then ks+=("($k)"); else whole=1; fi
-        done
-        [ ${#test_args[@]} -gt 0 ] || continue
-        if [ $whole = 0 ] && [ ${#ks[@]} -gt 0 ]; then k=$(printf ' or %s' "${ks[@]}"); test_args+=(-k "${k# or }"); fi
+      else  # its parts' lists (device_lib.sh)
+        queue_test_args "$v" || continue
       fi
       echo "== $name: tests"
       # serial: under pytest-xdist the copies' runs collected nothing ("no tests ran") twice on the H200
