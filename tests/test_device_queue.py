@@ -42,8 +42,11 @@ def test_queued_patch_applies_to_this_checkout(patch: Path):
 def test_queued_patch_names_existing_gpu_tests(patch: Path):
     tests = patch.with_suffix(".tests")
     assert tests.is_file(), f"{patch.name} has no {tests.name}"
-    files = [line for line in tests.read_text().splitlines() if line.startswith("tests/")]
+    lines = tests.read_text().splitlines()
+    files = [line for line in lines if line.startswith("tests/")]
     assert files, f"{tests.name} names no test file"
+    # one argument a line; `-k` at most once, its expression on the next line (device_lib.sh)
+    assert lines.count("-k") <= 1 and ("-k" not in lines or lines.index("-k") < len(lines) - 1), tests.name
     created = {line.removeprefix("+++ b/") for line in patch.read_text().splitlines() if line.startswith("+++ b/")}
     missing = [f for f in files if not (ROOT / f.split("::")[0]).is_file() and f.split("::")[0] not in created]
     assert not missing, f"{tests.name} names files neither here nor in the patch: {missing}"

@@ -60,16 +60,3 @@ def test_parts_without_a_list_add_nothing(queue):
     assert _test_args("q/d.patch+q/b.patch", queue) == ["tests/test_b.py", "-k", "(fla and not slow)"]
     assert _test_args("q/d.patch", queue) is None
 
-
-def test_the_queue_lists_parse(tmp_path):
-    """Every queued patch's list gives pytest arguments: files that exist, at most one -k, which
-    comes with an expression."""
-    root = LIB.parent.parent
-    for listing in sorted((root / "scripts" / "device_queue").glob("*.tests")):
-        args = _test_args(str(listing.with_suffix(".patch")), root)
-        assert args, listing
-        files = [a for a in args if a.startswith("tests/")]
-        assert files and all((root / f).is_file() for f in files), listing
-        assert args.count("-k") <= 1, listing
-        if "-k" in args:  # last, with its expression
-            assert args.index("-k") == len(args) - 2 and args[-1], listing
