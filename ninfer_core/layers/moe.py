@@ -135,11 +135,8 @@ class SparseMoE(nn.Module):
         the router kernel (`moe_add_norm_router`, one launch fewer a layer) where it applies.
         `route_rows`: as `forward`'s; a padded chunk has 16 rows or more, past the router kernel's
         (and the CPU's one-call layer routes every row as its own), so those rows take the GEMM."""
-        if route_rows is not None:
-            h, residual = norm.add_norm(x, residual)
-            return self(h, route_rows), residual
         shape = x.shape
-        router = self._kernel_router()
+        router = self._kernel_router() if route_rows is None else None
         if x.device.type == "cpu" and router is not None:
             shared = None if self.shared_expert is None else self.shared_expert.quantized()
             if self.shared_expert is None or shared is not None:
@@ -158,7 +155,7 @@ class SparseMoE(nn.Module):
                                         router, self.gates.parts["gate"], self.top_k, self.renormalize)
         if fused is None:
             h, residual = norm.add_norm(x, residual)
-            return self(h), residual
+            return self(h, route_rows), residual
         h, summed, logits, weights, ids = fused
         _, *shared_gate = self.gates.split(logits)
         return self._experts(h, weights, ids, shared_gate).reshape(shape), summed.reshape(shape)
