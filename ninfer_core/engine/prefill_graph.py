@@ -111,13 +111,13 @@ class PrefillGraphs:
         self.slots.copy_(batch.slots)
         self.valid.fill_(tokens)
         self.block_table[:, : batch.block_table.shape[1]].copy_(batch.block_table)
-        if batch.fork is not None:
-            self.fork.tokens.copy_(batch.fork.tokens)
-            self.fork.slots.copy_(batch.fork.slots)
-        if batch.fork is not None and batch.fork.steps is not None:  # the windows kind's, in one launch
-            mine, theirs = self.steps, batch.fork.steps
-            torch._foreach_copy_([mine.offsets, mine.counts, mine.fork_slots],
-                                 [theirs.offsets, theirs.counts, theirs.fork_slots])
+        if batch.fork is not None:  # the fork's buffers, and the windows kind's steps, in one launch
+            mine, theirs = [self.fork.tokens, self.fork.slots], [batch.fork.tokens, batch.fork.slots]
+            if batch.fork.steps is not None:
+                steps = batch.fork.steps
+                mine += [self.steps.offsets, self.steps.counts, self.steps.fork_slots]
+                theirs += [steps.offsets, steps.counts, steps.fork_slots]
+            torch._foreach_copy_(mine, theirs)
         if batch.fork is not None and not batch.fork.tail:  # the chunked kind's graph reads a second fork
             then, spare = batch.fork.then, self.fork.then
             assert spare is not None
