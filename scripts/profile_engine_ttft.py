@@ -41,8 +41,12 @@ def main() -> None:
                                              prefix_cache=not args.no_prefix_cache))
     runner = _Runner(llm.engine, seed=0)
     chat = args.chat and llm.engine.cache.prefix is not None
-    runs = [(length, marks) for length in lengths
-            for marks in ((), *([chat_checkpoints(length)] if chat and chat_checkpoints(length) else []))]
+    runs: list[tuple[int, tuple[int, ...]]] = []
+    for length in lengths:
+        runs.append((length, ()))
+        marks = chat_checkpoints(length) if chat else ()
+        if marks:  # a prompt too short for a checkpoint has no chat shape
+            runs.append((length, marks))
     for length, marks in runs:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
