@@ -3,8 +3,9 @@ Compute, as the decode step calls them (the router with its folded norm, the rou
 with the int8 shared expert in the same two launches): GEMVs as fast from L2 as from DRAM (`bench_l2_prefetch.py`) are bound by something inside
 the kernel, and ncu's stall reasons say what. One row of x, as batch-1 decode has, or --tokens N
 (8: batch-8 decode), or with --dense the 27B's GEMVs (its int4 MLP, the int8 GDN in_proj), or with
---grouped the short-prompt path's grouped GEMVs at N tokens (8-slot blocks: the 64-token MoE's gate_up
-at 2.5 TB/s and down at 1.7, whose one-wave staged form was no faster: what holds it is the question).
+--grouped the short-prompt path's grouped GEMVs at N tokens (the engine's slot blocks, or --block-m:
+at 512 tokens the 16-slot blocks move the experts' 415 MB at about 1 TB/s, where 64 tokens' 8-slot
+ones reach 2.2: what holds the larger blocks is the question).
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \\
         -k regex:"quant_gemv|gate_up|down_|router_kernel" python3 scripts/ncu_decode_kernels.py
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--dense", action="store_true", help="the 27B's GEMVs instead: int4 MLP, int8 in_proj")
     parser.add_argument("--grouped", action="store_true", help="the grouped MoE GEMVs of a --tokens prompt instead")
+    parser.add_argument("--block-m", type=int, default=0, help="--grouped's slots a block (0: the engine's choice)")
     args = parser.parse_args()
     tokens = args.tokens
     torch.manual_seed(0)
@@ -40,7 +42,7 @@ def main() -> None:
         dense_gemvs(tokens, bf16)
         return
     if args.grouped:
-        grouped_gemvs(tokens, bf16)
+        grouped_gemvs(tokens, bf16, args.block_m or None)
         return
     x = torch.randn(tokens, HIDDEN, **bf16)
     projections = {name: quant.quantize(torch.randn(n, k, **bf16) * 0.02, "int8", 128)
@@ -82,15 +84,15 @@ def dense_gemvs(tokens: int, bf16: dict) -> None:
     torch.cuda.synchronize()
 
 
-def grouped_gemvs(tokens: int, bf16: dict) -> None:
-    """The routed experts of a short prompt: moe_align, the grouped gate_up and down GEMVs (8-slot
-    blocks), the combine; random routing, as bench_moe_triton.py times it."""
+def grouped_gemvs(tokens: int, bf16: dict, block_m: int | None) -> None:
+    """The routed experts of a short prompt: moe_align, the grouped gate_up and down GEMVs (block_m
+    slots a block, else the engine's choice), the combine; random routing, as bench_moe_triton.py times it."""
     gate_up, down = routed_experts(bf16)
     x = torch.randn(tokens, HIDDEN, **bf16)
     ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)]).to(torch.int32)
     weights = torch.rand(tokens, TOP_K, **bf16)
     for _ in range(LAUNCHES):
-        moe.moe_experts_grouped_gemv(x, gate_up, down, weights, ids, 8)
+        moe.moe_experts_grouped_gemv(x, gate_up, down, weights, ids, block_m)
     torch.cuda.synchronize()
 
 
