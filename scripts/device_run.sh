@@ -194,7 +194,7 @@ LIST
     # that does not apply (or a copy that does not build) is left out with its log, never timed on
     # the torch references (NINFER_REQUIRE_KERNELS=1). "main" is this working tree, uncommitted
     # edits included. AB_VARIANTS: ab_replays.py's settings, each build timed under each (default X=0).
-    # MOE_ROUNDS=N: then bench_moe_triton.py (MOE_TOKENS, MOE_PATHS) of each build, alternating, N rounds.
+    # MOE_ROUNDS=N: then bench_moe_triton.py (MOE_TOKENS, MOE_PATHS, MOE_FLAGS) of each build, alternating, N rounds.
     # VERIFY_ROUNDS=N: then bench_spec.py verify (K = 1..3 verify rounds against the decode step) likewise;
     # SPEC_ENGINE_ROUNDS=N: bench_spec.py engine (the engine loop's MTP rounds, batch 1 and 8) likewise
     # (SPEC_PROFILE_TOKENS=N: then batch 1 under the profiler; SPEC_TRACE=1: its traces too).
@@ -266,7 +266,7 @@ LIST
     }
     # the MoE of short prompts (MOE_TOKENS, MOE_PATHS); the K = 3 verify round against the decode step
     alternate ${MOE_ROUNDS:-0} moe 8 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_moe_triton.py \
-      --tokens ${MOE_TOKENS:-16,37,64,128} --paths ${MOE_PATHS:-grouped_gemv_bm8}
+      --tokens ${MOE_TOKENS:-16,37,64,128} --paths ${MOE_PATHS:-grouped_gemv_bm8} ${MOE_FLAGS:-}
     alternate ${VERIFY_ROUNDS:-0} verify 5 python3 scripts/bench_spec.py verify --weights int4 --max-k 3 --repeats 8
     if [ "${ENGINE_ROUNDS:-0}" -gt 0 ] || [ "${SPEC_ENGINE_ROUNDS:-0}" -gt 0 ]; then  # the model directory, made with a built copy's package (none is installed)
       set -- $built
