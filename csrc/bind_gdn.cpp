@@ -122,7 +122,7 @@ void bind_gdn(py::module_& m) {
   m.def(
       "gdn_conv_prefill",
       [](TensorArg out, TensorArg qkv, TensorArg conv_pool, TensorArg slots, std::optional<TensorArg> valid,
-         TensorArg weight, std::uintptr_t stream) {
+         TensorArg weight, std::int64_t split, std::uintptr_t stream) {
         ArgCheck check("gdn_conv_prefill");
         check("qkv", qkv).shape({kAny, kAny, kAny}).unit_last_stride();  // any batch and token strides
         const DType dtype = kernel_dtype(check, "qkv", qkv);
@@ -133,20 +133,23 @@ void bind_gdn(py::module_& m) {
         check("weight", weight).shape({channels, kAny}).dtype(qkv.type).contiguous();
         const std::int64_t taps = weight.size(1);
         check.require(taps >= 2 && taps <= kGdnMaxTaps, "weight has ", taps, " taps, expected 2..", kGdnMaxTaps);
-        check("out", out).shape({batch, tokens, channels}).dtype(qkv.type).contiguous();
+        check.require(split >= 1 && 2 * split < channels, "split ", split, " leaves no v part of ", channels,
+                      " channels");
+        check("out", out).shape({batch * tokens * channels}).dtype(qkv.type).contiguous();
         check("conv_pool", conv_pool).shape({kAny, channels, taps - 1}).dtype(qkv.type).contiguous();
         check.require(conv_pool.size(0) >= 1, "conv_pool has no slots");
         check("slots", slots).shape({batch}).dtype(ScalarType::I64).contiguous();
         check("valid", valid).shape({batch}).dtype(ScalarType::I64).contiguous();
         const int device = check.device();
         gdn_conv_prefill({out.data, qkv.data, conv_pool.data, slots.data, data_or_null(valid), weight.data,
-                          qkv.stride(0), qkv.stride(1), batch, tokens, channels, static_cast<int>(taps), dtype,
-                          device, stream});
+                          qkv.stride(0), qkv.stride(1), batch, tokens, channels, split, static_cast<int>(taps),
+                          dtype, device, stream});
       },
       py::arg("out"), py::arg("qkv"), py::arg("conv_pool"), py::arg("slots"), py::arg("valid"), py::arg("weight"),
-      py::arg("stream"),
-      "GDN prefill conv + SiLU advancing the pooled conv state; qkv may be any view with a contiguous "
-      "last axis, valid None for all tokens. See csrc/gdn_conv.h.");
+      py::arg("split"), py::arg("stream"),
+      "GDN prefill conv + SiLU advancing the pooled conv state, out the q / k / v parts (split channels, "
+      "split, the rest) one after another; qkv may be any view with a contiguous last axis, valid None "
+      "for all tokens. See csrc/gdn_conv.h.");
 }
 
 }  // namespace ninfer

@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kThreads)
                         const std::int64_t* __restrict__ slots,
                         const std::int64_t* __restrict__ valid, const T* __restrict__ weight,
                         std::int64_t stride_b, std::int64_t stride_t, int tokens, int channels,
-                        int taps) {
+                        int split, int taps) {
   enter_kernel();
   const int c = blockIdx.x * kThreads + threadIdx.x;
   if (c >= channels) return;
@@ -46,7 +46,12 @@ __global__ void __launch_bounds__(kThreads)
     w_back[j] = j < taps ? to_float(weight[c * taps + taps - 1 - j]) : 0.0f;
     back[j] = j >= 1 && j < taps ? input(t0 - j) : 0.0f;
   }
-  T* y = out + (static_cast<std::int64_t>(b) * tokens) * channels + c;
+  // the channel's part (q: [0, split), k: [split, 2 split), v: the rest), each part [B, T, width] in
+  // turn (gdn_conv.h)
+  const int part = c < split ? 0 : c < 2 * split ? 1 : 2;
+  const int width = part < 2 ? split : channels - 2 * split;
+  const std::int64_t rows = static_cast<std::int64_t>(gridDim.z) * tokens;
+  T* y = out + rows * (part * split) + (static_cast<std::int64_t>(b) * tokens) * width + (c - part * split);
 #pragma unroll
   for (int i = 0; i < kSpan; ++i) {
     if (t0 + i >= t1) break;
@@ -56,7 +61,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = kMaxTaps - 1; j >= 0; --j) {  // oldest input first, as the torch reference sums
       if (j < taps) acc = fmaf(w_back[j], back[j], acc);
     }
-    y[static_cast<std::int64_t>(t0 + i) * channels] = from_float<T>(acc / (1.0f + expf(-acc)));
+    y[static_cast<std::int64_t>(t0 + i) * width] = from_float<T>(acc / (1.0f + expf(-acc)));
 #pragma unroll
     for (int j = kMaxTaps - 1; j >= 1; --j) back[j] = back[j - 1];
   }
@@ -82,7 +87,7 @@ void launch(const GdnConvArgs& a) {
                 reinterpret_cast<T*>(a.conv_pool), reinterpret_cast<const std::int64_t*>(a.slots),
                 reinterpret_cast<const std::int64_t*>(a.valid), reinterpret_cast<const T*>(a.weight),
                 a.qkv_stride_b, a.qkv_stride_t, static_cast<int>(a.tokens), static_cast<int>(a.channels),
-                a.taps);
+                static_cast<int>(a.split), a.taps);
 }
 
 }  // namespace

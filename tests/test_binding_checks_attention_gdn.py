@@ -166,13 +166,14 @@ def test_gdn_steps_rejects_what_the_kernel_cannot_take(match, change):
 
 
 def _conv_kwargs(tokens: int = 65, taps: int = 4, valid: bool = True, dtype: torch.dtype = BF16) -> dict:
-    """Valid gdn_conv_prefill arguments: 3 rows of 200 channels, qkv a slice of a wider projection,
-    5 pooled slots."""
+    """Valid gdn_conv_prefill arguments: 3 rows of 200 channels (q / k / v parts of 48, 48, 104), qkv a
+    slice of a wider projection, 5 pooled slots."""
     batch, channels = 3, 200
     x = lambda *shape: torch.randn(*shape).to(dtype)  # noqa: E731
-    return dict(out=torch.empty(batch, tokens, channels, dtype=dtype), qkv=x(batch, tokens, channels + 40)[..., 8:-32],
-                conv_pool=x(5, channels, taps - 1), slots=torch.tensor([3, 0, 4]),
-                valid=torch.tensor([tokens, 0, 2]) if valid else None, weight=x(channels, taps), stream=0)
+    return dict(out=torch.empty(batch * tokens * channels, dtype=dtype),
+                qkv=x(batch, tokens, channels + 40)[..., 8:-32], conv_pool=x(5, channels, taps - 1),
+                slots=torch.tensor([3, 0, 4]),
+                valid=torch.tensor([tokens, 0, 2]) if valid else None, weight=x(channels, taps), split=48, stream=0)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=str)
@@ -180,7 +181,8 @@ def _conv_kwargs(tokens: int = 65, taps: int = 4, valid: bool = True, dtype: tor
                                                 (517, 4, False)])
 def test_conv_prefill_reaches_launch(kernels_on_cpu, dtype, tokens, taps, padded):
     kw = _conv_kwargs(tokens, taps, padded, dtype)
-    reaches_launch(lambda: gdn_ops.conv_prefill(kw["qkv"], kw["conv_pool"], kw["slots"], kw["weight"], kw["valid"]))
+    reaches_launch(lambda: gdn_ops.conv_prefill(kw["qkv"], kw["conv_pool"], kw["slots"], kw["weight"], kw["split"],
+                                                kw["valid"]))
     reaches_launch(lambda: ext.gdn_conv_prefill(**kw))
 
 
@@ -191,8 +193,10 @@ CONV_REJECTS: list[tuple[str, Changes]] = [
     (r"weight has shape \(201, 4\), expected \(200, \*\)", lambda kw: {"weight": _bf16(201, 4)}),
     ("weight has 1 taps, expected 2..8", lambda kw: {"weight": _bf16(200, 1)}),
     ("weight is float16, expected bfloat16", lambda kw: {"weight": kw["weight"].half()}),
-    ("out must be contiguous", lambda kw: {"out": kw["out"].transpose(0, 1).contiguous().transpose(0, 1)}),
-    (r"out has shape \(3, 64, 200\)", lambda kw: {"out": kw["out"][:, :64]}),
+    ("out must be contiguous", lambda kw: {"out": torch.empty(2 * kw["out"].numel(), dtype=kw["out"].dtype)[::2]}),
+    (r"out has shape \(38400,\), expected \(39000,\)", lambda kw: {"out": kw["out"][:38400]}),
+    ("split 100 leaves no v part of 200 channels", lambda kw: {"split": 100}),
+    ("split 0 leaves no v part of 200 channels", lambda kw: {"split": 0}),
     (r"conv_pool has shape \(5, 200, 2\), expected \(\*, 200, 3\)", lambda kw: {"conv_pool": _bf16(5, 200, 2)}),
     ("conv_pool has no slots", lambda kw: {"conv_pool": kw["conv_pool"][:0]}),
     ("slots is int32, expected int64", lambda kw: {"slots": kw["slots"].int()}),

@@ -601,7 +601,7 @@ def test_conv_gemv_equals_gemv_then_conv_kernel(cuda_kernels, monkeypatch, shape
         b = bias if rows % 2 else None
         plain, want_summed = quant.quant_linear_add_norm(x, residual, norm_weight, EPS, True, qw, b)
         want_pool = pool.clone()
-        want = gdn_ops.conv_prefill(plain[..., :channels], want_pool, slots, weight)
+        want = torch.cat(gdn_ops.conv_prefill(plain[..., :channels], want_pool, slots, weight, channels // 4), -1)
         got_pool = pool.clone()
         with monkeypatch.context() as poison:
             _poison_allocations(poison)
@@ -630,8 +630,8 @@ def test_conv_gemv_other_widths_match_reference(cuda_kernels, taps):
     torch.testing.assert_close(y, ref_y, rtol=tol, atol=tol)
     plain, _ = quant.quant_linear_add_norm(*norm_args(case))
     channels = case["w"].conv_weight.shape[0]
-    assert torch.equal(gdn_ops.conv_prefill(plain[..., :channels], start, case["slots"], case["w"].conv_weight),
-                       y[..., :channels])
+    prefill = gdn_ops.conv_prefill(plain[..., :channels], start, case["slots"], case["w"].conv_weight, channels // 4)
+    assert torch.equal(torch.cat(prefill, -1), y[..., :channels])
     assert torch.equal(start, case["conv_pool"])
 
 

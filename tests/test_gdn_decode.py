@@ -29,6 +29,7 @@ from ninfer_core.layers.gdn import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
     heads_and_gates,
+    qkv_parts,
     l2norm,
 )
 from ninfer_core.ops import dispatch
@@ -863,8 +864,8 @@ def test_prefill_selection_on_cuda(fla_available):
 
 
 def _conv_output_case(shape, seq_len: int, dtype: torch.dtype, device, padded: bool) -> tuple:
-    """A prefill's conv output [2, T, C], raw gate inputs a, b [2, T, Hv], the layer's weights, valid
-    tokens (row 1 three short when padded) and an fp32 state."""
+    """A prefill's conv output (q, k, v parts of [2, T, C]), raw gate inputs a, b [2, T, Hv], the
+    layer's weights, valid tokens (row 1 three short when padded) and an fp32 state."""
     hk, hv, dk, dv = shape
     gen = torch.Generator().manual_seed(seq_len + dk)
     mixed = torch.randn(2, seq_len, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
@@ -874,7 +875,11 @@ def _conv_output_case(shape, seq_len: int, dtype: torch.dtype, device, padded: b
                            eps=EPS, num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
     valid = torch.tensor([seq_len, seq_len - 3], device=device) if padded else None
     state = torch.randn(2, hv, dk, dv, generator=gen) * 0.5
-    return mixed.to(device), a.to(device), b.to(device), w, valid, state.to(device)
+    return qkv_parts(mixed.to(device), hk * dk), a.to(device), b.to(device), w, valid, state.to(device)
+
+
+def _each(parts: tuple, fn) -> tuple:
+    return tuple(fn(p) for p in parts)
 
 
 def _fla_contract(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -894,15 +899,17 @@ def test_fla_call_with_gates_in_kernel_gets_them_raw(monkeypatch, padded):
     tokens whose raw gates leave the state exactly as it was (row 1's last three)."""
     monkeypatch.setattr(gdn_ops, "_fla_chunk", lambda: _fla_contract)
     monkeypatch.setattr(gdn_ops, "_fla_applies", lambda q, v, state: True)
-    mixed, a, b, w, valid, state = _conv_output_case((2, 4, 16, 8), 11, torch.float32, "cpu", padded)
-    out, final = gdn_ops.gated_delta_rule_from_conv(mixed, a, b, w, valid, state)
-    q, k, v, g, beta = heads_and_gates(mixed.double(), a.double(), b.double(), w, valid, torch.float64)
+    parts, a, b, w, valid, state = _conv_output_case((2, 4, 16, 8), 11, torch.float32, "cpu", padded)
+    out, final = gdn_ops.gated_delta_rule_from_conv(parts, a, b, w, valid, state)
+    q, k, v, g, beta = heads_and_gates(_each(parts, torch.Tensor.double), a.double(), b.double(), w, valid,
+                                       torch.float64)
     want_out, want_state = gated_delta_rule_recurrent(q, k, v, g, beta, state.double())
     # (the torch gates are fp32, the contract's float64: 5e-5 apart)
     torch.testing.assert_close(out, want_out, rtol=2e-4, atol=1e-6)
     torch.testing.assert_close(final, want_state, rtol=2e-4, atol=1e-6)
     if padded:  # the state after row 1's real tokens alone
-        q, k, v, g, beta = heads_and_gates(mixed[1:, :8].double(), a[1:, :8].double(), b[1:, :8].double(), w, None,
+        q, k, v, g, beta = heads_and_gates(_each(parts, lambda p: p[1:, :8].double()), a[1:, :8].double(),
+                                           b[1:, :8].double(), w, None,
                                            torch.float64)
         torch.testing.assert_close(final[1:], gated_delta_rule_recurrent(q, k, v, g, beta, state[1:].double())[1],
                                    rtol=2e-4, atol=1e-6)
@@ -910,9 +917,9 @@ def test_fla_call_with_gates_in_kernel_gets_them_raw(monkeypatch, padded):
 
 def test_prefill_from_conv_on_cpu_is_the_reference(monkeypatch):
     monkeypatch.setattr(gdn_ops, "_fla_chunk", lambda: pytest.fail("fla looked up for CPU tensors"))
-    mixed, a, b, w, valid, state = _conv_output_case((2, 4, 16, 8), 70, torch.float32, "cpu", True)
-    got = gdn_ops.gated_delta_rule_from_conv(mixed, a, b, w, valid, state)
-    want = gated_delta_rule_chunked(*heads_and_gates(mixed, a, b, w, valid, torch.float32), state)
+    parts, a, b, w, valid, state = _conv_output_case((2, 4, 16, 8), 70, torch.float32, "cpu", True)
+    got = gdn_ops.gated_delta_rule_from_conv(parts, a, b, w, valid, state)
+    want = gated_delta_rule_chunked(*heads_and_gates(parts, a, b, w, valid, torch.float32), state)
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 
 
@@ -922,9 +929,9 @@ def test_prefill_from_conv_on_cpu_is_the_reference(monkeypatch):
 def test_fla_with_gates_in_kernel_matches_the_torch_gates(fla_available, dtype, seq_len, padded):
     """fla with l2norm, gates and beta's sigmoid inside against the fp32 reference of the torch gates
     (the 35B's heads: 16 key heads, 32 value heads of 128), padding included."""
-    mixed, a, b, w, valid, state = _conv_output_case((16, 32, 128, 128), seq_len, dtype, "cuda", padded)
-    out, final = gdn_ops.gated_delta_rule_from_conv(mixed, a, b, w, valid, state)
-    q, k, v, g, beta = heads_and_gates(mixed, a, b, w, valid, torch.float32)
+    parts, a, b, w, valid, state = _conv_output_case((16, 32, 128, 128), seq_len, dtype, "cuda", padded)
+    out, final = gdn_ops.gated_delta_rule_from_conv(parts, a, b, w, valid, state)
+    q, k, v, g, beta = heads_and_gates(parts, a, b, w, valid, torch.float32)
     want_out, want_state = gated_delta_rule_chunked(q, k, v.float(), g, beta, state)
     assert out.dtype == dtype and final.dtype == torch.float32
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
@@ -968,8 +975,10 @@ def test_conv_prefill_kernel_matches_reference_and_float64(cuda_kernels, dtype, 
     ref_pool = pool.clone()
     ref = gdn_ops.conv_prefill_ref(qkv, ref_pool, slots, weight, valid)
     before = pool.clone()
-    got = gdn_ops.conv_prefill(qkv, pool, slots, weight, valid)
-    assert got.dtype == dtype and got.shape == (batch, tokens, channels) and got.is_contiguous()
+    parts = gdn_ops.conv_prefill(qkv, pool, slots, weight, 48, valid)  # q, k, v: 48, 48, 104 channels
+    assert [p.shape for p in parts] == [(batch, tokens, w) for w in (48, 48, 104)]
+    assert all(p.dtype == dtype and p.is_contiguous() for p in parts)
+    got = torch.cat(parts, -1)
     assert torch.equal(pool, ref_pool)  # state entries are copies of inputs: exact
     assert torch.equal(pool[slots].double(), want_state)
     untouched = [1, 2]
@@ -986,9 +995,9 @@ def test_conv_prefill_replays_in_cuda_graph(cuda_kernels):
     valid = torch.tensor([48, 30], device="cuda")
     start = pool.clone()
     graph = torch.cuda.CUDAGraph()
-    gdn_ops.conv_prefill(qkv, pool.clone(), slots, weight, valid)  # warm-up outside the graph
+    gdn_ops.conv_prefill(qkv, pool.clone(), slots, weight, 64, valid)  # warm-up outside the graph
     with torch.cuda.graph(graph):
-        got = gdn_ops.conv_prefill(qkv, pool, slots, weight, valid)
+        parts = gdn_ops.conv_prefill(qkv, pool, slots, weight, 64, valid)
     for seed in (2, 3):
         fresh, _, _, _ = _conv_case(2, 48, 256, 4, torch.bfloat16, seed=seed)
         qkv.copy_(fresh)
@@ -998,7 +1007,7 @@ def test_conv_prefill_replays_in_cuda_graph(cuda_kernels):
         ref_pool = start.clone()
         ref = gdn_ops.conv_prefill_ref(qkv, ref_pool, slots, weight, valid)
         assert torch.equal(pool, ref_pool)
-        torch.testing.assert_close(got, ref, rtol=torch.finfo(torch.bfloat16).eps, atol=1e-3)
+        torch.testing.assert_close(torch.cat(parts, -1), ref, rtol=torch.finfo(torch.bfloat16).eps, atol=1e-3)
 
 
 def _tail_case(device: str, dtype: torch.dtype) -> tuple[dict, dict]:

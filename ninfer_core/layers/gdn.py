@@ -73,25 +73,32 @@ def conv_qkv_heads(
     qkv [B, T, C] -> q, k [B, T, Hk, dk], v [B, T, Hv, dv] (qkv's dtype), new conv state.
     """
     mixed, conv_state = causal_conv1d_silu(qkv, conv_state, weight)
-    return (*qkv_heads(mixed, num_k_heads, head_k_dim, head_v_dim, compute), conv_state)
+    parts = qkv_parts(mixed, num_k_heads * head_k_dim)
+    return (*qkv_heads(parts, num_k_heads, head_k_dim, head_v_dim, compute), conv_state)
 
 
-def split_heads(
-    mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conv output [B, T, C] as per-head q, k [B, T, Hk, dk] and v [B, T, Hv, dv] (views)."""
-    batch, num_new, _ = mixed.shape
-    key_dim = num_k_heads * head_k_dim
+# A conv output's q, k, v parts [B, T, width]: column slices of [B, T, C] (`qkv_parts`), or the
+# prefill conv kernel's dense parts (ops/gdn.py `conv_prefill`)
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def qkv_parts(mixed: torch.Tensor, key_dim: int) -> QKV:
+    """The conv output [B, T, C] as its q, k, v column slices (views)."""
     q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+    return q, k, v
+
+
+def split_heads(parts: QKV, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> QKV:
+    """A conv output's parts as per-head q, k [B, T, Hk, dk] and v [B, T, Hv, dv] (views)."""
+    q, k, v = parts
+    batch, num_new, _ = q.shape
     return (q.reshape(batch, num_new, num_k_heads, head_k_dim), k.reshape(batch, num_new, num_k_heads, head_k_dim),
             v.reshape(batch, num_new, -1, head_v_dim))
 
 
-def qkv_heads(
-    mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int, compute: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conv output [B, T, C] as per-head q, k (l2-normalised in `compute`, q scaled by dk^-1/2), v."""
-    q, k, v = split_heads(mixed, num_k_heads, head_k_dim, head_v_dim)
+def qkv_heads(parts: QKV, num_k_heads: int, head_k_dim: int, head_v_dim: int, compute: torch.dtype) -> QKV:
+    """A conv output's parts as per-head q, k (l2-normalised in `compute`, q scaled by dk^-1/2), v."""
+    q, k, v = split_heads(parts, num_k_heads, head_k_dim, head_v_dim)
     return l2norm(q.to(compute)) * head_k_dim**-0.5, l2norm(k.to(compute)), v
 
 
@@ -101,15 +108,15 @@ def real_tokens(valid_tokens: torch.Tensor, num_new: int) -> torch.Tensor:
 
 
 def heads_and_gates(
-    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: gdn_ops.GDNWeights, valid_tokens: torch.Tensor | None,
+    parts: QKV, a: torch.Tensor, b: torch.Tensor, w: gdn_ops.GDNWeights, valid_tokens: torch.Tensor | None,
     compute: torch.dtype,
 ) -> tuple[torch.Tensor, ...]:
-    """q, k, v of the conv output (q, k in `compute`) and g, beta of a, b; padding tokens (past
-    valid_tokens) get g = beta = 0, which leaves the recurrent state as it is."""
-    q, k, v = qkv_heads(mixed, w.num_k_heads, w.head_k_dim, w.head_v_dim, compute)
+    """q, k, v of the conv output's parts (q, k in `compute`) and g, beta of a, b; padding tokens
+    (past valid_tokens) get g = beta = 0, which leaves the recurrent state as it is."""
+    q, k, v = qkv_heads(parts, w.num_k_heads, w.head_k_dim, w.head_v_dim, compute)
     g, beta = gdn_gates(a, b, w.A_log, w.dt_bias)
     if valid_tokens is not None:
-        real = real_tokens(valid_tokens, mixed.shape[1])
+        real = real_tokens(valid_tokens, a.shape[1])
         g, beta = g * real, beta * real
     return q, k, v, g, beta
 
@@ -421,8 +428,8 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(x)
         end = fork.then.tokens if fork.then is not None else valid  # where the chunked rule stops
         conv_pool[fork.slots] = conv_state_after(conv_pool[slots], qkv, fork.tokens)
-        mixed = gdn_ops.conv_prefill(qkv, conv_pool, slots, self.conv1d.weight[:, 0], end)
-        q, k, v, g, beta = heads_and_gates(mixed, a, b, self.weights, end, state_pool.dtype)
+        parts = gdn_ops.conv_prefill(qkv, conv_pool, slots, self.conv1d.weight[:, 0], self.key_dim, end)
+        q, k, v, g, beta = heads_and_gates(parts, a, b, self.weights, end, state_pool.dtype)
         rule = gdn_ops.gated_delta_rule_prefill
         if sliced:  # one unpadded row, positions on the host: each run over its side's tokens only
             cut, stop = fork.host_tokens, fork.then.host_tokens if fork.then is not None else num_new
@@ -481,8 +488,8 @@ class GatedDeltaNet(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """conv, delta rule and gated norm of the projections: (normed [B, T, value_dim], new state).
         The conv states of `slots` advance in the pool, ending at each row's last real token."""
-        mixed = gdn_ops.conv_prefill(qkv, conv_pool, slots, self.conv1d.weight[:, 0], valid_tokens)
-        out, state = gdn_ops.gated_delta_rule_from_conv(mixed, a, b, self.weights, valid_tokens, state, delta_rule)
+        parts = gdn_ops.conv_prefill(qkv, conv_pool, slots, self.conv1d.weight[:, 0], self.key_dim, valid_tokens)
+        out, state = gdn_ops.gated_delta_rule_from_conv(parts, a, b, self.weights, valid_tokens, state, delta_rule)
         return self._normed(out, z), state
 
     def _normed(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,8 @@ def gdn_steps_ref(step: GDNStepInputs, write_state: bool, w: GDNWeights) -> torc
         conv_pool[step.fork_slots], state_pool[step.fork_slots] = conv_state, state
     final_conv: torch.Tensor | None = None  # conv_done: the conv states have advanced already
     if step.conv_done:
-        q, k, v = gdn_layer.qkv_heads(qkv, w.num_k_heads, w.head_k_dim, w.head_v_dim, state_pool.dtype)
+        parts = gdn_layer.qkv_parts(qkv, w.num_k_heads * w.head_k_dim)
+        q, k, v = gdn_layer.qkv_heads(parts, w.num_k_heads, w.head_k_dim, w.head_v_dim, state_pool.dtype)
     else:
         q, k, v, final_conv = gdn_layer.conv_qkv_heads(
             qkv, conv_state, w.conv_weight, w.num_k_heads, w.head_k_dim, w.head_v_dim, state_pool.dtype
@@ -485,23 +486,29 @@ def _cpu_kernel_applies(step: GDNStepInputs, w: GDNWeights) -> bool:
 
 
 def conv_prefill(qkv: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
-                 valid: torch.Tensor | None = None) -> torch.Tensor:
-    """A prefill chunk's causal conv + SiLU, qkv [B, T, C] -> [B, T, C]; the conv states of `slots`
-    advance in the pool through each row's first valid[b] tokens (all T without `valid`). One
-    kernel on CUDA (csrc/gdn_conv.cu), else `conv_prefill_ref`."""
-    taps = weight.shape[-1]
+                 key_dim: int, valid: torch.Tensor | None = None) -> gdn_layer.QKV:
+    """A prefill chunk's causal conv + SiLU, qkv [B, T, C] -> its q, k, v parts [B, T, key_dim],
+    [B, T, key_dim], [B, T, C - 2 key_dim]; the conv states of `slots` advance in the pool through
+    each row's first valid[b] tokens (all T without `valid`). One kernel on CUDA (csrc/gdn_conv.cu),
+    which writes each part dense (fla's prefill copied each column slice of a [B, T, C] output:
+    three copies a GDN layer), else `conv_prefill_ref`'s views."""
+    taps, (batch, tokens, channels) = weight.shape[-1], qkv.shape
     if not (dispatch.use_kernel(qkv, conv_pool, weight) and qkv.dtype == conv_pool.dtype == weight.dtype
             and 2 <= taps <= _MAX_CONV_KERNEL and conv_pool.is_contiguous() and slots.dtype == torch.int64
             and (valid is None or valid.dtype == torch.int64)):
         dispatch.fallback("gdn conv_prefill", qkv, conv_pool, weight)
-        return conv_prefill_ref(qkv, conv_pool, slots, weight, valid)
-    out = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        return gdn_layer.qkv_parts(conv_prefill_ref(qkv, conv_pool, slots, weight, valid), key_dim)
+    out = torch.empty(batch * tokens * channels, dtype=qkv.dtype, device=qkv.device)
     dispatch.extension().gdn_conv_prefill(  # qkv read in place with its own strides
         out=out, qkv=qkv if qkv.stride(-1) == 1 else qkv.contiguous(), conv_pool=conv_pool, slots=slots.contiguous(),
-        valid=None if valid is None else valid.contiguous(), weight=weight.contiguous(),
+        valid=None if valid is None else valid.contiguous(), weight=weight.contiguous(), split=key_dim,
         stream=dispatch.stream_handle(qkv),
     )
-    return out
+    widths = (key_dim, key_dim, channels - 2 * key_dim)
+    q, k, v = (part.view(batch, tokens, width)
+               for part, width in zip(out.split([batch * tokens * w for w in widths]), widths))
+    return q, k, v
+
 
 
 def conv_prefill_ref(qkv: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
@@ -524,19 +531,19 @@ def gated_delta_rule_prefill(
 
 
 def gated_delta_rule_from_conv(
-    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: GDNWeights, valid_tokens: torch.Tensor | None,
+    parts: gdn_layer.QKV, a: torch.Tensor, b: torch.Tensor, w: GDNWeights, valid_tokens: torch.Tensor | None,
     state: torch.Tensor, delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked rule from the conv's output [B, T, C] and the gates' raw inputs a, b [B, T, Hv]:
+    """The chunked rule from the conv output's q, k, v parts and the gates' raw inputs a, b [B, T, Hv]:
     (o, final state); padding (past valid_tokens) leaves the state as it is. On fla, q / k's l2norm,
     the gates and beta's sigmoid run inside its kernels (`gated_delta_rule_fla_raw`): about 25 small
     torch kernels fewer a layer, each a launch-bound ~2 us of a short prompt's graph (2,479 kernels
     for a 37-token prompt of the 35B, 12.4 ms of GPU time on the H100). Else, or with `delta_rule`
     (a test's recurrent form): `heads_and_gates`, then that rule or `gated_delta_rule_prefill`."""
-    q, k, v = gdn_layer.split_heads(mixed, w.num_k_heads, w.head_k_dim, w.head_v_dim)
+    q, k, v = gdn_layer.split_heads(parts, w.num_k_heads, w.head_k_dim, w.head_v_dim)
     if delta_rule is None and _fla_applies(q, v, state):
         return gated_delta_rule_fla_raw(q, k, v, a, b, w, valid_tokens, state)
-    q, k, v, g, beta = gdn_layer.heads_and_gates(mixed, a, b, w, valid_tokens, state.dtype)
+    q, k, v, g, beta = gdn_layer.heads_and_gates(parts, a, b, w, valid_tokens, state.dtype)
     return (delta_rule or gated_delta_rule_prefill)(q, k, v, g, beta, state)
 
 
