@@ -88,7 +88,7 @@ void bind_moe(py::module_& m) {
       [](TensorArg logits, TensorArg weights, TensorArg ids, TensorArg done, TensorArg x, TensorArg w,
          std::int64_t experts, bool renormalize, std::uintptr_t stream, std::optional<TensorArg> residual,
          std::optional<TensorArg> norm_weight, std::optional<TensorArg> normed,
-         std::optional<TensorArg> residual_out, float eps, bool zero_centered) {
+         std::optional<TensorArg> residual_out, float eps, bool zero_centered, std::optional<TensorArg> live) {
         ArgCheck check("moe_router");
         check("x", x).shape({kAny, kAny}).dtype({ScalarType::F16, ScalarType::BF16}).contiguous().aligned(16);
         const DType dtype = kernel_dtype(check, "x", x);
@@ -108,6 +108,7 @@ void bind_moe(py::module_& m) {
         require_route(check, experts, top_k);
         check("ids", ids).shape({tokens, top_k}).dtype(ScalarType::I32).contiguous();
         check("done", done).shape({1}).dtype(ScalarType::I32);  // the blocks' completion counter
+        check("live", live).shape({1}).dtype(ScalarType::I32);  // a graph's real tokens (any value: min'd)
         const bool norm = residual.has_value();
         check.require(norm_weight.has_value() == norm && normed.has_value() == norm && residual_out.has_value() == norm,
                       "residual, norm_weight, normed and residual_out go together");
@@ -135,16 +136,17 @@ void bind_moe(py::module_& m) {
         }
         const int device = check.device();
         moe_router({{weights.data, ids.data, logits.data, 0, tokens, experts, top_k, renormalize, dtype, device, stream},
-                    done.data, x.data, w.data, hidden, rows,
+                    data_or_null(live), done.data, x.data, w.data, hidden, rows,
                     {data_or_null(residual), data_or_null(norm_weight), data_or_null(normed),
                      data_or_null(residual_out), eps, zero_centered}});
       },
       py::arg("logits"), py::arg("weights"), py::arg("ids"), py::arg("done"), py::arg("x"), py::arg("w"),
       py::arg("experts"), py::arg("renormalize"), py::arg("stream"), py::arg("residual") = py::none(),
       py::arg("norm_weight") = py::none(), py::arg("normed") = py::none(), py::arg("residual_out") = py::none(),
-      py::arg("eps") = 0.0f, py::arg("zero_centered") = false,
+      py::arg("eps") = 0.0f, py::arg("zero_centered") = false, py::arg("live") = py::none(),
       "A decode step's router GEMV (logits = x @ w^T) + softmax top-k over the first `experts` columns in "
-      "one launch, optionally after the add + RMSNorm before it. See csrc/moe.h.");
+      "one launch, optionally after the add + RMSNorm before it; tokens from live[0] on routed dead (ids "
+      "-1, weights 0). See csrc/moe.h.");
 
   m.def(
       "moe_align",

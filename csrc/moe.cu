@@ -565,7 +565,7 @@ template <typename T, int kPerLane, bool kNorm, int kVecs>
 __global__ void __launch_bounds__(kRouterThreads, kVecs == 1 && kPerLane <= 8 ? 4 : 1)
     router_kernel(T* logits, T* __restrict__ weights, int* __restrict__ ids, unsigned* done,
                   const T* __restrict__ x, const T* __restrict__ w, int tokens, int hidden, int rows,
-                  int experts, int top_k, bool renormalize, RouterNorm<T> norm) {
+                  int experts, int top_k, bool renormalize, RouterNorm<T> norm, const int* __restrict__ live) {
   constexpr int kRows = router_rows<kVecs>();
   __shared__ float partial[kRouterMaxTokens][kRows][kRouterWarps];
   __shared__ float group_totals[kVecs * kRouterWarps];
@@ -591,6 +591,8 @@ __global__ void __launch_bounds__(kRouterThreads, kVecs == 1 && kPerLane <= 8 ? 
     }
     if (kNorm && c < nvec) nw[j] = load_early16(reinterpret_cast<const uint4*>(norm.weight) + c);
   }
+  // set before the graph's replay, not by a kernel: read before the wait (volatile), off the routing's path
+  const int live_tokens = live != nullptr ? load_early(live) : tokens;
   // Token n + 1's x (and residual) vectors are requested before token n is normed and dotted: one
   // L2 round trip for all the tokens, not one a token.
   uint4 next_x[kVecs], next_r[kVecs];
@@ -649,9 +651,14 @@ __global__ void __launch_bounds__(kRouterThreads, kVecs == 1 && kPerLane <= 8 ? 
   __syncthreads();
   if (!last) return;
   __threadfence();
-  if (warp < tokens) {
+  if (warp < min(tokens, live_tokens)) {
     route_token<kPerLane>(weights, ids, logits + static_cast<std::int64_t>(warp) * rows, warp, experts, top_k,
                           renormalize);
+  } else if (warp < tokens) {  // a spare row: dead, so the experts' kernels read nothing for it
+    for (int k = lane; k < top_k; k += 32) {
+      ids[warp * top_k + k] = -1;
+      weights[warp * top_k + k] = from_float<T>(0.0f);
+    }
   }
   if (threadIdx.x == 0) *done = 0;
 }
@@ -744,6 +751,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     for (int u = 0; u < kBatch; ++u) {
       if (j0 + u >= top_k) break;
       const float wu = round_to<T>(w[u]);
+      if (wu == 0.0f) continue;  // a dead slot (a spare row's: moe.h MoeRouterArgs.live) has no row written
       const TV& v = *reinterpret_cast<const TV*>(&raw[u]);
 #pragma unroll
       for (int e = 0; e < kPer; ++e) acc[e] = fmaf(wu, to_float(v.v[e]), acc[e]);
@@ -881,7 +889,7 @@ void launch_router(const MoeRouterArgs& a) {
                   reinterpret_cast<T*>(r.weights), reinterpret_cast<int*>(r.ids), reinterpret_cast<unsigned*>(a.done),
                   reinterpret_cast<const T*>(a.x), reinterpret_cast<const T*>(a.w), static_cast<int>(r.tokens),
                   static_cast<int>(a.hidden), static_cast<int>(a.rows), static_cast<int>(r.experts),
-                  static_cast<int>(r.top_k), r.renormalize, norm);
+                  static_cast<int>(r.top_k), r.renormalize, norm, reinterpret_cast<const int*>(a.live));
   };
   const auto with_vecs = [&](auto per_lane, auto with_norm) {
     if (r.tokens > 4 && a.hidden <= 8 * kRouterThreads) {

@@ -60,6 +60,9 @@ struct RouterNormArgs {
 
 struct MoeRouterArgs {
   MoeRouteArgs route;
+  // 0, or [1] int32: the tokens from live[0] on are a graph's spare rows, routed dead (ids -1,
+  // weights 0): the decode kernels read no expert for them (moe_decode_mma.cu, moe.cu)
+  std::uintptr_t live;
   std::uintptr_t done;
   std::uintptr_t x;
   std::uintptr_t w;

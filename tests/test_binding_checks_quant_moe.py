@@ -489,6 +489,8 @@ ROUTER_CASES = {
     "normed strides": (lambda: _router_args(norm=True, normed=_transposed(3, 256)), "normed must be contiguous"),
     "residual_out aligned": (lambda: _router_args(norm=True, residual_out=_misaligned(3, 256)),
                              "residual_out must start at a 16-byte aligned address"),
+    "live dtype": (lambda: _router_args(live=torch.ones(1, dtype=torch.long)), "live is int64, expected int32"),
+    "live shape": (lambda: _router_args(live=torch.ones(2, dtype=I32)), r"live has shape \(2,\), expected \(1,\)"),
     "normed on x": (lambda: _with(_router_args(norm=True), normed=lambda a: a["x"]), "normed overlaps x"),
     "logits on w": (lambda: _with(_router_args(), logits=lambda a: a["w"].view(-1)[:27].view(3, 9)),
                     "logits overlaps w"),
@@ -499,6 +501,7 @@ ROUTER_CASES = {
 def test_moe_router_rejects_what_the_kernel_cannot_take(case):
     reaches_launch(lambda: ext.moe_router(**_router_args()))
     reaches_launch(lambda: ext.moe_router(**_router_args(norm=True)))
+    reaches_launch(lambda: ext.moe_router(**_router_args(norm=True, live=torch.ones(1, dtype=I32))))
     args, match = ROUTER_CASES[case]
     rejects(lambda: ext.moe_router(**args()), "moe_router: " + match)
 

@@ -28,6 +28,7 @@ from ninfer_core.engine.speculative import Speculator
 from ninfer_core.engine.speculative import mtp as mtp_module
 from ninfer_core.engine.speculative.mtp import MTPDrafter
 from ninfer_core.engine.speculative.ngram import NgramDrafter
+from ninfer_core.layers.moe import SparseMoE
 from speculative_harness import (PROMPTS, SAMPLED, assert_same_drafts, eager_then_graph, greedy, load, run_sampled,
                                  run_with, write_target)
 
@@ -136,6 +137,28 @@ def test_graph_replays_match_eager(target, fake_graphs, method):
         mtp_graphs = eng.speculator.drafter.graphs
         kinds = {kind for kind, _, _ in mtp_graphs.captured}
         assert mtp_graphs.enabled and kinds == {"draft", "catch_up"}, mtp_graphs.captured
+
+
+@pytest.mark.parametrize("method", [None, "mtp"])
+def test_spare_rows_are_routed_dead(target, fake_graphs, monkeypatch, method):
+    """3 sequences on the 4-row bucket: every decode and verify replay hands the MoE layers the graph's
+    real tokens (`ForwardBatch.live_tokens`: 3 of the decode graph's 4 rows, 3 T of a verify graph's
+    4 T), whose router kernel routes the rest dead; the 2- and 1-row buckets that follow are full;
+    eager forwards (the prompts, the drafter's) pass none."""
+    seen = []
+    forward = SparseMoE.add_norm_forward
+
+    def recording(self, x, residual, norm, route_rows=None, live=None):
+        seen.append((x.shape[0] * x.shape[1], None if live is None else int(live)))  # read at replay time
+        return forward(self, x, residual, norm, route_rows, live)
+
+    monkeypatch.setattr(SparseMoE, "add_norm_forward", recording)
+    generate(engine(target, method, graphs=True), PROMPTS, [N_TOKENS, 13, 27])
+    graphed = [(tokens, live) for tokens, live in seen if live is not None]
+    spare = [(tokens, live) for tokens, live in graphed if live != tokens]
+    assert spare and len(spare) < len(graphed) and any(live is None for _, live in seen)
+    assert all(live == tokens // 4 * 3 for tokens, live in spare), spare  # rows of T tokens, 3 of 4 real
+    assert {tokens for tokens, _ in spare} == ({16} if method == "mtp" else {4})  # K = 3 verify rounds; decode
 
 
 def test_mtp_graph_drafts_equal_eager_drafts(target, fake_graphs):

@@ -585,7 +585,10 @@ def test_router_call_passes_each_tensor_in_its_place(monkeypatch):
     assert (kw["experts"], kw["renormalize"]) == (8, True)
     assert logits.shape == (3, 9) and weights.shape == ids.shape == (3, 2) and kw["stream"] == 7
     assert kw["done"] is moe._router_done[(x.device, w.data_ptr())]
-    assert kw.get("residual") is None
+    assert kw.get("residual") is None and kw["live"] is None
+    live = torch.tensor([2], dtype=torch.int32)
+    moe.moe_router(x, w, 8, 2, True, live)
+    assert calls.pop()["live"] is live
     many = moe.ROUTER_KERNEL_MAX_TOKENS + 1
     assert moe.moe_router(_inputs(many, 64), w, 8, 2, True) is None
     assert moe.moe_router(x.float(), w.float(), 8, 2, True) is None
@@ -629,6 +632,59 @@ def test_add_norm_router_is_bit_equal_to_add_rmsnorm_then_router(cuda_kernels, t
         torch.cuda.synchronize()
         assert done.item() == 0
         assert all(torch.equal(a, b) for a, b in zip(out, want))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fold", [False, True], ids=["router", "add_norm_router"])
+@pytest.mark.parametrize("tokens,live", [(4, 3), (8, 5), (2, 0), (3, 3)])
+def test_router_kernel_routes_the_spare_rows_dead(cuda_kernels, tokens, live, fold):
+    """`live` (a decode graph's real tokens): rows before it routed bit for bit as without it, the
+    rest dead (ids -1, weights 0), the logits of all rows as before; a graph replay reads the value
+    `live` holds then (the engine sets it when the batch size changes)."""
+    experts, rows, hidden, top_k = 256, 257, 2048, 8
+    g = torch.Generator("cuda").manual_seed(tokens + live)
+    x = _inputs(tokens, hidden, device="cuda", seed=tokens)
+    w = (torch.randn(rows, hidden, generator=g, device="cuda") / math.sqrt(hidden)).to(torch.bfloat16)
+    norm = moe.RouterNorm(_inputs(tokens, hidden, device="cuda", seed=tokens + 1),
+                          (torch.randn(hidden, generator=g, device="cuda") * 0.2).to(torch.bfloat16), 1e-6, True)
+
+    def route(live_tokens):
+        if fold:
+            return moe.moe_add_norm_router(x, norm, w, experts, top_k, True, live_tokens)[2:]
+        return moe.moe_router(x, w, experts, top_k, True, live_tokens)
+
+    logits, weights, ids = route(None)
+    count = torch.tensor([live], dtype=torch.int32, device="cuda")
+    got = route(count)
+    assert torch.equal(got[0], logits)
+    assert torch.equal(got[1][:live], weights[:live]) and torch.equal(got[2][:live], ids[:live])
+    assert (got[2][live:] == -1).all() and (got[1][live:] == 0).all()
+    graph, out = capture(lambda: route(count))
+    count.fill_(tokens)  # a full batch: every row routed
+    graph.replay()
+    assert torch.equal(out[1], weights) and torch.equal(out[2], ids)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt,group,tokens", [("int4", 128, 8), ("int4", 128, 3), ("int8", 128, 6)],
+                         ids=["int4_mma_decode", "int4_3_tokens", "int8_grouped_gemv"])
+def test_dead_rows_leave_the_live_rows_and_stay_finite(cuda_kernels, fmt, group, tokens):
+    """Rows routed dead (ids -1, weights 0: a graph's spare rows, `moe_router`'s `live`) in the paths
+    a decode graph's MoE takes (the tensor-core decode kernels to 8 tokens for int4 in groups of 128,
+    the grouped GEMV for int8 past 4): the live rows' outputs bit for bit those of the routing
+    without dead rows, the dead rows finite (the grouped path leaves their slots unwritten: the
+    combine skips zero weights)."""
+    gate_up, down = _cached_experts(256, 2048, 512, fmt, group)
+    x = _inputs(tokens, 2048, device="cuda", seed=tokens)
+    weights, ids = _routing(tokens, 256, 8, device="cuda", seed=tokens)
+    live = tokens - 1 if tokens > 3 else 1
+    dead_w, dead_ids = weights.clone(), ids.clone()
+    dead_w[live:], dead_ids[live:] = 0, -1
+    want = moe.moe_experts(x, gate_up, down, weights, ids)
+    with _poisoned_allocations():
+        got = moe.moe_experts(x, gate_up, down, dead_w, dead_ids)
+    assert torch.equal(got[:live], want[:live])
+    assert torch.isfinite(got).all()
 
 
 def test_add_norm_router_call_and_the_shapes_it_leaves(monkeypatch):
@@ -676,7 +732,8 @@ def test_moe_layer_uses_the_folded_norm_outputs(monkeypatch):
         assert torch.equal(out, want) and torch.equal(res, summed)
         seen = []
 
-        def folded(x_, norm_, weight, experts, top_k, renormalize):
+        def folded(x_, norm_, weight, experts, top_k, renormalize, live):
+            assert live is None  # an eager forward: no graph's spare rows
             seen.append(norm_)
             n, s = norm.add_norm(x_, norm_.residual)
             logits = torch.nn.functional.linear(n, weight)

@@ -3,10 +3,12 @@
 A decode step of the 35B launches ~800 kernels; replaying them as one graph removes the CPU
 launch cost that otherwise dominates batch-1 decode. Each bucket (1, 2, 4, 8, ... up to
 max_seqs) is captured at load (`capture_all`, so no request pays for a capture) over static
-input buffers; a batch of B rows replays the
-smallest bucket >= B, the spare rows pointed at a scratch state slot and a scratch KV page that
-no sequence owns (their results are discarded). The block table has a fixed width (the pages of
-`max_context`), so one graph serves every context length.
+input buffers; a batch of B rows replays the smallest bucket >= B, the spare rows pointed at a
+scratch state slot and a scratch KV page that no sequence owns (their results are discarded). An
+MoE's router kernel (graphs of up to 8 tokens) routes the spare rows dead (`live_tokens`), and the
+decode kernels read no expert for a dead row: batch 5 in the 8-row graph read 64 (token, expert)
+pairs' weights for 40 real ones. The block table has a fixed width (the pages of `max_context`),
+so one graph serves every context length.
 
 Speculative verification (T = K+1 tokens per row, logits for every row, GDN pools untouched)
 gets graphs keyed by (bucket, T, captured layers), each with a second graph that commits the
@@ -48,7 +50,9 @@ class _Graph:
     ids: torch.Tensor  # [bucket, T] static inputs of this graph's width
     positions: torch.Tensor
     out: ForwardOutput  # static outputs, rewritten by each replay
+    live: torch.Tensor  # [1] int32 the real tokens (ForwardBatch.live_tokens: the spare rows' MoE routed dead)
     commit: torch.cuda.CUDAGraph | None = None  # verify graphs: gdn_commit of every GDN layer
+    live_count: int = 0  # the value `live` holds (set again only when the batch size changes)
 
 
 class DecodeGraphs:
@@ -150,6 +154,10 @@ class DecodeGraphs:
         self.block_table[:b, :width].copy_(batch.block_table)
         if b < graph.ids.shape[0]:
             self._park_rows(graph.ids, graph.positions, b)
+        real = b * graph.ids.shape[1]
+        if graph.live_count != real:
+            graph.live.fill_(real)
+            graph.live_count = real
 
     def _park_rows(self, ids: torch.Tensor, positions: torch.Tensor, start: int) -> None:
         """Rows start.. compute positions 0..T-1 on the scratch slot / page: identical inputs (so
@@ -168,10 +176,12 @@ class DecodeGraphs:
         ids, positions = (torch.zeros(bucket, max(verify_width, 1), dtype=torch.long, device=self.slots.device)
                           for _ in range(2))
         self._park_rows(ids, positions, 0)
+        live = torch.full((1,), ids.numel(), dtype=torch.int32, device=ids.device)
         batch = ForwardBatch(
             input_ids=ids, positions=positions, cache_lens=self.cache_lens[:bucket],
             slots=self.slots[:bucket], block_table=self.block_table[:bucket],
             logits="all" if verify_width else "last", verify=bool(verify_width), capture_layers=capture_layers,
+            live_tokens=live,
         )
         try:
             with torch.inference_mode():
@@ -184,5 +194,6 @@ class DecodeGraphs:
         except Exception as exc:  # noqa: BLE001 - whatever broke the capture, say it loudly
             raise NinferError(f"CUDA graph capture failed for batch {bucket}, verify width {verify_width}: {exc} "
                               f"(run with --no-cuda-graphs to decode without graphs)") from exc
-        graph = self.graphs[(bucket, verify_width, capture_layers)] = _Graph(forward, ids, positions, out, commit)
+        graph = self.graphs[(bucket, verify_width, capture_layers)] = _Graph(forward, ids, positions, out, live, commit,
+                                                                             live_count=ids.numel())
         return graph

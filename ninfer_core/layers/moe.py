@@ -122,19 +122,24 @@ class SparseMoE(nn.Module):
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_expert = MLP(config.hidden_size, shared) if shared else None
 
-    def forward(self, x: torch.Tensor, route_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route_rows: torch.Tensor | None = None,
+                live: torch.Tensor | None = None) -> torch.Tensor:
         """`route_rows` [N] (`padding_route_rows` of a padded prompt chunk): token n takes the experts
-        of row route_rows[n], so the padding reads no expert the real tokens do not."""
+        of row route_rows[n], so the padding reads no expert the real tokens do not. `live` [1]
+        (`ForwardBatch.live_tokens`, a decode graph's real tokens): the router kernel routes the spare
+        rows dead (ops/moe.py `moe_router`), so they read no expert at all."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        return self._experts(x, *self._route(x, route_rows)).reshape(shape)
+        return self._experts(x, *self._route(x, route_rows, live)).reshape(shape)
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                         route_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         route_rows: torch.Tensor | None = None,
+                         live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(h), s) for (h, s) = norm.add_norm(x, residual): a decode step's add + norm run inside
         the router kernel (`moe_add_norm_router`, one launch fewer a layer) where it applies.
-        `route_rows`: as `forward`'s; a padded chunk has 16 rows or more, past the router kernel's
-        (and the CPU's one-call layer routes every row as its own), so those rows take the GEMM."""
+        `route_rows`, `live`: as `forward`'s; a padded chunk has 16 rows or more, past the router
+        kernel's (and the CPU's one-call layer routes every row as its own), so those rows take the
+        GEMM."""
         shape = x.shape
         router = self._kernel_router() if route_rows is None else None
         if x.device.type == "cpu" and router is not None:
@@ -152,10 +157,10 @@ class SparseMoE(nn.Module):
             fused = moe_add_norm_router(x.reshape(-1, shape[-1]),
                                         RouterNorm(residual.reshape(-1, shape[-1]), norm.weight, norm.eps,
                                                    norm.zero_centered),
-                                        router, self.gates.parts["gate"], self.top_k, self.renormalize)
+                                        router, self.gates.parts["gate"], self.top_k, self.renormalize, live)
         if fused is None:
             h, residual = norm.add_norm(x, residual)
-            return self(h, route_rows), residual
+            return self(h, route_rows, live), residual
         h, summed, logits, weights, ids = fused
         _, *shared_gate = self.gates.split(logits)
         return self._experts(h, weights, ids, shared_gate).reshape(shape), summed.reshape(shape)
@@ -181,14 +186,14 @@ class SparseMoE(nn.Module):
         return linear.weight if type(linear) is nn.Linear and linear.bias is None else None
 
     def _route(
-        self, x: torch.Tensor, route_rows: torch.Tensor | None = None
+        self, x: torch.Tensor, route_rows: torch.Tensor | None = None, live: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """(weights, ids, [the shared expert's gate logits] or []): a decode step's router GEMV and
         top-k in one kernel where it applies (no `route_rows`: see `add_norm_forward`), else the GEMM
         and `moe_route`."""
         router = self._kernel_router()
         fused = None if router is None or route_rows is not None else moe_router(
-            x, router, self.gates.parts["gate"], self.top_k, self.renormalize)
+            x, router, self.gates.parts["gate"], self.top_k, self.renormalize, live)
         if fused is not None:
             logits, weights, ids = fused
             _, *shared_gate = self.gates.split(logits)

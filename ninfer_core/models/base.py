@@ -67,6 +67,9 @@ class ForwardBatch:
     mrope_positions: torch.Tensor | None = None  # [3, B, T] (t, h, w) for multimodal input
     inputs_embeds: torch.Tensor | None = None  # [B, T, hidden] replaces the embedding lookup
     logits: Literal["last", "all", "none"] = "last"
+    # [1] int32: a decode / verify graph's real tokens (engine/cuda_graph.py); an MoE's router kernel
+    # routes the tokens past them (the graph's spare rows) dead, so they read no expert
+    live_tokens: torch.Tensor | None = None
     # Speculative verification: GDN layers leave their state slots untouched and return their
     # per-token inputs (ForwardOutput.gdn_records), so only the accepted prefix gets committed.
     verify: bool = False

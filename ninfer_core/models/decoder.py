@@ -48,6 +48,7 @@ class StepContext:
     valid_tokens: torch.Tensor | None = None  # a padded prompt chunk (ForwardBatch.valid_tokens)
     fork: StateFork | None = None  # ForwardBatch.fork
     route_rows: torch.Tensor | None = None  # MoE models: a padded chunk's padding_route_rows
+    live_tokens: torch.Tensor | None = None  # MoE models: ForwardBatch.live_tokens
 
 
 class DecoderLayer(nn.Module):
@@ -88,9 +89,9 @@ class DecoderLayer(nn.Module):
         if isinstance(h, PendingNorm):
             assert h.summed is not None, "the mixer did not project its input"
             residual = h.summed
-        route_rows = step.route_rows if isinstance(step, StepContext) else None
-        if route_rows is not None:  # MoE layers only
-            return self.mlp.add_norm_forward(mixed, residual, self.post_attention_layernorm, route_rows)
+        if isinstance(step, StepContext) and (step.route_rows is not None or step.live_tokens is not None):
+            return self.mlp.add_norm_forward(mixed, residual, self.post_attention_layernorm,  # MoE layers only
+                                             step.route_rows, step.live_tokens)
         return self.mlp.add_norm_forward(mixed, residual, self.post_attention_layernorm)
 
     def _mix(self, h: torch.Tensor | PendingNorm, step: StepContext) -> torch.Tensor:
@@ -217,12 +218,13 @@ class DecoderModel(nn.Module):
             batch.block_table, batch.cache_lens, batch.num_new_tokens, cache.page_size, cache.kv.num_pages,
             batch.host_cache_lens, batch.valid_tokens, batch.pad_kv_row,
         )
+        moe = self.config.is_moe
         route_rows = None
-        if self.config.is_moe and batch.valid_tokens is not None:
+        if moe and batch.valid_tokens is not None:
             route_rows = padding_route_rows(batch.valid_tokens, batch.num_new_tokens)
         return StepContext(cos=cos, sin=sin, attn=attn, slots=batch.slots, cache=cache,
                            gdn_records={} if batch.verify else None, valid_tokens=batch.valid_tokens,
-                           fork=batch.fork, route_rows=route_rows)
+                           fork=batch.fork, route_rows=route_rows, live_tokens=batch.live_tokens if moe else None)
 
     def _layers(
         self, x: torch.Tensor, step: StepContext | MixedStep, capture_layers: tuple[int, ...]

@@ -146,16 +146,19 @@ _router_done: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def moe_router(
-    x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool
+    x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A decode step's router in one launch instead of a GEMM and `moe_route`: (logits [N, R] =
     x @ weight^T, where rows past `experts` are extra outputs such as the shared expert's gate;
     weights, ids of `moe_route` over the first `experts` columns). None where the kernel does not
     apply (the caller runs the GEMM and `moe_route`): past ROUTER_KERNEL_MAX_TOKENS tokens, fp32,
-    shapes it does not take."""
+    shapes it does not take. `live` [1] int32 (a decode graph's real tokens, `ForwardBatch.live_tokens`):
+    the tokens from live[0] on are routed dead, ids -1 and weights 0, so that the experts' kernels read
+    no weights for a graph's spare rows (their outputs, discarded, are zeros or left unwritten)."""
     if not _router_fits(x, weight, experts, top_k):
         return None
-    return _launch_router(x, weight, experts, top_k, renormalize)
+    return _launch_router(x, weight, experts, top_k, renormalize, live)
 
 
 @dataclass(frozen=True)
@@ -169,11 +172,12 @@ class RouterNorm:
 
 
 def moe_add_norm_router(
-    x: torch.Tensor, norm: RouterNorm, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool
+    x: torch.Tensor, norm: RouterNorm, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """`ops.add_rmsnorm(x, norm.residual, ...)` then `moe_router` on its normed rows, in the router's
-    one launch (bit-equal to the two): (normed, summed, logits, weights, ids). None where the
-    kernel does not take it (also: hidden not a multiple of 256 or past 2,048)."""
+    one launch (bit-equal to the two): (normed, summed, logits, weights, ids), `live` as there. None
+    where the kernel does not take it (also: hidden not a multiple of 256 or past 2,048)."""
     hidden = x.shape[-1]
     fits = (
         _router_fits(x, weight, experts, top_k)
@@ -185,7 +189,7 @@ def moe_add_norm_router(
     if not fits:
         return None
     normed, summed = torch.empty_like(x), torch.empty_like(x)
-    logits, weights, ids = _launch_router(x, weight, experts, top_k, renormalize,
+    logits, weights, ids = _launch_router(x, weight, experts, top_k, renormalize, live,
                                           residual=norm.residual, norm_weight=norm.weight, normed=normed,
                                           residual_out=summed, eps=float(norm.eps), zero_centered=norm.zero_centered)
     return normed, summed, logits, weights, ids
@@ -210,7 +214,7 @@ def _router_fits(x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int
 
 def _launch_router(
     x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int, renormalize: bool,
-    **norm: torch.Tensor | float | bool,
+    live: torch.Tensor | None = None, **norm: torch.Tensor | float | bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, rows = x.shape[0], weight.shape[0]
     # The kernel's completion counter: one per router weight, so engines never share one; it is
@@ -224,7 +228,7 @@ def _launch_router(
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
     dispatch.extension().moe_router(
         logits=logits, weights=weights, ids=ids, done=done, x=x, w=weight, experts=experts,
-        renormalize=renormalize, stream=dispatch.stream_handle(x), **norm,
+        renormalize=renormalize, stream=dispatch.stream_handle(x), live=live, **norm,
     )
     return logits, weights, ids
 
