@@ -201,71 +201,95 @@ __device__ __forceinline__ void int4_pairs(std::uint32_t word, typename Mma<T>::
   }
 }
 
+// Word i of 16 loaded bytes (i known at compile time once the loops unroll).
+__device__ __forceinline__ std::uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
 // The two MMA k-steps of word j of an int4 chunk (k = kx + 8j .. kx + 8j + 7) into c, from the
-// A pairs of rows g (a0) and g + 8 (a1).
-template <typename T, int kTiles, typename XRow>
-__device__ __forceinline__ void word_mma(float (&c)[kTiles][4], const std::uint32_t (&a0)[4],
-                                         const std::uint32_t (&a1)[4], const XRow (&xr)[kTiles], int kx, int j) {
+// A pairs of rows g (a0[s]) and g + 8 (a1[s]) of each of kSets weight tiles: one x load of a tile
+// feeds every set's MMAs (a grouped GEMV's warp takes two tiles: half the x loads a weight byte).
+template <typename T, int kTiles, int kSets, typename XRow>
+__device__ __forceinline__ void word_mma(float (&c)[kSets][kTiles][4], const std::uint32_t (&a0)[kSets][4],
+                                         const std::uint32_t (&a1)[kSets][4], const XRow (&xr)[kTiles], int kx,
+                                         int j) {
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
     const uint4 xv = load_x16(xr[tile] + kx + 8 * j);
     // A pairs hold k (i, i + 4) of the word, so B pairs x the same way.
-    Mma<T>::mma(c[tile], a0[0], a1[0], a0[1], a1[1], __byte_perm(xv.x, xv.z, 0x5410u),
-                __byte_perm(xv.x, xv.z, 0x7632u));
-    Mma<T>::mma(c[tile], a0[2], a1[2], a0[3], a1[3], __byte_perm(xv.y, xv.w, 0x5410u),
-                __byte_perm(xv.y, xv.w, 0x7632u));
+    const std::uint32_t b[4] = {__byte_perm(xv.x, xv.z, 0x5410u), __byte_perm(xv.x, xv.z, 0x7632u),
+                                __byte_perm(xv.y, xv.w, 0x5410u), __byte_perm(xv.y, xv.w, 0x7632u)};
+#pragma unroll
+    for (int s = 0; s < kSets; ++s) {
+      Mma<T>::mma(c[s][tile], a0[s][0], a1[s][0], a0[s][1], a1[s][1], b[0], b[1]);
+      Mma<T>::mma(c[s][tile], a0[s][2], a1[s][2], a0[s][3], a1[s][3], b[2], b[3]);
+    }
   }
 }
 
 // One int4 chunk's sums of the exact codes (q - 8, no scale) into c: a group of 128's MMAs before
-// its scale (chunk_mma, csrc/moe_decode_mma.cu). Arguments as chunk_mma's.
-template <typename T, int kTiles, typename XRow>
-__device__ __forceinline__ void int4_chunk_sums(float (&c)[kTiles][4], const uint4 (&q)[2], const XRow (&xr)[kTiles],
-                                                int kx) {
-  const std::uint32_t w0[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
-  const std::uint32_t w1[4] = {q[1].x, q[1].y, q[1].z, q[1].w};
+// its scale (chunk_mma, csrc/moe_decode_mma.cu). Arguments as chunk_mma_sets'.
+template <typename T, int kTiles, int kSets, typename XRow>
+__device__ __forceinline__ void int4_chunk_sums_sets(float (&c)[kSets][kTiles][4], const uint4 (&q)[2 * kSets],
+                                                     const XRow (&xr)[kTiles], int kx) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {  // word j: k = kx + 8j .. kx + 8j + 7, two MMA k-steps
-    std::uint32_t a0[4], a1[4];
-    int4_pairs<T, false>(w0[j], {}, a0);
-    int4_pairs<T, false>(w1[j], {}, a1);
-    word_mma<T, kTiles>(c, a0, a1, xr, kx, j);
+    std::uint32_t a0[kSets][4], a1[kSets][4];
+#pragma unroll
+    for (int s = 0; s < kSets; ++s) {
+      int4_pairs<T, false>(word_of(q[2 * s], j), {}, a0[s]);
+      int4_pairs<T, false>(word_of(q[2 * s + 1], j), {}, a1[s]);
+    }
+    word_mma<T, kTiles, kSets>(c, a0, a1, xr, kx, j);
   }
 }
 
-// One chunk on tensor cores. q: this lane's 16 bytes of rows g and g + 8; kx: their first k;
-// xr: this lane's x row of each n8 tile (const T* or StagedX<T>), a real row even where the tile
-// has none for this lane (its C column is not read), and kx inside the row (a K tail's lanes read
-// k 0 against zero weights). kGroupChunk (int4): the chunk is one group of every row (group_size
-// 128: the 4 lanes of a row share its scale), so its MMAs take the exact codes and the chunk's
-// sums are scaled in fp32: exact weights, and 4 FMAs instead of 32 pair multiplies a lane (H200:
-// 27B batch-1 steps 1.2% faster, the 35B's grouped MoE at batch 8 level). Smaller groups scale the
-// weights (rounded to T) before the MMA.
-template <typename T, bool kInt4, bool kGroupChunk, int kTiles, typename XRow>
-__device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (&q)[2],
-                                          const std::uint16_t (&sc)[2], const XRow (&xr)[kTiles], int kx) {
+template <typename T, int kTiles, typename XRow>
+__device__ __forceinline__ void int4_chunk_sums(float (&c)[kTiles][4], const uint4 (&q)[2], const XRow (&xr)[kTiles],
+                                                int kx) {
+  int4_chunk_sums_sets<T, kTiles, 1>(reinterpret_cast<float(&)[1][kTiles][4]>(c), q, xr, kx);
+}
+
+// One chunk on tensor cores. q: this lane's 16 bytes of rows g and g + 8 of each of kSets weight
+// tiles (q[2s], q[2s + 1]; sc likewise); kx: their first k; xr: this lane's x row of each n8 tile
+// (const T* or StagedX<T>), a real row even where the tile has none for this lane (its C column is
+// not read), and kx inside the row (a K tail's lanes read k 0 against zero weights). kGroupChunk
+// (int4): the chunk is one group of every row (group_size 128: the 4 lanes of a row share its
+// scale), so its MMAs take the exact codes and the chunk's sums are scaled in fp32: exact weights,
+// and 4 FMAs instead of 32 pair multiplies a lane (H200: 27B batch-1 steps 1.2% faster, the 35B's
+// grouped MoE at batch 8 level). Smaller groups scale the weights (rounded to T) before the MMA.
+template <typename T, bool kInt4, bool kGroupChunk, int kTiles, int kSets, typename XRow>
+__device__ __forceinline__ void chunk_mma_sets(float (&acc)[kSets][kTiles][4], const uint4 (&q)[2 * kSets],
+                                               const std::uint16_t (&sc)[2 * kSets], const XRow (&xr)[kTiles],
+                                               int kx) {
   using M = Mma<T>;
-  const std::uint32_t w0[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
-  const std::uint32_t w1[4] = {q[1].x, q[1].y, q[1].z, q[1].w};
   if constexpr (kInt4 && kGroupChunk) {
-    float c[kTiles][4] = {};
-    int4_chunk_sums<T, kTiles>(c, q, xr, kx);
-    const float f0 = bf16_bits_to_float(sc[0]), f1 = bf16_bits_to_float(sc[1]);
+    float c[kSets][kTiles][4] = {};
+    int4_chunk_sums_sets<T, kTiles, kSets>(c, q, xr, kx);
 #pragma unroll
-    for (int tile = 0; tile < kTiles; ++tile) {  // entries 0, 1: row g; 2, 3: row g + 8
-      acc[tile][0] = fmaf(f0, c[tile][0], acc[tile][0]);
-      acc[tile][1] = fmaf(f0, c[tile][1], acc[tile][1]);
-      acc[tile][2] = fmaf(f1, c[tile][2], acc[tile][2]);
-      acc[tile][3] = fmaf(f1, c[tile][3], acc[tile][3]);
+    for (int s = 0; s < kSets; ++s) {
+      const float f0 = bf16_bits_to_float(sc[2 * s]), f1 = bf16_bits_to_float(sc[2 * s + 1]);
+#pragma unroll
+      for (int tile = 0; tile < kTiles; ++tile) {  // entries 0, 1: row g; 2, 3: row g + 8
+        acc[s][tile][0] = fmaf(f0, c[s][tile][0], acc[s][tile][0]);
+        acc[s][tile][1] = fmaf(f0, c[s][tile][1], acc[s][tile][1]);
+        acc[s][tile][2] = fmaf(f1, c[s][tile][2], acc[s][tile][2]);
+        acc[s][tile][3] = fmaf(f1, c[s][tile][3], acc[s][tile][3]);
+      }
     }
   } else if constexpr (kInt4) {
-    const typename M::Pair s0 = M::scale(sc[0]), s1 = M::scale(sc[1]);
+    typename M::Pair scale[2 * kSets];
+#pragma unroll
+    for (int r = 0; r < 2 * kSets; ++r) scale[r] = M::scale(sc[r]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      std::uint32_t a0[4], a1[4];
-      int4_pairs<T, true>(w0[j], s0, a0);
-      int4_pairs<T, true>(w1[j], s1, a1);
-      word_mma<T, kTiles>(acc, a0, a1, xr, kx, j);
+      std::uint32_t a0[kSets][4], a1[kSets][4];
+#pragma unroll
+      for (int s = 0; s < kSets; ++s) {
+        int4_pairs<T, true>(word_of(q[2 * s], j), scale[2 * s], a0[s]);
+        int4_pairs<T, true>(word_of(q[2 * s + 1], j), scale[2 * s + 1], a1[s]);
+      }
+      word_mma<T, kTiles, kSets>(acc, a0, a1, xr, kx, j);
     }
   } else {
 #pragma unroll
@@ -277,17 +301,27 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (
       }
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
-        std::uint32_t a0[2], a1[2];
-        M::int8_pairs(w0[2 * h + jj], a0);
-        M::int8_pairs(w1[2 * h + jj], a1);
 #pragma unroll
-        for (int tile = 0; tile < kTiles; ++tile) {
-          M::mma(acc[tile], a0[0], a1[0], a0[1], a1[1], jj ? xv[tile].z : xv[tile].x,
-                 jj ? xv[tile].w : xv[tile].y);
+        for (int s = 0; s < kSets; ++s) {
+          std::uint32_t a0[2], a1[2];
+          M::int8_pairs(word_of(q[2 * s], 2 * h + jj), a0);
+          M::int8_pairs(word_of(q[2 * s + 1], 2 * h + jj), a1);
+#pragma unroll
+          for (int tile = 0; tile < kTiles; ++tile) {
+            M::mma(acc[s][tile], a0[0], a1[0], a0[1], a1[1], jj ? xv[tile].z : xv[tile].x,
+                   jj ? xv[tile].w : xv[tile].y);
+          }
         }
       }
     }
   }
+}
+
+// chunk_mma_sets of one weight tile (the decode kernels', and a GEMV warp's single tile).
+template <typename T, bool kInt4, bool kGroupChunk, int kTiles, typename XRow>
+__device__ __forceinline__ void chunk_mma(float (&acc)[kTiles][4], const uint4 (&q)[2],
+                                          const std::uint16_t (&sc)[2], const XRow (&xr)[kTiles], int kx) {
+  chunk_mma_sets<T, kInt4, kGroupChunk, kTiles, 1>(reinterpret_cast<float(&)[1][kTiles][4]>(acc), q, sc, xr, kx);
 }
 
 }  // namespace ninfer

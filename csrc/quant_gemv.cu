@@ -373,8 +373,13 @@ __device__ void add_norm_rows(T* stage, const T* __restrict__ x, const AddNorm& 
 // ends and writes its outputs, instead of a warp (and a block) ending after every tile.
 // kBlocksPerSm: the register budget's blocks an SM where not kMinBlocks' (the norm folds' spill-free
 // form: launch).
+// kSets: row tiles a warp computes together (grouped GEMVs at split 1 only, one chunk a step): each x
+// load feeds both tiles' MMAs, half the x loads a weight byte. A 16-slot block loads twice the x a
+// weight byte that an 8-slot one does; Nsight Compute (H100, 512 tokens, fifty-first session) had its
+// gate_up's L1/TEX pipe 88% busy at 34% of the DRAM bandwidth, 0.37 issues a cycle a scheduler; with
+// two sets 74% busy, 48% of DRAM, 0.53 issues (245 -> 178 us).
 template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold,
-          int kRowTiles, int kBlocksPerSm>
+          int kRowTiles, int kBlocksPerSm, int kSets>
 __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps != kWarps ? 1
                                                     : kBlocksPerSm > 0    ? kBlocksPerSm
                                                                           : kMinBlocks<T, kTiles, kGrouped>)
@@ -386,6 +391,8 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps != kWarps ? 1
   constexpr bool kConv = kFold == Fold::NormConv || kFold == Fold::Conv;
   static_assert(!(kNorm || kConv) || (!std::is_same_v<T, float> && kLayout == Layout::Dense && !kGrouped));
   static_assert(kRowTiles == 1 || (kGrouped && !std::is_same_v<T, float>));
+  static_assert(kSets == 1 || (kGrouped && kRowTiles == 1 && !std::is_same_v<T, float>));
+  constexpr int kSteps = kSets > 1 ? 1 : kUnroll;  // chunks a step: a set's loads in flight as one tile's
   // the conv's part of the stage: after the norm's rows, or the whole stage without the norm
   T* const conv_at = kNorm ? conv_stage<T>(m, k) : stage_rows<T>();
   constexpr bool kTensorCores = !std::is_same_v<T, float>;
@@ -398,7 +405,8 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps != kWarps ? 1
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int part = warp % split;  // this warp's share of its tile's chunks
-  const std::int64_t tile = (static_cast<std::int64_t>(blockIdx.x) * (kBlockWarps / split) + warp / split) * kRowTiles;
+  const std::int64_t tile =
+      (static_cast<std::int64_t>(blockIdx.x) * (kBlockWarps / split) + warp / split) * kRowTiles * kSets;
   constexpr int kTileStep = kLayout == Layout::GateUp ? 8 : kTileRows;  // rows from a tile to the next
   const int row_bytes = kInt4 ? k / 2 : k;
   const int groups = kInt4 ? k / group_size : 0;
@@ -457,7 +465,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps != kWarps ? 1
   // loads, with the others' of the epilogue, come after the main loop.
   if (part == 0) {
 #pragma unroll
-    for (int j = 0; j < kRowTiles; ++j) {
+    for (int j = 0; j < kRowTiles * kSets; ++j) {
       bool tile_live[2];
       rows_live(rows[0] + j * kTileStep, tile_live);
 #pragma unroll
@@ -486,35 +494,38 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps != kWarps ? 1
     }
   }
 
-  // One step = kUnroll chunks; the next step's weights are loaded before this step computes, so
+  // One step = kSteps chunks; the next step's weights are loaded before this step computes, so
   // every warp keeps loads in flight while its tensor cores / FMAs work. Two buffers, used in
   // turn by a loop unrolled twice: no register copies between the steps. The loads walk running
   // pointers (chunk c of this lane: byte 64 c + 16 t of its rows); a load past the row end is
   // predicated off. (A per-lane cp.async ring in shared memory, 2 steps in flight, measured no
   // faster for the 27B and 4% slower for the 35B on the H200: occupancy, not load depth, binds.)
-  uint4 q[2][kUnroll][2];
-  std::uint16_t sc[2][kUnroll][2] = {};
+  uint4 q[2][kSteps][2 * kSets];  // [2 s + r]: row g (r = 0) or g + pair of set s's tile
+  std::uint16_t sc[2][kSteps][2 * kSets] = {};
   const int chunk_groups = kInt4 ? (2 * kChunkBytes) >> group_log2 : 0;  // scales a chunk's row spans
-  const int stride = split * kUnroll;
-  const int first = part * kUnroll;
-  const int tile_steps = (chunks + kUnroll - 1) / kUnroll;  // a row tile's (kRowTiles > 1: split 1)
+  const int stride = split * kSteps;
+  const int first = part * kSteps;
+  const int tile_steps = (chunks + kSteps - 1) / kSteps;  // a row tile's (kRowTiles > 1: split 1)
   // The load side runs up to two steps ahead of the compute side, so into the next row tile at the
   // end of one: its own tile's rows, liveness and step count.
   const std::uint8_t* wnext = wbase + first * kChunkBytes + 16 * t;
   const std::uint16_t* snext = sbase + first * chunk_groups + ((32 * t) >> group_log2);
   int left = row_bytes - first * kChunkBytes - 16 * t;  // bytes of the row from wnext on
-  bool load_live[2] = {live[0], live[1]};
+  bool load_live[kSets][2];  // the sets' rows (set 0: the load tile's; kSets > 1: one tile, kRowTiles 1)
+#pragma unroll
+  for (int set = 0; set < kSets; ++set) rows_live(rows[0] + set * kTileStep, load_live[set]);
   std::int64_t load_row = rows[0];
   int load_steps = 0;  // of the load tile, asked for
   const auto load_step = [&](int b) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kSteps; ++u) {
       const bool in = u * kChunkBytes < left;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const bool pred = load_live[r] && in;
-        q[b][u][r] = load16<true>(wnext + r * pair * row_bytes + u * kChunkBytes, pred);
-        if constexpr (kInt4) sc[b][u][r] = load2(snext + r * pair * groups + u * chunk_groups, pred);
+      for (int r = 0; r < 2 * kSets; ++r) {
+        const bool pred = load_live[r / 2][r % 2] && in;
+        const std::int64_t row = (r % 2) * pair + (r / 2) * kTileStep;  // rows past the set's row g
+        q[b][u][r] = load16<true>(wnext + row * row_bytes + u * kChunkBytes, pred);
+        if constexpr (kInt4) sc[b][u][r] = load2(snext + row * groups + u * chunk_groups, pred);
       }
     }
     wnext += stride * kChunkBytes;
@@ -527,23 +538,24 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps != kWarps ? 1
         snext += kTileStep * groups - tile_steps * stride * chunk_groups;
         left = row_bytes - first * kChunkBytes - 16 * t;
         load_row += kTileStep;
-        rows_live(load_row, load_live);
+        rows_live(load_row, load_live[0]);
       }
     }
   };
-  float acc[kTiles][4] = {};
+  float accs[kSets][kTiles][4] = {};
+  float (&acc)[kTiles][4] = accs[0];  // the tile's (kSets 1)
   float sum[2][8 * kTiles] = {};  // fp32 path: per (weight row, x row), this lane's k only
   const int kx_last = k - (kInt4 ? 32 : 16);  // the last k a lane's chunk may start at
   const auto compute_step = [&](int b, int c) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kSteps; ++u) {
       if (c + u >= chunks) break;  // warp-uniform
       // This lane's first k; past the row end (a K tail) its weights are zeros, and it reads the
       // row's last x values instead (finite: 0 x = 0).
       const int off = (c + u) * kChunkBytes + 16 * t;
       const int kx = min(kInt4 ? 2 * off : off, kx_last);
       if constexpr (kTensorCores) {
-        chunk_mma<T, kInt4, kCodes == Codes::Int4Group128, kTiles>(acc, q[b][u], sc[b][u], xr, kx);
+        chunk_mma_sets<T, kInt4, kCodes == Codes::Int4Group128, kTiles, kSets>(accs, q[b][u], sc[b][u], xr, kx);
       } else if (off < row_bytes) {
         chunk_fp32<kInt4, kTiles>(sum, q[b][u], sc[b][u], x, m, k, kx);
       }
@@ -564,9 +576,10 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps != kWarps ? 1
   if constexpr (!kGrouped) enter_kernel();
   if constexpr (kGroupingEarly) enter_kernel_after_loads();
   if constexpr (kNorm) add_norm_rows<T, kBlockWarps>(stage_rows<T>(), x, norm, m, k);
-  // The tile's outputs: its sums (of every split part) through the epilogue into out.
+  // A tile's outputs: its sums acc (of every split part) through the epilogue into out; rows: its
+  // rows g and g + pair, live: theirs.
   __shared__ float partial[kBlockWarps][kTiles * 4][32];  // split > 1: the tile's other warps' sums
-  const auto finish_tile = [&]() {
+  const auto finish_tile = [&](float (&acc)[kTiles][4], const std::int64_t (&rows)[2], const bool (&live)[2]) {
     if constexpr (!kTensorCores) {
       // Add the four lanes of each row, then keep the entries of this lane's MMA C fragment.
 #pragma unroll
@@ -691,14 +704,18 @@ __global__ void __launch_bounds__(kBlockWarps * 32, kBlockWarps != kWarps ? 1
       compute_step(1, c + stride);
       if (c + 3 * stride < chunks) load_step(1);
     }
-    finish_tile();
+#pragma unroll
+    for (int set = 0; set < kSets; ++set) {
+      const std::int64_t set_rows[2] = {rows[0] + set * kTileStep, rows[1] + set * kTileStep};
+      finish_tile(accs[set], set_rows, load_live[set]);
+    }
   } else {  // the same steps numbered over the warp's tiles: the loads run on into the next tile
     // The chunk of the compute side's next step; past a tile's last the tile's outputs are written
     // and the compute side moves on to the next tile.
     const auto next_chunk = [&](int c) {
-      c += kUnroll;
+      c += kSteps;
       if (c >= chunks) {
-        finish_tile();
+        finish_tile(acc, rows, live);
         c = 0;
         rows[0] += kTileStep;
         rows[1] += kTileStep;
@@ -795,10 +812,10 @@ int split_for_norm(int split, std::int64_t tiles, std::int64_t chunks, std::int6
 }
 
 template <typename T, Codes kCodes, int kTiles, Layout kLayout, bool kGrouped, int kBlockWarps, Fold kFold,
-          int kRowTiles = 1, int kBlocksPerSm = 0>
+          int kRowTiles = 1, int kBlocksPerSm = 0, int kSets = 1>
 void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping grouping) {
   constexpr auto kernel =
-      quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold, kRowTiles, kBlocksPerSm>;
+      quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold, kRowTiles, kBlocksPerSm, kSets>;
   const int asked = split;
   const std::int64_t tiles = row_tiles(a.n, kLayout);
   std::size_t stage = 0;
@@ -823,7 +840,7 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
     // made the 35B's b1 step 6.7% longer (thirty-seventh session); this rule made the 27B's 2.0% shorter,
     // the 35B's level (thirty-eighth session).
     if constexpr (kLargestStage<kFold> > 0 && kBlocksPerSm == 0 && kTiles == 1) {
-      constexpr auto spill_free = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold, 1, 2>;
+      constexpr auto spill_free = quant_gemv_kernel<T, kCodes, kTiles, kLayout, kGrouped, kBlockWarps, kFold, 1, 2, 1>;
       allow_largest_stage<spill_free>(a.device, kLargestStage<kFold>);
       const std::int64_t room = static_cast<std::int64_t>(resident_blocks<spill_free, kWarps * 32>(a.device, most)) *
                                 sm_count(a.device) / slot_blocks;
@@ -833,7 +850,7 @@ void launch(const QuantGemvArgs& a, int split, unsigned slot_blocks, Grouping gr
     }
   }
   if (a.split_used != nullptr) *a.split_used = split;
-  const int tiles_per_block = kBlockWarps / split * kRowTiles;
+  const int tiles_per_block = kBlockWarps / split * kRowTiles * kSets;
   const dim3 grid(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block), slot_blocks);
   const ConvEpilogue conv{reinterpret_cast<void*>(a.conv.pool), reinterpret_cast<const void*>(a.conv.weight),
                           reinterpret_cast<const std::int64_t*>(a.conv.slots),
@@ -865,10 +882,11 @@ static_assert(conv_stage_bytes(kQuantGemvConvMaxRows, kWarps * kTileRows, kQuant
               "a conv-only stage fits the dynamic shared memory a kernel gets unasked");
 
 // split > kWarps: blocks of kWideWarps (plain 16-bit GEMVs only, choose_split).
-// row_tiles_per_warp (kRowTiles): 1, or 2 for grouped down GEMVs of 8- and 16-slot blocks at split 1.
+// row_tiles_per_warp (kRowTiles): 1, or 2 for grouped down GEMVs of 8- and 16-slot blocks at split 1;
+// sets (kSets): 1, or 2 for bf16 grouped GEMVs of 16-slot blocks at split 1 (one row tile a warp).
 template <typename T, Layout kLayout, bool kGrouped, Fold kFold = Fold::None>
 void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_blocks,
-                  Grouping grouping = {}, int row_tiles_per_warp = 1) {
+                  Grouping grouping = {}, int row_tiles_per_warp = 1, int sets = 1) {
   const auto pick = [&](auto codes, auto block_warps) {
     constexpr Codes kCodes = decltype(codes)::value;
     constexpr int kBlockWarps = decltype(block_warps)::value;
@@ -880,6 +898,12 @@ void launch_typed(const QuantGemvArgs& a, int split, int tiles, unsigned slot_bl
         launch<T, kCodes, 1, kLayout, kGrouped, kBlockWarps, kFold>(a, split, slot_blocks, grouping);
         break;
       case 2:  // m > 8: never with the norm or the conv (m <= kQuantGemvNormMaxRows, kQuantGemvConvMaxRows)
+        // two sets: the chunk sums of 2 tiles would spill, so groups of 128 scale the weights (fp16's
+        // down spills even then, 8 bytes: bf16 only)
+        if constexpr (kGrouped && std::is_same_v<T, __nv_bfloat16>) {
+          constexpr Codes kSetCodes = kCodes == Codes::Int4Group128 ? Codes::Int4 : kCodes;
+          if (sets == 2) return launch<T, kSetCodes, 2, kLayout, true, kBlockWarps, kFold, 1, 0, 2>(a, split, slot_blocks, grouping);
+        }
         if constexpr (kGrouped && kLayout == Layout::Down) {
           if (row_tiles_per_warp == 2) return launch<T, kCodes, 2, kLayout, true, kBlockWarps, kFold, 2>(a, split, slot_blocks, grouping);
         }
@@ -969,13 +993,22 @@ void moe_grouped_gemv(const GroupedGemvArgs& g) {
   // tiles: 8-slot blocks 37 tokens 0.136 -> 0.133, 64 0.166 -> 0.161, 128 0.194 -> 0.188, 8 and 16
   // level; 16-slot blocks 384 tokens 0.335 -> 0.326, 512 0.428 -> 0.414; 4 tiles for down lost at 8 /
   // 16 tokens (+5%), 2 for gate_up lost at 16 to 64 (+4-9%).
-  const int per_warp = split == 1 && !g.gate_up ? 2 : 1;
+  // bf16 16-slot blocks at split 1 take two row tiles a warp together instead (kSets: each x load
+  // feeds both), where half the warps still fill the SMs as choose_split asks. H100, bench_moe_triton.py
+  // (docs/performance.md, fifty-first session), ms a layer: 16-slot blocks 256 tokens 0.255 -> 0.224,
+  // 512 0.386 -> 0.298 (gate_up 252 -> 189 us, down 140 -> 125); 8-slot blocks lost at 64 / 128 tokens
+  // (+10% / +3%: a block's x is half of a 16-slot one's, and half the warps hide less latency).
+  const int sets = split == 1 && tiles == 2 && a.dtype == DType::BF16 &&
+                           choose_split(a, row_tiles(a.n, layout) * g.blocks / 2, kWarps) == 1
+                       ? 2
+                       : 1;
+  const int per_warp = split == 1 && !g.gate_up && sets == 1 ? 2 : 1;
   const auto go = [&](auto type) {
     using T = decltype(type);
     if (g.gate_up) {
-      launch_typed<T, Layout::GateUp, true>(a, split, tiles, blocks, grouping, per_warp);
+      launch_typed<T, Layout::GateUp, true>(a, split, tiles, blocks, grouping, per_warp, sets);
     } else {
-      launch_typed<T, Layout::Down, true>(a, split, tiles, blocks, grouping, per_warp);
+      launch_typed<T, Layout::Down, true>(a, split, tiles, blocks, grouping, per_warp, sets);
     }
   };
   a.dtype == DType::F16 ? go(__half{}) : go(__nv_bfloat16{});

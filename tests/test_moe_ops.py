@@ -965,6 +965,17 @@ def test_grouped_gemv_other_dtypes_groups_and_shapes(cuda_kernels, fmt, dtype, g
 
 
 @pytest.mark.cuda
+def test_grouped_gemv_two_tiles_a_warp(cuda_kernels):
+    """bf16 16-slot blocks in grids large enough for split 1, where a warp computes two row tiles
+    together (quant_gemv.cu kSets): int4 groups of 32 (the weights scaled before the MMAs), int8 experts
+    whose down has an odd tile count (129: the last warp's second tile has no rows) and K tails (2,064
+    and 144); fp16 keeps a tile a warp."""
+    for dtype in (torch.bfloat16, torch.float16):
+        _grouped_gemv_check(64, 256, 8, 2048, 512, "int4", dtype=dtype, group=32, block_m=16)
+        _grouped_gemv_check(400, 16, 4, 2064, 144, "int8", dtype=dtype, block_m=16)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_grouped_gemv_all_tokens_on_the_same_experts(cuda_kernels, fmt):
     """64 slots per expert: several full blocks of one expert."""

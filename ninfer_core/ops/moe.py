@@ -617,10 +617,12 @@ def grouped_gemv_fits(x: torch.Tensor, gate_up: ExpertTensor, down: ExpertTensor
 def grouped_gemv_block_m(slots: int, num_experts: int) -> int:
     """Slots per block (8, 16 or 32) for the slots an expert gets on average: smaller blocks pad
     less, larger ones read an expert fewer times. (H200, 35B shape, scripts/bench_moe_triton.py,
-    twenty-second session: 8 is fastest to 8 slots an expert (256 tokens: 0.254 against 0.270 ms),
-    16 at 12 and 16 (0.326 / 0.414 against 0.346 / 0.425); 16 and 32 tied at 16 earlier.)"""
+    twenty-second session: 8 was fastest to 8 slots an expert, 16 at 12 and 16; 16 and 32 tied at
+    16. H100, fifty-first session, with bf16 16-slot blocks computing two row tiles a warp (csrc/
+    quant_gemv.cu kSets): at 8 slots an expert (256 tokens) 16-slot blocks 0.224 against 8-slot ones
+    0.227 and 0.249 before; at 4 (128 tokens) 8-slot ones stay ahead, 0.186 against 0.210.)"""
     per_expert = slots / num_experts
-    return 8 if per_expert <= 8 else 16 if per_expert <= 24 else 32
+    return 8 if per_expert < 8 else 16 if per_expert <= 24 else 32
 
 
 def moe_experts_grouped_gemv(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, weights: torch.Tensor,
