@@ -42,7 +42,8 @@
 // by a batch is read once per block of its slots (the decode kernels of csrc/moe.cu read it once
 // per slot), which is what verify rounds, batched decode and short prompts need. A down warp takes
 // two row tiles one after another (kRowTiles): at K = 512 a tile is two steps, and the next tile's
-// loads are on their way while this one writes its outputs.
+// loads are on their way while this one writes its outputs. A bf16 16-slot block's warps take two row
+// tiles together instead (kSets): every x load feeds both tiles' MMAs.
 #include <algorithm>
 #include <array>
 #include <atomic>
