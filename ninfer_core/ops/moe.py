@@ -619,8 +619,9 @@ def grouped_gemv_block_m(slots: int, num_experts: int) -> int:
     less, larger ones read an expert fewer times. (H200, 35B shape, scripts/bench_moe_triton.py,
     twenty-second session: 8 was fastest to 8 slots an expert, 16 at 12 and 16; 16 and 32 tied at
     16. H100, fifty-first session, with bf16 16-slot blocks computing two row tiles a warp (csrc/
-    quant_gemv.cu kSets): at 8 slots an expert (256 tokens) 16-slot blocks 0.224 against 8-slot ones
-    0.227 and 0.249 before; at 4 (128 tokens) 8-slot ones stay ahead, 0.186 against 0.210.)"""
+    quant_gemv.cu kSets): at 8 slots an expert (256 tokens) 16-slot blocks 0.224 against 8-slot ones'
+    0.249; at 4 (128 tokens) 8-slot ones stay ahead, 0.186 against 0.210. fp16 keeps a tile a warp, so
+    its 16-slot blocks at 8 slots an expert are ~3% slower than 8-slot ones would be: 0.255 / 0.249.)"""
     per_expert = slots / num_experts
     return 8 if per_expert < 8 else 16 if per_expert <= 24 else 32
 
