@@ -621,7 +621,8 @@ def grouped_gemv_block_m(slots: int, num_experts: int) -> int:
     16. H100, fifty-first session, with bf16 16-slot blocks computing two row tiles a warp (csrc/
     quant_gemv.cu kSets): at 8 slots an expert (256 tokens) 16-slot blocks 0.224 against 8-slot ones'
     0.249; at 4 (128 tokens) 8-slot ones stay ahead, 0.186 against 0.210. fp16 keeps a tile a warp, so
-    its 16-slot blocks at 8 slots an expert are ~3% slower than 8-slot ones would be: 0.255 / 0.249.)"""
+    its 16-slot blocks at 8 slots an expert are likely ~3% slower than 8-slot ones would be (bf16 with a
+    tile a warp: 0.255 / 0.249).)"""
     per_expert = slots / num_experts
     return 8 if per_expert < 8 else 16 if per_expert <= 24 else 32
 
