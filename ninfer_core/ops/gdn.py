@@ -510,7 +510,6 @@ def conv_prefill(qkv: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor
     return q, k, v
 
 
-
 def conv_prefill_ref(qkv: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
                      valid: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of `conv_prefill` (any device)."""
