@@ -12,8 +12,11 @@ Modes, run at each concurrency C:
 - ttft: one request at a time, per prompt length (--lengths): the first prompt of that length the
   server sees, then --repeats fresh prompts of it (median: "repeat"), then the last one sent again
   (its prefix cached). Random-token prompts, two-token answers. Then two chats under one new
-  system prompt of about that many words: the first reads it all ("chat"), the second, another
-  question, resumes where its question starts ("chat_shared", the prefix cache's checkpoint there).
+  system prompt: the first reads it all ("chat"), the second, another question, resumes where its
+  question starts ("chat_shared", the prefix cache's checkpoint there). The system prompt is sized so
+  that the first chat has that many tokens, or the most under it (the server's /tokenize counts the
+  rendered chat; a server without it gets that many words): a chat of the plain prompts' length
+  reads the same prompt graph, so the two differ by what a chat costs, not by a larger graph.
 
 Requests stream (with usage), so TTFT and the gaps between chunks are the client's view, HTTP
 included. With --serve, every point starts a fresh `ninfer serve` (the methodology's rule); with
@@ -263,16 +266,41 @@ async def run_ttft(url: str, headers: dict[str, str], lengths: list[int], repeat
             return await send(client, BenchRequest(id=f"ttft-{len(prompt)}", max_tokens=2, ignore_eos=True,
                                                    prompt=prompt), sampling, None)
 
-        async def chat(system: str) -> Sample:
-            question = "Question: " + " ".join(rng.choice(WORDS) for _ in range(20))
-            return await send(client, BenchRequest(id="ttft-chat", max_tokens=2, ignore_eos=True, messages=[
-                {"role": "system", "content": system}, {"role": "user", "content": question}]), sampling, None)
+        def chat_request(system: str, question: str) -> BenchRequest:
+            return BenchRequest(id="ttft-chat", max_tokens=2, ignore_eos=True, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": question}])
+
+        async def chat(system: str, question: str) -> Sample:
+            return await send(client, chat_request(system, question), sampling, None)
+
+        async def sized_system(length: int, question: str) -> str:
+            """Words whose chat with `question` has `length` tokens, or the most under it (at least one
+            word): the longest prefix of a random draw that fits, found by bisection on /tokenize's
+            count; without /tokenize, `length` words."""
+            words = [rng.choice(WORDS) for _ in range(length)]
+
+            async def fits(n: int) -> bool:
+                _, body = chat_request(" ".join(words[:n]), question).body(sampling, None)
+                response = await client.post("/tokenize", json={key: body[key] for key in
+                                                                ("messages", "chat_template_kwargs")})
+                response.raise_for_status()
+                return response.json()["count"] <= length
+
+            try:
+                low, high = 1, length
+                while low < high:
+                    middle = (low + high + 1) // 2
+                    low, high = (middle, high) if await fits(middle) else (low, middle - 1)
+            except (httpx.HTTPStatusError, KeyError, ValueError):
+                low = length
+            return " ".join(words[:low])
 
         for length in lengths:
             prompts = [[rng.randrange(10, 300) for _ in range(length)] for _ in range(repeats + 1)]
             samples = [await ttft(p) for p in prompts] + [await ttft(prompts[-1])]
-            system = " ".join(rng.choice(WORDS) for _ in range(length))
-            chats = [await chat(system), await chat(system)]
+            questions = ["Question: " + " ".join(rng.choice(WORDS) for _ in range(20)) for _ in range(2)]
+            system = await sized_system(length, questions[0])
+            chats = [await chat(system, question) for question in questions]
             ok = [s for s in samples + chats if s.ok]
             rows.append({
                 "tokens": length, "errors": len(samples) + len(chats) - len(ok),
