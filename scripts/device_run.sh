@@ -201,6 +201,7 @@ LIST
     # MAIN_TESTS="tests/a.py tests/b.py": main's GPU tests in its copy, before the patches' ones (a
     # combined build runs its parts' lists together); NO_TESTS=1: none.
     # SAMPLING_ROUNDS=N: bench_sampling.py (the sampler kernel at 248k tokens) likewise.
+    # SERVE_ROUNDS=N: `ninfer serve` from each copy and `bench serve` against it (TTFT per SERVE_LENGTHS, one client's decode).
     # REUSE_BUILDS=1 (a later call on the same warm machine): copies built before are not built again.
     # an editable install of this tree (an earlier step on a warm machine) would shadow the copies
     python3 -m pip uninstall -y -q ninfer > /dev/null 2>&1
@@ -268,7 +269,7 @@ LIST
     alternate ${MOE_ROUNDS:-0} moe 8 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_moe_triton.py \
       --tokens ${MOE_TOKENS:-16,37,64,128} --paths ${MOE_PATHS:-grouped_gemv_bm8} ${MOE_FLAGS:-}
     alternate ${VERIFY_ROUNDS:-0} verify 5 python3 scripts/bench_spec.py verify --weights int4 --max-k 3 --repeats 8
-    if [ "${ENGINE_ROUNDS:-0}" -gt 0 ] || [ "${SPEC_ENGINE_ROUNDS:-0}" -gt 0 ]; then  # the model directory, made with a built copy's package (none is installed)
+    if [ "${ENGINE_ROUNDS:-0}" -gt 0 ] || [ "${SPEC_ENGINE_ROUNDS:-0}" -gt 0 ] || [ "${SERVE_ROUNDS:-0}" -gt 0 ]; then  # the model directory, made with a built copy's package (none is installed)
       set -- $built
       PYTHONPATH=/tmp/ab/$(variant $1):${PYTHONPATH:-} bench_model
     fi
@@ -284,6 +285,24 @@ LIST
             python3 -m ninfer_app bench engine "$OLDPWD/.bench/qwen3.6-35b-a3b" --random-weights --json --lengths ${ENGINE_LENGTHS:-37} \
             --repeats 2 --batches ${ENGINE_BATCHES:-1,8} --tokens 256 2> "$OUT/engine_${name}_round$round.err" \
             | sed "s/^{/{\"build\": \"$name\", \"call_round\": $round, /" | tee -a "$OUT/builds_engine.jsonl" | cut -c1-600 )
+      done
+    done
+    # SERVE_ROUNDS=N: `ninfer serve` from each build's copy, then `bench serve` against it (TTFT per
+    # length of SERVE_LENGTHS, and one client's decode), the builds alternating, N rounds
+    for round in $(seq 1 ${SERVE_ROUNDS:-0}); do
+      for v in $(in_order $round); do
+        name=$(variant $v)
+        ( cd /tmp/ab/$name && export PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-}
+          python3 -m ninfer_app serve "$OLDPWD/.bench/qwen3.6-35b-a3b" --random-weights --device cuda \
+            --max-concurrency 8 --port 8123 > "$OUT/serve_${name}_round$round.log" 2>&1 &
+          server=$!
+          for _ in $(seq 1 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && grep -q ready "$OUT/serve_${name}_round$round.log" && break; sleep 1; done
+          timeout 120 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode ttft --greedy --repeats 5 \
+            --lengths ${SERVE_LENGTHS:-37,128,512} --out "$OUT/serve_ttft_${name}_round$round.json" 2>&1 | tail -3 | sed "s/^/$name round $round: /"
+          timeout 120 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode saturation --concurrency 1 \
+            --interval 0.2 --prompt-tokens 512 --max-tokens 256 --greedy --out "$OUT/serve_sat_${name}_round$round.json" 2>&1 \
+            | tail -1 | sed "s/^/$name round $round: /"
+          kill $server; wait $server )
       done
     done ;;
   pack)
