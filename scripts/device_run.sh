@@ -35,6 +35,12 @@ replays() {  # decode graph replays of this build into $1 (preset $2, batch:cont
 bench_model() {  # the weight-less exact-shape 35B model directory `serve` and the engine benches load
   [ -d .bench/qwen3.6-35b-a3b ] || python3 scripts/make_bench_model.py qwen3.6-35b-a3b .bench/qwen3.6-35b-a3b
 }
+start_server() {  # `ninfer serve` of the model directory $1 on port 8123, its log in $2; $server: its pid, once ready
+  # python itself in the background (not the `ninfer` function's subshell), so `kill` stops the server
+  python3 -m ninfer_app serve "$1" --random-weights --device cuda --max-concurrency 8 --port 8123 > "$2" 2>&1 &
+  server=$!
+  for _ in $(seq 1 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && grep -q ready "$2" && break; sleep 1; done
+}
 if [ -n "${NO_BUILD:-}" ]; then
   echo "== NO_BUILD: no install of this tree (the builds step builds its own copies)"
 elif [ -z "${REBUILD:-}" ] && python3 -c "import ninfer_core._C" 2>/dev/null; then
@@ -81,11 +87,7 @@ LIST
   serve)
     # the served path: `ninfer serve` + `ninfer bench serve` (saturation at 1 and 8 clients, TTFT)
     bench_model
-    # python itself in the background (not the `ninfer` function's subshell), so `kill` stops the server
-    python3 -m ninfer_app serve .bench/qwen3.6-35b-a3b --random-weights --device cuda --max-concurrency 8 --port 8123 \
-      > "$OUT/serve.log" 2>&1 &
-    server=$!
-    for _ in $(seq 1 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && grep -q ready "$OUT/serve.log" && break; sleep 1; done
+    start_server .bench/qwen3.6-35b-a3b "$OUT/serve.log"
     # the first request's host time, sampled (py-spy travels as a wheel in .whl/ from `device_wheels.sh --profile`)
     if [ -x /tmp/site/bin/py-spy ]; then
       /tmp/site/bin/py-spy record --subprocesses -p $server -r 1000 -d 4 -f raw -o "$OUT/serve_first_request.txt" --threads --nonblocking \
@@ -293,10 +295,7 @@ LIST
       for v in $(in_order $round); do
         name=$(variant $v)
         ( cd /tmp/ab/$name && export PYTHONPATH=/tmp/ab/$name:/tmp/ab/$name/site:${PYTHONPATH:-}
-          python3 -m ninfer_app serve "$OLDPWD/.bench/qwen3.6-35b-a3b" --random-weights --device cuda \
-            --max-concurrency 8 --port 8123 > "$OUT/serve_${name}_round$round.log" 2>&1 &
-          server=$!
-          for _ in $(seq 1 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && grep -q ready "$OUT/serve_${name}_round$round.log" && break; sleep 1; done
+          start_server "$OLDPWD/.bench/qwen3.6-35b-a3b" "$OUT/serve_${name}_round$round.log"
           timeout 120 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode ttft --greedy --repeats 5 \
             --lengths ${SERVE_LENGTHS:-37,128,512} --out "$OUT/serve_ttft_${name}_round$round.json" 2>&1 | tail -3 | sed "s/^/$name round $round: /"
           timeout 120 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode saturation --concurrency 1 \
