@@ -30,12 +30,14 @@
 #include "common.cuh"
 #include "launch.cuh"
 #include "gdn_decode.h"
+#include "mma.cuh"
 
 namespace ninfer {
 namespace {
 
 constexpr int kMaxTaps = kGdnMaxTaps;
 constexpr int kMaxHeadDim = kGdnMaxHeadDim;
+constexpr int kMaxSteps = kGdnMaxStepTokens;
 // Kernel 2 tiles the state in column strips: a warp owns kStripCols columns (2 lanes x float4,
 // one 32-byte sector per row) and walks all dk rows with 16 lanes, kMaxRows float4 per lane in
 // registers, so its column sums are warp shuffles only. A block is a head's dv / kStripCols strips
@@ -93,7 +95,7 @@ __global__ void __launch_bounds__(kMaxHeadDim)
                     float q_scale) {
   const int seg = blockIdx.x;
   const int b = blockIdx.y;
-  const bool is_key = seg < 2 * num_k_heads;  // block-uniform, so group_sum below is safe
+  const bool is_key = seg < 2 * num_k_heads;  // block-uniform, so the barrier below is safe
   const int width = is_key ? head_k_dim : head_v_dim;
   const int base = is_key ? seg * head_k_dim
                           : 2 * num_k_heads * head_k_dim + (seg - 2 * num_k_heads) * head_v_dim;
@@ -123,8 +125,16 @@ __global__ void __launch_bounds__(kMaxHeadDim)
       if (t < taps - 1) fork[t] = old[t];
     }
   }
-  for (int t = 0; t < steps; ++t) {
-    const T xt = active ? x[t * qkv_stride] : from_float<T>(0.0f);
+  // Every token's input loads at once (one round trip, not one a token), and the key heads' l2
+  // norms take one barrier for all tokens (group_sum's order, token by token): a forked prompt's
+  // tail windows and verify rounds are many tokens a launch.
+  T xs[kMaxSteps];
+#pragma unroll
+  for (int t = 0; t < kMaxSteps; ++t) xs[t] = active && t < steps ? x[t * qkv_stride] : from_float<T>(0.0f);
+  float ys[kMaxSteps];
+#pragma unroll
+  for (int t = 0; t < kMaxSteps; ++t) {
+    if (t >= steps) break;  // block-uniform
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < kMaxTaps - 1; ++j) {
@@ -132,19 +142,42 @@ __global__ void __launch_bounds__(kMaxHeadDim)
     }
 #pragma unroll
     for (int j = 0; j < kMaxTaps; ++j) {  // w[taps - 1], kept in registers (a constant index)
-      if (j == taps - 1) acc += to_float(w[j]) * to_float(xt);
+      if (j == taps - 1) acc += to_float(w[j]) * to_float(xs[t]);
     }
 #pragma unroll
     for (int j = 0; j < kMaxTaps - 1; ++j) {
-      if (j < taps - 1) window[j] = j + 1 < taps - 1 ? window[j + 1] : xt;
+      if (j < taps - 1) window[j] = j + 1 < taps - 1 ? window[j + 1] : xs[t];
     }
-    float y = active ? round_to<T>(silu(acc)) : 0.0f;  // the reference returns the conv output in the model dtype
-    if (is_key) {
-      __syncthreads();  // group_sum's shared partials are reused token after token
-      y = y * rsqrtf(group_sum(y * y) + 1e-6f);
-      if (seg < num_k_heads) y = y * q_scale;
+    ys[t] = active ? round_to<T>(silu(acc)) : 0.0f;  // the reference returns the conv output in the model dtype
+  }
+  if (is_key) {  // y / sqrt(sum of the head's y^2 + 1e-6), the sum in group_sum's order
+    __shared__ float partial[kMaxSteps][32];
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int t = 0; t < kMaxSteps; ++t) {
+      if (t >= steps) break;
+      const float total = warp_sum(ys[t] * ys[t]);
+      if (lane == 0) partial[t][threadIdx.x >> 5] = total;
+      if (warps == 1) ys[t] = ys[t] * rsqrtf(total + 1e-6f);
     }
-    if (active) act[(static_cast<std::int64_t>(b) * num_tokens + t) * channels + c] = y;
+    if (warps > 1) {
+      __syncthreads();
+#pragma unroll
+      for (int t = 0; t < kMaxSteps; ++t) {
+        if (t >= steps) break;
+        ys[t] = ys[t] * rsqrtf(warp_sum(lane < warps ? partial[t][lane] : 0.0f) + 1e-6f);
+      }
+    }
+    if (seg < num_k_heads) {
+#pragma unroll
+      for (int t = 0; t < kMaxSteps; ++t) ys[t] = ys[t] * q_scale;
+    }
+  }
+  if (active) {
+#pragma unroll
+    for (int t = 0; t < kMaxSteps; ++t) {
+      if (t < steps) act[(static_cast<std::int64_t>(b) * num_tokens + t) * channels + c] = ys[t];
+    }
   }
   if (active && write_state) {
     // The last K-1 entries of [old state | x_0 .. x_{advance-1}].
@@ -278,6 +311,8 @@ __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kW
   __shared__ float k_s[kMaxHeadDim];
   __shared__ float o_s[kMaxHeadDim];  // a whole-head (cluster) block's o of the token (its columns), rounded to T
   __shared__ float sumsq_s[kGdnMaxStepTokens];  // kCluster: each token's sum of squares of the block's o
+  // kCluster over a window (not kConvDone): every token's o (the block's columns), normed after the last
+  __shared__ float o_steps[kCluster && !kConvDone ? kGdnMaxStepTokens : 1][kWarps * kStripCols];
   __shared__ bool last;
   // a constant for 4-warp blocks: a register fewer than blockDim.x, and their kernels kept theirs
   const int threads = kWholeHead ? static_cast<int>(blockDim.x) : kWarps * 32;
@@ -328,47 +363,64 @@ __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kW
   // counts were written before it ran, so the state's loads (most of this kernel's DRAM traffic)
   // overlap its tail.
   enter_kernel();
-  for (int t = 0; t < steps; ++t) {
-    const std::int64_t bt = static_cast<std::int64_t>(b) * num_tokens + t;
-    const float* row = kConvDone ? nullptr : act + bt * channels;
-    const T* qkv_row = qkv + (row0 + t) * qkv_stride;
-    // The token's loads all issue here, before the q / k reduction's barriers, so that their L2
-    // round trips overlap instead of following one another. __ldcg: ptxas sinks ld.global.nc (what
-    // plain loads of these read-only arguments become) past the barriers.
-    const T a_t = __ldcg(a + (row0 + t) * ab_stride + h);
-    const T b_t = __ldcg(b_in + (row0 + t) * ab_stride + h);
-    F4 v;
-    if constexpr (kConvDone) {  // element loads: qkv rows need not be 8-byte aligned
-#pragma unroll
-      for (int c = 0; c < 4; ++c) v.v[c] = to_float(__ldcg(qkv_row + 2 * key_dim + h * head_v_dim + col + c));
-    } else {
-      const float4 v4 = __ldcg(reinterpret_cast<const float4*>(row + 2 * key_dim + h * head_v_dim + col));
-      v = {{v4.x, v4.y, v4.z, v4.w}};
-    }
-    if (t > 0) __syncthreads();  // the previous token's q / k are read
-    if constexpr (kConvDone) {
-      load_key_head(q_s, k_s, qkv_row + key_head * head_k_dim, qkv_row + key_dim + key_head * head_k_dim,
-                    head_k_dim, q_scale, threads);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kPerThread; ++j) {  // unrolled, so that the loads issue together
-        const int i = threadIdx.x + j * threads;
-        if (i < head_k_dim) {
-          q_s[i] = row[key_head * head_k_dim + i];
-          k_s[i] = row[key_dim + key_head * head_k_dim + i];
-        }
+  // From act (not kConvDone): every token's q, k (the key head's) and v (the block's columns) into
+  // shared memory at once, copies without registers, and each token's decay and beta: one round trip
+  // for the whole window instead of one a token (a forked prompt's tail windows of up to 16 tokens).
+  extern __shared__ float4 window_raw[];  // launch(): [kMaxSteps][2] gates, then tokens x window_floats
+  float* const gates_s = reinterpret_cast<float*>(window_raw);
+  float* const window_s = gates_s + 2 * kMaxSteps;
+  const int window_floats = 2 * head_k_dim + block_cols;
+  if constexpr (!kConvDone) {
+    const int first_col = (blockIdx.x % splits) * block_cols;
+    for (int t = 0; t < steps; ++t) {
+      const float* row = act + (static_cast<std::int64_t>(b) * num_tokens + t) * channels;
+      for (int e = threadIdx.x; e < window_floats; e += threads) {
+        cp_async4(window_s + t * window_floats + e,
+                  e < 2 * head_k_dim ? row + (e < head_k_dim ? 0 : key_dim - head_k_dim) + key_head * head_k_dim + e
+                                     : row + 2 * key_dim + h * head_v_dim + first_col + e - 2 * head_k_dim);
       }
     }
-    const float g = -A * softplus(to_float(a_t) + to_float(dt_bias_h));
-    const float decay = expf(g);
-    const float beta = 1.0f / (1.0f + expf(-to_float(b_t)));
+    for (int t = threadIdx.x; t < steps; t += threads) {
+      const float g = -A * softplus(to_float(a[(row0 + t) * ab_stride + h]) + to_float(dt_bias_h));
+      gates_s[2 * t] = expf(g);
+      gates_s[2 * t + 1] = 1.0f / (1.0f + expf(-to_float(b_in[(row0 + t) * ab_stride + h])));
+    }
+    cp_async_wait_all();
     __syncthreads();
+  }
+  for (int t = 0; t < steps; ++t) {
+    const T* qkv_row = qkv + (row0 + t) * qkv_stride;
+    const float* q_t = q_s;  // the token's q and k in shared memory
+    const float* k_t = k_s;
+    F4 v;
+    float decay, beta;
+    if constexpr (kConvDone) {  // one token (a decode step): its loads, then the key head's l2norm
+      // The token's loads all issue here, before the q / k reduction's barriers, so that their L2
+      // round trips overlap instead of following one another. __ldcg: ptxas sinks ld.global.nc (what
+      // plain loads of these read-only arguments become) past the barriers.
+      const T a_t = __ldcg(a + (row0 + t) * ab_stride + h);
+      const T b_t = __ldcg(b_in + (row0 + t) * ab_stride + h);
+#pragma unroll  // element loads: qkv rows need not be 8-byte aligned
+      for (int c = 0; c < 4; ++c) v.v[c] = to_float(__ldcg(qkv_row + 2 * key_dim + h * head_v_dim + col + c));
+      if (t > 0) __syncthreads();  // the previous token's q / k are read
+      load_key_head(q_s, k_s, qkv_row + key_head * head_k_dim, qkv_row + key_dim + key_head * head_k_dim,
+                    head_k_dim, q_scale, threads);
+      decay = expf(-A * softplus(to_float(a_t) + to_float(dt_bias_h)));
+      beta = 1.0f / (1.0f + expf(-to_float(b_t)));
+      __syncthreads();
+    } else {
+      q_t = window_s + t * window_floats;
+      k_t = q_t + head_k_dim;
+      v = *reinterpret_cast<const F4*>(k_t + head_k_dim + (threadIdx.x >> 5) * kStripCols + (lane & 1) * 4);
+      decay = gates_s[2 * t];
+      beta = gates_s[2 * t + 1];
+    }
 
     F4 pred = {};
 #pragma unroll
     for (int r = 0; r < kMaxRows; ++r) {
       if (r < rows) {
-        const float kr = k_s[row_lane + r * kRowLanes];
+        const float kr = k_t[row_lane + r * kRowLanes];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           s[r].v[c] = __fmul_rn(s[r].v[c], decay);
@@ -389,8 +441,8 @@ __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kW
 #pragma unroll
     for (int r = 0; r < kMaxRows; ++r) {
       if (r < rows) {
-        const float kr = k_s[row_lane + r * kRowLanes];
-        const float qr = q_s[row_lane + r * kRowLanes];
+        const float kr = k_t[row_lane + r * kRowLanes];
+        const float qr = q_t[row_lane + r * kRowLanes];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           s[r].v[c] = __fadd_rn(s[r].v[c], __fmul_rn(kr, u.v[c]));
@@ -416,6 +468,11 @@ __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kW
         __syncthreads();
         const float x[1] = {static_cast<int>(threadIdx.x) < head_v_dim ? o_s[threadIdx.x] : 0.0f};
         gated_norm(out_head, x, zv, w, head_v_dim, eps, threads);
+      } else if constexpr (kCluster && !kConvDone) {
+        if (row_lane == 0) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) o_steps[t][(threadIdx.x >> 5) * kStripCols + (lane & 1) * 4 + c] = round_to<T>(o.v[c]);
+        }
       } else if constexpr (kCluster) {
         // The block's 32 columns go to warp 0, lane i taking column i as warp i of the head's last
         // block does below: the cluster's sums add up in that block's order, the outputs bit-equal.
@@ -442,6 +499,40 @@ __global__ void __launch_bounds__(kWholeHead ? kHeadWarps * 32 : kWarps * 32, kW
       } else if (row_lane == 0) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) out_head[col + c] = from_float<T>(o.v[c]);  // o.to(model dtype)
+      }
+    }
+  }
+  if constexpr (kCluster && !kConvDone) {
+    // A window's gated norms: one cluster barrier for all its tokens instead of one a token, each
+    // token's sums added up as the one-token path above adds them (bit-equal); z and the weight load
+    // before the barriers.
+    if (out != nullptr) {
+      const int first_col = (blockIdx.x % splits) * block_cols;
+      const bool norms = threadIdx.x < 32;
+      T zv[kMaxSteps];
+#pragma unroll
+      for (int t = 0; t < kMaxSteps; ++t) {
+        zv[t] = norms && t < steps ? __ldcg(z + (row0 + t) * z_stride + h * head_v_dim + first_col + lane)
+                                   : from_float<T>(0.0f);
+      }
+      const T w = norms ? __ldcg(norm_weight + first_col + lane) : from_float<T>(0.0f);
+      __syncthreads();  // every token's o_steps
+      if (norms) {
+        for (int t = 0; t < steps; ++t) {
+          const float total = warp_sum(o_steps[t][lane] * o_steps[t][lane]);
+          if (lane == 0) sumsq_s[t] = total;
+        }
+      }
+      cluster_sync();
+      if (norms) {
+#pragma unroll
+        for (int t = 0; t < kMaxSteps; ++t) {
+          if (t >= steps) break;
+          const float part = lane < splits ? load_from_cluster_block(&sumsq_s[t], lane) : 0.0f;
+          const float rstd = rsqrtf(warp_sum(part) / static_cast<float>(head_v_dim) + eps);
+          out[(row0 + t) * value_dim + h * head_v_dim + first_col + lane] =
+              gated_norm_value(o_steps[t][lane], rstd, w, zv[t]);
+        }
       }
     }
   }
@@ -525,7 +616,13 @@ void launch(const GdnStepsArgs& a) {
   if constexpr (!std::is_same_v<T, float>) {  // conv_done: after a 16-bit GEMV only (the binding checks)
     if (a.conv_done) kernel = pick(std::true_type{});
   }
-  launch_kernel_in_clusters("gdn recurrent kernel launch", kernel, grid, threads, 0, stream,
+  // the window of act (not conv_done): each token's q, k and the block's v columns, and its gates;
+  // at most 35 KB (16 tokens, dk 256), within the 48 KB a kernel gets unasked
+  const std::size_t window =
+      a.conv_done ? 0
+                  : (2 * kMaxSteps + static_cast<std::size_t>(a.num_tokens) * (2 * a.head_k_dim + threads / 32 * kStripCols)) *
+                        sizeof(float);
+  launch_kernel_in_clusters("gdn recurrent kernel launch", kernel, grid, threads, window, stream,
                 cluster ? static_cast<unsigned>(splits) : 1u, reinterpret_cast<T*>(a.out),
                 reinterpret_cast<float*>(a.state_pool), act, qkv, a.qkv_stride, a.q_scale, done,
                 reinterpret_cast<const T*>(a.a),

@@ -46,11 +46,18 @@ __device__ __forceinline__ uint4 load16_early(const void* ptr, bool pred) {
 }
 
 // Global to shared memory without registers (cp.async, sm_80+). cp_async16: 16 bytes, which the
-// issuing thread sees after cp_async_wait_all, the others after a barrier that follows it.
+// issuing thread sees after cp_async_wait_all, the others after a barrier that follows it (cp_async4 too).
 // cp_async_zfill: `kBytes` (8 or 16), zeros where !pred (a src-size of 0), in groups closed by
 // cp_async_commit; cp_async_wait_one waits for all but the newest group.
 __device__ __forceinline__ void cp_async16(void* shared, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<std::uint32_t>(__cvta_generic_to_shared(shared))),
+               "l"(global)
+               : "memory");
+}
+
+// 4 bytes (the GDN recurrent kernel's fp32 activations, csrc/gdn_decode.cu), seen as cp_async16's.
+__device__ __forceinline__ void cp_async4(void* shared, const void* global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<std::uint32_t>(__cvta_generic_to_shared(shared))),
                "l"(global)
                : "memory");
 }
