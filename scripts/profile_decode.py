@@ -4,7 +4,8 @@ Runs eager decode steps (the same kernels a CUDA graph replays) under torch.prof
 each kernel's calls per step and its share of the GPU time, next to the graph-replay step time.
     python3 scripts/profile_decode.py qwen3.6-35b-a3b [--context 4096] [--batch 1] [--json OUT]
 `--timeline OUT` adds the graph replay's kernels in launch order (start, length, the gap before
-each: what the step spends between kernels rather than in them).
+each: what the step spends between kernels rather than in them) and the step's table by kernel
+kind: time, bytes and bandwidth (ninfer_core/bench_step.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ninfer_core.bench import BenchSetup, _build, _Harness  # noqa: E402
+from ninfer_core.bench_step import kind_bytes, markdown, projection_bytes, step_table  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +44,7 @@ def main() -> None:
     graphed = harness.decode(args.batch, args.context, float("nan"))
     graph_ms, replay_ms = graphed.ms_per_step, graphed.graph_ms_per_step
     if args.timeline:
-        timeline(harness, args.batch, args.timeline)
+        timeline(harness, args.batch, args.context, args.timeline)
     harness.graphs = None  # eager: the profiler sees every kernel
     harness.decode(args.batch, args.context, float("nan"))  # warm-up
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -82,10 +84,10 @@ def kernel_rows(prof: profile, steps: int) -> list[tuple[float, float, str]]:
     return sorted(((sum(t) / steps, len(t) / steps, name) for name, t in kernels.items()), reverse=True)
 
 
-def timeline(harness: _Harness, batch: int, out: Path, replays: int = 5) -> None:
+def timeline(harness: _Harness, batch: int, context: int, out: Path, replays: int = 5) -> None:
     """One graph replay's kernels in order (the median replay by span): name, start and length in
     us from the replay's first kernel, and the gap since the latest end before it (negative:
-    overlapped, as PDL's early launch does)."""
+    overlapped, as PDL's early launch does); then the step by kernel kind with its bytes."""
     bucket = harness.graphs.bucket(batch)
     graph = next(g.graph for key, g in harness.graphs.graphs.items() if key[:2] == (bucket, 0))
     prof = profile_replays(graph, replays, apart=True)
@@ -103,7 +105,11 @@ def timeline(harness: _Harness, batch: int, out: Path, replays: int = 5) -> None
     print(f"timeline: {len(rows)} kernels, span {span:.1f} us, {gaps:.1f} us in gaps between them")
     for r in rows[:40] + rows[-15:]:  # the step's start and end: the layers in between repeat
         print(f"{r['start_us']:8.1f} {r['us']:7.1f} {r['gap_us']:+6.1f}  {r['name'][:100]}")
-    out.write_text(json.dumps({"span_us": span, "gap_us": gaps, "kernels": rows}, indent=1))
+    table = step_table(rows, projection_bytes(harness.model, harness.config),
+                       kind_bytes(harness.model, harness.config, harness.manager, batch, context))
+    print(markdown(table))
+    out.write_text(json.dumps({"span_us": span, "gap_us": gaps, "batch": batch, "context": context,
+                               "table": [vars(r) for r in table], "kernels": rows}, indent=1))
 
 
 def print_rows(rows: list[tuple[float, float, str]], top: int = 40) -> None:

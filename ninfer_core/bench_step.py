@@ -1,0 +1,158 @@
+"""One decode step, kernel kind by kernel kind: the bytes each kind must move and what it takes.
+
+`scripts/profile_decode.py --timeline` records one graph replay's kernels in launch order; this
+module names each kernel's kind (the quantized GEMVs by the projection they compute, counted off
+in the model's forward order), counts the bytes that kind must move a step (weights read, the
+experts a batch is expected to hit, the GDN state read and written, the KV of the context read),
+and sets them against the time: the kernel's own start-to-end length, and its share of the step
+(from the latest end before it to its own end: with programmatic dependent launch the next kernel
+starts while this one runs, so the shares, not the lengths, add up to the step). Bytes over the
+share is the bandwidth the step gets from that kind; METHOD.md counts bytes first for this.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from .cache.manager import CacheManager
+from .config import ModelConfig
+from .models.quantize import weight_bytes
+
+# Kernel base name -> the table's row (the quantized GEMVs are named by projection instead).
+KERNEL_ROWS = {
+    "router_kernel": "router (+ add + norm, top-k)",
+    "gate_up_mma_kernel": "MoE gate_up (routed + shared)",
+    "down_mma_kernel": "MoE down (+ shared, weights, residual)",
+    "down_staged_kernel": "MoE down (+ shared, weights, residual)",
+    "gdn_recurrent_kernel": "GDN recurrent (state read + written)",
+    "decode_attention_kernel": "attention (KV read)",
+    "decode_attention_reduce_kernel": "attention split reduce",
+    "norm_rotary_kv_kernel": "q / k norm + RoPE + KV append",
+    "rmsnorm_kernel": "rmsnorm",
+    "gdn_conv_kernel": "GDN conv",
+}
+GEMV_KERNEL = "quant_gemv_kernel"
+OTHER = "other (step tables, embedding, copies)"
+
+
+def kernel_base_name(name: str) -> str:
+    """`void ninfer::(anonymous namespace)::quant_gemv_kernel<...>(...)` -> `quant_gemv_kernel`."""
+    name = re.sub(r"^void ", "", name).replace("(anonymous namespace)::", "")
+    name = re.split(r"[<(]", name, maxsplit=1)[0]
+    return name.rsplit("::", 1)[-1]
+
+
+def projection_bytes(model: nn.Module, config: ModelConfig) -> list[tuple[str, int]]:
+    """The step's dense quantized projections in launch order: (row, bytes). A MoE layer's shared
+    expert runs inside the experts' kernels, so only a dense MLP's projections are GEMVs."""
+    out: list[tuple[str, int]] = []
+    for layer in model.layers:
+        if layer.is_linear:
+            out += [("GEMV: GDN in_proj (+ norm, conv)", weight_bytes(layer.linear_attn.in_proj)),
+                    ("GEMV: GDN out_proj", weight_bytes(layer.linear_attn.out_proj))]
+        else:
+            out += [("GEMV: attention qkv", weight_bytes(layer.self_attn.qkv_proj)),
+                    ("GEMV: attention o_proj", weight_bytes(layer.self_attn.o_proj))]
+        if not config.is_moe:
+            out += [("GEMV: MLP gate_up", weight_bytes(layer.mlp.gate_up_proj)),
+                    ("GEMV: MLP down", weight_bytes(layer.mlp.down_proj))]
+    out.append(("GEMV: lm_head", weight_bytes(model.lm_head)))
+    return out
+
+
+def expected_hit(config: ModelConfig, batch: int) -> float:
+    """The share of a layer's routed experts `batch` tokens read, routing at random."""
+    return 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch
+
+
+def kind_bytes(model: nn.Module, config: ModelConfig, manager: CacheManager, batch: int,
+               context: int) -> dict[str, float]:
+    """Bytes a step of `batch` sequences at `context` tokens must move, by the rows of KERNEL_ROWS
+    (the GEMVs: projection_bytes). Small traffic (activations, norms' weights, the conv state) is
+    not counted."""
+    rows: dict[str, float] = {}
+
+    def add(row: str, n: float) -> None:
+        rows[row] = rows.get(row, 0.0) + n
+
+    hit = expected_hit(config, batch) if config.is_moe else 0.0
+    kv_per_layer = manager.cache.kv.bytes_per_token / max(1, len(manager.cache.kv.layers))
+    for i, layer in enumerate(model.layers):
+        if layer.is_linear:
+            state = manager.cache.state.recurrent[i]
+            add(KERNEL_ROWS["gdn_recurrent_kernel"], 2 * batch * state[0].numel() * state.element_size())
+        else:
+            add(KERNEL_ROWS["decode_attention_kernel"], batch * context * kv_per_layer)
+        if config.is_moe:
+            moe = layer.mlp
+            experts = {name: t for name, t in (*moe.experts.named_parameters(), *moe.experts.named_buffers())}
+            shared = moe.shared_expert
+            add(KERNEL_ROWS["router_kernel"], weight_bytes(moe.gates))
+            add(KERNEL_ROWS["gate_up_mma_kernel"],
+                hit * sum(t.numel() * t.element_size() for n, t in experts.items() if n.startswith("gate_up"))
+                + (weight_bytes(shared.gate_up_proj) if shared is not None else 0))
+            add(KERNEL_ROWS["down_mma_kernel"],
+                hit * sum(t.numel() * t.element_size() for n, t in experts.items() if n.startswith("down"))
+                + (weight_bytes(shared.down_proj) if shared is not None else 0))
+    return rows
+
+
+@dataclass
+class KindRow:
+    row: str
+    calls: int = 0
+    own_us: float = 0.0  # start to end, summed
+    share_us: float = 0.0  # what it adds to the step after the kernels before it
+    bytes: float = 0.0
+
+
+def step_table(kernels: Sequence[dict], projections: Sequence[tuple[str, int]],
+               kinds: dict[str, float]) -> list[KindRow]:
+    """One replay's kernels (`start_us`, `us`, `name`, in launch order) by row, largest share first.
+    The i-th GEMV computes projections[i]; where the counts differ (another launch order) the
+    GEMVs form one row with the projections' bytes summed."""
+    gemvs = [k for k in kernels if kernel_base_name(k["name"]) == GEMV_KERNEL]
+    by_order = len(gemvs) == len(projections)
+    table: dict[str, KindRow] = {}
+    latest = kernels[0]["start_us"] if kernels else 0.0
+    gemv_index = 0
+    for k in kernels:
+        base = kernel_base_name(k["name"])
+        if base == GEMV_KERNEL:
+            label, nbytes = projections[gemv_index] if by_order else ("GEMV: all projections", 0)
+            gemv_index += 1
+        else:
+            label, nbytes = KERNEL_ROWS.get(base, OTHER), 0
+        row = table.setdefault(label, KindRow(label))
+        end = k["start_us"] + k["us"]
+        row.calls += 1
+        row.own_us += k["us"]
+        row.share_us += max(0.0, end - latest)
+        row.bytes += nbytes
+        latest = max(latest, end)
+    if gemvs and not by_order:
+        table["GEMV: all projections"].bytes = sum(b for _, b in projections)
+    for label, nbytes in kinds.items():
+        if label in table:
+            table[label].bytes += nbytes
+    return sorted(table.values(), key=lambda r: -r.share_us)
+
+
+def markdown(table: Sequence[KindRow]) -> str:
+    """The table as docs/performance.md prints it (bandwidths in TB/s)."""
+    def tbs(nbytes: float, us: float) -> str:
+        return f"{nbytes / us / 1e6:.2f}" if nbytes and us else "-"
+
+    lines = ["| kernel kind | calls | us a call | us of the step (share) | MB a step | TB/s over the share | TB/s over its own time |",
+             "|---|---|---|---|---|---|---|"]
+    for r in table:
+        lines.append(f"| {r.row} | {r.calls} | {r.own_us / r.calls:.1f} | {r.share_us:.1f} | {r.bytes / 1e6:.1f} | "
+                     f"{tbs(r.bytes, r.share_us)} | {tbs(r.bytes, r.own_us)} |")
+    share, nbytes = sum(r.share_us for r in table), sum(r.bytes for r in table)
+    lines.append(f"| **step** | {sum(r.calls for r in table)} | | {share:.1f} | {nbytes / 1e6:.1f} | "
+                 f"{tbs(nbytes, share)} | |")
+    return "\n".join(lines)

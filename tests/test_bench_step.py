@@ -1,0 +1,98 @@
+"""ninfer_core/bench_step.py: a decode step's table by kernel kind (scripts/profile_decode.py
+--timeline). Bytes are checked against the tiny model's own tensors, picked by their checkpoint
+names, and the step's shares against hand-made timelines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer_core.bench import BenchSetup, _build, _Harness
+from ninfer_core.bench_step import (
+    GEMV_KERNEL, KERNEL_ROWS, OTHER, kernel_base_name, kind_bytes, projection_bytes, step_table,
+)
+
+GEMV = f"void ninfer::(anonymous namespace)::{GEMV_KERNEL}<__nv_bfloat16, (ninfer::(anonymous namespace)::Codes)0, 1>(x)"
+
+
+def _kernel(base: str) -> str:
+    return f"void ninfer::(anonymous namespace)::{base}<__nv_bfloat16, 8, true>(__nv_bfloat16*, float const*)"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    setup = BenchSetup(model="tiny-qwen3.6-moe", device="cpu", weights="int4", prefill_lengths=(),
+                       decode_contexts=(64,), decode_batches=(1,), decode_steps=2, batch_context=64)
+    model, config, dev, dtype, _ = _build(setup)
+    return model, config, _Harness(model, config, dev, dtype, setup)
+
+
+def _bytes_named(model: torch.nn.Module, *parts: str) -> int:
+    """Bytes of the state dict's tensors whose names contain every one of `parts`."""
+    return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if all(p in name for p in parts))
+
+
+def test_kernel_base_name_drops_namespaces_templates_and_arguments():
+    assert kernel_base_name(GEMV) == GEMV_KERNEL
+    assert kernel_base_name(_kernel("gdn_recurrent_kernel")) == "gdn_recurrent_kernel"
+    assert kernel_base_name("void at::native::unrolled_elementwise_kernel<at::native::direct_copy>(int)") == \
+        "unrolled_elementwise_kernel"
+
+
+def test_projections_come_in_the_forward_order_with_their_weights_bytes(tiny):
+    model, config, _ = tiny
+    rows = projection_bytes(model, config)
+    expected = []
+    for i, kind in enumerate(config.layer_types):
+        mixer = ("linear_attn.in_proj", "linear_attn.out_proj") if kind == "linear_attention" else \
+            ("self_attn.qkv_proj", "self_attn.o_proj")
+        expected += [_bytes_named(model, f"layers.{i}.{m}.") for m in mixer]
+    expected.append(_bytes_named(model, "lm_head."))
+    assert [b for _, b in rows] == expected
+    assert rows[0][0].startswith("GEMV: GDN in_proj") and rows[-1][0] == "GEMV: lm_head"
+    assert all(b > 0 for b in expected)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 1000])
+def test_kind_bytes_count_hit_experts_state_and_kv(tiny, batch):
+    model, config, harness = tiny
+    context = 64
+    kinds = kind_bytes(model, config, harness.manager, batch, context)
+    hit = 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch
+    gate_up = hit * _bytes_named(model, "mlp.experts.gate_up") + _bytes_named(model, "mlp.shared_expert.gate_up_proj")
+    down = hit * _bytes_named(model, "mlp.experts.down") + _bytes_named(model, "mlp.shared_expert.down_proj")
+    assert kinds[KERNEL_ROWS["gate_up_mma_kernel"]] == pytest.approx(gate_up)
+    assert kinds[KERNEL_ROWS["down_mma_kernel"]] == pytest.approx(down)
+    assert kinds[KERNEL_ROWS["router_kernel"]] == _bytes_named(model, "mlp.gate")
+    gdn_layers = config.layer_types.count("linear_attention")
+    state = (config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+             * harness.manager.cache.state.recurrent[0].element_size())
+    assert kinds[KERNEL_ROWS["gdn_recurrent_kernel"]] == 2 * batch * gdn_layers * state
+    kv = harness.manager.cache.kv
+    attention_layers = config.layer_types.count("full_attention")
+    per_token = 2 * config.num_kv_heads * config.head_dim * kv.k[kv.layers[0]].element_size()  # K and V
+    assert kinds[KERNEL_ROWS["decode_attention_kernel"]] == batch * context * attention_layers * per_token
+    if batch == 1000:  # every expert hit
+        assert kinds[KERNEL_ROWS["gate_up_mma_kernel"]] == pytest.approx(
+            _bytes_named(model, "mlp.experts.gate_up") + _bytes_named(model, "mlp.shared_expert.gate_up_proj"))
+
+
+def test_shares_add_up_to_the_step_and_gemvs_take_their_projection(tiny):
+    # A [0, 10]; B starts early (PDL) at 5, ends 12: adds 2; a gap, C [20, 25]: adds 13 (its wait too)
+    kernels = [{"start_us": 0.0, "us": 10.0, "name": GEMV},
+               {"start_us": 5.0, "us": 7.0, "name": _kernel("router_kernel")},
+               {"start_us": 20.0, "us": 5.0, "name": GEMV},
+               {"start_us": 21.0, "us": 1.0, "name": _kernel("kv_slots_kernel")}]  # inside C: adds nothing
+    projections = [("GEMV: a", 100), ("GEMV: b", 300)]
+    table = {r.row: r for r in step_table(kernels, projections, {KERNEL_ROWS["router_kernel"]: 24.0})}
+    assert table["GEMV: a"].share_us == 10.0 and table["GEMV: a"].bytes == 100
+    assert table[KERNEL_ROWS["router_kernel"]].share_us == 2.0 and table[KERNEL_ROWS["router_kernel"]].bytes == 24.0
+    assert table["GEMV: b"].share_us == 13.0 and table["GEMV: b"].own_us == 5.0 and table["GEMV: b"].bytes == 300
+    assert table[OTHER].share_us == 0.0 and table[OTHER].calls == 1
+    assert sum(r.share_us for r in table.values()) == 25.0  # the span
+
+
+def test_gemvs_form_one_row_where_their_count_differs_from_the_projections():
+    kernels = [{"start_us": 0.0, "us": 4.0, "name": GEMV}, {"start_us": 4.0, "us": 4.0, "name": GEMV}]
+    table = step_table(kernels, [("GEMV: a", 100), ("GEMV: b", 300), ("GEMV: c", 5)], {})
+    assert [(r.row, r.calls, r.bytes, r.share_us) for r in table] == [("GEMV: all projections", 2, 405, 8.0)]
