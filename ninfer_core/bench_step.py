@@ -147,8 +147,8 @@ def markdown(table: Sequence[KindRow]) -> str:
     def tbs(nbytes: float, us: float) -> str:
         return f"{nbytes / us / 1e6:.2f}" if nbytes and us else "-"
 
-    lines = ["| kernel kind | calls | us a call | us of the step (share) | MB a step | TB/s over the share | TB/s over its own time |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| kernel kind | calls | us a call | us of the step (share) | MB a step | TB/s over the share "
+             "| TB/s over its own time |", "|---|---|---|---|---|---|---|"]
     for r in table:
         lines.append(f"| {r.row} | {r.calls} | {r.own_us / r.calls:.1f} | {r.share_us:.1f} | {r.bytes / 1e6:.1f} | "
                      f"{tbs(r.bytes, r.share_us)} | {tbs(r.bytes, r.own_us)} |")

@@ -12,7 +12,7 @@ from ninfer_core.bench_step import (
     GEMV_KERNEL, KERNEL_ROWS, OTHER, kernel_base_name, kind_bytes, projection_bytes, step_table,
 )
 
-GEMV = f"void ninfer::(anonymous namespace)::{GEMV_KERNEL}<__nv_bfloat16, (ninfer::(anonymous namespace)::Codes)0, 1>(x)"
+GEMV = f"void ninfer::(anonymous namespace)::{GEMV_KERNEL}<__nv_bfloat16, (ninfer::Codes)0, 1>(x)"
 
 
 def _kernel(base: str) -> str:
