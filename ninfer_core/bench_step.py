@@ -156,3 +156,34 @@ def markdown(table: Sequence[KindRow]) -> str:
     lines.append(f"| **step** | {sum(r.calls for r in table)} | | {share:.1f} | {nbytes / 1e6:.1f} | "
                  f"{tbs(nbytes, share)} | |")
     return "\n".join(lines)
+
+
+def compare(builds: dict[str, list[list[KindRow]]]) -> str:
+    """Builds' steps by kernel kind side by side (each kind's share, the mean over a build's rounds),
+    the later builds against the first: an A/B of a kernel patch shows which kinds it moved. A
+    markdown table, the first build's largest kinds first, the step's span last."""
+    names = list(builds)
+
+    def mean_shares(rounds: list[list[KindRow]]) -> dict[str, float]:
+        shares: dict[str, float] = {}
+        for table in rounds:
+            for r in table:
+                shares[r.row] = shares.get(r.row, 0.0) + r.share_us / len(rounds)
+        return shares
+
+    shares = {name: mean_shares(rounds) for name, rounds in builds.items()}
+    base = shares[names[0]]
+    kinds = sorted({k for s in shares.values() for k in s}, key=lambda k: -base.get(k, 0.0))
+
+    def cell(name: str, value: float, reference: float) -> str:
+        if name == names[0] or not reference:
+            return f"{value:.1f}"
+        return f"{value:.1f} ({100 * (value / reference - 1):+.1f}%)"
+
+    lines = ["| kernel kind (us of the step) | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for kind in kinds:
+        lines.append(f"| {kind} | " + " | ".join(cell(n, shares[n].get(kind, 0.0), base.get(kind, 0.0))
+                                                 for n in names) + " |")
+    totals = {n: sum(s.values()) for n, s in shares.items()}
+    lines.append("| **step** | " + " | ".join(cell(n, totals[n], totals[names[0]]) for n in names) + " |")
+    return "\n".join(lines)

@@ -203,6 +203,7 @@ LIST
     # MAIN_TESTS="tests/a.py tests/b.py": main's GPU tests in its copy, before the patches' ones (a
     # combined build runs its parts' lists together); NO_TESTS=1: none.
     # SAMPLING_ROUNDS=N: bench_sampling.py (the sampler kernel at 248k tokens) likewise.
+    # STEP_ROUNDS=N: the decode step by kernel kind (STEP_RUNS) likewise, then the builds side by side.
     # SERVE_ROUNDS=N: `ninfer serve` from each copy and `bench serve` against it (TTFT per SERVE_LENGTHS, one client's decode).
     # REUSE_BUILDS=1 (a later call on the same warm machine): copies built before are not built again.
     # an editable install of this tree (an earlier step on a warm machine) would shadow the copies
@@ -271,6 +272,16 @@ LIST
     alternate ${MOE_ROUNDS:-0} moe 8 env NINFER_REQUIRE_KERNELS=1 python3 scripts/bench_moe_triton.py \
       --tokens ${MOE_TOKENS:-16,37,64,128} --paths ${MOE_PATHS:-grouped_gemv_bm8} ${MOE_FLAGS:-}
     alternate ${VERIFY_ROUNDS:-0} verify 5 python3 scripts/bench_spec.py verify --weights int4 --max-k 3 --repeats 8
+    # STEP_ROUNDS=N: each build's decode step by kernel kind (profile_decode.py --timeline: shares, bytes)
+    # for each STEP_RUNS entry preset:batch:context, likewise; then the builds side by side, kind by kind
+    for run in ${STEP_RUNS:-qwen3.6-35b-a3b:1:4096 qwen3.6-35b-a3b:8:512}; do
+      IFS=: read -r preset batch context <<< "$run"
+      alternate ${STEP_ROUNDS:-0} "step_${preset}_b$batch" 1 env NINFER_REQUIRE_KERNELS=1 python3 scripts/profile_decode.py \
+        "$preset" --batch "$batch" --context "$context" --steps 2 --timeline /dev/null
+    done
+    if [ "${STEP_ROUNDS:-0}" -gt 0 ]; then
+      python3 scripts/compare_step_tables.py "$OUT"/step_*_round*.json | tee "$OUT/step_tables.md"
+    fi
     if [ "${ENGINE_ROUNDS:-0}" -gt 0 ] || [ "${SPEC_ENGINE_ROUNDS:-0}" -gt 0 ] || [ "${SERVE_ROUNDS:-0}" -gt 0 ]; then  # the model directory, made with a built copy's package (none is installed)
       set -- $built
       PYTHONPATH=/tmp/ab/$(variant $1):${PYTHONPATH:-} bench_model

@@ -32,7 +32,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--timeline", type=Path, help="JSON of one graph replay's kernels in order")
+    parser.add_argument("--timeline", type=Path, help="JSON of one graph replay's kernels in order (its table "
+                        "by kernel kind also goes into --json)")
     args = parser.parse_args()
     setup = BenchSetup(model=args.preset, device="cuda", weights=args.weights, prefill_lengths=(),
                        decode_contexts=(args.context,), decode_batches=(args.batch,), decode_steps=args.steps,
@@ -43,8 +44,7 @@ def main() -> None:
     # replay_ms is the GPU's time alone
     graphed = harness.decode(args.batch, args.context, float("nan"))
     graph_ms, replay_ms = graphed.ms_per_step, graphed.graph_ms_per_step
-    if args.timeline:
-        timeline(harness, args.batch, args.context, args.timeline)
+    table = timeline(harness, args.batch, args.context, args.timeline) if args.timeline else None
     harness.graphs = None  # eager: the profiler sees every kernel
     harness.decode(args.batch, args.context, float("nan"))  # warm-up
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -58,7 +58,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"graph_ms": graph_ms, "replay_ms": replay_ms, "eager_ms": eager_ms,
                                          "gpu_busy_ms": gpu_us / 1e3, "kernels_per_step": launches,
-                                         "kernels": [dict(us=u, calls=c, name=n) for u, c, n in rows]}, indent=1))
+                                         "kernels": [dict(us=u, calls=c, name=n) for u, c, n in rows],
+                                         "step_table": table}, indent=1))
 
 
 def profile_replays(graph: torch.cuda.CUDAGraph, replays: int, apart: bool = False) -> profile:
@@ -84,7 +85,7 @@ def kernel_rows(prof: profile, steps: int) -> list[tuple[float, float, str]]:
     return sorted(((sum(t) / steps, len(t) / steps, name) for name, t in kernels.items()), reverse=True)
 
 
-def timeline(harness: _Harness, batch: int, context: int, out: Path, replays: int = 5) -> None:
+def timeline(harness: _Harness, batch: int, context: int, out: Path, replays: int = 5) -> list[dict]:
     """One graph replay's kernels in order (the median replay by span): name, start and length in
     us from the replay's first kernel, and the gap since the latest end before it (negative:
     overlapped, as PDL's early launch does); then the step by kernel kind with its bytes."""
@@ -108,8 +109,10 @@ def timeline(harness: _Harness, batch: int, context: int, out: Path, replays: in
     table = step_table(rows, projection_bytes(harness.model, harness.config),
                        kind_bytes(harness.model, harness.config, harness.manager, batch, context))
     print(markdown(table))
+    rows_by_kind = [vars(r) for r in table]
     out.write_text(json.dumps({"span_us": span, "gap_us": gaps, "batch": batch, "context": context,
-                               "table": [vars(r) for r in table], "kernels": rows}, indent=1))
+                               "table": rows_by_kind, "kernels": rows}, indent=1))
+    return rows_by_kind
 
 
 def print_rows(rows: list[tuple[float, float, str]], top: int = 40) -> None:

@@ -4,12 +4,17 @@ names, and the step's shares against hand-made timelines."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from ninfer_core.bench import BenchSetup, _build, _Harness
 from ninfer_core.bench_step import (
-    GEMV_KERNEL, KERNEL_ROWS, OTHER, kernel_base_name, kind_bytes, projection_bytes, step_table,
+    GEMV_KERNEL, KERNEL_ROWS, OTHER, KindRow, compare, kernel_base_name, kind_bytes, projection_bytes, step_table,
 )
 
 GEMV = f"void ninfer::(anonymous namespace)::{GEMV_KERNEL}<__nv_bfloat16, (ninfer::Codes)0, 1>(x)"
@@ -96,3 +101,37 @@ def test_gemvs_form_one_row_where_their_count_differs_from_the_projections():
     kernels = [{"start_us": 0.0, "us": 4.0, "name": GEMV}, {"start_us": 4.0, "us": 4.0, "name": GEMV}]
     table = step_table(kernels, [("GEMV: a", 100), ("GEMV: b", 300), ("GEMV: c", 5)], {})
     assert [(r.row, r.calls, r.bytes, r.share_us) for r in table] == [("GEMV: all projections", 2, 405, 8.0)]
+
+
+def test_compare_sets_each_build_against_the_first_kind_by_kind():
+    main = [[KindRow("GEMV: a", 1, 10.0, 10.0, 100), KindRow("router", 1, 5.0, 4.0)],
+            [KindRow("GEMV: a", 1, 10.0, 12.0, 100), KindRow("router", 1, 5.0, 4.0)]]  # mean 11
+    patch = [[KindRow("GEMV: a", 1, 9.0, 9.9, 100), KindRow("router", 1, 5.0, 4.4), KindRow("new kind", 1, 1.0, 1.0)]]
+    lines = compare({"main": main, "patch": patch}).splitlines()
+    assert lines[0] == "| kernel kind (us of the step) | main | patch |"
+    assert lines[2] == "| GEMV: a | 11.0 | 9.9 (-10.0%) |"
+    assert lines[3] == "| router | 4.0 | 4.4 (+10.0%) |"
+    assert lines[4] == "| new kind | 0.0 | 1.0 |"  # no reference: no ratio
+    assert lines[5] == "| **step** | 15.0 | 15.3 (+2.0%) |"
+
+
+def test_compare_script_groups_files_by_run_and_puts_the_base_first(tmp_path):
+    def write(name: str, share: float) -> None:
+        table = [vars(KindRow("router", 1, share, share))]
+        (tmp_path / name).write_text(json.dumps({"step_table": table}))
+
+    write("step_qwen3.6-35b-a3b_b1_a-patch_round1.json", 6.0)
+    write("step_qwen3.6-35b-a3b_b1_main_round1.json", 4.0)
+    write("step_qwen3.6-35b-a3b_b1_main_round2.json", 6.0)
+    write("step_qwen3.6-35b-a3b_b8_main_round1.json", 9.0)
+    (tmp_path / "step_qwen3.6-35b-a3b_b8_x_round1.json").write_text(json.dumps({"step_table": None}))
+    script = Path(__file__).resolve().parent.parent / "scripts" / "compare_step_tables.py"
+    run = subprocess.run([sys.executable, str(script), *sorted(str(p) for p in tmp_path.iterdir())],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "step_qwen3.6-35b-a3b_b8_x_round1.json: no step table" in run.stderr
+    b1, b8 = run.stdout.strip().split("\n\n")
+    assert b1.splitlines()[:1] == ["step_qwen3.6-35b-a3b_b1:"]
+    assert "| kernel kind (us of the step) | main | a-patch |" in b1
+    assert "| router | 5.0 | 6.0 (+20.0%) |" in b1
+    assert "| router | 9.0 |" in b8
