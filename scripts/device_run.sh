@@ -148,11 +148,14 @@ LIST
     timeout 300 python3 scripts/profile_prefill.py qwen3.6-35b-a3b --lengths ${PREFILL_LENGTHS:-37,128,512} \
       --json "$OUT/prefill_35b.json" 2>&1 | tail -80 ;;
   profile)
-    # each PROFILES entry preset:batch:context (default the 35B at batch 1, 4K)
+    # each PROFILES entry preset:batch:context (default the 35B at batch 1, 4K): the eager step's kernels,
+    # then one graph replay's timeline and its table by kernel kind (time, bytes, bandwidth)
     for run in ${PROFILES:-qwen3.6-35b-a3b:1:4096}; do
       IFS=: read -r preset batch context <<< "$run"
       timeout 300 python3 scripts/profile_decode.py "$preset" --batch "$batch" --context "$context" \
-        --json "$OUT/profile_${preset}_b${batch}_${context}.json" 2>&1 | tail -45
+        --timeline "$OUT/timeline_${preset}_b${batch}_${context}.json" \
+        --json "$OUT/profile_${preset}_b${batch}_${context}.json" > "$OUT/profile_${preset}_b${batch}_${context}.txt" 2>&1
+      grep -E "^\||graph step|timeline:" "$OUT/profile_${preset}_b${batch}_${context}.txt"
     done ;;
   verify_profile)
     # where a K = 3 verify round's time goes (1.87x the decode step on the H100, against 1.59x for a
