@@ -133,11 +133,14 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def expected_hit(config: ModelConfig, batch: int) -> float:
+    """The share of a layer's routed experts that `batch` tokens read, routing at random."""
+    return 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch
+
+
 def decode_weight_bytes(model: nn.Module, config: ModelConfig, batch: int) -> int:
     """Weight bytes one decode step of `batch` tokens reads (see the module docstring)."""
-    hit = 1.0
-    if config.is_moe:
-        hit = 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch
+    hit = expected_hit(config, batch) if config.is_moe else 1.0
     expert_tensors = {id(t) for m in model.modules() if isinstance(m, Experts) for t in (*m.parameters(), *m.buffers())}
     head = {t.data_ptr() for t in (*model.lm_head.parameters(), *model.lm_head.buffers())}
     # the embedding table (plain or quantized): a row per token, unless lm_head reads all of it

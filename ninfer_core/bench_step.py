@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .bench import expected_hit
 from .cache.manager import CacheManager
 from .config import ModelConfig
 from .models.quantize import weight_bytes
@@ -62,11 +63,6 @@ def projection_bytes(model: nn.Module, config: ModelConfig) -> list[tuple[str, i
                     ("GEMV: MLP down", weight_bytes(layer.mlp.down_proj))]
     out.append(("GEMV: lm_head", weight_bytes(model.lm_head)))
     return out
-
-
-def expected_hit(config: ModelConfig, batch: int) -> float:
-    """The share of a layer's routed experts `batch` tokens read, routing at random."""
-    return 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch
 
 
 def kind_bytes(model: nn.Module, config: ModelConfig, manager: CacheManager, batch: int,
@@ -136,10 +132,9 @@ def step_table(kernels: Sequence[dict], projections: Sequence[tuple[str, int]],
         latest = max(latest, end)
     if gemvs and not by_order:
         table["GEMV: all projections"].bytes = sum(b for _, b in projections)
-    for label, nbytes in kinds.items():
-        if label in table:
-            table[label].bytes += nbytes
-    return sorted(table.values(), key=lambda r: -r.share_us)
+    for label, nbytes in kinds.items():  # a kind whose kernel is not in the timeline: a row of no calls
+        table.setdefault(label, KindRow(label)).bytes += nbytes
+    return sorted(table.values(), key=lambda r: (-r.share_us, -r.bytes))
 
 
 def markdown(table: Sequence[KindRow]) -> str:
@@ -150,7 +145,8 @@ def markdown(table: Sequence[KindRow]) -> str:
     lines = ["| kernel kind | calls | us a call | us of the step (share) | MB a step | TB/s over the share "
              "| TB/s over its own time |", "|---|---|---|---|---|---|---|"]
     for r in table:
-        lines.append(f"| {r.row} | {r.calls} | {r.own_us / r.calls:.1f} | {r.share_us:.1f} | {r.bytes / 1e6:.1f} | "
+        per_call = f"{r.own_us / r.calls:.1f}" if r.calls else "-"
+        lines.append(f"| {r.row} | {r.calls} | {per_call} | {r.share_us:.1f} | {r.bytes / 1e6:.1f} | "
                      f"{tbs(r.bytes, r.share_us)} | {tbs(r.bytes, r.own_us)} |")
     share, nbytes = sum(r.share_us for r in table), sum(r.bytes for r in table)
     lines.append(f"| **step** | {sum(r.calls for r in table)} | | {share:.1f} | {nbytes / 1e6:.1f} | "

@@ -14,7 +14,8 @@ import torch
 
 from ninfer_core.bench import BenchSetup, _build, _Harness
 from ninfer_core.bench_step import (
-    GEMV_KERNEL, KERNEL_ROWS, OTHER, KindRow, compare, kernel_base_name, kind_bytes, projection_bytes, step_table,
+    GEMV_KERNEL, KERNEL_ROWS, OTHER, KindRow, compare, kernel_base_name, kind_bytes, markdown, projection_bytes,
+    step_table,
 )
 
 GEMV = f"void ninfer::(anonymous namespace)::{GEMV_KERNEL}<__nv_bfloat16, (ninfer::Codes)0, 1>(x)"
@@ -95,6 +96,15 @@ def test_shares_add_up_to_the_step_and_gemvs_take_their_projection(tiny):
     assert table["GEMV: b"].share_us == 13.0 and table["GEMV: b"].own_us == 5.0 and table["GEMV: b"].bytes == 300
     assert table[OTHER].share_us == 0.0 and table[OTHER].calls == 1
     assert sum(r.share_us for r in table.values()) == 25.0  # the span
+
+
+def test_a_kind_whose_kernel_is_missing_keeps_its_bytes_in_a_row_of_no_calls():
+    kernels = [{"start_us": 0.0, "us": 4.0, "name": GEMV}]
+    table = step_table(kernels, [("GEMV: a", 100)], {KERNEL_ROWS["gdn_recurrent_kernel"]: 50.0})
+    recurrent = KERNEL_ROWS["gdn_recurrent_kernel"]
+    assert [(r.row, r.calls, r.bytes) for r in table] == [("GEMV: a", 1, 100), (recurrent, 0, 50.0)]
+    assert f"| {recurrent} | 0 | - | 0.0 | 0.0 | - | - |" in markdown(table).splitlines()
+    assert markdown(table).splitlines()[-1] == "| **step** | 1 | | 4.0 | 0.0 | 0.00 | |"
 
 
 def test_gemvs_form_one_row_where_their_count_differs_from_the_projections():
