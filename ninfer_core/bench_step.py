@@ -53,7 +53,7 @@ def projection_bytes(model: nn.Module, config: ModelConfig) -> list[tuple[str, i
     out: list[tuple[str, int]] = []
     for layer in model.layers:
         if layer.is_linear:
-            out += [("GEMV: GDN in_proj (+ norm, conv)", weight_bytes(layer.linear_attn.in_proj)),
+            out += [("GEMV: GDN in_proj (+ its folds)", weight_bytes(layer.linear_attn.in_proj)),
                     ("GEMV: GDN out_proj", weight_bytes(layer.linear_attn.out_proj))]
         else:
             out += [("GEMV: attention qkv", weight_bytes(layer.self_attn.qkv_proj)),
