@@ -27,8 +27,10 @@ from .models.quantize import weight_bytes
 KERNEL_ROWS = {
     "router_kernel": "router (+ add + norm, top-k)",
     "gate_up_mma_kernel": "MoE gate_up (routed + shared)",
+    "gate_up_kernel": "MoE gate_up (routed + shared)",  # moe.cu's: 16-bit / int8 experts, or fp32
     "down_mma_kernel": "MoE down (+ shared, weights, residual)",
     "down_staged_kernel": "MoE down (+ shared, weights, residual)",
+    "down_kernel": "MoE down (+ shared, weights, residual)",
     "gdn_recurrent_kernel": "GDN recurrent (state read + written)",
     "decode_attention_kernel": "attention (KV read)",
     "decode_attention_reduce_kernel": "attention split reduce",
@@ -66,21 +68,22 @@ def projection_bytes(model: nn.Module, config: ModelConfig) -> list[tuple[str, i
 
 
 def kind_bytes(model: nn.Module, config: ModelConfig, manager: CacheManager, batch: int,
-               context: int) -> dict[str, float]:
-    """Bytes a step of `batch` sequences at `context` tokens must move, by the rows of KERNEL_ROWS
-    (the GEMVs: projection_bytes). Small traffic (activations, norms' weights, the conv state) is
-    not counted."""
+               context: int, tokens: int = 1, state_passes: int = 2) -> dict[str, float]:
+    """Bytes a step of `batch` sequences at `context` tokens must move, `tokens` new ones each (a
+    verify round: K + 1), by the rows of KERNEL_ROWS (the GEMVs: projection_bytes). The GDN state is
+    read and written once a step (`state_passes` 2; a verify round and its commit: 3, read twice).
+    Small traffic (activations, norms' weights, the conv state) is not counted."""
     rows: dict[str, float] = {}
 
     def add(row: str, n: float) -> None:
         rows[row] = rows.get(row, 0.0) + n
 
-    hit = expected_hit(config, batch) if config.is_moe else 0.0
+    hit = expected_hit(config, batch * tokens) if config.is_moe else 0.0
     kv_per_layer = manager.cache.kv.bytes_per_token / max(1, len(manager.cache.kv.layers))
     for i, layer in enumerate(model.layers):
         if layer.is_linear:
             state = manager.cache.state.recurrent[i]
-            add(KERNEL_ROWS["gdn_recurrent_kernel"], 2 * batch * state[0].numel() * state.element_size())
+            add(KERNEL_ROWS["gdn_recurrent_kernel"], state_passes * batch * state[0].numel() * state.element_size())
         else:
             add(KERNEL_ROWS["decode_attention_kernel"], batch * context * kv_per_layer)
         if config.is_moe:

@@ -56,7 +56,7 @@ def timed(fn, ref: torch.Tensor) -> tuple[float, float]:
 def kernel_profile(fn, replays: int = 20) -> list[tuple[float, float, str]]:
     """(GPU us per call, launches per call, kernel) of fn's CUDA graph, largest first."""
     graph, _ = capture(fn)
-    return kernel_rows(profile_replays(graph, replays), replays)
+    return kernel_rows(profile_replays(graph.replay, replays), replays)
 
 
 def main() -> None:

@@ -374,7 +374,33 @@ def bench_profile(args: argparse.Namespace) -> dict:
             print(f"== {name} (K = {args.max_k}): GPU busy {busy / 1e3:.3f} ms in {sum(r[1] for r in rows):.0f} kernels")
             print_rows(rows, 25)
             result[name] = {"gpu_busy_ms": busy / 1e3, "kernels": [dict(us=u, calls=c, name=n) for u, c, n in rows]}
+        if s.graphs is not None:
+            result["step_tables"] = step_tables(s, args.max_k)
     return result
+
+
+def step_tables(s: Synthetic, k: int) -> dict[str, list[dict]]:
+    """The decode graph's replay and a verify round's (verify + commit graphs) by kernel kind, each
+    kind's bytes beside its share (ninfer_core/bench_step.py): which kinds a round of K + 1 tokens
+    makes cost more than their bytes do."""
+    from profile_decode import replay_kernels
+
+    from ninfer_core.bench_step import compare, kind_bytes, markdown, projection_bytes, step_table
+
+    s.decode_step(True)
+    s.verify_round(k, k + 1, True)  # both graphs captured
+    decode = s.graphs.graphs[(1, 0, ())]
+    verify = s.graphs.graphs[(1, k + 1, ())]
+    projections = projection_bytes(s.model, s.config)
+    runs = {"decode step": (decode.graph.replay, 1, 2),
+            f"K = {k} verify + commit": (lambda: (verify.graph.replay(), verify.commit.replay()), k + 1, 3)}
+    tables = {}
+    for name, (replay, tokens, passes) in runs.items():
+        tables[name] = step_table(replay_kernels(replay), projections,
+                                  kind_bytes(s.model, s.config, s.cache, 1, s.context, tokens, passes))
+        print(f"== {name}, by kernel kind\n{markdown(tables[name])}")
+    print(f"== the two side by side (us of the round)\n{compare({n: [t] for n, t in tables.items()})}")
+    return {name: [vars(r) for r in table] for name, table in tables.items()}
 
 
 def bench_rollback(args: argparse.Namespace) -> dict:

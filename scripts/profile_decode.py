@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,14 +63,14 @@ def main() -> None:
                                          "step_table": table}, indent=1))
 
 
-def profile_replays(graph: torch.cuda.CUDAGraph, replays: int, apart: bool = False) -> profile:
-    """torch.profiler over `replays` replays of a graph after one warm-up replay (apart: each
-    synchronised before the next, so that replays never overlap)."""
-    graph.replay()
+def profile_replays(replay: Callable[[], object], replays: int, apart: bool = False) -> profile:
+    """torch.profiler over `replays` calls of `replay` (a graph's replay, or several graphs') after
+    one warm-up call (apart: each synchronised before the next, so that replays never overlap)."""
+    replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            graph.replay()
+            replay()
             if apart:
                 torch.cuda.synchronize()
         torch.cuda.synchronize()
@@ -85,13 +86,11 @@ def kernel_rows(prof: profile, steps: int) -> list[tuple[float, float, str]]:
     return sorted(((sum(t) / steps, len(t) / steps, name) for name, t in kernels.items()), reverse=True)
 
 
-def timeline(harness: _Harness, batch: int, context: int, out: Path, replays: int = 5) -> list[dict]:
-    """One graph replay's kernels in order (the median replay by span): name, start and length in
-    us from the replay's first kernel, and the gap since the latest end before it (negative:
-    overlapped, as PDL's early launch does); then the step by kernel kind with its bytes."""
-    bucket = harness.graphs.bucket(batch)
-    graph = next(g.graph for key, g in harness.graphs.graphs.items() if key[:2] == (bucket, 0))
-    prof = profile_replays(graph, replays, apart=True)
+def replay_kernels(replay: Callable[[], object], replays: int = 5) -> list[dict]:
+    """The kernels of one replay in launch order (the median of `replays` by span): name, start and
+    length in us from its first kernel, and the gap since the latest end before it (negative:
+    overlapped, as PDL's early launch does)."""
+    prof = profile_replays(replay, replays, apart=True)
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
     per = len(kernels) // replays
@@ -101,7 +100,16 @@ def timeline(harness: _Harness, batch: int, context: int, out: Path, replays: in
     for start, end, name in run:
         rows.append({"start_us": start - t0, "us": end - start, "gap_us": start - latest, "name": name})
         latest = max(latest, end)
-    span = latest - t0
+    return rows
+
+
+def timeline(harness: _Harness, batch: int, context: int, out: Path, replays: int = 5) -> list[dict]:
+    """One decode graph replay's kernels in order (replay_kernels), then the step by kernel kind
+    with its bytes."""
+    bucket = harness.graphs.bucket(batch)
+    graph = next(g.graph for key, g in harness.graphs.graphs.items() if key[:2] == (bucket, 0))
+    rows = replay_kernels(graph.replay, replays)
+    span = max(r["start_us"] + r["us"] for r in rows)
     gaps = sum(r["gap_us"] for r in rows if r["gap_us"] > 0)
     print(f"timeline: {len(rows)} kernels, span {span:.1f} us, {gaps:.1f} us in gaps between them")
     for r in rows[:40] + rows[-15:]:  # the step's start and end: the layers in between repeat

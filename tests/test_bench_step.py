@@ -59,12 +59,12 @@ def test_projections_come_in_the_forward_order_with_their_weights_bytes(tiny):
     assert all(b > 0 for b in expected)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 1000])
-def test_kind_bytes_count_hit_experts_state_and_kv(tiny, batch):
+@pytest.mark.parametrize("batch, tokens, passes", [(1, 1, 2), (3, 1, 2), (1, 4, 3), (1000, 1, 2)])
+def test_kind_bytes_count_hit_experts_state_and_kv(tiny, batch, tokens, passes):
     model, config, harness = tiny
     context = 64
-    kinds = kind_bytes(model, config, harness.manager, batch, context)
-    hit = 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch
+    kinds = kind_bytes(model, config, harness.manager, batch, context, tokens=tokens, state_passes=passes)
+    hit = 1 - (1 - config.num_experts_per_tok / config.num_experts) ** (batch * tokens)
     gate_up = hit * _bytes_named(model, "mlp.experts.gate_up") + _bytes_named(model, "mlp.shared_expert.gate_up_proj")
     down = hit * _bytes_named(model, "mlp.experts.down") + _bytes_named(model, "mlp.shared_expert.down_proj")
     assert kinds[KERNEL_ROWS["gate_up_mma_kernel"]] == pytest.approx(gate_up)
@@ -73,7 +73,7 @@ def test_kind_bytes_count_hit_experts_state_and_kv(tiny, batch):
     gdn_layers = config.layer_types.count("linear_attention")
     state = (config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
              * harness.manager.cache.state.recurrent[0].element_size())
-    assert kinds[KERNEL_ROWS["gdn_recurrent_kernel"]] == 2 * batch * gdn_layers * state
+    assert kinds[KERNEL_ROWS["gdn_recurrent_kernel"]] == passes * batch * gdn_layers * state
     kv = harness.manager.cache.kv
     attention_layers = config.layer_types.count("full_attention")
     per_token = 2 * config.num_kv_heads * config.head_dim * kv.k[kv.layers[0]].element_size()  # K and V
