@@ -18,6 +18,12 @@ Modes, run at each concurrency C:
   rendered chat; a server without it gets that many words): a chat of the plain prompts' length
   reads the same prompt graph, so the two differ by what a chat costs, not by a larger graph.
 
+With --engine (the JSON of `ninfer bench engine --json` on the same model and machine) each figure
+also comes as a ratio to the engine's own: TTFT per length to the engine loop's (first, repeat,
+chat), and a point's TPOT to the loop's at that batch and to the GPU's step alone (`step_ms`), its
+steady decode to the loop's tok/s: what the HTTP path costs on top of the engine, and the engine on
+top of the GPU.
+
 Requests stream (with usage), so TTFT and the gaps between chunks are the client's view, HTTP
 included. With --serve, every point starts a fresh `ninfer serve` (the methodology's rule); with
 --url, all points share one running server (say so when publishing).
@@ -377,6 +383,8 @@ def bench_serve(
     lengths: Annotated[str, typer.Option(help="Prompt lengths of the ttft mode, comma-separated.")] = "37,128,512,2048,8192",
     repeats: Annotated[int, typer.Option(help="ttft mode: fresh prompts per length after the first.", min=1)] = 3,
     api_key: Annotated[Optional[str], typer.Option(envvar="NINFER_API_KEY")] = None,
+    engine: Annotated[Optional[Path], typer.Option(help="`ninfer bench engine --json` output of the same model: "
+                                                   "each figure also as a ratio to the engine's.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
 ) -> None:
     """Measure a server: makespan, tok/s, TTFT / TPOT / ITL percentiles, acceptance, per concurrency."""
@@ -384,22 +392,29 @@ def bench_serve(
         raise typer.BadParameter("give exactly one of --url or --serve")
     if mode not in ("corpus", "saturation", "ttft"):
         raise typer.BadParameter("--mode must be corpus, saturation or ttft")
+    reference = load_engine_report(engine) if engine is not None else None
     sampling = {"temperature": 0.0} if greedy else STOCHASTIC
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if mode == "ttft":
-        return _bench_ttft(url, serve, [int(x) for x in lengths.split(",")], repeats, sampling, headers, out)
+        return _bench_ttft(url, serve, [int(x) for x in lengths.split(",")], repeats, sampling, headers, out,
+                           reference)
     requests = load_corpus(corpus) if corpus else synthetic_corpus(synthetic, prompt_tokens, max_tokens)
     random.Random(SHUFFLE_SEED).shuffle(requests)
     report = []
     for c in [int(x) for x in concurrency.split(",")]:
         result = _on_server(url, serve, lambda point_url: run_point(point_url, headers, mode, requests, c, sampling,
                                                                     interval))
+        if reference is not None:
+            result["vs_engine"] = decode_ratios(result, reference)
         report.append(result)
         ttft, tpot = result["ttft_ms"] or {}, result["tpot_ms"] or {}
         typer.echo(f"C={c}: {result['requests']} req ({result['errors']} failed) in {result['makespan_s']:.2f} s, "
                    f"decode {result['corpus_decode_tok_s']:.1f} tok/s, TTFT p50 {ttft.get('p50', 0):.1f} ms, "
                    f"TPOT p50 {tpot.get('p50', 0):.2f} ms, avg batch {result['avg_decode_batch'] or 0:.2f}"
-                   + (f", steady {result['steady_decode_tok_s'] or 0:.1f} tok/s" if mode == "saturation" else ""))
+                   + (f", steady {result['steady_decode_tok_s'] or 0:.1f} tok/s" if mode == "saturation" else "")
+                   + _ratio_text(result.get("vs_engine"), {"tpot_vs_loop": "TPOT / the loop's",
+                                                           "tpot_vs_step": "TPOT / the GPU step's",
+                                                           "steady_vs_loop": "steady / the loop's tok/s"}))
     if out is not None:
         out.write_text(json.dumps({"mode": mode, "points": report}, indent=2))
 
@@ -424,7 +439,7 @@ def _on_server(url: str | None, serve: str | None, run: Callable[[str], Coroutin
 
 
 def _bench_ttft(url: str | None, serve: str | None, lengths: list[int], repeats: int, sampling: dict[str, Any],
-                headers: dict[str, str], out: Path | None) -> None:
+                headers: dict[str, str], out: Path | None, reference: dict[str, Any] | None = None) -> None:
     """The ttft mode: one server (a fresh one with --serve, so that first sights are the server's)."""
     rows = _on_server(url, serve, lambda point_url: run_ttft(point_url, headers, lengths, repeats, sampling))
 
@@ -432,11 +447,53 @@ def _bench_ttft(url: str | None, serve: str | None, lengths: list[int], repeats:
         return "-" if value is None else f"{value:.1f}"
 
     for row in rows:
+        if reference is not None:
+            row["vs_engine"] = ttft_ratios(row, reference)
         typer.echo(f"{row['tokens']} tokens: TTFT first {ms(row['first_ms'])} ms, repeat {ms(row['repeat_ms'])} ms, "
                    f"cached {ms(row['cached_ms'])} ms; chat {ms(row['chat_ms'])} ms, same system prompt "
-                   f"{ms(row['chat_shared_ms'])} ms ({row['errors']} failed)")
+                   f"{ms(row['chat_shared_ms'])} ms ({row['errors']} failed)"
+                   + _ratio_text(row.get("vs_engine"), {"first": "first", "repeat": "repeat", "chat": "chat"},
+                                 "over the engine's: "))
     if out is not None:
         out.write_text(json.dumps({"mode": "ttft", "lengths": rows}, indent=2))
+
+
+def load_engine_report(path: Path) -> dict[str, Any]:
+    """`ninfer bench engine --json` output: its `ttft` and `decode` rows; a file that is not one is a
+    clean error before any request is sent."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        fail(f"--engine {path}: cannot read it as JSON ({e})")
+    if not isinstance(report, dict) or not isinstance(report.get("ttft"), list) or \
+            not isinstance(report.get("decode"), list):
+        fail(f"--engine {path}: not a `ninfer bench engine --json` report (no ttft / decode rows)")
+    return report
+
+
+def _ratio(served: float | None, engine: Any) -> float | None:
+    return served / engine if served is not None and isinstance(engine, (int, float)) and engine > 0 else None
+
+
+def ttft_ratios(row: dict[str, Any], reference: dict[str, Any]) -> dict[str, float | None]:
+    """A ttft row's first / repeat / chat TTFT over the engine's at the same prompt length (None
+    where the engine report has no such length or figure)."""
+    engine = next((r for r in reference["ttft"] if r.get("tokens") == row["tokens"]), {})
+    return {key: _ratio(row[f"{key}_ms"], engine.get(f"{key}_ms")) for key in ("first", "repeat", "chat")}
+
+
+def decode_ratios(point: dict[str, Any], reference: dict[str, Any]) -> dict[str, float | None]:
+    """A point's TPOT p50 over the engine loop's at the batch of its concurrency and over the GPU's
+    step alone; its steady decode (saturation) over the loop's aggregate tok/s."""
+    engine = next((r for r in reference["decode"] if r.get("batch") == point["concurrency"]), {})
+    tpot = (point.get("tpot_ms") or {}).get("p50")
+    return {"tpot_vs_loop": _ratio(tpot, engine.get("tpot_ms")), "tpot_vs_step": _ratio(tpot, engine.get("step_ms")),
+            "steady_vs_loop": _ratio(point.get("steady_decode_tok_s"), engine.get("tok_s"))}
+
+
+def _ratio_text(ratios: dict[str, float | None] | None, labels: dict[str, str], prefix: str = "") -> str:
+    shown = [f"{labels[k]} {v:.3f}x" for k, v in (ratios or {}).items() if v is not None and k in labels]
+    return f"; {prefix}{', '.join(shown)}" if shown else ""
 
 
 def register(bench_group: typer.Typer) -> None:

@@ -94,13 +94,16 @@ LIST
         > /dev/null 2>&1 &
       sleep 1
     fi
+    # with this call's engine report (the engine or issue15 step before this one), each figure over the engine's too
+    engine_ref=""
+    for f in "$OUT/engine_35b.json" "$OUT/issue15_engine.json"; do [ -s "$f" ] && engine_ref="--engine $f" && break; done
     # TTFT per prompt length: first sight right after start (before the other runs), repeats, the same prompt again (prefix cached)
-    timeout 200 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode ttft --greedy \
+    timeout 200 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode ttft --greedy $engine_ref \
       --lengths ${TTFT_LENGTHS:-37,128,512,2048,8192} --out "$OUT/serve_ttft_lengths.json" 2>&1 | tail -6
     for sampling in ${SERVE_SAMPLING:---greedy --no-greedy}; do
       name=${sampling#--}
       timeout 200 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode saturation --concurrency 1,8 --interval 0.2 \
-        --prompt-tokens 512 --max-tokens 256 $sampling --out "$OUT/serve_sat_$name.json" 2>&1 | tail -8
+        --prompt-tokens 512 --max-tokens 256 $sampling $engine_ref --out "$OUT/serve_sat_$name.json" 2>&1 | tail -8
       timeout 120 python3 -m ninfer_app bench serve --url http://127.0.0.1:8123 --mode corpus --concurrency 1 \
         --synthetic 6 --prompt-tokens ${TTFT_PROMPT:-512} --max-tokens 8 $sampling --out "$OUT/serve_ttft_$name.json" 2>&1 | tail -4
     done

@@ -42,14 +42,23 @@ def test_bench_serve_corpus_and_saturation(tmp_path_factory, tmp_path):
         models = re.search(r'ninfer_http_requests_total\{route="/v1/models",status="200"\} (\S+)',
                            httpx.get(handle.url + "/metrics").text)
         assert models is not None and float(models.group(1)) == 3
+        # with an engine report (batch 2's row: the concurrency's), the figures as ratios to its
+        engine = tmp_path / "engine.json"
+        engine.write_text(json.dumps({"ttft": [], "decode": [
+            {"batch": 1, "tpot_ms": 99.0, "tok_s": 1.0, "step_ms": 9.0},
+            {"batch": 2, "tpot_ms": 4.0, "tok_s": 300.0, "step_ms": 2.5}]}))
         result = runner.invoke(bench, ["serve", "--url", handle.url, "--mode", "saturation", "--concurrency", "2",
                                        "--synthetic", "1", "--prompt-tokens", "8", "--max-tokens", "60",
-                                       "--interval", "0.05",
+                                       "--interval", "0.05", "--engine", str(engine),
                                        "--out", str(wave_out)])
         assert result.exit_code == 0, result.output
         (wave,) = json.loads(wave_out.read_text())["points"]
         assert wave["errors"] == 0 and wave["completion_tokens"] == 2 * 60
         assert wave["steady_seconds"] > 0 and wave["steady_decode_tok_s"] > 0
+        assert wave["vs_engine"] == {"tpot_vs_loop": wave["tpot_ms"]["p50"] / 4.0,
+                                     "tpot_vs_step": wave["tpot_ms"]["p50"] / 2.5,
+                                     "steady_vs_loop": wave["steady_decode_tok_s"] / 300.0}
+        assert f"TPOT / the loop's {wave['tpot_ms']['p50'] / 4.0:.3f}x" in result.output
     finally:
         handle.stop()
 
@@ -63,16 +72,23 @@ def test_bench_serve_ttft_per_prompt_length(tmp_path_factory, tmp_path):
     bench = typer.Typer()
     bench.callback()(lambda: None)
     register(bench)
-    out = tmp_path / "ttft.json"
+    out, engine = tmp_path / "ttft.json", tmp_path / "engine.json"
+    # an engine report with the 24-token length only (and no chat figure): ratios where it has them
+    engine.write_text(json.dumps({"decode": [], "ttft": [{"tokens": 24, "first_ms": 2.0, "repeat_ms": 0.5,
+                                                          "chat_ms": None}]}))
     try:
         hits, rows = [_metric(handle.url, "ninfer_prefix_cache_hits_total")], []
         for length in ("24", "300"):  # one run each: the hits of the 300-token one alone
             result = CliRunner().invoke(bench, ["serve", "--url", handle.url, "--mode", "ttft", "--lengths", length,
-                                                "--repeats", "2", "--greedy", "--out", str(out)])
+                                                "--repeats", "2", "--greedy", "--engine", str(engine),
+                                                "--out", str(out)])
             assert result.exit_code == 0, result.output
             rows += json.loads(out.read_text())["lengths"]
             hits.append(_metric(handle.url, "ninfer_prefix_cache_hits_total"))
         assert [r["tokens"] for r in rows] == [24, 300]
+        assert rows[0]["vs_engine"] == {"first": rows[0]["first_ms"] / 2.0, "repeat": rows[0]["repeat_ms"] / 0.5,
+                                        "chat": None}
+        assert rows[1]["vs_engine"] == {"first": None, "repeat": None, "chat": None}
         for row in rows:
             assert row["errors"] == 0, row
             assert row["prompt_tokens"] == [row["tokens"]] * 4, row
@@ -88,6 +104,22 @@ def test_bench_serve_ttft_per_prompt_length(tmp_path_factory, tmp_path):
         assert hits[2] - hits[1] >= 299 + second - 80, (hits, rows[1])
     finally:
         handle.stop()
+
+
+def test_bench_serve_refuses_an_engine_report_it_cannot_read_before_sending(tmp_path):
+    bench = typer.Typer()
+    bench.callback()(lambda: None)
+    register(bench)
+    bad, wrong = tmp_path / "bad.json", tmp_path / "wrong.json"
+    bad.write_text("{not json")
+    wrong.write_text(json.dumps({"points": []}))  # a bench serve report, not an engine one
+    for path, message in ((bad, "cannot read it as JSON"), (tmp_path / "missing.json", "cannot read it as JSON"),
+                          (wrong, "not a `ninfer bench engine --json` report")):
+        # port 9 (discard): nothing listens there; the report is refused before any request
+        result = CliRunner().invoke(bench, ["serve", "--url", "http://127.0.0.1:9", "--mode", "ttft",
+                                            "--engine", str(path)])
+        assert result.exit_code != 0 and message in result.output, result.output
+        assert "is the server running" not in result.output
 
 
 def _metric(url: str, name: str) -> float:
