@@ -39,6 +39,10 @@ KERNEL_ROWS = {
     "gdn_conv_kernel": "GDN conv",
 }
 GEMV_KERNEL = "quant_gemv_kernel"
+# 16-bit weights' projections run on cuBLAS (nvjet / gemv / gemm / CUTLASS kernels): one row, no bytes
+# (projection_bytes counts the quantized GEMVs only).
+DENSE_GEMM = "GEMM / GEMV (cuBLAS: 16-bit weights)"
+_CUBLAS_NAME = re.compile(r"nvjet|gemm|gemv|cutlass", re.IGNORECASE)
 OTHER = "other (step tables, embedding, copies)"
 
 
@@ -125,7 +129,7 @@ def step_table(kernels: Sequence[dict], projections: Sequence[tuple[str, int]],
             label, nbytes = projections[gemv_index] if by_order else ("GEMV: all projections", 0)
             gemv_index += 1
         else:
-            label, nbytes = KERNEL_ROWS.get(base, OTHER), 0
+            label, nbytes = _row(base, k["name"]), 0
         row = table.setdefault(label, KindRow(label))
         end = k["start_us"] + k["us"]
         row.calls += 1
@@ -138,6 +142,11 @@ def step_table(kernels: Sequence[dict], projections: Sequence[tuple[str, int]],
     for label, nbytes in kinds.items():  # a kind whose kernel is not in the timeline: a row of no calls
         table.setdefault(label, KindRow(label)).bytes += nbytes
     return sorted(table.values(), key=lambda r: (-r.share_us, -r.bytes))
+
+
+def _row(base: str, name: str) -> str:
+    """The row of a kernel that is not one of our GEMVs."""
+    return KERNEL_ROWS.get(base) or (DENSE_GEMM if _CUBLAS_NAME.search(name) else OTHER)
 
 
 def markdown(table: Sequence[KindRow]) -> str:

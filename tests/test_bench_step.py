@@ -14,8 +14,8 @@ import torch
 
 from ninfer_core.bench import BenchSetup, _build, _Harness
 from ninfer_core.bench_step import (
-    GEMV_KERNEL, KERNEL_ROWS, OTHER, KindRow, compare, kernel_base_name, kind_bytes, markdown, projection_bytes,
-    step_table,
+    DENSE_GEMM, GEMV_KERNEL, KERNEL_ROWS, OTHER, KindRow, compare, kernel_base_name, kind_bytes, markdown,
+    projection_bytes, step_table,
 )
 
 GEMV = f"void ninfer::(anonymous namespace)::{GEMV_KERNEL}<__nv_bfloat16, (ninfer::Codes)0, 1>(x)"
@@ -105,6 +105,16 @@ def test_a_kind_whose_kernel_is_missing_keeps_its_bytes_in_a_row_of_no_calls():
     assert [(r.row, r.calls, r.bytes) for r in table] == [("GEMV: a", 1, 100), (recurrent, 0, 50.0)]
     assert f"| {recurrent} | 0 | - | 0.0 | 0.0 | - | - |" in markdown(table).splitlines()
     assert markdown(table).splitlines()[-1] == "| **step** | 1 | | 4.0 | 0.0 | 0.00 | |"
+
+
+def test_cublas_kernels_of_16_bit_weights_form_their_own_row():
+    kernels = [{"start_us": 0.0, "us": 3.0, "name": "nvjet_sm90_tst_8x64_64x16_4x1_v_bz_TNN"},
+               {"start_us": 3.0, "us": 2.0, "name": "void gemv2T_kernel_val<int, int, __nv_bfloat16, float>(...)"},
+               {"start_us": 5.0, "us": 1.0, "name": "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>(...)"},
+               {"start_us": 6.0, "us": 1.0, "name": _kernel("silu_mul_kernel")}]
+    table = {r.row: r for r in step_table(kernels, [], {})}
+    assert (table[DENSE_GEMM].calls, table[DENSE_GEMM].share_us, table[DENSE_GEMM].bytes) == (3, 6.0, 0)
+    assert table[OTHER].calls == 1
 
 
 def test_gemvs_form_one_row_where_their_count_differs_from_the_projections():
