@@ -32,6 +32,7 @@ KERNEL_ROWS = {
     "down_staged_kernel": "MoE down (+ shared, weights, residual)",
     "down_kernel": "MoE down (+ shared, weights, residual)",
     "gdn_recurrent_kernel": "GDN recurrent (state read + written)",
+    "gdn_commit_layers_kernel": "GDN recurrent (state read + written)",  # a verify's commits, layers together
     "decode_attention_kernel": "attention (KV read)",
     "decode_attention_reduce_kernel": "attention split reduce",
     "norm_rotary_kv_kernel": "q / k norm + RoPE + KV append",
