@@ -1,7 +1,9 @@
 """Builds' decode steps by kernel kind side by side, from `profile_decode.py --timeline --json`
-files named PREFIX_BUILD_roundN.json (`device_run.sh builds` with STEP_ROUNDS writes them):
-    python3 scripts/compare_step_tables.py OUT/step_*.json
-One table a PREFIX (a preset and batch), the --base build (main) first, the others against it."""
+files named PREFIX_BUILD_roundN.json (`device_run.sh builds` with STEP_ROUNDS writes them), or from
+`bench_spec.py profile --json` ones (VERIFY_PROFILE_ROUNDS: a decode step's table and a verify round's):
+    python3 scripts/compare_step_tables.py OUT/step_*.json OUT/verify_*.json
+One table a PREFIX (a preset and batch; with a profile's table name after it), the --base build
+(main) first, the others against it."""
 
 from __future__ import annotations
 
@@ -25,11 +27,14 @@ def main() -> None:
     runs: dict[str, dict[str, list[list[KindRow]]]] = {}
     for path in sorted(args.files, key=lambda p: p.name):
         match = NAME.match(path.name)
-        table = json.loads(path.read_text()).get("step_table") if match else None
-        if not table:
+        data = json.loads(path.read_text()) if match and path.is_file() else {}
+        tables = {"": data["step_table"]} if data.get("step_table") else data.get("step_tables") or {}
+        if not match or not all(tables.values()) or not tables:
             print(f"{path.name}: no step table (not PREFIX_BUILD_roundN.json from --timeline --json)", file=sys.stderr)
             continue
-        runs.setdefault(match["prefix"], {}).setdefault(match["build"], []).append([KindRow(**r) for r in table])
+        for name, table in tables.items():
+            run = f"{match['prefix']} {name}".strip()
+            runs.setdefault(run, {}).setdefault(match["build"], []).append([KindRow(**r) for r in table])
     for prefix, builds in runs.items():
         ordered = dict(sorted(builds.items(), key=lambda item: (item[0] != args.base, item[0])))
         print(f"\n{prefix}:\n{compare(ordered)}")

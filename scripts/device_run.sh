@@ -209,7 +209,8 @@ LIST
     # MAIN_TESTS="tests/a.py tests/b.py": main's GPU tests in its copy, before the patches' ones (a
     # combined build runs its parts' lists together); NO_TESTS=1: none.
     # SAMPLING_ROUNDS=N: bench_sampling.py (the sampler kernel at 248k tokens) likewise.
-    # STEP_ROUNDS=N: the decode step by kernel kind (STEP_RUNS) likewise, then the builds side by side.
+    # STEP_ROUNDS=N: the decode step by kernel kind (STEP_RUNS) likewise, then the builds side by side;
+    # VERIFY_PROFILE_ROUNDS=N: the K = 3 verify round and the decode step by kernel kind likewise.
     # SERVE_ROUNDS=N: `ninfer serve` from each copy and `bench serve` against it (TTFT per SERVE_LENGTHS, one client's decode).
     # REUSE_BUILDS=1 (a later call on the same warm machine): copies built before are not built again.
     # an editable install of this tree (an earlier step on a warm machine) would shadow the copies
@@ -285,8 +286,13 @@ LIST
       alternate ${STEP_ROUNDS:-0} "step_${preset}_b$batch" 1 env NINFER_REQUIRE_KERNELS=1 python3 scripts/profile_decode.py \
         "$preset" --batch "$batch" --context "$context" --steps 2 --timeline /dev/null
     done
-    if [ "${STEP_ROUNDS:-0}" -gt 0 ]; then
-      python3 scripts/compare_step_tables.py "$OUT"/step_*_round*.json | tee "$OUT/step_tables.md"
+    # VERIFY_PROFILE_ROUNDS=N: each build's K = 3 verify round beside its decode step by kernel kind
+    # (bench_spec.py profile: shares, bytes) likewise, into the same side-by-side tables
+    alternate ${VERIFY_PROFILE_ROUNDS:-0} verify_b1 3 python3 scripts/bench_spec.py profile --weights int4 --max-k 3 \
+      --repeats 5
+    if [ "${STEP_ROUNDS:-0}" -gt 0 ] || [ "${VERIFY_PROFILE_ROUNDS:-0}" -gt 0 ]; then
+      python3 scripts/compare_step_tables.py "$OUT"/step_*_round*.json "$OUT"/verify_b1_*_round*.json \
+        | tee "$OUT/step_tables.md"
     fi
     if [ "${ENGINE_ROUNDS:-0}" -gt 0 ] || [ "${SPEC_ENGINE_ROUNDS:-0}" -gt 0 ] || [ "${SERVE_ROUNDS:-0}" -gt 0 ]; then  # the model directory, made with a built copy's package (none is installed)
       set -- $built

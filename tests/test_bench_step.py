@@ -155,3 +155,22 @@ def test_compare_script_groups_files_by_run_and_puts_the_base_first(tmp_path):
     assert "| kernel kind (us of the step) | main | a-patch |" in b1
     assert "| router | 5.0 | 6.0 (+20.0%) |" in b1
     assert "| router | 9.0 |" in b8
+
+
+def test_compare_script_takes_a_verify_profiles_two_tables(tmp_path):
+    def write(name: str, decode: float, verify: float) -> None:
+        tables = {"decode step": [vars(KindRow("router", 1, decode, decode))],
+                  "K = 3 verify + commit": [vars(KindRow("router", 1, verify, verify))]}
+        (tmp_path / name).write_text(json.dumps({"step_tables": tables}))
+
+    write("verify_b1_main_round1.json", 4.0, 8.0)
+    write("verify_b1_patch_round1.json", 4.0, 6.0)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "compare_step_tables.py"
+    run = subprocess.run([sys.executable, str(script), *sorted(str(p) for p in tmp_path.iterdir()),
+                          str(tmp_path / "step_none_b1_main_round1.json")],  # a glob that matched nothing
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "step_none_b1_main_round1.json: no step table" in run.stderr
+    decode, verify = run.stdout.strip().split("\n\n")
+    assert decode.splitlines()[0] == "verify_b1 decode step:" and "| router | 4.0 | 4.0 (+0.0%) |" in decode
+    assert verify.splitlines()[0] == "verify_b1 K = 3 verify + commit:" and "| router | 8.0 | 6.0 (-25.0%) |" in verify
