@@ -24,10 +24,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._swiglu(x))
 
-    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor,
-                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                         route_rows: torch.Tensor | None = None,
+                         live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(h), s) for (h, s) = norm.add_norm(x, residual): a decode step's whole block in one
-        CPU call where it applies (cpu_layer.mlp_block: a dense layer's Python, ~3 wrapped calls, goes)."""
+        CPU call where it applies (cpu_layer.mlp_block: a dense layer's Python, ~3 wrapped calls, goes).
+        route_rows, live: SparseMoE's routing of padding rows, which a dense MLP has none of (a decoder
+        layer calls either block alike)."""
         if x.device.type == "cpu":
             fused = cpu_layer.mlp_block(x, residual, norm, self.gate_up_proj.linear, self.down_proj)
             if fused is not None:

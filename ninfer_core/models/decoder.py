@@ -89,10 +89,8 @@ class DecoderLayer(nn.Module):
         if isinstance(h, PendingNorm):
             assert h.summed is not None, "the mixer did not project its input"
             residual = h.summed
-        if isinstance(step, StepContext) and (step.route_rows is not None or step.live_tokens is not None):
-            return self.mlp.add_norm_forward(mixed, residual, self.post_attention_layernorm,  # MoE layers only
-                                             step.route_rows, step.live_tokens)
-        return self.mlp.add_norm_forward(mixed, residual, self.post_attention_layernorm)
+        route_rows, live = (step.route_rows, step.live_tokens) if isinstance(step, StepContext) else (None, None)
+        return self.mlp.add_norm_forward(mixed, residual, self.post_attention_layernorm, route_rows, live)
 
     def _mix(self, h: torch.Tensor | PendingNorm, step: StepContext) -> torch.Tensor:
         """The token mixer (GDN or attention) of one part's rows [B, T, hidden] (or of those rows
