@@ -57,13 +57,18 @@ def bench_engine(
     print(f"{report.model} on {report.device}: weights {report.weights}, KV {report.kv_dtype}, "
           f"graphs {'on' if report.cuda_graphs else 'off'}, overlap {'on' if report.overlap else 'off'}, "
           f"loaded in {report.load_s:.1f} s")
+    if report.bandwidth_gb_s is not None:
+        print(f"limits: copy bandwidth {report.bandwidth_gb_s:.0f} GB/s, bf16 GEMM {report.matmul_tflop_s:.0f} TFLOP/s")
     for t in report.ttft:
         chat = "" if t.chat_ms is None else f", chat-shaped {t.chat_ms:8.1f} ms (chunk ends: {t.chat_split_ms:8.1f} ms)"
         pieces = "" if t.pieces_ms is None else f", graph pieces {t.pieces_ms:8.1f} ms (one chunk: {t.one_chunk_ms:8.1f} ms)"
-        print(f"TTFT {t.tokens:>6} tokens: first {t.first_ms:8.1f} ms, repeat {t.repeat_ms:8.1f} ms{chat}{pieces}")
+        limit = "" if t.limit_ms is None else f" = {t.repeat_ms / t.limit_ms:.1f}x the limit {t.limit_ms:.2f} ms"
+        print(f"TTFT {t.tokens:>6} tokens: first {t.first_ms:8.1f} ms, repeat {t.repeat_ms:8.1f} ms"
+              f"{limit}{chat}{pieces}")
     for d in report.decode:
+        limit = "" if d.limit_ms is None else f", {d.tpot_ms / d.limit_ms:.2f}x the limit {d.limit_ms:.3f} ms"
         print(f"decode batch {d.batch:>2}: TPOT {d.tpot_ms:.2f} ms ({d.tok_s:.0f} tok/s) vs GPU step "
-              f"{d.step_ms:.2f} ms = {d.overhead:.2f}x")
+              f"{d.step_ms:.2f} ms = {d.overhead:.2f}x{limit}")
 
 
 def register(bench_group: typer.Typer) -> None:

@@ -22,7 +22,9 @@ With --engine (the JSON of `ninfer bench engine --json` on the same model and ma
 also comes as a ratio to the engine's own: TTFT per length to the engine loop's (first, repeat,
 chat), and a point's TPOT to the loop's at that batch and to the GPU's step alone (`step_ms`), its
 steady decode to the loop's tok/s: what the HTTP path costs on top of the engine, and the engine on
-top of the GPU.
+top of the GPU. Where the report has the card's limits (a CUDA run: its `limit_ms`), the repeated TTFT
+and the TPOT also come over the limit: the prefill at the bandwidth or GEMM peak, the step's bytes at
+the bandwidth.
 
 Requests stream (with usage), so TTFT and the gaps between chunks are the client's view, HTTP
 included. With --serve, every point starts a fresh `ninfer serve` (the methodology's rule); with
@@ -414,6 +416,7 @@ def bench_serve(
                    + (f", steady {result['steady_decode_tok_s'] or 0:.1f} tok/s" if mode == "saturation" else "")
                    + _ratio_text(result.get("vs_engine"), {"tpot_vs_loop": "TPOT / the loop's",
                                                            "tpot_vs_step": "TPOT / the GPU step's",
+                                                           "tpot_vs_limit": "TPOT / the limit",
                                                            "steady_vs_loop": "steady / the loop's tok/s"}))
     if out is not None:
         out.write_text(json.dumps({"mode": mode, "points": report}, indent=2))
@@ -452,8 +455,9 @@ def _bench_ttft(url: str | None, serve: str | None, lengths: list[int], repeats:
         typer.echo(f"{row['tokens']} tokens: TTFT first {ms(row['first_ms'])} ms, repeat {ms(row['repeat_ms'])} ms, "
                    f"cached {ms(row['cached_ms'])} ms; chat {ms(row['chat_ms'])} ms, same system prompt "
                    f"{ms(row['chat_shared_ms'])} ms ({row['errors']} failed)"
-                   + _ratio_text(row.get("vs_engine"), {"first": "first", "repeat": "repeat", "chat": "chat"},
-                                 "over the engine's: "))
+                   + _ratio_text(row.get("vs_engine"), {"first": "first / the engine's",
+                                                        "repeat": "repeat / the engine's", "chat": "chat / the engine's",
+                                                        "repeat_vs_limit": "repeat / the limit"}))
     if out is not None:
         out.write_text(json.dumps({"mode": "ttft", "lengths": rows}, indent=2))
 
@@ -476,18 +480,20 @@ def _ratio(served: float | None, engine: Any) -> float | None:
 
 
 def ttft_ratios(row: dict[str, Any], reference: dict[str, Any]) -> dict[str, float | None]:
-    """A ttft row's first / repeat / chat TTFT over the engine's at the same prompt length (None
-    where the engine report has no such length or figure)."""
+    """A ttft row's first / repeat / chat TTFT over the engine's at the same prompt length, and its
+    repeat over the prefill's limit (None where the engine report has no such length or figure)."""
     engine = next((r for r in reference["ttft"] if r.get("tokens") == row["tokens"]), {})
-    return {key: _ratio(row[f"{key}_ms"], engine.get(f"{key}_ms")) for key in ("first", "repeat", "chat")}
+    ratios = {key: _ratio(row[f"{key}_ms"], engine.get(f"{key}_ms")) for key in ("first", "repeat", "chat")}
+    return {**ratios, "repeat_vs_limit": _ratio(row["repeat_ms"], engine.get("limit_ms"))}
 
 
 def decode_ratios(point: dict[str, Any], reference: dict[str, Any]) -> dict[str, float | None]:
-    """A point's TPOT p50 over the engine loop's at the batch of its concurrency and over the GPU's
-    step alone; its steady decode (saturation) over the loop's aggregate tok/s."""
+    """A point's TPOT p50 over the engine loop's at the batch of its concurrency, over the GPU's step
+    alone and over the step's limit; its steady decode (saturation) over the loop's aggregate tok/s."""
     engine = next((r for r in reference["decode"] if r.get("batch") == point["concurrency"]), {})
     tpot = (point.get("tpot_ms") or {}).get("p50")
     return {"tpot_vs_loop": _ratio(tpot, engine.get("tpot_ms")), "tpot_vs_step": _ratio(tpot, engine.get("step_ms")),
+            "tpot_vs_limit": _ratio(tpot, engine.get("limit_ms")),
             "steady_vs_loop": _ratio(point.get("steady_decode_tok_s"), engine.get("tok_s"))}
 
 

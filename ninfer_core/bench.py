@@ -34,7 +34,7 @@ from .config import ModelConfig
 from .engine.cuda_graph import DecodeGraphs
 from .engine.graph_capture import capture
 from .errors import NinferError
-from .hub.fit import count_params
+from .hub.fit import count_params, matmul_params_per_token
 from .layers.moe import Experts
 from .models.base import ForwardBatch
 from .models.loader import load_model, random_model, resolve_device, resolve_dtype
@@ -129,6 +129,23 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * n * 10 / (start.elapsed_time(end) / 1e3)
 
 
+def matmul_peak(device: torch.device) -> float:
+    """FLOP/s of a large bf16 matrix product, the practical compute ceiling; NaN off CUDA."""
+    if device.type != "cuda":
+        return float("nan")
+    n, repeats = 8192, 5
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    a @ b
+    _sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    _sync(device)
+    return 2 * n**3 * repeats / (start.elapsed_time(end) / 1e3)
+
+
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -143,17 +160,39 @@ def decode_weight_bytes(model: nn.Module, config: ModelConfig, batch: int) -> in
     hit = expected_hit(config, batch) if config.is_moe else 1.0
     expert_tensors = {id(t) for m in model.modules() if isinstance(m, Experts) for t in (*m.parameters(), *m.buffers())}
     head = {t.data_ptr() for t in (*model.lm_head.parameters(), *model.lm_head.buffers())}
-    # the embedding table (plain or quantized): a row per token, unless lm_head reads all of it
+    # the embedding table (plain or quantized): a row per token (a prompt's: at most every row), unless
+    # lm_head reads all of it
     table = {t.data_ptr() for t in (*model.embed_tokens.parameters(), *model.embed_tokens.buffers())} - head
     total = 0.0
     for t in unique_tensors(model):
         if t.data_ptr() in table:
-            total += batch * _tensor_bytes(t[0])
+            total += min(batch, t.shape[0]) * _tensor_bytes(t[0])
         elif id(t) in expert_tensors:
             total += hit * _tensor_bytes(t)
         else:
             total += _tensor_bytes(t)
     return int(total)
+
+
+def decode_step_bytes(model: nn.Module, config: ModelConfig, manager: CacheManager, batch: int, context: float) -> int:
+    """Bytes a decode step of `batch` sequences at `context` tokens must move: the weights it touches,
+    each row's KV of the context and its GDN state read and written (the roofline's count)."""
+    per_row = manager.cache.kv.bytes_per_token * context + 2 * manager.cache.state.bytes_per_slot
+    return int(decode_weight_bytes(model, config, batch) + batch * per_row)
+
+
+def prefill_limit_ms(model: nn.Module, config: ModelConfig, manager: CacheManager, length: int, bandwidth: float,
+                     peak: float) -> float:
+    """A prompt's prefill at the card's limits: the weights its tokens touch read once, its KV written
+    and its GDN state read and written at the copy bandwidth, or its FLOPs (matmuls, causal attention)
+    at the GEMM peak, whichever takes longer. A lower bound: no kernel reaches both ceilings."""
+    moved = (decode_weight_bytes(model, config, length) + length * manager.cache.kv.bytes_per_token
+             + 2 * manager.cache.state.bytes_per_slot)
+    attention_layers = sum(kind == "full_attention" for kind in config.layer_types)
+    # causal attention: q k^T and p v over half the square, 2 FLOPs a product each
+    flops = (2 * length * matmul_params_per_token(config)
+             + 2 * length * length * config.num_heads * config.head_dim * attention_layers)
+    return 1e3 * max(moved / bandwidth, flops / peak)
 
 
 def _build(setup: BenchSetup) -> tuple[nn.Module, ModelConfig, torch.device, torch.dtype, QuantRecipe]:
@@ -275,9 +314,7 @@ class _Harness:
         seconds = _timed(run, self.device) / steps
         self.release(seqs)
         graph_ms = self.replay_ms(batch) if self.graphs is not None else None
-        kv = self.manager.cache.kv.bytes_per_token * (context + steps // 2)
-        state = 2 * self.manager.cache.state.bytes_per_slot
-        moved = decode_weight_bytes(self.model, self.config, batch) + batch * (kv + state)
+        moved = decode_step_bytes(self.model, self.config, self.manager, batch, context + steps // 2)
         return DecodeRun(batch=batch, context=context, ms_per_step=seconds * 1e3, tok_s=batch / seconds,
                          bytes_per_step=moved, gb_s=moved / seconds / 1e9,
                          roofline_fraction=moved / seconds / bandwidth if math.isfinite(bandwidth) else float("nan"),

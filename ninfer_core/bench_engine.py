@@ -13,12 +13,18 @@ Through the same loop the server runs (scheduler, sampling, detokenization, stop
   graph replay and the sampling kernel, timed with CUDA events; the wall clock on the CPU). Their
   ratio is the host overhead a user pays on top of the GPU.
 
+And each against the card's limit (CUDA; none on the CPU): a decode step's bytes (the weights it
+touches, each row's KV and GDN state) at the copy bandwidth measured on the spot, a prompt's prefill at
+that bandwidth or at the bf16 GEMM peak measured likewise, whichever takes longer (bench.py's counts:
+`decode_step_bytes`, `prefill_limit_ms`).
+
 Prompts are random token ids (a fresh draw per request), answers greedy with `ignore_eos`.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import platform
 import statistics
 import time
@@ -27,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .bench import copy_bandwidth, decode_step_bytes, matmul_peak, prefill_limit_ms
 from .cache.prefix_cache import SPLIT_MIN
 from .engine.llm_engine import LLMEngine
 from .engine.request import GenerationRequest
@@ -48,6 +55,7 @@ class TTFTRun:
     # prompts longer than a prompt graph holds: read in graph-sized pieces / as one eager chunk
     pieces_ms: float | None = None
     one_chunk_ms: float | None = None
+    limit_ms: float | None = None  # the prefill at the card's bandwidth or GEMM peak (CUDA only)
 
 
 @dataclass
@@ -57,6 +65,7 @@ class LoopDecodeRun:
     tok_s: float  # aggregate over the batch
     step_ms: float  # device time of one decode step of this batch (forward + sampling)
     overhead: float  # tpot_ms / step_ms
+    limit_ms: float | None = None  # the step's bytes at the card's copy bandwidth (CUDA only)
 
 
 @dataclass
@@ -72,6 +81,8 @@ class EngineBenchReport:
     date: str = ""
     torch: str = ""
     load_s: float | None = None  # LLM.load's wall time (weights, KV sizing, graph captures, warm-up), if timed
+    bandwidth_gb_s: float | None = None  # the limits' measured copy bandwidth and bf16 GEMM peak (CUDA)
+    matmul_tflop_s: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -172,7 +183,9 @@ def _device_ms(fn: Callable[[], None], device: torch.device) -> float:
 
 def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches: tuple[int, ...] = LOOP_BATCHES,
                      tokens: int = 128, repeats: int = 3, seed: int = 0,
-                     progress: Callable[[str], None] = lambda _: None) -> EngineBenchReport:
+                     progress: Callable[[str], None] = lambda _: None,
+                     ceilings: tuple[float, float] | None = None) -> EngineBenchReport:
+    """ceilings: (bytes/s, FLOP/s) for the limits instead of measuring them (a test's; the CPU has none)."""
     engine = llm.engine
     if max(lengths, default=0) >= engine.max_context:
         raise NinferError(f"prompt length {max(lengths)} does not fit the context limit {engine.max_context}")
@@ -182,10 +195,16 @@ def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches:
         kv_dtype=stats.kv_dtype, cuda_graphs=stats.cuda_graphs, overlap=engine.overlap,
         date=datetime.date.today().isoformat(), torch=torch.__version__,
     )
+    bandwidth, peak = ceilings or (copy_bandwidth(engine.device), matmul_peak(engine.device))
+    limited = math.isfinite(bandwidth) and math.isfinite(peak)
+    if limited:
+        report.bandwidth_gb_s, report.matmul_tflop_s = bandwidth / 1e9, peak / 1e12
     runner = _Runner(engine, seed)
     for length in lengths:  # every first sight before any repeat: the first one after load
         progress(f"first prompt of {length} tokens")
-        report.ttft.append(TTFTRun(length, runner.ttft_ms(length), 0.0))
+        limit = prefill_limit_ms(engine.model, engine.config, engine.cache, length, bandwidth,
+                                 peak) if limited else None
+        report.ttft.append(TTFTRun(length, runner.ttft_ms(length), 0.0, limit_ms=limit))
     scheduler = engine.scheduler
 
     def median_ms(length: int, checkpoints: tuple[int, ...] = (), **setting: int | bool) -> float:
@@ -218,5 +237,8 @@ def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches:
         progress(f"decode through the loop, batch {batch}")
         tpot, tok_s = runner.loop_decode(batch, tokens)
         step = runner.step_ms(batch)
-        report.decode.append(LoopDecodeRun(batch, tpot, tok_s, step, tpot / step))
+        # the loop's sequences: a 32-token prompt, then `tokens` answer tokens (the middle one's context)
+        limit = (1e3 * decode_step_bytes(engine.model, engine.config, engine.cache, batch, 32 + tokens / 2) / bandwidth
+                 if limited else None)
+        report.decode.append(LoopDecodeRun(batch, tpot, tok_s, step, tpot / step, limit))
     return report

@@ -170,6 +170,8 @@ def test_bench_engine_reports_its_load_time(model_dir):
     out = json.loads(proc.stdout)
     assert [t["tokens"] for t in out["ttft"]] == [8] and [d["batch"] for d in out["decode"]] == [1]
     assert 0 < out["load_s"] < 300
+    # the card's limits are measured on CUDA only: none here
+    assert out["bandwidth_gb_s"] is None and out["ttft"][0]["limit_ms"] is None and out["decode"][0]["limit_ms"] is None
 
 
 def test_bench_first_layers_of_a_preset():

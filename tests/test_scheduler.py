@@ -226,6 +226,7 @@ def test_overlap_stops_exactly_and_aborts_free_the_cache(model_dir):
 def test_engine_bench_runs_through_the_loop(model_dir):
     """`ninfer bench engine`'s measurements on the CPU: one TTFT per length (first, then repeats),
     loop decode per batch with the step-time ratio; the engine is idle and empty afterwards."""
+    from ninfer_core.bench import decode_step_bytes, prefill_limit_ms
     from ninfer_core.bench_engine import run_engine_bench
 
     llm = make_llm(model_dir, max_seqs=2, overlap=True)
@@ -233,7 +234,16 @@ def test_engine_bench_runs_through_the_loop(model_dir):
     forwards = []
     forward = llm.engine._forward
     llm.engine._forward = lambda parts: forwards.extend(p.num_new_tokens for p in parts) or forward(parts)
-    report = run_engine_bench(llm, lengths=(8, 40), batches=(1, 2), tokens=6, repeats=2)
+    # the card's limits from given ceilings (the CPU measures none): 2 GB/s, 0.05 TFLOP/s
+    report = run_engine_bench(llm, lengths=(8, 40), batches=(1, 2), tokens=6, repeats=2, ceilings=(2e9, 5e10))
+    engine = llm.engine
+    assert (report.bandwidth_gb_s, report.matmul_tflop_s) == (2.0, 0.05)
+    assert [t.limit_ms for t in report.ttft] == [
+        prefill_limit_ms(engine.model, engine.config, engine.cache, n, 2e9, 5e10) for n in (8, 40)]
+    assert [d.limit_ms for d in report.decode] == [  # the middle token's context: a 32-token prompt + 6 / 2
+        1e3 * decode_step_bytes(engine.model, engine.config, engine.cache, b, 35) / 2e9 for b in (1, 2)]
+    assert 0 < report.ttft[0].limit_ms < report.ttft[1].limit_ms
+    assert 0 < report.decode[0].limit_ms < report.decode[1].limit_ms
     assert [t.tokens for t in report.ttft] == [8, 40]
     assert all(t.first_ms > 0 and t.repeat_ms > 0 for t in report.ttft)
     # past the graph's 32 tokens the 40-token prompt is also read in pieces (32 + 8) and in one chunk

@@ -46,7 +46,7 @@ def test_bench_serve_corpus_and_saturation(tmp_path_factory, tmp_path):
         engine = tmp_path / "engine.json"
         engine.write_text(json.dumps({"ttft": [], "decode": [
             {"batch": 1, "tpot_ms": 99.0, "tok_s": 1.0, "step_ms": 9.0},
-            {"batch": 2, "tpot_ms": 4.0, "tok_s": 300.0, "step_ms": 2.5}]}))
+            {"batch": 2, "tpot_ms": 4.0, "tok_s": 300.0, "step_ms": 2.5, "limit_ms": 0.5}]}))
         result = runner.invoke(bench, ["serve", "--url", handle.url, "--mode", "saturation", "--concurrency", "2",
                                        "--synthetic", "1", "--prompt-tokens", "8", "--max-tokens", "60",
                                        "--interval", "0.05", "--engine", str(engine),
@@ -57,8 +57,10 @@ def test_bench_serve_corpus_and_saturation(tmp_path_factory, tmp_path):
         assert wave["steady_seconds"] > 0 and wave["steady_decode_tok_s"] > 0
         assert wave["vs_engine"] == {"tpot_vs_loop": wave["tpot_ms"]["p50"] / 4.0,
                                      "tpot_vs_step": wave["tpot_ms"]["p50"] / 2.5,
+                                     "tpot_vs_limit": wave["tpot_ms"]["p50"] / 0.5,
                                      "steady_vs_loop": wave["steady_decode_tok_s"] / 300.0}
         assert f"TPOT / the loop's {wave['tpot_ms']['p50'] / 4.0:.3f}x" in result.output
+        assert f"TPOT / the limit {wave['tpot_ms']['p50'] / 0.5:.3f}x" in result.output
     finally:
         handle.stop()
 
@@ -75,7 +77,7 @@ def test_bench_serve_ttft_per_prompt_length(tmp_path_factory, tmp_path):
     out, engine = tmp_path / "ttft.json", tmp_path / "engine.json"
     # an engine report with the 24-token length only (and no chat figure): ratios where it has them
     engine.write_text(json.dumps({"decode": [], "ttft": [{"tokens": 24, "first_ms": 2.0, "repeat_ms": 0.5,
-                                                          "chat_ms": None}]}))
+                                                          "chat_ms": None, "limit_ms": 0.25}]}))
     try:
         hits, rows = [_metric(handle.url, "ninfer_prefix_cache_hits_total")], []
         for length in ("24", "300"):  # one run each: the hits of the 300-token one alone
@@ -87,8 +89,8 @@ def test_bench_serve_ttft_per_prompt_length(tmp_path_factory, tmp_path):
             hits.append(_metric(handle.url, "ninfer_prefix_cache_hits_total"))
         assert [r["tokens"] for r in rows] == [24, 300]
         assert rows[0]["vs_engine"] == {"first": rows[0]["first_ms"] / 2.0, "repeat": rows[0]["repeat_ms"] / 0.5,
-                                        "chat": None}
-        assert rows[1]["vs_engine"] == {"first": None, "repeat": None, "chat": None}
+                                        "chat": None, "repeat_vs_limit": rows[0]["repeat_ms"] / 0.25}
+        assert rows[1]["vs_engine"] == {"first": None, "repeat": None, "chat": None, "repeat_vs_limit": None}
         for row in rows:
             assert row["errors"] == 0, row
             assert row["prompt_tokens"] == [row["tokens"]] * 4, row

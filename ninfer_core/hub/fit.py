@@ -55,11 +55,13 @@ def _gdn_params(cfg: ModelConfig) -> int:
     )
 
 
-def _ffn_params(cfg: ModelConfig) -> int:
+def _ffn_params(cfg: ModelConfig, active: bool = False) -> int:
+    """A layer's FFN parameters (active: those one token uses, its top-k routed experts only)."""
     h = cfg.hidden_size
     if not cfg.is_moe:
         return 3 * h * cfg.intermediate_size
-    n = h * cfg.num_experts + cfg.num_experts * 3 * h * cfg.moe_intermediate_size  # router + experts
+    experts = cfg.num_experts_per_tok if active else cfg.num_experts
+    n = h * cfg.num_experts + experts * 3 * h * cfg.moe_intermediate_size  # router + experts
     if cfg.shared_expert_intermediate_size:
         n += 3 * h * cfg.shared_expert_intermediate_size + h  # shared expert + its sigmoid gate
     return n
@@ -73,6 +75,13 @@ def count_params(cfg: ModelConfig) -> int:
         mixer = _attention_params(cfg) if kind == "full_attention" else _gdn_params(cfg)
         total += 2 * h + mixer + _ffn_params(cfg)
     return total
+
+
+def matmul_params_per_token(cfg: ModelConfig) -> int:
+    """The decoder layers' parameters one prompt token multiplies with (its routed experts only; no
+    embedding row, no lm_head, which a prefill runs for the last token alone): its matmul FLOPs / 2."""
+    return sum((_attention_params(cfg) if kind == "full_attention" else _gdn_params(cfg)) + _ffn_params(cfg, True)
+               for kind in cfg.layer_types)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> int:
