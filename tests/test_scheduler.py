@@ -260,6 +260,24 @@ def test_engine_bench_runs_through_the_loop(model_dir):
     assert not llm.engine.has_unfinished() and llm.engine.cache.active_tokens == 0
 
 
+@pytest.mark.cuda
+def test_engine_bench_measures_the_cards_limits_on_cuda(model_dir):
+    """On CUDA `ninfer bench engine` measures the copy bandwidth and a bf16 GEMM peak and sets each row
+    against them: positive limits below the measured times (a limit is a lower bound), the decode one
+    the step's bytes at the bandwidth."""
+    from ninfer_core.bench import decode_step_bytes
+    from ninfer_core.bench_engine import run_engine_bench
+
+    llm = make_llm(model_dir, device="cuda", dtype="bfloat16", max_seqs=2)
+    report = run_engine_bench(llm, lengths=(16,), batches=(1,), tokens=4, repeats=1)
+    assert report.bandwidth_gb_s > 50 and report.matmul_tflop_s > 1
+    (ttft,), (decode,) = report.ttft, report.decode
+    assert 0 < ttft.limit_ms < ttft.repeat_ms and 0 < decode.limit_ms < decode.tpot_ms
+    engine = llm.engine
+    assert decode.limit_ms == pytest.approx(
+        1e3 * decode_step_bytes(engine.model, engine.config, engine.cache, 1, 34) / (report.bandwidth_gb_s * 1e9))
+
+
 def test_penalty_tables_equal_the_host_reference():
     """Penalties from the device tables (filled from the prompt, then token by token as a step
     would record them) equal apply_penalties over the host histories, bit for bit."""
