@@ -456,7 +456,8 @@ def _bench_ttft(url: str | None, serve: str | None, lengths: list[int], repeats:
                    f"cached {ms(row['cached_ms'])} ms; chat {ms(row['chat_ms'])} ms, same system prompt "
                    f"{ms(row['chat_shared_ms'])} ms ({row['errors']} failed)"
                    + _ratio_text(row.get("vs_engine"), {"first": "first / the engine's",
-                                                        "repeat": "repeat / the engine's", "chat": "chat / the engine's",
+                                                        "repeat": "repeat / the engine's",
+                                                        "chat": "chat / the engine's",
                                                         "repeat_vs_limit": "repeat / the limit"}))
     if out is not None:
         out.write_text(json.dumps({"mode": "ttft", "lengths": rows}, indent=2))
@@ -497,9 +498,9 @@ def decode_ratios(point: dict[str, Any], reference: dict[str, Any]) -> dict[str,
             "steady_vs_loop": _ratio(point.get("steady_decode_tok_s"), engine.get("tok_s"))}
 
 
-def _ratio_text(ratios: dict[str, float | None] | None, labels: dict[str, str], prefix: str = "") -> str:
+def _ratio_text(ratios: dict[str, float | None] | None, labels: dict[str, str]) -> str:
     shown = [f"{labels[k]} {v:.3f}x" for k, v in (ratios or {}).items() if v is not None and k in labels]
-    return f"; {prefix}{', '.join(shown)}" if shown else ""
+    return f"; {', '.join(shown)}" if shown else ""
 
 
 def register(bench_group: typer.Typer) -> None:

@@ -364,7 +364,7 @@ def run_bench(setup: BenchSetup, progress: Callable[[str], None] = lambda _: Non
     harness = _Harness(model, config, dev, dtype, setup)
     bandwidth = copy_bandwidth(dev)
     weights_per_token = decode_weight_bytes(model, config, 1)
-    state = 2 * harness.manager.cache.state.bytes_per_slot
+    batch_one = decode_step_bytes(model, config, harness.manager, 1, 0)  # weights + state: the context's KV aside
     report = BenchReport(
         model=setup.model if setup.layers is None else f"{setup.model} (first {setup.layers} layers)",
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
@@ -375,7 +375,7 @@ def run_bench(setup: BenchSetup, progress: Callable[[str], None] = lambda _: Non
         weight_bytes=weight_bytes(model),
         weight_bytes_per_token=weights_per_token,
         copy_bandwidth_gb_s=bandwidth / 1e9,
-        roofline_tok_s=bandwidth / (weights_per_token + state) if math.isfinite(bandwidth) else float("nan"),
+        roofline_tok_s=bandwidth / batch_one if math.isfinite(bandwidth) else float("nan"),
         date=datetime.date.today().isoformat(),
         torch=torch.__version__,
         python=platform.python_version(),

@@ -43,6 +43,7 @@ from .llm import LLM
 
 TTFT_LENGTHS = (37, 128, 512, 2048, 8192)
 LOOP_BATCHES = (1, 8)
+LOOP_PROMPT_TOKENS = 32  # the prompt of each sequence the decode runs start from
 
 
 @dataclass
@@ -117,7 +118,7 @@ class _Runner:
         """B requests decoding `tokens` tokens each: (ms per token per sequence, aggregate tok/s),
         timed from the step that gives every sequence its first token to the last one."""
         for _ in range(batch):
-            self.engine.add_request(GenerationRequest(self.prompt(32), _greedy(tokens + 1)))
+            self.engine.add_request(GenerationRequest(self.prompt(LOOP_PROMPT_TOKENS), _greedy(tokens + 1)))
         counts: dict[str, int] = {}
         start = None
         while self.engine.has_unfinished():
@@ -133,7 +134,7 @@ class _Runner:
     def step_ms(self, batch: int, steps: int = 20) -> float:
         """Device time of one decode step (forward + sampling) of `batch` sequences at a short context."""
         engine = self.engine
-        requests = [GenerationRequest(self.prompt(32), _greedy(steps + 8)) for _ in range(batch)]
+        requests = [GenerationRequest(self.prompt(LOOP_PROMPT_TOKENS), _greedy(steps + 8)) for _ in range(batch)]
         for request in requests:
             engine.add_request(request)
         while any(s.in_prefill or not s.output_ids for s in engine.running) or engine.scheduler.waiting:
@@ -247,8 +248,9 @@ def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches:
         progress(f"decode through the loop, batch {batch}")
         tpot, tok_s = runner.loop_decode(batch, tokens)
         step = runner.step_ms(batch)
-        # the loop's sequences: a 32-token prompt, then `tokens` answer tokens (the middle one's context)
-        limit = (1e3 * decode_step_bytes(engine.model, engine.config, engine.cache, batch, 32 + tokens / 2) / bandwidth
-                 if limited else None)
+        # the loop's sequences: their prompt, then `tokens` answer tokens (the middle one's context)
+        context = LOOP_PROMPT_TOKENS + tokens / 2
+        limit = 1e3 * decode_step_bytes(engine.model, engine.config, engine.cache, batch, context) / bandwidth \
+            if limited else None
         report.decode.append(LoopDecodeRun(batch, tpot, tok_s, step, tpot / step, limit))
     return report

@@ -6,8 +6,8 @@ Compare with `profile_prefill.py` (one forward). `--chat`: each length also as a
 Programmatic dependent launch is off unless `--pdl`: with it a kernel starts before the one ahead of
 it ends and waits inside, so its time includes that wait and "GPU busy" (the kernels' sum) counts the
 overlap twice (the fifty-second session's chat profile gave the fused GDN steps 35 us a launch; taking
-their per-token loads out moved the H100's chat TTFT +0.3 to -2.3%, the window's one norm barrier with them -6 to -10%
-on the H200). The TTFTs printed first are of the chosen mode.
+their per-token loads out moved the H100's chat TTFT +0.3 to -2.3%, the window's one norm barrier with
+them -6 to -10% on the H200). The TTFTs printed first are of the chosen mode.
     python3 scripts/profile_engine_ttft.py .bench/qwen3.6-35b-a3b --lengths 2048,8192 [--prefill-chunk 8192] \
         [--top 40] [--chat] [--pdl]
 """
