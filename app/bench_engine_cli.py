@@ -63,8 +63,11 @@ def bench_engine(
         chat = "" if t.chat_ms is None else f", chat-shaped {t.chat_ms:8.1f} ms (chunk ends: {t.chat_split_ms:8.1f} ms)"
         pieces = "" if t.pieces_ms is None else f", graph pieces {t.pieces_ms:8.1f} ms (one chunk: {t.one_chunk_ms:8.1f} ms)"
         limit = "" if t.limit_ms is None else f" = {t.repeat_ms / t.limit_ms:.1f}x the limit {t.limit_ms:.2f} ms"
+        resent = "" if t.resent_ms is None else f", resent {t.resent_ms:8.1f} ms"
+        if t.short_split_ms is not None:
+            resent += f" (its first send split before the last token: {t.short_split_ms:8.1f} ms)"
         print(f"TTFT {t.tokens:>6} tokens: first {t.first_ms:8.1f} ms, repeat {t.repeat_ms:8.1f} ms"
-              f"{limit}{chat}{pieces}")
+              f"{limit}{resent}{chat}{pieces}")
     for d in report.decode:
         limit = "" if d.limit_ms is None else f", {d.tpot_ms / d.limit_ms:.2f}x the limit {d.limit_ms:.3f} ms"
         print(f"decode batch {d.batch:>2}: TPOT {d.tpot_ms:.2f} ms ({d.tok_s:.0f} tok/s) vs GPU step "

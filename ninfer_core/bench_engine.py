@@ -7,7 +7,9 @@ Through the same loop the server runs (scheduler, sampling, detokenization, stop
   their answer start (GDN state forks inside the chunk, `ForwardBatch.fork`), beside the same
   prompts with the scheduler ending a chunk at each checkpoint instead (what the forks replace);
   prompts longer than the largest prompt graph also read in graph-sized pieces and as one eager
-  chunk (the two sides of `Scheduler.pieces_up_to`);
+  chunk (the two sides of `Scheduler.pieces_up_to`); with the prefix cache, the same prompt sent
+  again ("resent": a regenerated answer, resumed one token before its end), prompts shorter than
+  `PrefixCache.split_min` with that split forced (what taking it would cost their first send);
 - decode through the loop at each batch size: time per output token per sequence (TPOT) and
   aggregate tok/s, next to the device time of one decode step of that batch (the forward by CUDA
   graph replay and the sampling kernel, timed with CUDA events; the wall clock on the CPU). Their
@@ -28,7 +30,8 @@ import math
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -57,6 +60,8 @@ class TTFTRun:
     pieces_ms: float | None = None
     one_chunk_ms: float | None = None
     limit_ms: float | None = None  # the prefill at the card's bandwidth or GEMM peak (CUDA only)
+    resent_ms: float | None = None  # median, the same prompt sent again (prefix cache only)
+    short_split_ms: float | None = None  # median first send of a prompt under split_min, split forced
 
 
 @dataclass
@@ -101,9 +106,11 @@ class _Runner:
     def prompt(self, length: int) -> list[int]:
         return torch.randint(0, self.engine.config.vocab_size, (length,), generator=self.generator).tolist()
 
-    def ttft_ms(self, length: int, checkpoints: tuple[int, ...] = ()) -> float:
-        """Submit one prompt on an idle engine; milliseconds until its first token is out."""
-        request = GenerationRequest(self.prompt(length), _greedy(2), checkpoints=checkpoints)
+    def ttft_ms(self, length: int, checkpoints: tuple[int, ...] = (), prompt: list[int] | None = None) -> float:
+        """Submit one prompt (a fresh one of `length` tokens unless given) on an idle engine;
+        milliseconds until its first token is out."""
+        prompt = self.prompt(length) if prompt is None else prompt
+        request = GenerationRequest(prompt, _greedy(2), checkpoints=checkpoints)
         start = time.perf_counter()
         self.engine.add_request(request)
         first = None
@@ -164,6 +171,19 @@ def chat_checkpoints(length: int) -> tuple[int, ...]:
     return tuple(p for p in (length - 27, length - 3 if length >= SPLIT_MIN else 0) if p > 0)
 
 
+@contextmanager
+def _attributes(obj: object, **values: object) -> Iterator[None]:
+    """`obj`'s attributes set to `values` for the block, restored afterwards."""
+    saved = {name: getattr(obj, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(obj, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(obj, name, value)
+
+
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
@@ -219,16 +239,9 @@ def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches:
     scheduler = engine.scheduler
 
     def median_ms(length: int, checkpoints: tuple[int, ...] = (), **setting: int | bool) -> float:
-        """The median TTFT of `repeats` prompts, with the scheduler's attributes in `setting` for
-        the runs (restored afterwards)."""
-        saved = {name: getattr(scheduler, name) for name in setting}
-        try:
-            for name, value in setting.items():
-                setattr(scheduler, name, value)
+        """The median TTFT of `repeats` prompts, with the scheduler's attributes in `setting`."""
+        with _attributes(scheduler, **setting):
             return statistics.median(runner.ttft_ms(length, checkpoints) for _ in range(repeats))
-        finally:
-            for name, value in saved.items():
-                setattr(scheduler, name, value)
 
     for run in report.ttft:
         progress(f"prompts of {run.tokens} tokens")
@@ -244,6 +257,18 @@ def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches:
             marks = chat_checkpoints(run.tokens)
             run.chat_ms = median_ms(run.tokens, marks)
             run.chat_split_ms = median_ms(run.tokens, marks, forks=False)
+        prefix = engine.cache.prefix
+        for run in report.ttft:
+            progress(f"prompts of {run.tokens} tokens sent twice")
+            short = run.tokens < prefix.split_min
+            with _attributes(prefix, split_min=0 if short else prefix.split_min):
+                sent, resent = [], []
+                for _ in range(repeats):
+                    prompt = runner.prompt(run.tokens)
+                    sent.append(runner.ttft_ms(run.tokens, prompt=prompt))
+                    resent.append(runner.ttft_ms(run.tokens, prompt=prompt))
+            run.resent_ms = statistics.median(resent)
+            run.short_split_ms = statistics.median(sent) if short else None
     for batch in batches:
         progress(f"decode through the loop, batch {batch}")
         tpot, tok_s = runner.loop_decode(batch, tokens)

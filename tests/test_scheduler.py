@@ -254,6 +254,11 @@ def test_engine_bench_runs_through_the_loop(model_dir):
     chat, split = report.ttft[1].chat_ms, report.ttft[1].chat_split_ms
     assert chat is not None and chat > 0 and split is not None and split > 0
     assert forwards.count(40) >= 2 + 2 + 2 + 1 and forwards.count(13) == 2 and forwards.count(27) == 2
+    # each length's prompts sent twice: both are under split_min (256), so the bench forced their split;
+    # every second send resumed one token before its end (no other prompt repeats a cached prefix)
+    prefix = engine.cache.prefix
+    assert prefix.split_min == 256 and all(t.resent_ms > 0 and t.short_split_ms > 0 for t in report.ttft)
+    assert prefix.hit_tokens == 2 * (7 + 39)
     assert [d.batch for d in report.decode] == [1, 2]
     assert all(d.tpot_ms > 0 and d.step_ms > 0 and d.overhead == pytest.approx(d.tpot_ms / d.step_ms)
                for d in report.decode)
