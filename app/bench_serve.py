@@ -13,7 +13,8 @@ Modes, run at each concurrency C:
   server sees, then --repeats fresh prompts of it (median: "repeat"), then the last one sent again
   (its prefix cached). Random-token prompts, two-token answers. Then two chats under one new
   system prompt: the first reads it all ("chat"), the second, another question, resumes where its
-  question starts ("chat_shared", the prefix cache's checkpoint there). The system prompt is sized so
+  question starts ("chat_shared", the prefix cache's checkpoint there, taken where the system prompt
+  has SPLIT_MIN = 256 tokens or more: shorter chats run as plain prompts). The system prompt is sized so
   that the first chat has that many tokens, or the most under it (the server's /tokenize counts the
   rendered chat; a server without it gets that many words): a chat of the plain prompts' length
   reads the same prompt graph, so the two differ by what a chat costs, not by a larger graph.

@@ -166,9 +166,9 @@ class _Runner:
 
 def chat_checkpoints(length: int) -> tuple[int, ...]:
     """Where a chat prompt of `length` tokens asks for GDN checkpoints (LLM.prepare_chat): its last
-    message's start (here a 24-token question before a 3-token assistant header) and, from
-    SPLIT_MIN tokens, its answer start (after the header)."""
-    return tuple(p for p in (length - 27, length - 3 if length >= SPLIT_MIN else 0) if p > 0)
+    message's start (here a 24-token question before a 3-token assistant header) and its answer start
+    (after the header), each where it is at least SPLIT_MIN tokens in."""
+    return tuple(p for p in (length - 27, length - 3) if p >= SPLIT_MIN)
 
 
 @contextmanager
@@ -253,8 +253,10 @@ def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches:
             run.one_chunk_ms = median_ms(run.tokens, pieces_up_to=0)
     if engine.cache.prefix is not None:
         for run in report.ttft:
-            progress(f"chat-shaped prompts of {run.tokens} tokens, forks / split")
             marks = chat_checkpoints(run.tokens)
+            if not marks:  # a chat this short takes no checkpoint: it is the plain prompt
+                continue
+            progress(f"chat-shaped prompts of {run.tokens} tokens, forks / split")
             run.chat_ms = median_ms(run.tokens, marks)
             run.chat_split_ms = median_ms(run.tokens, marks, forks=False)
         prefix = engine.cache.prefix

@@ -415,7 +415,9 @@ class LLM:
         """The token position where the last message starts, when the conversation before it renders
         as a prefix of the prompt: requests sharing a system prompt, or an agent's context, differ
         from there on, so the prefix cache checkpoints the GDN state there (a hybrid model can only
-        resume where a checkpoint was taken)."""
+        resume where a checkpoint was taken). Not for a history under SPLIT_MIN tokens: a fork that
+        far from the prompt's end costs ~3 ms of GPU time (the 35B on an H100: a 37-token chat
+        15.5 ms against 12.2 without it), more than a resume that short saves on its first reuse."""
         if len(messages) < 2:
             return ()
         try:
@@ -426,7 +428,7 @@ class LLM:
         if not history or not prompt.startswith(history):
             return ()
         common = _common_prefix_length(self.tokenizer.encode_prompt(history), ids)
-        return (common,) if 0 < common < len(ids) else ()
+        return (common,) if SPLIT_MIN <= common < len(ids) else ()
 
     def _answer_start(self, request: ChatRequest, messages: Sequence[Mapping[str, Any]], prompt: str,
                       ids: list[int]) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer_core.cache.prefix_cache import PrefixCache
+from ninfer_core.cache.prefix_cache import SPLIT_MIN, PrefixCache
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sampling import SamplingParams
 from ninfer_core.llm import LLM, EngineOptions
@@ -221,18 +221,34 @@ def test_chat_requests_checkpoint_where_their_last_message_starts(model_dir):
     from ninfer_core.llm import ChatRequest
 
     llm = make_llm(model_dir)
-    system = {"role": "system", "content": "You answer in one word. " * 10}
+    system = {"role": "system", "content": "You answer in one word. " * 16}
     first = ChatRequest([system, {"role": "user", "content": "Capital of France?"}], sampling=greedy(4))
     prepared = llm.prepare_chat(first)
-    (start,) = prepared.checkpoints
+    start, _answer_start = prepared.checkpoints
     history = llm.tokenizer.encode(llm.template.render([system], add_generation_prompt=False))
-    assert prepared.prompt_token_ids[:start] == history[:start] and 0 < start < len(prepared.prompt_token_ids)
+    assert prepared.prompt_token_ids[:start] == history[:start] and SPLIT_MIN <= start < len(prepared.prompt_token_ids)
     chunks = llm.stats().prefill_chunks
     llm.chat_result(first)
     assert llm.stats().prefill_chunks == chunks + 1  # the checkpoint is a fork inside the one chunk
     second = llm.chat_result(ChatRequest([system, {"role": "user", "content": "And of Spain, please?"}],
                                          sampling=greedy(4)))
     assert second.timings.cached_tokens == start
+
+
+def test_a_short_history_takes_no_checkpoint(model_dir):
+    """Under SPLIT_MIN tokens of history a chat asks for no checkpoint where its last message starts
+    (the fork would cost its first send more than a resume there saves): its prompt runs plain, and
+    a second question under the same short system prompt starts from scratch."""
+    from ninfer_core.llm import ChatRequest
+
+    llm = make_llm(model_dir)
+    system = {"role": "system", "content": "You answer in one word. " * 10}
+    first = ChatRequest([system, {"role": "user", "content": "Capital of France?"}], sampling=greedy(4))
+    assert llm.prepare_chat(first).checkpoints == ()
+    llm.chat_result(first)
+    second = llm.chat_result(ChatRequest([system, {"role": "user", "content": "And of Spain, please?"}],
+                                         sampling=greedy(4)))
+    assert second.timings.cached_tokens == 0
 
 
 def test_the_next_turn_resumes_at_the_answer_start(model_dir):

@@ -80,14 +80,14 @@ def test_bench_serve_ttft_per_prompt_length(tmp_path_factory, tmp_path):
                                                           "chat_ms": None, "limit_ms": 0.25}]}))
     try:
         hits, rows = [_metric(handle.url, "ninfer_prefix_cache_hits_total")], []
-        for length in ("24", "300"):  # one run each: the hits of the 300-token one alone
+        for length in ("24", "400"):  # one run each: the hits of the 400-token one alone
             result = CliRunner().invoke(bench, ["serve", "--url", handle.url, "--mode", "ttft", "--lengths", length,
                                                 "--repeats", "2", "--greedy", "--engine", str(engine),
                                                 "--out", str(out)])
             assert result.exit_code == 0, result.output
             rows += json.loads(out.read_text())["lengths"]
             hits.append(_metric(handle.url, "ninfer_prefix_cache_hits_total"))
-        assert [r["tokens"] for r in rows] == [24, 300]
+        assert [r["tokens"] for r in rows] == [24, 400]
         assert rows[0]["vs_engine"] == {"first": rows[0]["first_ms"] / 2.0, "repeat": rows[0]["repeat_ms"] / 0.5,
                                         "chat": None, "repeat_vs_limit": rows[0]["repeat_ms"] / 0.25}
         assert rows[1]["vs_engine"] == {"first": None, "repeat": None, "chat": None, "repeat_vs_limit": None}
@@ -95,15 +95,16 @@ def test_bench_serve_ttft_per_prompt_length(tmp_path_factory, tmp_path):
             assert row["errors"] == 0, row
             assert row["prompt_tokens"] == [row["tokens"]] * 4, row
             assert min(row[k] for k in ("first_ms", "repeat_ms", "cached_ms", "chat_ms", "chat_shared_ms")) > 0
-        assert "300 tokens: TTFT first" in result.output and "same system prompt" in result.output
+        assert "400 tokens: TTFT first" in result.output and "same system prompt" in result.output
         # the first chat is sized to the length (its system prompt fitted by /tokenize); the second,
         # another question under the same system prompt, within a few tokens of it
-        assert rows[1]["chat_prompt_tokens"][0] in range(296, 301), rows[1]
-        assert abs(rows[1]["chat_prompt_tokens"][1] - 300) <= 15, rows[1]
-        # the 300-token resend hit its own prompt (all but the last token, checkpointed one before it),
-        # and the second chat all but its question (~20 words) and the assistant header
+        assert rows[1]["chat_prompt_tokens"][0] in range(396, 401), rows[1]
+        assert abs(rows[1]["chat_prompt_tokens"][1] - 400) <= 15, rows[1]
+        # the 400-token resend hit its own prompt (all but the last token, checkpointed one before it),
+        # and the second chat all but its question (~20 words) and the assistant header (its system
+        # prompt past SPLIT_MIN tokens); the 24-token length's nothing (its history under SPLIT_MIN)
         second = rows[1]["chat_prompt_tokens"][1]
-        assert hits[2] - hits[1] >= 299 + second - 80, (hits, rows[1])
+        assert hits[1] - hits[0] == 0 and hits[2] - hits[1] >= 399 + second - 80, (hits, rows[1])
     finally:
         handle.stop()
 
