@@ -263,7 +263,7 @@ def run_engine_bench(llm: LLM, lengths: tuple[int, ...] = TTFT_LENGTHS, batches:
         for run in report.ttft:
             progress(f"prompts of {run.tokens} tokens sent twice")
             short = run.tokens < prefix.split_min
-            with _attributes(prefix, split_min=0 if short else prefix.split_min):
+            with _attributes(prefix, **({"split_min": 0} if short else {})):
                 sent, resent = [], []
                 for _ in range(repeats):
                     prompt = runner.prompt(run.tokens)

@@ -418,7 +418,7 @@ class LLM:
         resume where a checkpoint was taken). Not for a history under SPLIT_MIN tokens: a fork that
         far from the prompt's end costs ~3 ms of GPU time (the 35B on an H100: a 37-token chat
         15.5 ms against 12.2 without it), more than a resume that short saves on its first reuse."""
-        if len(messages) < 2:
+        if len(messages) < 2 or len(ids) <= SPLIT_MIN:
             return ()
         try:
             history = self.template.render(messages[:-1], tools=request.tools, add_generation_prompt=False,
