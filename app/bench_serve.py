@@ -14,7 +14,9 @@ Modes, run at each concurrency C:
   (its prefix cached). Random-token prompts, two-token answers. Then two chats under one new
   system prompt: the first reads it all ("chat"), the second, another question, resumes where its
   question starts ("chat_shared", the prefix cache's checkpoint there, taken where the system prompt
-  has SPLIT_MIN = 256 tokens or more: shorter chats run as plain prompts). The system prompt is sized so
+  has SPLIT_MIN = 256 tokens or more: shorter chats run as plain prompts), and the first chat's next
+  turn (its question, a fixed reply, a new question: "chat_turn2", which resumes at the first chat's
+  answer start where that prompt had SPLIT_MIN tokens). The system prompt is sized so
   that the first chat has that many tokens, or the most under it (the server's /tokenize counts the
   rendered chat; a server without it gets that many words): a chat of the plain prompts' length
   reads the same prompt graph, so the two differ by what a chat costs, not by a larger graph.
@@ -275,12 +277,12 @@ async def run_ttft(url: str, headers: dict[str, str], lengths: list[int], repeat
             return await send(client, BenchRequest(id=f"ttft-{len(prompt)}", max_tokens=2, ignore_eos=True,
                                                    prompt=prompt), sampling, None)
 
-        def chat_request(system: str, question: str) -> BenchRequest:
+        def chat_request(system: str, question: str, earlier: tuple[dict[str, str], ...] = ()) -> BenchRequest:
             return BenchRequest(id="ttft-chat", max_tokens=2, ignore_eos=True, messages=[
-                {"role": "system", "content": system}, {"role": "user", "content": question}])
+                {"role": "system", "content": system}, *earlier, {"role": "user", "content": question}])
 
-        async def chat(system: str, question: str) -> Sample:
-            return await send(client, chat_request(system, question), sampling, None)
+        async def chat(system: str, question: str, earlier: tuple[dict[str, str], ...] = ()) -> Sample:
+            return await send(client, chat_request(system, question, earlier), sampling, None)
 
         async def sized_system(length: int, question: str) -> str:
             """Words whose chat with `question` has `length` tokens, or the most under it (at least one
@@ -307,9 +309,14 @@ async def run_ttft(url: str, headers: dict[str, str], lengths: list[int], repeat
         for length in lengths:
             prompts = [[rng.randrange(10, 300) for _ in range(length)] for _ in range(repeats + 1)]
             samples = [await ttft(p) for p in prompts] + [await ttft(prompts[-1])]
-            questions = ["Question: " + " ".join(rng.choice(WORDS) for _ in range(20)) for _ in range(2)]
+            questions = ["Question: " + " ".join(rng.choice(WORDS) for _ in range(20)) for _ in range(3)]
             system = await sized_system(length, questions[0])
-            chats = [await chat(system, question) for question in questions]
+            chats = [await chat(system, question) for question in questions[:2]]
+            # the first chat's next turn: its question, a reply (the thinking model's history keeps no
+            # reasoning, so any reply resumes alike), a new question
+            reply = " ".join(rng.choice(WORDS) for _ in range(40))
+            chats.append(await chat(system, questions[2], ({"role": "user", "content": questions[0]},
+                                                          {"role": "assistant", "content": reply})))
             ok = [s for s in samples + chats if s.ok]
             rows.append({
                 "tokens": length, "errors": len(samples) + len(chats) - len(ok),
@@ -322,6 +329,7 @@ async def run_ttft(url: str, headers: dict[str, str], lengths: list[int], repeat
                 "chat_prompt_tokens": [s.prompt_tokens for s in chats if s.ok],
                 "chat_ms": chats[0].ttft_s * 1e3 if chats[0].ok else None,
                 "chat_shared_ms": chats[1].ttft_s * 1e3 if chats[1].ok else None,
+                "chat_turn2_ms": chats[2].ttft_s * 1e3 if chats[2].ok else None,
             })
     return rows
 
@@ -455,7 +463,7 @@ def _bench_ttft(url: str | None, serve: str | None, lengths: list[int], repeats:
             row["vs_engine"] = ttft_ratios(row, reference)
         typer.echo(f"{row['tokens']} tokens: TTFT first {ms(row['first_ms'])} ms, repeat {ms(row['repeat_ms'])} ms, "
                    f"cached {ms(row['cached_ms'])} ms; chat {ms(row['chat_ms'])} ms, same system prompt "
-                   f"{ms(row['chat_shared_ms'])} ms ({row['errors']} failed)"
+                   f"{ms(row['chat_shared_ms'])} ms, next turn {ms(row['chat_turn2_ms'])} ms ({row['errors']} failed)"
                    + _ratio_text(row.get("vs_engine"), {"first": "first / the engine's",
                                                         "repeat": "repeat / the engine's",
                                                         "chat": "chat / the engine's",

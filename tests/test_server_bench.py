@@ -94,17 +94,22 @@ def test_bench_serve_ttft_per_prompt_length(tmp_path_factory, tmp_path):
         for row in rows:
             assert row["errors"] == 0, row
             assert row["prompt_tokens"] == [row["tokens"]] * 4, row
-            assert min(row[k] for k in ("first_ms", "repeat_ms", "cached_ms", "chat_ms", "chat_shared_ms")) > 0
+            assert min(row[k] for k in ("first_ms", "repeat_ms", "cached_ms", "chat_ms", "chat_shared_ms",
+                                        "chat_turn2_ms")) > 0
         assert "400 tokens: TTFT first" in result.output and "same system prompt" in result.output
+        assert "next turn" in result.output
         # the first chat is sized to the length (its system prompt fitted by /tokenize); the second,
         # another question under the same system prompt, within a few tokens of it
         assert rows[1]["chat_prompt_tokens"][0] in range(396, 401), rows[1]
         assert abs(rows[1]["chat_prompt_tokens"][1] - 400) <= 15, rows[1]
         # the 400-token resend hit its own prompt (all but the last token, checkpointed one before it),
-        # and the second chat all but its question (~20 words) and the assistant header (its system
-        # prompt past SPLIT_MIN tokens); the 24-token length's nothing (its history under SPLIT_MIN)
-        second = rows[1]["chat_prompt_tokens"][1]
-        assert hits[1] - hits[0] == 0 and hits[2] - hits[1] >= 399 + second - 80, (hits, rows[1])
+        # the second chat all but its question (~20 words) and the assistant header (its system prompt
+        # past SPLIT_MIN tokens), and the first chat's next turn the first chat up to its answer start
+        # (the `<think>` opener after the assistant header); the 24-token length's nothing (its
+        # history under SPLIT_MIN)
+        first, second, turn2 = rows[1]["chat_prompt_tokens"]
+        assert turn2 > first + 40, rows[1]  # the first chat's question, a 40-word reply, a new question
+        assert hits[1] - hits[0] == 0 and hits[2] - hits[1] >= 399 + (second - 80) + (first - 5), (hits, rows[1])
     finally:
         handle.stop()
 
