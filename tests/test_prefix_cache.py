@@ -187,6 +187,32 @@ def test_a_model_without_recurrent_state_reuses_pages_and_short_prompts(smollm_p
     assert got == answer(plain, other)[0] and hit == page
 
 
+def test_a_resumed_prompt_keeps_a_far_checkpoint_only_where_it_doubles_the_cached_prefix(model_dir):
+    """A requested checkpoint before the prompt's last page is a fork far from the chunk's end: kept
+    for a prompt that resumed from nothing, or where it at least doubles the cached prefix (a long
+    new shared part), not where it adds a little to it (a continuing conversation's turn); one in the
+    last page (a chat's answer start) always. Every answer equals the cache-off engine's."""
+    cached, plain = make_llm(model_dir), make_llm(model_dir, cache=False)
+    prefix = cached.engine.cache.prefix
+
+    def run(prompt: list[int], checkpoints: tuple[int, ...]) -> int:
+        request = GenerationRequest(prompt, greedy(4), checkpoints=checkpoints)
+        outs = list(cached.engine.generate([request]))
+        assert [t for o in outs for t in o.new_token_ids] == answer(plain, prompt, greedy(4))[0]
+        return outs[-1].timings.cached_tokens
+
+    def taken() -> set[int]:
+        return {c.tokens for c in prefix.checkpoints.values()}
+
+    first = [40 + i % 200 for i in range(300)]
+    assert run(first, (100,)) == 0 and {100, 299} <= taken()  # nothing cached: kept (and the split)
+    grown = first[:299] + [7] * 40  # resumes at 299: 320 adds 21, 336 is in its last page
+    assert run(grown, (320, 336)) == 299
+    assert 320 not in taken() and 336 in taken()
+    branch = first[:100] + [9] * 200  # resumes at 100: 250 more than doubles it
+    assert run(branch, (250,)) == 100 and 250 in taken()
+
+
 def test_lookup_matches_tokens_not_just_hashes():
     """An index entry whose stored tokens differ from the prompt's is not a hit (a hash collision
     cannot serve another text)."""
