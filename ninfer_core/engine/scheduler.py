@@ -193,9 +193,9 @@ class Scheduler:
         prompt) keep it."""
         if self.cache.prefix is None:
             return []
-        resumed, last_page = seq.timings.cached_tokens, seq.prefill_len - self.cache.page_size
+        resumed = seq.timings.cached_tokens
         wanted = {p for p in seq.request.checkpoints
-                  if seq.num_cached < p < seq.prefill_len and (p >= last_page or p >= 2 * resumed)}
+                  if seq.num_cached < p < seq.prefill_len and (self._in_last_page(seq, p) or p >= 2 * resumed)}
         if self._split_last(seq):
             wanted.add(seq.prefill_len - 1)
         return sorted(wanted)
@@ -210,7 +210,11 @@ class Scheduler:
         prefix = self.cache.prefix
         return (prefix is not None and seq.prefill_len >= prefix.split_min
                 and seq.num_cached < seq.prefill_len - 1
-                and not any(seq.prefill_len - prefix.page_size <= p < seq.prefill_len for p in seq.request.checkpoints))
+                and not any(self._in_last_page(seq, p) for p in seq.request.checkpoints))
+
+    def _in_last_page(self, seq: Sequence, p: int) -> bool:
+        """Whether prompt position p lies in the prompt's last page (a chat's answer start does)."""
+        return seq.prefill_len - self.cache.page_size <= p < seq.prefill_len
 
     def _admit(self) -> None:
         """Move waiting sequences to running while a slot and their prompt's pages are free; a
